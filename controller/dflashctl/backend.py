@@ -1,0 +1,150 @@
+"""The interface both backends implement: kubernetes (kube.py) and local (local.py).
+
+A backend runs the rendered objects of a run (render.py) and reports on their Jobs in one shape,
+so that `dflashctl run`, `status`, `logs`, `cancel` and `retry` are the same code on a laptop and
+on a cluster. Everything here is plain data: no Kubernetes client types leak out of a backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from dflash_jobs.spec import RunSpec
+
+
+# Shard (pod) phases as shown to people. Pending/Running/Succeeded/Failed are the pod phases;
+# "Queued" is a Job held back by Kueue (suspended), "Missing" an index that has no pod (yet).
+PHASES = ("Queued", "Missing", "Pending", "Running", "Succeeded", "Failed")
+
+
+@dataclass(slots=True)
+class ShardStatus:
+    """One index of a Job: its newest pod and what became of it."""
+
+    index: int
+    pod: str | None
+    node: str | None
+    phase: str
+    attempts: int
+    """Pods that failed for this index and counted against its backoff limit, plus the current one."""
+    exit_reason: str | None
+    """Why the last attempt ended, e.g. "exit 42 (Error)", "OOMKilled", "preempted (DisruptionTarget)"."""
+
+
+@dataclass(slots=True)
+class JobStatus:
+    """A Job as one backend sees it. `exists=False` means it was never submitted (or was deleted)."""
+
+    name: str
+    exists: bool
+    active: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    completed_indexes: set[int] = field(default_factory=set)
+    failed_indexes: set[int] = field(default_factory=set)
+    conditions: dict[str, str] = field(default_factory=dict)
+    """The Job's conditions whose status is "True": type -> "Reason: message" (e.g. {"Failed": "FailedIndexes: ..."})."""
+    shards: list[ShardStatus] = field(default_factory=list)
+    completions: int = 0
+    """Indexes the Job runs (its spec.completions)."""
+
+    @property
+    def complete(self) -> bool:
+        return "Complete" in self.conditions
+
+    @property
+    def failed_terminally(self) -> bool:
+        return "Failed" in self.conditions
+
+    @property
+    def finished(self) -> bool:
+        """Terminal: every pod is gone, so GPUs are free for what comes next."""
+        return self.complete or self.failed_terminally
+
+    @property
+    def suspended(self) -> bool:
+        """Held back, e.g. by Kueue until the queue admits it."""
+        return "Suspended" in self.conditions
+
+    @property
+    def failure_message(self) -> str | None:
+        return self.conditions.get("Failed") or self.conditions.get("FailureTarget")
+
+
+class Backend(Protocol):
+    """What `dflashctl` needs from wherever Jobs run."""
+
+    def submit(self, objects: list[dict], *, force: bool = False) -> None:
+        """Create every object, or attach to it when it exists with the same `dflash.dev/spec-hash`.
+
+        An existing object with a different hash raises `Conflict`, unless `force`, which deletes
+        and recreates it (Jobs are immutable).
+        """
+
+    def job_status(self, job_name: str) -> JobStatus:
+        """The Job and its shards now; `exists=False` when there is no such Job."""
+
+    def wait(
+        self,
+        job_name: str,
+        *,
+        timeout: float | None,
+        on_update: Callable[[JobStatus], None] | None = None,
+    ) -> JobStatus:
+        """Block until the Job is finished (Complete or Failed) and return its status.
+
+        `on_update` sees every change on the way. Raises `WaitTimeout` past `timeout` seconds and
+        `RunFailed` if the Job disappears while waited on. A Failed Job is returned, not raised:
+        the caller decides (with the storage markers) whether to retry its failed shards.
+        """
+
+    def logs(self, job_name: str, index: int | None, follow: bool) -> Iterator[str]:
+        """Log lines of one shard, or of every shard prefixed "[shard N] " when `index` is None."""
+
+    def delete(self, job_name: str) -> None:
+        """Delete the Job and its pods. Returns once the Job is gone, so a submit right after creates it anew."""
+
+    def record_event(self, job_name: str, reason: str, message: str, *, warning: bool = False) -> None:
+        """A milestone or failure, shown by `kubectl describe job` (kubernetes) or the events file (local)."""
+
+    def annotate(self, job_name: str, key: str, value: str) -> None:
+        """Set one annotation on the Job (e.g. dflash.dev/progress: "12/40")."""
+
+
+def parse_indexes(text: str | None) -> set[int]:
+    """A Job's compressed index list ("1,3-5,7") as a set of ints."""
+    indexes: set[int] = set()
+    for part in (text or "").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        first, _, last = part.partition("-")
+        indexes.update(range(int(first), int(last or first) + 1))
+    return indexes
+
+
+def format_indexes(indexes: set[int]) -> str:
+    """The inverse of parse_indexes: {1, 3, 4, 5, 7} -> "1,3-5,7"."""
+    runs: list[str] = []
+    ordered = sorted(indexes)
+    start = 0
+    for i in range(1, len(ordered) + 1):
+        if i == len(ordered) or ordered[i] != ordered[i - 1] + 1:
+            first, last = ordered[start], ordered[i - 1]
+            runs.append(str(first) if first == last else f"{first}-{last}")
+            start = i
+    return ",".join(runs)
+
+
+def open_backend(spec: RunSpec) -> Backend:
+    """The backend the spec asks for. Imported lazily: the local one must not need a kubeconfig."""
+    if spec.backend == "local":
+        from dflashctl.local import LocalBackend
+
+        return LocalBackend(spec)
+    from dflashctl.kube import KubernetesBackend
+
+    return KubernetesBackend.connect(spec.cluster.namespace)

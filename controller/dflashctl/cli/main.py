@@ -1,0 +1,32 @@
+"""The `dflashctl` entry point: runs the typer app and turns typed errors into exit codes."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from dflashctl.cli.app import app
+from dflashctl.errors import DflashError, exit_code
+
+
+def main() -> None:
+    debug = os.environ.get("DFLASHCTL_DEBUG") == "1"
+    try:
+        app()
+    except KeyboardInterrupt:
+        print("Interrupted: detached, the run goes on. `dflashctl status` shows it.", file=sys.stderr)
+        sys.exit(exit_code(KeyboardInterrupt()))
+    except DflashError as error:
+        if debug:
+            raise
+        print(f"Error: {error}", file=sys.stderr)
+        sys.exit(exit_code(error))
+    except Exception as error:  # noqa: BLE001 - the last line of defence prints, not a traceback
+        if debug:
+            raise
+        print(f"Error: {type(error).__name__}: {error}. Set DFLASHCTL_DEBUG=1 for the traceback.", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""Options shared by the commands. Flags select things; every knob of a run lives in the spec."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+class OutputFormat(str, Enum):
+    table = "table"
+    json = "json"
+
+
+SpecOpt = Annotated[
+    Path,
+    typer.Option("-f", "--file", help="The run spec (YAML).", envvar="DFLASH_SPEC", show_default=True),
+]
+OutputOpt = Annotated[OutputFormat, typer.Option("-o", "--output", help="table for people, json for machines.")]
+WatchOpt = Annotated[bool, typer.Option("--watch", "-w", help="Keep refreshing until the run ends.")]
+ShardOpt = Annotated[int | None, typer.Option("--shard", help="Extraction shard (Job completion index).")]
+
+DEFAULT_SPEC = Path("dflash.yaml")

@@ -1,0 +1,59 @@
+"""The control plane's error vocabulary and its exit codes (DESIGN section 9).
+
+Errors from the shared contract (SpecError, StorageError, ...) are mapped here too, once.
+"""
+
+from __future__ import annotations
+
+from dflash_jobs.errors import DflashError, FormatError, InputError, IntegrityError, SpecError, StorageError
+
+EXIT_DONE = 0
+EXIT_RUN_FAILED = 1
+EXIT_USAGE = 2
+EXIT_TIMEOUT = 3
+EXIT_CLUSTER = 4
+EXIT_INTERRUPTED = 130
+
+
+class ClusterUnreachable(DflashError):
+    """The Kubernetes API cannot be reached."""
+
+
+class Forbidden(DflashError):
+    """The Kubernetes API refused the call (RBAC, admission)."""
+
+
+class RunFailed(DflashError):
+    """A Job of the run failed, or its output failed verification."""
+
+
+class WaitTimeout(DflashError):
+    """Waiting for a condition ran past its deadline."""
+
+
+class Conflict(DflashError):
+    """A different spec already runs under this name."""
+
+
+def exit_code(error: BaseException) -> int:
+    """The exit code for an error, from the table in DESIGN section 9."""
+    if isinstance(error, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    if isinstance(error, (ClusterUnreachable, Forbidden)):
+        return EXIT_CLUSTER
+    if isinstance(error, WaitTimeout):
+        return EXIT_TIMEOUT
+    if isinstance(error, (SpecError, InputError, Conflict)):
+        return EXIT_USAGE
+    if isinstance(error, StorageError):
+        # Unreachable storage or wrong credentials: the user must fix the setup, like a bad spec.
+        return EXIT_USAGE
+    if isinstance(error, (RunFailed, FormatError, IntegrityError)):
+        return EXIT_RUN_FAILED
+    return EXIT_RUN_FAILED
+
+
+__all__ = [
+    "ClusterUnreachable", "Conflict", "DflashError", "Forbidden", "RunFailed", "WaitTimeout", "exit_code",
+    "EXIT_DONE", "EXIT_RUN_FAILED", "EXIT_USAGE", "EXIT_TIMEOUT", "EXIT_CLUSTER", "EXIT_INTERRUPTED",
+]

@@ -1,0 +1,513 @@
+"""The Kubernetes objects of a run, as pure functions from the spec to plain dicts (DESIGN section 6).
+
+The same spec always gives the same objects and byte-identical YAML, so the output of
+`dflashctl render` can be committed to Git. Nothing here talks to a cluster.
+
+Every pod of the data plane is built by `_pod_template`: the spec mounted from a ConfigMap, a
+selfcheck init container, non-root with a read-only root filesystem and writable emptyDirs, S3
+credentials only by Secret reference. The Jobs differ only in command, resources and retry policy.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dflash_jobs.errors import EXIT_BAD_INPUT, EXIT_BAD_SPEC, SpecError
+from dflash_jobs.spec import RunSpec, dump_spec
+
+from dflashctl.errors import EXIT_RUN_FAILED
+
+Manifest = dict[str, Any]
+
+COMPONENTS = ("prepare", "extract", "train", "eval", "controller")
+"""The Jobs of a run, in pipeline order; each is named `<run>-<component>`."""
+
+SPEC_DIR = "/etc/dflash"
+SPEC_FILE = "dflash.yaml"
+SPEC_PATH = f"{SPEC_DIR}/{SPEC_FILE}"
+
+SPEC_HASH = "dflash.dev/spec-hash"
+RUN_LABEL = "dflash.dev/run"
+PROGRESS_ANNOTATION = "dflash.dev/progress"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+GPU = "nvidia.com/gpu"
+
+WORKER = "worker"
+RUN_AS_USER = 1000
+CACHE_DIR = "/var/cache/dflash"
+RENDEZVOUS_PORT = 29400
+CACHE_HEADROOM_GIB = 16
+
+# Resources of the CPU pods. Prepare tokenizes the JSONL data set; the controller only watches.
+PREPARE_RESOURCES = {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "16Gi"}}
+CONTROLLER_RESOURCES = {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}}
+
+# Retries of the single-pod Jobs. Training resumes from its last checkpoint, so a few are cheap;
+# prepare and evaluation are short and deterministic; the controller attaches to what exists.
+TRAIN_BACKOFF_LIMIT = 3
+SHORT_JOB_BACKOFF_LIMIT = 1
+CONTROLLER_BACKOFF_LIMIT = 6
+# torchrun restarts its worker processes in place this many times before the pod fails.
+TORCHRUN_MAX_RESTARTS = 3
+
+
+# ---- readers -----------------------------------------------------------------------------------
+
+
+def job_name(spec: RunSpec, component: str) -> str:
+    """The deterministic name of a Job of the run (Jobs are immutable: one name per run and step)."""
+    if component not in COMPONENTS:
+        raise ValueError(f"unknown component {component!r}; expected one of {COMPONENTS}")
+    return f"{spec.name}-{component}"
+
+
+def configmap_name(spec: RunSpec) -> str:
+    return f"{spec.name}-spec"
+
+
+def run_labels(spec: RunSpec, component: str) -> dict[str, str]:
+    """Labels of every object of the run: `kubectl get jobs,pods -l dflash.dev/run=<name>` finds them."""
+    return {
+        "app.kubernetes.io/name": "dflash",
+        "app.kubernetes.io/instance": spec.name,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/part-of": "dflash-k8s",
+        "app.kubernetes.io/managed-by": "dflashctl",
+        RUN_LABEL: spec.name,
+    }
+
+
+def run_selector(spec: RunSpec) -> str:
+    return f"{RUN_LABEL}={spec.name}"
+
+
+def controller_role_rules() -> list[dict[str, Any]]:
+    """What the in-cluster controller may do in its namespace. k8s/components/rbac holds a copy (tested equal)."""
+    return [
+        # Create, watch, annotate and delete (cancel, retry, --force) the Jobs of a run.
+        {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
+        # The shard table and `dflashctl logs`.
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": [""], "resources": ["pods/log"], "verbs": ["get"]},
+        # The spec ConfigMap and the rendezvous Service of multi-node training.
+        {"apiGroups": [""], "resources": ["configmaps", "services"], "verbs": ["get", "create", "delete"]},
+        # Milestones and failures, shown by `kubectl describe job`.
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
+    ]
+
+
+# ---- the objects -------------------------------------------------------------------------------
+
+
+def render_configmap(spec: RunSpec) -> Manifest:
+    """The resolved spec, mounted by every pod at /etc/dflash/dflash.yaml."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(spec, configmap_name(spec), "spec"),
+        "data": {SPEC_FILE: dump_spec(spec)},
+    }
+
+
+def render_prepare_job(spec: RunSpec) -> Manifest:
+    """Tokenizes data.source into token chunks: one CPU pod."""
+    pod = _pod_template(
+        spec, "prepare",
+        command=_module_command("dflash_jobs.prepare"),
+        resources=PREPARE_RESOURCES,
+        gpus=0,
+    )
+    return _job(spec, "prepare", pod, {"backoffLimit": SHORT_JOB_BACKOFF_LIMIT, "podFailurePolicy": _failure_policy(index=False)})
+
+
+def render_extract_job(spec: RunSpec) -> Manifest:
+    """One Indexed Job, one GPU per shard; each shard owns its chunks (JOB_COMPLETION_INDEX)."""
+    pod = _pod_template(
+        spec, "extract",
+        command=_module_command("dflash_jobs.extract"),
+        resources=_gpu_resources(spec, gpus=1),
+        gpus=1,
+    )
+    shards = spec.extract.shards
+    return _job(spec, "extract", pod, {
+        "completionMode": "Indexed",
+        "completions": shards,
+        "parallelism": shards,
+        "backoffLimitPerIndex": spec.extract.backoff_limit_per_index,
+        "podFailurePolicy": _failure_policy(index=True),
+        # Never two pods for one index: a replacement starts only once the old pod is gone.
+        "podReplacementPolicy": "Failed",
+    })
+
+
+def render_train_objects(spec: RunSpec) -> list[Manifest]:
+    """One pod with every GPU of a node; several nodes: an Indexed Job plus a headless Service for rendezvous."""
+    name = job_name(spec, "train")
+    train = spec.train
+    torchrun = ["torchrun", f"--nproc_per_node={train.gpus_per_node}"]
+    if train.nodes == 1:
+        torchrun += ["--standalone", "--nnodes=1"]
+    else:
+        torchrun += [
+            f"--nnodes={train.nodes}",
+            "--rdzv_backend=c10d",
+            # Pod 0 hosts the rendezvous store; its DNS name comes from the headless Service.
+            f"--rdzv_endpoint={name}-0.{name}:{RENDEZVOUS_PORT}",
+            f"--rdzv_id={spec.name}",
+            f"--max_restarts={TORCHRUN_MAX_RESTARTS}",
+        ]
+    pod = _pod_template(
+        spec, "train",
+        command=[*torchrun, "-m", "dflash_jobs.train", "-f", SPEC_PATH],
+        resources=_gpu_resources(spec, gpus=train.gpus_per_node),
+        gpus=train.gpus_per_node,
+        # The chunk cache is bounded by train.cache_gb; the rest is room for the Triton and HF caches.
+        cache_limit=f"{math.ceil(spec.train.cache_gb) + CACHE_HEADROOM_GIB}Gi",
+    )
+    job_spec: dict[str, Any] = {"backoffLimit": TRAIN_BACKOFF_LIMIT, "podFailurePolicy": _failure_policy(index=False)}
+    if train.nodes == 1:
+        return [_job(spec, "train", pod, job_spec)]
+    pod["spec"]["subdomain"] = name
+    job_spec.update({
+        "completionMode": "Indexed",
+        "completions": train.nodes,
+        "parallelism": train.nodes,  # every rank must run at once
+        "podReplacementPolicy": "Failed",
+        # Done when rank 0 (which exports the drafter) finishes; the other ranks are reaped.
+        "successPolicy": {"rules": [{"succeededIndexes": "0"}]},
+    })
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(spec, name, "train"),
+        "spec": {
+            "clusterIP": "None",
+            # Ranks resolve pod 0 before it is Ready: rendezvous happens before readiness.
+            "publishNotReadyAddresses": True,
+            "selector": {JOB_NAME_LABEL: name},
+            "ports": [{"name": "c10d", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT}],
+        },
+    }
+    return [service, _job(spec, "train", pod, job_spec)]
+
+
+def render_eval_job(spec: RunSpec) -> Manifest:
+    """Speculative decoding with the target and the trained drafter on one GPU."""
+    pod = _pod_template(
+        spec, "eval",
+        command=_module_command("dflash_jobs.evaluate"),
+        resources=_gpu_resources(spec, gpus=1),
+        gpus=1,
+    )
+    return _job(spec, "eval", pod, {"backoffLimit": SHORT_JOB_BACKOFF_LIMIT, "podFailurePolicy": _failure_policy(index=False)})
+
+
+def render_controller_objects(spec: RunSpec) -> list[Manifest]:
+    """The in-cluster pipeline: a CPU Job running `dflashctl run`, with its ServiceAccount, Role and RoleBinding.
+
+    The RBAC objects are shared by every run of the namespace, so they carry no run label and no
+    spec hash: submitting a second run attaches to them.
+    """
+    account = spec.cluster.service_account
+    shared = {"name": account, "namespace": spec.cluster.namespace, "labels": _shared_labels()}
+    rbac = [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": dict(shared)},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": dict(shared),
+            "rules": controller_role_rules(),
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": dict(shared),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account},
+            "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": spec.cluster.namespace}],
+        },
+    ]
+    container = _container(
+        spec,
+        name=WORKER,
+        image=spec.cluster.controller_image,
+        command=["dflashctl", "run", "-f", SPEC_PATH],
+        resources=CONTROLLER_RESOURCES,
+        mounts=[_spec_mount(), {"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_DIR}],
+    )
+    pod_spec = {
+        "serviceAccountName": account,
+        "restartPolicy": "Never",
+        "securityContext": _pod_security(),
+        "containers": [container],
+        "volumes": [_spec_volume(spec), {"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}],
+    }
+    pod = {"metadata": {"labels": run_labels(spec, "controller")}, "spec": pod_spec}
+    job = _job(spec, "controller", pod, {
+        "backoffLimit": CONTROLLER_BACKOFF_LIMIT,
+        # A failed run (exit 1) or a bad spec (exit 2) fails the same way again; anything else
+        # (lost API server, OOM, node drain) is retried, and the new pod attaches to the run.
+        "podFailurePolicy": {"rules": [
+            _ignore_disruptions(),
+            {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [EXIT_RUN_FAILED, EXIT_BAD_SPEC]}},
+        ]},
+    }, queue=False)
+    return [*rbac, job]
+
+
+SELECTIONS = ("prepare", "extract", "train", "eval", "controller", "all")
+
+
+def render_selection(spec: RunSpec, which: str) -> list[Manifest]:
+    """The objects of one step, self-contained for `kubectl apply` (the spec ConfigMap comes with each)."""
+    if which == "all":
+        return render_all(spec)
+    builders = {
+        "prepare": lambda: [render_prepare_job(spec)],
+        "extract": lambda: [render_extract_job(spec)],
+        "train": lambda: render_train_objects(spec),
+        "eval": lambda: [render_eval_job(spec)],
+        "controller": lambda: render_controller_objects(spec),
+    }
+    if which not in builders:
+        raise SpecError("render", which, " | ".join(SELECTIONS))
+    return [render_configmap(spec), *builders[which]()]
+
+
+def render_all(spec: RunSpec) -> list[Manifest]:
+    """Every object of the run, in the order they are needed."""
+    return [
+        render_configmap(spec),
+        render_prepare_job(spec),
+        render_extract_job(spec),
+        *render_train_objects(spec),
+        render_eval_job(spec),
+        *render_controller_objects(spec),
+    ]
+
+
+# ---- output ------------------------------------------------------------------------------------
+
+
+class _Dumper(yaml.SafeDumper):
+    """Block style for multi-line strings (the spec in the ConfigMap stays readable in Git)."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _represent_str)
+
+
+def to_yaml(objects: list[Manifest]) -> str:
+    """A multi-document YAML stream; the same objects always give the same bytes."""
+    return yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1000, explicit_start=True)
+
+
+def manifest_filename(obj: Manifest) -> str:
+    """`<kind>-<name>.yaml`, e.g. job-qwen36-27b-v1-extract.yaml."""
+    return f"{obj['kind'].lower()}-{obj['metadata']['name']}.yaml"
+
+
+def write_manifests(objects: list[Manifest], directory: Path) -> list[Path]:
+    """One file per object, for Git. Returns the paths written."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for obj in objects:
+        path = directory / manifest_filename(obj)
+        path.write_text(to_yaml([obj]))
+        paths.append(path)
+    return paths
+
+
+# ---- building blocks ---------------------------------------------------------------------------
+
+
+def _metadata(spec: RunSpec, name: str, component: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": spec.cluster.namespace,
+        "labels": run_labels(spec, component),
+        "annotations": {SPEC_HASH: spec.fingerprint()},
+    }
+
+
+def _shared_labels() -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "dflash",
+        "app.kubernetes.io/component": "controller",
+        "app.kubernetes.io/part-of": "dflash-k8s",
+        "app.kubernetes.io/managed-by": "dflashctl",
+    }
+
+
+def _job(spec: RunSpec, component: str, pod: dict[str, Any], job_spec: dict[str, Any], *, queue: bool = True) -> Manifest:
+    metadata = _metadata(spec, job_name(spec, component), component)
+    if queue and spec.cluster.queue:
+        metadata["labels"][QUEUE_LABEL] = spec.cluster.queue
+    body = dict(job_spec)
+    if spec.cluster.ttl_seconds_after_finished is not None:
+        body["ttlSecondsAfterFinished"] = spec.cluster.ttl_seconds_after_finished
+    body["template"] = pod
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": body}
+
+
+def _ignore_disruptions() -> dict[str, Any]:
+    """Preemption, eviction and node drains do not count against the retries."""
+    # status "True" is required by the 1.33/1.34 schemas (optional from 1.35).
+    return {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+
+
+def _failure_policy(*, index: bool) -> dict[str, Any]:
+    """Disruptions are free; a bad spec fails the Job; bad input fails the shard (or the Job), no retry."""
+    return {"rules": [
+        _ignore_disruptions(),
+        {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [EXIT_BAD_SPEC]}},
+        {"action": "FailIndex" if index else "FailJob", "onExitCodes": {"operator": "In", "values": [EXIT_BAD_INPUT]}},
+    ]}
+
+
+def _module_command(module: str) -> list[str]:
+    return ["python", "-m", module, "-f", SPEC_PATH]
+
+
+def _pod_template(
+    spec: RunSpec,
+    component: str,
+    *,
+    command: list[str],
+    resources: dict[str, Any],
+    gpus: int,
+    cache_limit: str | None = None,
+) -> dict[str, Any]:
+    cluster = spec.cluster
+    mounts = [
+        _spec_mount(),
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "cache", "mountPath": CACHE_DIR},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    volumes: list[dict[str, Any]] = [
+        _spec_volume(spec),
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "cache", "emptyDir": {"sizeLimit": cache_limit} if cache_limit else {}},
+        # NCCL and DataLoader workers need more shared memory than the runtime's 64 MiB default.
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": cluster.shm_size}},
+    ]
+    if cluster.model_volume is not None:
+        mounts.append({"name": "model", "mountPath": cluster.model_volume.mount, "readOnly": True})
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": cluster.model_volume.claim, "readOnly": True}})
+
+    selfcheck = _container(
+        spec, name="selfcheck", image=cluster.image,
+        command=["python", "-m", "dflash_jobs.selfcheck", "-f", SPEC_PATH, "--component", component],
+        # The same resources as the worker, so the check sees the GPUs the worker will get.
+        resources=resources, mounts=mounts,
+    )
+    worker = _container(spec, name=WORKER, image=cluster.image, command=command, resources=resources, mounts=mounts)
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        # Workers talk to S3, not to the Kubernetes API.
+        "automountServiceAccountToken": False,
+        "securityContext": _pod_security(),
+    }
+    if gpus:
+        if cluster.node_selector:
+            pod_spec["nodeSelector"] = dict(sorted(cluster.node_selector.items()))
+        # Not every cluster runs the ExtendedResourceToleration admission plugin.
+        pod_spec["tolerations"] = [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}]
+    pod_spec.update({"initContainers": [selfcheck], "containers": [worker], "volumes": volumes})
+    return {
+        "metadata": {"labels": run_labels(spec, component), "annotations": {SPEC_HASH: spec.fingerprint()}},
+        "spec": pod_spec,
+    }
+
+
+def _container(
+    spec: RunSpec,
+    *,
+    name: str,
+    image: str,
+    command: list[str],
+    resources: dict[str, Any],
+    mounts: list[dict[str, Any]],
+) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": name,
+        "image": image,
+        "command": command,
+        "env": _env(),
+    }
+    if spec.cluster.s3_secret:
+        # Optional: on EKS/GKE the credentials may come from workload identity instead.
+        container["envFrom"] = [{"secretRef": {"name": spec.cluster.s3_secret, "optional": True}}]
+    container.update({
+        "resources": resources,
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        # The worker's one-line JSON summary; the log tail when it dies without writing one.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": mounts,
+    })
+    return container
+
+
+def _env() -> list[dict[str, str]]:
+    """Every writable path points into an emptyDir: the root filesystem is read-only."""
+    return [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "TMPDIR", "value": "/tmp"},
+        {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+        {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+        {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
+        {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{CACHE_DIR}/inductor"},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+        {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+    ]
+
+
+def _pod_security() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "runAsGroup": RUN_AS_USER,
+        "fsGroup": RUN_AS_USER,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _spec_mount() -> dict[str, Any]:
+    return {"name": "spec", "mountPath": SPEC_DIR, "readOnly": True}
+
+
+def _spec_volume(spec: RunSpec) -> dict[str, Any]:
+    return {"name": "spec", "configMap": {"name": configmap_name(spec)}}
+
+
+def _gpu_resources(spec: RunSpec, *, gpus: int) -> dict[str, Any]:
+    """GPUs are limits only; CPU is requested but never limited (throttling stalls the input pipeline)."""
+    memory = _scale_quantity("cluster.memory_per_gpu", spec.cluster.memory_per_gpu, gpus)
+    return {
+        "requests": {"cpu": str(spec.cluster.cpu_per_gpu * gpus), "memory": memory},
+        "limits": {GPU: str(gpus), "memory": memory},
+    }
+
+
+_QUANTITY = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti)?$")
+
+
+def _scale_quantity(field: str, quantity: str, factor: int) -> str:
+    match = _QUANTITY.match(quantity)
+    if not match:
+        raise SpecError(field, quantity, "a whole binary quantity such as 96Gi or 512Mi")
+    return f"{int(match.group(1)) * factor}{match.group(2) or ''}"

@@ -1,0 +1,52 @@
+"""The error vocabulary shared by both planes, and the exit codes the pods use.
+
+Each error says what is wrong with which input and how to fix it. The controller maps them to
+its own exit codes (DESIGN section 9); the pods exit with the codes below, which the rendered
+`podFailurePolicy` understands.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Pod exit codes. Anything else (a crash, OOM-kill, SIGKILL) is retried up to backoffLimitPerIndex.
+EXIT_OK = 0
+EXIT_BAD_SPEC = 2
+"""The spec itself is wrong: every index would fail the same way, so the rendered policy fails the Job."""
+EXIT_BAD_INPUT = 42
+"""This shard's input (a chunk) is bad or its output failed the integrity checks: FailIndex, no retry."""
+
+
+class DflashError(Exception):
+    """Base class: `str(err)` is the whole message, `what` and `fix` its two halves."""
+
+    def __init__(self, what: str, fix: str = "") -> None:
+        self.what = what
+        self.fix = fix
+        super().__init__(f"{what}. {fix}" if fix else what)
+
+
+class SpecError(DflashError):
+    """A spec field has a bad value."""
+
+    def __init__(self, field: str, value: Any, allowed: str) -> None:
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"spec field {field!s} = {value!r} is invalid", f"Expected {allowed}")
+
+
+class StorageError(DflashError):
+    """Storage is unreachable, forbids the call, or lacks an object that must exist."""
+
+
+class FormatError(DflashError):
+    """A file does not follow its format: truncated, mislabeled or inconsistent."""
+
+
+class IntegrityError(DflashError):
+    """Data failed an integrity check (non-finite, all zero, tokens differ from the input)."""
+
+
+class InputError(DflashError):
+    """User input (a JSONL data set, a checkpoint directory) is unusable."""

@@ -1,0 +1,391 @@
+"""The file formats of a run (DESIGN sections 3 and 4): where each file lives and what it holds.
+
+Token chunks and every JSON document are handled with numpy and json only, so the control plane
+can read them without torch. Hidden-state chunks need torch (bf16 and fp8 have no numpy dtype):
+those functions import it when called.
+
+Readers reject a truncated, mislabeled or inconsistent file with a FormatError naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dflash_jobs.errors import FormatError
+
+if TYPE_CHECKING:
+    import torch
+
+TOKENS_FORMAT = "dflash.tokens/v1"
+HIDDEN_FORMAT = "dflash.hidden/v1"
+DONE_FORMAT = "dflash.done/v1"
+MANIFEST_FORMAT = "dflash.manifest/v1"
+
+RUN_KEY = "run.yaml"
+DATASET_KEY = "tokens/dataset.json"
+MANIFEST_KEY = "extract/manifest.json"
+TOKEN_CHUNKS = "tokens/chunks/"
+HIDDEN_CHUNKS = "extract/chunks/"
+DONE_MARKERS = "extract/done/"
+
+HIDDEN_DTYPES = ("bfloat16", "float8_e4m3fn")
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def token_chunk_key(chunk: int) -> str:
+    return f"{TOKEN_CHUNKS}{chunk:06d}.safetensors"
+
+
+def hidden_chunk_key(chunk: int) -> str:
+    return f"{HIDDEN_CHUNKS}{chunk:06d}.safetensors"
+
+
+def done_key(chunk: int) -> str:
+    return f"{DONE_MARKERS}{chunk:06d}.json"
+
+
+def chunk_of_key(key: str) -> int:
+    """The chunk id of a chunk or marker key (…/000042.json -> 42)."""
+    stem = key.rsplit("/", 1)[-1].split(".", 1)[0]
+    if not stem.isdigit():
+        raise FormatError(f"{key} is not a chunk file name", "Chunk files are named like 000042.safetensors")
+    return int(stem)
+
+
+# ---- safetensors header, read without torch ----------------------------------------------------
+
+_ST_DTYPES = {"I32": 4, "U8": 1, "I64": 8, "BF16": 2, "F8_E4M3": 1, "F32": 4, "F16": 2}
+
+
+def read_header(data: bytes, name: str) -> tuple[dict[str, Any], int]:
+    """Parses a safetensors header from the first bytes of a file: (header, total file size).
+
+    Needs only the prefix (8 + header length bytes), so verify can check a remote object with a
+    ranged read."""
+    if len(data) < 8:
+        raise FormatError(f"{name} is truncated: {len(data)} bytes, no safetensors header", "Re-create the file (re-run the step that wrote it)")
+    (length,) = struct.unpack("<Q", data[:8])
+    if length > 100 << 20:
+        raise FormatError(f"{name} is not a safetensors file (header length {length})", "Re-create the file")
+    if len(data) < 8 + length:
+        raise FormatError(f"{name} is truncated inside its header", "Re-create the file")
+    try:
+        header = json.loads(data[8 : 8 + length])
+    except ValueError:
+        raise FormatError(f"{name} has a corrupt safetensors header", "Re-create the file") from None
+    end = 0
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        begin, stop = entry["data_offsets"]
+        expected = int(np.prod(entry["shape"], dtype=np.int64)) * _ST_DTYPES.get(entry["dtype"], 0)
+        if entry["dtype"] in _ST_DTYPES and stop - begin != expected:
+            raise FormatError(f"{name}: tensor {key} has {stop - begin} bytes for shape {entry['shape']} {entry['dtype']}", "Re-create the file")
+        end = max(end, stop)
+    return header, 8 + length + end
+
+
+def header_size(prefix: bytes) -> int:
+    """Bytes to fetch to read a whole header, given at least the first 8 bytes of the file."""
+    return 8 + struct.unpack("<Q", prefix[:8])[0]
+
+
+# ---- token chunks ------------------------------------------------------------------------------
+
+
+@dataclass
+class TokenChunk:
+    """Samples laid end to end: `cu_seqlens` are their boundaries, `sample_ids` their source lines."""
+
+    input_ids: np.ndarray  # int32 [T]
+    loss_mask: np.ndarray  # uint8 [T], 1 on supervised (assistant) tokens
+    cu_seqlens: np.ndarray  # int64 [n + 1], 0 .. T
+    sample_ids: np.ndarray  # int64 [n], 0-based line numbers in data.source
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.sample_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.cu_seqlens)
+
+    def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        begin, end = self.cu_seqlens[i], self.cu_seqlens[i + 1]
+        return self.input_ids[begin:end], self.loss_mask[begin:end]
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        return {
+            "input_ids": self.input_ids,
+            "loss_mask": self.loss_mask,
+            "cu_seqlens": self.cu_seqlens,
+            "sample_ids": self.sample_ids,
+        }
+
+    def validate(self, name: str) -> TokenChunk:
+        expected = {"input_ids": np.int32, "loss_mask": np.uint8, "cu_seqlens": np.int64, "sample_ids": np.int64}
+        for key, dtype in expected.items():
+            array = getattr(self, key)
+            if array.dtype != dtype or array.ndim != 1:
+                raise FormatError(f"{name}: {key} is {array.dtype}{list(array.shape)}, expected a 1-D {np.dtype(dtype).name} array", "Re-run prepare")
+        cu = self.cu_seqlens
+        if len(cu) != len(self.sample_ids) + 1 or len(cu) < 2 or cu[0] != 0 or cu[-1] != len(self.input_ids):
+            raise FormatError(f"{name}: cu_seqlens do not cover input_ids ({len(cu)} boundaries for {len(self.sample_ids)} samples, {len(self.input_ids)} tokens)", "Re-run prepare")
+        if np.any(np.diff(cu) <= 0):
+            raise FormatError(f"{name}: cu_seqlens are not strictly increasing (an empty sample)", "Re-run prepare")
+        if len(self.loss_mask) != len(self.input_ids):
+            raise FormatError(f"{name}: loss_mask has {len(self.loss_mask)} entries for {len(self.input_ids)} tokens", "Re-run prepare")
+        if self.loss_mask.size and self.loss_mask.max() > 1:
+            raise FormatError(f"{name}: loss_mask holds values other than 0 and 1", "Re-run prepare")
+        return self
+
+    def encode(self) -> bytes:
+        from safetensors.numpy import save
+
+        return save(self.tensors(), metadata={"format": TOKENS_FORMAT})
+
+    @classmethod
+    def decode(cls, data: bytes, name: str) -> TokenChunk:
+        header, total = read_header(data, name)
+        if total != len(data):
+            raise FormatError(f"{name} is truncated or has trailing bytes: {len(data)} bytes, header says {total}", "Re-run prepare")
+        if (header.get("__metadata__") or {}).get("format") != TOKENS_FORMAT:
+            raise FormatError(f"{name} is not a token chunk (format {(header.get('__metadata__') or {}).get('format')!r}, expected {TOKENS_FORMAT})", "Point at tokens/chunks/ of a prepared run")
+        from safetensors.numpy import load
+
+        tensors = load(data)
+        missing = {"input_ids", "loss_mask", "cu_seqlens", "sample_ids"} - set(tensors)
+        if missing:
+            raise FormatError(f"{name} lacks {sorted(missing)}", "Re-run prepare")
+        return cls(**{k: tensors[k] for k in ("input_ids", "loss_mask", "cu_seqlens", "sample_ids")}).validate(name)
+
+
+@dataclass
+class ChunkInfo:
+    id: int
+    path: str
+    samples: int
+    tokens: int
+
+
+@dataclass
+class DatasetIndex:
+    """tokens/dataset.json: what prepare wrote, and what it dropped and why."""
+
+    samples: int
+    tokens: int
+    vocab_size: int
+    chunks: list[ChunkInfo]
+    source: str = ""
+    tokenizer: str | None = None
+    dropped: dict[str, int] = field(default_factory=dict)
+    truncated: int = 0
+    supervised_tokens: int = 0
+    holdout: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps({"format": TOKENS_FORMAT, **asdict(self)}, indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str | bytes, name: str = DATASET_KEY) -> DatasetIndex:
+        raw = _load_json(text, name, TOKENS_FORMAT)
+        try:
+            chunks = [ChunkInfo(**c) for c in raw.pop("chunks")]
+            index = cls(chunks=chunks, **raw)
+        except (KeyError, TypeError) as exc:
+            raise FormatError(f"{name} is not a valid token dataset index ({exc})", "Re-run prepare") from None
+        if sum(c.tokens for c in index.chunks) != index.tokens or sum(c.samples for c in index.chunks) != index.samples:
+            raise FormatError(f"{name}: chunk totals disagree with samples/tokens", "Re-run prepare")
+        return index
+
+
+def _load_json(text: str | bytes, name: str, fmt: str) -> dict[str, Any]:
+    try:
+        raw = json.loads(text)
+    except ValueError:
+        raise FormatError(f"{name} is not valid JSON (truncated?)", "Re-create it") from None
+    if not isinstance(raw, dict) or raw.pop("format", None) != fmt:
+        raise FormatError(f"{name} is not a {fmt} document", "Point at the right file, or re-create it")
+    return raw
+
+
+# ---- hidden-state chunks -----------------------------------------------------------------------
+
+
+def quantize_fp8(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8_e4m3fn with one float32 scale per token and layer: hidden [T, L, d] -> (q, scale [T, L])."""
+    import torch
+
+    amax = hidden.abs().amax(dim=-1).float()
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    quantized = (hidden.float() / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return quantized, scale
+
+
+def dequantize_fp8(quantized: torch.Tensor, scale: torch.Tensor, dtype=None) -> torch.Tensor:
+    import torch
+
+    return (quantized.float() * scale.unsqueeze(-1)).to(dtype or torch.bfloat16)
+
+
+def hidden_metadata(*, layers: list[int], model: str, config_hash: str, dtype: str) -> dict[str, str]:
+    if dtype not in HIDDEN_DTYPES:
+        raise FormatError(f"hidden-state dtype {dtype!r} is not supported", f"Use one of {HIDDEN_DTYPES}")
+    return {"format": HIDDEN_FORMAT, "layers": json.dumps(list(layers)), "model": model, "config_hash": config_hash, "dtype": dtype}
+
+
+def hidden_tensors(tokens: TokenChunk, hidden: torch.Tensor, scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The tensors of a hidden-state chunk: the token chunk's four, plus the states (and scales)."""
+    import torch
+
+    tensors = {key: torch.from_numpy(np.ascontiguousarray(value)) for key, value in tokens.tensors().items()}
+    tensors["hidden_states"] = hidden.contiguous()
+    if scale is not None:
+        tensors["hidden_states_scale"] = scale.contiguous()
+    return tensors
+
+
+def encode_hidden_chunk(
+    tokens: TokenChunk, hidden: torch.Tensor, *, layers: list[int], model: str, config_hash: str, dtype: str = "bfloat16"
+) -> bytes:
+    """Serialises one hidden-state chunk; `hidden` is [T, L, d] in bf16 (quantized here for fp8)."""
+    import torch
+    from safetensors.torch import save
+
+    scale = None
+    if dtype == "float8_e4m3fn" and hidden.dtype != torch.float8_e4m3fn:
+        hidden, scale = quantize_fp8(hidden)
+    elif dtype == "bfloat16":
+        hidden = hidden.to(torch.bfloat16)
+    metadata = hidden_metadata(layers=layers, model=model, config_hash=config_hash, dtype=dtype)
+    return save(hidden_tensors(tokens, hidden, scale), metadata=metadata)
+
+
+@dataclass
+class HiddenChunk:
+    tokens: TokenChunk
+    hidden_states: Any  # torch.Tensor [T, L, d], bf16 or float8_e4m3fn
+    scale: Any  # torch.Tensor [T, L] float32, fp8 only
+    layers: list[int]
+    model: str
+    config_hash: str
+    dtype: str
+
+    def dequantized(self):
+        """The states as bf16 [T, L, d], whatever the storage dtype."""
+        if self.dtype == "float8_e4m3fn":
+            return dequantize_fp8(self.hidden_states, self.scale)
+        return self.hidden_states
+
+    @classmethod
+    def decode(cls, data: bytes, name: str) -> HiddenChunk:
+        header, total = read_header(data, name)
+        if total != len(data):
+            raise FormatError(f"{name} is truncated or has trailing bytes: {len(data)} bytes, header says {total}", "Delete its done marker and re-run extraction for it")
+        meta = check_hidden_header(header, name)
+        import torch
+        from safetensors.torch import load
+
+        tensors = load(data)
+        tokens = TokenChunk(**{k: tensors[k].numpy() for k in ("input_ids", "loss_mask", "cu_seqlens", "sample_ids")}).validate(name)
+        hidden = tensors["hidden_states"]
+        expected_dtype = torch.bfloat16 if meta["dtype"] == "bfloat16" else torch.float8_e4m3fn
+        if hidden.dtype != expected_dtype:
+            raise FormatError(f"{name} is labeled {meta['dtype']} but holds {hidden.dtype}", "Re-run extraction for this chunk")
+        return cls(tokens, hidden, tensors.get("hidden_states_scale"), meta["layers"], meta["model"], meta["config_hash"], meta["dtype"])
+
+
+def check_hidden_header(header: dict[str, Any], name: str) -> dict[str, Any]:
+    """Checks a hidden-state chunk's header for consistency; returns its metadata (layers parsed)."""
+    meta = dict(header.get("__metadata__") or {})
+    if meta.get("format") != HIDDEN_FORMAT:
+        raise FormatError(f"{name} is not a hidden-state chunk (format {meta.get('format')!r}, expected {HIDDEN_FORMAT})", "Point at extract/chunks/ of a run")
+    try:
+        meta["layers"] = json.loads(meta["layers"])
+    except (KeyError, ValueError):
+        raise FormatError(f"{name} has no valid 'layers' metadata", "Re-run extraction for this chunk") from None
+    for key in ("input_ids", "loss_mask", "cu_seqlens", "sample_ids", "hidden_states"):
+        if key not in header:
+            raise FormatError(f"{name} lacks tensor {key}", "Re-run extraction for this chunk")
+    dtype = meta.get("dtype")
+    if dtype not in HIDDEN_DTYPES:
+        raise FormatError(f"{name} has unknown dtype label {dtype!r}", f"Expected one of {HIDDEN_DTYPES}")
+    st_dtype = {"bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3"}[dtype]
+    hidden = header["hidden_states"]
+    if hidden["dtype"] != st_dtype:
+        raise FormatError(f"{name} is labeled {dtype} but its hidden_states are {hidden['dtype']}", "Re-run extraction for this chunk")
+    tokens = header["input_ids"]["shape"][0]
+    shape = hidden["shape"]
+    if len(shape) != 3 or shape[0] != tokens or shape[1] != len(meta["layers"]):
+        raise FormatError(f"{name}: hidden_states {shape} do not match {tokens} tokens x {len(meta['layers'])} layers", "Re-run extraction for this chunk")
+    if dtype == "float8_e4m3fn" and header.get("hidden_states_scale", {}).get("shape") != shape[:2]:
+        raise FormatError(f"{name}: fp8 chunk without a [T, L] hidden_states_scale", "Re-run extraction for this chunk")
+    return meta
+
+
+# ---- markers and the manifest ------------------------------------------------------------------
+
+
+@dataclass
+class DoneMarker:
+    """extract/done/<chunk>.json: written after the chunk object is fully stored."""
+
+    chunk: int
+    samples: int
+    tokens: int
+    bytes: int
+    sha256: str
+    etag: str | None
+    dtype: str
+    layers: list[int]
+    hidden_size: int
+    shard: int = 0
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps({"format": DONE_FORMAT, **asdict(self)}, indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str | bytes, name: str) -> DoneMarker:
+        raw = _load_json(text, name, DONE_FORMAT)
+        try:
+            return cls(**raw)
+        except TypeError as exc:
+            raise FormatError(f"{name} is not a valid done marker ({exc})", "Delete it and re-run extraction for its chunk") from None
+
+
+@dataclass
+class Manifest:
+    """extract/manifest.json: written by verify once every chunk checks out; training needs it."""
+
+    model: str
+    layers: list[int]
+    dtype: str
+    hidden_size: int
+    samples: int
+    tokens: int
+    bytes: int
+    chunks: list[DoneMarker]
+
+    def to_json(self) -> str:
+        body = asdict(self)
+        body["chunks"] = [asdict(c) for c in self.chunks]
+        return json.dumps({"format": MANIFEST_FORMAT, **body}, indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str | bytes, name: str = MANIFEST_KEY) -> Manifest:
+        raw = _load_json(text, name, MANIFEST_FORMAT)
+        try:
+            raw["chunks"] = [DoneMarker(**c) for c in raw["chunks"]]
+            return cls(**raw)
+        except (KeyError, TypeError) as exc:
+            raise FormatError(f"{name} is not a valid manifest ({exc})", "Run `dflashctl verify` again") from None

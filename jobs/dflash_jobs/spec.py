@@ -1,0 +1,431 @@
+"""The run spec: one YAML file a user writes, parsed once at the edge into typed sections.
+
+Every other part receives these objects, never raw dicts. A bad spec fails here, before anything
+runs, with a `SpecError` naming the field, the bad value and what is allowed.
+
+This module is part of the contract shared by the control plane and the data plane: it imports
+neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from dflash_jobs.errors import SpecError
+
+DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+# Job names get suffixes ("-extract", "-controller") and pods another "-<index>-<hash>"; the
+# Job name is also a label value (<= 63 characters), so the run name must leave room for them.
+MAX_RUN_NAME = 40
+DEFAULT_SPEC_FILE = "dflash.yaml"
+
+
+def is_s3(url: str) -> bool:
+    return url.startswith("s3://")
+
+
+def _check_location(path: str, value: str, *, what: str) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise SpecError(path, value, f"an s3://bucket/prefix URL or a local path ({what})")
+    if "://" in value and not (value.startswith("s3://") or value.startswith("file://")):
+        raise SpecError(path, value, f"an s3://bucket/prefix URL, a file:// URL or a local path ({what})")
+    if is_s3(value) and len(value) <= len("s3://"):
+        raise SpecError(path, value, "s3://<bucket>[/<prefix>] with a bucket name")
+
+
+@dataclass(kw_only=True, slots=True)
+class TargetSpec:
+    model: str
+    """HF checkpoint directory (a PVC mount in pods) or an s3:// prefix holding one."""
+    layers: list[int] | None = None
+    """Decoder layers to capture, 0-based: layer i is HF output_hidden_states[i + 1]. Default: 5 evenly spaced over 1..n-3."""
+    attn_implementation: str = "sdpa"
+    """Attention kernel for the target's full-attention layers: sdpa, eager or flash_attention_2."""
+
+    def __post_init__(self) -> None:
+        _check_location("target.model", self.model, what="the target checkpoint")
+        if self.layers is not None:
+            if not self.layers:
+                raise SpecError("target.layers", self.layers, "a non-empty list of 0-based layer indices, or null for the default")
+            if any(layer < 0 for layer in self.layers):
+                raise SpecError("target.layers", self.layers, "layer indices >= 0")
+            if len(set(self.layers)) != len(self.layers):
+                raise SpecError("target.layers", self.layers, "distinct layer indices")
+        allowed = ("sdpa", "eager", "flash_attention_2")
+        if self.attn_implementation not in allowed:
+            raise SpecError("target.attn_implementation", self.attn_implementation, " | ".join(allowed))
+
+
+@dataclass(kw_only=True, slots=True)
+class DataSpec:
+    source: str
+    """Chat JSONL ({"messages": [...]}) or pre-tokenized JSONL ({"input_ids", "loss_mask"}): s3:// or a path."""
+    max_length: int = 4096
+    """Samples longer than this are truncated (and counted in tokens/dataset.json)."""
+    chunk_tokens: int = 65536
+    """Target size of one work unit (a token chunk and its hidden-state chunk)."""
+    holdout: int = 64
+    """Samples held back from training, used as evaluation prompts."""
+
+    def __post_init__(self) -> None:
+        _check_location("data.source", self.source, what="the JSONL data set")
+        _positive("data.max_length", self.max_length, minimum=2)
+        _positive("data.chunk_tokens", self.chunk_tokens, minimum=1)
+        if self.chunk_tokens < self.max_length:
+            raise SpecError("data.chunk_tokens", self.chunk_tokens, f">= data.max_length ({self.max_length}) so that every sample fits a chunk")
+        _positive("data.holdout", self.holdout, minimum=0)
+
+
+@dataclass(kw_only=True, slots=True)
+class StorageSpec:
+    endpoint_url: str | None = None
+    """S3 endpoint for MinIO and other S3-compatible stores; AWS_ENDPOINT_URL overrides it."""
+    region: str | None = None
+    """S3 region; AWS_REGION / AWS_DEFAULT_REGION override it."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ExtractSpec:
+    shards: int = 8
+    """Number of extraction pods (one GPU each). Chunks are balanced across shards by tokens."""
+    token_budget: int = 32768
+    """Padded tokens per forward batch."""
+    dtype: Literal["bfloat16", "float8_e4m3fn"] = "bfloat16"
+    """Storage dtype of hidden states; float8_e4m3fn stores a float32 scale per token and layer."""
+    backoff_limit_per_index: int = 3
+    """Retries of one shard before it is marked failed."""
+    pad_multiple: int = 256
+    """Padded batch lengths are multiples of this, so only a few shapes need Triton warm-up."""
+    sort_window: int = 4
+    """Chunks sorted together by length to cut padding (bounded host memory)."""
+
+    def __post_init__(self) -> None:
+        _positive("extract.shards", self.shards, minimum=1)
+        _positive("extract.token_budget", self.token_budget, minimum=1)
+        _positive("extract.backoff_limit_per_index", self.backoff_limit_per_index, minimum=0)
+        _positive("extract.pad_multiple", self.pad_multiple, minimum=1)
+        _positive("extract.sort_window", self.sort_window, minimum=1)
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainSpec:
+    nodes: int = 1
+    """Training nodes; more than one renders an Indexed Job plus a headless Service for rendezvous."""
+    gpus_per_node: int = 8
+    """GPUs per training node (torchrun --nproc_per_node)."""
+    draft_layers: int = 5
+    """Decoder layers of the drafter."""
+    sliding_window_layers: int = 0
+    """How many of the first draft layers use causal sliding-window attention (z-lab's Qwen3.6 drafter: 4)."""
+    sliding_window: int = 2048
+    """Window of the sliding-window layers."""
+    block_size: int = 16
+    """Tokens per drafted block: the anchor plus block_size - 1 predicted tokens."""
+    anchors: int = 512
+    """Blocks sampled per document each epoch."""
+    epochs: int = 6
+    lr: float = 6.0e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    gamma: float = 7.0
+    """Loss weight of slot k is exp(-(k - 1) / gamma)."""
+    micro_batch_tokens: int = 16384
+    """Target tokens per micro-batch on one rank."""
+    mask_token_id: int | None = None
+    """Mask token; default: the first unused embedding row."""
+    seed: int = 42
+    checkpoint_every: int = 500
+    """Optimizer steps between checkpoints (also saved at the end of every epoch)."""
+    cache_gb: float = 64.0
+    """Bound of the local chunk cache on each node."""
+
+    def __post_init__(self) -> None:
+        _positive("train.nodes", self.nodes, minimum=1)
+        _positive("train.gpus_per_node", self.gpus_per_node, minimum=1)
+        _positive("train.draft_layers", self.draft_layers, minimum=1)
+        if not 0 <= self.sliding_window_layers <= self.draft_layers:
+            raise SpecError("train.sliding_window_layers", self.sliding_window_layers, f"0..train.draft_layers ({self.draft_layers})")
+        _positive("train.sliding_window", self.sliding_window, minimum=1)
+        _positive("train.block_size", self.block_size, minimum=2)
+        _positive("train.anchors", self.anchors, minimum=1)
+        _positive("train.epochs", self.epochs, minimum=1)
+        _positive("train.micro_batch_tokens", self.micro_batch_tokens, minimum=1)
+        _positive("train.checkpoint_every", self.checkpoint_every, minimum=1)
+        for name in ("lr", "gamma", "cache_gb"):
+            if getattr(self, name) <= 0:
+                raise SpecError(f"train.{name}", getattr(self, name), "a number > 0")
+        if not 0 <= self.warmup_ratio < 1:
+            raise SpecError("train.warmup_ratio", self.warmup_ratio, "a number in [0, 1)")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise SpecError("train.weight_decay/grad_clip", (self.weight_decay, self.grad_clip), "numbers >= 0")
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise SpecError("train.mask_token_id", self.mask_token_id, "a token id >= 0, or null for the first unused embedding row")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalSpec:
+    prompts: int = 32
+    """Held-out prompts decoded with and without the drafter."""
+    max_new_tokens: int = 256
+    """Tokens generated per prompt."""
+
+    def __post_init__(self) -> None:
+        _positive("eval.prompts", self.prompts, minimum=1)
+        _positive("eval.max_new_tokens", self.max_new_tokens, minimum=1)
+
+
+@dataclass(kw_only=True, slots=True)
+class VolumeSpec:
+    claim: str
+    """PersistentVolumeClaim holding the target checkpoint."""
+    mount: str = "/models"
+    """Where it is mounted in the pods (read-only)."""
+
+    def __post_init__(self) -> None:
+        _dns_label("cluster.model_volume.claim", self.claim, limit=63)
+        if not self.mount.startswith("/"):
+            raise SpecError("cluster.model_volume.mount", self.mount, "an absolute path such as /models")
+
+
+@dataclass(kw_only=True, slots=True)
+class ClusterSpec:
+    namespace: str = "dflash"
+    image: str = "ghcr.io/dflash-k8s/dflash:0.1.0-cuda13.0"
+    """CUDA 13 image with torch, flash-linear-attention, causal-conv1d and this package (images/)."""
+    controller_image: str = "ghcr.io/dflash-k8s/dflashctl:0.1.0"
+    """Small CPU image running `dflashctl run` in the cluster."""
+    node_selector: dict[str, str] = field(default_factory=dict)
+    model_volume: VolumeSpec | None = None
+    s3_secret: str | None = "dflash-s3"
+    """Secret with AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and optionally AWS_ENDPOINT_URL."""
+    queue: str | None = None
+    """Kueue LocalQueue name (adds the kueue.x-k8s.io/queue-name label)."""
+    service_account: str = "dflash-controller"
+    """ServiceAccount of the in-cluster controller Job (k8s/ grants it its Role)."""
+    cpu_per_gpu: int = 8
+    memory_per_gpu: str = "96Gi"
+    shm_size: str = "16Gi"
+    ttl_seconds_after_finished: int | None = None
+    """Left unset by default: Git-managed Jobs must not delete themselves."""
+
+    def __post_init__(self) -> None:
+        _dns_label("cluster.namespace", self.namespace, limit=63)
+        if not self.image or any(c.isspace() for c in self.image):
+            raise SpecError("cluster.image", self.image, "an image reference such as registry/dflash:0.1.0-cuda13.0")
+        if self.s3_secret is not None:
+            _dns_label("cluster.s3_secret", self.s3_secret, limit=253)
+        if self.queue is not None:
+            _dns_label("cluster.queue", self.queue, limit=63)
+        _dns_label("cluster.service_account", self.service_account, limit=253)
+        _positive("cluster.cpu_per_gpu", self.cpu_per_gpu, minimum=1)
+
+
+@dataclass(kw_only=True, slots=True)
+class LocalSpec:
+    workdir: str = ".dflash"
+    """Where the local backend keeps pod logs, mapped volumes and state."""
+    parallelism: int | None = None
+    """Processes at once per Job; default: the Job's own parallelism."""
+    device: str = "cpu"
+    """torch device for local pods: cpu, or cuda on a workstation."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RunSpec:
+    name: str
+    """DNS-1123 label; names every Job and the storage prefix."""
+    target: TargetSpec
+    data: DataSpec
+    output: str
+    """s3://bucket/prefix, or a local path / file:// URL (the local backend)."""
+    backend: Literal["kubernetes", "local"] = "kubernetes"
+    storage: StorageSpec = field(default_factory=StorageSpec)
+    extract: ExtractSpec = field(default_factory=ExtractSpec)
+    train: TrainSpec = field(default_factory=TrainSpec)
+    eval: EvalSpec = field(default_factory=EvalSpec)
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)
+    local: LocalSpec = field(default_factory=LocalSpec)
+
+    def __post_init__(self) -> None:
+        _dns_label("name", self.name, limit=MAX_RUN_NAME)
+        _check_location("output", self.output, what="where the run writes everything")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """A stable hash of the resolved spec: submit refuses a different spec under the same name."""
+        import hashlib
+
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _positive(path: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise SpecError(path, value, f"an integer >= {minimum}")
+
+
+def _dns_label(path: str, value: Any, *, limit: int) -> None:
+    if not isinstance(value, str) or not DNS1123_LABEL.match(value) or len(value) > limit:
+        raise SpecError(
+            path, value,
+            f"a DNS-1123 label: lower-case letters, digits and '-', starting and ending with a letter or digit, at most {limit} characters",
+        )
+
+
+# ---- parsing: YAML -> typed sections ---------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return "a mapping of strings"
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
+
+
+def _convert(path: str, value: Any, tp: Any) -> Any:
+    """Checks `value` against the annotation `tp`, building nested dataclasses."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(path, value, arg)
+            except SpecError:
+                continue
+        raise SpecError(path, value, _type_name(tp))
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise SpecError(path, value, _type_name(tp))
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise SpecError(path, value, _type_name(tp))
+        (item,) = typing.get_args(tp)
+        return [_convert(f"{path}[{i}]", v, item) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            raise SpecError(path, value, "a mapping of strings to strings")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        return _build(path, value, tp)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SpecError(path, value, "a number")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SpecError(path, value, "an integer")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise SpecError(path, value, "a string")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise SpecError(path, value, "true or false")
+        return value
+    raise TypeError(f"unsupported spec annotation {tp!r} at {path}")
+
+
+def _build(path: str, raw: Any, cls: type) -> Any:
+    prefix = f"{path}." if path else ""
+    if not isinstance(raw, dict):
+        raise SpecError(path or "spec", raw, "a mapping")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise SpecError(f"{prefix}{unknown[0]}", raw[unknown[0]], f"one of the known keys: {', '.join(fields)}")
+    missing = [
+        name for name, f in fields.items()
+        if name not in raw and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise SpecError(f"{prefix}{missing[0]}", None, f"a value: {missing[0]} is required")
+    kwargs = {name: _convert(f"{prefix}{name}", value, hints[name]) for name, value in raw.items()}
+    return cls(**kwargs)
+
+
+def parse_spec(raw: Any) -> RunSpec:
+    """Builds a validated RunSpec from a parsed YAML document."""
+    return _build("", raw, RunSpec)
+
+
+def load_spec(path: str | Path) -> RunSpec:
+    """Reads and validates a spec file. Raises SpecError naming the file when it is unreadable."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise SpecError("-f", str(path), "an existing spec file; `dflashctl init` writes a starter dflash.yaml") from None
+    except OSError as exc:
+        raise SpecError("-f", str(path), f"a readable spec file ({exc.strerror})") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise SpecError(str(path), f"invalid YAML{where}", "a YAML mapping (see `dflashctl init`)") from None
+    return parse_spec(raw)
+
+
+def dump_spec(spec: RunSpec) -> str:
+    """The resolved spec as YAML, deterministic (written to <output>/run.yaml and into the ConfigMap)."""
+    return yaml.safe_dump(spec.to_dict(), sort_keys=False, default_flow_style=False)
+
+
+# ---- the target's depth decides which layers are legal ----------------------------------------
+
+
+def default_layers(num_hidden_layers: int, count: int = 5) -> list[int]:
+    """z-lab's rule: `count` layers evenly spaced from 1 to n - 3 (64 layers: [1, 16, 31, 46, 61])."""
+    if count == 1:
+        return [num_hidden_layers // 2]
+    start, end = 1, max(1, num_hidden_layers - 3)
+    return sorted({round(start + i * (end - start) / (count - 1)) for i in range(count)})
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config of a checkpoint config.json (multimodal ones nest it)."""
+    return config.get("text_config") or config
+
+
+def resolve_layers(spec: RunSpec, checkpoint_config: dict[str, Any]) -> list[int]:
+    """The captured layers, checked against the checkpoint's depth."""
+    depth = text_config(checkpoint_config).get("num_hidden_layers")
+    if not isinstance(depth, int):
+        raise SpecError("target.model", spec.target.model, "a checkpoint whose config.json has num_hidden_layers")
+    layers = spec.target.layers or default_layers(depth)
+    too_deep = [layer for layer in layers if layer >= depth]
+    if too_deep:
+        raise SpecError("target.layers", spec.target.layers, f"layer indices 0..{depth - 1}: the checkpoint has {depth} decoder layers")
+    return list(layers)

@@ -1,0 +1,383 @@
+"""One storage interface over s3:// (boto3) and local directories.
+
+Both give the same guarantees, which the rest of the system is built on:
+- a reader never sees a partial object (local: write a temporary file, then rename; S3: an object
+  appears only when its (multipart) upload completes);
+- `put_if_absent` creates a marker only if none exists (local: link(2); S3: If-None-Match: *);
+- every put returns the size and sha256 of what was written.
+
+Keys are '/'-separated and relative to the storage root; a key that would escape the root is refused.
+No torch here: the control plane uses this module too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import shutil
+import tempfile
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Iterator, Protocol
+
+from dflash_jobs.errors import StorageError
+
+HASH_BLOCK = 8 << 20
+# Objects above this go up in parallel parts; S3 caps a single PUT at 5 GiB and parts help retries.
+MULTIPART_THRESHOLD = 64 << 20
+MULTIPART_CHUNK = 64 << 20
+TEMP_PREFIX = ".tmp-"
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    size: int
+    etag: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    size: int
+    sha256: str
+    etag: str | None
+
+
+class ObjectNotFound(StorageError):
+    """The object does not exist."""
+
+
+def check_key(key: str) -> str:
+    """Refuses keys that could escape the storage root or alias another key."""
+    if not key or key.startswith("/") or "\\" in key or "\x00" in key:
+        raise StorageError(f"storage key {key!r} is not a relative '/'-separated path", "Use keys like extract/chunks/000000.safetensors")
+    parts = key.split("/")
+    if any(part in ("", ".", "..") for part in parts[:-1]) or parts[-1] in (".", ".."):
+        raise StorageError(f"storage key {key!r} contains an empty, '.' or '..' segment", "Keys must stay inside the output prefix")
+    return key
+
+
+def sha256_file(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(HASH_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class Storage(Protocol):
+    url: str
+
+    def put_bytes(self, key: str, data: bytes) -> PutResult: ...
+    def put_file(self, key: str, path: str | Path) -> PutResult: ...
+    def put_if_absent(self, key: str, data: bytes) -> bool: ...
+    def get_bytes(self, key: str, start: int | None = None, end: int | None = None) -> bytes: ...
+    def get_file(self, key: str, path: str | Path) -> None: ...
+    def open_read(self, key: str) -> BinaryIO: ...
+    def stat(self, key: str) -> ObjectInfo | None: ...
+    def exists(self, key: str) -> bool: ...
+    def list(self, prefix: str = "") -> list[str]: ...
+    def delete(self, key: str) -> None: ...
+
+
+# ---- local directories -------------------------------------------------------------------------
+
+
+class LocalStorage:
+    """A directory. Atomic visibility by write-to-temp-then-rename in the same directory."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).resolve()
+        self.url = str(self.root)
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    @contextmanager
+    def _temp_beside(self, path: Path) -> Iterator[Path]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temp = path.parent / f"{TEMP_PREFIX}{path.name}.{uuid.uuid4().hex}"
+        try:
+            yield temp
+        finally:
+            temp.unlink(missing_ok=True)
+
+    def put_bytes(self, key: str, data: bytes) -> PutResult:
+        path = self._path(key)
+        with self._temp_beside(path) as temp:
+            with open(temp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temp, path)
+        return PutResult(len(data), hashlib.sha256(data).hexdigest(), None)
+
+    def put_file(self, key: str, path: str | Path) -> PutResult:
+        target = self._path(key)
+        digest = hashlib.sha256()
+        size = 0
+        with self._temp_beside(target) as temp:
+            with open(path, "rb") as src, open(temp, "wb") as dst:
+                while block := src.read(HASH_BLOCK):
+                    digest.update(block)
+                    dst.write(block)
+                    size += len(block)
+                dst.flush()
+                os.fsync(dst.fileno())
+            os.replace(temp, target)
+        return PutResult(size, digest.hexdigest(), None)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        path = self._path(key)
+        with self._temp_beside(path) as temp:
+            temp.write_bytes(data)
+            try:
+                os.link(temp, path)  # fails if the name exists: create-if-absent, atomically
+            except FileExistsError:
+                return False
+        return True
+
+    def get_bytes(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        try:
+            with open(self._path(key), "rb") as f:
+                if start:
+                    f.seek(start)
+                return f.read() if end is None else f.read(end - (start or 0))
+        except FileNotFoundError:
+            raise ObjectNotFound(f"{self.url}/{key} does not exist") from None
+
+    def get_file(self, key: str, path: str | Path) -> None:
+        path = Path(path)
+        source = self._path(key)
+        if not source.is_file():
+            raise ObjectNotFound(f"{self.url}/{key} does not exist")
+        with self._temp_beside(path) as temp:
+            shutil.copyfile(source, temp)
+            os.replace(temp, path)
+
+    def open_read(self, key: str) -> BinaryIO:
+        try:
+            return open(self._path(key), "rb")
+        except FileNotFoundError:
+            raise ObjectNotFound(f"{self.url}/{key} does not exist") from None
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        try:
+            return ObjectInfo(self._path(key).stat().st_size, None)
+        except FileNotFoundError:
+            return None
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str = "") -> list[str]:
+        base = self.root / prefix.rstrip("/") if prefix else self.root
+        if prefix and not prefix.endswith("/") and not base.is_dir():
+            base = base.parent
+        if not base.is_dir():
+            return []
+        keys = []
+        for dirpath, _, filenames in os.walk(base):
+            for name in filenames:
+                if name.startswith(TEMP_PREFIX):
+                    continue
+                key = os.path.relpath(os.path.join(dirpath, name), self.root).replace(os.sep, "/")
+                if key.startswith(prefix):
+                    keys.append(key)
+        return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+
+# ---- S3 ----------------------------------------------------------------------------------------
+
+
+def _s3_error(exc: Exception, url: str) -> StorageError:
+    """Turns boto errors into messages that say what to fix."""
+    from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
+
+    if isinstance(exc, NoCredentialsError):
+        return StorageError(f"no S3 credentials for {url}", "Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (in pods: the cluster.s3_secret Secret)")
+    if isinstance(exc, EndpointConnectionError):
+        return StorageError(f"cannot reach the S3 endpoint for {url} ({exc})", "Check AWS_ENDPOINT_URL or storage.endpoint_url, and the network")
+    if isinstance(exc, ClientError):
+        code = exc.response.get("Error", {}).get("Code", "")
+        if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403", "Forbidden"):
+            return StorageError(f"S3 refused access to {url} ({code})", "Check the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) and the bucket policy")
+        if code in ("NoSuchBucket",):
+            return StorageError(f"the S3 bucket of {url} does not exist", "Create the bucket or fix the URL")
+        if code in ("NoSuchKey", "404", "NotFound"):
+            return ObjectNotFound(f"{url} does not exist")
+        return StorageError(f"S3 call on {url} failed: {code or exc}", "See the message above; retried calls exhausted their attempts")
+    return StorageError(f"S3 call on {url} failed: {exc}", "Check the endpoint, credentials and network")
+
+
+class _BodyReader(io.RawIOBase):
+    """A botocore StreamingBody as a raw stream, so io.BufferedReader gives it readline()."""
+
+    def __init__(self, body) -> None:
+        self.body = body
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        data = self.body.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        self.body.close()
+        super().close()
+
+
+class S3Storage:
+    """A bucket prefix. Multipart uploads for large objects; standard botocore retries in adaptive
+    mode, so 503 SlowDown and throttling back off instead of failing the pod."""
+
+    def __init__(
+        self, url: str, *, endpoint_url: str | None = None, region: str | None = None, max_attempts: int = 10
+    ) -> None:
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+        from botocore.config import Config
+
+        bucket, _, prefix = url[len("s3://"):].partition("/")
+        if not bucket:
+            raise StorageError(f"{url!r} names no bucket", "Use s3://<bucket>/<prefix>")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
+        endpoint = os.environ.get("AWS_ENDPOINT_URL") or endpoint_url
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or region or "us-east-1"
+        config = Config(
+            retries={"max_attempts": max_attempts, "mode": "adaptive"},
+            connect_timeout=10,
+            read_timeout=120,
+            max_pool_connections=32,
+            # MinIO and most S3-compatible stores want path-style addressing.
+            s3={"addressing_style": "path"} if endpoint else {},
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        self.client = boto3.session.Session().client("s3", endpoint_url=endpoint, region_name=region, config=config)
+        self.transfer = TransferConfig(
+            multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=MULTIPART_CHUNK, max_concurrency=8
+        )
+
+    def _key(self, key: str) -> str:
+        check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _call(self, key: str, fn, /, **kwargs):
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return fn(**kwargs)
+        except (BotoCoreError, ClientError) as exc:
+            raise _s3_error(exc, f"{self.url}/{key}") from None
+
+    def put_bytes(self, key: str, data: bytes) -> PutResult:
+        response = self._call(key, self.client.put_object, Bucket=self.bucket, Key=self._key(key), Body=data)
+        return PutResult(len(data), hashlib.sha256(data).hexdigest(), response.get("ETag"))
+
+    def put_file(self, key: str, path: str | Path) -> PutResult:
+        self._call(key, self.client.upload_file, Filename=str(path), Bucket=self.bucket, Key=self._key(key), Config=self.transfer)
+        info = self.stat(key)
+        assert info is not None
+        return PutResult(info.size, sha256_file(path), info.etag)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
+        except ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code", "")
+            if code in ("PreconditionFailed", "ConditionalRequestConflict", "412"):
+                return False
+            raise _s3_error(exc, f"{self.url}/{key}") from None
+        return True
+
+    def get_bytes(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        kwargs = {}
+        if start is not None or end is not None:
+            kwargs["Range"] = f"bytes={start or 0}-{'' if end is None else end - 1}"
+        response = self._call(key, self.client.get_object, Bucket=self.bucket, Key=self._key(key), **kwargs)
+        return response["Body"].read()
+
+    def get_file(self, key: str, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, temp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=path.parent)
+        os.close(fd)
+        try:
+            self._call(key, self.client.download_file, Bucket=self.bucket, Key=self._key(key), Filename=temp, Config=self.transfer)
+            os.replace(temp, path)
+        finally:
+            Path(temp).unlink(missing_ok=True)
+
+    def open_read(self, key: str) -> BinaryIO:
+        response = self._call(key, self.client.get_object, Bucket=self.bucket, Key=self._key(key))
+        return io.BufferedReader(_BodyReader(response["Body"]), buffer_size=1 << 20)
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        try:
+            response = self._call(key, self.client.head_object, Bucket=self.bucket, Key=self._key(key))
+        except ObjectNotFound:
+            return None
+        return ObjectInfo(response["ContentLength"], response.get("ETag"))
+
+    def exists(self, key: str) -> bool:
+        return self.stat(key) is not None
+
+    def list(self, prefix: str = "") -> list[str]:
+        full = self._key(prefix) if prefix else (f"{self.prefix}/" if self.prefix else "")
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        keys: list[str] = []
+        paginator = self.client.get_paginator("list_objects_v2")
+        pages = self._call(prefix or "", paginator.paginate, Bucket=self.bucket, Prefix=full)
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            for page in pages:
+                keys.extend(obj["Key"][strip:] for obj in page.get("Contents", []))
+        except (BotoCoreError, ClientError) as exc:
+            raise _s3_error(exc, f"{self.url}/{prefix}") from None
+        return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        self._call(key, self.client.delete_object, Bucket=self.bucket, Key=self._key(key))
+
+
+# ---- opening -----------------------------------------------------------------------------------
+
+
+def open_storage(
+    url: str, *, endpoint_url: str | None = None, region: str | None = None, max_attempts: int = 10
+) -> Storage:
+    """Storage rooted at an s3:// prefix, a file:// URL or a local path.
+
+    `max_attempts` bounds S3 retries: lower it where failing fast beats riding out throttling
+    (a reachability check)."""
+    if url.startswith("s3://"):
+        return S3Storage(url, endpoint_url=endpoint_url, region=region, max_attempts=max_attempts)
+    if url.startswith("file://"):
+        url = url[len("file://"):]
+    return LocalStorage(url)
+
+
+def open_url(url: str, *, endpoint_url: str | None = None, region: str | None = None) -> tuple[Storage, str]:
+    """A single object's URL, as (storage of its parent, its key)."""
+    parent, _, name = url.rstrip("/").rpartition("/")
+    if not name or not parent or parent in ("s3:", "s3:/"):
+        raise StorageError(f"{url!r} does not name an object", "Use s3://bucket/path/file or a file path")
+    return open_storage(parent, endpoint_url=endpoint_url, region=region), name
+
+
+def storage_for(spec) -> Storage:  # spec: RunSpec (not imported: keeps this module dependency-free)
+    """The run's output root."""
+    return open_storage(spec.output, endpoint_url=spec.storage.endpoint_url, region=spec.storage.region)

@@ -1,0 +1,287 @@
+"""A tiny target of the real architecture, and a small chat data set, for CPU tests and the demo.
+
+`write_tiny_target` saves a random-weight Qwen3.5 (`qwen3_5`) checkpoint in the real multimodal
+layout (`model.language_model.*`, `model.visual.*`, `lm_head.*`) plus a byte-level BPE tokenizer
+with a Qwen3.5-style ChatML template, so the code paths that load Qwen3.6-27B load it unchanged:
+`AutoModelForCausalLM.from_pretrained(dir)` gives the text model and `AutoTokenizer.from_pretrained(dir)`
+the tokenizer. Everything is built offline and deterministically from `seed`.
+
+`tiny_chat_dataset` writes templated conversations (arithmetic, counting, repeating phrases): text
+regular enough that a drafter trained on a few thousand of them learns to predict it.
+
+Recipe of the weights: shared/reference/qwen_gdn.md section 5 (norm weights, dt_bias and the pad
+embedding row are randomised, otherwise tests of padding and masking pass spuriously).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+
+@dataclass(frozen=True, slots=True)
+class TinyTargetShape:
+    """A named tiny size, like torchtitan's "debugmodel": small, but every structural feature kept."""
+
+    num_layers: int
+    """8 = two [GDN, GDN, GDN, full attention] groups: a full-attention layer followed by GDN layers."""
+    hidden_size: int
+    vocab_size: int
+    """Embedding rows; the tokenizer uses fewer, so the drafter has free rows for its mask token."""
+
+
+DEBUGMODEL = TinyTargetShape(num_layers=8, hidden_size=64, vocab_size=1024)
+
+UNUSED_EMBEDDING_ROWS = 16
+"""Embedding rows past the tokenizer, like Qwen3.6 (248,320 rows for ~248K tokens)."""
+
+# Appended after the BPE vocabulary, in Qwen's order: pad / end of text first, then ChatML, then vision.
+SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
+    "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
+)
+THINK_TOKENS = ("<think>", "</think>")
+"""Added but not special, as in Qwen3.5: they are part of the text a model generates."""
+
+# The structure of Qwen3.5/3.6's template, without tools and multimodal content: the system prompt
+# first; assistant turns after the last user message carry a <think> block (earlier ones do not, so
+# a conversation prefix does not render as a prefix of the conversation); the generation prompt
+# opens a <think> block unless enable_thinking is false.
+CHAT_TEMPLATE = """\
+{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(last_query_index=-1) %}
+{%- for message in messages %}
+    {%- if message.role == 'user' %}
+        {%- set ns.last_query_index = loop.index0 %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+    {%- elif message.role == 'assistant' %}
+        {%- set content = message.content %}
+        {%- set reasoning_content = message.reasoning_content if message.reasoning_content is string else '' %}
+        {%- if '</think>' in content %}
+            {%- set reasoning_content = content.split('</think>')[0].split('<think>')[-1] %}
+            {%- set content = content.split('</think>')[-1] %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {{- '<|im_start|>assistant\\n<think>\\n' + reasoning_content | trim + '\\n</think>\\n\\n' + content | trim }}
+        {%- else %}
+            {{- '<|im_start|>assistant\\n' + content | trim }}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role != 'system' %}
+        {{- raise_exception('Unexpected message role: ' + message.role) }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- else %}
+        {{- '<think>\\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+
+
+# ---- the chat data set -----------------------------------------------------------------------
+
+_PHRASES = (
+    "the quick brown fox jumps over the lazy dog",
+    "speculative decoding drafts several tokens and the target verifies them at once",
+    "a block of sixteen tokens is drafted in parallel from the hidden states of the target",
+    "kubernetes runs one pod per shard and every chunk lands in object storage",
+    "gated delta networks mix linear attention with a few full attention layers",
+    "the drafter learns to predict what the target would say next",
+)
+_SYSTEM_PROMPTS = ("You are a helpful assistant.", "You are a careful calculator. Answer briefly.")
+_NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
+
+
+def _arithmetic(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(0, 99), rng.randint(0, 99)
+    op, verb, value = rng.choice((("+", "plus", a + b), ("-", "minus", a - b), ("*", "times", a * b)))
+    return f"What is {a} {verb} {b}?", f"{a} {op} {b} = {value}. So {a} {verb} {b} is {value}."
+
+
+def _counting(rng: random.Random) -> tuple[str, str]:
+    start = rng.randint(0, 50)
+    stop = start + rng.randint(3, 12)
+    return f"Count from {start} to {stop}.", ", ".join(str(i) for i in range(start, stop + 1)) + "."
+
+
+def _repeat(rng: random.Random) -> tuple[str, str]:
+    phrase, times = rng.choice(_PHRASES), rng.randint(2, 4)
+    return f"Repeat this {_NUMBER_WORDS[times]} times: {phrase}", " ".join([phrase.capitalize() + "."] * times)
+
+
+def _spell(rng: random.Random) -> tuple[str, str]:
+    word = rng.choice(rng.choice(_PHRASES).split())
+    return f"Spell the word '{word}'.", f"{word} is spelled " + "-".join(word.upper()) + "."
+
+
+_TOPICS = (_arithmetic, _counting, _repeat, _spell)
+
+
+def tiny_chat_conversation(rng: random.Random) -> list[dict[str, str]]:
+    """One conversation: an optional system prompt, then one to three question/answer turns."""
+    messages = [{"role": "system", "content": rng.choice(_SYSTEM_PROMPTS)}] if rng.random() < 0.3 else []
+    for _ in range(rng.choice((1, 1, 2, 3))):
+        question, answer = rng.choice(_TOPICS)(rng)
+        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    return messages
+
+
+def tiny_chat_rows(n: int, seed: int = 0) -> Iterator[dict[str, Any]]:
+    rng = random.Random(seed)
+    for _ in range(n):
+        yield {"messages": tiny_chat_conversation(rng)}
+
+
+def tiny_chat_dataset(path: str | Path, n: int, seed: int = 0) -> Path:
+    """Writes `n` conversations as chat JSONL ({"messages": [...]}, one per line) to `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for row in tiny_chat_rows(n, seed):
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+# ---- the tokenizer ---------------------------------------------------------------------------
+
+
+def _tokenizer_corpus() -> Iterator[str]:
+    """The BPE training text: turns of the data set's kinds, so its tokens fit the demo data."""
+    for row in tiny_chat_rows(1000, seed=12345):
+        for message in row["messages"]:
+            yield f"{message['role']}\n{message['content']}"
+    yield from _PHRASES
+
+
+def build_tiny_tokenizer(vocab_size: int):
+    """A Qwen3.5 tokenizer (Qwen's pre-tokenizer regex, byte-level BPE) with a small trained vocabulary.
+
+    transformers loads any `qwen3_5` checkpoint's tokenizer as `Qwen3_5Tokenizer`, which rebuilds
+    the normaliser and pre-tokenizer itself, so the BPE is trained under exactly that pipeline.
+    It has at most `vocab_size - UNUSED_EMBEDDING_ROWS` tokens, special tokens included.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
+
+    size = vocab_size - UNUSED_EMBEDDING_ROWS - len(SPECIAL_TOKENS) - len(THINK_TOKENS)
+    if size < 300:
+        raise ValueError(f"vocab_size={vocab_size} is too small for a byte-level tokenizer: use >= {300 + UNUSED_EMBEDDING_ROWS + 9}")
+    pipeline = Qwen3_5Tokenizer().backend_tokenizer
+    backend = Tokenizer(models.BPE())
+    backend.normalizer = pipeline.normalizer
+    backend.pre_tokenizer = pipeline.pre_tokenizer
+    trainer = trainers.BpeTrainer(vocab_size=size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(_tokenizer_corpus(), trainer=trainer)
+    bpe = json.loads(backend.to_str())["model"]
+    # Special and think tokens take the ids after the BPE vocabulary, in a fixed order (as in Qwen's).
+    vocab = dict(bpe["vocab"])
+    for token in SPECIAL_TOKENS + THINK_TOKENS:
+        vocab[token] = len(vocab)
+    tokenizer = Qwen3_5Tokenizer(
+        vocab=vocab,
+        merges=[tuple(merge) for merge in bpe["merges"]],
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_max_length=32768,
+    )
+    tokenizer.add_tokens(list(SPECIAL_TOKENS), special_tokens=True)
+    tokenizer.add_tokens(list(THINK_TOKENS))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+# ---- the checkpoint --------------------------------------------------------------------------
+
+
+def tiny_target_config(*, num_layers: int, hidden_size: int, vocab_size: int, token_ids: dict[str, int]):
+    """Qwen3_5Config with the text model scaled down and every structural feature of the 27B kept."""
+    from transformers import Qwen3_5Config
+
+    text_config = {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        # GVA > 1 (more value heads than key heads), like the 27B's 16 -> 48.
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 4,
+        # mrope_section must sum to head_dim * partial_rotary_factor / 2 = 2 (the 27B: 32).
+        "rope_parameters": {
+            "rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+            "mrope_section": [1, 1, 0], "mrope_interleaved": True,
+        },
+        "max_position_embeddings": 32768,
+        "pad_token_id": token_ids["<|endoftext|>"],
+        "eos_token_id": token_ids["<|im_end|>"],
+        "tie_word_embeddings": False,
+    }
+    vision_config = {
+        "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": hidden_size,
+    }
+    return Qwen3_5Config(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=token_ids["<|image_pad|>"],
+        video_token_id=token_ids["<|video_pad|>"],
+        vision_start_token_id=token_ids["<|vision_start|>"],
+        vision_end_token_id=token_ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+
+
+def _randomise_degenerate_weights(model, pad_token_id: int) -> None:
+    """Default init makes norms the identity, dt_bias constant and the pad row zero: tests could pass by accident."""
+    import torch
+
+    text_model = model.model.language_model
+    with torch.no_grad():
+        for name, param in text_model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("dt_bias"):
+                # Adds noise around the init (0 for `x * (1 + w)` norms, 1 for the gated GDN norm).
+                param.add_(torch.randn_like(param) * 0.3)
+        text_model.embed_tokens.weight[pad_token_id].normal_(0, 0.02)
+
+
+def write_tiny_target(
+    directory: str | Path,
+    *,
+    seed: int = 0,
+    num_layers: int = DEBUGMODEL.num_layers,
+    hidden_size: int = DEBUGMODEL.hidden_size,
+    vocab_size: int = DEBUGMODEL.vocab_size,
+) -> Path:
+    """Writes a random-weight Qwen3.5 checkpoint (float32) and its tokenizer into `directory`."""
+    import torch
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    directory = Path(directory)
+    tokenizer = build_tiny_tokenizer(vocab_size)
+    token_ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+    config = tiny_target_config(num_layers=num_layers, hidden_size=hidden_size, vocab_size=vocab_size, token_ids=token_ids)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3_5ForConditionalGeneration(config).eval()
+        _randomise_degenerate_weights(model, token_ids["<|endoftext|>"])
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

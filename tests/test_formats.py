@@ -1,0 +1,121 @@
+"""Formats: round trips, and readers that reject truncated, mislabeled or inconsistent files."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_jobs.errors import FormatError
+from dflash_jobs.formats import (
+    DatasetIndex, ChunkInfo, DoneMarker, HiddenChunk, Manifest, TokenChunk, chunk_of_key, done_key,
+    encode_hidden_chunk, header_size, hidden_metadata, hidden_tensors, hidden_chunk_key, read_header, token_chunk_key,
+)
+
+
+def make_tokens(lengths=(5, 3, 7), seed=0) -> TokenChunk:
+    rng = np.random.default_rng(seed)
+    total = sum(lengths)
+    return TokenChunk(
+        input_ids=rng.integers(0, 1000, total).astype(np.int32),
+        loss_mask=(rng.random(total) > 0.3).astype(np.uint8),
+        cu_seqlens=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        sample_ids=np.arange(len(lengths), dtype=np.int64) * 3,
+    )
+
+
+def test_keys_are_zero_padded_and_parse_back():
+    assert token_chunk_key(7) == "tokens/chunks/000007.safetensors"
+    assert hidden_chunk_key(7) == "extract/chunks/000007.safetensors"
+    assert done_key(123456) == "extract/done/123456.json"
+    assert chunk_of_key(done_key(42)) == 42
+
+
+def test_token_chunk_round_trip():
+    chunk = make_tokens()
+    back = TokenChunk.decode(chunk.encode(), "c")
+    for key, value in chunk.tensors().items():
+        np.testing.assert_array_equal(getattr(back, key), value)
+    assert back.num_samples == 3 and back.num_tokens == 15
+    ids, mask = back.sample(1)
+    np.testing.assert_array_equal(ids, chunk.input_ids[5:8])
+
+
+@pytest.mark.parametrize("cut", [4, 40, -1])
+def test_truncated_token_chunk_is_rejected(cut):
+    data = make_tokens().encode()
+    with pytest.raises(FormatError, match="truncated"):
+        TokenChunk.decode(data[:cut], "tokens/chunks/000000.safetensors")
+
+
+def test_inconsistent_token_chunk_is_rejected():
+    chunk = make_tokens()
+    chunk.cu_seqlens = chunk.cu_seqlens.copy()
+    chunk.cu_seqlens[-1] -= 1
+    with pytest.raises(FormatError, match="cu_seqlens"):
+        TokenChunk.decode(chunk.encode(), "x")
+    empty = make_tokens()
+    empty.cu_seqlens = np.array([0, 5, 5, 15], dtype=np.int64)
+    with pytest.raises(FormatError, match="empty sample"):
+        empty.validate("x")
+
+
+def test_hidden_chunk_is_not_a_token_chunk():
+    data = encode_hidden_chunk(make_tokens(), torch.randn(15, 2, 8), layers=[1, 3], model="m", config_hash="h")
+    with pytest.raises(FormatError, match="not a token chunk"):
+        TokenChunk.decode(data, "x")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_hidden_chunk_round_trip(dtype):
+    tokens = make_tokens()
+    hidden = (torch.randn(15, 2, 64) * torch.logspace(-2, 2, 15)[:, None, None]).to(torch.bfloat16)
+    hidden[3] = 0  # an all-zero token must survive quantization (no division by zero)
+    data = encode_hidden_chunk(tokens, hidden, layers=[1, 3], model="tiny", config_hash="abc", dtype=dtype)
+    chunk = HiddenChunk.decode(data, "x")
+    assert chunk.layers == [1, 3] and chunk.model == "tiny" and chunk.dtype == dtype
+    restored = chunk.dequantized().float()
+    if dtype == "bfloat16":
+        assert torch.equal(restored, hidden.float())
+    else:
+        # e4m3 keeps 3 mantissa bits: relative error per element <= 2^-4, scaled per token and layer.
+        error = (restored - hidden.float()).abs()
+        bound = hidden.float().abs().amax(-1, keepdim=True) / 448 * 8 + hidden.float().abs() / 16
+        assert torch.all(error <= bound + 1e-12)
+        assert torch.all(restored[3] == 0)
+    header, total = read_header(data[: header_size(data[:8])], "x")
+    assert total == len(data) and header["__metadata__"]["dtype"] == dtype
+
+
+def test_mislabeled_hidden_chunk_is_rejected():
+    from safetensors.torch import save
+
+    tensors = hidden_tensors(make_tokens(), torch.randn(15, 2, 8, dtype=torch.bfloat16), torch.ones(15, 2))
+    data = save(tensors, metadata=hidden_metadata(layers=[1, 3], model="m", config_hash="h", dtype="float8_e4m3fn"))
+    with pytest.raises(FormatError, match="labeled float8_e4m3fn"):
+        HiddenChunk.decode(data, "x")
+
+
+def test_hidden_chunk_with_wrong_layer_count_is_rejected():
+    data = encode_hidden_chunk(make_tokens(), torch.randn(15, 3, 8), layers=[1, 3], model="m", config_hash="h")
+    with pytest.raises(FormatError, match="do not match"):
+        HiddenChunk.decode(data, "x")
+
+
+def test_json_documents_round_trip_and_reject_garbage():
+    marker = DoneMarker(chunk=3, samples=2, tokens=9, bytes=100, sha256="ab", etag=None, dtype="bfloat16", layers=[1], hidden_size=8, stats={"rms": 1.0})
+    assert DoneMarker.from_json(marker.to_json(), "m") == marker
+    manifest = Manifest(model="m", layers=[1], dtype="bfloat16", hidden_size=8, samples=2, tokens=9, bytes=100, chunks=[marker])
+    assert Manifest.from_json(manifest.to_json()) == manifest
+    index = DatasetIndex(samples=3, tokens=15, vocab_size=1000, chunks=[ChunkInfo(0, token_chunk_key(0), 3, 15)], dropped={"empty": 1})
+    assert DatasetIndex.from_json(index.to_json()) == index
+    with pytest.raises(FormatError, match="not valid JSON"):
+        DoneMarker.from_json(marker.to_json()[:20], "m")
+    with pytest.raises(FormatError, match="not a dflash.manifest/v1"):
+        Manifest.from_json(marker.to_json())
+    bad = json.loads(index.to_json())
+    bad["tokens"] = 99
+    with pytest.raises(FormatError, match="disagree"):
+        DatasetIndex.from_json(json.dumps(bad))

@@ -1,0 +1,116 @@
+"""Storage against a real S3 server on loopback and a local directory: the same guarantees."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+
+import pytest
+
+from dflash_jobs.errors import StorageError
+from dflash_jobs.storage import MULTIPART_THRESHOLD, ObjectNotFound, S3Storage, open_storage, open_url
+
+
+@pytest.fixture(params=["local", "s3"])
+def storage(request, tmp_path):
+    if request.param == "local":
+        return open_storage(str(tmp_path / "root"))
+    bucket = request.getfixturevalue("s3_bucket")
+    return open_storage(f"s3://{bucket}/runs/r1")
+
+
+def test_put_get_list_stat_delete(storage):
+    result = storage.put_bytes("a/b/x.json", b"hello")
+    assert result.size == 5 and result.sha256 == hashlib.sha256(b"hello").hexdigest()
+    storage.put_bytes("a/c.bin", b"12345678")
+    storage.put_bytes("z.txt", b"z")
+    assert storage.get_bytes("a/b/x.json") == b"hello"
+    assert storage.get_bytes("a/c.bin", 2, 5) == b"345"
+    assert storage.get_bytes("a/c.bin", 4) == b"5678"
+    assert storage.list("a/") == ["a/b/x.json", "a/c.bin"]
+    assert storage.list("") == ["a/b/x.json", "a/c.bin", "z.txt"]
+    assert storage.list("nothing/") == []
+    assert storage.stat("a/c.bin").size == 8
+    assert storage.stat("missing") is None and not storage.exists("missing")
+    storage.delete("z.txt")
+    assert not storage.exists("z.txt")
+    with pytest.raises(ObjectNotFound):
+        storage.get_bytes("z.txt")
+
+
+def test_put_if_absent_creates_once(storage):
+    assert storage.put_if_absent("done/000001.json", b"first")
+    assert not storage.put_if_absent("done/000001.json", b"second")
+    assert storage.get_bytes("done/000001.json") == b"first"
+
+
+def test_put_if_absent_has_one_winner_under_races(storage):
+    wins = []
+    barrier = threading.Barrier(6)
+
+    def contend(i):
+        barrier.wait()
+        if storage.put_if_absent("race/marker", f"writer-{i}".encode()):
+            wins.append(i)
+
+    threads = [threading.Thread(target=contend, args=(i,)) for i in range(6)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert len(wins) == 1
+    assert storage.get_bytes("race/marker") == f"writer-{wins[0]}".encode()
+
+
+def test_large_file_goes_up_in_parts_and_round_trips(storage, tmp_path):
+    data = os.urandom(MULTIPART_THRESHOLD + 1234)
+    source = tmp_path / "big.bin"
+    source.write_bytes(data)
+    result = storage.put_file("chunks/big.bin", source)
+    assert result.size == len(data) and result.sha256 == hashlib.sha256(data).hexdigest()
+    if isinstance(storage, S3Storage):
+        assert result.etag and result.etag.strip('"').endswith("-2"), "expected a two-part multipart upload"
+    storage.get_file("chunks/big.bin", tmp_path / "back.bin")
+    assert (tmp_path / "back.bin").read_bytes() == data
+    with storage.open_read("chunks/big.bin") as f:
+        assert f.read(10) == data[:10]
+
+
+def test_streaming_read_gives_lines(storage):
+    storage.put_bytes("data.jsonl", b"".join(f'{{"i": {i}}}\n'.encode() for i in range(1000)))
+    with storage.open_read("data.jsonl") as f:
+        lines = list(f)
+    assert len(lines) == 1000 and lines[999] == b'{"i": 999}\n'
+
+
+def test_local_writes_leave_no_partial_files(tmp_path):
+    storage = open_storage(str(tmp_path))
+    storage.put_bytes("x/y.bin", b"data")
+    assert sorted(p.name for p in (tmp_path / "x").iterdir()) == ["y.bin"]
+
+
+@pytest.mark.parametrize("key", ["../escape", "/abs", "a/../../b", "a//b", "a/./b", "", "a\\b"])
+def test_keys_cannot_escape_the_root(tmp_path, key):
+    with pytest.raises(StorageError):
+        open_storage(str(tmp_path)).put_bytes(key, b"x")
+
+
+def test_open_url_splits_object_urls(s3_bucket):
+    storage, key = open_url(f"s3://{s3_bucket}/data/chats.jsonl")
+    assert key == "chats.jsonl" and storage.url == f"s3://{s3_bucket}/data"
+
+
+def test_missing_bucket_unreachable_endpoint_and_bad_credentials_say_what_to_fix(s3_bucket, monkeypatch):
+    with pytest.raises(StorageError, match="bucket .* does not exist"):
+        open_storage("s3://no-such-bucket-here/x").list("")
+    with monkeypatch.context() as m:
+        m.delenv("AWS_ENDPOINT_URL")
+        unreachable = open_storage("s3://b/x", endpoint_url="http://127.0.0.1:9", max_attempts=1)
+        with pytest.raises(StorageError, match="cannot reach the S3 endpoint"):
+            unreachable.put_bytes("k", b"x")
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    for name in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
+        monkeypatch.setenv(name, "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(StorageError, match="no S3 credentials"):
+        open_storage(f"s3://{s3_bucket}/x", max_attempts=1).put_bytes("k", b"x")
