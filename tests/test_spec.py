@@ -1,0 +1,113 @@
+"""The run spec fails before anything runs, naming the field, the bad value and what is allowed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from dflash_jobs.errors import SpecError
+from dflash_jobs.spec import default_layers, dump_spec, load_spec, parse_spec, resolve_layers
+
+
+def minimal(**overrides):
+    raw = {"name": "qwen36-27b-v1", "target": {"model": "/models/Qwen3.6-27B"}, "data": {"source": "s3://b/chats.jsonl"}, "output": "s3://b/dflash/v1"}
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(raw.get(key), dict):
+            raw[key] = {**raw[key], **value}
+        else:
+            raw[key] = value
+    return raw
+
+
+def test_minimal_spec_gets_the_documented_defaults():
+    spec = parse_spec(minimal())
+    assert spec.backend == "kubernetes"
+    assert (spec.extract.shards, spec.extract.token_budget, spec.extract.dtype) == (8, 32768, "bfloat16")
+    assert (spec.train.draft_layers, spec.train.block_size, spec.train.anchors, spec.train.epochs, spec.train.lr) == (5, 16, 512, 6, 6.0e-4)
+    assert (spec.data.max_length, spec.data.chunk_tokens) == (4096, 65536)
+    assert spec.cluster.ttl_seconds_after_finished is None
+
+
+@pytest.mark.parametrize(
+    "overrides, field, allowed",
+    [
+        ({"colour": "blue"}, "colour", "one of the known keys"),
+        ({"extract": {"shardz": 2}}, "extract.shardz", "one of the known keys"),
+        ({"extract": {"shards": "eight"}}, "extract.shards", "an integer"),
+        ({"extract": {"shards": 0}}, "extract.shards", "an integer >= 1"),
+        ({"extract": {"shards": True}}, "extract.shards", "an integer"),
+        ({"extract": {"dtype": "float16"}}, "extract.dtype", "'bfloat16' | 'float8_e4m3fn'"),
+        ({"train": {"lr": "fast"}}, "train.lr", "a number"),
+        ({"name": "Qwen_27B"}, "name", "DNS-1123 label"),
+        ({"name": "a" * 41}, "name", "at most 40 characters"),
+        ({"name": "-leading"}, "name", "DNS-1123 label"),
+        ({"backend": "slurm"}, "backend", "'kubernetes' | 'local'"),
+        ({"output": "gs://bucket/x"}, "output", "s3://bucket/prefix URL"),
+        ({"output": ""}, "output", "s3://bucket/prefix URL"),
+        ({"output": "s3://"}, "output", "with a bucket name"),
+        ({"target": {"layers": [1, 1]}}, "target.layers", "distinct"),
+        ({"target": {"layers": "1,2"}}, "target.layers", "a list of an integer"),
+        ({"data": {"chunk_tokens": 1024}}, "data.chunk_tokens", ">= data.max_length"),
+        ({"cluster": {"namespace": "My NS"}}, "cluster.namespace", "DNS-1123 label"),
+        ({"cluster": {"node_selector": {"gpu": 1}}}, "cluster.node_selector", "mapping of strings"),
+        ({"train": {"sliding_window_layers": 9}}, "train.sliding_window_layers", "0..train.draft_layers"),
+    ],
+)
+def test_bad_field_is_named_with_value_and_allowed(overrides, field, allowed):
+    with pytest.raises(SpecError) as info:
+        parse_spec(minimal(**overrides))
+    assert info.value.field == field
+    assert allowed in str(info.value)
+    assert f"spec field {field}" in str(info.value)
+
+
+def test_missing_required_field_is_named():
+    raw = minimal()
+    del raw["output"]
+    with pytest.raises(SpecError, match="spec field output"):
+        parse_spec(raw)
+
+
+def test_layers_beyond_the_checkpoint_depth_are_refused(tmp_path):
+    config = {"model_type": "qwen3_5", "text_config": {"num_hidden_layers": 64}}
+    spec = parse_spec(minimal(target={"layers": [1, 16, 64]}))
+    with pytest.raises(SpecError, match=r"0\.\.63: the checkpoint has 64 decoder layers"):
+        resolve_layers(spec, config)
+    assert resolve_layers(parse_spec(minimal()), config) == [1, 16, 31, 46, 61]
+    assert resolve_layers(parse_spec(minimal()), {"num_hidden_layers": 36}) == [1, 9, 17, 25, 33]
+
+
+def test_default_layers_follow_the_z_lab_rule():
+    assert default_layers(64) == [1, 16, 31, 46, 61]
+    assert default_layers(32) == [1, 8, 15, 22, 29]
+    assert default_layers(36, 1) == [18]
+
+
+def test_load_spec_names_the_file_and_round_trips(tmp_path):
+    with pytest.raises(SpecError, match="dflashctl init"):
+        load_spec(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    with pytest.raises(SpecError, match="invalid YAML at line"):
+        load_spec(bad)
+    good = tmp_path / "dflash.yaml"
+    good.write_text(yaml.safe_dump(minimal(extract={"shards": 3})))
+    spec = load_spec(good)
+    again = tmp_path / "resolved.yaml"
+    again.write_text(dump_spec(spec))
+    assert load_spec(again) == spec and load_spec(again).fingerprint() == spec.fingerprint()
+    assert parse_spec(minimal(extract={"shards": 4})).fingerprint() != spec.fingerprint()
+
+
+def test_importing_the_control_plane_loads_neither_torch_nor_transformers():
+    code = (
+        "import sys, json, dflashctl, dflashctl.cli.app, dflashctl.cli.main, dflash_jobs.spec, dflash_jobs.storage, dflash_jobs.formats;"
+        "import dflashctl.render, dflashctl.backend;"
+        "print(json.dumps([m for m in ('torch', 'transformers', 'safetensors.torch') if m in sys.modules]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert json.loads(out) == []
