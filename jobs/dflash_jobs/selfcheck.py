@@ -13,6 +13,7 @@ On the local backend with `local.device: cpu` the GPU checks are reported as ski
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib
 import importlib.util
 import json
@@ -51,7 +52,7 @@ class Check:
     fix: str = ""
 
     def line(self) -> str:
-        text = f"{self.name:<14} {self.status:<4}  {self.detail}"
+        text = f"{self.name:<22} {self.status:<4}  {self.detail}"
         return f"{text}. {self.fix}" if self.fix and self.status in ("fail", "warn") else text
 
 
@@ -105,7 +106,7 @@ class GpuReport:
     """torch.version.cuda: the CUDA version torch was built for (None: a CPU-only build)."""
     arch_list: tuple[str, ...] = ()
     driver_cuda: tuple[int, int] | None = None
-    """The newest CUDA version the installed driver supports (cudaDriverGetVersion)."""
+    """The newest CUDA version the installed driver supports (cuDriverGetVersion)."""
     kernel_driver: str | None = None
     """The NVIDIA kernel module version from /proc/driver/nvidia/version, e.g. 580.95.05."""
     devices: tuple[tuple[str, tuple[int, int]], ...] = ()
@@ -123,24 +124,38 @@ def read_kernel_driver(path: Path = KERNEL_DRIVER_FILE) -> str | None:
     return match.group(1) if match else None
 
 
+def read_driver_cuda() -> tuple[int, int] | None:
+    """The newest CUDA version the loaded driver supports (cuDriverGetVersion), None without a driver.
+
+    Asked of libcuda directly: torch has no public call for it, and when the driver is too old
+    torch only reports that CUDA is unavailable."""
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    version = ctypes.c_int(0)
+    if libcuda.cuDriverGetVersion(ctypes.byref(version)) != 0 or version.value == 0:
+        return None
+    return version.value // 1000, version.value % 1000 // 10
+
+
 def probe_gpu() -> GpuReport:
     kernel_driver = read_kernel_driver()
+    driver_cuda = read_driver_cuda()
     try:
         import torch
     except ImportError as exc:
-        return GpuReport(kernel_driver=kernel_driver, error=f"cannot import torch ({exc})")
-    base = dict(torch_version=torch.__version__, torch_cuda=torch.version.cuda, kernel_driver=kernel_driver)
+        return GpuReport(kernel_driver=kernel_driver, driver_cuda=driver_cuda, error=f"cannot import torch ({exc})")
+    base = dict(torch_version=torch.__version__, torch_cuda=torch.version.cuda, kernel_driver=kernel_driver, driver_cuda=driver_cuda)
     if torch.version.cuda is None:
         return GpuReport(**base)
-    driver = torch._C._cuda_getDriverVersion()  # e.g. 13000; 0 when no driver is loaded
-    driver_cuda = (driver // 1000, driver % 1000 // 10) if driver else None
     try:
         devices = tuple(
             (torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())
         )
     except RuntimeError as exc:  # CUDA initialisation failed: no device node, driver too old, ...
-        return GpuReport(**base, driver_cuda=driver_cuda, error=str(exc).splitlines()[0])
-    return GpuReport(**base, arch_list=tuple(torch.cuda.get_arch_list()), driver_cuda=driver_cuda, devices=devices)
+        return GpuReport(**base, error=str(exc).splitlines()[0])
+    return GpuReport(**base, arch_list=tuple(torch.cuda.get_arch_list()), devices=devices)
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:

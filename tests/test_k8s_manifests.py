@@ -1,0 +1,283 @@
+"""k8s/: every overlay builds with kustomize, every object validates against Kubernetes 1.33-1.37,
+the controller's RBAC is least privilege and equal to what `dflashctl render` emits, and the GitOps
+examples point at what exists and leave the shared objects to the base."""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from dflash_jobs.spec import ClusterSpec, parse_spec
+from dflashctl.render import controller_role_rules, render_all, render_selection, write_manifests
+
+REPO = Path(__file__).resolve().parents[1]
+K8S = REPO / "k8s"
+KUBECTL = "/usr/bin/kubectl"
+OVERLAYS = ("rtx-pro-6000", "dev")
+KUBERNETES_VERSIONS = ("1.33.0", "1.34.0", "1.35.0", "1.36.0", "1.37.0")
+DEFAULTS = ClusterSpec()
+
+
+def kustomize(path: Path) -> list[dict]:
+    result = subprocess.run([KUBECTL, "kustomize", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, f"kubectl kustomize {path} failed:\n{result.stderr}"
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+@pytest.fixture(scope="module")
+def builds() -> dict[str, list[dict]]:
+    """Every overlay, and the default base itself, built once."""
+    return {"default": kustomize(K8S / "default")} | {name: kustomize(K8S / "overlays" / name) for name in OVERLAYS}
+
+
+@pytest.fixture
+def cached_schemas(monkeypatch):
+    """kubernetes_validate re-reads its schema files (a 1 MB definitions file) on every call."""
+    monkeypatch.setattr(kubernetes_validate.utils, "schema_contents", functools.lru_cache(kubernetes_validate.utils.schema_contents))
+
+
+def by_kind(objects: list[dict], kind: str) -> list[dict]:
+    return [obj for obj in objects if obj["kind"] == kind]
+
+
+def one(objects: list[dict], kind: str, name: str | None = None) -> dict:
+    matches = [obj for obj in by_kind(objects, kind) if name is None or obj["metadata"]["name"] == name]
+    assert len(matches) == 1, f"expected one {kind} {name or ''}, found {len(matches)}"
+    return matches[0]
+
+
+def pod_specs(objects: list[dict]) -> list[tuple[str, dict]]:
+    return [(f"{obj['kind']}/{obj['metadata']['name']}", obj["spec"]["template"]["spec"])
+            for obj in objects if obj["kind"] in ("Deployment", "Job")]
+
+
+@pytest.fixture(scope="module")
+def run_spec():
+    return parse_spec({
+        "name": "qwen36-27b-v1",
+        "target": {"model": "/models/Qwen3.6-27B"},
+        "data": {"source": "s3://bucket/chats.jsonl"},
+        "output": "s3://bucket/dflash/qwen36-27b-v1",
+        "cluster": {"model_volume": {"claim": "models"}},
+    })
+
+
+# ---- every overlay is valid Kubernetes -------------------------------------------------------
+
+
+def test_overlays_validate_strictly_against_kubernetes_1_33_to_1_37(builds, cached_schemas):
+    # Both overlays share most objects: validate each distinct object once per version.
+    distinct = {json.dumps(obj, sort_keys=True): obj for objects in builds.values() for obj in objects}
+    assert len(distinct) >= 10
+    for obj in distinct.values():
+        for version in KUBERNETES_VERSIONS:
+            try:
+                kubernetes_validate.validate(obj, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} is invalid for Kubernetes {version}: {exc.message}")
+
+
+def test_every_object_lives_in_the_spec_default_namespace_with_dflash_labels(builds):
+    for name in OVERLAYS:
+        objects = builds[name]
+        namespace = one(objects, "Namespace")
+        assert namespace["metadata"]["name"] == DEFAULTS.namespace
+        # The rendered pods are non-root, capability-free and seccomp'd: the restricted profile admits them.
+        assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+        for obj in objects:
+            labels = obj["metadata"].get("labels", {})
+            assert labels.get("app.kubernetes.io/part-of") == "dflash-k8s", f"{name}: {obj['kind']} lacks part-of"
+            if obj["kind"] != "Namespace":
+                assert obj["metadata"]["namespace"] == DEFAULTS.namespace, f"{name}: {obj['kind']} outside the namespace"
+
+
+def test_static_objects_have_the_names_the_spec_defaults_refer_to(builds):
+    for objects in builds.values():
+        one(objects, "ServiceAccount", DEFAULTS.service_account)
+        one(objects, "Secret", DEFAULTS.s3_secret)
+        one(objects, "PersistentVolumeClaim", "models")
+
+
+# ---- RBAC ---------------------------------------------------------------------------------------
+
+
+def test_role_is_exactly_the_rules_dflashctl_renders(builds):
+    for objects in builds.values():
+        assert one(objects, "Role", DEFAULTS.service_account)["rules"] == controller_role_rules()
+
+
+def test_controller_rbac_is_least_privilege_and_namespaced(builds):
+    for objects in builds.values():
+        assert not by_kind(objects, "ClusterRole") and not by_kind(objects, "ClusterRoleBinding")
+        for rule in one(objects, "Role")["rules"]:
+            for key in ("apiGroups", "resources", "verbs"):
+                assert "*" not in rule[key], f"wildcard in {key}: {rule}"
+            assert "secrets" not in rule["resources"], "the controller never reads Secrets: pods reference them"
+            assert set(rule["verbs"]) <= {"get", "list", "watch", "create", "patch", "delete"}
+        # Read-only where the controller only observes.
+        rules = {resource: set(rule["verbs"]) for rule in one(objects, "Role")["rules"] for resource in rule["resources"]}
+        assert rules["pods"] == {"get", "list", "watch"} and rules["pods/log"] == {"get"}
+        binding = one(objects, "RoleBinding")
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": DEFAULTS.service_account}
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": DEFAULTS.service_account, "namespace": DEFAULTS.namespace}]
+
+
+def test_rendered_controller_rbac_is_the_same_objects_as_the_base(builds, run_spec):
+    """A run applied with plain kubectl and the base must not disagree about the shared RBAC."""
+    rendered = render_selection(run_spec, "controller")
+    for kind in ("ServiceAccount", "Role", "RoleBinding"):
+        ours = one(builds["rtx-pro-6000"], kind)
+        theirs = one(rendered, kind)
+        assert theirs["metadata"]["name"] == ours["metadata"]["name"]
+        assert theirs["metadata"]["namespace"] == ours["metadata"]["namespace"]
+        body = {key: value for key, value in ours.items() if key not in ("metadata", "apiVersion", "kind")}
+        assert body == {key: value for key, value in theirs.items() if key not in ("metadata", "apiVersion", "kind")}
+
+
+# ---- secrets, volumes, pods -------------------------------------------------------------------
+
+
+def test_s3_secret_template_carries_no_values(builds):
+    secret = one(builds["default"], "Secret", DEFAULTS.s3_secret)
+    assert "data" not in secret
+    assert set(secret["stringData"]) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+    assert all(value == "" for value in secret["stringData"].values())
+    assert one(builds["rtx-pro-6000"], "Secret", DEFAULTS.s3_secret)["stringData"] == secret["stringData"]
+
+
+def test_single_node_overlay_makes_the_model_pvc_read_write_once(builds):
+    base = one(builds["default"], "PersistentVolumeClaim", "models")
+    assert base["spec"]["accessModes"] == ["ReadWriteMany"]
+    rtx = one(builds["rtx-pro-6000"], "PersistentVolumeClaim", "models")
+    assert rtx["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert rtx["spec"]["resources"] == base["spec"]["resources"]
+    # GitOps tools never prune the checkpoints.
+    annotations = rtx["metadata"]["annotations"]
+    assert annotations["argocd.argoproj.io/sync-options"] == "Prune=false"
+    assert annotations["kustomize.toolkit.fluxcd.io/prune"] == "disabled"
+
+
+def test_dev_overlay_wires_minio_as_the_s3_endpoint(builds):
+    objects = builds["dev"]
+    deployment, service = one(objects, "Deployment", "minio"), one(objects, "Service", "minio")
+    template_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= template_labels.items()
+    assert service["spec"]["selector"].items() <= template_labels.items()
+    port = service["spec"]["ports"][0]["port"]
+    secret = one(objects, "Secret", DEFAULTS.s3_secret)["stringData"]
+    assert secret["AWS_ENDPOINT_URL"] == f"http://{service['metadata']['name']}:{port}"
+    assert secret["AWS_ACCESS_KEY_ID"] and secret["AWS_SECRET_ACCESS_KEY"]
+    # MinIO's root credentials and the bucket Job's come from that same Secret.
+    env = {item["name"]: item["valueFrom"]["secretKeyRef"] for item in deployment["spec"]["template"]["spec"]["containers"][0]["env"] if "valueFrom" in item}
+    assert env["MINIO_ROOT_USER"] == {"name": DEFAULTS.s3_secret, "key": "AWS_ACCESS_KEY_ID"}
+    assert env["MINIO_ROOT_PASSWORD"] == {"name": DEFAULTS.s3_secret, "key": "AWS_SECRET_ACCESS_KEY"}
+    bucket_job = one(objects, "Job", "minio-create-bucket")
+    container = bucket_job["spec"]["template"]["spec"]["containers"][0]
+    assert container["envFrom"] == [{"secretRef": {"name": DEFAULTS.s3_secret}}]
+    assert "mc mb --ignore-existing dev/dflash" in container["args"][0]
+    assert "ttlSecondsAfterFinished" not in bucket_job["spec"]
+
+
+def test_every_image_is_pinned_to_a_release_tag(builds):
+    for objects in builds.values():
+        for where, spec in pod_specs(objects):
+            for container in spec.get("initContainers", []) + spec["containers"]:
+                image = container["image"]
+                assert re.search(r":[\w.-]+$", image) and not image.endswith(":latest"), f"{where}: {image} is not pinned"
+
+
+def assert_restricted(where: str, spec: dict) -> None:
+    """The Pod Security "restricted" rules the namespace enforces (the ones a pod spec can break)."""
+    pod = spec.get("securityContext", {})
+    assert pod.get("runAsNonRoot") is True, f"{where}: runAsNonRoot"
+    assert pod.get("seccompProfile", {}).get("type") == "RuntimeDefault", f"{where}: seccompProfile"
+    assert not spec.get("hostNetwork") and not spec.get("hostPID") and not spec.get("hostIPC"), where
+    assert all("hostPath" not in volume for volume in spec.get("volumes", [])), f"{where}: hostPath"
+    for container in spec.get("initContainers", []) + spec["containers"]:
+        context = container.get("securityContext", {})
+        assert context.get("allowPrivilegeEscalation") is False, f"{where}/{container['name']}: allowPrivilegeEscalation"
+        assert context.get("capabilities", {}).get("drop") == ["ALL"], f"{where}/{container['name']}: capabilities"
+        assert not context.get("privileged"), f"{where}/{container['name']}: privileged"
+
+
+def test_every_pod_is_admitted_by_the_restricted_namespace(builds, run_spec):
+    for objects in builds.values():
+        for where, spec in pod_specs(objects):
+            assert_restricted(where, spec)
+    for where, spec in pod_specs(render_all(run_spec)):
+        assert_restricted(where, spec)
+
+
+# ---- GitOps -----------------------------------------------------------------------------------
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """`{a,b}` alternatives as Argo CD's glob reads them (one level is all the examples use)."""
+    match = re.fullmatch(r"\{(.*)\}", pattern)
+    return match.group(1).split(",") if match else [pattern]
+
+
+@pytest.fixture(scope="module")
+def run_directory(tmp_path_factory, run_spec) -> tuple[Path, list[str]]:
+    """A repository-like tree with one run rendered the documented way; returns (runs dir, file paths)."""
+    runs = tmp_path_factory.mktemp("repo") / "k8s" / "runs"
+    written = write_manifests(render_selection(run_spec, "controller"), runs / run_spec.name)
+    return runs, [path.relative_to(runs).as_posix() for path in written]
+
+
+def shared_rbac_files(files: list[str]) -> set[str]:
+    return {path for path in files if re.match(r"[^/]+/(serviceaccount|role|rolebinding)-", path)}
+
+
+def overlay_of(path: str) -> str:
+    """The overlay a GitOps example syncs as the base; it must be one that the tests build."""
+    name = Path(path).name
+    assert Path(path.removeprefix("./")).parent.as_posix() == "k8s/overlays" and name in OVERLAYS, path
+    return name
+
+
+def test_argocd_example_syncs_the_base_and_the_runs_without_the_shared_rbac(run_directory):
+    base, runs = yaml.safe_load_all((K8S / "gitops" / "argocd-application.yaml").read_text())
+    assert base["kind"] == runs["kind"] == "Application"
+    assert base["spec"]["destination"]["namespace"] == runs["spec"]["destination"]["namespace"] == DEFAULTS.namespace
+    overlay_of(base["spec"]["source"]["path"])
+    assert runs["spec"]["source"]["path"] == "k8s/runs" and (REPO / "k8s" / "runs").is_dir()
+    # A directory application fails on kustomization files: k8s/runs must hold plain manifests only.
+    assert not list((REPO / "k8s" / "runs").rglob("kustomization.yaml"))
+    directory = runs["spec"]["source"]["directory"]
+    assert directory["recurse"] is True
+    _, files = run_directory
+    excluded = {path for path in files if any(fnmatch.fnmatch(path, glob) for glob in expand_braces(directory["exclude"]))}
+    assert excluded == shared_rbac_files(files)
+    assert len(files) - len(excluded) == 2  # the spec ConfigMap and the controller Job
+    assert runs["spec"]["syncPolicy"]["automated"]["prune"] is True
+
+
+def test_flux_example_syncs_the_base_then_the_runs_without_force(run_directory):
+    source, base, runs = yaml.safe_load_all((K8S / "gitops" / "flux-kustomization.yaml").read_text())
+    assert source["kind"] == "GitRepository" and base["kind"] == runs["kind"] == "Kustomization"
+    overlay_of(base["spec"]["path"])
+    assert runs["spec"]["path"] == "./k8s/runs"
+    assert runs["spec"]["dependsOn"] == [{"name": base["metadata"]["name"]}]
+    assert runs["spec"]["prune"] is True and runs["spec"]["force"] is False
+    _, files = run_directory
+    ignored = {
+        path for path in files
+        for line in source["spec"]["ignore"].splitlines()
+        if fnmatch.fnmatch(f"/k8s/runs/{path}", line.strip().replace("/**/", "/*/"))
+    }
+    assert ignored == shared_rbac_files(files)
+
+
+def test_gitops_rendered_jobs_carry_no_ttl(run_spec):
+    for obj in render_all(run_spec):
+        if obj["kind"] == "Job":
+            assert "ttlSecondsAfterFinished" not in obj["spec"], obj["metadata"]["name"]
