@@ -19,6 +19,19 @@ if TYPE_CHECKING:
 # "Queued" is a Job held back by Kueue (suspended), "Missing" an index that has no pod (yet).
 PHASES = ("Queued", "Missing", "Pending", "Running", "Succeeded", "Failed")
 
+# Reasons of the events the pipeline records on its Jobs (`kubectl describe job` lists them).
+EVENT_EXTRACTION_FINISHED = "ExtractionFinished"
+EVENT_SHARDS_FAILED = "ShardsFailed"
+EVENT_SHARDS_RETRIED = "ShardsRetried"
+EVENT_CHUNKS_VERIFIED = "ChunksVerified"
+EVENT_VERIFY_FAILED = "VerifyFailed"
+EVENT_TRAINING_LAUNCHED = "TrainingLaunched"
+EVENT_TRAINING_FINISHED = "TrainingFinished"
+EVENT_EVALUATION_DONE = "EvaluationDone"
+EVENT_RUN_FAILED = "RunFailed"
+PROGRESS_ANNOTATION = "dflash.dev/progress"
+"""On the extraction Job: chunks done/total from the storage markers, e.g. "12/40"."""
+
 
 @dataclass(slots=True)
 class ShardStatus:
@@ -29,7 +42,7 @@ class ShardStatus:
     node: str | None
     phase: str
     attempts: int
-    """Pods that failed for this index and counted against its backoff limit, plus the current one."""
+    """Pods started for this index so far (preempted ones included)."""
     exit_reason: str | None
     """Why the last attempt ended, e.g. "exit 42 (Error)", "OOMKilled", "preempted (DisruptionTarget)"."""
 
@@ -50,6 +63,8 @@ class JobStatus:
     shards: list[ShardStatus] = field(default_factory=list)
     completions: int = 0
     """Indexes the Job runs (its spec.completions)."""
+    started_at: float | None = None
+    """When the Job started (status.startTime), as a Unix time; None while queued or suspended."""
 
     @property
     def complete(self) -> bool:
@@ -57,6 +72,7 @@ class JobStatus:
 
     @property
     def failed_terminally(self) -> bool:
+        """The Job's Failed condition (`failed` is the count of failed pods, as in the Job's status)."""
         return "Failed" in self.conditions
 
     @property

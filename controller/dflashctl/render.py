@@ -10,6 +10,7 @@ credentials only by Secret reference. The Jobs differ only in command, resources
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from pathlib import Path
@@ -33,13 +34,12 @@ SPEC_PATH = f"{SPEC_DIR}/{SPEC_FILE}"
 
 SPEC_HASH = "dflash.dev/spec-hash"
 RUN_LABEL = "dflash.dev/run"
-PROGRESS_ANNOTATION = "dflash.dev/progress"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 GPU = "nvidia.com/gpu"
 
 WORKER = "worker"
-RUN_AS_USER = 1000
+RUN_AS_USER = 10001  # the images' user (UID 1000 is ubuntu in Ubuntu 24.04 images)
 CACHE_DIR = "/var/cache/dflash"
 RENDEZVOUS_PORT = 29400
 CACHE_HEADROOM_GIB = 16
@@ -81,10 +81,6 @@ def run_labels(spec: RunSpec, component: str) -> dict[str, str]:
         "app.kubernetes.io/managed-by": "dflashctl",
         RUN_LABEL: spec.name,
     }
-
-
-def run_selector(spec: RunSpec) -> str:
-    return f"{RUN_LABEL}={spec.name}"
 
 
 def controller_role_rules() -> list[dict[str, Any]]:
@@ -247,7 +243,7 @@ def render_controller_objects(spec: RunSpec) -> list[Manifest]:
         "containers": [container],
         "volumes": [_spec_volume(spec), {"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}],
     }
-    pod = {"metadata": {"labels": run_labels(spec, "controller")}, "spec": pod_spec}
+    pod = {"metadata": _pod_metadata(spec, "controller"), "spec": pod_spec}
     job = _job(spec, "controller", pod, {
         "backoffLimit": CONTROLLER_BACKOFF_LIMIT,
         # A failed run (exit 1) or a bad spec (exit 2) fails the same way again; anything else
@@ -295,7 +291,10 @@ def render_all(spec: RunSpec) -> list[Manifest]:
 
 
 class _Dumper(yaml.SafeDumper):
-    """Block style for multi-line strings (the spec in the ConfigMap stays readable in Git)."""
+    """Block style for multi-line strings (the spec in the ConfigMap stays readable in Git), no anchors."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
 
 
 def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
@@ -337,6 +336,10 @@ def _metadata(spec: RunSpec, name: str, component: str) -> dict[str, Any]:
         "labels": run_labels(spec, component),
         "annotations": {SPEC_HASH: spec.fingerprint()},
     }
+
+
+def _pod_metadata(spec: RunSpec, component: str) -> dict[str, Any]:
+    return {"labels": run_labels(spec, component), "annotations": {SPEC_HASH: spec.fingerprint()}}
 
 
 def _shared_labels() -> dict[str, str]:
@@ -424,10 +427,7 @@ def _pod_template(
         # Not every cluster runs the ExtendedResourceToleration admission plugin.
         pod_spec["tolerations"] = [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}]
     pod_spec.update({"initContainers": [selfcheck], "containers": [worker], "volumes": volumes})
-    return {
-        "metadata": {"labels": run_labels(spec, component), "annotations": {SPEC_HASH: spec.fingerprint()}},
-        "spec": pod_spec,
-    }
+    return {"metadata": _pod_metadata(spec, component), "spec": pod_spec}
 
 
 def _container(
@@ -449,7 +449,7 @@ def _container(
         # Optional: on EKS/GKE the credentials may come from workload identity instead.
         container["envFrom"] = [{"secretRef": {"name": spec.cluster.s3_secret, "optional": True}}]
     container.update({
-        "resources": resources,
+        "resources": copy.deepcopy(resources),
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
@@ -457,7 +457,7 @@ def _container(
         },
         # The worker's one-line JSON summary; the log tail when it dies without writing one.
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "volumeMounts": mounts,
+        "volumeMounts": copy.deepcopy(mounts),
     })
     return container
 

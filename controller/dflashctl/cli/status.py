@@ -1,0 +1,304 @@
+"""`dflashctl status`: where the run is, per shard, with chunks done, tokens/s, ETA and what comes next.
+
+Also installed as `kubectl-dflash`, so `kubectl dflash status` works for people who live in kubectl.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import typer
+from rich.console import Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from dflash_jobs.errors import StorageError
+from dflash_jobs.formats import DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, MANIFEST_KEY
+from dflash_jobs.spec import RunSpec, load_spec
+from dflash_jobs.storage import storage_for
+
+from dflashctl.backend import Backend, JobStatus, format_indexes, open_backend
+from dflashctl.cli import output
+from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt, WatchOpt
+from dflashctl.progress import Progress, RateMeter, format_duration, format_rate, read_progress
+from dflashctl.render import COMPONENTS, job_name
+
+STEPS = ("prepare", "extract", "train", "eval")
+"""The data-plane Jobs in pipeline order; the controller Job drives them."""
+REFRESH_S = 5.0
+"""Seconds between refreshes of `status --watch`."""
+
+
+@dataclass(slots=True)
+class RunReport:
+    """Everything `status` shows, gathered once per refresh."""
+
+    run: str
+    backend: str
+    jobs: dict[str, JobStatus]
+    progress: Progress | None
+    tokens_per_s: float | None
+    eta_s: float | None
+    manifest: bool
+    trained: bool
+    evaluated: bool
+    storage_error: str | None
+    next_step: str = ""
+
+    @property
+    def active(self) -> bool:
+        """Something still runs: a Job of the run that has not finished."""
+        return any(job.exists and not job.finished for job in self.jobs.values())
+
+    @property
+    def failed(self) -> bool:
+        return not self.evaluated and any(job.failed_terminally for job in self.jobs.values())
+
+
+def job_statuses(spec: RunSpec, backend: Backend) -> dict[str, JobStatus]:
+    """Every Job of the run, pipeline order, the controller last."""
+    return {component: backend.job_status(job_name(spec, component)) for component in COMPONENTS}
+
+
+def current_step(jobs: dict[str, JobStatus]) -> str | None:
+    """The furthest data-plane step that has a Job."""
+    existing = [step for step in STEPS if jobs[step].exists]
+    return existing[-1] if existing else None
+
+
+def job_state(job: JobStatus) -> str:
+    if not job.exists:
+        return "not submitted"
+    for condition in ("Complete", "Failed"):
+        if condition in job.conditions:
+            return condition
+    if "FailureTarget" in job.conditions or "SuccessCriteriaMet" in job.conditions:
+        return "Finishing"  # decided; the remaining pods are being terminated
+    if job.suspended:
+        return "Queued"
+    return "Running" if job.active else "Pending"
+
+
+def summarize(step: str, job: JobStatus) -> str:
+    """One line per Job: `extract Running: 5/8 done, 1 failed (3), 2 active`."""
+    state = job_state(job)
+    if not job.exists:
+        return f"{step} {state}"
+    parts = [f"{len(job.completed_indexes)}/{job.completions} done"]
+    if job.failed_indexes:
+        parts.append(f"{len(job.failed_indexes)} failed ({format_indexes(job.failed_indexes)})")
+    if job.active:
+        parts.append(f"{job.active} active")
+    return f"{step} {state}: {', '.join(parts)}"
+
+
+def collect(spec: RunSpec, backend: Backend, meter: RateMeter) -> RunReport:
+    jobs = job_statuses(spec, backend)
+    progress = manifest = trained = evaluated = None
+    storage_error = None
+    try:
+        storage = storage_for(spec)
+        progress = read_progress(storage)
+        manifest = storage.exists(MANIFEST_KEY)
+        trained = storage.exists(DRAFTER_CONFIG_KEY)
+        evaluated = storage.exists(EVAL_REPORT_KEY)
+    except StorageError as error:
+        storage_error = str(error)
+    if progress is not None:
+        meter.observe(progress)
+    extract = jobs["extract"]
+    if meter.tokens_per_s is None and extract.started_at is not None and progress is not None and not extract.finished:
+        # A single look: the average since the extraction Job started.
+        meter.seed(extract.started_at, 0)
+    report = RunReport(
+        run=spec.name,
+        backend=spec.backend,
+        jobs=jobs,
+        progress=progress,
+        tokens_per_s=meter.tokens_per_s if extract.exists and not extract.finished else None,
+        eta_s=meter.eta_s(progress) if progress is not None and extract.exists and not extract.finished else None,
+        manifest=bool(manifest),
+        trained=bool(trained),
+        evaluated=bool(evaluated),
+        storage_error=storage_error,
+    )
+    report.next_step = next_step(spec, report)
+    return report
+
+
+def next_step(spec: RunSpec, report: RunReport) -> str:
+    """What happens next, or the command that makes it happen."""
+    jobs, progress = report.jobs, report.progress
+    driven = jobs["controller"].exists and not jobs["controller"].finished
+    by = " (the in-cluster controller does it)" if driven else ""
+    if report.storage_error:
+        return "fix storage access first (see the error above), then `dflashctl status` again"
+    if report.evaluated:
+        return f"done: the drafter is in {spec.output}/train/drafter, the evaluation in {spec.output}/{EVAL_REPORT_KEY}"
+    if progress is None or progress.chunks_total is None:
+        return _step_hint("prepare", jobs["prepare"], running="prepare is tokenizing data.source", start="`dflashctl run`, or `dflashctl prepare` alone") + by
+    if not progress.landed:
+        extract = jobs["extract"]
+        if extract.exists and extract.finished:
+            failed = format_indexes(extract.failed_indexes) or "some"
+            first = min(extract.failed_indexes, default=0)
+            return f"shards {failed} failed with chunks missing: `dflashctl logs --shard {first}`, then `dflashctl retry extract`{by}"
+        return _step_hint(
+            "extract", extract,
+            running=f"extraction: {progress.label} chunks landed; verify and training follow once all have",
+            start="`dflashctl submit extract` (or `dflashctl run`)",
+        ) + by
+    if not report.manifest:
+        return f"every chunk landed: `dflashctl verify` checks them and writes {MANIFEST_KEY}, then training starts{by}"
+    if not report.trained:
+        nodes = f"{spec.train.nodes} node(s) x {spec.train.gpus_per_node} GPUs"
+        return _step_hint("train", jobs["train"], running=f"training on {nodes}: `dflashctl logs train --follow`", start="`dflashctl submit train`") + by
+    return _step_hint("eval", jobs["eval"], running="evaluating the drafter: `dflashctl logs eval --follow`", start="`dflashctl eval`") + by
+
+
+def _step_hint(step: str, job: JobStatus, *, running: str, start: str) -> str:
+    if not job.exists:
+        return f"start {step}: {start}"
+    if job.failed_terminally:
+        return f"{step} failed ({job.failure_message}): `dflashctl logs {step}`, then `dflashctl retry {step}`"
+    if job.suspended:
+        return f"{step} is queued (Kueue has not admitted it yet)"
+    return running
+
+
+# ---- output ------------------------------------------------------------------------------------
+
+
+def report_json(report: RunReport) -> dict[str, Any]:
+    def job(status: JobStatus) -> dict[str, Any]:
+        body = asdict(status)
+        body["completed_indexes"] = sorted(status.completed_indexes)
+        body["failed_indexes"] = sorted(status.failed_indexes)
+        body["state"] = job_state(status)
+        return body
+
+    progress = report.progress
+    return {
+        "run": report.run,
+        "backend": report.backend,
+        "jobs": {step: job(status) for step, status in report.jobs.items()},
+        "progress": None if progress is None else {
+            **asdict(progress), "tokens_per_s": report.tokens_per_s, "eta_s": report.eta_s,
+        },
+        "manifest": report.manifest,
+        "trained": report.trained,
+        "evaluated": report.evaluated,
+        "storage_error": report.storage_error,
+        "next": report.next_step,
+    }
+
+
+def progress_line(report: RunReport) -> str:
+    progress = report.progress
+    if progress is None:
+        return "chunks: unknown (storage unreachable)"
+    if progress.chunks_total is None:
+        return "chunks: not prepared yet"
+    percent = f" ({progress.fraction:.0%} of tokens)" if progress.fraction is not None else ""
+    return f"chunks: {progress.label}{percent}, {format_rate(report.tokens_per_s)}, ETA {format_duration(report.eta_s)}"
+
+
+def plain_lines(report: RunReport) -> list[str]:
+    lines = [f"run {report.run} ({report.backend})"]
+    lines += [summarize(step, job) for step, job in report.jobs.items() if job.exists]
+    step = current_step(report.jobs)
+    for shard in report.jobs[step].shards if step else []:
+        reason = f" {shard.exit_reason}" if shard.exit_reason else ""
+        lines.append(f"  {step}[{shard.index}] {shard.phase} pod={shard.pod or '-'} node={shard.node or '-'} attempts={shard.attempts}{reason}")
+    lines.append(progress_line(report))
+    lines.append(f"next: {report.next_step}")
+    return lines
+
+
+def rich_view(report: RunReport) -> Group:
+    step = current_step(report.jobs)
+    header = Text(f"run {report.run}", style="bold")
+    header.append(f"  ({report.backend})", style="dim")
+    jobs = Text("  ".join(f"{s}: {job_state(j)}" for s, j in report.jobs.items() if s != "controller" or j.exists))
+    table = Table(title=f"{step} shards" if step else None, expand=False)
+    for column in ("shard", "pod", "node", "phase", "attempts", "exit reason"):
+        table.add_column(column, justify="right" if column in ("shard", "attempts") else "left")
+    colors = {"Succeeded": "green", "Failed": "red", "Running": "cyan"}
+    for shard in report.jobs[step].shards if step else []:
+        table.add_row(
+            str(shard.index), shard.pod or "-", shard.node or "-",
+            Text(shard.phase, style=colors.get(shard.phase, "")), str(shard.attempts), shard.exit_reason or "",
+        )
+    lines: list[Any] = [header, jobs]
+    if step:
+        lines.append(table)
+    if report.storage_error:
+        lines.append(Text(f"storage: {report.storage_error}", style="red"))
+    lines += [Text(progress_line(report)), Text(f"next: {report.next_step}", style="bold")]
+    return Group(*lines)
+
+
+def status(
+    spec_file: SpecOpt = DEFAULT_SPEC,
+    watch: WatchOpt = False,
+    fmt: OutputOpt = OutputFormat.table,
+) -> None:
+    """Shards (pod, node, phase, attempts, exit reason), chunks landed, tokens/s, ETA, and the next step.
+
+    Examples:
+
+      dflashctl status                 # a table
+
+      dflashctl status --watch         # live until nothing runs any more
+
+      dflashctl status -o json | jq .progress
+
+      kubectl dflash status -f dflash.yaml
+
+    Without dflashctl, kubectl tells the same story:
+
+      kubectl get jobs,pods -l dflash.dev/run=NAME
+
+      kubectl describe job NAME-extract      # the pipeline's milestones and failures, as events
+
+      kubectl get jobs -l dflash.dev/run=NAME -o custom-columns='JOB:.metadata.name,CHUNKS:.metadata.annotations.dflash\\.dev/progress'
+    """
+    spec = load_spec(spec_file)
+    backend = open_backend(spec)
+    meter = RateMeter()
+    report = collect(spec, backend, meter)
+    if not watch:
+        _show(report, fmt)
+    elif fmt is OutputFormat.table and sys.stdout.isatty():
+        with Live(rich_view(report), console=output.stdout, auto_refresh=False) as live:
+            while report.active:
+                time.sleep(REFRESH_S)
+                report = collect(spec, backend, meter)
+                live.update(rich_view(report), refresh=True)
+    else:
+        _show(report, fmt)
+        while report.active:
+            time.sleep(REFRESH_S)
+            previous, report = report, collect(spec, backend, meter)
+            if fmt is OutputFormat.json or plain_lines(report) != plain_lines(previous):
+                _show(report, fmt)
+    if watch and report.failed:
+        raise typer.Exit(1)
+
+
+def _show(report: RunReport, fmt: OutputFormat) -> None:
+    if fmt is OutputFormat.json:
+        output.result_json(report_json(report))
+    elif sys.stdout.isatty():
+        output.stdout.print(rich_view(report))
+    else:
+        sys.stdout.write("\n".join(plain_lines(report)) + "\n")
+        sys.stdout.flush()
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(status)

@@ -1,0 +1,254 @@
+"""The kubernetes backend: the Backend interface (backend.py) on a real cluster, through cluster.py."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime
+from typing import Any
+
+from dflashctl.backend import JobStatus, ShardStatus, parse_indexes
+from dflashctl.cluster import Cluster
+from dflashctl.errors import RunFailed, WaitTimeout
+from dflashctl.render import WORKER
+
+INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+CONTROLLER_UID_LABEL = "batch.kubernetes.io/controller-uid"
+
+log = logging.getLogger(__name__)
+
+# How long a delete (cancel, retry, --force) waits for a Job's pods to terminate and the Job to go.
+DELETE_WAIT_S = 300.0
+
+
+class KubernetesBackend:
+    """Jobs and pods of one namespace. Every call goes through the `Cluster` it was given."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+
+    @classmethod
+    def connect(cls, namespace: str) -> KubernetesBackend:
+        return cls(Cluster.connect(namespace))
+
+    def submit(self, objects: list[dict], *, force: bool = False) -> None:
+        for obj in objects:
+            outcome = self.cluster.create_or_attach(obj, force=force, wait=DELETE_WAIT_S)
+            log.info("%s %s: %s", obj["kind"], obj["metadata"]["name"], outcome)
+
+    def job_status(self, job_name: str) -> JobStatus:
+        job = self.cluster.get("Job", job_name)
+        return self._status_of(job_name, job)
+
+    def wait(
+        self,
+        job_name: str,
+        *,
+        timeout: float | None,
+        on_update: Callable[[JobStatus], None] | None = None,
+    ) -> JobStatus:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for job in self.cluster.watch_object("Job", job_name, deadline=deadline):
+            if job is None:
+                raise RunFailed(
+                    f"Job {self.cluster.namespace}/{job_name} does not exist (deleted, or never submitted)",
+                    "Submit it again: `dflashctl run` attaches to what exists and creates what is missing",
+                )
+            status = self._status_of(job_name, job)
+            if on_update is not None:
+                on_update(status)
+            if status.finished:
+                return status
+        raise WaitTimeout(
+            f"Job {job_name} did not finish within {timeout:.0f} s",
+            "It keeps running; `dflashctl status --watch` follows it",
+        )
+
+    def logs(self, job_name: str, index: int | None, follow: bool) -> Iterator[str]:
+        pods = _newest_pod_per_index(self._pods(job_name))
+        if index is not None:
+            if index not in pods:
+                raise RunFailed(f"shard {index} of Job {job_name} has no pod", "`dflashctl status` shows the shards that have one")
+            return self.cluster.logs(pods[index]["metadata"]["name"], container=WORKER, follow=follow)
+        streams = [
+            _prefixed(f"[shard {i}] ", self.cluster.logs(pod["metadata"]["name"], container=WORKER, follow=follow))
+            for i, pod in sorted(pods.items())
+            if (pod.get("status") or {}).get("phase") != "Pending"  # no log before the container starts
+        ]
+        if not follow:
+            return (line for stream in streams for line in stream)
+        return _interleave(streams)
+
+    def delete(self, job_name: str) -> None:
+        self.cluster.delete("Job", job_name, wait=DELETE_WAIT_S)
+
+    def record_event(self, job_name: str, reason: str, message: str, *, warning: bool = False) -> None:
+        job = self.cluster.get("Job", job_name)
+        if job is not None:  # an event needs an object to belong to
+            self.cluster.record_event(job, reason=reason, message=message, warning=warning)
+
+    def annotate(self, job_name: str, key: str, value: str) -> None:
+        self.cluster.patch("Job", job_name, {"metadata": {"annotations": {key: value}}})
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _pods(self, job_name: str, job: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Pods of the current Job only: a deleted Job of the same name leaves pods with another uid."""
+        job = job or self.cluster.get("Job", job_name)
+        if job is None:
+            return []
+        pods, _ = self.cluster.list("Pod", label_selector=f"{CONTROLLER_UID_LABEL}={job['metadata']['uid']}")
+        return pods
+
+    def _status_of(self, job_name: str, job: dict[str, Any] | None) -> JobStatus:
+        if job is None:
+            return JobStatus(name=job_name, exists=False)
+        return job_status_from(job, self._pods(job_name, job))
+
+
+def job_status_from(job: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
+    """A Job and its pods as a JobStatus: one ShardStatus per index, from the index's newest pod."""
+    spec, status = job.get("spec") or {}, job.get("status") or {}
+    completions = spec.get("completions") or 1
+    completed = parse_indexes(status.get("completedIndexes"))
+    failed = parse_indexes(status.get("failedIndexes"))
+    if spec.get("completionMode") != "Indexed" and status.get("succeeded"):
+        completed = set(range(completions))  # only Indexed Jobs report completedIndexes
+    conditions = {
+        c["type"]: ": ".join(part for part in (c.get("reason"), c.get("message")) if part)
+        for c in status.get("conditions") or []
+        if c.get("status") == "True"
+    }
+    by_index: dict[int, list[dict[str, Any]]] = {}
+    for pod in pods:
+        by_index.setdefault(_index_of(pod), []).append(pod)
+    shards = []
+    for index in range(completions):
+        attempts = sorted(by_index.get(index, []), key=_created)
+        if attempts:
+            shards.append(_shard_from_pod(index, attempts))
+        else:
+            shards.append(ShardStatus(
+                index=index, pod=None, node=None, attempts=0, exit_reason=None,
+                phase=_phase_without_pod(index, completed, failed, suspended="Suspended" in conditions),
+            ))
+    return JobStatus(
+        name=job["metadata"]["name"],
+        exists=True,
+        active=status.get("active") or 0,
+        succeeded=status.get("succeeded") or 0,
+        failed=status.get("failed") or 0,
+        completed_indexes=completed,
+        failed_indexes=failed,
+        conditions=conditions,
+        shards=shards,
+        completions=completions,
+        started_at=_timestamp(status.get("startTime")),
+    )
+
+
+def _timestamp(text: str | None) -> float | None:
+    if not text:
+        return None
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def _index_of(pod: dict[str, Any]) -> int:
+    annotations = pod["metadata"].get("annotations") or {}
+    return int(annotations.get(INDEX_ANNOTATION, 0))
+
+
+def _created(pod: dict[str, Any]) -> tuple[str, str]:
+    meta = pod["metadata"]
+    return meta.get("creationTimestamp") or "", meta["name"]
+
+
+def _phase_without_pod(index: int, completed: set[int], failed: set[int], *, suspended: bool) -> str:
+    if index in completed:
+        return "Succeeded"
+    if index in failed:
+        return "Failed"
+    return "Queued" if suspended else "Missing"
+
+
+def _shard_from_pod(index: int, attempts: list[dict[str, Any]]) -> ShardStatus:
+    """The shard as its newest pod shows it; while a retry runs, why the attempt before it ended."""
+    pod = attempts[-1]
+    status = pod.get("status") or {}
+    phase = status.get("phase") or "Pending"
+    reason = exit_reason(pod)
+    if reason is None and phase in ("Pending", "Running") and len(attempts) > 1:
+        previous = exit_reason(attempts[-2])
+        reason = f"retry after: {previous}" if previous else None
+    return ShardStatus(
+        index=index,
+        pod=pod["metadata"]["name"],
+        node=(pod.get("spec") or {}).get("nodeName"),
+        phase=phase,
+        attempts=len(attempts),
+        exit_reason=reason,
+    )
+
+
+def exit_reason(pod: dict[str, Any]) -> str | None:
+    """Why a pod ended or is stuck, in a few words: preemption, exit code, OOM, image pull, scheduling."""
+    status = pod.get("status") or {}
+    conditions = {c.get("type"): c for c in status.get("conditions") or [] if c.get("status") == "True"}
+    if "DisruptionTarget" in conditions:
+        return f"preempted ({conditions['DisruptionTarget'].get('reason') or 'DisruptionTarget'})"
+    for kind in ("initContainerStatuses", "containerStatuses"):
+        for container in status.get(kind) or []:
+            state = container.get("state") or {}
+            terminated = state.get("terminated")
+            if terminated and terminated.get("exitCode"):
+                reason = terminated.get("reason") or "Error"
+                prefix = "" if container.get("name") == WORKER else f"{container.get('name')} "
+                return f"{prefix}exit {terminated['exitCode']} ({reason})"
+            waiting = state.get("waiting")
+            if waiting and waiting.get("reason") not in (None, "ContainerCreating", "PodInitializing"):
+                return f"waiting: {waiting['reason']}"
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
+            return f"unschedulable: {condition.get('message') or condition.get('reason')}"
+    return None
+
+
+def _prefixed(prefix: str, lines: Iterator[str]) -> Iterator[str]:
+    for line in lines:
+        yield prefix + line
+
+
+def _interleave(streams: list[Iterator[str]]) -> Iterator[str]:
+    """Lines of several followed streams as they come (one reader thread per stream)."""
+    lines: queue.Queue[str | BaseException | None] = queue.Queue(maxsize=1024)
+
+    def pump(stream: Iterator[str]) -> None:
+        try:
+            for line in stream:
+                lines.put(line)
+        except BaseException as error:  # noqa: BLE001 - handed to the consumer, raised there
+            lines.put(error)
+        finally:
+            lines.put(None)
+
+    for stream in streams:
+        threading.Thread(target=pump, args=(stream,), daemon=True).start()
+    remaining = len(streams)
+    while remaining:
+        item = lines.get()
+        if item is None:
+            remaining -= 1
+        elif isinstance(item, BaseException):
+            raise item
+        else:
+            yield item
+
+
+def _newest_pod_per_index(pods: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    newest: dict[int, dict[str, Any]] = {}
+    for pod in sorted(pods, key=_created):
+        newest[_index_of(pod)] = pod
+    return newest

@@ -1,0 +1,271 @@
+"""The rendered Kubernetes objects: valid for every supported cluster, and the policy of DESIGN section 6."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import kubernetes_validate
+import kubernetes_validate.utils
+import pytest
+import yaml
+
+from dflash_jobs.errors import EXIT_BAD_INPUT, EXIT_BAD_SPEC, SpecError
+from dflash_jobs.spec import load_spec, parse_spec
+from dflashctl import render
+from dflashctl.cli.main import main
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "qwen36-27b"
+KUBERNETES_VERSIONS = ("1.33.0", "1.34.0", "1.35.0", "1.36.0", "1.37.0")
+
+
+def make_spec(**sections):
+    """A valid spec; keyword arguments replace or extend its sections."""
+    raw = {
+        "name": "demo-run",
+        "target": {"model": "/models/Qwen3.6-27B"},
+        "data": {"source": "s3://bucket/chats.jsonl"},
+        "output": "s3://bucket/runs/demo-run",
+    }
+    for key, value in sections.items():
+        raw[key] = {**raw.get(key, {}), **value} if isinstance(value, dict) else value
+    return parse_spec(raw)
+
+
+SPECS = {
+    "defaults": make_spec(),
+    "everything": make_spec(
+        extract={"shards": 3, "backoff_limit_per_index": 5},
+        train={"nodes": 2, "gpus_per_node": 4},
+        cluster={
+            "queue": "gpu-queue", "ttl_seconds_after_finished": 3600, "model_volume": {"claim": "models", "mount": "/weights"},
+            "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H200"}, "namespace": "team-a",
+        },
+    ),
+    "no-secret": make_spec(cluster={"s3_secret": None}),
+}
+
+
+def by_kind(objects, kind, component=None):
+    return [
+        o for o in objects
+        if o["kind"] == kind and (component is None or o["metadata"]["labels"].get("app.kubernetes.io/component") == component)
+    ]
+
+
+def the_job(objects, component):
+    (job,) = by_kind(objects, "Job", component)
+    return job
+
+
+def pod_specs(objects):
+    return [(job["metadata"]["name"], job["spec"]["template"]["spec"]) for job in by_kind(objects, "Job")]
+
+
+@pytest.fixture(scope="module")
+def cached_schemas():
+    """kubernetes-validate parses its large definitions file on every call: parse each file once."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kubernetes_validate.utils, "schema_contents", functools.cache(kubernetes_validate.utils.schema_contents))
+        yield
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_every_object_validates_against_every_supported_kubernetes_schema(name, cached_schemas):
+    objects = render.render_all(SPECS[name])
+    assert len({(o["kind"], o["metadata"]["name"]) for o in objects}) == len(objects)
+    for version in KUBERNETES_VERSIONS:
+        for obj in objects:
+            kubernetes_validate.validate(obj, version, strict=True)
+    # The check has teeth: a misspelled field fails it.
+    job = the_job(objects, "extract")
+    broken = {**job, "spec": {**job["spec"], "backoffLimitPerIndx": 1}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBERNETES_VERSIONS[0], strict=True)
+
+
+def test_extraction_job_is_an_indexed_job_with_the_designed_failure_policy():
+    spec = SPECS["everything"]
+    job = the_job(render.render_all(spec), "extract")
+    body = job["spec"]
+    assert job["metadata"]["name"] == "demo-run-extract" == render.job_name(spec, "extract")
+    assert body["completionMode"] == "Indexed"
+    assert body["completions"] == body["parallelism"] == spec.extract.shards == 3
+    assert body["backoffLimitPerIndex"] == 5
+    assert body["podReplacementPolicy"] == "Failed"
+    assert "maxFailedIndexes" not in body  # every shard runs; failed ones are retried by the pipeline
+    rules = body["podFailurePolicy"]["rules"]
+    assert rules[0] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    actions = {rule["action"]: rule["onExitCodes"]["values"] for rule in rules[1:]}
+    assert actions == {"FailJob": [EXIT_BAD_SPEC], "FailIndex": [EXIT_BAD_INPUT]}
+    assert all(c["status"] == "True" for rule in rules for c in rule.get("onPodConditions", []))
+    pod = body["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    (worker,) = pod["containers"]
+    assert worker["command"] == ["python", "-m", "dflash_jobs.extract", "-f", "/etc/dflash/dflash.yaml"]
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    (selfcheck,) = pod["initContainers"]
+    assert selfcheck["command"][-2:] == ["--component", "extract"]
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
+    assert body["ttlSecondsAfterFinished"] == 3600
+
+
+def test_every_pod_is_locked_down_and_writes_only_to_empty_dirs():
+    for name, spec in SPECS.items():
+        for job_name, pod in pod_specs(render.render_all(spec)):
+            where = f"{name}/{job_name}"
+            assert pod["restartPolicy"] == "Never", where
+            assert pod["securityContext"]["runAsNonRoot"] is True, where
+            assert pod["securityContext"]["runAsUser"] != 0, where
+            assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, where
+            volumes = {v["name"]: v for v in pod["volumes"]}
+            assert volumes["spec"] == {"name": "spec", "configMap": {"name": "demo-run-spec"}}, where
+            for container in pod.get("initContainers", []) + pod["containers"]:
+                security = container["securityContext"]
+                assert security == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}, where
+                mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+                assert mounts["/etc/dflash"]["readOnly"] is True
+                writable = [path for path, m in mounts.items() if "emptyDir" in volumes[m["name"]]]
+                assert "/tmp" in writable, where
+                env = {e["name"]: e["value"] for e in container["env"]}
+                for variable in ("HOME", "TMPDIR", "XDG_CACHE_HOME", "HF_HOME", "TRITON_CACHE_DIR"):
+                    assert any(env[variable].startswith(path) for path in writable), f"{where}: {variable}={env[variable]} is not writable"
+                # Credentials only by Secret reference: never a literal key in a manifest.
+                assert not any(e["name"].startswith("AWS_") for e in container["env"]), where
+                if spec.cluster.s3_secret:
+                    assert container["envFrom"] == [{"secretRef": {"name": "dflash-s3", "optional": True}}], where
+                else:
+                    assert "envFrom" not in container, where
+
+
+def test_gpu_pods_get_a_memory_backed_shm_and_the_model_volume_read_only():
+    spec = SPECS["everything"]
+    for component in ("extract", "train", "eval"):
+        pod = the_job(render.render_all(spec), component)["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+        assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+        mounts = {m["mountPath"]: m for m in pod["containers"][0]["volumeMounts"]}
+        assert mounts["/dev/shm"]["name"] == "dshm"
+        assert mounts["/weights"] == {"name": "model", "mountPath": "/weights", "readOnly": True}
+        assert pod["automountServiceAccountToken"] is False
+    assert not any(v["name"] == "model" for v in the_job(render.render_all(SPECS["defaults"]), "extract")["spec"]["template"]["spec"]["volumes"])
+
+
+def test_labels_and_spec_hash_on_every_object_of_the_run():
+    spec = SPECS["everything"]
+    objects = render.render_all(spec)
+    for obj in objects:
+        labels = obj["metadata"]["labels"]
+        assert all(len(value) <= 63 for value in labels.values())
+        assert obj["metadata"]["namespace"] == "team-a"
+        if obj["kind"] in ("ServiceAccount", "Role", "RoleBinding"):
+            # Shared by every run of the namespace: a second run attaches instead of conflicting.
+            assert "dflash.dev/run" not in labels and "annotations" not in obj["metadata"]
+            continue
+        assert obj["metadata"]["annotations"]["dflash.dev/spec-hash"] == spec.fingerprint()
+        for key in ("name", "instance", "component", "part-of", "managed-by"):
+            assert labels[f"app.kubernetes.io/{key}"]
+        assert labels["dflash.dev/run"] == "demo-run"
+    for job in by_kind(objects, "Job"):
+        assert job["spec"]["template"]["metadata"]["labels"] == render.run_labels(spec, job["metadata"]["labels"]["app.kubernetes.io/component"])
+        assert len(f"{job['metadata']['name']}-{spec.extract.shards}") <= 63  # the pod hostname of an Indexed Job
+    assert "ttlSecondsAfterFinished" not in the_job(render.render_all(SPECS["defaults"]), "extract")["spec"]
+    assert make_spec(extract={"shards": 9}).fingerprint() != SPECS["defaults"].fingerprint()
+
+
+def test_training_on_one_node_is_one_pod_with_every_gpu():
+    objects = render.render_train_objects(make_spec(train={"gpus_per_node": 8}))
+    (job,) = objects
+    pod = job["spec"]["template"]["spec"]
+    assert "completionMode" not in job["spec"]
+    assert pod["containers"][0]["command"] == [
+        "torchrun", "--nproc_per_node=8", "--standalone", "--nnodes=1", "-m", "dflash_jobs.train", "-f", "/etc/dflash/dflash.yaml",
+    ]
+    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert pod["containers"][0]["resources"]["requests"] == {"cpu": "64", "memory": "768Gi"}
+
+
+def test_training_on_several_nodes_rendezvous_through_a_headless_service():
+    spec = SPECS["everything"]
+    service, job = render.render_train_objects(spec)
+    name = render.job_name(spec, "train")
+    assert service["kind"] == "Service" and service["metadata"]["name"] == name
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"] == {"batch.kubernetes.io/job-name": name}
+    body = job["spec"]
+    assert body["completionMode"] == "Indexed" and body["completions"] == body["parallelism"] == 2
+    assert body["successPolicy"] == {"rules": [{"succeededIndexes": "0"}]}
+    pod = body["template"]["spec"]
+    assert pod["subdomain"] == service["metadata"]["name"]
+    command = pod["containers"][0]["command"]
+    assert "--nnodes=2" in command and "--nproc_per_node=4" in command
+    port = service["spec"]["ports"][0]["port"]
+    assert f"--rdzv_endpoint={name}-0.{name}:{port}" in command  # pod 0's hostname under the Service
+
+
+def test_controller_job_runs_the_pipeline_with_its_own_service_account():
+    spec = make_spec(cluster={"service_account": "runner", "controller_image": "registry/dflashctl:1"})
+    objects = render.render_selection(spec, "controller")
+    assert [o["kind"] for o in objects] == ["ConfigMap", "ServiceAccount", "Role", "RoleBinding", "Job"]
+    account, role, binding, job = objects[1:]
+    assert account["metadata"]["name"] == role["metadata"]["name"] == "runner"
+    assert role["rules"] == render.controller_role_rules()
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "runner"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "runner", "namespace": "dflash"}]
+    pod = job["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "runner"
+    (container,) = pod["containers"]
+    assert container["image"] == "registry/dflashctl:1"
+    assert container["command"] == ["dflashctl", "run", "-f", "/etc/dflash/dflash.yaml"]
+    assert "nvidia.com/gpu" not in str(container["resources"]) and "tolerations" not in pod
+    assert "kueue.x-k8s.io/queue-name" not in job["metadata"]["labels"]  # CPU: never waits behind GPU quota
+
+
+def test_render_is_deterministic_and_round_trips():
+    first = render.to_yaml(render.render_all(make_spec()))
+    second = render.to_yaml(render.render_all(make_spec()))
+    assert first == second
+    assert list(yaml.safe_load_all(first)) == render.render_all(make_spec())
+    assert "&id" not in first and "*id" not in first  # no YAML anchors: every object reads on its own
+    assert "dflash.yaml: |" in first  # the spec stays readable in the ConfigMap
+    spec_text = next(o for o in yaml.safe_load_all(first) if o["kind"] == "ConfigMap")["data"]["dflash.yaml"]
+    assert parse_spec(yaml.safe_load(spec_text)) == make_spec()
+
+
+def test_bad_memory_quantity_names_the_field():
+    with pytest.raises(SpecError, match="cluster.memory_per_gpu"):
+        render.render_extract_job(make_spec(cluster={"memory_per_gpu": "96GB"}))
+
+
+def test_committed_example_still_renders_byte_identically():
+    spec = load_spec(EXAMPLE / "dflash.yaml")
+    objects = render.render_all(spec)
+    committed = sorted(p.name for p in (EXAMPLE / "rendered").iterdir())
+    assert committed == sorted(render.manifest_filename(o) for o in objects)
+    for obj in objects:
+        assert (EXAMPLE / "rendered" / render.manifest_filename(obj)).read_text() == render.to_yaml([obj]), render.manifest_filename(obj)
+
+
+def test_cli_render_prints_yaml_or_writes_one_file_per_object(tmp_path, monkeypatch, capsys):
+    spec_file = EXAMPLE / "dflash.yaml"
+    monkeypatch.setattr("sys.argv", ["dflashctl", "render", "extract", "-f", str(spec_file)])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == render.to_yaml(render.render_selection(load_spec(spec_file), "extract"))
+    monkeypatch.setattr("sys.argv", ["dflashctl", "render", "controller", "-f", str(spec_file), "-o", str(tmp_path / "out")])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "configmap-qwen36-27b-v1-spec.yaml", "job-qwen36-27b-v1-controller.yaml", "role-dflash-controller.yaml",
+        "rolebinding-dflash-controller.yaml", "serviceaccount-dflash-controller.yaml",
+    ]
+    monkeypatch.setattr("sys.argv", ["dflashctl", "render", "everything", "-f", str(spec_file)])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 2
