@@ -32,6 +32,8 @@ MANIFEST_KEY = "extract/manifest.json"
 TOKEN_CHUNKS = "tokens/chunks/"
 HIDDEN_CHUNKS = "extract/chunks/"
 DONE_MARKERS = "extract/done/"
+DRAFTER_CONFIG_KEY = "train/drafter/config.json"  # written last by the export: the drafter is complete
+EVAL_REPORT_KEY = "eval/report.json"
 
 HIDDEN_DTYPES = ("bfloat16", "float8_e4m3fn")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn

@@ -1,0 +1,45 @@
+"""`dflashctl eval`: speculative decoding with the trained drafter; acceptance length, speed, losslessness."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from dflash_jobs.formats import EVAL_REPORT_KEY
+from dflash_jobs.spec import load_spec
+
+from dflashctl.backend import open_backend
+from dflashctl.cli import output
+from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt
+from dflashctl.cli.reporting import print_report, reporter_for
+from dflashctl.pipeline import run_eval
+
+TimeoutOpt = Annotated[float | None, typer.Option("--timeout", help="Give up waiting after this many seconds (exit 3); the Job goes on.")]
+
+
+def evaluate(
+    spec_file: SpecOpt = DEFAULT_SPEC,
+    timeout: TimeoutOpt = None,
+    fmt: OutputOpt = OutputFormat.table,
+) -> None:
+    """Evaluate the trained drafter: submit the eval Job (or attach to it), wait, print eval/report.json.
+
+    Acceptance length is the mean number of tokens each target forward pass yields; the check
+    that every output equals plain greedy decoding comes with it.
+
+    Examples:
+
+      dflashctl eval
+
+      dflashctl eval -o json | jq '.drafters.dflash.acceptance_length'
+    """
+    spec = load_spec(spec_file)
+    with reporter_for(output.stderr) as reporter:
+        report = run_eval(spec, open_backend(spec), reporter=reporter, timeout=timeout)
+    print_report(report, fmt)
+    output.hint(f"the full report: {spec.output}/{EVAL_REPORT_KEY} (and the plot eval/acceptance.png beside it)")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("eval")(evaluate)

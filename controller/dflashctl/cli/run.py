@@ -1,0 +1,68 @@
+"""`dflashctl run`: the whole pipeline, from a terminal or as the in-cluster controller Job.
+
+Progress goes to stderr (cli/reporting.py), the evaluation report to stdout.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from dflash_jobs.spec import load_spec
+
+from dflashctl.backend import open_backend
+from dflashctl.cli import output
+from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt
+from dflashctl.cli.reporting import print_report, reporter_for
+from dflashctl.pipeline import PipelineResult, run_pipeline
+
+ForceOpt = Annotated[bool, typer.Option("--force", help="Replace a run.yaml and Jobs left by a different spec under this name.")]
+TimeoutOpt = Annotated[float | None, typer.Option("--timeout", help="Give up after this many seconds (exit 3); running Jobs go on.")]
+
+
+def run(
+    spec_file: SpecOpt = DEFAULT_SPEC,
+    force: ForceOpt = False,
+    timeout: TimeoutOpt = None,
+    fmt: OutputOpt = OutputFormat.table,
+) -> None:
+    """Run the pipeline: prepare if needed, extract, verify, train, eval.
+
+    Run it again after a crash or Ctrl-C: it attaches to the Jobs that exist, skips every step
+    whose output is in storage, and goes on. Training starts only once every chunk is verified.
+
+    Examples:
+
+      dflashctl run
+
+      dflashctl run -f runs/qwen36-27b.yaml --timeout 3600
+
+      dflashctl submit controller      # the same, as a CPU Job inside the cluster
+    """
+    spec = load_spec(spec_file)
+    backend = open_backend(spec)
+    with reporter_for(output.stderr) as reporter:
+        result = run_pipeline(spec, backend, reporter=reporter, force=force, timeout=timeout)
+    if fmt is OutputFormat.json:
+        output.result_json(result_json(result))
+    else:
+        print_report(result.report or {}, fmt)
+    output.hint(f"the drafter: {spec.output}/train/drafter (z-lab layout, loads in vLLM with method dflash)")
+
+
+def result_json(result: PipelineResult) -> dict[str, Any]:
+    manifest = result.manifest
+    return {
+        "ran": result.ran,
+        "found_done": result.found_done,
+        "manifest": None if manifest is None else {
+            "chunks": len(manifest.chunks), "samples": manifest.samples, "tokens": manifest.tokens,
+            "bytes": manifest.bytes, "layers": manifest.layers, "dtype": manifest.dtype, "model": manifest.model,
+        },
+        "report": result.report,
+    }
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(run)

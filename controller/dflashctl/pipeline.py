@@ -1,0 +1,371 @@
+"""`dflashctl run`: prepare, extract, verify, train, eval; run again after a crash, it goes on.
+
+Each step first looks at what exists, in storage and on the backend, and does only what is missing:
+
+    step     done when                               otherwise
+    prepare  tokens/dataset.json exists              the prepare Job
+    extract  every chunk has its done marker         the extract Job (attached to when it runs); a Job
+                                                     that ended with chunks missing is replaced once
+                                                     (shards skip the chunks that landed)
+    verify   extract/manifest.json exists            every chunk against its marker -> the manifest
+    train    train/drafter/config.json exists        the train Job, only once the manifest exists
+    eval     eval/report.json exists                 the eval Job
+
+Storage decides, never a Job's Complete: with backoffLimitPerIndex one failed index fails the
+whole Job although its chunks may have landed, and a Complete Job proves nothing about its
+objects. The same code runs in a terminal and as the in-cluster controller Job, on either backend.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import yaml
+
+from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, RUN_KEY, Manifest
+from dflash_jobs.spec import RunSpec, dump_spec
+from dflash_jobs.storage import ObjectNotFound, Storage, storage_for
+
+from dflashctl.backend import (
+    EVENT_CHUNKS_VERIFIED,
+    EVENT_EVALUATION_DONE,
+    EVENT_EXTRACTION_FINISHED,
+    EVENT_RUN_FAILED,
+    EVENT_SHARDS_FAILED,
+    EVENT_SHARDS_RETRIED,
+    EVENT_TRAINING_FINISHED,
+    EVENT_TRAINING_LAUNCHED,
+    EVENT_VERIFY_FAILED,
+    PROGRESS_ANNOTATION,
+    Backend,
+    JobStatus,
+    format_indexes,
+)
+from dflashctl.errors import Conflict, RunFailed, WaitTimeout
+from dflashctl.progress import RateMeter, read_progress
+from dflashctl.render import job_name, render_selection
+from dflashctl.verify import Expected, VerificationFailed, read_manifest, verify_run
+
+STEPS = ("prepare", "extract", "verify", "train", "eval")
+EXTRACT_RETRIES = 1
+"""Times a failed extract Job is replaced within one `run` before it fails (each `run` starts afresh)."""
+REFRESH_S = 10.0
+"""How often progress is read from storage while a Job runs."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepUpdate:
+    """Where the current step is: its Job, and for extract and verify the chunks done of total."""
+
+    step: str
+    job: JobStatus | None = None
+    done: int | None = None
+    total: int | None = None
+    tokens_per_s: float | None = None
+    eta_s: float | None = None
+
+
+class Reporter(Protocol):
+    """Where the pipeline tells people what it does (the CLI draws it on stderr)."""
+
+    def say(self, message: str) -> None:
+        """A milestone, one line."""
+
+    def update(self, update: StepUpdate) -> None:
+        """Live progress of the current step."""
+
+
+class Silent:
+    """A Reporter for callers that only want the result."""
+
+    def say(self, message: str) -> None:
+        pass
+
+    def update(self, update: StepUpdate) -> None:
+        pass
+
+
+@dataclass(slots=True)
+class PipelineResult:
+    ran: list[str] = field(default_factory=list)
+    """Steps this invocation did."""
+    found_done: list[str] = field(default_factory=list)
+    """Steps already done by an earlier invocation (or by hand)."""
+    manifest: Manifest | None = None
+    report: dict[str, Any] | None = None
+    """eval/report.json."""
+
+
+def run_pipeline(
+    spec: RunSpec,
+    backend: Backend,
+    *,
+    storage: Storage | None = None,
+    reporter: Reporter | None = None,
+    force: bool = False,
+    timeout: float | None = None,
+    refresh_s: float = REFRESH_S,
+) -> PipelineResult:
+    """Runs what is missing of the run, step by step; see the module docstring.
+
+    `force` replaces a run.yaml and Jobs left by a different spec under this name. `timeout` bounds
+    the whole call (WaitTimeout; the Jobs go on). Raises RunFailed when a step fails."""
+    pipeline = Pipeline(spec, backend, storage or storage_for(spec), reporter or Silent(), force=force, timeout=timeout, refresh_s=refresh_s)
+    return pipeline.run()
+
+
+def run_eval(
+    spec: RunSpec,
+    backend: Backend,
+    *,
+    storage: Storage | None = None,
+    reporter: Reporter | None = None,
+    timeout: float | None = None,
+    refresh_s: float = REFRESH_S,
+) -> dict[str, Any]:
+    """`dflashctl eval`: evaluate the trained drafter (or attach to the evaluation that runs); the report."""
+    pipeline = Pipeline(spec, backend, storage or storage_for(spec), reporter or Silent(), force=False, timeout=timeout, refresh_s=refresh_s)
+    if not pipeline.storage.exists(DRAFTER_CONFIG_KEY):
+        raise RunFailed(
+            f"{pipeline.storage.url}/{DRAFTER_CONFIG_KEY} does not exist: there is no trained drafter to evaluate",
+            "Train it first: `dflashctl run`",
+        )
+    pipeline.job_step("eval", EVAL_REPORT_KEY)
+    return pipeline.read_report()
+
+
+class Pipeline:
+    """One invocation of the pipeline: the steps, and how to wait for and report on their Jobs."""
+
+    def __init__(self, spec: RunSpec, backend: Backend, storage: Storage, reporter: Reporter, *,
+                 force: bool, timeout: float | None, refresh_s: float) -> None:
+        self.spec = spec
+        self.backend = backend
+        self.storage = storage
+        self.reporter = reporter
+        self.force = force
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.timeout = timeout
+        self.refresh_s = refresh_s
+        self.meter = RateMeter()
+        self.progress_label: str | None = None
+
+    def run(self) -> PipelineResult:
+        result = PipelineResult()
+        self.record_spec()
+        steps: list[tuple[str, Callable[[], bool]]] = [
+            ("prepare", lambda: self.step_unless_stored("prepare", DATASET_KEY)),
+            ("extract", self.extract),
+            ("verify", self.verify),
+            ("train", self.train),
+            ("eval", lambda: self.step_unless_stored("eval", EVAL_REPORT_KEY)),
+        ]
+        for step, do in steps:
+            (result.ran if do() else result.found_done).append(step)
+        result.manifest = read_manifest(self.storage)
+        result.report = self.read_report()
+        self.reporter.say(f"run {self.spec.name} is done: {summarize_report(result.report)}")
+        return result
+
+    # ---- the steps; each returns True when it did something, False when it found it done ------
+
+    def record_spec(self) -> None:
+        """<output>/run.yaml: the first run writes it; a different spec later is refused (or --force)."""
+        text = dump_spec(self.spec)
+        if self.storage.put_if_absent(RUN_KEY, text.encode()):
+            return
+        existing = self.storage.get_bytes(RUN_KEY).decode()
+        if existing == text:
+            return
+        if self.force:
+            self.storage.put_bytes(RUN_KEY, text.encode())
+            self.reporter.say(
+                f"replaced {self.storage.url}/{RUN_KEY} with this spec (--force); outputs already in storage are kept, "
+                "delete them to redo their steps"
+            )
+            return
+        old = yaml.safe_load(existing) or {}
+        changed = sorted(key for key, value in self.spec.to_dict().items() if old.get(key) != value)
+        raise Conflict(
+            f"{self.storage.url} already holds run {old.get('name')!r} with another spec (differs in: {', '.join(changed)})",
+            "Use another `output` (or `name`) for a new run, restore the spec it was started with, or pass --force",
+        )
+
+    def step_unless_stored(self, step: str, output_key: str) -> bool:
+        if self.storage.exists(output_key):
+            return False
+        self.job_step(step, output_key)
+        return True
+
+    def extract(self) -> bool:
+        name = job_name(self.spec, "extract")
+        status: JobStatus | None = None
+        for attempt in range(1 + EXTRACT_RETRIES):
+            progress = read_progress(self.storage)
+            if progress.landed:
+                break
+            current = self.backend.job_status(name)
+            if current.exists and current.finished:
+                # It ended with chunks missing: earlier in this run (a failure: retry), or before it.
+                if attempt:
+                    self.backend.record_event(
+                        name, EVENT_SHARDS_RETRIED,
+                        f"{progress.label} chunks landed; replacing the Job once (landed chunks are skipped)", warning=True,
+                    )
+                self.reporter.say(f"extract Job {name} ended with {progress.label} chunks landed: submitting it again")
+                self.backend.delete(name)
+            self.backend.submit(render_selection(self.spec, "extract"), force=self.force)
+            status = self.wait("extract", name)
+            if status.failed_terminally:
+                self.backend.record_event(name, EVENT_SHARDS_FAILED, describe(status), warning=True)
+        else:  # every attempt is spent: did the last one land everything?
+            progress = read_progress(self.storage)
+            if not progress.landed:
+                raise self.failure(
+                    name,
+                    f"extraction ended with {progress.label} chunks landed after {1 + EXTRACT_RETRIES} attempts: {describe(status)}",
+                    "`dflashctl logs extract --shard N` shows why a shard failed; fix it and `dflashctl run` again "
+                    "(landed chunks are kept)",
+                )
+        if status is None:
+            return False  # every chunk had landed before this run
+        self.backend.record_event(name, EVENT_EXTRACTION_FINISHED, f"all {progress.chunks_total} chunks landed")
+        self.reporter.say(f"extraction: all {progress.chunks_total} chunks landed")
+        return True
+
+    def verify(self) -> bool:
+        if read_manifest(self.storage) is not None:
+            return False
+        name = job_name(self.spec, "extract")
+
+        def checked(done: int, total: int) -> None:
+            self.reporter.update(StepUpdate("verify", done=done, total=total))
+
+        try:
+            manifest = verify_run(self.storage, Expected.of(self.spec), on_checked=checked)
+        except VerificationFailed as failure:
+            self.backend.record_event(name, EVENT_VERIFY_FAILED, failure.what.splitlines()[0], warning=True)
+            raise
+        message = f"{len(manifest.chunks)} chunks verified: {manifest.samples} samples, {manifest.tokens} tokens, {manifest.bytes / 2**30:.2f} GiB"
+        self.backend.record_event(name, EVENT_CHUNKS_VERIFIED, message)
+        self.reporter.say(message)
+        return True
+
+    def train(self) -> bool:
+        if self.storage.exists(DRAFTER_CONFIG_KEY):
+            return False
+        manifest = read_manifest(self.storage)
+        if manifest is None:  # the order of the steps guarantees it; this guards the invariant itself
+            raise RunFailed("training needs extract/manifest.json, which does not exist", "Run `dflashctl verify` first")
+        self.job_step(
+            "train", DRAFTER_CONFIG_KEY,
+            launched=(EVENT_TRAINING_LAUNCHED, f"from {len(manifest.chunks)} verified chunks, {manifest.tokens} tokens"),
+        )
+        return True
+
+    # ---- Jobs ----------------------------------------------------------------------------------
+
+    def job_step(self, step: str, output_key: str, *, launched: tuple[str, str] | None = None) -> None:
+        """Runs the Job of a step to its end; its output must then exist in storage."""
+        name = job_name(self.spec, step)
+        current = self.backend.job_status(name)
+        if current.exists and current.finished and not self.storage.exists(output_key):
+            # Ended before this run without its output (failed, or the output was removed): run it anew.
+            self.reporter.say(f"{step} Job {name} had ended without {output_key}: submitting it again")
+            self.backend.delete(name)
+        self.backend.submit(render_selection(self.spec, step), force=self.force)
+        if launched is not None:
+            self.backend.record_event(name, *launched)
+        self.reporter.say(f"{step}: Job {name} submitted")
+        status = self.wait(step, name)
+        if status.failed_terminally:
+            raise self.failure(
+                name, f"{step} Job {name} failed: {describe(status)}",
+                f"`dflashctl logs {step}` shows why; fix it and `dflashctl run` again",
+            )
+        if not self.storage.exists(output_key):
+            raise self.failure(
+                name, f"{step} Job {name} completed but {self.storage.url}/{output_key} does not exist",
+                f"`dflashctl logs {step}` shows what it did",
+            )
+        done = {"train": EVENT_TRAINING_FINISHED, "eval": EVENT_EVALUATION_DONE}.get(step)
+        if done is not None:
+            self.backend.record_event(name, done, f"{output_key} written")
+        self.reporter.say(f"{step}: done ({output_key})")
+
+    def wait(self, step: str, name: str) -> JobStatus:
+        """Waits for the Job to finish, reading storage progress every `refresh_s` on the way."""
+        last: list[JobStatus] = []
+
+        def seen(status: JobStatus) -> None:
+            last[:] = [status]
+            self.refresh(step, status)
+
+        while True:
+            remaining = None if self.deadline is None else self.deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise WaitTimeout(
+                    f"{step} Job {name} did not finish within the {self.timeout:.0f} s given to `dflashctl run`",
+                    "It keeps running; `dflashctl run` again attaches to it",
+                )
+            try:
+                window = self.refresh_s if remaining is None else min(self.refresh_s, remaining)
+                return self.backend.wait(name, timeout=window, on_update=seen)
+            except WaitTimeout:
+                self.refresh(step, last[0] if last else None)
+
+    def refresh(self, step: str, job: JobStatus | None) -> None:
+        if step != "extract":
+            self.reporter.update(StepUpdate(step, job=job))
+            return
+        progress = read_progress(self.storage)
+        self.meter.observe(progress)
+        if job is not None and job.exists and progress.label != self.progress_label:
+            self.backend.annotate(job.name, PROGRESS_ANNOTATION, progress.label)
+            self.progress_label = progress.label
+        self.reporter.update(StepUpdate(
+            step, job=job, done=progress.chunks_done, total=progress.chunks_total,
+            tokens_per_s=self.meter.tokens_per_s, eta_s=self.meter.eta_s(progress),
+        ))
+
+    def failure(self, name: str, what: str, fix: str) -> RunFailed:
+        """RunFailed, recorded as an event on the Job first (`kubectl describe job` shows it)."""
+        self.backend.record_event(name, EVENT_RUN_FAILED, what, warning=True)
+        return RunFailed(what, fix)
+
+    def read_report(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.storage.get_bytes(EVAL_REPORT_KEY))
+        except ObjectNotFound:
+            raise RunFailed(f"{self.storage.url}/{EVAL_REPORT_KEY} does not exist", "Run `dflashctl eval`") from None
+        except ValueError:
+            raise RunFailed(f"{self.storage.url}/{EVAL_REPORT_KEY} is not valid JSON", "Run `dflashctl eval` again") from None
+
+
+def describe(status: JobStatus) -> str:
+    """Why a Job failed, with the failed shards and how each ended: for messages and events."""
+    parts = [status.failure_message or "failed"]
+    if status.failed_indexes:
+        reasons = {s.index: s.exit_reason for s in status.shards if s.index in status.failed_indexes and s.exit_reason}
+        shards = "; ".join(f"shard {i}: {reasons[i]}" for i in sorted(reasons))
+        parts.append(f"failed shards {format_indexes(status.failed_indexes)}" + (f" ({shards})" if shards else ""))
+    return "; ".join(parts)
+
+
+def summarize_report(report: dict[str, Any]) -> str:
+    """One line from eval/report.json: acceptance length, speed-up and losslessness per drafter."""
+    drafters = report.get("drafters") or {}
+    parts = [
+        f"{name}: acceptance length {summary.get('acceptance_length', float('nan')):.2f}, "
+        f"speed-up {summary.get('speedup', float('nan')):.2f}x"
+        for name, summary in drafters.items()
+    ]
+    lossless = report.get("lossless")
+    if lossless is not None:
+        parts.append("output equals plain greedy" if lossless else "OUTPUT DIFFERS from plain greedy")
+    return "; ".join(parts) or "eval/report.json has no drafter figures"
+

@@ -1,0 +1,341 @@
+"""The local backend runs rendered Jobs as processes with the Job controller's semantics.
+
+The pods run small `python -c` scripts: what is under test is the backend (indexes, env, mounts,
+parallelism, retries, podFailurePolicy, logs, attach, delete), not the data-plane jobs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash_jobs.errors import InputError
+from dflash_jobs.spec import dump_spec, parse_spec
+
+from dflashctl.errors import Conflict, RunFailed, WaitTimeout
+from dflashctl.local import JobFiles, LocalBackend, PathMap, resolve_container
+from dflashctl.render import SPEC_HASH, render_extract_job, render_selection
+
+WAIT_S = 30
+
+
+def make_spec(tmp_path: Path, **local):
+    return parse_spec({
+        "name": "demo",
+        "backend": "local",
+        "target": {"model": str(tmp_path / "models" / "tiny")},
+        "data": {"source": str(tmp_path / "chats.jsonl"), "max_length": 64, "chunk_tokens": 256},
+        "output": str(tmp_path / "out"),
+        "extract": {"shards": 3, "backoff_limit_per_index": 2},
+        "cluster": {"model_volume": {"claim": "models", "mount": "/models"}},
+        "local": {"workdir": str(tmp_path / "work"), **local},
+    })
+
+
+def make_job(name: str, script: str, *, completions: int = 1, parallelism: int | None = None, indexed: bool = True,
+             backoff_per_index: int | None = 0, rules: list | None = None, spec_hash: str = "h1",
+             init_script: str | None = None, env_from_secret: bool = False, **job_spec) -> dict:
+    """A Job shaped like render.py's: Indexed, restartPolicy Never, a "worker" container."""
+    worker = {"name": "worker", "command": ["python", "-c", script], "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}]}
+    if env_from_secret:
+        worker["envFrom"] = [{"secretRef": {"name": "dflash-s3", "optional": True}}]
+    pod_spec = {"restartPolicy": "Never", "containers": [worker]}
+    if init_script is not None:
+        pod_spec["initContainers"] = [{"name": "selfcheck", "command": ["python", "-c", init_script]}]
+    spec = {"completions": completions, "parallelism": parallelism or completions, "template": {"spec": pod_spec}, **job_spec}
+    if indexed:
+        spec["completionMode"] = "Indexed"
+    if backoff_per_index is not None and indexed:
+        spec["backoffLimitPerIndex"] = backoff_per_index
+    if rules is not None:
+        spec["podFailurePolicy"] = {"rules": rules}
+    return {
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {"name": name, "namespace": "dflash", "annotations": {SPEC_HASH: spec_hash}},
+        "spec": spec,
+    }
+
+
+def run_job(backend: LocalBackend, job: dict):
+    backend.submit([job])
+    return backend.wait(job["metadata"]["name"], timeout=WAIT_S)
+
+
+@pytest.fixture
+def backend(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return LocalBackend(make_spec(tmp_path))
+
+
+def test_rendered_extract_job_runs_every_index_with_its_env_and_mounts(tmp_path, monkeypatch):
+    """The manifest of render.py itself: the ConfigMap mount, emptyDirs, the model claim, the selfcheck init."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-value")
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    spec = make_spec(tmp_path)
+    configmap, job = render_selection(spec, "extract")
+    probe = (
+        "import json, os, sys; spec = open(sys.argv[sys.argv.index('-f') + 1]).read(); "
+        "print(json.dumps({'index': os.environ['JOB_COMPLETION_INDEX'], 'spec': spec, 'home': os.environ['HOME'], "
+        "'home_exists': os.path.isdir(os.environ['HOME']), 'models': os.listdir(sys.argv[-1]), "
+        "'secret': os.environ.get('AWS_SECRET_ACCESS_KEY'), 'cwd': os.getcwd()}))"
+    )
+    for container in (*job["spec"]["template"]["spec"]["initContainers"], *job["spec"]["template"]["spec"]["containers"]):
+        # Keep the rendered arguments (`-f /etc/dflash/dflash.yaml`): the backend must map the mount path.
+        container["command"] = ["python", "-c", probe, *container["command"][3:], "/models"]
+    backend = LocalBackend(spec)
+    backend.submit([configmap, job])
+    status = backend.wait("demo-extract", timeout=WAIT_S)
+
+    assert status.complete and status.completed_indexes == {0, 1, 2} and not status.failed_indexes
+    assert [shard.attempts for shard in status.shards] == [1, 1, 1]
+    for index in range(3):
+        lines = list(backend.logs("demo-extract", index, follow=False))
+        reports = [json.loads(line) for line in lines if line.startswith("{")]
+        assert len(reports) == 2  # the selfcheck init container, then the worker
+        worker = reports[-1]
+        assert worker["index"] == str(index)
+        assert worker["spec"] == dump_spec(spec)
+        assert worker["home_exists"] and worker["home"].startswith(str(tmp_path / "work" / "pods"))
+        assert worker["models"] == ["tiny"]  # the claim shows the directory holding target.model
+        assert worker["secret"] == "s3cr3t-value"  # envFrom secretRef -> this environment
+        assert worker["cwd"] == str(tmp_path)
+    # The Secret's value is handed to processes, never written under the workdir.
+    for path in (tmp_path / "work").rglob("*"):
+        if path.is_file() and "logs" not in path.parts:
+            assert b"s3cr3t-value" not in path.read_bytes(), path
+    assert not list((tmp_path / "work" / "pods").glob("*/*")), "emptyDirs are removed with their pod"
+
+
+def test_container_without_the_secret_reference_gets_no_credentials(backend, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key-id")
+    script = "import os; print('creds', os.environ.get('AWS_ACCESS_KEY_ID'))"
+    assert run_job(backend, make_job("nosecret", script)).complete
+    assert list(backend.logs("nosecret", 0, follow=False))[-1] == "creds None"
+    assert run_job(backend, make_job("secret", script, env_from_secret=True)).complete
+    assert list(backend.logs("secret", 0, follow=False))[-1] == "creds key-id"
+
+
+def test_resolve_container_maps_launchers_field_refs_and_paths(tmp_path):
+    container = {
+        "name": "worker",
+        "command": ["torchrun", "--nproc_per_node=2", "-m", "dflash_jobs.train", "-f", "/etc/dflash/dflash.yaml", "--cache=/var/cache/x"],
+        "env": [
+            {"name": "RANK0", "valueFrom": {"fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}},
+            {"name": "CACHE", "value": "/var/cache/dflash"},
+            {"name": "HF_HOME", "value": "$(CACHE)/huggingface"},
+        ],
+    }
+    paths = PathMap({"/etc/dflash": tmp_path / "cm", "/var/cache": tmp_path / "cache", "/var/cache/dflash": tmp_path / "dc"})
+    resolved = resolve_container(container, pod="t-3-0", namespace="ns", index=3, paths=paths, cwd="/w")
+    assert resolved.argv == [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "dflash_jobs.train",
+        "-f", str(tmp_path / "cm" / "dflash.yaml"), f"--cache={tmp_path / 'cache' / 'x'}",
+    ]
+    assert resolved.env["JOB_COMPLETION_INDEX"] == "3" and resolved.env["RANK0"] == "3"
+    assert resolved.env["CACHE"] == str(tmp_path / "dc")  # the longest mount wins
+    assert resolved.env["HF_HOME"] == str(tmp_path / "dc" / "huggingface")
+
+
+def test_parallelism_is_honoured_and_capped_by_local_parallelism(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    backend = LocalBackend(make_spec(tmp_path, parallelism=2))
+    spans = tmp_path / "spans"
+    spans.mkdir()
+    script = (
+        "import os, time; i = os.environ['JOB_COMPLETION_INDEX']; start = time.time(); time.sleep(0.4); "
+        f"open(os.path.join({str(spans)!r}, i), 'w').write(f'{{start}} {{time.time()}}')"
+    )
+    status = run_job(backend, make_job("par", script, completions=5, parallelism=4))
+    assert status.complete and status.completed_indexes == set(range(5))
+    intervals = [tuple(map(float, (spans / str(i)).read_text().split())) for i in range(5)]
+    events = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals])
+    running, most = 0, 0
+    for _, delta in events:
+        running += delta
+        most = max(most, running)
+    assert most == 2
+
+
+def test_a_failed_index_is_retried_within_its_backoff_limit(backend, tmp_path):
+    script = (
+        "import os, sys, pathlib; i = os.environ['JOB_COMPLETION_INDEX']; "
+        f"flag = pathlib.Path({str(tmp_path)!r}) / ('tried-' + i); "
+        "first = i == '1' and not flag.exists(); flag.touch(); print('attempt of', i, 'first' if first else 'again'); "
+        "sys.exit(1 if first else 0)"
+    )
+    status = run_job(backend, make_job("retry", script, completions=3, backoff_per_index=1))
+    assert status.complete and status.completed_indexes == {0, 1, 2}
+    assert [shard.attempts for shard in status.shards] == [1, 2, 1]
+    assert status.failed == 1
+    files = JobFiles(backend.workdir, "retry")
+    assert "first" in files.pod_log(1, 0).read_text() and "again" in files.pod_log(1, 1).read_text()
+    assert list(backend.logs("retry", 1, follow=False))[-1] == "attempt of 1 again"
+
+
+def test_an_index_that_keeps_failing_fails_the_job_after_its_retries(backend):
+    script = "import os, sys; sys.exit(1 if os.environ['JOB_COMPLETION_INDEX'] == '0' else 0)"
+    status = run_job(backend, make_job("flaky", script, completions=2, backoff_per_index=2))
+    assert status.failed_terminally and status.failure_message.startswith("FailedIndexes")
+    assert status.failed_indexes == {0} and status.completed_indexes == {1}
+    assert status.shards[0].attempts == 3 and status.shards[0].exit_reason == "exit 1 (Error)"
+
+
+def test_pod_failure_policy_fail_index_on_bad_input_is_not_retried(backend):
+    rules = [
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [2]}},
+        {"action": "FailIndex", "onExitCodes": {"operator": "In", "values": [42]}},
+    ]
+    script = "import os, sys; sys.exit(42 if os.environ['JOB_COMPLETION_INDEX'] == '2' else 0)"
+    status = run_job(backend, make_job("badinput", script, completions=3, backoff_per_index=3, rules=rules))
+    assert status.failed_terminally and status.failed_indexes == {2} and status.completed_indexes == {0, 1}
+    assert status.shards[2].attempts == 1 and status.shards[2].exit_reason == "exit 42 (Error)"
+
+
+def test_pod_failure_policy_fail_job_ends_the_other_pods(backend, tmp_path):
+    rules = [{"action": "FailJob", "onExitCodes": {"containerName": "worker", "operator": "In", "values": [2]}}]
+    finished = tmp_path / "finished"
+    script = (
+        "import os, sys, time\nif os.environ['JOB_COMPLETION_INDEX'] == '0':\n    time.sleep(0.3); sys.exit(2)\n"
+        f"time.sleep(20); open({str(finished)!r}, 'w').write('x')"
+    )
+    started = time.monotonic()
+    status = run_job(backend, make_job("badspec", script, completions=3, backoff_per_index=3, rules=rules))
+    assert time.monotonic() - started < 15
+    assert status.failed_terminally and status.failure_message.startswith("PodFailurePolicy")
+    assert "exit code 2 matching FailJob rule" in status.failure_message
+    assert not finished.exists() and status.active == 0
+
+
+def test_init_container_failure_fails_the_pod_before_the_worker(backend):
+    rules = [{"action": "FailJob", "onExitCodes": {"operator": "In", "values": [2]}}]
+    job = make_job("selfcheck", "print('worker ran')", init_script="import sys; print('no GPU'); sys.exit(2)", rules=rules)
+    status = run_job(backend, job)
+    assert status.failed_terminally and status.shards[0].exit_reason == "selfcheck exit 2 (Error)"
+    lines = list(backend.logs("selfcheck", 0, follow=False))
+    assert "no GPU" in lines and "worker ran" not in lines
+
+
+def test_non_indexed_job_retries_up_to_its_backoff_limit(backend):
+    job = make_job("single", "import sys; sys.exit(3)", indexed=False, backoffLimit=1)
+    status = run_job(backend, job)
+    assert status.failed_terminally and status.failure_message.startswith("BackoffLimitExceeded")
+    assert status.failed == 2 and status.shards[0].attempts == 2
+
+
+def test_success_policy_completes_on_rank_zero_and_reaps_the_rest(backend):
+    script = "import os, time; time.sleep(0 if os.environ['JOB_COMPLETION_INDEX'] == '0' else 30)"
+    job = make_job("train", script, completions=2, backoff_per_index=None, successPolicy={"rules": [{"succeededIndexes": "0"}]})
+    started = time.monotonic()
+    status = run_job(backend, job)
+    assert status.complete and "SuccessCriteriaMet" in status.conditions
+    assert time.monotonic() - started < 15
+
+
+def test_submit_attaches_to_the_same_spec_and_refuses_another(backend, tmp_path):
+    counter = tmp_path / "runs"
+    script = f"open({str(counter)!r}, 'a').write('x')"
+    assert run_job(backend, make_job("once", script)).complete
+    backend.submit([make_job("once", script)])  # attach: the Job exists and is complete, nothing runs again
+    assert backend.wait("once", timeout=WAIT_S).complete and counter.read_text() == "x"
+    with pytest.raises(Conflict, match="--force"):
+        backend.submit([make_job("once", script, spec_hash="h2")])
+    backend.submit([make_job("once", script, spec_hash="h2")], force=True)
+    assert backend.wait("once", timeout=WAIT_S).complete and counter.read_text() == "xx"
+
+
+def test_what_the_local_backend_cannot_map_is_refused_at_submit(backend):
+    job = make_job("nocm", "pass")
+    job["spec"]["template"]["spec"]["volumes"] = [{"name": "spec", "configMap": {"name": "demo-spec"}}]
+    with pytest.raises(InputError, match="ConfigMap demo-spec"):
+        backend.submit([job])
+    assert not backend.job_status("nocm").exists
+    secret_key = make_job("secretkey", "pass")
+    secret_key["spec"]["template"]["spec"]["containers"][0]["env"].append(
+        {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "token"}}}
+    )
+    with pytest.raises(InputError, match="env TOKEN of container worker"):
+        backend.submit([secret_key])
+
+
+def test_wait_times_out_and_delete_kills_the_processes(backend, tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    script = f"import os, time; open(os.path.join({str(pids)!r}, str(os.getpid())), 'w'); time.sleep(60)"
+    backend.submit([make_job("sleepy", script, completions=2)])
+    with pytest.raises(WaitTimeout):
+        backend.wait("sleepy", timeout=1.0)
+    running = backend.job_status("sleepy")
+    assert running.active == 2 and not running.finished
+    assert len(list(pids.iterdir())) == 2
+    backend.delete("sleepy")
+    assert not backend.job_status("sleepy").exists
+    for pid in (int(p.name) for p in pids.iterdir()):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    with pytest.raises(RunFailed, match="does not exist"):
+        backend.wait("sleepy", timeout=1.0)
+
+
+def test_a_lost_supervisor_shows_as_failed_and_submit_resumes_the_job(backend, tmp_path):
+    gate = tmp_path / "gate"
+    script = (
+        "import os, sys, time, pathlib\nif os.environ['JOB_COMPLETION_INDEX'] == '1':\n"
+        f"    while not pathlib.Path({str(gate)!r}).exists(): time.sleep(0.05)\nprint('done')"
+    )
+    job = make_job("resumable", script, completions=2)
+    backend.submit([job])
+    deadline = time.monotonic() + WAIT_S
+    while backend.job_status("resumable").completed_indexes != {0}:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    files = JobFiles(backend.workdir, "resumable")
+    supervisor = int(files.pid.read_text())
+    os.killpg(supervisor, signal.SIGKILL)  # the supervisor dies; its pod of index 1 is left running
+    while not backend.job_status("resumable").finished:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    lost = backend.job_status("resumable")
+    assert lost.failure_message.startswith("SupervisorLost")
+    gate.touch()
+    backend.submit([job])  # the same spec: attach, and resume where it stopped
+    status = backend.wait("resumable", timeout=WAIT_S)
+    assert status.complete and status.completed_indexes == {0, 1}
+    assert status.shards[0].attempts == 1, "a finished index is not run again"
+
+
+def test_logs_follow_streams_every_shard_until_the_job_ends(backend):
+    script = "import os, time\nfor step in range(3):\n    print('step', step, flush=True); time.sleep(0.2)"
+    backend.submit([make_job("chatty", script, completions=2)])
+    lines = list(backend.logs("chatty", None, follow=True))
+    for shard in (0, 1):
+        assert [line for line in lines if line.startswith(f"[shard {shard}] step")] == [
+            f"[shard {shard}] step {step}" for step in range(3)
+        ]
+    assert backend.job_status("chatty").complete
+
+
+def test_events_and_annotations_are_recorded(backend):
+    assert run_job(backend, make_job("noted", "pass")).complete
+    backend.annotate("noted", "dflash.dev/progress", "3/3")
+    backend.record_event("noted", "ChunksVerified", "3 chunks", warning=False)
+    assert backend.annotations("noted")["dflash.dev/progress"] == "3/3"
+    assert backend.annotations("noted")[SPEC_HASH] == "h1"
+    (event,) = backend.events("noted")
+    assert event["reason"] == "ChunksVerified" and event["type"] == "Normal"
+
+
+def test_rendered_extract_job_carries_the_policy_the_backend_honours(tmp_path):
+    """Pins the contract with render.py: the rules the local tests exercise are the rendered ones."""
+    job = render_extract_job(make_spec(tmp_path))
+    rules = job["spec"]["podFailurePolicy"]["rules"]
+    actions = {rule["action"]: rule.get("onExitCodes", {}).get("values") for rule in rules}
+    assert actions["FailIndex"] == [42] and actions["FailJob"] == [2]
+    assert job["spec"]["backoffLimitPerIndex"] == 2

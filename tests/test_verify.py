@@ -1,0 +1,172 @@
+"""verify: every chunk against its done marker, on a local directory and on S3; the manifest only when clean."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from extracted_chunks import CHUNKS, HIDDEN, LAYERS, extracted_run, hidden_chunk, mark_done, token_chunk
+
+from dflash_jobs.formats import DATASET_KEY, MANIFEST_KEY, DatasetIndex, done_key, hidden_chunk_key, hidden_metadata, hidden_tensors
+from dflash_jobs.storage import open_storage
+
+from dflashctl.errors import RunFailed
+from dflashctl.verify import Expected, VerificationFailed, read_manifest, verify_run
+
+EXPECTED = Expected(dtype="bfloat16", layers=LAYERS)
+
+
+@pytest.fixture(params=["local", "s3"])
+def storage(request, tmp_path):
+    """Both kinds, for the checks where they differ (etag on S3, sha256 recomputed locally)."""
+    if request.param == "local":
+        return open_storage(str(tmp_path / "run"))
+    return open_storage(f"s3://{request.getfixturevalue('s3_bucket')}/runs/r1")
+
+
+@pytest.fixture
+def local(tmp_path):
+    return open_storage(str(tmp_path / "run"))
+
+
+def failure(storage, **kwargs) -> VerificationFailed:
+    with pytest.raises(VerificationFailed) as caught:
+        verify_run(storage, EXPECTED, **kwargs)
+    assert not storage.exists(MANIFEST_KEY), "no manifest unless every chunk passes"
+    return caught.value
+
+
+def test_a_clean_run_gets_its_manifest(storage):
+    markers = extracted_run(storage)
+    seen = []
+    manifest = verify_run(storage, EXPECTED, on_checked=lambda done, total: seen.append((done, total)))
+    assert seen[-1] == (CHUNKS, CHUNKS) and len(seen) == CHUNKS
+    assert manifest.chunks == markers
+    assert (manifest.model, manifest.layers, manifest.dtype, manifest.hidden_size) == ("tiny", LAYERS, "bfloat16", HIDDEN)
+    assert manifest.tokens == sum(m.tokens for m in markers) and manifest.bytes == sum(m.bytes for m in markers)
+    assert read_manifest(storage) == manifest
+
+
+def test_a_truncated_chunk_is_caught(storage):
+    extracted_run(storage)
+    data = storage.get_bytes(hidden_chunk_key(2))
+    storage.put_bytes(hidden_chunk_key(2), data[:-10])
+    error = failure(storage)
+    assert "chunk 000002" in str(error) and f"has {len(data) - 10} bytes, its marker says {len(data)}" in str(error)
+    assert error.bad_markers == [done_key(2)] and "--delete-bad" in error.fix
+
+
+def test_a_chunk_replaced_after_its_marker_is_caught(storage):
+    """Same size, other content: the etag (S3) or the recomputed sha256 (local) gives it away."""
+    extracted_run(storage)
+    storage.put_bytes(hidden_chunk_key(1), hidden_chunk(1, seed=7))
+    error = failure(storage)
+    assert "chunk 000001" in str(error) and ("etag" in str(error) or "sha256" in str(error))
+    assert error.bad_markers == [done_key(1)]
+
+
+def test_a_chunk_without_marker_is_not_extracted_yet(local):
+    extracted_run(local)
+    local.delete(done_key(3))
+    error = failure(local)
+    assert "chunk 000003: not extracted yet" in str(error)
+    assert error.bad_markers == [] and "dflashctl run" in error.fix
+
+
+def test_a_marker_without_its_object_is_caught(local):
+    extracted_run(local)
+    local.delete(hidden_chunk_key(0))
+    error = failure(local)
+    assert f"marked done but {hidden_chunk_key(0)} does not exist" in str(error)
+
+
+def test_a_mislabeled_header_is_caught(local):
+    """The header says fp8 but the states are bf16, with a marker that matches the bytes."""
+    from safetensors.torch import save
+
+    extracted_run(local)
+    tokens = token_chunk(2)
+    hidden = torch.zeros(tokens.num_tokens, len(LAYERS), HIDDEN, dtype=torch.bfloat16)
+    metadata = hidden_metadata(layers=LAYERS, model="tiny", config_hash="cfg1", dtype="float8_e4m3fn")
+    mark_done(local, 2, save(hidden_tensors(tokens, hidden, None), metadata=metadata), dtype="float8_e4m3fn")
+    error = failure(local)
+    assert "chunk 000002" in str(error) and "labeled float8_e4m3fn but its hidden_states are BF16" in str(error)
+
+
+def test_chunks_of_another_target_or_other_layers_are_caught(tmp_path):
+    storage = open_storage(str(tmp_path / "run"))
+    extracted_run(storage)
+    mark_done(storage, 3, hidden_chunk(3, config_hash="cfg2"))
+    error = failure(storage)
+    assert "chunk 000003: extracted from another target" in str(error) and "config cfg2" in str(error)
+    mark_done(storage, 3, hidden_chunk(3))
+    with pytest.raises(VerificationFailed, match=r"the spec asks for target.layers \[1, 2\]"):
+        verify_run(storage, Expected(dtype="bfloat16", layers=[1, 2]))
+    assert verify_run(storage, Expected(dtype="bfloat16", layers=None)).layers == LAYERS
+
+
+def test_a_marker_that_disagrees_with_the_dataset_is_caught(tmp_path):
+    storage = open_storage(str(tmp_path / "run"))
+    extracted_run(storage, chunks=3)
+    index = DatasetIndex.from_json(storage.get_bytes(DATASET_KEY))
+    index.chunks[1].tokens += 1
+    index.tokens += 1
+    storage.put_bytes(DATASET_KEY, index.to_json().encode())
+    storage.put_bytes(done_key(9), storage.get_bytes(done_key(0)))  # a marker of a chunk the dataset lacks
+    error = failure(storage)
+    assert "chunk 000001: its marker says 2 samples / 13 tokens, tokens/dataset.json 2 / 14" in str(error)
+    assert "chunk 000009: has a done marker but tokens/dataset.json has no such chunk" in str(error)
+
+
+def test_deep_recomputes_the_sha256_even_where_the_etag_matches(s3_bucket):
+    storage = open_storage(f"s3://{s3_bucket}/deep")
+    extracted_run(storage)
+    marker = json.loads(storage.get_bytes(done_key(0)))
+    marker["sha256"] = "0" * 64
+    storage.put_bytes(done_key(0), json.dumps(marker).encode())
+    assert verify_run(storage, EXPECTED).chunks[0].sha256 == "0" * 64  # size and etag agree: passes
+    error = failure(storage, deep=True)
+    assert "chunk 000000" in str(error) and "sha256" in str(error)
+
+
+def test_failure_removes_a_stale_manifest_and_delete_bad_removes_only_lying_markers(tmp_path):
+    storage = open_storage(str(tmp_path / "run"))
+    extracted_run(storage)
+    verify_run(storage, EXPECTED)
+    storage.put_bytes(hidden_chunk_key(1), b"garbage")
+    storage.delete(done_key(2))
+    error = failure(storage, delete_bad=True)
+    assert not storage.exists(done_key(1)) and storage.exists(done_key(0)) and storage.exists(done_key(3))
+    assert "Deleted the 1 marker(s)" in error.fix and "1 chunk(s) are not extracted yet" in error.fix
+
+
+def test_no_dataset_index_says_to_prepare(tmp_path):
+    with pytest.raises(RunFailed, match="dflashctl prepare"):
+        verify_run(open_storage(str(tmp_path / "empty")), EXPECTED)
+
+
+def test_the_verify_command_writes_the_manifest_and_fails_with_exit_code_1(tmp_path):
+    import yaml
+    from typer.testing import CliRunner
+
+    from dflashctl.cli.app import app
+    from dflashctl.errors import exit_code
+
+    spec_file = tmp_path / "dflash.yaml"
+    spec_file.write_text(yaml.safe_dump({
+        "name": "v", "backend": "local", "output": str(tmp_path / "run"),
+        "target": {"model": str(tmp_path / "model"), "layers": LAYERS},
+        "data": {"source": str(tmp_path / "chats.jsonl"), "max_length": 64, "chunk_tokens": 256},
+    }))
+    storage = open_storage(str(tmp_path / "run"))
+    extracted_run(storage)
+    result = CliRunner().invoke(app, ["verify", "-f", str(spec_file), "-o", "json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["chunks"] == CHUNKS and summary["layers"] == LAYERS and storage.exists(MANIFEST_KEY)
+
+    storage.delete(hidden_chunk_key(1))
+    result = CliRunner().invoke(app, ["verify", "-f", str(spec_file), "--delete-bad"])
+    assert isinstance(result.exception, VerificationFailed) and exit_code(result.exception) == 1
+    assert not storage.exists(MANIFEST_KEY) and not storage.exists(done_key(1))
