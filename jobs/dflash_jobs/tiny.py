@@ -8,6 +8,12 @@ the tokenizer. Everything is built offline and deterministically from `seed`.
 
 `tiny_chat_dataset` writes templated conversations (arithmetic, counting, repeating phrases): text
 regular enough that a drafter trained on a few thousand of them learns to predict it.
+`teach_tiny_target` trains a checkpoint briefly on text, so that it says something a drafter can
+learn to predict (a random target's greedy output is noise, and every drafter's acceptance ~1).
+
+`python -m dflash_jobs.tiny DIR` writes what `dflashctl init --demo DIR` needs: DIR/target (taught
+the demo's kind of conversation) and DIR/chats.jsonl. The controller runs it as a subprocess
+because it never imports torch itself.
 
 Recipe of the weights: shared/reference/qwen_gdn.md section 5 (norm weights, dt_bias and the pad
 embedding row are randomised, otherwise tests of padding and masking pass spuriously).
@@ -15,8 +21,12 @@ embedding row are randomised, otherwise tests of padding and masking pass spurio
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import random
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -36,7 +46,9 @@ class TinyTargetShape:
 DEBUGMODEL = TinyTargetShape(num_layers=8, hidden_size=64, vocab_size=1024)
 
 UNUSED_EMBEDDING_ROWS = 16
-"""Embedding rows past the tokenizer, like Qwen3.6 (248,320 rows for ~248K tokens)."""
+"""Embedding rows past the tokenizer, at least; like Qwen3.6 (248,320 rows for ~248K tokens)."""
+MIN_BPE_VOCAB = 300
+"""The 256 byte tokens and a few merges: below that, text tokenizes byte by byte."""
 
 # Appended after the BPE vocabulary, in Qwen's order: pad / end of text first, then ChatML, then vision.
 SPECIAL_TOKENS = (
@@ -176,9 +188,10 @@ def build_tiny_tokenizer(vocab_size: int):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
 
-    size = vocab_size - UNUSED_EMBEDDING_ROWS - len(SPECIAL_TOKENS) - len(THINK_TOKENS)
-    if size < 300:
-        raise ValueError(f"vocab_size={vocab_size} is too small for a byte-level tokenizer: use >= {300 + UNUSED_EMBEDDING_ROWS + 9}")
+    added = len(SPECIAL_TOKENS) + len(THINK_TOKENS)
+    size = vocab_size - UNUSED_EMBEDDING_ROWS - added
+    if size < MIN_BPE_VOCAB:
+        raise ValueError(f"vocab_size={vocab_size} is too small for the tiny tokenizer: use >= {MIN_BPE_VOCAB + UNUSED_EMBEDDING_ROWS + added}")
     pipeline = Qwen3_5Tokenizer().backend_tokenizer
     backend = Tokenizer(models.BPE())
     backend.normalizer = pipeline.normalizer
@@ -285,3 +298,101 @@ def write_tiny_target(
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+def teach_tiny_target(
+    directory: str | Path,
+    texts: list[str],
+    *,
+    steps: int,
+    batch: int,
+    length: int,
+    lr: float,
+    seconds: float = math.inf,
+    device: str = "cpu",
+) -> dict[str, Any]:
+    """Trains the checkpoint in `directory` in place, next-token prediction on `texts` concatenated.
+
+    Stops after `steps` or `seconds`, whichever comes first; returns how far it got and the loss at
+    both ends. Only the language model trains: the vision tower is saved as it was, so the
+    checkpoint keeps its multimodal layout."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoTokenizer, Qwen3_5ForConditionalGeneration
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    stream = torch.tensor([t for ids in tokenizer(texts, add_special_tokens=False)["input_ids"] for t in ids])
+    if len(stream) <= length + 1:
+        raise ValueError(f"{len(stream)} tokens of text are too few to train on windows of {length}")
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(directory, dtype=torch.float32).to(device).train()
+    text_model, head = model.model.language_model, model.lm_head
+    parameters = [*text_model.parameters(), *head.parameters()]
+    optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
+    warmup = max(1, steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps)))
+    generator = torch.Generator().manual_seed(2)
+    losses: list[float] = []
+    deadline = time.monotonic() + seconds
+    done = 0
+    while done < steps and time.monotonic() < deadline:
+        starts = torch.randint(0, len(stream) - length - 1, (batch,), generator=generator)
+        windows = torch.stack([stream[s : s + length + 1] for s in starts.tolist()]).to(device)
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=torch.device(device).type == "cuda"):
+            hidden = text_model(input_ids=windows[:, :-1]).last_hidden_state
+            loss = F.cross_entropy(head(hidden).float().flatten(0, 1), windows[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        if done % 50 == 0 or done + 1 == steps or time.monotonic() > deadline:
+            losses.append(loss.item())
+            print(f"target step {done}/{steps}: loss {losses[-1]:.3f}", file=sys.stderr, flush=True)
+        done += 1
+    model.eval().save_pretrained(directory)
+    return {"steps": done, "tokens_seen": done * batch * length, "loss_first": losses[0], "loss_last": losses[-1]}
+
+
+# ---- the demo's inputs -----------------------------------------------------------------------
+
+DEMO_LAYERS = 4
+DEMO_CONVERSATIONS = 1200
+DEMO_TEACHING_STEPS = 300
+
+
+def write_demo_inputs(directory: str | Path, *, conversations: int = DEMO_CONVERSATIONS,
+                      teaching_steps: int = DEMO_TEACHING_STEPS) -> dict[str, Any]:
+    """DIR/target, taught on other conversations of the same kinds, and DIR/chats.jsonl."""
+    import torch
+    from transformers import AutoTokenizer
+
+    directory = Path(directory)
+    torch.manual_seed(0)
+    target = write_tiny_target(directory / "target", num_layers=DEMO_LAYERS)
+    taught = None
+    if teaching_steps:
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        # Other conversations than the data set's (seed 7): the target generalises, it does not recite.
+        texts = [tokenizer.apply_chat_template(row["messages"], tokenize=False) for row in tiny_chat_rows(4000, seed=7)]
+        taught = teach_tiny_target(target, texts, steps=teaching_steps, batch=16, length=128, lr=3e-3)
+    chats = tiny_chat_dataset(directory / "chats.jsonl", conversations)
+    return {"target": str(target), "chats": str(chats), "conversations": conversations, "teaching": taught}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Write the demo's tiny target and chat data set into DIR.")
+    parser.add_argument("directory", type=Path)
+    parser.add_argument("--conversations", type=int, default=DEMO_CONVERSATIONS)
+    parser.add_argument("--teaching-steps", type=int, default=DEMO_TEACHING_STEPS,
+                        help="training steps of the target on the demo's kind of text (0: random weights)")
+    args = parser.parse_args(argv)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # one bar per saved shard is noise under the demo's progress
+    print(json.dumps(write_demo_inputs(args.directory, conversations=args.conversations, teaching_steps=args.teaching_steps)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

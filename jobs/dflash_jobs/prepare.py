@@ -1,0 +1,560 @@
+"""Prepare: `data.source` JSONL -> token chunks under <output>/tokens (DESIGN sections 3 and 4).
+
+    python -m dflash_jobs.prepare -f dflash.yaml [--strict]
+
+Each line of the source is one sample, detected by its keys:
+- chat: `{"messages": [...], "tools": [...]?}`, rendered with the target's tokenizer and chat template;
+  the loss mask covers what the assistant generates (see `ChatEncoder`);
+- pre-tokenized: `{"input_ids": [...], "loss_mask": [...]}`, ids checked against the tokenizer.
+
+A sample's id is its 0-based line number in the source. Messages name lines 1-based, as editors do.
+Bad rows are dropped, counted by reason in tokens/dataset.json, listed in tokens/rejected.jsonl, and
+the first few are logged; over-long samples are cut to `data.max_length` and counted; `--strict`
+turns any of them into an error (InputError, exit code 2) naming the line.
+
+Samples fill chunks of at most `data.chunk_tokens` tokens in source order, never split. The last
+`data.holdout` valid samples go to tokens/holdout.safetensors (evaluation prompts), not into the
+training chunks: a source sorted by topic should be shuffled first. tokens/dataset.json is written
+last, so a reader sees a complete data set or none. The output is deterministic (same bytes for the
+same source and tokenizer) and memory stays bounded: the source is streamed in batches of rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import logging
+import multiprocessing
+import os
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import closing, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, Iterable, Iterator
+
+import numpy as np
+
+from dflash_jobs.errors import EXIT_BAD_SPEC, EXIT_OK, DflashError, InputError, SpecError
+from dflash_jobs.formats import DATASET_KEY, TOKEN_CHUNKS, ChunkInfo, DatasetIndex, TokenChunk, token_chunk_key
+from dflash_jobs.spec import DEFAULT_SPEC_FILE, DataSpec, RunSpec, is_s3, load_spec
+from dflash_jobs.storage import ObjectNotFound, Storage, open_storage, open_url, storage_for
+
+log = logging.getLogger("dflash.prepare")
+
+HOLDOUT_KEY = "tokens/holdout.safetensors"
+REJECTED_KEY = "tokens/rejected.jsonl"
+LOG_EVERY_S = 5.0
+LOGGED_BAD_ROWS = 20
+BATCH_ROWS = 512
+"""Rows tokenized together: the Rust tokenizer parallelises a batch; memory stays bounded by it."""
+
+# Why a row is dropped: the keys of `dropped` in tokens/dataset.json.
+MALFORMED_JSON = "malformed_json"  # not JSON, or not a JSON object
+MISSING_FIELDS = "missing_fields"  # neither "messages" nor "input_ids" + "loss_mask"
+INVALID_FIELDS = "invalid_fields"  # wrong types, lengths that differ, a loss mask other than 0/1
+TEMPLATE_ERROR = "template_error"  # the chat template refused the messages
+OUT_OF_VOCAB = "out_of_vocab"  # a token id outside the target tokenizer's vocabulary
+EMPTY = "empty"  # a blank line, no messages, no tokens
+NO_SUPERVISED_TOKENS = "no_supervised_tokens"  # no assistant token (left after truncation)
+
+# What AutoTokenizer reads from a checkpoint; fetched alone when the target lives in S3.
+TOKENIZER_FILES = (
+    "config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",
+)
+
+
+class BadRow(Exception):
+    """A row that cannot become a sample; `reason` is one of the constants above."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+    def __reduce__(self):  # crosses from worker processes as a value
+        return BadRow, (self.reason, self.detail)
+
+
+@dataclass(slots=True)
+class RenderedChat:
+    text: str
+    spans: list[tuple[int, int]]  # character spans the assistant generates
+
+
+@dataclass(slots=True)
+class Sample:
+    sample_id: int  # 0-based line number in data.source
+    input_ids: np.ndarray  # int32 [T]
+    loss_mask: np.ndarray  # uint8 [T]
+
+
+# ---- reading the source --------------------------------------------------------------------------
+
+
+@contextmanager
+def open_source(source: str, *, endpoint_url: str | None = None, region: str | None = None) -> Iterator[BinaryIO]:
+    """data.source as a binary stream: an s3:// object is streamed, never downloaded whole."""
+    try:
+        if is_s3(source):
+            storage, key = open_url(source, endpoint_url=endpoint_url, region=region)
+            stream = storage.open_read(key)
+        else:
+            stream = open(source.removeprefix("file://"), "rb")
+    except (ObjectNotFound, FileNotFoundError):
+        raise SpecError("data.source", source, "an existing JSONL file (local path or s3:// object)") from None
+    with stream:
+        yield stream
+
+
+def batched_lines(stream: BinaryIO, size: int) -> Iterator[list[tuple[int, bytes]]]:
+    """(0-based line number, raw line) in batches of `size`."""
+    batch: list[tuple[int, bytes]] = []
+    for number, line in enumerate(stream):
+        batch.append((number, line))
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+# ---- the tokenizer -------------------------------------------------------------------------------
+
+
+def load_tokenizer(model: str, *, endpoint_url: str | None = None, region: str | None = None):
+    """The target's tokenizer; for an s3:// checkpoint only the tokenizer files are fetched."""
+    from transformers import AutoTokenizer
+
+    if not is_s3(model):
+        directory = Path(model.removeprefix("file://"))
+        if not (directory / "tokenizer_config.json").is_file() and not (directory / "tokenizer.json").is_file():
+            raise SpecError("target.model", model, "a checkpoint directory holding the tokenizer (tokenizer.json, tokenizer_config.json)")
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    storage = open_storage(model, endpoint_url=endpoint_url, region=region)
+    present = set(storage.list(""))
+    if "tokenizer.json" not in present:
+        raise SpecError("target.model", model, "a checkpoint with tokenizer.json (a fast tokenizer) next to config.json")
+    with tempfile.TemporaryDirectory(prefix="dflash-tokenizer-") as directory:
+        for name in TOKENIZER_FILES:
+            if name in present:
+                storage.get_file(name, Path(directory) / name)
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+
+
+class ChatEncoder:
+    """Renders conversations with the target's chat template and marks the assistant's tokens.
+
+    The loss covers what the model generates in each assistant turn: everything after the
+    generation prompt, up to and including the end-of-turn token (`<|im_end|>` for Qwen). It is
+    found by rendering, for assistant message i, the conversation before it with
+    `add_generation_prompt=True`: where that text stops agreeing with the full rendering, the
+    assistant's generation starts. This needs no `{% generation %}` markers and holds for Qwen3.5/3.6,
+    whose template renders a turn differently depending on what follows it (a <think> block only
+    after the last user message), so that rendering prefix by prefix does not give prefixes.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        if not tokenizer.chat_template:
+            raise InputError("the target's tokenizer has no chat template, so chat rows cannot be rendered", "Use pre-tokenized rows, or a checkpoint with a chat template")
+        if not getattr(tokenizer, "is_fast", False):
+            raise InputError("the target's tokenizer is not a fast tokenizer", "Chat rows need tokenizer.json in the checkpoint (token offsets)")
+        self.tokenizer = tokenizer
+        self.backend = tokenizer.backend_tokenizer
+        self.turn_end = self._find_turn_end()
+
+    def _find_turn_end(self) -> str:
+        """The special token that closes an assistant turn, read off a rendered probe."""
+        sentinel = "dflash-probe-reply"
+        probe = [{"role": "user", "content": "dflash-probe"}, {"role": "assistant", "content": sentinel}]
+        text = self.tokenizer.apply_chat_template(probe, tokenize=False)
+        rest = text[text.rindex(sentinel) + len(sentinel):]
+        found = [(rest.find(token), token) for token in self.tokenizer.get_added_vocab() if token and token in rest]
+        if found:
+            return min(found)[1]
+        if self.tokenizer.eos_token:
+            return self.tokenizer.eos_token
+        raise InputError("cannot tell how the chat template ends an assistant turn (no special token after the reply)", "Use pre-tokenized rows")
+
+    def render(self, row: dict[str, Any]) -> RenderedChat:
+        """The conversation as text, with the character spans of what the assistant generates."""
+        messages = row["messages"]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise BadRow(INVALID_FIELDS, '"messages" must be a list of objects, each with a string "role"')
+        if not messages:
+            raise BadRow(EMPTY, '"messages" is empty')
+        if not any(m["role"] == "assistant" for m in messages):
+            raise BadRow(NO_SUPERVISED_TOKENS, "no assistant message")
+        tools = row.get("tools")
+        try:
+            text = self._apply(messages, tools, add_generation_prompt=False)
+            spans: list[tuple[int, int]] = []
+            for i, message in enumerate(messages):
+                if message["role"] == "assistant":
+                    prompt = self._apply(messages[:i], tools, add_generation_prompt=True)
+                    spans.append(self._assistant_span(text, prompt, message, spans[-1][1] if spans else 0))
+        except BadRow:
+            raise
+        except Exception as exc:  # noqa: BLE001 - jinja raises anything: the row's message says what
+            raise BadRow(TEMPLATE_ERROR, f"the chat template failed: {type(exc).__name__}: {exc}") from None
+        return RenderedChat(text, spans)
+
+    def _apply(self, messages: list[dict[str, Any]], tools: Any, *, add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def _assistant_span(self, text: str, prompt: str, message: dict[str, Any], previous_end: int) -> tuple[int, int]:
+        start = len(prompt) if text.startswith(prompt) else len(os.path.commonprefix([text, prompt]))
+        if start < previous_end:
+            raise BadRow(TEMPLATE_ERROR, "the chat template renders an earlier turn differently once a later one follows")
+        end = text.find(self.turn_end, start)
+        end = len(text) if end < 0 else end + len(self.turn_end)
+        content = message.get("content")
+        # The reply's final text must lie in the span (Qwen's templates drop an inline <think> block).
+        if isinstance(content, str) and content.rsplit("</think>", 1)[-1].strip() not in text[start:end]:
+            raise BadRow(TEMPLATE_ERROR, "an assistant reply does not appear where the chat template puts the turn")
+        return start, end
+
+    def encode(self, rendered: list[RenderedChat]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Tokenizes rendered conversations in one batch: (input_ids, loss_mask) each."""
+        encodings = self.backend.encode_batch([chat.text for chat in rendered], add_special_tokens=False)
+        result = []
+        for encoding, chat in zip(encodings, rendered):
+            mask = np.zeros(len(encoding.ids), dtype=np.uint8)
+            for start, end in chat.spans:
+                # A token that straddles a span edge (one "\n\n" across the generation prompt's end) counts.
+                first, last = _token_at(encoding, start, end, step=1), _token_at(encoding, end - 1, start - 1, step=-1)
+                if first is not None and last is not None:
+                    mask[first : last + 1] = 1
+            result.append((np.asarray(encoding.ids, dtype=np.int32), mask))
+        return result
+
+
+def _token_at(encoding, char: int, stop: int, *, step: int) -> int | None:
+    """The token holding character `char`, or the nearest one towards `stop` (some whitespace maps to none)."""
+    for position in range(char, stop, step):
+        token = encoding.char_to_token(position)
+        if token is not None:
+            return token
+    return None
+
+
+def parse_pretokenized(row: dict[str, Any], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    if "loss_mask" not in row:
+        raise BadRow(MISSING_FIELDS, 'a pre-tokenized row needs "loss_mask" next to "input_ids"')
+    ids, mask = row["input_ids"], row["loss_mask"]
+    if not isinstance(ids, list) or not isinstance(mask, list) or not all(type(v) is int for v in ids):
+        raise BadRow(INVALID_FIELDS, '"input_ids" must be a list of integers and "loss_mask" a list')
+    if not ids:
+        raise BadRow(EMPTY, '"input_ids" is empty')
+    if len(mask) != len(ids) or not all(v in (0, 1) for v in mask):
+        raise BadRow(INVALID_FIELDS, f'"loss_mask" must hold one 0 or 1 per token ({len(mask)} values for {len(ids)} tokens)')
+    input_ids = np.asarray(ids, dtype=np.int64)
+    outside = input_ids[(input_ids < 0) | (input_ids >= vocab_size)]
+    if outside.size:
+        raise BadRow(OUT_OF_VOCAB, f"token id {int(outside[0])} is outside the tokenizer's vocabulary 0..{vocab_size - 1}")
+    return input_ids.astype(np.int32), np.asarray(mask, dtype=np.uint8)
+
+
+# ---- writing -------------------------------------------------------------------------------------
+
+
+class ChunkWriter:
+    """Packs samples into token chunks of at most `chunk_tokens` tokens, in order, never splitting one."""
+
+    def __init__(self, storage: Storage, chunk_tokens: int) -> None:
+        self.storage = storage
+        self.chunk_tokens = chunk_tokens
+        self.pending: list[Sample] = []
+        self.pending_tokens = 0
+        self.chunks: list[ChunkInfo] = []
+        self.supervised_tokens = 0
+
+    def add(self, sample: Sample) -> None:
+        if self.pending_tokens + len(sample.input_ids) > self.chunk_tokens:
+            self.flush()
+        self.pending.append(sample)
+        self.pending_tokens += len(sample.input_ids)
+        self.supervised_tokens += int(sample.loss_mask.sum())
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        chunk_id = len(self.chunks)
+        key = token_chunk_key(chunk_id)
+        self.storage.put_bytes(key, pack(self.pending).encode())
+        self.chunks.append(ChunkInfo(id=chunk_id, path=key, samples=len(self.pending), tokens=self.pending_tokens))
+        self.pending, self.pending_tokens = [], 0
+
+
+def pack(samples: list[Sample]) -> TokenChunk:
+    lengths = [len(s.input_ids) for s in samples]
+    return TokenChunk(
+        input_ids=np.concatenate([s.input_ids for s in samples]).astype(np.int32),
+        loss_mask=np.concatenate([s.loss_mask for s in samples]).astype(np.uint8),
+        cu_seqlens=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        sample_ids=np.asarray([s.sample_id for s in samples], dtype=np.int64),
+    )
+
+
+def prompt_length(loss_mask: np.ndarray) -> int:
+    """Where the last supervised run of a sample starts: its tokens before it are the eval prompt."""
+    supervised = np.flatnonzero(loss_mask)
+    if not supervised.size:
+        return len(loss_mask)
+    gaps = np.flatnonzero(np.diff(supervised) > 1)
+    return int(supervised[gaps[-1] + 1] if gaps.size else supervised[0])
+
+
+# ---- the job -------------------------------------------------------------------------------------
+
+Encoded = BadRow | tuple[np.ndarray, np.ndarray]
+"""One row's outcome: why it is bad, or its (input_ids, loss_mask) before truncation."""
+
+
+class RowEncoder:
+    """Turns a batch of raw lines into samples or reasons, independently of any other batch."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)
+
+    @functools.cached_property
+    def chat(self) -> ChatEncoder:
+        """Built at the first chat row: a pre-tokenized data set needs no chat template."""
+        return ChatEncoder(self.tokenizer)
+
+    def encode(self, batch: list[tuple[int, bytes]]) -> list[tuple[int, Encoded]]:
+        parsed: list[tuple[int, BadRow | RenderedChat | tuple[np.ndarray, np.ndarray]]] = []
+        for number, line in batch:
+            try:
+                parsed.append((number, self.parse(line)))
+            except BadRow as bad:
+                parsed.append((number, bad))
+        # Chat rows are tokenized together: one call, parallel in the Rust tokenizer.
+        chats = [item for _, item in parsed if isinstance(item, RenderedChat)]
+        encoded = iter(self.chat.encode(chats) if chats else ())
+        return [(number, next(encoded) if isinstance(item, RenderedChat) else item) for number, item in parsed]
+
+    def parse(self, line: bytes) -> RenderedChat | tuple[np.ndarray, np.ndarray]:
+        """A chat row rendered (tokenized later, with its batch), or a pre-tokenized row's (ids, mask)."""
+        if not line.strip():
+            raise BadRow(EMPTY, "blank line")
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            raise BadRow(MALFORMED_JSON, f"not valid JSON ({exc})") from None
+        if not isinstance(row, dict):
+            raise BadRow(MALFORMED_JSON, f"a JSON {type(row).__name__}, expected an object")
+        if "messages" in row:
+            return self.chat.render(row)
+        if "input_ids" in row:
+            return parse_pretokenized(row, self.vocab_size)
+        raise BadRow(MISSING_FIELDS, 'expected "messages" (chat) or "input_ids" and "loss_mask" (pre-tokenized)')
+
+
+# Worker processes inherit the encoder by fork; only lines and arrays cross process boundaries.
+_worker_encoder: RowEncoder | None = None
+
+
+def _set_worker_encoder(encoder: RowEncoder) -> None:
+    global _worker_encoder
+    _worker_encoder = encoder
+    # The pool already uses every CPU: tokenizer threads inside each worker would oversubscribe them.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+def _encode_in_worker(batch: list[tuple[int, bytes]]) -> list[tuple[int, Encoded]]:
+    assert _worker_encoder is not None
+    return _worker_encoder.encode(batch)
+
+
+def encode_batches(encoder: RowEncoder, batches: Iterable[list[tuple[int, bytes]]], *, workers: int) -> Iterator[list[tuple[int, Encoded]]]:
+    """`encoder.encode` over the batches, in order, on `workers` processes (rendering chat
+    templates is pure Python: one core does ~1-2K rows/s). At most 2 x workers batches are in
+    flight, so a fast reader cannot fill memory ahead of the writer."""
+    if workers <= 1:
+        yield from map(encoder.encode, batches)
+        return
+    context = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_set_worker_encoder, initargs=(encoder,)) as pool:
+        in_flight: collections.deque = collections.deque()
+        for batch in batches:
+            in_flight.append(pool.submit(_encode_in_worker, batch))
+            if len(in_flight) >= 2 * workers:
+                yield in_flight.popleft().result()
+        while in_flight:
+            yield in_flight.popleft().result()
+
+
+def cpu_budget() -> int:
+    """CPUs this process may use: the affinity mask, capped by a cgroup v2 quota (a pod's CPU limit)."""
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+    except (OSError, ValueError):
+        return cpus
+    return cpus if quota == "max" else max(1, min(cpus, int(quota) // int(period)))
+
+
+@dataclass
+class PrepareStats:
+    rows: int = 0
+    samples: int = 0
+    tokens: int = 0
+    truncated: int = 0
+    dropped: collections.Counter = field(default_factory=collections.Counter)
+
+
+class Preparer:
+    """Turns encoded rows into chunks, the holdout and the index; see the module docstring for the rules."""
+
+    def __init__(self, data: DataSpec, *, storage: Storage, vocab_size: int, strict: bool = False, tokenizer_name: str | None = None) -> None:
+        self.data = data
+        self.storage = storage
+        self.vocab_size = vocab_size
+        self.strict = strict
+        self.tokenizer_name = tokenizer_name
+        self.stats = PrepareStats()
+        # Every bad row, spooled to disk and uploaded at the end: a data set of bad rows costs no memory.
+        self.rejected = tempfile.NamedTemporaryFile(prefix="dflash-rejected-", suffix=".jsonl")
+
+    def close(self) -> None:
+        self.rejected.close()
+
+    def run(self, batches: Iterable[list[tuple[int, Encoded]]]) -> DatasetIndex:
+        # A re-run rewrites the chunks: the old index must not describe a half-written data set.
+        self.storage.delete(DATASET_KEY)
+        writer = ChunkWriter(self.storage, self.data.chunk_tokens)
+        holdout: collections.deque[Sample] = collections.deque()
+        started = last_log = time.monotonic()
+        for batch in batches:
+            for number, outcome in batch:
+                sample = self.sample(number, outcome)
+                if sample is None:
+                    continue
+                holdout.append(sample)
+                if len(holdout) > self.data.holdout:
+                    writer.add(holdout.popleft())
+            self.stats.rows += len(batch)
+            if time.monotonic() - last_log >= LOG_EVERY_S:
+                last_log = time.monotonic()
+                self.log_progress(started, len(writer.chunks))
+        if not writer.pending and not writer.chunks:
+            raise InputError(
+                f"data.source {self.data.source} has {len(holdout)} usable samples, all held out (data.holdout = {self.data.holdout})",
+                "Add samples, or lower data.holdout",
+            )
+        writer.flush()
+        self.log_progress(started, len(writer.chunks))
+        index = self.finish(writer, list(holdout))
+        log.info("wrote %d chunks, %d samples, %d tokens (%d supervised); %d held out; dropped %s; truncated %d",
+                 len(index.chunks), index.samples, index.tokens, index.supervised_tokens, len(holdout),
+                 dict(sorted(index.dropped.items())) or "none", index.truncated)
+        return index
+
+    def sample(self, number: int, outcome: Encoded) -> Sample | None:
+        """The row as a sample, truncated to data.max_length; None (and counted) if it is unusable."""
+        if isinstance(outcome, BadRow):
+            self.reject(number, outcome)
+            return None
+        ids, mask = outcome
+        truncated = len(ids) > self.data.max_length
+        ids, mask = ids[: self.data.max_length], mask[: self.data.max_length]
+        if not mask.any():
+            self.reject(number, BadRow(NO_SUPERVISED_TOKENS, "no assistant token" + (f" in the first {self.data.max_length} tokens" if truncated else "")))
+            return None
+        if truncated:
+            if self.strict:
+                raise InputError(f"data.source line {number + 1} is longer than data.max_length = {self.data.max_length} tokens", "Shorten it, raise data.max_length, or drop --strict to truncate it")
+            self.stats.truncated += 1
+        self.stats.samples += 1
+        self.stats.tokens += len(ids)
+        return Sample(number, ids, mask)
+
+    def reject(self, number: int, bad: BadRow) -> None:
+        if self.strict:
+            raise InputError(f"data.source line {number + 1}: {bad.reason}: {bad.detail}", "Fix or remove the row, or drop --strict to skip bad rows")
+        self.stats.dropped[bad.reason] += 1
+        self.rejected.write((json.dumps({"line": number + 1, "sample_id": number, "reason": bad.reason, "detail": bad.detail}) + "\n").encode())
+        dropped = sum(self.stats.dropped.values())
+        if dropped <= LOGGED_BAD_ROWS:
+            log.warning("dropped line %d (%s): %s", number + 1, bad.reason, bad.detail)
+            if dropped == LOGGED_BAD_ROWS:
+                log.warning("not logging further bad rows: counts in %s, every one in %s", DATASET_KEY, REJECTED_KEY)
+
+    def finish(self, writer: ChunkWriter, held_out: list[Sample]) -> DatasetIndex:
+        """Writes the holdout, the list of bad rows and, last, the index; removes chunks of an older run."""
+        holdout: dict[str, Any] = {"samples": len(held_out), "selection": "last valid samples of data.source"}
+        if held_out:
+            chunk = pack(held_out)
+            self.storage.put_bytes(HOLDOUT_KEY, chunk.encode())
+            holdout.update(path=HOLDOUT_KEY, tokens=chunk.num_tokens, sample_ids=chunk.sample_ids.tolist())
+        self.rejected.flush()
+        self.storage.put_file(REJECTED_KEY, self.rejected.name)
+        chunks = writer.chunks
+        current = {c.path for c in chunks}
+        for key in self.storage.list(TOKEN_CHUNKS):
+            if key not in current:
+                self.storage.delete(key)
+        index = DatasetIndex(
+            samples=sum(c.samples for c in chunks),
+            tokens=sum(c.tokens for c in chunks),
+            vocab_size=self.vocab_size,
+            chunks=chunks,
+            source=self.data.source,
+            tokenizer=self.tokenizer_name,
+            dropped=dict(sorted(self.stats.dropped.items())),
+            truncated=self.stats.truncated,
+            supervised_tokens=writer.supervised_tokens,
+            holdout=holdout,
+        )
+        self.storage.put_bytes(DATASET_KEY, index.to_json().encode())
+        return index
+
+    def log_progress(self, started: float, chunks: int) -> None:
+        elapsed = max(time.monotonic() - started, 1e-9)
+        stats = self.stats
+        log.info("rows %d (%.0f rows/s), samples %d, tokens %d (%.0f tokens/s), chunks %d, dropped %d, truncated %d",
+                 stats.rows, stats.rows / elapsed, stats.samples, stats.tokens, stats.tokens / elapsed, chunks,
+                 sum(stats.dropped.values()), stats.truncated)
+
+
+def prepare(spec: RunSpec, *, strict: bool = False, workers: int | None = None) -> DatasetIndex:
+    """Runs prepare for a spec: reads data.source, writes <output>/tokens. `workers`: processes
+    encoding rows (default: the CPUs this pod may use)."""
+    location = {"endpoint_url": spec.storage.endpoint_url, "region": spec.storage.region}
+    encoder = RowEncoder(load_tokenizer(spec.target.model, **location))
+    preparer = Preparer(spec.data, storage=storage_for(spec), vocab_size=encoder.vocab_size, strict=strict, tokenizer_name=spec.target.model)
+    try:
+        with open_source(spec.data.source, **location) as stream, closing(
+            encode_batches(encoder, batched_lines(stream, BATCH_ROWS), workers=workers or cpu_budget())
+        ) as batches:  # closing: an error stops the worker pool here, not whenever the generator is collected
+            return preparer.run(batches)
+    finally:
+        preparer.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dflash_jobs.prepare", description="Tokenize data.source into token chunks under <output>/tokens.")
+    parser.add_argument("-f", "--file", default=DEFAULT_SPEC_FILE, help="the run spec (default: ./dflash.yaml)")
+    parser.add_argument("--strict", action="store_true", help="fail on the first bad or over-long row instead of dropping or truncating it")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s prepare: %(message)s", stream=sys.stdout, force=True)
+    try:
+        prepare(load_spec(args.file), strict=args.strict)
+    except (SpecError, InputError) as exc:
+        log.error("%s", exc)
+        return EXIT_BAD_SPEC
+    except DflashError as exc:
+        log.error("%s", exc)
+        return 1
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
