@@ -1,0 +1,115 @@
+"""What a shard reports: a log line every few seconds for `kubectl logs`, and a one-line JSON
+summary in the container's termination message (`kubectl describe pod`, `dflashctl status`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("dflash.extract")
+
+TERMINATION_LOG = Path("/dev/termination-log")
+TERMINATION_LOG_ENV = "DFLASH_TERMINATION_LOG"
+TERMINATION_LIMIT = 4000  # the kubelet keeps at most 4096 bytes
+
+
+@dataclass(slots=True)
+class Summary:
+    shard: int
+    shards: int
+    status: str = "running"  # running | done | failed
+    chunks_total: int = 0
+    chunks_skipped: int = 0
+    chunks_done: int = 0
+    samples: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    padded_tokens: int = 0
+    warmup_s: float = 0.0
+    elapsed_s: float = 0.0
+    tokens_per_s: float = 0.0
+    padding_waste: float = 0.0
+    oom_splits: int = 0
+    error: str | None = None
+    fast_paths: dict[str, bool] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+
+class Progress:
+    """Counts forwarded and committed work; logs at most every `interval` seconds (no GPU sync)."""
+
+    def __init__(self, summary: Summary, *, total_tokens: int, interval: float = 10.0) -> None:
+        self.summary = summary
+        self.total_tokens = total_tokens
+        self.interval = interval
+        self.lock = threading.Lock()
+        self.forwarded_tokens = 0
+        self.started = time.monotonic()
+        self.last_log = 0.0
+
+    def start(self) -> None:
+        self.started = self.last_log = time.monotonic()
+
+    def batch(self, real_tokens: int, padded_tokens: int) -> None:
+        with self.lock:
+            self.forwarded_tokens += real_tokens
+            self.summary.padded_tokens += padded_tokens
+        if time.monotonic() - self.last_log >= self.interval:
+            self.log()
+
+    def committed(self, samples: int, tokens: int, size: int) -> None:
+        with self.lock:
+            self.summary.chunks_done += 1
+            self.summary.samples += samples
+            self.summary.tokens += tokens
+            self.summary.bytes += size
+
+    def _update(self) -> None:
+        s = self.summary
+        s.elapsed_s = round(time.monotonic() - self.started, 1)
+        s.tokens_per_s = round(self.forwarded_tokens / max(s.elapsed_s, 1e-9), 1)
+        s.padding_waste = round(1 - self.forwarded_tokens / s.padded_tokens, 4) if s.padded_tokens else 0.0
+
+    def log(self) -> None:
+        with self.lock:
+            self._update()
+            s = self.summary
+            left = self.total_tokens - self.forwarded_tokens
+            eta = _duration(left / s.tokens_per_s) if s.tokens_per_s else "?"
+            pending = s.chunks_total - s.chunks_skipped
+            log.info(
+                "shard %d/%d: chunks %d/%d (%d skipped), samples %d, %s tokens/s, padding %.1f%%, %.2f GB stored, ETA %s",
+                s.shard, s.shards, s.chunks_done, pending, s.chunks_skipped, s.samples, f"{s.tokens_per_s:,.0f}",
+                100 * s.padding_waste, s.bytes / 1e9, eta,
+            )
+            self.last_log = time.monotonic()
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def termination_log_path() -> Path | None:
+    """/dev/termination-log in a pod; DFLASH_TERMINATION_LOG elsewhere (the local backend); else none."""
+    if TERMINATION_LOG.exists() and os.access(TERMINATION_LOG, os.W_OK):
+        return TERMINATION_LOG
+    env = os.environ.get(TERMINATION_LOG_ENV)
+    return Path(env) if env else None
+
+
+def write_termination_message(summary: Summary) -> None:
+    path = termination_log_path()
+    if path is None:
+        return
+    try:
+        path.write_text(summary.to_json()[:TERMINATION_LIMIT] + "\n")
+    except OSError as exc:
+        log.warning("cannot write the termination message to %s: %s", path, exc)

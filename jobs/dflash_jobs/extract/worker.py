@@ -1,0 +1,348 @@
+"""The extraction loop of one shard: windows of chunks -> batches -> forward + capture -> writer.
+
+    for each window of `sort_window` pending chunks (loaded and planned one window ahead):
+        for each batch: forward with hooks -> async copy to a host slot -> writer
+    writer: assemble chunks -> integrity -> store -> done marker
+
+The GPU thread never waits on storage or on a copy; it blocks only when every host slot is in use,
+which is the back-pressure of a writer that cannot keep up.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash_jobs.errors import FormatError, InputError
+from dflash_jobs.extract import packing
+from dflash_jobs.extract.batching import Batch, BatchPlanner, SampleRef, round_up, window_samples
+from dflash_jobs.extract.capture import DeviceToHost, LayerCapture
+from dflash_jobs.extract.progress import Progress, Summary
+from dflash_jobs.extract.sharding import shard_chunks
+from dflash_jobs.extract.target import FastPaths, Target, load_target, local_checkpoint, read_config
+from dflash_jobs.extract.writer import ChunkAssembly, ChunkMetadata, ChunkWriter
+from dflash_jobs.formats import (
+    DATASET_KEY, DONE_MARKERS, ChunkInfo, DatasetIndex, DoneMarker, TokenChunk, done_key, hidden_chunk_key, token_chunk_key,
+)
+from dflash_jobs.spec import ExtractSpec, RunSpec, resolve_layers
+from dflash_jobs.storage import ObjectNotFound, Storage, open_storage, storage_for
+
+log = logging.getLogger("dflash.extract")
+
+HOST_SLOTS = 2
+"""Pinned host slots: one being filled by the GPU, one being drained by the assembler."""
+SLOT_POLL_S = 1.0
+
+
+# ---- which chunks still need work -----------------------------------------------------------------
+
+
+def chunk_is_done(storage: Storage, chunk: int) -> bool:
+    """The marker exists and the object matches it (size, and etag when both have one).
+
+    A stale marker (its object missing or different) is deleted, so the redone chunk can commit."""
+    key = done_key(chunk)
+    try:
+        marker = DoneMarker.from_json(storage.get_bytes(key), key)
+    except FormatError:
+        marker = None
+    if marker is not None:
+        info = storage.stat(hidden_chunk_key(chunk))
+        if info is not None and info.size == marker.bytes and (info.etag is None or marker.etag is None or info.etag == marker.etag):
+            return True
+    log.warning("chunk %06d: done marker does not match its object; redoing the chunk", chunk)
+    storage.delete(key)
+    return False
+
+
+def pending_chunks(storage: Storage, chunks: Sequence[ChunkInfo]) -> list[ChunkInfo]:
+    """The chunks without a valid done marker. A chunk object without a marker is redone (the marker commits)."""
+    marked = set(storage.list(DONE_MARKERS))
+    return [c for c in chunks if done_key(c.id) not in marked or not chunk_is_done(storage, c.id)]
+
+
+# ---- windows: chunks loaded and planned together ----------------------------------------------------
+
+
+@dataclass(slots=True)
+class Window:
+    chunks: list[ChunkInfo]
+    tokens: list[TokenChunk]
+    batches: list[list[SampleRef]]
+
+
+def load_window(storage: Storage, chunks: Sequence[ChunkInfo], planner: BatchPlanner) -> Window:
+    tokens = [TokenChunk.decode(storage.get_bytes(token_chunk_key(c.id)), token_chunk_key(c.id)) for c in chunks]
+    for info, chunk in zip(chunks, tokens):
+        if chunk.num_samples != info.samples or chunk.num_tokens != info.tokens:
+            raise InputError(
+                f"{token_chunk_key(info.id)} holds {chunk.num_samples} samples / {chunk.num_tokens} tokens, "
+                f"tokens/dataset.json says {info.samples} / {info.tokens}", "Re-run prepare",
+            )
+    return Window(list(chunks), tokens, planner.plan(window_samples(tokens)))
+
+
+def iter_windows(storage: Storage, chunks: Sequence[ChunkInfo], planner: BatchPlanner, size: int) -> Iterator[Window]:
+    """Windows of `size` chunks; the next one is read and planned while the current one runs."""
+    groups = [chunks[i:i + size] for i in range(0, len(chunks), size)]
+    with ThreadPoolExecutor(1, thread_name_prefix="window-loader") as pool:
+        future = pool.submit(load_window, storage, groups[0], planner) if groups else None
+        for index in range(len(groups)):
+            window = future.result()
+            if index + 1 < len(groups):
+                future = pool.submit(load_window, storage, groups[index + 1], planner)
+            yield window
+
+
+# ---- running batches --------------------------------------------------------------------------
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    moved = {name: getattr(batch, name) for name in ("input_ids", "real_index", "position_ids", "token_mask", "cu_seqlens")}
+    moved = {name: None if t is None else t.to(device, non_blocking=True) for name, t in moved.items()}
+    return Batch(batch.samples, packed=batch.packed, segments=batch.segments, **moved)
+
+
+def warmup_depth(model: torch.nn.Module) -> int:
+    """The shortest prefix of layers holding every layer type: enough to compile and tune every kernel."""
+    types = list(getattr(model.config, "layer_types", None) or ["decoder"])
+    return max(types.index(kind) for kind in set(types)) + 1
+
+
+@contextmanager
+def shallow(model: torch.nn.Module, depth: int) -> Iterator[None]:
+    """Runs only the first `depth` layers (Transformers' decoders loop over config.num_hidden_layers)."""
+    full = model.config.num_hidden_layers
+    model.config.num_hidden_layers = min(depth, full)
+    try:
+        yield
+    finally:
+        model.config.num_hidden_layers = full
+
+
+def synthetic_chunk(lengths: Sequence[int], vocab_size: int, seed: int = 0) -> TokenChunk:
+    rng = np.random.default_rng(seed)
+    total = int(sum(lengths))
+    return TokenChunk(
+        input_ids=rng.integers(0, vocab_size, total, dtype=np.int32),
+        loss_mask=np.ones(total, dtype=np.uint8),
+        cu_seqlens=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        sample_ids=np.arange(len(lengths), dtype=np.int64),
+    )
+
+
+PACKED_WARMUP_STEPS = 8
+
+
+def warmup_batches(planner: BatchPlanner, max_length: int, vocab_size: int) -> list[Batch]:
+    """Batches of the shapes the run will use, so Triton compiles and autotunes before the first chunk.
+
+    Padded: one per row length. Packed rows vary in length; FLA specializes a few kernels on
+    quantities derived from it (l2norm: the row length in steps of 4096 tokens; integer
+    arguments: divisibility by 16), so rows of budget * k / 8 tokens, round and odd, cover them."""
+    if planner.packed:
+        batches = []
+        for step in range(1, PACKED_WARMUP_STEPS + 1):
+            total = planner.token_budget * step // PACKED_WARMUP_STEPS
+            for row in (total, total - 3 * step - 1):
+                length = min(max_length, row - planner.gap)
+                if length < 1:
+                    continue
+                count, rest = divmod(row, length + planner.gap)
+                lengths = [length] * count + ([rest - planner.gap] if rest > planner.gap else [])
+                chunk = synthetic_chunk(lengths, vocab_size)
+                batches.append(planner.build(window_samples([chunk]), [chunk]))
+        return batches
+    batches = []
+    for length in range(planner.pad_multiple, round_up(max_length, planner.pad_multiple) + 1, planner.pad_multiple):
+        rows = max(1, planner.token_budget // length)
+        chunk = synthetic_chunk([length] * rows, vocab_size)
+        batches.append(planner.build(window_samples([chunk]), [chunk]))
+    return batches
+
+
+class ExtractWorker:
+    """Extracts the hidden states of one shard's chunks."""
+
+    def __init__(
+        self,
+        spec: ExtractSpec,
+        *,
+        target: Target,
+        storage: Storage,
+        chunks: Sequence[ChunkInfo],
+        summary: Summary,
+        max_length: int,
+        packed: bool,
+        spool_dir: Path,
+        log_interval: float = 10.0,
+    ) -> None:
+        self.spec = spec
+        self.target = target
+        self.storage = storage
+        self.chunks = list(chunks)
+        self.summary = summary
+        self.max_length = max_length
+        self.device = target.device
+        self.planner = BatchPlanner(
+            token_budget=spec.token_budget, pad_multiple=spec.pad_multiple, packed=packed, gap=target.conv_gap if packed else 0,
+        )
+        if packed:
+            packing.use_packed_attention(target.model)
+        # A sample longer than the budget still runs, alone: the buffer holds the larger of both.
+        capacity = max(spec.token_budget, round_up(max_length, spec.pad_multiple))
+        self.capture = LayerCapture(
+            target.decoder_layers, target.layers, capacity=capacity, hidden_size=target.hidden_size,
+            dtype=target.dtype, device=self.device,
+        )
+        self.transfer = DeviceToHost(self.capture, storage_dtype=spec.dtype, slots=HOST_SLOTS)
+        self.metadata = ChunkMetadata(
+            layers=target.layers, hidden_size=target.hidden_size, model=target.name,
+            config_hash=target.config_hash, dtype=spec.dtype, shard=summary.shard,
+        )
+        self.spool_dir = spool_dir
+        self.log_interval = log_interval
+        self.progress: Progress | None = None
+        self.writer: ChunkWriter | None = None
+
+    def warm_up(self) -> float:
+        """Compiles and tunes the kernels on every batch shape, through the shortest prefix of layers."""
+        started = time.monotonic()
+        vocab = self.target.model.config.vocab_size
+        batches = warmup_batches(self.planner, self.max_length, vocab)
+        self.capture.start(None)
+        with shallow(self.target.model, warmup_depth(self.target.model)):
+            for batch in batches:
+                try:
+                    self.target.model(**packing.forward_kwargs(to_device(batch, self.device)))
+                except torch.OutOfMemoryError:
+                    log.warning("warm-up: a %s batch ran out of GPU memory; extract.token_budget %d is too large "
+                                "for this GPU, so such batches will be split", batch.shape, self.spec.token_budget)
+                    if self.device.type == "cuda":
+                        torch.cuda.empty_cache()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.monotonic() - started
+        log.info("warm-up: %d batch shapes in %.1f s", len(batches), elapsed)
+        return elapsed
+
+    @torch.inference_mode()
+    def run(self) -> Summary:
+        summary = self.summary
+        summary.chunks_total = len(self.chunks)
+        pending = pending_chunks(self.storage, self.chunks)
+        summary.chunks_skipped = len(self.chunks) - len(pending)
+        log.info("shard %d/%d: %d chunks, %d already done, %d to extract (%s tokens)",
+                 summary.shard, summary.shards, len(self.chunks), summary.chunks_skipped, len(pending),
+                 f"{sum(c.tokens for c in pending):,}")
+        if not pending:
+            return summary
+        summary.warmup_s = round(self.warm_up(), 1)
+        shutil.rmtree(self.spool_dir, ignore_errors=True)  # files of a killed predecessor
+        self.progress = Progress(summary, total_tokens=sum(c.tokens for c in pending), interval=self.log_interval)
+        self.writer = ChunkWriter(
+            storage=self.storage, metadata=self.metadata, transfer=self.transfer, spool_dir=self.spool_dir,
+            queue_depth=self.spec.sort_window, on_commit=lambda m: self.progress.committed(m.samples, m.tokens, m.bytes),
+        )
+        self.progress.start()
+        for window in iter_windows(self.storage, pending, self.planner, self.spec.sort_window):
+            assemblies = [self.writer.open(info, tokens) for info, tokens in zip(window.chunks, window.tokens)]
+            for samples in window.batches:
+                self.run_batch(self.planner.build(samples, window.tokens), window.tokens, assemblies)
+        self.writer.close()
+        self.progress.log()
+        return summary
+
+    def run_batch(self, batch: Batch, tokens: Sequence[TokenChunk], assemblies: Sequence[ChunkAssembly]) -> None:
+        """Forward + capture of one batch; a batch that runs out of memory is halved and retried."""
+        try:
+            self._forward(batch, assemblies)
+        except torch.OutOfMemoryError:
+            halves = self.planner.split(batch, tokens)
+            if not halves:
+                sample = batch.samples[0]
+                info = assemblies[sample.slot].info
+                raise InputError(
+                    f"sample {tokens[sample.slot].sample_ids[sample.index]} of chunk {info.id:06d} ({sample.length} tokens) "
+                    "does not fit in GPU memory even alone",
+                    "Lower data.max_length and re-run prepare, or use GPUs with more memory",
+                ) from None
+            self.summary.oom_splits += 1
+            log.warning("batch of %d samples (%s tokens) ran out of GPU memory: split in two", len(batch.samples), batch.padded_tokens)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            for half in halves:
+                self.run_batch(half, tokens, assemblies)
+
+    def _forward(self, batch: Batch, assemblies: Sequence[ChunkAssembly]) -> None:
+        on_device = to_device(batch, self.device)
+        self.capture.start(on_device.real_index)
+        self.target.model(**packing.forward_kwargs(on_device))
+        slot = self._take_slot()
+        self.transfer.launch(slot, on_device.input_ids, on_device.real_index)
+        offsets = np.concatenate([[0], np.cumsum([s.length for s in batch.samples])[:-1]])
+        placements = [(assemblies[s.slot], s.index, int(o)) for s, o in zip(batch.samples, offsets)]
+        self.writer.submit(slot, placements)
+        self.progress.batch(batch.real_tokens, batch.padded_tokens)
+
+    def _take_slot(self):
+        while True:
+            self.writer.check()
+            try:
+                return self.transfer.take_slot(SLOT_POLL_S)
+            except queue.Empty:
+                continue
+
+    def close(self) -> None:
+        self.capture.remove()
+
+
+# ---- wiring -------------------------------------------------------------------------------------
+
+
+def pick_device(spec: RunSpec) -> torch.device:
+    """cuda in pods (cpu when none is visible); local.device on the local backend."""
+    if spec.backend == "local":
+        return torch.device(spec.local.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def build_worker(spec: RunSpec, shard: int, *, summary: Summary) -> ExtractWorker:
+    """Everything shard `shard` needs: its chunks, the target on its device, the output storage."""
+    storage = storage_for(spec)
+    try:
+        index = DatasetIndex.from_json(storage.get_bytes(DATASET_KEY), DATASET_KEY)
+    except ObjectNotFound:
+        raise InputError(f"{storage.url}/{DATASET_KEY} does not exist", "Run `dflashctl prepare` first") from None
+    chunks = shard_chunks(index.chunks, spec.extract.shards, shard)
+    device = pick_device(spec)
+    fast = FastPaths.detect(device)
+    summary.fast_paths = fast.as_dict()
+    checkpoint = local_checkpoint(
+        spec.target, lambda url: open_storage(url, endpoint_url=spec.storage.endpoint_url, region=spec.storage.region)
+    )
+    _, config = read_config(spec.target, checkpoint)
+    layers = resolve_layers(spec, config)
+    target = load_target(spec.target, checkpoint=checkpoint, layers=layers, device=device)
+    packed = fast.fla and device.type == "cuda" and packing.can_pack(target.model)
+    log.info(
+        "device %s; fast paths: flash-linear-attention %s, causal-conv1d %s; batches: %s",
+        device, "on" if fast.fla else "OFF (torch fallback)", "on" if fast.causal_conv1d else "off (not needed)",
+        "packed (FLA varlen + masked conv gaps)" if packed else f"right-padded to multiples of {spec.extract.pad_multiple}",
+    )
+    return ExtractWorker(
+        spec.extract, target=target, storage=storage, chunks=chunks, summary=summary,
+        max_length=spec.data.max_length, packed=packed,
+        spool_dir=Path(tempfile.gettempdir()) / "dflash-spool" / f"{spec.name}-shard-{shard}",
+    )
