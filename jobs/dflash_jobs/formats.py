@@ -33,7 +33,10 @@ TOKEN_CHUNKS = "tokens/chunks/"
 HIDDEN_CHUNKS = "extract/chunks/"
 DONE_MARKERS = "extract/done/"
 DRAFTER_CONFIG_KEY = "train/drafter/config.json"  # written last by the export: the drafter is complete
+TRAIN_METRICS_KEY = "train/metrics.jsonl"
+TRAIN_PLOT_KEY = "train/metrics.png"
 EVAL_REPORT_KEY = "eval/report.json"
+EVAL_PLOT_KEY = "eval/acceptance.png"
 
 HIDDEN_DTYPES = ("bfloat16", "float8_e4m3fn")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn

@@ -1,0 +1,159 @@
+"""What the drafter borrows from the target checkpoint, read from its safetensors alone.
+
+Training never loads the target model (27B): it needs the embedding, the final norm and the LM
+head, three tensors read by key name with ranged reads, from a local directory or an s3:// prefix.
+Key names: Qwen3.5/3.6 multimodal checkpoints nest the text model (`model.language_model.*`),
+text-only ones do not (`model.*`); `lm_head.weight` is absent when the embeddings are tied.
+
+Norm semantics: Qwen3.5/3.6 (and Qwen3-Next, Gemma) store a zero-centred final norm applied as
+x * (1 + w) (transformers' Qwen3_5RMSNorm); the drafter's norm is Qwen3's x * w, so the weight is
+converted here, once, to 1 + w. The export then holds a norm that vLLM applies correctly.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dflash_jobs.errors import InputError, SpecError
+from dflash_jobs.formats import header_size, read_header
+from dflash_jobs.spec import TrainSpec, text_config
+from dflash_jobs.storage import Storage
+
+EMBED_KEYS = ("model.language_model.embed_tokens.weight", "model.embed_tokens.weight")
+FINAL_NORM_KEYS = ("model.language_model.norm.weight", "model.norm.weight")
+LM_HEAD_KEYS = ("lm_head.weight",)
+# Model types whose RMSNorm is x * (1 + w) with w initialised at zero.
+ZERO_CENTRED_NORMS = frozenset({
+    "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next",
+    "gemma", "gemma2", "gemma3", "gemma3_text",
+})
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+@dataclass
+class TargetTensors:
+    embed_tokens: torch.Tensor  # [V, d]
+    lm_head: torch.Tensor  # [V, d]; the embedding itself when tied
+    final_norm: torch.Tensor  # [d], as a Qwen3 x * w weight
+
+
+class TargetCheckpoint:
+    """A HF checkpoint in storage: its config, its weight map and single tensors by name."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self.config: dict[str, Any] = json.loads(self._get("config.json"))
+        self.text = text_config(self.config)
+        self._weight_map = self._read_weight_map()
+
+    def _get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        if not self.storage.exists(key):
+            raise InputError(f"target checkpoint {self.storage.url} has no {key}", "Point target.model at a HF checkpoint directory (config.json + *.safetensors)")
+        return self.storage.get_bytes(key, start, end)
+
+    def _read_weight_map(self) -> dict[str, str]:
+        if self.storage.exists(INDEX_FILE):
+            return dict(json.loads(self._get(INDEX_FILE))["weight_map"])
+        prefix = self._get(SINGLE_FILE, 0, 8)
+        header, _ = read_header(self._get(SINGLE_FILE, 0, header_size(prefix)), f"{self.storage.url}/{SINGLE_FILE}")
+        return {key: SINGLE_FILE for key in header if key != "__metadata__"}
+
+    def find(self, candidates: tuple[str, ...]) -> str | None:
+        return next((key for key in candidates if key in self._weight_map), None)
+
+    def read_tensor(self, key: str) -> torch.Tensor:
+        """One tensor, fetched with two ranged reads (header, then the tensor's bytes)."""
+        file = self._weight_map[key]
+        name = f"{self.storage.url}/{file}"
+        length = header_size(self._get(file, 0, 8))
+        header, _ = read_header(self._get(file, 0, length), name)
+        entry = header[key]
+        if entry["dtype"] not in _SAFETENSORS_DTYPES:
+            raise InputError(f"{name}: {key} is {entry['dtype']}", f"Use a checkpoint with {sorted(_SAFETENSORS_DTYPES)} weights")
+        begin, end = entry["data_offsets"]
+        data = bytearray(self._get(file, length + begin, length + end))
+        return torch.frombuffer(data, dtype=_SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+
+    def read_target_tensors(self) -> TargetTensors:
+        embed_key, norm_key = self.find(EMBED_KEYS), self.find(FINAL_NORM_KEYS)
+        if embed_key is None or norm_key is None:
+            raise InputError(
+                f"target checkpoint {self.storage.url} lacks {'the embedding' if embed_key is None else 'the final norm'} (looked for {EMBED_KEYS + FINAL_NORM_KEYS})",
+                "Point target.model at the target's HF checkpoint",
+            )
+        embed = self.read_tensor(embed_key)
+        head_key = self.find(LM_HEAD_KEYS)
+        if head_key is not None:
+            lm_head = self.read_tensor(head_key)
+        elif self.tied_embeddings:
+            lm_head = embed
+        else:
+            raise InputError(f"target checkpoint {self.storage.url} has no lm_head.weight and does not tie its embeddings", "Use a complete checkpoint")
+        norm = self.read_tensor(norm_key).float()
+        return TargetTensors(embed, lm_head, 1.0 + norm if self.zero_centred_norm else norm)
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return bool(self.text.get("tie_word_embeddings", self.config.get("tie_word_embeddings", False)))
+
+    @property
+    def zero_centred_norm(self) -> bool:
+        return self.text.get("model_type", self.config.get("model_type")) in ZERO_CENTRED_NORMS or self.config.get("model_type") in ZERO_CENTRED_NORMS
+
+    @property
+    def rope_theta(self) -> float:
+        rope = self.text.get("rope_parameters") or {}
+        return float(rope.get("rope_theta", self.text.get("rope_theta", 1e6)))
+
+    def tokenizer_size(self) -> int | None:
+        """len(tokenizer) of the tokenizer.json beside the weights (added tokens included), or None."""
+        if not self.storage.exists("tokenizer.json"):
+            return None
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_str(self._get("tokenizer.json").decode()).get_vocab_size(with_added_tokens=True)
+
+
+def resolve_mask_token_id(requested: int | None, tokenizer_size: int | None, vocab_rows: int) -> int:
+    """The spec's train.mask_token_id, else the first embedding row the tokenizer does not use."""
+    if requested is not None:
+        if requested >= vocab_rows:
+            raise SpecError("train.mask_token_id", requested, f"a row of the target's embedding (0..{vocab_rows - 1})")
+        return requested
+    if tokenizer_size is None:
+        raise SpecError("train.mask_token_id", None, "a token id: the target checkpoint has no tokenizer to find an unused embedding row")
+    if tokenizer_size >= vocab_rows:
+        raise SpecError("train.mask_token_id", None, f"a token id: the tokenizer uses all {vocab_rows} embedding rows, none is free for the mask token")
+    return tokenizer_size
+
+
+def drafter_config_for_target(target: TargetCheckpoint, train: TrainSpec, layers: list[int], mask_token_id: int):
+    """The drafter shape for this target: z-lab copies the target's attention and FFN shape."""
+    from dflash_jobs.drafter.model import DrafterConfig
+
+    text = target.text
+    sliding = train.sliding_window_layers
+    return DrafterConfig(
+        hidden_size=text["hidden_size"],
+        num_layers=train.draft_layers,
+        num_attention_heads=text["num_attention_heads"],
+        num_key_value_heads=text["num_key_value_heads"],
+        head_dim=text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"],
+        intermediate_size=text["intermediate_size"],
+        vocab_size=text["vocab_size"],
+        target_layer_ids=list(layers),
+        num_target_layers=text["num_hidden_layers"],
+        block_size=train.block_size,
+        mask_token_id=mask_token_id,
+        layer_types=["sliding_attention"] * sliding + ["full_attention"] * (train.draft_layers - sliding),
+        sliding_window=train.sliding_window,
+        rope_theta=target.rope_theta,
+        rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=text.get("max_position_embeddings", 262144),
+    )

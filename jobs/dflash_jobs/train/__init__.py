@@ -1,0 +1,1 @@
+"""Drafter training: `python -m dflash_jobs.train -f SPEC` under torchrun (DESIGN section 7)."""

@@ -1,0 +1,130 @@
+"""Which keys each block query may attend to (reference/dflash.md section 2.4).
+
+Keys are laid out as [context (C target positions) | blocks (N blocks of B slots)], queries as the
+N x B block slots. Query (n, j) sees:
+- context index g iff g lies in its document before its anchor: context_start[n] <= g < anchor[n]
+  (strict: the anchor's own hidden state is not known at inference);
+- block slot (n', j') iff n' == n; sliding-window layers are causal inside the block (j' <= j),
+  which is what vLLM does for `sliding_attention` layers;
+- on sliding-window layers only keys whose position is within the window: pos >= qpos - (W - 1),
+  FlashAttention's (W - 1, 0) window as vLLM serves it.
+
+One function, `visible`, states this rule on index tensors. The dense mask (CPU) evaluates it on a
+broadcast grid and flex_attention (GPU) calls it as its mask_mod, so both paths see the same mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class BlockLayout:
+    """Where the blocks of one packed micro-batch sit relative to the context."""
+
+    num_context: int
+    block_size: int
+    context_start: torch.Tensor  # int64 [N]: context index of the first token of the block's document
+    anchor: torch.Tensor  # int64 [N]: context index of the anchor token (its document's start + anchor position)
+    key_positions: torch.Tensor  # int64 [C + N*B]: RoPE positions of every key (context, then block slots)
+
+    def __post_init__(self) -> None:
+        # Per-query and per-key lookup tables: `visible` is then gathers and comparisons only, which
+        # flex_attention's compiler handles well (no division of symbolic indices).
+        C, B, device = self.num_context, self.block_size, self.anchor.device
+        slots = torch.arange(self.num_queries, device=device)  # block slots, as queries and as keys
+        self._q_block, self._q_slot = slots // B, slots % B
+        self._q_start, self._q_anchor = self.context_start[self._q_block], self.anchor[self._q_block]
+        self._q_position = self.key_positions[C:]
+        self._k_block = torch.cat([torch.full((C,), -1, device=device), self._q_block])  # -1: a context key
+        self._k_slot = torch.cat([torch.zeros(C, dtype=torch.long, device=device), self._q_slot])
+
+    @property
+    def num_blocks(self) -> int:
+        return self.context_start.shape[0]
+
+    @property
+    def num_queries(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def num_keys(self) -> int:
+        return self.num_context + self.num_queries
+
+    def visible(self, q_idx: torch.Tensor, kv_idx: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+        """True where query q_idx may attend to key kv_idx (broadcasting index tensors)."""
+        # Context keys: in the query's document, before its anchor (anchors are context indices, so
+        # no block key ever passes this test).
+        context_ok = (kv_idx >= self._q_start[q_idx]) & (kv_idx < self._q_anchor[q_idx])
+        block_ok = self._k_block[kv_idx] == self._q_block[q_idx]
+        if sliding_window is not None:
+            block_ok = block_ok & (self._k_slot[kv_idx] <= self._q_slot[q_idx])
+            context_ok = context_ok & (self.key_positions[kv_idx] > self._q_position[q_idx] - sliding_window)
+        return context_ok | block_ok
+
+    def mask_mod(self, sliding_window: int | None):
+        """`visible` in flex_attention's mask_mod signature."""
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return self.visible(q_idx, kv_idx, sliding_window)
+
+        return mask_mod
+
+    def dense_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """bool [N*B, C + N*B]; memory grows with queries x keys, so for CPU and small batches."""
+        device = self.anchor.device
+        q_idx = torch.arange(self.num_queries, device=device)[:, None]
+        kv_idx = torch.arange(self.num_keys, device=device)[None, :]
+        return self.visible(q_idx, kv_idx, sliding_window)
+
+
+def dense_attention(mask: torch.Tensor) -> AttentionFn:
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    return attend
+
+
+_compiled_flex = None
+
+
+def flex_attention_fn(layout: BlockLayout, sliding_window: int | None, *, compile: bool = True) -> AttentionFn:
+    """flex_attention over a BlockMask built from `visible`: only the tiles that hold a visible key
+    are computed, which is what makes 512 blocks x 16 slots against 4K context affordable."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    global _compiled_flex
+    if compile and _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention)
+    kernel = _compiled_flex if compile else flex_attention
+
+    block_mask = create_block_mask(
+        layout.mask_mod(sliding_window), None, None, layout.num_queries, layout.num_keys, device=layout.anchor.device, _compile=compile
+    )
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return kernel(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+    return attend
+
+
+def build_attention(
+    layout: BlockLayout, layer_types: list[str], sliding_window: int, *, backend: str
+) -> dict[str, AttentionFn]:
+    """One attention function per layer type present: "dense" (SDPA + bool mask) or "flex"."""
+    functions = {}
+    for layer_type in sorted(set(layer_types)):
+        window = sliding_window if layer_type == "sliding_attention" else None
+        if backend == "flex":
+            functions[layer_type] = flex_attention_fn(layout, window)
+        elif backend == "dense":
+            functions[layer_type] = dense_attention(layout.dense_mask(window))
+        else:
+            raise ValueError(f"attention backend {backend!r}: expected 'dense' or 'flex'")
+    return functions

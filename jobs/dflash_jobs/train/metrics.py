@@ -1,0 +1,110 @@
+"""Training metrics: one interface for every sink (`log(metrics, step)`, `close()`), a console
+line for pod logs, a JSONL record in storage with a PNG plot beside it, and a no-op for tests."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from typing import Any, Protocol
+
+from dflash_jobs.formats import TRAIN_METRICS_KEY, TRAIN_PLOT_KEY
+from dflash_jobs.storage import Storage
+
+log = logging.getLogger(__name__)
+
+
+
+class MetricSink(Protocol):
+    def log(self, metrics: dict[str, Any], step: int) -> None: ...
+    def close(self) -> None: ...
+
+
+def should_log(step: int, every: int) -> bool:
+    return step == 1 or step % every == 0
+
+
+class NullSink:
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class ConsoleSink:
+    """One line per interval: step, loss, acceptance, throughput, ETA."""
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        eta = metrics.get("eta_s", 0.0)
+        log.info(
+            "step %d/%d epoch %d | loss %.4f acc@1 %.3f tau %.2f | lr %.2e | %.0f tok/s | eta %dh%02dm",
+            step, metrics["total_steps"], metrics["epoch"], metrics["loss"], metrics["accuracy"][1],
+            metrics["acceptance_length"], metrics["lr"], metrics["tokens_per_s"], eta // 3600, eta % 3600 // 60,
+        )
+
+    def close(self) -> None:
+        pass
+
+
+class StorageSink:
+    """train/metrics.jsonl (rewritten whole at each flush: object stores do not append) and
+    train/metrics.png. A resumed run keeps the records up to its checkpoint."""
+
+    def __init__(self, storage: Storage, *, resume_step: int = 0, flush_every: int = 10) -> None:
+        self.storage = storage
+        self.flush_every = flush_every
+        self.records: list[dict[str, Any]] = []
+        if resume_step and storage.exists(TRAIN_METRICS_KEY):
+            lines = storage.get_bytes(TRAIN_METRICS_KEY).decode().splitlines()
+            self.records = [r for r in map(json.loads, filter(None, lines)) if r["step"] <= resume_step]
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self.records.append({"step": step, **metrics})
+        if len(self.records) % self.flush_every == 0:
+            self.flush()
+
+    def flush(self) -> None:
+        body = "".join(json.dumps(r, sort_keys=True) + "\n" for r in self.records)
+        self.storage.put_bytes(TRAIN_METRICS_KEY, body.encode())
+
+    def close(self) -> None:
+        self.flush()
+        if self.records:
+            self.storage.put_bytes(TRAIN_PLOT_KEY, plot_png(self.records))
+
+
+class MultiSink:
+    def __init__(self, *sinks: MetricSink) -> None:
+        self.sinks = sinks
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        for sink in self.sinks:
+            sink.log(metrics, step)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+def plot_png(records: list[dict[str, Any]]) -> bytes:
+    """Loss, estimated acceptance length and the last per-slot accuracy, as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].plot(steps, [r["loss"] for r in records])
+    axes[0].set(title="loss (weighted CE, slots 1..B-1)", xlabel="step")
+    axes[1].plot(steps, [r["acceptance_length"] for r in records])
+    axes[1].set(title="estimated acceptance length", xlabel="step")
+    accuracy = records[-1]["accuracy"]
+    axes[2].bar(range(1, len(accuracy)), accuracy[1:])
+    axes[2].set(title=f"accuracy per slot at step {steps[-1]}", xlabel="slot", ylim=(0, 1))
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    plt.close(fig)
+    return buffer.getvalue()

@@ -1,0 +1,277 @@
+"""The training loop: named components wired together (DESIGN section 7, STYLE items 2-5, 9).
+
+Trainer.build reads the manifest (refusing to start without one), the target's frozen tensors and
+the document index, then assembles model, optimizer, schedule, data stream and checkpointer; it
+resumes from the newest checkpoint. Trainer.train is the checklist: train_step, metrics at the log
+interval (the only device sync), checkpoints when due and at every epoch's end, export at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dflash_jobs.drafter.checkpoint import TargetCheckpoint, drafter_config_for_target, resolve_mask_token_id
+from dflash_jobs.drafter.export import export_drafter
+from dflash_jobs.drafter.model import Drafter
+from dflash_jobs.errors import InputError
+from dflash_jobs.formats import MANIFEST_KEY, Manifest
+from dflash_jobs.spec import RunSpec, resolve_layers
+from dflash_jobs.storage import Storage, open_storage, storage_for
+from dflash_jobs.train.checkpointer import Checkpointer
+from dflash_jobs.train.data import Batch, BatchBuilder, BatchStream, ChunkCache, plan_epoch, read_document_index
+from dflash_jobs.train.loss import DraftLoss, expected_acceptance_length
+from dflash_jobs.train.masks import build_attention
+from dflash_jobs.train.metrics import ConsoleSink, MetricSink, MultiSink, NullSink, StorageSink, should_log
+from dflash_jobs.train.optim import build_optimizer, build_scheduler
+
+log = logging.getLogger(__name__)
+
+LOG_EVERY = 10
+"""Optimizer steps between metric lines (each one reads counters from the device, all ranks together)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    rank: int
+    world_size: int
+    device: torch.device
+    local_world_size: int = 1  # ranks on this node: they share its cache bound (train.cache_gb)
+
+    @classmethod
+    def from_env(cls, spec: RunSpec) -> Runtime:
+        """torchrun's environment; one process without it. Initialises the process group."""
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        use_cuda = torch.cuda.is_available() and not (spec.backend == "local" and spec.local.device == "cpu")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
+        if use_cuda:
+            torch.cuda.set_device(device)
+        if world_size > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+        return cls(rank, world_size, device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+@dataclass
+class LoopState:
+    """The loop's own resumable counters."""
+
+    step: int = 0
+    tokens: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "tokens": self.tokens}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step, self.tokens = int(state["step"]), int(state["tokens"])
+
+
+def load_manifest(storage: Storage) -> Manifest:
+    if not storage.exists(MANIFEST_KEY):
+        raise InputError(
+            f"{storage.url}/{MANIFEST_KEY} does not exist: the hidden states are not verified",
+            "Training starts after extraction: run `dflashctl verify` (or `dflashctl run`) once every shard has landed",
+        )
+    manifest = Manifest.from_json(storage.get_bytes(MANIFEST_KEY))
+    if not manifest.chunks:
+        raise InputError(f"{storage.url}/{MANIFEST_KEY} lists no chunks", "Check data.source and re-run prepare and extraction")
+    return manifest
+
+
+def build_drafter(spec: RunSpec, runtime: Runtime, manifest: Manifest) -> Drafter:
+    """A fresh drafter shaped for the target, holding the target's frozen tensors, on the device."""
+    train = spec.train
+    target = TargetCheckpoint(open_storage(spec.target.model, endpoint_url=spec.storage.endpoint_url, region=spec.storage.region))
+    layers = resolve_layers(spec, target.config)
+    if manifest.layers != layers or manifest.hidden_size != target.text["hidden_size"]:
+        raise InputError(
+            f"the hidden states hold layers {manifest.layers} of width {manifest.hidden_size}; the spec and target want {layers} of width {target.text['hidden_size']}",
+            "Re-run extraction for this spec, or restore the target.layers it was extracted with",
+        )
+    tokenizer_size = target.tokenizer_size() if train.mask_token_id is None else None
+    mask_token_id = resolve_mask_token_id(train.mask_token_id, tokenizer_size, target.text["vocab_size"])
+    config = drafter_config_for_target(target, train, layers, mask_token_id)
+    torch.manual_seed(train.seed)
+    with runtime.device:  # initialised in place: 1.8B parameters for a 27B target
+        drafter = Drafter(config)
+    frozen = target.read_target_tensors()
+    table_dtype = torch.bfloat16 if runtime.device.type == "cuda" else frozen.embed_tokens.dtype
+    drafter.load_target_tensors(frozen.embed_tokens.to(table_dtype), frozen.lm_head.to(table_dtype), frozen.final_norm)
+    return drafter
+
+
+class MetricsWindow:
+    """DraftLoss counters summed on the device between log lines, reduced across ranks once per line."""
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.block_size, self.device = block_size, device
+        self.reset()
+
+    def reset(self) -> None:
+        # [loss sum, steps, accepted, blocks, tokens, correct per slot (B), supervised per slot (B)]
+        self.sums = torch.zeros(5 + 2 * self.block_size, dtype=torch.float64, device=self.device)
+        self.started = time.monotonic()
+
+    def add(self, out: DraftLoss, tokens: int) -> None:
+        B = self.block_size
+        self.sums[0] += out.loss.detach().double()
+        self.sums[1] += 1
+        self.sums[2] += out.accepted
+        self.sums[3] += out.blocks
+        self.sums[4] += tokens
+        self.sums[5 : 5 + B] += out.correct_per_slot
+        self.sums[5 + B :] += out.supervised_per_slot
+
+    def read(self) -> dict[str, Any]:
+        if dist.is_initialized():
+            dist.all_reduce(self.sums)
+        sums = self.sums.tolist()
+        B = self.block_size
+        correct, supervised = sums[5 : 5 + B], sums[5 + B :]
+        elapsed = time.monotonic() - self.started
+        return {
+            "loss": sums[0] / sums[1],
+            "acceptance_length": expected_acceptance_length(sums[2], sums[3]),
+            "accuracy": [c / s if s else math.nan for c, s in zip(correct, supervised)],
+            "tokens_per_s": sums[4] / elapsed,
+            "blocks": int(sums[3]),
+        }
+
+
+class Trainer:
+    def __init__(
+        self, *, spec: RunSpec, runtime: Runtime, drafter: Drafter, model: torch.nn.Module, optimizer, scheduler,
+        stream: BatchStream, checkpointer: Checkpointer, state: LoopState, sink: MetricSink, storage: Storage,
+        total_steps: int, steps_per_epoch: list[int], attention_backend: str, log_every: int = LOG_EVERY,
+    ) -> None:
+        self.spec, self.runtime, self.drafter, self.model = spec, runtime, drafter, model
+        self.optimizer, self.scheduler, self.stream = optimizer, scheduler, stream
+        self.checkpointer, self.state, self.sink, self.storage = checkpointer, state, sink, storage
+        self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
+        self.attention_backend, self.log_every = attention_backend, log_every
+        self.window = MetricsWindow(spec.train.block_size, runtime.device)
+        self.trainable = [p for p in drafter.parameters() if p.requires_grad]
+
+    @classmethod
+    def build(cls, spec: RunSpec, runtime: Runtime, *, cache_dir: Path, log_every: int = LOG_EVERY) -> Trainer:
+        train = spec.train
+        storage = storage_for(spec)
+        manifest = load_manifest(storage)
+        drafter = build_drafter(spec, runtime, manifest)
+        config, layers = drafter.config, drafter.config.target_layer_ids
+        model = drafter
+        if runtime.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            # The frozen vocab tables are read by every rank from the checkpoint: never broadcast them.
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(drafter, ["embed_tokens", "lm_head"])
+            model = DistributedDataParallel(drafter, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None)
+
+        log.info("reading the document index of %d chunks (%d samples, %d tokens)", len(manifest.chunks), manifest.samples, manifest.tokens)
+        index = _broadcast(lambda: read_document_index(storage, [c.chunk for c in manifest.chunks]), runtime)
+        plans = [
+            plan_epoch(index, world_size=runtime.world_size, seed=train.seed, epoch=epoch, micro_batch_tokens=train.micro_batch_tokens)[runtime.rank]
+            for epoch in range(train.epochs)
+        ]
+        steps_per_epoch = [len(plan) for plan in plans]
+        total_steps = sum(steps_per_epoch)
+        if total_steps == 0:
+            raise InputError(f"no trainable documents in {len(index)} chunks (none has two consecutive supervised tokens)", "Check the data's loss masks (assistant turns)")
+        optimizer = build_optimizer(drafter, train, device=runtime.device)
+        scheduler = build_scheduler(optimizer, train, total_steps)
+        builder = BatchBuilder(
+            block_size=train.block_size, anchors=train.anchors, gamma=train.gamma,
+            mask_token_id=config.mask_token_id, seed=train.seed, layers=layers,
+        )
+        cache = ChunkCache(storage, cache_dir, int(train.cache_gb * (1 << 30) / runtime.local_world_size))
+        stream = BatchStream(plans, cache, builder, pin_memory=runtime.device.type == "cuda")
+        state = LoopState()
+        meta = {"train": spec.to_dict()["train"], "drafter": config.to_dict(), "manifest": {"chunks": len(manifest.chunks), "tokens": manifest.tokens}}
+        checkpointer = Checkpointer(
+            storage, drafter, {"optimizer": optimizer, "scheduler": scheduler, "data": stream, "loop": state},
+            every=train.checkpoint_every, meta=meta, rank=runtime.rank,
+        )
+        resumed = checkpointer.load_latest() or 0
+        sink = MultiSink(ConsoleSink(), StorageSink(storage, resume_step=resumed)) if runtime.rank == 0 else NullSink()
+        log.info(
+            "drafter: %d layers, %.1fM trainable parameters, mask token %d; %d chunks, %d steps over %d epochs on %d ranks%s",
+            config.num_layers, sum(p.numel() for p in drafter.parameters() if p.requires_grad) / 1e6, config.mask_token_id,
+            len(index), total_steps, train.epochs, runtime.world_size, f", resuming after step {resumed}" if resumed else "",
+        )
+        return cls(
+            spec=spec, runtime=runtime, drafter=drafter, model=model, optimizer=optimizer, scheduler=scheduler,
+            stream=stream, checkpointer=checkpointer, state=state, sink=sink, storage=storage, total_steps=total_steps,
+            steps_per_epoch=steps_per_epoch, attention_backend="flex" if runtime.device.type == "cuda" else "dense",
+            log_every=log_every,
+        )
+
+    def autocast(self):
+        if self.runtime.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return nullcontext()
+
+    def train_step(self, batch: Batch) -> DraftLoss:
+        """Forward, backward, clip, optimizer and schedule step on one micro-batch."""
+        batch = batch.to(self.runtime.device)
+        config = self.drafter.config
+        attention = build_attention(batch.layout, config.layer_types, config.sliding_window, backend=self.attention_backend)
+        with self.autocast():
+            out = self.model(
+                batch.context_hidden, batch.context_positions, batch.block_ids, batch.block_positions, attention,
+                batch.labels, batch.loss_weights,
+            )
+        out.loss.backward()
+        max_norm = self.spec.train.grad_clip or math.inf
+        torch.nn.utils.clip_grad_norm_(self.trainable, max_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return out
+
+    def train(self) -> None:
+        start_step, started = self.state.step, time.monotonic()
+        saved = self.state.step
+        for epoch, step_in_epoch, batch in self.stream:
+            self.state.step += 1
+            self.state.tokens += batch.tokens
+            out = self.train_step(batch)
+            self.window.add(out, batch.tokens)
+            step = self.state.step
+            if should_log(step, self.log_every) or step == self.total_steps:
+                metrics = self.window.read()
+                rate = (time.monotonic() - started) / (step - start_step)
+                metrics.update(epoch=epoch, total_steps=self.total_steps, lr=self.scheduler.get_last_lr()[0], eta_s=int(rate * (self.total_steps - step)))
+                self.sink.log(metrics, step)
+                self.window.reset()
+            if self.checkpointer.due(step) or step_in_epoch == self.steps_per_epoch[epoch] - 1:
+                self.checkpointer.save(step)
+                saved = step
+        if self.state.step != saved:
+            self.checkpointer.save(self.state.step)
+        if self.runtime.rank == 0:
+            export_drafter(self.drafter, self.storage)
+            log.info("drafter exported to %s/train/drafter/ after %d steps", self.storage.url, self.state.step)
+
+    def close(self) -> None:
+        self.stream.close()
+        self.sink.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _broadcast(compute, runtime: Runtime):
+    """Rank 0 computes, every rank receives (the document index: one read of the chunks, not one per rank)."""
+    if runtime.world_size == 1:
+        return compute()
+    box = [compute() if runtime.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,0 +1,221 @@
+"""The drafter model: block visibility (no leaks), dense and flex masks agree, the chunked loss
+equals the plain one, and the inference entry point agrees with training."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash_jobs.drafter.model import Drafter, DrafterConfig
+from dflash_jobs.train.loss import ChunkedLinearCrossEntropy, draft_loss, slot_weights
+from dflash_jobs.train.masks import BlockLayout, build_attention, flex_attention_fn
+
+WINDOW = 6
+
+
+def small_config(**overrides) -> DrafterConfig:
+    fields = dict(
+        hidden_size=32, num_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+        vocab_size=50, target_layer_ids=[1, 3], num_target_layers=6, block_size=4, mask_token_id=49,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW, rope_theta=1e4,
+    )
+    return DrafterConfig(**{**fields, **overrides})
+
+
+def random_drafter(config: DrafterConfig, seed: int = 0) -> Drafter:
+    torch.manual_seed(seed)
+    drafter = Drafter(config)
+    V, d = config.vocab_size, config.hidden_size
+    drafter.load_target_tensors(torch.randn(V, d), torch.randn(V, d), 1 + 0.1 * torch.randn(d))
+    return drafter.eval()
+
+
+# Two documents packed in one row: doc 0 at context [0, 10), doc 1 at [10, 18).
+# Blocks: anchors 3 and 5 in doc 0 (overlapping spans), anchor 4 in doc 1.
+DOC_STARTS = [0, 0, 10]
+ANCHORS = [3, 5, 4]
+
+
+def packed_inputs(config: DrafterConfig, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    B = config.block_size
+    context_hidden = torch.randn(18, config.context_features, generator=g)
+    context_positions = torch.cat([torch.arange(10), torch.arange(8)])
+    block_ids = torch.full((3, B), config.mask_token_id)
+    block_ids[:, 0] = torch.randint(0, 40, (3,), generator=g)
+    block_positions = torch.tensor(ANCHORS)[:, None] + torch.arange(B)
+    layout = BlockLayout(
+        num_context=18, block_size=B,
+        context_start=torch.tensor(DOC_STARTS), anchor=torch.tensor(DOC_STARTS) + torch.tensor(ANCHORS),
+        key_positions=torch.cat([context_positions, block_positions.flatten()]),
+    )
+    return context_hidden, context_positions, block_ids, block_positions, layout
+
+
+def block_logits(drafter: Drafter, inputs, backend: str = "dense") -> torch.Tensor:
+    context_hidden, context_positions, block_ids, block_positions, layout = inputs
+    config = drafter.config
+    if backend == "dense":
+        attention = build_attention(layout, config.layer_types, config.sliding_window, backend="dense")
+    else:  # flex_attention run eagerly: the CPU stand-in for the GPU kernel
+        attention = {
+            kind: flex_attention_fn(layout, config.sliding_window if kind == "sliding_attention" else None, compile=False)
+            for kind in set(config.layer_types)
+        }
+    with torch.no_grad():
+        return drafter(context_hidden, context_positions, block_ids, block_positions, attention)
+
+
+def reference_visible(q: int, kv: int, *, window: int | None, B: int = 4, C: int = 18) -> bool:
+    """The rule of reference/dflash.md 2.4, written out per element."""
+    block, slot = divmod(q, B)
+    anchor_position = ANCHORS[block]
+    if kv < C:
+        start = DOC_STARTS[block]
+        in_document_before_anchor = start <= kv < start + anchor_position
+        key_position = kv - start
+        return in_document_before_anchor and (window is None or key_position > anchor_position + slot - window)
+    key_block, key_slot = divmod(kv - C, B)
+    return key_block == block and (window is None or key_slot <= slot)
+
+
+@pytest.mark.parametrize("window", [None, WINDOW, 2])
+def test_dense_mask_matches_the_rule_and_flex_mask_mod_agrees_elementwise(window):
+    layout = packed_inputs(small_config(sliding_window=max(window or WINDOW, 4)))[4]
+    dense = layout.dense_mask(window)
+    expected = torch.tensor([[reference_visible(q, kv, window=window) for kv in range(layout.num_keys)] for q in range(layout.num_queries)])
+    assert torch.equal(dense, expected)
+    # flex_attention evaluates the mask_mod on scalar indices under vmap: do the same on the whole grid.
+    mask_mod = layout.mask_mod(window)
+    zero = torch.tensor(0)
+    per_key = torch.vmap(mask_mod, in_dims=(None, None, None, 0))
+    grid = torch.vmap(per_key, in_dims=(None, None, 0, None))(zero, zero, torch.arange(layout.num_queries), torch.arange(layout.num_keys))
+    assert torch.equal(grid, dense)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_attention_equals_dense_attention_on_cpu():
+    drafter = random_drafter(small_config())
+    inputs = packed_inputs(drafter.config)
+    torch.testing.assert_close(block_logits(drafter, inputs, "flex"), block_logits(drafter, inputs, "dense"), atol=1e-5, rtol=1e-5)
+
+
+def test_a_block_sees_nothing_after_its_anchor_nor_other_blocks_nor_other_documents():
+    drafter = random_drafter(small_config())
+    inputs = packed_inputs(drafter.config)
+    base = block_logits(drafter, inputs)[0]  # block 0: doc 0, anchor 3
+
+    def logits_after(change) -> torch.Tensor:
+        changed = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
+        change(*changed)
+        return block_logits(drafter, changed)[0]
+
+    def later_context(hidden, *_):  # the anchor's own state and everything after it in doc 0
+        hidden[3:10] += 5.0
+
+    def other_block(hidden, positions, ids, *_):  # block 1 overlaps block 0's positions
+        ids[1, 0] = (ids[1, 0] + 1) % 40
+
+    def other_document(hidden, *_):
+        hidden[10:] += 5.0
+
+    for change in (later_context, other_block, other_document):
+        assert torch.equal(logits_after(change), base), change.__name__
+
+    # Controls: what the block may see does change it.
+    def earlier_context(hidden, *_):
+        hidden[2] += 5.0
+
+    def own_anchor(hidden, positions, ids, *_):
+        ids[0, 0] = (ids[0, 0] + 1) % 40
+
+    for change in (earlier_context, own_anchor):
+        assert not torch.allclose(logits_after(change), base), change.__name__
+
+
+def test_sliding_layers_are_causal_inside_the_block():
+    drafter = random_drafter(small_config(layer_types=["sliding_attention"] * 2))
+    inputs = packed_inputs(drafter.config)
+    base = block_logits(drafter, inputs)[0]
+    changed = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
+    changed[2][0, 2] = 7  # slot 2 of block 0 stops being a mask token
+    after = block_logits(drafter, changed)[0]
+    assert torch.equal(after[:2], base[:2])  # slots before it cannot see it
+    assert not torch.allclose(after[2:], base[2:])
+
+
+def test_slot_weights_decay_from_slot_one():
+    weights = slot_weights(4, gamma=7.0)
+    torch.testing.assert_close(weights, torch.tensor([0.0, 1.0, math.exp(-1 / 7), math.exp(-2 / 7)]))
+
+
+def test_chunked_loss_and_gradient_equal_the_unchunked_computation():
+    g = torch.Generator().manual_seed(0)
+    N, B, d, V = 5, 4, 16, 37
+    hidden = torch.randn(N, B, d, generator=g, dtype=torch.float64, requires_grad=True)
+    lm_head = torch.randn(V, d, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, V, (N, B), generator=g)
+    mask = torch.ones(N, B)
+    mask[1, 3] = mask[4, 2:] = 0  # unsupervised labels
+    weights = mask * slot_weights(B, 7.0)
+
+    out = draft_loss(hidden, lm_head, labels, weights, chunk_rows=3)
+    out.loss.backward()
+    chunked_grad = hidden.grad.clone()
+
+    hidden.grad = None
+    logits = hidden @ lm_head.T  # [N, B, V], fine at this size
+    ce = F.cross_entropy(logits.reshape(-1, V), labels.flatten(), reduction="none").view(N, B)
+    reference = (ce * weights).sum() / weights.sum()
+    reference.backward()
+    torch.testing.assert_close(out.loss, reference.float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(chunked_grad, hidden.grad)
+
+    correct = (logits.argmax(-1) == labels) & (weights > 0)
+    assert torch.equal(out.correct_per_slot, correct.sum(0))
+    assert torch.equal(out.supervised_per_slot, (weights > 0).sum(0))
+    assert out.accepted == correct[:, 1:].long().cumprod(1).sum()
+
+
+def test_chunked_loss_never_builds_full_logits():
+    """Chunks of 2 rows over 64 supervised rows: the function sees at most [2, V] logits at a time."""
+    seen = []
+    hidden = torch.randn(16, 4, 8)
+    lm_head = torch.randn(11, 8)
+
+    original = torch.Tensor.logsumexp
+
+    def spy(self, *args, **kwargs):
+        seen.append(tuple(self.shape))
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.logsumexp = spy
+    try:
+        ChunkedLinearCrossEntropy.apply(hidden.view(64, 8), lm_head, torch.zeros(64, dtype=torch.long), torch.ones(64), 2)
+    finally:
+        torch.Tensor.logsumexp = original
+    assert seen and max(shape[0] for shape in seen) == 2
+
+
+def test_draft_block_agrees_with_the_training_forward():
+    """The inference entry point (one block after the whole context) equals the training view."""
+    config = small_config()
+    drafter = random_drafter(config)
+    C, B = 9, config.block_size
+    context_hidden = torch.randn(1, C, config.context_features)
+    positions = torch.arange(C)
+    anchor_token = 17
+    drafted = drafter.draft_block(context_hidden, positions, anchor_token, C)
+
+    block_ids = torch.full((1, B), config.mask_token_id)
+    block_ids[0, 0] = anchor_token
+    block_positions = C + torch.arange(B)[None]
+    layout = BlockLayout(C, B, torch.tensor([0]), torch.tensor([C]), torch.cat([positions, block_positions[0]]))
+    attention = build_attention(layout, config.layer_types, config.sliding_window, backend="dense")
+    with torch.no_grad():
+        logits = drafter(context_hidden[0], positions, block_ids, block_positions, attention)
+    assert drafted.shape == (B - 1,)
+    assert torch.equal(drafted, logits[0, 1:].argmax(-1))

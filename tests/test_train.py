@@ -1,0 +1,232 @@
+"""Drafter training on a tiny real extract: anchors, planning, batching, refusal without a
+manifest, kill and resume, DDP on two gloo ranks, and a loss that goes down."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash_jobs.errors import EXIT_BAD_INPUT
+from dflash_jobs.formats import MANIFEST_KEY, HiddenChunk, encode_hidden_chunk, hidden_chunk_key
+from dflash_jobs.spec import parse_spec
+from dflash_jobs.storage import open_storage
+from dflash_jobs.train.__main__ import main
+from dflash_jobs.train.anchors import anchor_candidates, sample_anchors
+from dflash_jobs.train.checkpointer import step_prefix
+from dflash_jobs.train.data import BatchBuilder, BatchStream, ChunkCache, assign_chunks, plan_epoch, read_document_index
+from dflash_jobs.formats import TRAIN_METRICS_KEY as METRICS_KEY, TRAIN_PLOT_KEY as PLOT_KEY
+from dflash_jobs.train.trainer import Runtime, Trainer
+from train_fixtures import LAYERS, tiny_extract, tiny_target, train_spec_dict, write_spec
+
+from conftest import free_port
+
+EPOCHS = 6
+STEPS = 30  # 5 micro-batches of <= 1024 tokens per epoch on one rank
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.getbasetemp() / "train-fixtures"
+
+
+@pytest.fixture(scope="module")
+def extract(root) -> Path:
+    return tiny_extract(root)
+
+
+def copy_extract(extract: Path, output: Path) -> Path:
+    import shutil
+
+    shutil.copytree(extract, output)
+    return output
+
+
+def spec_for(root: Path, output: Path, **train) -> dict:
+    return train_spec_dict(tiny_target(root), output, **{"epochs": EPOCHS, "checkpoint_every": 5, "lr": 1e-2, **train})
+
+
+def run_in_process(spec: dict, cache: Path) -> None:
+    trainer = Trainer.build(parse_spec(spec), Runtime(0, 1, torch.device("cpu")), cache_dir=cache)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+
+
+def final_weights(output: Path) -> dict[str, torch.Tensor]:
+    return load_file(output / step_prefix(STEPS) / "model.safetensors")
+
+
+# ---- anchors, plans, batches -----------------------------------------------------------------
+
+
+def test_anchors_are_supervised_positions_with_a_supervised_successor():
+    mask = np.array([0, 0, 1, 1, 1, 0, 1, 1, 0, 1, 1, 1, 1], dtype=np.uint8)
+    assert anchor_candidates(mask).tolist() == [2, 3, 6, 9, 10, 11]
+    picked = sample_anchors(mask, 4, seed=1, epoch=0, sample_id=7)
+    assert len(picked) == 4 and set(picked) <= {2, 3, 6, 9, 10, 11} and list(picked) == sorted(picked)
+    assert np.array_equal(picked, sample_anchors(mask, 4, seed=1, epoch=0, sample_id=7))
+    other_epochs = [tuple(sample_anchors(mask, 4, seed=1, epoch=e, sample_id=7)) for e in range(1, 6)]
+    assert any(a != tuple(picked) for a in other_epochs)
+    assert sample_anchors(mask, 512, seed=1, epoch=0, sample_id=7).tolist() == [2, 3, 6, 9, 10, 11]
+
+
+def test_each_rank_gets_its_own_chunks_and_the_same_number_of_steps(extract):
+    index = read_document_index(open_storage(str(extract)), [0, 1, 2, 3])
+    assignment = assign_chunks(index, 2)
+    assert sorted(c.chunk for rank in assignment for c in rank) == [0, 1, 2, 3]
+    for epoch in range(3):
+        plans = plan_epoch(index, world_size=2, seed=3, epoch=epoch, micro_batch_tokens=400)
+        assert len(plans[0]) == len(plans[1]) > 0
+        for rank, plan in enumerate(plans):
+            docs = [(d.chunk, d.index) for batch in plan for d in batch]
+            assert len(docs) == len(set(docs))  # no document twice in an epoch
+            assert {c for c, _ in docs} <= {c.chunk for c in assignment[rank]}
+            assert all(sum(d.tokens for d in batch) <= 400 or len(batch) == 1 for batch in plan)
+    first, second = (plan_epoch(index, world_size=1, seed=3, epoch=e, micro_batch_tokens=400)[0] for e in (0, 1))
+    assert first != second  # reshuffled every epoch
+
+
+def test_batches_hold_one_block_per_anchor_with_in_place_labels(extract):
+    storage = open_storage(str(extract))
+    chunk = HiddenChunk.decode(storage.get_bytes(hidden_chunk_key(0)), "0")
+    index = read_document_index(storage, [0])
+    docs = plan_epoch(index, world_size=1, seed=0, epoch=0, micro_batch_tokens=10**6)[0][0]
+    builder = BatchBuilder(block_size=4, anchors=8, gamma=7.0, mask_token_id=999, seed=0, layers=LAYERS)
+    batch = builder.build(docs, {0: chunk}, epoch=0)
+    assert batch.context_hidden.shape == (chunk.tokens.num_tokens, len(LAYERS) * chunk.hidden_states.shape[-1])
+    assert (batch.block_ids[:, 1:] == 999).all() and (batch.loss_weights[:, 0] == 0).all()
+    offset = 0
+    for doc in docs:
+        begin, end = chunk.tokens.cu_seqlens[doc.index : doc.index + 2]
+        ids, mask = chunk.tokens.input_ids[begin:end], chunk.tokens.loss_mask[begin:end]
+        blocks = (batch.layout.context_start == offset).nonzero().flatten()
+        assert 0 < len(blocks) <= 8
+        for n in blocks.tolist():
+            a = int(batch.layout.anchor[n]) - offset
+            assert mask[a] and mask[a + 1] and batch.block_ids[n, 0] == ids[a]
+            assert batch.block_positions[n].tolist() == [a, a + 1, a + 2, a + 3]
+            for j in range(1, 4):
+                inside = a + j < len(ids)
+                assert batch.labels[n, j] == (ids[a + j] if inside else 0)
+                assert (batch.loss_weights[n, j] > 0) == bool(inside and mask[a + j])
+            assert torch.equal(batch.context_hidden[offset + a], chunk.hidden_states[begin + a].flatten())
+        offset += len(ids)
+
+
+def test_fp8_chunks_are_dequantized_into_the_same_batch(extract):
+    storage = open_storage(str(extract))
+    chunk = HiddenChunk.decode(storage.get_bytes(hidden_chunk_key(1)), "1")
+    fp8 = HiddenChunk.decode(
+        encode_hidden_chunk(chunk.tokens, chunk.hidden_states, layers=LAYERS, model="tiny", config_hash="tiny", dtype="float8_e4m3fn"), "1-fp8"
+    )
+    docs = plan_epoch(read_document_index(storage, [1]), world_size=1, seed=0, epoch=0, micro_batch_tokens=10**6)[0][0]
+    builder = BatchBuilder(block_size=4, anchors=8, gamma=7.0, mask_token_id=999, seed=0, layers=LAYERS)
+    exact, quantized = builder.build(docs, {1: chunk}, 0), builder.build(docs, {1: fp8}, 0)
+    assert quantized.context_hidden.dtype == torch.bfloat16 and torch.equal(quantized.block_ids, exact.block_ids)
+    torch.testing.assert_close(quantized.context_hidden.float(), exact.context_hidden.float(), rtol=0.07, atol=1e-3)
+
+
+def test_the_local_cache_stays_within_its_bound(extract, tmp_path):
+    storage = open_storage(str(extract))
+    size = storage.stat(hidden_chunk_key(0)).size
+    cache = ChunkCache(storage, tmp_path, max_bytes=int(size * 2.5))
+    for chunk in (0, 1, 2, 0, 3):
+        assert cache.fetch(chunk).read_bytes() == storage.get_bytes(hidden_chunk_key(chunk))
+    assert len(list(tmp_path.glob("*.safetensors"))) == 2
+
+
+def test_the_data_order_survives_a_restart_from_the_cursor(extract, tmp_path):
+    storage = open_storage(str(extract))
+    index = read_document_index(storage, [0, 1, 2, 3])
+    plans = [plan_epoch(index, world_size=1, seed=0, epoch=e, micro_batch_tokens=700)[0] for e in range(2)]
+
+    def stream() -> BatchStream:
+        builder = BatchBuilder(block_size=4, anchors=8, gamma=7.0, mask_token_id=999, seed=0, layers=LAYERS)
+        return BatchStream(plans, ChunkCache(storage, tmp_path, 1 << 30), builder)
+
+    def fingerprint(item) -> tuple:
+        epoch, step, batch = item
+        return epoch, step, batch.block_ids.tolist(), float(batch.context_hidden.float().sum())
+
+    uninterrupted = [fingerprint(item) for item in stream()]
+    first = stream()
+    iterator = iter(first)
+    head = [fingerprint(next(iterator)) for _ in range(len(plans[0]) + 1)]  # into the second epoch
+    state = first.state_dict()
+    first.close()
+    resumed = stream()
+    resumed.load_state_dict(state)
+    assert head + [fingerprint(item) for item in resumed] == uninterrupted
+
+
+# ---- the job ---------------------------------------------------------------------------------
+
+
+def test_training_refuses_to_start_without_a_manifest(root, extract, tmp_path, caplog):
+    output = copy_extract(extract, tmp_path / "run")
+    (output / MANIFEST_KEY).unlink()
+    spec = write_spec(tmp_path / "dflash.yaml", spec_for(root, output))
+    assert main(["-f", str(spec)]) == EXIT_BAD_INPUT
+    assert "extract/manifest.json does not exist" in caplog.text and "dflashctl verify" in caplog.text
+    assert not (output / "train").exists()
+
+
+def test_killed_and_restarted_it_ends_with_the_weights_of_an_uninterrupted_run(root, extract, tmp_path):
+    uninterrupted = copy_extract(extract, tmp_path / "uninterrupted")
+    run_in_process(spec_for(root, uninterrupted), tmp_path / "cache-a")
+
+    records = [json.loads(line) for line in (uninterrupted / METRICS_KEY).read_text().splitlines()]
+    assert records[-1]["step"] == STEPS
+    # It learns the tiny structured data. The tiny target's random LM head (std 0.02, width 64)
+    # bounds every logit near +-1.3 after the final norm, so the loss cannot fall far from ln(1024).
+    assert records[-1]["loss"] < records[0]["loss"] - 0.2
+    assert records[-1]["accuracy"][1] > records[0]["accuracy"][1] + 0.05
+    assert (uninterrupted / PLOT_KEY).read_bytes()[:4] == b"\x89PNG"
+
+    killed = copy_extract(extract, tmp_path / "killed")
+    spec = write_spec(tmp_path / "killed.yaml", spec_for(root, killed))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dflash_jobs.train", "-f", str(spec)],
+        env={**os.environ, "DFLASH_CACHE_DIR": str(tmp_path / "cache-b")}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while not (killed / step_prefix(5) / "meta.json").exists():
+        assert process.poll() is None and time.monotonic() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (killed / "train/drafter/config.json").exists(), "the kill came too late to test a restart"
+
+    run_in_process(spec_for(root, killed), tmp_path / "cache-b")
+    expected, got = final_weights(uninterrupted), final_weights(killed)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+
+
+def test_ddp_on_two_gloo_ranks_trains_and_exports(root, extract, tmp_path):
+    output = copy_extract(extract, tmp_path / "ddp")
+    spec = write_spec(tmp_path / "ddp.yaml", spec_for(root, output, epochs=3))
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         "-m", "dflash_jobs.train", "-f", str(spec)],
+        env={**os.environ, "DFLASH_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "on 2 ranks" in result.stdout and "rank1" in result.stdout
+    records = [json.loads(line) for line in (output / METRICS_KEY).read_text().splitlines()]
+    assert records[-1]["loss"] < records[0]["loss"]
+    config = json.loads((output / "train/drafter/config.json").read_text())
+    assert config["dflash_config"]["target_layer_ids"] == LAYERS

@@ -1,0 +1,108 @@
+"""A tiny extract for drafter and training tests: the tiny target's real hidden states over the
+tiny chat data set, written as hidden-state chunks with done markers and a manifest, exactly as
+extraction and verify leave them. Built once per test session (shared by test_drafter*/test_train*)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash_jobs.formats import (
+    MANIFEST_KEY, DoneMarker, Manifest, TokenChunk, done_key, encode_hidden_chunk, hidden_chunk_key, token_chunk_key,
+)
+from dflash_jobs.prepare import ChatEncoder
+from dflash_jobs.spec import default_layers, parse_spec
+from dflash_jobs.storage import open_storage
+from dflash_jobs.tiny import DEBUGMODEL, tiny_chat_rows, write_tiny_target
+
+DOCUMENTS = 48
+CHUNKS = 4
+LAYERS = default_layers(DEBUGMODEL.num_layers)
+
+
+def tiny_target(root: Path) -> Path:
+    directory = root / "tiny-target"
+    if not (directory / "config.json").exists():
+        write_tiny_target(directory)
+    return directory
+
+
+def tiny_extract(root: Path, *, dtype: str = "bfloat16") -> Path:
+    """An output directory holding extract/chunks, extract/done and extract/manifest.json."""
+    output = root / f"extract-{dtype}"
+    if (output / MANIFEST_KEY).exists():
+        return output
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = tiny_target(root)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    encoder = ChatEncoder(tokenizer)
+    rows = list(tiny_chat_rows(DOCUMENTS, seed=1))
+    samples = encoder.encode([encoder.render(row) for row in rows])
+    all_hidden = captured_layers(model, [ids for ids, _ in samples])
+    storage = open_storage(str(output))
+    markers = []
+    for chunk in range(CHUNKS):
+        ids = list(range(chunk, DOCUMENTS, CHUNKS))
+        tokens = TokenChunk(
+            input_ids=np.concatenate([samples[i][0] for i in ids]),
+            loss_mask=np.concatenate([samples[i][1] for i in ids]),
+            cu_seqlens=np.concatenate([[0], np.cumsum([len(samples[i][0]) for i in ids])]).astype(np.int64),
+            sample_ids=np.asarray(ids, dtype=np.int64),
+        ).validate("tiny")
+        hidden = torch.cat([all_hidden[i] for i in ids])  # [T, L, d]
+        data = encode_hidden_chunk(tokens, hidden.to(torch.bfloat16), layers=LAYERS, model=str(target), config_hash="tiny", dtype=dtype)
+        storage.put_bytes(token_chunk_key(chunk), tokens.encode())
+        put = storage.put_bytes(hidden_chunk_key(chunk), data)
+        marker = DoneMarker(
+            chunk=chunk, samples=len(ids), tokens=tokens.num_tokens, bytes=put.size, sha256=hashlib.sha256(data).hexdigest(),
+            etag=None, dtype=dtype, layers=LAYERS, hidden_size=DEBUGMODEL.hidden_size,
+        )
+        storage.put_bytes(done_key(chunk), marker.to_json().encode())
+        markers.append(marker)
+    manifest = Manifest(
+        model=str(target), layers=LAYERS, dtype=dtype, hidden_size=DEBUGMODEL.hidden_size,
+        samples=sum(m.samples for m in markers), tokens=sum(m.tokens for m in markers), bytes=sum(m.bytes for m in markers),
+        chunks=markers,
+    )
+    storage.put_bytes(MANIFEST_KEY, manifest.to_json().encode())
+    return output
+
+
+def captured_layers(model, documents: list[np.ndarray]) -> list[torch.Tensor]:
+    """[T, L, d] per document from one right-padded forward (exact for real tokens: qwen_gdn.md)."""
+    longest = max(len(ids) for ids in documents)
+    batch = torch.zeros(len(documents), longest, dtype=torch.long)
+    for row, ids in enumerate(documents):
+        batch[row, : len(ids)] = torch.from_numpy(ids.astype(np.int64))
+    with torch.no_grad():
+        states = model(batch, output_hidden_states=True).hidden_states
+    stacked = torch.stack([states[layer + 1] for layer in LAYERS], dim=2)  # [n, T, L, d]
+    return [stacked[row, : len(ids)] for row, ids in enumerate(documents)]
+
+
+def train_spec_dict(target: Path, output: Path, **train) -> dict:
+    """A spec for the tiny extract: a 2-layer drafter, blocks of 4, a short schedule."""
+    return {
+        "name": "tiny-train",
+        "backend": "local",
+        "target": {"model": str(target), "layers": LAYERS},
+        "data": {"source": str(output / "chats.jsonl"), "max_length": 512, "chunk_tokens": 4096},
+        "output": str(output),
+        "train": {
+            "draft_layers": 2, "sliding_window_layers": 1, "sliding_window": 32, "block_size": 4, "anchors": 16,
+            "epochs": 3, "lr": 3e-3, "micro_batch_tokens": 1024, "checkpoint_every": 8, "gpus_per_node": 1, **train,
+        },
+    }
+
+
+def write_spec(path: Path, spec: dict) -> Path:
+    import yaml
+
+    parse_spec(spec)  # fail here, not in the subprocess
+    path.write_text(yaml.safe_dump(spec))
+    return path
