@@ -1,0 +1,309 @@
+"""Does the whole chain make a drafter that drafts? A small target trained on real text, end to end.
+
+    python bench/quality/run_quality.py --size cpu|gpu [--out bench/results/quality-<size>.json] [--workdir DIR]
+
+1. Corpus: the Python standard library's source, plus pydoc text of a few modules: real
+   structure, available offline everywhere.
+2. Target: a small model of the Qwen3.5 architecture (`dflash_jobs.tiny`, GDN + gated attention,
+   multimodal checkpoint layout) trained briefly on chats "continue this code" built from it.
+3. Regeneration: new prompts of the same kind, answered greedily by that target (DFlash trains on
+   what the target says, not on the corpus), written as pre-tokenized JSONL (the exact ids the
+   target produced, see `regenerate`). Prompts are rendered and cut exactly as prepare renders and
+   cuts them, so the held-out prompts of step 5 are answered as in training.
+4. The product's chain through its own entry points, on a spec written to the work directory:
+   `python -m dflash_jobs.prepare`, `python -m dflash_jobs.extract --shard 0/1`, `dflashctl verify`,
+   `python -m dflash_jobs.train`, `python -m dflash_jobs.evaluate`.
+5. The figures: the drafter's acceptance length next to prompt lookup's (training-free n-gram
+   drafting, as Transformers' `prompt_lookup_num_tokens`) on the same held-out prompts, tokens/s
+   against plain greedy, and whether every output equals plain greedy.
+
+Prints one JSON document (and writes it to --out). The CPU size runs in tests/test_quality.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pydoc
+import random
+import shlex
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import yaml
+
+from dflash_jobs.formats import EVAL_REPORT_KEY
+from dflash_jobs.prepare import ChatEncoder, prompt_length
+from dflash_jobs.tiny import teach_tiny_target, write_tiny_target
+
+REPO = Path(__file__).resolve().parents[2]
+PYDOC_MODULES = ("json", "textwrap", "string", "functools", "itertools", "collections", "pathlib", "re", "heapq",
+                 "bisect", "dataclasses", "argparse", "shutil", "typing", "contextlib", "statistics", "fractions")
+"""Documented with pydoc too: modules that are safe to import (no side effects)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Size:
+    """One scale of the benchmark: everything that differs between the CPU test and the GPU run."""
+
+    target_layers: int
+    target_hidden: int
+    vocab_size: int
+    """Embedding rows of the target (the tokenizer leaves some unused: the drafter's mask token takes one)."""
+    capture: list[int]
+    """Target layers the drafter reads (target.layers)."""
+    corpus_files: int
+    """Standard-library modules read (sampled with a fixed seed)."""
+    pydoc: bool
+    """Add pydoc pages; their ruled layout ("     |  ") takes a target many steps to get beyond."""
+    prompt_lines: int
+    answer_lines: int
+    train_steps: int
+    train_seconds: float
+    """Target training also stops here (the GPU run must fit its device-time budget); the JSON says where."""
+    train_batch: int
+    train_length: int
+    lr: float
+    chats: int
+    """Regenerated conversations; the last `holdout` of them are the evaluation prompts."""
+    holdout: int
+    max_answer_tokens: int
+    regenerate_batch: int
+    draft_layers: int
+    block_size: int
+    anchors: int
+    epochs: int
+    draft_lr: float
+    micro_batch_tokens: int
+    chunk_tokens: int
+    max_length: int
+    """data.max_length: also the longest batch shape extraction warms up, so kept near the longest sample."""
+    eval_new_tokens: int
+
+
+SIZES = {
+    "cpu": Size(
+        target_layers=4, target_hidden=64, vocab_size=1024, capture=[1, 3], corpus_files=60, pydoc=False,
+        prompt_lines=2, answer_lines=1, train_steps=110, train_seconds=60.0, train_batch=32, train_length=64, lr=1e-2,
+        chats=168, holdout=8, max_answer_tokens=24, regenerate_batch=56,
+        draft_layers=1, block_size=8, anchors=24, epochs=8, draft_lr=3e-3, micro_batch_tokens=2048, chunk_tokens=4096,
+        max_length=256, eval_new_tokens=24,
+    ),
+    "gpu": Size(
+        target_layers=8, target_hidden=256, vocab_size=2048, capture=[1, 3, 5, 7], corpus_files=170, pydoc=True,
+        prompt_lines=8, answer_lines=4, train_steps=800, train_seconds=110.0, train_batch=64, train_length=256, lr=2e-3,
+        chats=2048, holdout=16, max_answer_tokens=96, regenerate_batch=512,
+        draft_layers=2, block_size=16, anchors=64, epochs=6, draft_lr=1e-3, micro_batch_tokens=32768, chunk_tokens=65536,
+        max_length=512, eval_new_tokens=96,
+    ),
+}
+
+
+# ---- 1. the corpus ---------------------------------------------------------------------------------
+
+
+def stdlib_documents(files: int, *, with_pydoc: bool) -> list[str]:
+    """Top-level standard-library modules (no tests, no vendored packages) and pydoc pages."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    modules = sorted(root.glob("*.py"))
+    picked = random.Random(0).sample(modules, min(files, len(modules)))
+    documents = [path.read_text(errors="replace") for path in sorted(picked)]
+    if with_pydoc:
+        documents += [pydoc.render_doc(name, renderer=pydoc.plaintext) for name in PYDOC_MODULES]
+    return documents
+
+
+def continuation_chats(documents: list[str], count: int, size: Size, rng: random.Random) -> Iterator[tuple[str, str]]:
+    """(prompt, answer) pairs: `prompt_lines` lines of a document, then the `answer_lines` that follow them."""
+    lines_of = [[line.rstrip() for line in document.splitlines()] for document in documents]
+    lines_of = [lines for lines in lines_of if len(lines) > size.prompt_lines + size.answer_lines]
+    made = 0
+    while made < count:
+        lines = rng.choice(lines_of)
+        start = rng.randrange(len(lines) - size.prompt_lines - size.answer_lines)
+        prompt = "\n".join(lines[start : start + size.prompt_lines])
+        answer = "\n".join(lines[start + size.prompt_lines : start + size.prompt_lines + size.answer_lines]).strip()
+        if prompt.strip() and answer:
+            made += 1
+            yield prompt, answer
+
+
+def conversation(prompt: str, answer: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"Continue this text:\n{prompt}"}, {"role": "assistant", "content": answer}]
+
+
+# ---- 2. the target ---------------------------------------------------------------------------------
+
+
+def train_target(directory: Path, documents: list[str], size: Size, device: torch.device) -> dict[str, Any]:
+    """Trains the checkpoint in `directory` in place on rendered conversations; returns the loss curve's ends."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    texts = [tokenizer.apply_chat_template(conversation(p, a), tokenize=False)
+             for p, a in continuation_chats(documents, size.train_steps * size.train_batch, size, random.Random(1))]
+    return teach_tiny_target(directory, texts, steps=size.train_steps, batch=size.train_batch, length=size.train_length,
+                             lr=size.lr, seconds=size.train_seconds, device=device.type)
+
+
+# ---- 3. regeneration -------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def regenerate(directory: Path, documents: list[str], size: Size, device: torch.device, path: Path) -> dict[str, Any]:
+    """Writes `size.chats` rows holding the target's own greedy answers to new prompts.
+
+    Rows are pre-tokenized ({"input_ids", "loss_mask"}, which prepare reads as it reads chats): the
+    answer is kept as the exact token ids the target produced. As chat text it would not survive:
+    the chat template trims an answer's surrounding whitespace and text can re-tokenize
+    differently, and the drafter would learn tokens the target never emits. The prompt is the
+    conversation rendered by prepare's own ChatEncoder, cut where prepare cuts evaluation prompts.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).to(device).eval()
+    encoder = ChatEncoder(tokenizer)
+    prompts = [p for p, _ in continuation_chats(documents, size.chats, size, random.Random(3))]
+    rendered = encoder.encode([encoder.render({"messages": conversation(p, "placeholder")}) for p in prompts])
+    prompt_ids = [ids[: prompt_length(mask)].tolist() for ids, mask in rendered]
+    rows, finished = [], 0
+    for begin in range(0, len(prompts), size.regenerate_batch):
+        batch = prompt_ids[begin : begin + size.regenerate_batch]
+        padded = tokenizer.pad({"input_ids": batch}, return_tensors="pt").to(device)
+        output = model.generate(**padded, max_new_tokens=size.max_answer_tokens, do_sample=False,
+                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        for prompt, answer in zip(batch, output[:, padded["input_ids"].shape[1]:].tolist()):
+            if tokenizer.eos_token_id in answer:
+                answer = answer[: answer.index(tokenizer.eos_token_id) + 1]
+                finished += 1
+            rows.append({"input_ids": prompt + answer, "loss_mask": [0] * len(prompt) + [1] * len(answer)})
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return {"rows": len(rows), "answers_ended_by_eos": finished, "answer_tokens": sum(sum(r["loss_mask"]) for r in rows),
+            "example": tokenizer.decode(rows[0]["input_ids"])}
+
+
+# ---- 4. the product's chain ------------------------------------------------------------------------
+
+
+def write_spec(workdir: Path, target: Path, data: Path, size: Size, device: torch.device) -> Path:
+    spec = {
+        "name": "quality",
+        "backend": "local",
+        "target": {"model": str(target), "layers": size.capture},
+        "data": {"source": str(data), "max_length": size.max_length, "chunk_tokens": size.chunk_tokens, "holdout": size.holdout},
+        "output": str(workdir / "run"),
+        "extract": {"shards": 2, "token_budget": 8192, "dtype": "bfloat16", "pad_multiple": 128},
+        "train": {
+            "gpus_per_node": 1, "draft_layers": size.draft_layers, "block_size": size.block_size, "anchors": size.anchors,
+            "epochs": size.epochs, "lr": size.draft_lr, "micro_batch_tokens": size.micro_batch_tokens,
+            "checkpoint_every": 10_000, "cache_gb": 1.0,
+        },
+        "eval": {"prompts": size.holdout, "max_new_tokens": size.eval_new_tokens},
+        "local": {"workdir": str(workdir / "local"), "device": device.type},
+    }
+    path = workdir / "dflash.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def run_chain(spec: Path, workdir: Path) -> dict[str, float]:
+    """prepare, extract (two shards at once), verify, train, evaluate: each as its pod would run it."""
+    env = {**os.environ, "DFLASH_CACHE_DIR": str(workdir / "cache"), "PYTHONUNBUFFERED": "1"}
+    job = [sys.executable, "-m"]
+    seconds: dict[str, float] = {}
+
+    def step(name: str, *commands: list[str], extra_env: dict[str, str] | None = None) -> None:
+        started = time.monotonic()
+        logs = [open(workdir / f"{name}-{i}.log", "w") for i in range(len(commands))]
+        processes = [subprocess.Popen(c, env={**env, **(extra_env or {})}, stdout=log, stderr=subprocess.STDOUT) for c, log in zip(commands, logs)]
+        codes = [p.wait() for p in processes]
+        for log in logs:
+            log.close()
+        seconds[name] = round(time.monotonic() - started, 1)
+        if any(codes):
+            failed = next(i for i, code in enumerate(codes) if code)
+            tail = (workdir / f"{name}-{failed}.log").read_text()[-3000:]
+            raise RuntimeError(f"{name} failed (exit {codes[failed]}): {shlex.join(commands[failed])}\n{tail}")
+
+    step("prepare", job + ["dflash_jobs.prepare", "-f", str(spec)])
+    # Two shards share the machine: one intra-op thread each keeps them from fighting over cores.
+    step("extract", *[job + ["dflash_jobs.extract", "-f", str(spec), "--shard", str(i)] for i in range(2)], extra_env={"OMP_NUM_THREADS": "1"})
+    step("verify", job + ["dflashctl.cli.main", "verify", "-f", str(spec)])
+    step("train", job + ["dflash_jobs.train", "-f", str(spec)])
+    step("evaluate", job + ["dflash_jobs.evaluate", "-f", str(spec)])
+    return seconds
+
+
+# ---- 5. the figures --------------------------------------------------------------------------------
+
+
+def run(size_name: str, workdir: Path) -> dict[str, Any]:
+    size = SIZES[size_name]
+    device = torch.device("cuda" if size_name == "gpu" else "cpu")
+    if device.type == "cpu":
+        # Tiny matrices: extra intra-op threads only add synchronisation, and on a shared box they spin.
+        torch.set_num_threads(1)
+    seconds: dict[str, float] = {}
+    started = time.monotonic()
+    documents = stdlib_documents(size.corpus_files, with_pydoc=size.pydoc)
+    target = write_tiny_target(workdir / "target", num_layers=size.target_layers, hidden_size=size.target_hidden, vocab_size=size.vocab_size)
+    seconds["corpus_and_target"] = round(time.monotonic() - started, 1)
+
+    started = time.monotonic()
+    target_training = train_target(target, documents, size, device)
+    seconds["target_training"] = round(time.monotonic() - started, 1)
+
+    started = time.monotonic()
+    regeneration = regenerate(target, documents, size, device, workdir / "regenerated.jsonl")
+    seconds["regeneration"] = round(time.monotonic() - started, 1)
+
+    seconds |= run_chain(write_spec(workdir, target, workdir / "regenerated.jsonl", size, device), workdir)
+    report = json.loads((workdir / "run" / EVAL_REPORT_KEY).read_text())
+    columns = {
+        name: {key: summary[key] for key in ("acceptance_length", "acceptance_per_position", "tokens_per_second", "speedup", "lossless", "mismatches")}
+        for name, summary in report["drafters"].items()
+    }
+    return {
+        "size": size_name,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "acceptance_length": {name: round(column["acceptance_length"], 3) for name, column in columns.items()},
+        "lossless": report["lossless"],
+        "drafters": columns,
+        "greedy_tokens_per_second": report["greedy"]["tokens_per_second"],
+        "eval": {key: report[key] for key in ("prompts", "max_new_tokens", "block_size", "dtype")},
+        "target_training": target_training,
+        "regeneration": regeneration,
+        "settings": asdict(size),
+        "seconds": seconds,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="cpu")
+    parser.add_argument("--out", type=Path, default=None, help="where to write the JSON (default: bench/results/quality-<size>.json)")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep the run here (default: a temporary directory)")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory(prefix="dflash-quality-") as scratch:
+        workdir = args.workdir or Path(scratch)
+        workdir.mkdir(parents=True, exist_ok=True)
+        result = {"command": shlex.join(["python", "bench/quality/run_quality.py", *(argv if argv is not None else sys.argv[1:])]), **run(args.size, workdir)}
+    out = args.out or REPO / "bench" / "results" / f"quality-{args.size}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

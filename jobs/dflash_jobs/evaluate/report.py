@@ -1,0 +1,70 @@
+"""eval/report.json and eval/acceptance.png: the evaluation's figures, stored beside the run.
+
+report.json (format dflash.eval/v1):
+    target, drafter, prompts, max_new_tokens, block_size, device, dtype
+    greedy:   {tokens, tokens_per_second}             plain greedy decoding, the reference
+    drafters: {name: metrics.summarize(...)}          "dflash", and "prompt_lookup" as the training-free baseline
+    lossless: true when every drafter's output equals plain greedy on every prompt
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any, Mapping, Sequence
+
+from dflash_jobs.evaluate.metrics import summarize, tokens_per_second
+from dflash_jobs.evaluate.speculative import Decoded
+from dflash_jobs.formats import EVAL_PLOT_KEY, EVAL_REPORT_KEY
+
+REPORT_FORMAT = "dflash.eval/v1"
+
+
+def build_report(
+    *, greedy: Sequence[Decoded], drafters: Mapping[str, Sequence[Decoded]], block_size: int, **about: Any
+) -> dict[str, Any]:
+    """The report of one evaluation: `about` holds what was evaluated (target, drafter, prompts, ...)."""
+    summaries = {name: summarize(decoded, greedy, block_size) for name, decoded in drafters.items()}
+    return {
+        "format": REPORT_FORMAT,
+        **about,
+        "block_size": block_size,
+        "greedy": {"tokens": sum(len(d.tokens) for d in greedy), "tokens_per_second": tokens_per_second(greedy)},
+        "drafters": summaries,
+        "lossless": all(s["lossless"] for s in summaries.values()),
+    }
+
+
+def report_json(report: Mapping[str, Any]) -> bytes:
+    return (json.dumps(report, indent=2, sort_keys=True) + "\n").encode()
+
+
+def acceptance_plot(report: Mapping[str, Any]) -> bytes:
+    """A PNG of acceptance per block position, one line per drafter, tau in the legend."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # pods and CI have no display
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4), dpi=120)
+    positions = list(range(1, report["block_size"]))
+    for name, summary in report["drafters"].items():
+        axes.plot(positions, summary["acceptance_per_position"], marker="o", label=f"{name} (tau = {summary['acceptance_length']:.2f})")
+    axes.set_xlabel("draft position k")
+    axes.set_ylabel("P(first k drafts accepted)")
+    axes.set_ylim(0, 1.02)
+    axes.set_xticks(positions)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    axes.set_title(f"Acceptance per position, {report.get('prompts', '?')} held-out prompts")
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    plt.close(figure)
+    return buffer.getvalue()
+
+
+def store_report(storage, report: Mapping[str, Any]) -> None:
+    """Writes report.json and the plot under eval/ of the run's storage."""
+    storage.put_bytes(EVAL_PLOT_KEY, acceptance_plot(report))
+    storage.put_bytes(EVAL_REPORT_KEY, report_json(report))

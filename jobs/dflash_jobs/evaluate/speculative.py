@@ -1,0 +1,268 @@
+"""Plain greedy decoding and speculative decoding with a block drafter: pure functions of (target, drafter, prompt).
+
+Speculative decoding (reference/dflash.md section 2.1): the last committed token is the anchor of
+a block; the drafter proposes the tokens after it; the target runs once on [anchor, drafts...]
+and its greedy prediction at each slot checks the next draft. The longest matching prefix is
+accepted, plus one bonus token: the target's own prediction after it. Every committed token is
+therefore the target's greedy choice, and the output must equal plain greedy decoding.
+
+Rolling the target back on a hybrid model. The target's cache holds attention K/V, which can be
+cropped to the last accepted token, and, for each Gated DeltaNet layer, a short conv window and a
+recurrent state that summarise every token seen so far: those cannot be cropped. So each block is
+verified from a checkpoint. Before the verify forward the GDN states are copied (a few small
+tensors per layer, independent of the context length). When a draft is rejected, the cache is
+rolled back (K/V cropped, GDN states restored) and the target re-runs only the accepted tokens.
+Cost: one target forward of B tokens per block, plus one of (accepted + 1) tokens unless the whole
+block was accepted. At batch size 1 a forward is bound by reading the weights, so the re-run costs
+about as much as the verify itself; serving engines avoid it with verify kernels that keep the
+recurrent state after every token. The re-run is exact: it builds the state plain decoding would.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Protocol, Sequence
+
+import torch
+from torch import nn
+from transformers.cache_utils import DynamicCache, DynamicLayer, LinearAttentionCacheLayerMixin
+
+
+class BlockDrafter(Protocol):
+    """Anything that proposes the tokens after the anchor: the DFlash drafter, prompt lookup, a test stand-in."""
+
+    block_size: int
+    """Tokens per verified block: the anchor plus at most block_size - 1 drafted tokens."""
+    target_layers: list[int]
+    """Target layers the drafter reads as context (0-based, layer i = HF output_hidden_states[i + 1]); [] for none."""
+
+    def propose(self, tokens: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
+        """Draft ids to follow `tokens`.
+
+        tokens: the committed ids [n]; the last one is the anchor, which the target has not run yet.
+        context: the captured target layers at positions 0..n-2, [n - 1, L * d] (None without target_layers).
+        Returns a 1-D tensor of at most block_size - 1 ids (possibly empty).
+        """
+        ...
+
+
+class DFlashDrafter:
+    """The trained drafter (`dflash_jobs.drafter.model.Drafter`) as a BlockDrafter: one block per call."""
+
+    def __init__(self, drafter, config) -> None:
+        self.drafter = drafter
+        self.block_size = config.block_size
+        self.target_layers = list(config.target_layer_ids)
+
+    def propose(self, tokens: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
+        anchor_position = len(tokens) - 1
+        positions = torch.arange(anchor_position, device=context.device)
+        return self.drafter.draft_block(context[None], positions, int(tokens[-1]), anchor_position)
+
+
+@dataclass
+class Decoded:
+    """One prompt's decoding: what was generated and how."""
+
+    tokens: list[int]
+    """New tokens, stopped after EOS or at max_new_tokens."""
+    seconds: float
+    """Wall time, prefill included."""
+    accepted: list[int] = field(default_factory=list)
+    """Per verify step, the drafted tokens the target accepted (empty for plain greedy)."""
+    drafted: list[int] = field(default_factory=list)
+    """Per verify step, the tokens proposed."""
+    margins: list[float] = field(default_factory=list)
+    """Plain greedy only: the target's top-1 minus top-2 logit at each token, to tell a numerical near-tie from a bug."""
+
+
+@dataclass
+class CacheCheckpoint:
+    length: int
+    """Tokens in the cache."""
+    linear_states: list[dict[str, dict[int, torch.Tensor]] | None]
+    """Per layer: copies of the conv and recurrent states of GDN layers (None for attention layers)."""
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of an HF causal LM (`model.model.layers`; multimodal wrappers nest a language model)."""
+    inner = model.model
+    inner = getattr(inner, "language_model", inner)
+    return inner.layers
+
+
+class Target:
+    """The target model behind the verify loop: a cache that rolls back, and the captured layers as context.
+
+    `forward(ids)` appends `ids` to the cache and returns their logits; `features()` then returns the
+    captured layers of those positions, concatenated in `layers` order: [n, L * d].
+    """
+
+    def __init__(self, model: nn.Module, layers: Sequence[int] = ()) -> None:
+        self.model = model
+        self.layers = list(layers)
+        self.cache: DynamicCache | None = None
+        self._captured: dict[int, torch.Tensor] = {}
+        decoder_layers = _decoder_layers(model)
+        self._hooks = [decoder_layers[i].register_forward_hook(partial(self._capture, i)) for i in self.layers]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _capture(self, layer: int, module: nn.Module, args, output) -> None:
+        self._captured[layer] = output[0] if isinstance(output, tuple) else output
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+
+    def forward(self, ids: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
+        """Runs ids [n] after the cached tokens: logits [n, V], or [1, V] for the last position only."""
+        output = self.model(input_ids=ids[None], past_key_values=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0)
+        return output.logits[0]
+
+    def features(self) -> torch.Tensor:
+        """The captured layers of the last forward's positions: [n, L * d]."""
+        return torch.cat([self._captured[layer][0] for layer in self.layers], dim=-1)  # L x [n, d] -> [n, L * d]
+
+    def checkpoint(self) -> CacheCheckpoint:
+        states = []
+        for layer in self.cache.layers:
+            if isinstance(layer, LinearAttentionCacheLayerMixin):
+                states.append({
+                    "conv": {i: t.clone() for i, t in layer.conv_states.items() if t is not None},
+                    "recurrent": {i: t.clone() for i, t in layer.recurrent_states.items() if t is not None},
+                })
+            elif isinstance(layer, DynamicLayer) and type(layer).crop is DynamicLayer.crop:
+                states.append(None)
+            else:
+                raise TypeError(f"cannot roll back a {type(layer).__name__} cache layer: only full attention and linear attention are supported")
+        return CacheCheckpoint(self.cache.get_seq_length(), states)
+
+    def rollback(self, checkpoint: CacheCheckpoint) -> None:
+        """Puts the cache back to `checkpoint`: K/V cropped, GDN states restored in place (their addresses stay static)."""
+        for layer, saved in zip(self.cache.layers, checkpoint.linear_states):
+            if saved is not None:
+                for i, state in saved["conv"].items():
+                    layer.conv_states[i].copy_(state)
+                for i, state in saved["recurrent"].items():
+                    layer.recurrent_states[i].copy_(state)
+            if isinstance(layer, DynamicLayer):
+                DynamicLayer.crop(layer, checkpoint.length - layer.get_seq_length())
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _finished(tokens: list[int], max_new_tokens: int, stop_ids: frozenset[int]) -> bool:
+    return len(tokens) >= max_new_tokens or not stop_ids.isdisjoint(tokens)
+
+
+def _cut(tokens: list[int], max_new_tokens: int, stop_ids: frozenset[int]) -> list[int]:
+    """Stops after the first stop token (EOS) and at max_new_tokens, the way plain generation stops."""
+    tokens = tokens[:max_new_tokens]
+    stop = next((i for i, token in enumerate(tokens) if token in stop_ids), None)
+    return tokens if stop is None else tokens[: stop + 1]
+
+
+@torch.inference_mode()
+def greedy_decode(target: Target, prompt: torch.Tensor, *, max_new_tokens: int, stop_ids: frozenset[int]) -> Decoded:
+    """Plain greedy decoding with the target's KV cache: one forward per token, the reference output."""
+    device = target.device
+    _synchronize(device)
+    start = time.perf_counter()
+    target.reset()
+    logits = target.forward(prompt.to(device), last_only=True)[-1]
+    tokens, margins = [], []
+    while True:
+        top = logits.float().topk(2)
+        tokens.append(int(top.indices[0]))
+        margins.append(float(top.values[0] - top.values[1]))
+        if _finished(tokens, max_new_tokens, stop_ids):
+            break
+        logits = target.forward(top.indices[:1], last_only=True)[-1]
+    _synchronize(device)
+    return Decoded(tokens=_cut(tokens, max_new_tokens, stop_ids), seconds=time.perf_counter() - start, margins=margins)
+
+
+class _Context:
+    """The captured target layers of the committed positions, grown in place (no re-concatenation per block)."""
+
+    def __init__(self, capacity: int, width: int, like: torch.Tensor) -> None:
+        self.buffer = like.new_empty(capacity, width)
+        self.length = 0
+
+    def append(self, features: torch.Tensor) -> None:
+        self.buffer[self.length : self.length + len(features)] = features
+        self.length += len(features)
+
+    def view(self) -> torch.Tensor:
+        return self.buffer[: self.length]
+
+
+@torch.inference_mode()
+def speculative_decode(
+    target: Target, drafter: BlockDrafter, prompt: torch.Tensor, *, max_new_tokens: int, stop_ids: frozenset[int]
+) -> Decoded:
+    """Speculative decoding: draft a block, verify it with one target forward, keep the matching prefix plus the bonus token.
+
+    The drafter sees the captured target layers of every committed position before the anchor,
+    exactly as in training: the prompt's from the prefill, then those of each block's accepted
+    tokens (the anchor included); the bonus token has no target state yet and anchors the next block.
+    """
+    if list(target.layers) != list(drafter.target_layers):
+        raise ValueError(f"the target captures layers {target.layers} but the drafter reads {drafter.target_layers}")
+    device = target.device
+    prompt = prompt.to(device)
+    _synchronize(device)
+    start = time.perf_counter()
+    target.reset()
+    logits = target.forward(prompt, last_only=True)
+    sequence = torch.empty(len(prompt) + max_new_tokens + drafter.block_size, dtype=torch.long, device=device)
+    sequence[: len(prompt)] = prompt
+    sequence[len(prompt)] = logits[-1].argmax()
+    length = len(prompt) + 1  # committed tokens; the last is the anchor of the next block
+    context: _Context | None = None
+    if target.layers:
+        features = target.features()
+        context = _Context(len(sequence), features.shape[-1], features)
+        context.append(features)
+
+    tokens = [int(sequence[len(prompt)])]
+    accepted_per_step, drafted_per_step = [], []
+    while not _finished(tokens, max_new_tokens, stop_ids):
+        # A block yields at most len(draft) + 1 tokens: draft no more than the output still needs.
+        draft = drafter.propose(sequence[:length], context.view() if context is not None else None)
+        draft = draft[: min(drafter.block_size - 1, max_new_tokens - len(tokens) - 1)].to(device, torch.long)
+        block = torch.cat([sequence[length - 1 : length], draft])  # [anchor, drafts...]
+        checkpoint = target.checkpoint()
+        predicted = target.forward(block).argmax(-1)  # predicted[j]: the target's token after block[j]
+        accepted = int(torch.cumprod((draft == predicted[:-1]).long(), dim=0).sum())
+        if accepted < len(draft):
+            # A rejected draft left its state in the GDN layers: rebuild from the checkpoint.
+            target.rollback(checkpoint)
+            target.forward(block[: accepted + 1], last_only=True)
+        if context is not None:
+            context.append(target.features()[: accepted + 1])
+        new = torch.cat([draft[:accepted], predicted[accepted : accepted + 1]])
+        sequence[length : length + len(new)] = new
+        length += len(new)
+        tokens.extend(new.tolist())
+        accepted_per_step.append(accepted)
+        drafted_per_step.append(len(draft))
+    _synchronize(device)
+    return Decoded(
+        tokens=_cut(tokens, max_new_tokens, stop_ids),
+        seconds=time.perf_counter() - start,
+        accepted=accepted_per_step,
+        drafted=drafted_per_step,
+    )

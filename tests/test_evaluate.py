@@ -1,0 +1,211 @@
+"""Speculative decoding is lossless and its accounting is right, on a tiny hybrid target with stand-in drafters.
+
+The target has the real Qwen3.5 layout ([GDN, GDN, GDN, attention] x 2), so every verify step
+exercises both halves of the rollback: cropped attention K/V and restored GDN states.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+from dflash_jobs.evaluate.baselines import PromptLookupDrafter
+from dflash_jobs.evaluate.evaluator import held_out_prompts
+from dflash_jobs.evaluate.metrics import acceptance_length, acceptance_per_position, mismatches, summarize
+from dflash_jobs.evaluate.report import build_report, store_report
+from dflash_jobs.formats import EVAL_PLOT_KEY as PLOT_KEY, EVAL_REPORT_KEY as REPORT_KEY
+from dflash_jobs.evaluate.speculative import Decoded, Target, greedy_decode, speculative_decode
+from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk
+from dflash_jobs.storage import open_storage
+
+VOCAB = 128
+BLOCK = 6
+LAYERS = [1, 3, 6]
+NO_STOP = frozenset()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny matrices gain nothing from intra-op threads, which only add synchronisation (badly so on a loaded CI box)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        full_attention_interval=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0], "mrope_interleaved": True},
+    )
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(config).eval()
+    with torch.no_grad():  # default norms are the identity: randomise them (reference/qwen_gdn.md section 5)
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("dt_bias"):
+                param.add_(torch.randn_like(param) * 0.3)
+    return model
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return torch.randint(0, VOCAB, (17,), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def reference(model, prompt) -> list[int]:
+    """Plain greedy output: 1 + 4 full blocks of new tokens."""
+    return greedy_decode(Target(model), prompt, max_new_tokens=1 + 4 * BLOCK, stop_ids=NO_STOP).tokens
+
+
+class OracleDrafter:
+    """Knows the greedy continuation; drafts its first `right` tokens correctly and corrupts the rest.
+
+    Records the context it was given at every call, to check what the drafter sees."""
+
+    def __init__(self, continuation: torch.Tensor, right: int, layers=LAYERS) -> None:
+        self.continuation, self.right = continuation, right
+        self.block_size, self.target_layers = BLOCK, list(layers)
+        self.contexts: list[torch.Tensor] = []
+
+    def propose(self, tokens, context):
+        self.contexts.append(context)
+        assert torch.equal(tokens, self.continuation[: len(tokens)]), "committed tokens diverged from greedy"
+        draft = self.continuation[len(tokens) : len(tokens) + BLOCK - 1].clone()
+        draft[self.right :] = (draft[self.right :] + 1) % VOCAB
+        return draft
+
+
+class RandomDrafter:
+    block_size, target_layers = BLOCK, []
+
+    def __init__(self) -> None:
+        self.generator = torch.Generator().manual_seed(2)
+
+    def propose(self, tokens, context):
+        return torch.randint(0, VOCAB, (BLOCK - 1,), generator=self.generator)
+
+
+def test_greedy_decode_equals_transformers_generate(model, prompt, reference):
+    generated = model.generate(prompt[None], max_new_tokens=len(reference), min_new_tokens=len(reference), do_sample=False)
+    assert generated[0, len(prompt):].tolist() == reference
+
+
+def test_random_drafter_is_lossless_and_mostly_rejected(model, prompt, reference):
+    decoded = speculative_decode(Target(model), RandomDrafter(), prompt, max_new_tokens=len(reference), stop_ids=NO_STOP)
+    assert decoded.tokens == reference
+    assert acceptance_length([decoded]) < 1.5
+    assert len(decoded.accepted) >= len(reference) // 2
+
+
+def test_oracle_drafter_reaches_the_block_size(model, prompt, reference):
+    continuation = torch.cat([prompt, torch.tensor(reference)])
+    decoded = speculative_decode(Target(model, LAYERS), OracleDrafter(continuation, right=BLOCK - 1), prompt, max_new_tokens=len(reference), stop_ids=NO_STOP)
+    assert decoded.tokens == reference
+    assert decoded.accepted == [BLOCK - 1] * 4
+    assert acceptance_length([decoded]) == BLOCK
+    assert acceptance_per_position([decoded], BLOCK) == [1.0] * (BLOCK - 1)
+
+
+@pytest.mark.parametrize("right", [0, 2])
+def test_partly_right_drafter_rolls_back_exactly(model, prompt, reference, right):
+    continuation = torch.cat([prompt, torch.tensor(reference)])
+    drafter = OracleDrafter(continuation, right=right)
+    decoded = speculative_decode(Target(model, LAYERS), drafter, prompt, max_new_tokens=len(reference), stop_ids=NO_STOP)
+    assert decoded.tokens == reference
+    # Every step but the last (cut to what the output still needs) accepts exactly `right` drafts.
+    assert decoded.accepted[:-1] == [right] * (len(decoded.accepted) - 1)
+    rates = acceptance_per_position([decoded], BLOCK)
+    assert rates[right:] == [0.0] * (BLOCK - 1 - right)
+    assert acceptance_length([decoded]) == pytest.approx(1 + sum(rates))
+
+    # The drafter saw the target's layer i output (HF hidden_states[i + 1]) at every committed
+    # position before the anchor, computed through the rollbacks: compare with one full forward.
+    context = drafter.contexts[-1]
+    committed = continuation[: len(context)]
+    with torch.no_grad():
+        states = model(committed[None], output_hidden_states=True).hidden_states
+    expected = torch.cat([states[layer + 1][0] for layer in LAYERS], dim=-1)
+    torch.testing.assert_close(context, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_generation_stops_at_the_stop_token(model, prompt, reference):
+    stop = frozenset([reference[9]])
+    expected = reference[: reference.index(reference[9]) + 1]
+    continuation = torch.cat([prompt, torch.tensor(reference)])
+    assert greedy_decode(Target(model), prompt, max_new_tokens=len(reference), stop_ids=stop).tokens == expected
+    decoded = speculative_decode(Target(model, LAYERS), OracleDrafter(continuation, right=BLOCK - 1), prompt, max_new_tokens=len(reference), stop_ids=stop)
+    assert decoded.tokens == expected
+
+
+def test_drafter_must_read_the_captured_layers(model, prompt):
+    with pytest.raises(ValueError, match="captures layers"):
+        speculative_decode(Target(model, [1]), OracleDrafter(prompt, right=0, layers=[2]), prompt, max_new_tokens=4, stop_ids=NO_STOP)
+
+
+def test_prompt_lookup_drafts_like_transformers():
+    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+    generator = torch.Generator().manual_seed(3)
+    reference = PromptLookupCandidateGenerator(num_output_tokens=BLOCK - 1, max_matching_ngram_size=2, max_length=10_000)
+    drafter = PromptLookupDrafter(BLOCK, max_ngram=2)
+    drafted = 0
+    for length in range(2, 60):
+        tokens = torch.randint(0, 6, (length,), generator=generator)
+        candidates, _ = reference.get_candidates(tokens[None])
+        expected = candidates[0, length:]
+        assert drafter.propose(tokens).tolist() == expected.tolist()
+        drafted += len(expected) > 0
+    assert drafted > 40
+
+
+def test_acceptance_accounting():
+    steps = [Decoded(tokens=[1, 2, 3, 4, 5, 6], seconds=1.0, accepted=[3, 0, 1], drafted=[3, 3, 3]),
+             Decoded(tokens=[7, 8], seconds=1.0, accepted=[1], drafted=[2])]
+    assert acceptance_length(steps) == pytest.approx((4 + 1 + 2 + 2) / 4)
+    assert acceptance_per_position(steps, 5) == [0.75, 0.25, 0.25, 0.0]
+    greedy = [Decoded(tokens=[1, 2, 3, 4, 5, 6], seconds=3.0, margins=[1.0] * 6),
+              Decoded(tokens=[7, 9], seconds=1.0, margins=[2.0, 0.001])]
+    wrong = mismatches(steps, greedy)
+    assert [(m.prompt, m.position, m.greedy_margin) for m in wrong] == [(1, 1, 0.001)]
+    summary = summarize(steps, greedy, 5)
+    assert summary["lossless"] is False
+    assert summary["tokens_per_second"] == pytest.approx(8 / 2.0)
+    assert summary["speedup"] == pytest.approx((8 / 2.0) / (8 / 4.0))
+
+
+def test_report_is_stored_with_its_plot(tmp_path):
+    greedy = [Decoded(tokens=[1, 2, 3], seconds=1.0, margins=[1.0] * 3)]
+    drafted = {"dflash": [Decoded(tokens=[1, 2, 3], seconds=0.5, accepted=[1, 0], drafted=[3, 3])],
+               "prompt_lookup": [Decoded(tokens=[1, 2, 3], seconds=0.9, accepted=[0, 0, 0], drafted=[0, 1, 0])]}
+    report = build_report(greedy=greedy, drafters=drafted, block_size=4, target="t", prompts=1, max_new_tokens=3)
+    storage = open_storage(str(tmp_path))
+    store_report(storage, report)
+    stored = json.loads(storage.get_bytes(REPORT_KEY))
+    assert stored["format"] == "dflash.eval/v1" and stored["lossless"] is True
+    assert set(stored["drafters"]) == {"dflash", "prompt_lookup"}
+    assert set(stored["drafters"]["dflash"]) >= {"acceptance_length", "acceptance_per_position", "tokens_per_second", "speedup", "lossless", "mismatches"}
+    assert stored["drafters"]["dflash"]["acceptance_length"] == 1.5
+    assert stored["greedy"]["tokens_per_second"] == 3.0
+    assert storage.get_bytes(PLOT_KEY).startswith(b"\x89PNG")
+
+
+def test_held_out_prompts_stop_before_the_answer(tmp_path):
+    storage = open_storage(str(tmp_path))
+    ids = np.arange(10, dtype=np.int32)
+    # Two samples: a one-turn chat (answer from 4), and a two-turn one (the last answer from 6).
+    mask = np.array([0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 1, 1, 1, 1], dtype=np.uint8)[:20]
+    holdout = TokenChunk(np.concatenate([ids, ids]), mask, np.array([0, 10, 20]), np.array([7, 8]))
+    storage.put_bytes("tokens/holdout.safetensors", holdout.encode())
+    index = DatasetIndex(samples=0, tokens=0, vocab_size=16, chunks=[], holdout={"samples": 2, "path": "tokens/holdout.safetensors"})
+    storage.put_bytes(DATASET_KEY, index.to_json().encode())
+    prompts = held_out_prompts(storage, 5)
+    assert [p.tolist() for p in prompts] == [list(range(4)), list(range(6))]
