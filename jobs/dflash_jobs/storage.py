@@ -298,7 +298,8 @@ class S3Storage:
         except ClientError as exc:
             code = exc.response.get("Error", {}).get("Code", "")
             if code in ("PreconditionFailed", "ConditionalRequestConflict", "412"):
-                return False
+                # A retried PUT whose first attempt landed (its answer was lost) meets its own object.
+                return self.get_bytes(key) == data
             raise _s3_error(exc, f"{self.url}/{key}") from None
         return True
 

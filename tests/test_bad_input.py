@@ -1,0 +1,195 @@
+"""Bad input at every door: each failure names the input and the fix, with the exit codes of
+DESIGN section 9 for `dflashctl` (2 bad spec or setup, 1 the run failed) and the pod codes of
+dflash_jobs.errors for the jobs (2 bad spec, 42 bad input), which the rendered podFailurePolicy
+turns into "fail the Job" / "fail this index" instead of pointless retries.
+
+The jobs are driven through their entry points' `main` in this process (what `python -m` runs):
+a subprocess per case would spend its time importing torch."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import yaml
+from extract_helpers import LAYERS, random_chunks, tiny_target, write_prepared
+from faults.s3_fault_proxy import S3FaultProxy
+
+from dflash_jobs.errors import EXIT_BAD_INPUT, EXIT_BAD_SPEC
+from dflash_jobs.storage import open_storage
+from dflashctl.cli.main import main as dflashctl
+
+
+def cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
+    """`dflashctl ARGS` through its real entry point: (exit code, stdout, stderr)."""
+    monkeypatch.setattr("sys.argv", ["dflashctl", *args])
+    with pytest.raises(SystemExit) as exit_info:
+        dflashctl()
+    captured = capsys.readouterr()
+    return exit_info.value.code, captured.out, captured.err
+
+
+def spec_dict(tmp_path, **overrides) -> dict:
+    spec = {
+        "name": "bad-input", "backend": "local",
+        "target": {"model": str(tmp_path / "target"), "layers": LAYERS},
+        "data": {"source": str(tmp_path / "chats.jsonl"), "max_length": 48, "chunk_tokens": 512, "holdout": 0},
+        "output": str(tmp_path / "out"),
+        "extract": {"shards": 1, "token_budget": 96, "pad_multiple": 16, "sort_window": 1},
+    }
+    for key, value in overrides.items():
+        section, _, field = key.partition(".")
+        if field:
+            spec[section][field] = value
+        else:
+            spec[section] = value
+    return spec
+
+
+def write(tmp_path, spec: dict | str):
+    path = tmp_path / "dflash.yaml"
+    path.write_text(spec if isinstance(spec, str) else yaml.safe_dump(spec))
+    return path
+
+
+# ---- the spec --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "names", "fix"),
+    [
+        ("name: [unclosed\n", "dflash.yaml", "invalid YAML at line"),
+        ({"extract.shards": 0}, "extract.shards", "an integer >= 1"),
+        ({"extract.dtype": "float16"}, "extract.dtype", "'bfloat16' | 'float8_e4m3fn'"),
+        ({"name": "Bad_Name"}, "name", "DNS-1123 label"),
+        ({"extract.shard": 4}, "extract.shard", "one of the known keys"),
+        ({"output": "gs://bucket/run"}, "output", "s3://bucket/prefix URL"),
+        ({"data.chunk_tokens": 16}, "data.chunk_tokens", ">= data.max_length"),
+    ],
+    ids=["yaml", "shards", "dtype", "name", "unknown-key", "output-scheme", "chunk-size"],
+)
+def test_a_bad_spec_exits_2_naming_the_field_and_what_is_allowed(spec, names, fix, tmp_path, monkeypatch, capsys):
+    path = write(tmp_path, spec if isinstance(spec, str) else spec_dict(tmp_path, **spec))
+    for verb in ("plan", "render", "verify", "run"):
+        code, _, err = cli(monkeypatch, capsys, verb, "-f", str(path))
+        assert code == 2, (verb, err)
+        assert names in err and fix in err, (verb, err)
+
+
+def test_a_missing_spec_file_names_it_and_dflashctl_init(tmp_path, monkeypatch, capsys):
+    code, _, err = cli(monkeypatch, capsys, "status", "-f", str(tmp_path / "nowhere.yaml"))
+    assert code == 2 and "nowhere.yaml" in err and "dflashctl init" in err
+
+
+# ---- the data set and the checkpoint (the jobs) --------------------------------------------------
+
+
+def logged(capsys, caplog) -> str:
+    """What a job's main logged: its handler writes to stdout (prepare replaces the root handlers)."""
+    return caplog.text + capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return tiny_target(tmp_path_factory)
+
+
+def test_malformed_jsonl_fails_prepare_naming_the_line_and_the_fix(target, tmp_path, capsys, caplog):
+    from dflash_jobs.prepare import main as prepare_main
+
+    (tmp_path / "chats.jsonl").write_text(
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+        '{"messages": [{"role": "user", "content": "cut'  # a truncated line
+        "\n"
+    )
+    spec = write(tmp_path, spec_dict(tmp_path, **{"target.model": str(target)}))
+    with caplog.at_level(logging.ERROR):
+        assert prepare_main(["-f", str(spec), "--strict"]) == EXIT_BAD_SPEC
+    text = logged(capsys, caplog)
+    assert "data.source line 2" in text and "Fix or remove the row" in text
+
+
+def test_a_missing_data_source_names_it(target, tmp_path, capsys, caplog):
+    from dflash_jobs.prepare import main as prepare_main
+
+    spec = write(tmp_path, spec_dict(tmp_path, **{"target.model": str(target)}))
+    with caplog.at_level(logging.ERROR):
+        assert prepare_main(["-f", str(spec)]) in (EXIT_BAD_SPEC, 1)
+    assert "chats.jsonl" in logged(capsys, caplog)
+
+
+def broken_checkpoint(target, tmp_path, remove: str):
+    broken = tmp_path / "target"
+    shutil.copytree(target, broken)
+    for path in broken.glob(remove):
+        path.unlink()
+    return broken
+
+
+@pytest.mark.parametrize(
+    ("remove", "code", "message"),
+    [
+        ("config.json", EXIT_BAD_SPEC, ["target.model", "config.json"]),
+        ("*.safetensors", EXIT_BAD_SPEC, ["target.model", "safetensors"]),
+    ],
+    ids=["no-config", "no-weights"],
+)
+def test_a_broken_checkpoint_fails_extraction_naming_it_and_what_it_lacks(remove, code, message, target, tmp_path, capsys, caplog):
+    from dflash_jobs.extract.__main__ import main as extract_main
+
+    broken_checkpoint(target, tmp_path, remove)
+    write_prepared(open_storage(str(tmp_path / "out")), random_chunks(0, 1))
+    spec = write(tmp_path, spec_dict(tmp_path))
+    with caplog.at_level(logging.ERROR):
+        assert extract_main(["-f", str(spec), "--shard", "0"]) == code
+    text = logged(capsys, caplog)
+    assert all(part in text for part in message), text
+
+
+def test_extraction_before_prepare_names_the_missing_index_and_the_command(target, tmp_path, capsys, caplog):
+    from dflash_jobs.extract.__main__ import main as extract_main
+
+    spec = write(tmp_path, spec_dict(tmp_path, **{"target.model": str(target)}))
+    with caplog.at_level(logging.ERROR):
+        assert extract_main(["-f", str(spec), "--shard", "0"]) == EXIT_BAD_INPUT
+    text = logged(capsys, caplog)
+    assert "tokens/dataset.json does not exist" in text and "dflashctl prepare" in text
+
+
+def test_a_shard_index_outside_the_spec_is_a_spec_error(target, tmp_path, capsys, caplog):
+    from dflash_jobs.extract.__main__ import main as extract_main
+
+    spec = write(tmp_path, spec_dict(tmp_path, **{"target.model": str(target)}))
+    with caplog.at_level(logging.ERROR):
+        assert extract_main(["-f", str(spec), "--shard", "3"]) == EXIT_BAD_SPEC
+    text = logged(capsys, caplog)
+    assert "--shard" in text and "extract.shards = 1" in text
+
+
+# ---- storage: unreachable, wrong credentials ---------------------------------------------------
+
+
+def test_unreachable_storage_names_the_endpoint_and_the_fix(tmp_path, monkeypatch, capsys):
+    from conftest import free_port
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    from dflash_jobs import storage
+
+    # Two attempts instead of ten: the same error, without half a minute of backoff.
+    monkeypatch.setattr(storage.open_storage, "__kwdefaults__", {**storage.open_storage.__kwdefaults__, "max_attempts": 2})
+    path = write(tmp_path, spec_dict(tmp_path, output="s3://bucket/run"))
+    code, _, err = cli(monkeypatch, capsys, "verify", "-f", str(path))
+    assert code == 2 and "cannot reach the S3 endpoint" in err and "AWS_ENDPOINT_URL" in err
+
+
+def test_wrong_credentials_name_the_variables_to_fix(s3_server, s3_bucket, tmp_path, monkeypatch, capsys):
+    # The loopback S3 server accepts any key; the proxy answers the way AWS does for an unknown one.
+    with S3FaultProxy(s3_server, seed=0, rate=1.0, max_faults=1, kinds=("403-invalid-key",)) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        path = write(tmp_path, spec_dict(tmp_path, output=f"s3://{s3_bucket}/run"))
+        code, _, err = cli(monkeypatch, capsys, "verify", "-f", str(path))
+    assert code == 2, err
+    assert "refused access" in err and "InvalidAccessKeyId" in err and "AWS_SECRET_ACCESS_KEY" in err
