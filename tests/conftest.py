@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 import uuid
 
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_log_handlers():
+    """A worker's main called in-process configures the root logger on that test's captured stream;
+    the next test would log into a closed stream ("--- Logging error ---" on its stderr)."""
+    yield
+    root = logging.getLogger()
+    for handler in root.handlers[:]:
+        if type(handler) is logging.StreamHandler:  # pytest's own handlers are subclasses
+            root.removeHandler(handler)
 
 
 def free_port() -> int:

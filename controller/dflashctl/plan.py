@@ -1,0 +1,160 @@
+"""The bill of a run before it starts: tokens, storage, GPU-hours, and the upload rate a node must sustain.
+
+Pure functions of the spec, the token dataset's size and the target's shape; the two readers at
+the bottom fetch those (tokens/dataset.json and the checkpoint's config.json) and fall back to
+stated estimates when they cannot.
+
+Units are decimal, as storage and network are billed: 1 TB = 1e12 bytes, 1 MB/s = 1e6 bytes/s.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash_jobs.errors import DflashError, SpecError, StorageError
+from dflash_jobs.formats import DATASET_KEY, HIDDEN_DTYPES, DatasetIndex
+from dflash_jobs.spec import RunSpec, default_layers, is_s3, resolve_layers, text_config
+from dflash_jobs.storage import Storage, open_storage
+
+DEFAULT_TOKENS_PER_SECOND = 8200.0
+"""Real (unpadded) tokens/s per GPU extracting from Qwen3.6-27B on an H200 (DESIGN section 5)."""
+EXTRACT_GPUS_PER_NODE = 8
+"""Extraction pods (one GPU each) that land on one node, all uploading at once."""
+SOURCE_BYTES_PER_TOKEN = 4.0
+"""Estimate for a JSONL source not yet tokenized: ~4 characters of English per token; the JSON
+framing roughly pays for the chat template's extra tokens."""
+TOKEN_BYTES = 4 + 1
+"""input_ids (int32) and loss_mask (uint8) of each token, stored again in its hidden-state chunk."""
+FP8_SCALE_BYTES = 4
+"""float8_e4m3fn chunks carry one float32 scale per token and layer."""
+# Without a readable checkpoint, the plan assumes the target this project is built for.
+ASSUMED_TARGET = {"hidden_size": 5120, "num_hidden_layers": 64, "name": "Qwen3.6-27B"}
+
+TB = 1e12
+MB = 1e6
+S3_ATTEMPTS = 2
+"""A plan answers in seconds: an unreachable store means "estimate", not minutes of retries."""
+
+
+@dataclass(frozen=True, slots=True)
+class DataSize:
+    samples: int | None
+    tokens: int | None
+    estimated: bool
+    basis: str
+    """Where the numbers come from, for the user to judge them."""
+
+
+@dataclass(frozen=True, slots=True)
+class TargetShape:
+    hidden_size: int
+    layers: list[int]
+    basis: str
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    name: str
+    data: DataSize
+    target: TargetShape
+    dtype: str
+    """extract.dtype: the storage and upload figures of this one are the ones that apply."""
+    bytes_per_token: dict[str, int]
+    storage_tb: dict[str, float | None]
+    tokens_per_second_per_gpu: float
+    gpu_hours: float | None
+    shards: int
+    wall_clock_hours: float | None
+    gpus_per_node: int
+    upload_mb_per_s_per_node: dict[str, float]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def bytes_per_token(hidden_size: int, num_layers: int, dtype: str) -> int:
+    """Bytes one token takes in a hidden-state chunk: L captured states of `hidden_size`, plus its ids and mask."""
+    if dtype == "bfloat16":
+        return num_layers * hidden_size * 2 + TOKEN_BYTES
+    if dtype == "float8_e4m3fn":
+        return num_layers * (hidden_size + FP8_SCALE_BYTES) + TOKEN_BYTES
+    raise SpecError("extract.dtype", dtype, " | ".join(HIDDEN_DTYPES))
+
+
+def make_plan(spec: RunSpec, data: DataSize, target: TargetShape, *, tokens_per_second: float = DEFAULT_TOKENS_PER_SECOND) -> Plan:
+    if tokens_per_second <= 0:
+        raise SpecError("--tokens-per-second", tokens_per_second, "a number > 0")
+    per_token = {dtype: bytes_per_token(target.hidden_size, len(target.layers), dtype) for dtype in HIDDEN_DTYPES}
+    gpus_per_node = min(EXTRACT_GPUS_PER_NODE, spec.extract.shards)
+    gpu_hours = None if data.tokens is None else data.tokens / tokens_per_second / 3600
+    return Plan(
+        name=spec.name,
+        data=data,
+        target=target,
+        dtype=spec.extract.dtype,
+        bytes_per_token=per_token,
+        storage_tb={dtype: None if data.tokens is None else data.tokens * size / TB for dtype, size in per_token.items()},
+        tokens_per_second_per_gpu=tokens_per_second,
+        gpu_hours=gpu_hours,
+        shards=spec.extract.shards,
+        wall_clock_hours=None if gpu_hours is None else gpu_hours / spec.extract.shards,
+        gpus_per_node=gpus_per_node,
+        upload_mb_per_s_per_node={dtype: tokens_per_second * size * gpus_per_node / MB for dtype, size in per_token.items()},
+    )
+
+
+# ---- readers -------------------------------------------------------------------------------------
+
+
+def read_data_size(spec: RunSpec) -> DataSize:
+    """Exact from tokens/dataset.json once prepare ran; else estimated from the size of data.source."""
+    try:
+        storage = _open(spec, spec.output)
+        if storage.exists(DATASET_KEY):
+            index = DatasetIndex.from_json(storage.get_bytes(DATASET_KEY), f"{storage.url}/{DATASET_KEY}")
+            return DataSize(index.samples, index.tokens, estimated=False, basis=f"{storage.url}/{DATASET_KEY}")
+    except StorageError:
+        pass  # unreachable output or no credentials here: estimate from the source instead
+    size = _source_bytes(spec)
+    if size is None:
+        return DataSize(None, None, estimated=True, basis=f"unknown: neither tokens/dataset.json nor {spec.data.source} is readable")
+    tokens = round(size / SOURCE_BYTES_PER_TOKEN)
+    return DataSize(None, tokens, estimated=True, basis=f"estimate: {size:,} bytes of {spec.data.source} at {SOURCE_BYTES_PER_TOKEN:g} bytes/token")
+
+
+def _source_bytes(spec: RunSpec) -> int | None:
+    source = spec.data.source
+    if not is_s3(source):
+        path = Path(source.removeprefix("file://"))
+        return path.stat().st_size if path.is_file() else None
+    parent, _, key = source.rpartition("/")
+    try:
+        info = _open(spec, parent).stat(key)
+    except DflashError:
+        return None
+    return None if info is None else info.size
+
+
+def read_target_shape(spec: RunSpec) -> TargetShape:
+    """Hidden size and captured layers from the checkpoint's config.json; else the 27B's, stated as assumed."""
+    config = _checkpoint_config(spec)
+    hidden_size = None if config is None else text_config(config).get("hidden_size")
+    if not isinstance(hidden_size, int):
+        layers = spec.target.layers or default_layers(ASSUMED_TARGET["num_hidden_layers"])
+        return TargetShape(ASSUMED_TARGET["hidden_size"], list(layers), basis=f"assumed {ASSUMED_TARGET['name']}: {spec.target.model}/config.json is not readable here")
+    return TargetShape(hidden_size, resolve_layers(spec, config), basis=f"{spec.target.model}/config.json")
+
+
+def _checkpoint_config(spec: RunSpec) -> dict[str, Any] | None:
+    try:
+        config = json.loads(_open(spec, spec.target.model).get_bytes("config.json"))
+    except (DflashError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _open(spec: RunSpec, url: str) -> Storage:
+    return open_storage(url, endpoint_url=spec.storage.endpoint_url, region=spec.storage.region, max_attempts=S3_ATTEMPTS)

@@ -1,0 +1,164 @@
+"""`dflashctl init` writes a valid, complete, commented spec; `dflashctl plan` bills it correctly."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from dflash_jobs.errors import SpecError
+from dflash_jobs.formats import DATASET_KEY, ChunkInfo, DatasetIndex
+from dflash_jobs.spec import RunSpec, parse_spec
+from dflash_jobs.storage import open_storage
+
+from dflashctl.cli.app import app
+from dflashctl.errors import EXIT_USAGE, exit_code
+from dflashctl.starter import STARTER_VALUES, field_docs, starter_spec
+
+runner = CliRunner()
+
+
+def _sections(cls: type, raw: dict, path: str = "") -> list[str]:
+    """Every dotted field path of `cls` missing from the mapping `raw` (nested sections included)."""
+    missing = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            missing.append(path + f.name)
+            continue
+        nested = hints[f.name]
+        if dataclasses.is_dataclass(nested):
+            missing += _sections(nested, raw[f.name], f"{path}{f.name}.")
+    return missing
+
+
+def test_init_writes_a_valid_spec_with_every_field_at_its_default(tmp_path):
+    spec_file = tmp_path / "dflash.yaml"
+    result = runner.invoke(app, ["init", "-f", str(spec_file)])
+    assert result.exit_code == 0, result.output
+    text = spec_file.read_text()
+    raw = yaml.safe_load(text)
+    assert _sections(RunSpec, raw) == []
+    # Every value is the default, except what the starter fills in (the required fields, the PVC).
+    assert parse_spec(raw) == parse_spec(STARTER_VALUES)
+    assert parse_spec(raw).to_dict() == parse_spec(STARTER_VALUES).to_dict()
+
+
+def _spec_classes(cls: type) -> list[type]:
+    hints = typing.get_type_hints(cls)
+    nested = [arg for f in dataclasses.fields(cls) for arg in (hints[f.name], *typing.get_args(hints[f.name])) if dataclasses.is_dataclass(arg)]
+    return [cls] + [c for n in nested for c in _spec_classes(n)]
+
+
+def test_init_explains_each_field_with_its_docstring():
+    text = starter_spec()
+    lines = text.splitlines()
+    comments = " ".join(line.strip()[2:] for line in lines if line.strip().startswith("# "))
+    classes = _spec_classes(RunSpec)
+    assert len(classes) >= 9  # RunSpec, its eight sections, the model volume
+    for cls in classes:
+        for name, doc in field_docs(cls).items():
+            assert doc in comments, f"{cls.__name__}.{name}"
+    assert lines[lines.index("  chunk_tokens: 65536") - 1] == "  # Target size of one work unit (a token chunk and its hidden-state chunk)."
+    assert lines[lines.index("backend: kubernetes") - 1] == "# One of: kubernetes, local."
+
+
+def test_init_refuses_to_overwrite_without_force(tmp_path):
+    spec_file = tmp_path / "dflash.yaml"
+    spec_file.write_text("name: mine\n")
+    refused = runner.invoke(app, ["init", "-f", str(spec_file)])
+    assert exit_code(refused.exception) == EXIT_USAGE and "--force" in str(refused.exception)
+    assert spec_file.read_text() == "name: mine\n"
+    assert runner.invoke(app, ["init", "-f", str(spec_file), "--force"]).exit_code == 0
+    assert parse_spec(yaml.safe_load(spec_file.read_text())).name == STARTER_VALUES["name"]
+
+
+# ---- plan --------------------------------------------------------------------------------------
+
+
+def write_run(tmp_path, *, tokens: int | None, samples: int = 1000, layers=None, dtype="bfloat16", shards=8) -> str:
+    """A spec file, a checkpoint config.json of the 27B's shape and, if `tokens`, a tokens/dataset.json."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": {"hidden_size": 5120, "num_hidden_layers": 64}}))
+    source = tmp_path / "chats.jsonl"
+    source.write_bytes(b"x" * 4_000_000)
+    output = tmp_path / "out"
+    if tokens is not None:
+        index = DatasetIndex(samples=samples, tokens=tokens, vocab_size=248077, chunks=[ChunkInfo(0, "tokens/chunks/000000.safetensors", samples, tokens)])
+        open_storage(str(output)).put_bytes(DATASET_KEY, index.to_json().encode())
+    spec = {
+        "name": "bill", "target": {"model": str(model), "layers": layers}, "data": {"source": str(source)},
+        "output": str(output), "extract": {"shards": shards, "dtype": dtype},
+    }
+    spec_file = tmp_path / "dflash.yaml"
+    spec_file.write_text(yaml.safe_dump(spec))
+    return str(spec_file)
+
+
+def plan_json(*args: str) -> dict:
+    result = runner.invoke(app, ["plan", *args, "-o", "json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_plan_from_the_dataset_index_matches_hand_computed_figures(tmp_path):
+    plan = plan_json("-f", write_run(tmp_path, tokens=1_000_000_000))
+    # 5 default layers [1, 16, 31, 46, 61] of hidden 5120.
+    assert plan["target"]["layers"] == [1, 16, 31, 46, 61] and plan["target"]["hidden_size"] == 5120
+    assert plan["data"] == {"samples": 1000, "tokens": 1_000_000_000, "estimated": False, "basis": f"{tmp_path / 'out'}/{DATASET_KEY}"}
+    # bf16: 5 x 5120 x 2 bytes + 4 (input_id) + 1 (loss_mask) = 51,205 bytes per token.
+    # fp8:  5 x (5120 + 4 bytes of scale) + 5                  = 25,625 bytes per token.
+    assert plan["bytes_per_token"] == {"bfloat16": 51_205, "float8_e4m3fn": 25_625}
+    assert plan["storage_tb"] == pytest.approx({"bfloat16": 51.205, "float8_e4m3fn": 25.625})
+    # 1e9 tokens / 8200 tokens/s / 3600 s = 33.875 GPU-hours; on 8 shards 4.234 hours.
+    assert plan["gpu_hours"] == pytest.approx(33.875338753)
+    assert plan["wall_clock_hours"] == pytest.approx(4.234417344)
+    # 8 GPUs x 8200 tokens/s x 51,205 bytes = 3,359.0 MB/s; fp8 1,681.0 MB/s.
+    assert plan["upload_mb_per_s_per_node"] == pytest.approx({"bfloat16": 3359.048, "float8_e4m3fn": 1681.0})
+
+
+def test_plan_rate_flag_layers_and_small_jobs(tmp_path):
+    spec_file = write_run(tmp_path, tokens=36_000_000, layers=[3, 7, 11], shards=2, dtype="float8_e4m3fn")
+    plan = plan_json("-f", spec_file, "--tokens-per-second", "10000")
+    assert plan["dtype"] == "float8_e4m3fn"
+    assert plan["bytes_per_token"]["float8_e4m3fn"] == 3 * (5120 + 4) + 5
+    assert plan["gpu_hours"] == pytest.approx(1.0)  # 36e6 / 1e4 / 3600
+    assert plan["wall_clock_hours"] == pytest.approx(0.5)
+    # Two shards: two GPUs upload from a node, not eight.
+    assert plan["gpus_per_node"] == 2
+    assert plan["upload_mb_per_s_per_node"]["float8_e4m3fn"] == pytest.approx(10_000 * 15_377 * 2 / 1e6)
+
+
+def test_plan_before_prepare_estimates_from_the_source_size(tmp_path):
+    plan = plan_json("-f", write_run(tmp_path, tokens=None))
+    assert plan["data"]["estimated"] is True and plan["data"]["samples"] is None
+    assert plan["data"]["tokens"] == 1_000_000  # 4,000,000 bytes at 4 bytes/token
+    assert plan["storage_tb"]["bfloat16"] == pytest.approx(1e6 * 51_205 / 1e12)
+
+
+def test_plan_table_states_its_basis(tmp_path):
+    result = runner.invoke(app, ["plan", "-f", write_run(tmp_path, tokens=None)])
+    assert result.exit_code == 0, result.output
+    assert "1,000,000 (estimate)" in result.stdout
+    assert "storage bfloat16" in result.stdout and "3,359 MB/s" in result.stdout
+    assert "estimate: 4,000,000 bytes" in result.stderr
+
+
+def test_plan_without_a_readable_checkpoint_assumes_the_27b_and_says_so(tmp_path):
+    spec_file = tmp_path / "dflash.yaml"
+    spec_file.write_text(starter_spec({**STARTER_VALUES, "data": {"source": str(tmp_path / "absent.jsonl")}, "output": str(tmp_path / "out")}))
+    plan = plan_json("-f", str(spec_file))
+    assert plan["target"]["hidden_size"] == 5120 and plan["target"]["layers"] == [1, 16, 31, 46, 61]
+    assert plan["target"]["basis"].startswith("assumed Qwen3.6-27B")
+    assert plan["data"]["tokens"] is None and plan["gpu_hours"] is None
+
+
+def test_plan_rejects_layers_deeper_than_the_checkpoint(tmp_path):
+    result = runner.invoke(app, ["plan", "-f", write_run(tmp_path, tokens=10, layers=[1, 64])])
+    assert isinstance(result.exception, SpecError) and exit_code(result.exception) == EXIT_USAGE
+    assert "0..63" in str(result.exception)
