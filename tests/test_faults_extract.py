@@ -202,7 +202,7 @@ def test_sigkilled_local_shard_restarts_to_identical_output(tmp_path, target):
     env = {"DFLASH_TERMINATION_LOG": str(tmp_path / "termination-log")}
     record = check_kill_runs(
         tmp_path, target, outputs=(str(tmp_path / "reference"), str(tmp_path / "killed")),
-        env=env, env_reference=env, seed=11, random_kills=10, hook_kills=3,
+        env=env, env_reference=env, seed=11, random_kills=14, hook_kills=3,
     )
     leftovers = [p for p in (tmp_path / "killed").rglob(f"{TEMP_PREFIX}*")]
     # A kill mid-write may leave a temporary file: never listed, never read, overwritten by name only.

@@ -15,6 +15,8 @@ machine, so a local run exercises the manifests themselves:
 - an `envFrom` Secret reference passes this environment's S3 variables (never written to disk);
   containers without one get no credentials, as in a pod;
 - one log file per pod attempt: <workdir>/logs/<job>/<index>-<attempt>.log.
+- the machine's cores are shared among the Job's parallel pods as a node's are among its pods:
+  each gets OMP_NUM_THREADS = cores / parallelism unless the environment sets it.
 
 Each Job is run by a detached supervisor process (`python -m dflashctl.local <job dir>`) that writes
 the Job's state as JSON under the workdir. `submit` returns at once; `wait`, `status` and `logs`,
@@ -342,8 +344,9 @@ def check_container(container: dict[str, Any], job: str) -> None:
 class Pod:
     """One attempt at one index: the initContainers, then the containers, each run to its end."""
 
-    def __init__(self, files: JobFiles, record: JobRecord, index: int, attempt: int, *, indexed: bool) -> None:
+    def __init__(self, files: JobFiles, record: JobRecord, index: int, attempt: int, *, indexed: bool, threads: int) -> None:
         self.record = record
+        self.threads = threads
         self.index = index
         self.indexed = indexed
         self.name = f"{files.name}-{index}-{attempt}"
@@ -408,6 +411,8 @@ class Pod:
             paths=PathMap(mounts),
             cwd=self.record.cwd,
         )
+        # Without it every pod's torch takes all cores and parallel pods thrash each other.
+        container.env.setdefault("OMP_NUM_THREADS", str(self.threads))
         self.log.write(f"==> container {container.name}: {shlex.join(container.argv)}\n".encode())
         self.log.flush()
         try:
@@ -560,7 +565,8 @@ class Supervisor:
                 break
             if shard.phase != "Missing":
                 continue
-            pod = Pod(self.files, self.record, shard.index, shard.attempts, indexed=self.policy.indexed)
+            pod = Pod(self.files, self.record, shard.index, shard.attempts, indexed=self.policy.indexed,
+                      threads=max(1, (os.cpu_count() or 1) // self.policy.parallelism))
             shard.attempts += 1
             shard.pod, shard.phase = pod.name, "Pending"
             self.pods[shard.index] = pod

@@ -98,6 +98,8 @@ class PipelineResult:
     manifest: Manifest | None = None
     report: dict[str, Any] | None = None
     """eval/report.json."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Wall time of each step this invocation did, Job start-up included."""
 
 
 def run_pipeline(
@@ -165,7 +167,12 @@ class Pipeline:
             ("eval", lambda: self.step_unless_stored("eval", EVAL_REPORT_KEY)),
         ]
         for step, do in steps:
-            (result.ran if do() else result.found_done).append(step)
+            started = time.monotonic()
+            if do():
+                result.ran.append(step)
+                result.seconds[step] = time.monotonic() - started
+            else:
+                result.found_done.append(step)
         result.manifest = read_manifest(self.storage)
         result.report = self.read_report()
         self.reporter.say(f"run {self.spec.name} is done: {summarize_report(result.report)}")
@@ -219,6 +226,7 @@ class Pipeline:
                 self.reporter.say(f"extract Job {name} ended with {progress.label} chunks landed: submitting it again")
                 self.backend.delete(name)
             self.backend.submit(render_selection(self.spec, "extract"), force=self.force)
+            self.reporter.say(f"extract: Job {name} submitted ({self.spec.extract.shards} shards)")
             status = self.wait("extract", name)
             if status.failed_terminally:
                 self.backend.record_event(name, EVENT_SHARDS_FAILED, describe(status), warning=True)

@@ -14,3 +14,15 @@ app = typer.Typer(
 )
 
 # Commands register below, one line per verb family (keep this list sorted by pipeline order).
+from dflashctl.cli import init; init.register(app)  # noqa: E402,E702
+from dflashctl.cli import plan; plan.register(app)  # noqa: E402,E702
+from dflashctl.cli import prepare; prepare.register(app)  # noqa: E402,E702
+from dflashctl.cli import render; render.register(app)  # noqa: E402,E702
+from dflashctl.cli import submit; submit.register(app)  # noqa: E402,E702
+from dflashctl.cli import run; run.register(app)  # noqa: E402,E702
+from dflashctl.cli import verify; verify.register(app)  # noqa: E402,E702
+from dflashctl.cli import eval; eval.register(app)  # noqa: E402,E702
+from dflashctl.cli import status; status.register(app)  # noqa: E402,E702
+from dflashctl.cli import logs; logs.register(app)  # noqa: E402,E702
+from dflashctl.cli import jobs; jobs.register(app)  # noqa: E402,E702
+from dflashctl.cli import demo; demo.register(app)  # noqa: E402,E702

@@ -1,0 +1,81 @@
+"""`dflashctl demo` end to end: the real jobs on the local backend, the run stored on a loopback S3.
+
+The demo's inputs are written smaller first (fewer chats, a target taught for a few steps): the
+demo keeps inputs it finds, so the pipeline, the spec and the command are exactly the user's.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import boto3
+import pytest
+
+from dflash_jobs.formats import DRAFTER_CONFIG_KEY, EVAL_PLOT_KEY, EVAL_REPORT_KEY, MANIFEST_KEY, TRAIN_PLOT_KEY, Manifest
+from dflash_jobs.spec import load_spec
+
+pytestmark = pytest.mark.slow
+
+
+def dflashctl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflashctl.cli.main", *args], cwd=cwd, capture_output=True, text=True, timeout=900)
+
+
+def write_small_inputs(directory: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "dflash_jobs.tiny", str(directory), "--conversations", "240", "--teaching-steps", "30"],
+        check=True, capture_output=True, timeout=300,
+    )
+
+
+def test_demo_runs_the_whole_pipeline_into_s3_and_a_rerun_finds_it_done(tmp_path, s3_bucket, s3_server):
+    directory = tmp_path / "demo"
+    write_small_inputs(directory)
+    output = f"s3://{s3_bucket}/runs/demo"
+
+    first = dflashctl("demo", str(directory), "--output", output, cwd=tmp_path)
+
+    assert first.returncode == 0, first.stderr[-3000:]
+    for step in ("prepare", "extract", "train", "eval"):
+        assert f"{step}: Job demo-{step} submitted" in first.stderr
+    assert "extraction: all " in first.stderr and " chunks verified: " in first.stderr
+    # The summary names where everything is, in S3, and the commands to look further.
+    assert f"{output}/{TRAIN_PLOT_KEY}" in first.stdout and f"{output}/{EVAL_PLOT_KEY}" in first.stdout
+    assert "every output equals plain greedy" in first.stdout
+    assert f"dflashctl status -f {directory / 'dflash.yaml'}" in first.stderr
+
+    s3 = boto3.client("s3", endpoint_url=s3_server)
+    keys = {o["Key"].removeprefix("runs/demo/") for o in s3.list_objects_v2(Bucket=s3_bucket, Prefix="runs/demo/")["Contents"]}
+    assert {MANIFEST_KEY, DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, TRAIN_PLOT_KEY, EVAL_PLOT_KEY} <= keys
+    manifest = Manifest.from_json(s3.get_object(Bucket=s3_bucket, Key=f"runs/demo/{MANIFEST_KEY}")["Body"].read())
+    assert {chunk.shard for chunk in manifest.chunks} == {0, 1}, "both extraction shards wrote chunks"
+    assert manifest.tokens > 10_000 and f"{manifest.tokens:,} tokens in {len(manifest.chunks)} chunks" in first.stdout
+    report = json.loads(s3.get_object(Bucket=s3_bucket, Key=f"runs/demo/{EVAL_REPORT_KEY}")["Body"].read())
+    assert report["lossless"] is True and report["drafters"]["dflash"]["acceptance_length"] >= 1.0
+    assert not (directory / "output").exists(), "with --output s3://... nothing goes to the local output directory"
+
+    again = dflashctl("demo", str(directory), "--output", output, cwd=tmp_path)
+
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "submitted" not in again.stderr, "every step was found done in S3"
+    assert f"{manifest.tokens:,} tokens in {len(manifest.chunks)} chunks" in again.stdout
+
+
+def test_init_demo_writes_a_local_spec_for_the_demo_inputs(tmp_path):
+    directory = tmp_path / "inputs"
+    write_small_inputs(directory)
+    spec_file = tmp_path / "dflash.yaml"
+
+    result = dflashctl("init", "--demo", str(directory), "-f", str(spec_file), cwd=tmp_path)
+
+    assert result.returncode == 0, result.stderr
+    spec = load_spec(spec_file)
+    assert (spec.backend, spec.extract.shards, spec.output) == ("local", 2, str(directory.resolve() / "output"))
+    assert Path(spec.target.model) == directory.resolve() / "target" and Path(spec.data.source).is_file()
+    assert f"dflashctl run -f {spec_file}" in result.stderr
+
+    refused = dflashctl("init", "--demo", str(directory), "-f", str(spec_file), cwd=tmp_path)
+    assert refused.returncode == 2 and "already exists" in refused.stderr and "--force" in refused.stderr
