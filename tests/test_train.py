@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_jobs.errors import EXIT_BAD_INPUT
+from dflash_jobs.errors import EXIT_BAD_INPUT, InputError
 from dflash_jobs.formats import MANIFEST_KEY, HiddenChunk, encode_hidden_chunk, hidden_chunk_key
 from dflash_jobs.spec import parse_spec
 from dflash_jobs.storage import open_storage
@@ -170,6 +170,22 @@ def test_the_data_order_survives_a_restart_from_the_cursor(extract, tmp_path):
     assert head + [fingerprint(item) for item in resumed] == uninterrupted
 
 
+@pytest.mark.parametrize("micro_batch_tokens", [700, 10**6], ids=["batches-within-chunks", "one-batch-spans-every-chunk"])
+def test_a_cache_smaller_than_a_batch_still_streams_every_epoch_exactly(extract, tmp_path, micro_batch_tokens):
+    storage = open_storage(str(extract))
+    index = read_document_index(storage, [0, 1, 2, 3])
+    plans = [plan_epoch(index, world_size=1, seed=0, epoch=e, micro_batch_tokens=micro_batch_tokens)[0] for e in range(3)]
+    chunk_bytes = storage.stat(hidden_chunk_key(0)).size
+
+    def batches(cache_bytes: int, directory: Path) -> list[tuple]:
+        builder = BatchBuilder(block_size=4, anchors=8, gamma=7.0, mask_token_id=999, seed=0, layers=LAYERS)
+        return [(epoch, step, batch.block_ids.tolist(), float(batch.context_hidden.float().sum()))
+                for epoch, step, batch in BatchStream(plans, ChunkCache(storage, directory, cache_bytes), builder)]
+
+    # A cache of about one chunk evicts prefetched chunks before they are read, every epoch.
+    assert batches(int(chunk_bytes * 1.2), tmp_path / "small") == batches(1 << 30, tmp_path / "large")
+
+
 # ---- the job ---------------------------------------------------------------------------------
 
 
@@ -208,7 +224,9 @@ def test_killed_and_restarted_it_ends_with_the_weights_of_an_uninterrupted_run(r
     process.wait()
     assert not (killed / "train/drafter/config.json").exists(), "the kill came too late to test a restart"
 
-    run_in_process(spec_for(root, killed), tmp_path / "cache-b")
+    with pytest.raises(InputError, match=r"other settings \(differs in: train\)"):
+        run_in_process(spec_for(root, killed, lr=5e-3), tmp_path / "cache-b")  # another schedule is not a resume
+    run_in_process(spec_for(root, killed, checkpoint_every=7), tmp_path / "cache-b")
     expected, got = final_weights(uninterrupted), final_weights(killed)
     assert expected.keys() == got.keys()
     for name in expected:

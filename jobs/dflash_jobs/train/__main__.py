@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dflash_jobs.errors import EXIT_BAD_INPUT, EXIT_BAD_SPEC, DflashError, SpecError
+from dflash_jobs.errors import EXIT_OK, DflashError, pod_exit_code
 from dflash_jobs.spec import DEFAULT_SPEC_FILE, load_spec
 
 
@@ -29,13 +29,10 @@ def main(argv: list[str] | None = None) -> int:
             trainer.train()
         finally:
             trainer.close()
-    except SpecError as exc:
-        logging.error("%s", exc)
-        return EXIT_BAD_SPEC
     except DflashError as exc:
         logging.error("%s", exc)
-        return EXIT_BAD_INPUT
-    return 0
+        return pod_exit_code(exc)
+    return EXIT_OK
 
 
 if __name__ == "__main__":

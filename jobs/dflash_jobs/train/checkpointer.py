@@ -10,7 +10,6 @@ Rank 0 writes (DDP replicas are identical); every rank reads. The loop sees no f
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import re
@@ -21,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from dflash_jobs.errors import FormatError
+from dflash_jobs.errors import FormatError, InputError
 from dflash_jobs.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -37,6 +36,16 @@ _STEP_DIR = re.compile(r"step-(\d{8})/" + re.escape(META_FILE) + "$")
 class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> Any: ...
+
+
+RESUMABLE_CHANGES = frozenset({"checkpoint_every", "cache_gb"})
+"""Train settings a resumed run may change: neither touches the data order or the schedule."""
+
+
+def _comparable(key: str, value: Any) -> Any:
+    if key == "train" and isinstance(value, dict):
+        return {name: v for name, v in value.items() if name not in RESUMABLE_CHANGES}
+    return value
 
 
 def step_prefix(step: int) -> str:
@@ -77,9 +86,10 @@ class Checkpointer:
             path = Path(directory) / MODEL_FILE
             save_file(weights, path)
             self.storage.put_file(prefix + MODEL_FILE, path)
-            buffer = io.BytesIO()
-            torch.save({name: state.state_dict() for name, state in self.states.items()}, buffer)
-            self.storage.put_bytes(prefix + STATE_FILE, buffer.getvalue())
+            # Through a file, as the weights: the optimizer state of a 27B-shape drafter is ~10 GB.
+            state_path = Path(directory) / STATE_FILE
+            torch.save({name: state.state_dict() for name, state in self.states.items()}, state_path)
+            self.storage.put_file(prefix + STATE_FILE, state_path)
         meta = {"format": CHECKPOINT_FORMAT, "step": step, "states": sorted(self.states), "files": [MODEL_FILE, STATE_FILE], **self.meta}
         self.storage.put_bytes(prefix + META_FILE, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
         log.info("checkpoint step %d saved to %s/%s in %.1fs", step, self.storage.url, prefix, time.monotonic() - started)
@@ -99,8 +109,18 @@ class Checkpointer:
         meta = json.loads(self.storage.get_bytes(prefix + META_FILE))
         if meta.get("format") != CHECKPOINT_FORMAT:
             raise FormatError(f"{prefix}{META_FILE} is format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT}", "Delete train/checkpoints to start over")
+        changed = sorted(key for key in self.meta if _comparable(key, meta.get(key)) != _comparable(key, self.meta[key]))
+        if changed:
+            # Another world size, batch size, schedule or data set would resume onto another data order.
+            raise InputError(
+                f"{self.storage.url}/{prefix} was saved by a training run with other settings (differs in: {', '.join(changed)})",
+                f"Restore them to resume, or delete {self.storage.url}/{CHECKPOINTS} to train from the start",
+            )
         self.model.load_state_dict(load(self.storage.get_bytes(prefix + MODEL_FILE)))
-        states = torch.load(io.BytesIO(self.storage.get_bytes(prefix + STATE_FILE)), weights_only=True)
+        with tempfile.TemporaryDirectory() as directory:
+            state_path = Path(directory) / STATE_FILE
+            self.storage.get_file(prefix + STATE_FILE, state_path)
+            states = torch.load(state_path, weights_only=True)
         for name, state in self.states.items():
             state.load_state_dict(states[name])
         log.info("resumed from checkpoint step %d (%s/%s)", step, self.storage.url, prefix)

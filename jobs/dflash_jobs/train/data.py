@@ -23,12 +23,16 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from dflash_jobs.balance import balance_by_tokens
 from dflash_jobs.errors import FormatError
 from dflash_jobs.formats import HiddenChunk, dequantize_fp8, header_size, hidden_chunk_key, read_header
 from dflash_jobs.storage import Storage
 from dflash_jobs.train.anchors import anchor_candidates, sample_anchors
 from dflash_jobs.train.loss import slot_weights
 from dflash_jobs.train.masks import BlockLayout
+
+DECODED_CHUNKS = 2
+"""Chunks held decoded in host memory (~3 GiB each at the 27B shape): the current and the next."""
 
 # ---- the document index: which documents each chunk holds ----------------------------------
 
@@ -85,14 +89,8 @@ MicroBatch = list[DocumentRef]
 
 
 def assign_chunks(index: list[ChunkDocuments], world_size: int) -> list[list[ChunkDocuments]]:
-    """Chunks per rank, balanced by tokens (largest first onto the lightest rank), fixed across epochs."""
-    ranks: list[list[ChunkDocuments]] = [[] for _ in range(world_size)]
-    load = [0] * world_size
-    for chunk in sorted(index, key=lambda c: (-c.tokens, c.chunk)):
-        lightest = min(range(world_size), key=lambda r: (load[r], r))
-        ranks[lightest].append(chunk)
-        load[lightest] += chunk.tokens
-    return [sorted(chunks, key=lambda c: c.chunk) for chunks in ranks]
+    """Chunks per rank, balanced by tokens as extraction shards are, fixed across epochs."""
+    return balance_by_tokens(index, world_size, tokens=lambda c: c.tokens, ident=lambda c: c.chunk)
 
 
 def plan_rank_epoch(chunks: list[ChunkDocuments], *, seed: int, epoch: int, rank: int, micro_batch_tokens: int) -> list[MicroBatch]:
@@ -255,6 +253,16 @@ class ChunkCache:
                 self.path(evicted).unlink(missing_ok=True)
         return path
 
+    def read(self, chunk: int) -> bytes:
+        """The chunk's bytes. A prefetched file may have been evicted since (a chunk spans many
+        steps and the cache a few chunks): then it is fetched again."""
+        while True:
+            path = self.fetch(chunk)
+            with self._lock:  # eviction takes the lock too: the file stays while it is read
+                if chunk in self._files:
+                    self._files.move_to_end(chunk)
+                    return path.read_bytes()
+
 
 class BatchStream:
     """This rank's micro-batches over all epochs, from a cursor (epoch, step): Stateful, so the
@@ -320,23 +328,41 @@ class BatchStream:
                         return
                     for ahead_epoch, ahead_step in upcoming[i : i + 1 + self.prefetch_batches]:
                         for doc in self.plans[ahead_epoch][ahead_step]:
-                            if doc.chunk not in downloads:
+                            if doc.chunk not in downloads and doc.chunk not in decoded:
                                 downloads[doc.chunk] = pool.submit(self.cache.fetch, doc.chunk)
                     documents = self.plans[epoch][step]
-                    for chunk in {doc.chunk for doc in documents}:
+                    needed = {doc.chunk for doc in documents}
+                    for chunk in sorted(needed):
                         if chunk not in decoded:
-                            decoded[chunk] = self._decode(downloads.pop(chunk).result())
-                            while len(decoded) > 2:
-                                decoded.popitem(last=False)
+                            # Room first, never taking a chunk this batch needs (a batch can span several).
+                            spare = [c for c in decoded if c not in needed]
+                            for old in spare[: max(0, len(decoded) + 1 - DECODED_CHUNKS)]:
+                                del decoded[old]
+                            pending = downloads.pop(chunk, None)
+                            if pending is not None:
+                                pending.result()  # its download, or its error
+                            decoded[chunk] = self._decode(chunk)
                         decoded.move_to_end(chunk)
                     batch = self.builder.build(documents, decoded, epoch)
-                    ready.put((epoch, step, batch.pin_memory() if self.pin_memory else batch))
-                ready.put(None)
+                    if not self._hand_over(ready, (epoch, step, batch.pin_memory() if self.pin_memory else batch)):
+                        return
+                self._hand_over(ready, None)
             except BaseException as exc:  # re-raised in the training thread
-                ready.put(exc)
+                self._hand_over(ready, exc)
 
-    def _decode(self, path: Path) -> HiddenChunk:
-        chunk = HiddenChunk.decode(path.read_bytes(), path.name)
+    def _hand_over(self, ready: queue.Queue, item) -> bool:
+        """Puts `item` for the training thread; False once close() was called (nobody takes it)."""
+        while not self._stop.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _decode(self, chunk_id: int) -> HiddenChunk:
+        name = self.cache.path(chunk_id).name
+        chunk = HiddenChunk.decode(self.cache.read(chunk_id), name)
         if chunk.layers != self.builder.layers:
-            raise FormatError(f"{path.name} holds layers {chunk.layers}, the manifest says {self.builder.layers}", "Re-run extraction and verify")
+            raise FormatError(f"{name} holds layers {chunk.layers}, the manifest says {self.builder.layers}", "Re-run extraction and verify")
         return chunk

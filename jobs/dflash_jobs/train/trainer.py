@@ -184,6 +184,11 @@ class Trainer:
         ]
         steps_per_epoch = [len(plan) for plan in plans]
         total_steps = sum(steps_per_epoch)
+        if len(index) < runtime.world_size:  # every rank decides alike: none is left waiting in a collective
+            raise InputError(
+                f"{len(index)} chunks for {runtime.world_size} training ranks: some ranks would have no data",
+                "Train on fewer GPUs (train.nodes x train.gpus_per_node) or cut more chunks (a smaller data.chunk_tokens, then prepare and extract again)",
+            )
         if total_steps == 0:
             raise InputError(f"no trainable documents in {len(index)} chunks (none has two consecutive supervised tokens)", "Check the data's loss masks (assistant turns)")
         optimizer = build_optimizer(drafter, train, device=runtime.device)
@@ -195,7 +200,10 @@ class Trainer:
         cache = ChunkCache(storage, cache_dir, int(train.cache_gb * (1 << 30) / runtime.local_world_size))
         stream = BatchStream(plans, cache, builder, pin_memory=runtime.device.type == "cuda")
         state = LoopState()
-        meta = {"train": spec.to_dict()["train"], "drafter": config.to_dict(), "manifest": {"chunks": len(manifest.chunks), "tokens": manifest.tokens}}
+        meta = {
+            "train": spec.to_dict()["train"], "drafter": config.to_dict(), "world_size": runtime.world_size,
+            "manifest": {"chunks": len(manifest.chunks), "tokens": manifest.tokens},
+        }
         checkpointer = Checkpointer(
             storage, drafter, {"optimizer": optimizer, "scheduler": scheduler, "data": stream, "loop": state},
             every=train.checkpoint_every, meta=meta, rank=runtime.rank,
@@ -260,6 +268,8 @@ class Trainer:
         if self.runtime.rank == 0:
             export_drafter(self.drafter, self.storage)
             log.info("drafter exported to %s/train/drafter/ after %d steps", self.storage.url, self.state.step)
+        if dist.is_initialized():
+            dist.barrier()  # the ranks leave together: none tears the process group down under another
 
     def close(self) -> None:
         self.stream.close()
