@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from dflash_jobs.errors import EXIT_BAD_INPUT, EXIT_BAD_SPEC, FormatError, IntegrityError, SpecError, StorageError
-from dflash_jobs.extract.__main__ import exit_code, shard_index
+from dflash_jobs.errors import pod_exit_code as exit_code
+from dflash_jobs.extract.__main__ import shard_index
 from dflash_jobs.extract.batching import BatchPlanner, window_samples
 from dflash_jobs.extract.integrity import check_assembled
-from dflash_jobs.extract.progress import Summary, write_termination_message
+from dflash_jobs.extract.progress import Summary
+from dflash_jobs.termination import write_termination_message
 from dflash_jobs.extract.sharding import assign_chunks, shard_chunks
 from dflash_jobs.formats import ChunkInfo
 
@@ -157,6 +159,6 @@ def test_exit_codes_and_shard_index(monkeypatch):
 def test_termination_message_is_one_json_line(tmp_path, monkeypatch):
     path = tmp_path / "termination"
     monkeypatch.setenv("DFLASH_TERMINATION_LOG", str(path))
-    write_termination_message(Summary(shard=2, shards=8, status="failed", error="chunk 000003: boom"))
+    write_termination_message(Summary(shard=2, shards=8, status="failed", error="chunk 000003: boom").to_json())
     lines = path.read_text().splitlines()
     assert len(lines) == 1 and json.loads(lines[0])["error"] == "chunk 000003: boom"

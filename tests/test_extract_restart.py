@@ -68,6 +68,22 @@ def test_killed_worker_restarts_to_identical_output(tmp_path, tmp_path_factory):
     assert not [p for p in output.rglob("*") if p.name.startswith(".tmp-")]
 
 
+def test_chunks_marked_under_other_settings_are_redone_in_this_run_s_dtype(tmp_path, tmp_path_factory):
+    checkpoint = tiny_target(tmp_path_factory)
+    storage = open_storage(str(tmp_path / "run"))
+    write_prepared(storage, random_chunks(seed=5, count=2, max_len=20))
+    bf16 = write_spec(tmp_path / "bf16.yaml", target=checkpoint, output=tmp_path / "run")
+    assert main(["-f", str(bf16), "--shard", "0"]) == 0
+    fp8 = write_spec(tmp_path / "fp8.yaml", target=checkpoint, output=tmp_path / "run", dtype="float8_e4m3fn")
+
+    assert main(["-f", str(fp8), "--shard", "0"]) == 0
+
+    for cid in range(2):
+        marker = DoneMarker.from_json(storage.get_bytes(done_key(cid)), done_key(cid))
+        chunk = HiddenChunk.decode(storage.get_bytes(hidden_chunk_key(cid)), hidden_chunk_key(cid))
+        assert marker.dtype == chunk.dtype == "float8_e4m3fn" and marker.bytes == storage.stat(hidden_chunk_key(cid)).size
+
+
 def test_bad_token_chunk_fails_the_shard_with_the_bad_input_code(tmp_path, tmp_path_factory, monkeypatch):
     checkpoint = tiny_target(tmp_path_factory)
     output = tmp_path / "run"

@@ -28,6 +28,7 @@ from dflash_jobs.errors import EXIT_BAD_SPEC, EXIT_OK, DflashError, SpecError, S
 from dflash_jobs.formats import RUN_KEY
 from dflash_jobs.spec import DEFAULT_SPEC_FILE, RunSpec, is_s3, load_spec, resolve_layers, text_config
 from dflash_jobs.storage import ObjectNotFound, open_storage, open_url, storage_for
+from dflash_jobs.termination import write_termination_message
 
 COMPONENTS = ("prepare", "extract", "train", "eval")
 Component = Literal["prepare", "extract", "train", "eval"]
@@ -39,8 +40,6 @@ MIN_DRIVER_VERSION = (580, 65, 6)
 MIN_DRIVER_TEXT = "580.65.06"
 CREDENTIAL_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 KERNEL_DRIVER_FILE = Path("/proc/driver/nvidia/version")
-# Kubernetes shows this file's content as the container's termination message (kubectl describe).
-TERMINATION_LOG = Path("/dev/termination-log")
 IMAGE_FIX = "Run the dflash CUDA image (images/Dockerfile), which installs the package with .[jobs,gpu]"
 
 
@@ -90,7 +89,8 @@ def component_needs(spec: RunSpec, component: Component) -> Needs:
     if component == "extract":
         return Needs(gpus=1, fla_missing="fail", weights=True, tokenizer=False, reads_source=False)
     if component == "train":
-        return Needs(gpus=spec.train.gpus_per_node, fla_missing="fail", weights=True, tokenizer=False, reads_source=False)
+        # The drafter reads only the target's embedding and head: no Gated DeltaNet runs in training.
+        return Needs(gpus=spec.train.gpus_per_node, fla_missing="skip", weights=True, tokenizer=False, reads_source=False)
     return Needs(gpus=1, fla_missing="warn", weights=True, tokenizer=True, reads_source=False)
 
 
@@ -349,14 +349,6 @@ class SelfCheck:
             return f"selfcheck {self.component}: FAILED {first.name}: {first.detail}. {first.fix}{more}"
         statuses = ", ".join(f"{check.name} {check.status}" for check in self.checks)
         return f"selfcheck {self.component}: passed ({statuses})"
-
-
-def write_termination_message(text: str) -> None:
-    if TERMINATION_LOG.exists():
-        try:
-            TERMINATION_LOG.write_text(text[:4000])  # kubelet keeps at most 4096 bytes
-        except OSError:
-            pass  # a read-only or foreign file: the log line says the same
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,12 +12,12 @@ import logging
 import os
 import sys
 
-from dflash_jobs.errors import EXIT_BAD_INPUT, EXIT_BAD_SPEC, EXIT_OK, DflashError, FormatError, InputError, IntegrityError, SpecError
-from dflash_jobs.extract.progress import Summary, write_termination_message
+from dflash_jobs.errors import EXIT_OK, DflashError, SpecError, pod_exit_code
+from dflash_jobs.extract.progress import Summary
 from dflash_jobs.spec import DEFAULT_SPEC_FILE, load_spec
+from dflash_jobs.termination import write_termination_message
 
 log = logging.getLogger("dflash.extract")
-EXIT_FAILED = 1
 
 
 def shard_index(arg: int | None) -> int:
@@ -27,14 +27,6 @@ def shard_index(arg: int | None) -> int:
     if value is None or not value.isdigit():
         raise SpecError("--shard", value, "a shard index: pass --shard I, or run in an Indexed Job (JOB_COMPLETION_INDEX)")
     return int(value)
-
-
-def exit_code(error: BaseException) -> int:
-    if isinstance(error, SpecError):
-        return EXIT_BAD_SPEC
-    if isinstance(error, (InputError, IntegrityError, FormatError)):
-        return EXIT_BAD_INPUT
-    return EXIT_FAILED
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,11 +57,11 @@ def main(argv: list[str] | None = None) -> int:
             log.error("shard %s failed: %s", summary.shard, error)
         else:
             log.exception("shard %s failed", summary.shard)
-        return exit_code(error)
+        return pod_exit_code(error)
     finally:
         if worker is not None:
             worker.close()
-        write_termination_message(summary)
+        write_termination_message(summary.to_json())
 
 
 if __name__ == "__main__":

@@ -126,8 +126,10 @@ class DeviceToHost:
             input_ids.record_stream(self.stream)
             real_index.record_stream(self.stream)
         with stream_ctx:
-            absmax = buffer.abs().amax(dim=-1).float()  # [n, L]; NaN and inf propagate
-            slot.absmax[:n].copy_(absmax, non_blocking=True)
+            for begin in range(0, n, QUANTIZE_ROWS):  # in pieces: a whole-buffer abs() is ~1.7 GB at the 27B shape
+                end = min(begin + QUANTIZE_ROWS, n)
+                absmax = buffer[begin:end].abs().amax(dim=-1).float()  # [rows, L]; NaN and inf propagate
+                slot.absmax[begin:end].copy_(absmax, non_blocking=True)
             slot.ids[:n].copy_(input_ids.reshape(-1).index_select(0, real_index), non_blocking=True)
             if self.fp8:
                 for begin in range(0, n, QUANTIZE_ROWS):

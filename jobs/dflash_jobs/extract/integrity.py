@@ -14,7 +14,7 @@ import torch
 from dflash_jobs.errors import IntegrityError
 from dflash_jobs.formats import TokenChunk, check_hidden_header, read_header
 
-FIX = "Re-run this shard; if it fails again, inspect the sample (a broken target checkpoint or a numerical overflow)"
+FIX = "Inspect the sample (a broken target checkpoint or a numerical overflow), fix it, then `dflashctl retry` (the index is not retried by itself)"
 
 
 def check_assembled(chunk: int, tokens: TokenChunk, ids: torch.Tensor, absmax: torch.Tensor, written: np.ndarray) -> dict[str, float]:

@@ -5,17 +5,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 log = logging.getLogger("dflash.extract")
 
-TERMINATION_LOG = Path("/dev/termination-log")
-TERMINATION_LOG_ENV = "DFLASH_TERMINATION_LOG"
-TERMINATION_LIMIT = 4000  # the kubelet keeps at most 4096 bytes
 
 
 @dataclass(slots=True)
@@ -95,21 +90,3 @@ class Progress:
 def _duration(seconds: float) -> str:
     seconds = int(seconds)
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
-
-
-def termination_log_path() -> Path | None:
-    """/dev/termination-log in a pod; DFLASH_TERMINATION_LOG elsewhere (the local backend); else none."""
-    if TERMINATION_LOG.exists() and os.access(TERMINATION_LOG, os.W_OK):
-        return TERMINATION_LOG
-    env = os.environ.get(TERMINATION_LOG_ENV)
-    return Path(env) if env else None
-
-
-def write_termination_message(summary: Summary) -> None:
-    path = termination_log_path()
-    if path is None:
-        return
-    try:
-        path.write_text(summary.to_json()[:TERMINATION_LIMIT] + "\n")
-    except OSError as exc:
-        log.warning("cannot write the termination message to %s: %s", path, exc)

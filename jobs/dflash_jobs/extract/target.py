@@ -211,10 +211,14 @@ class CheckpointCache:
         record = directory / COMPLETE_FILE
         if not record.is_file():
             return False
-        files = json.loads(record.read_text())["files"]
-        for name, entry in files.items():
+        try:
+            files = {name: entry["size"] for name, entry in json.loads(record.read_text())["files"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            log.warning("node cache %s: unreadable %s; downloading again", directory, COMPLETE_FILE)
+            return False
+        for name, size in files.items():
             path = directory / name
-            if not path.is_file() or path.stat().st_size != entry["size"]:
+            if not path.is_file() or path.stat().st_size != size:
                 log.warning("node cache %s: %s is missing or has the wrong size; downloading again", directory, name)
                 return False
         return True
@@ -256,7 +260,10 @@ class CheckpointCache:
         for key, size in sizes.items():
             self._verify(url, directory / key, key, size)
         record = {"url": url, "files": {key: {"size": sizes[key], "sha256": digests[key]} for key in sizes}}
-        (directory / COMPLETE_FILE).write_text(json.dumps(record, indent=2, sort_keys=True))
+        # Written whole or not at all: a pod killed mid-write must not leave a record the others trust.
+        partial = directory / f"{COMPLETE_FILE}.partial"
+        partial.write_text(json.dumps(record, indent=2, sort_keys=True))
+        os.replace(partial, directory / COMPLETE_FILE)
         total = sum(sizes.values())
         elapsed = time.monotonic() - started
         log.info("checkpoint %s: fetched %d files, %.2f GB in %.0f s (%.2f GB/s) into %s",

@@ -48,28 +48,32 @@ SLOT_POLL_S = 1.0
 # ---- which chunks still need work -----------------------------------------------------------------
 
 
-def chunk_is_done(storage: Storage, chunk: int) -> bool:
-    """The marker exists and the object matches it (size, and etag when both have one).
+def chunk_is_done(storage: Storage, chunk: ChunkInfo, expected: ChunkMetadata) -> bool:
+    """The marker exists, describes this chunk as this run extracts it (samples, tokens, layers,
+    dtype, hidden size), and its object matches it (size, and etag when both have one).
 
-    A stale marker (its object missing or different) is deleted, so the redone chunk can commit."""
-    key = done_key(chunk)
+    A stale marker (its object missing or different, or from other settings) is deleted, so the
+    redone chunk can commit; verify would reject it otherwise, one round later."""
+    key = done_key(chunk.id)
     try:
         marker = DoneMarker.from_json(storage.get_bytes(key), key)
     except FormatError:
         marker = None
-    if marker is not None:
-        info = storage.stat(hidden_chunk_key(chunk))
+    if marker is not None and (marker.samples, marker.tokens, marker.layers, marker.dtype, marker.hidden_size) == (
+        chunk.samples, chunk.tokens, expected.layers, expected.dtype, expected.hidden_size
+    ):
+        info = storage.stat(hidden_chunk_key(chunk.id))
         if info is not None and info.size == marker.bytes and (info.etag is None or marker.etag is None or info.etag == marker.etag):
             return True
-    log.warning("chunk %06d: done marker does not match its object; redoing the chunk", chunk)
+    log.warning("chunk %06d: done marker does not match its object or this run's settings; redoing the chunk", chunk.id)
     storage.delete(key)
     return False
 
 
-def pending_chunks(storage: Storage, chunks: Sequence[ChunkInfo]) -> list[ChunkInfo]:
+def pending_chunks(storage: Storage, chunks: Sequence[ChunkInfo], expected: ChunkMetadata) -> list[ChunkInfo]:
     """The chunks without a valid done marker. A chunk object without a marker is redone (the marker commits)."""
     marked = set(storage.list(DONE_MARKERS))
-    return [c for c in chunks if done_key(c.id) not in marked or not chunk_is_done(storage, c.id)]
+    return [c for c in chunks if done_key(c.id) not in marked or not chunk_is_done(storage, c, expected)]
 
 
 # ---- windows: chunks loaded and planned together ----------------------------------------------------
@@ -241,7 +245,7 @@ class ExtractWorker:
     def run(self) -> Summary:
         summary = self.summary
         summary.chunks_total = len(self.chunks)
-        pending = pending_chunks(self.storage, self.chunks)
+        pending = pending_chunks(self.storage, self.chunks, self.metadata)
         summary.chunks_skipped = len(self.chunks) - len(pending)
         log.info("shard %d/%d: %d chunks, %d already done, %d to extract (%s tokens)",
                  summary.shard, summary.shards, len(self.chunks), summary.chunks_skipped, len(pending),
@@ -290,7 +294,12 @@ class ExtractWorker:
         self.capture.start(on_device.real_index)
         self.target.model(**packing.forward_kwargs(on_device))
         slot = self._take_slot()
-        self.transfer.launch(slot, on_device.input_ids, on_device.real_index)
+        try:
+            self.transfer.launch(slot, on_device.input_ids, on_device.real_index)
+        except BaseException:
+            # An OOM here is split and retried by run_batch: the slot must go back, or the next take waits forever.
+            self.transfer.release(slot)
+            raise
         offsets = np.concatenate([[0], np.cumsum([s.length for s in batch.samples])[:-1]])
         placements = [(assemblies[s.slot], s.index, int(o)) for s, o in zip(batch.samples, offsets)]
         self.writer.submit(slot, placements)
