@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
 from dflash_jobs.errors import EXIT_BAD_SPEC, InputError, SpecError
-from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk
+from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk, done_key
 from dflash_jobs.prepare import BATCH_ROWS, HOLDOUT_KEY, REJECTED_KEY, main, prepare, prompt_length
 from dflash_jobs.spec import parse_spec
 from dflash_jobs.storage import open_storage
@@ -255,6 +255,18 @@ def test_a_rerun_replaces_the_previous_data_set(target, tmp_path):
     index, chunks = read_output(tmp_path / "out")
     assert many > 1 and len(chunks) == 1
     assert open_storage(str(tmp_path / "out")).list("tokens/chunks/") == [index.chunks[0].path]
+
+
+def test_a_rerun_over_extracted_chunks_is_refused_and_keeps_them(target, tmp_path):
+    source = write_jsonl(tmp_path / "chats.jsonl", list(tiny_chat_rows(20, seed=1)))
+    prepare(make_spec(target, source, tmp_path / "out"), workers=1)
+    storage = open_storage(str(tmp_path / "out"))
+    storage.put_bytes(done_key(0), b"{}")
+    before = storage.get_bytes(DATASET_KEY)
+    with pytest.raises(InputError, match="1 extracted chunks") as error:
+        prepare(make_spec(target, source, tmp_path / "out", chunk_tokens=300), workers=1)
+    assert "extract first" in error.value.fix
+    assert storage.get_bytes(DATASET_KEY) == before and storage.exists(done_key(0))
 
 
 def test_a_missing_source_is_a_spec_error(target, tmp_path):

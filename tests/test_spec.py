@@ -55,6 +55,8 @@ def test_minimal_spec_gets_the_documented_defaults():
         ({"cluster": {"namespace": "My NS"}}, "cluster.namespace", "DNS-1123 label"),
         ({"cluster": {"node_selector": {"gpu": 1}}}, "cluster.node_selector", "mapping of strings"),
         ({"train": {"sliding_window_layers": 9}}, "train.sliding_window_layers", "0..train.draft_layers"),
+        ({"cluster": {"memory_per_gpu": "96G"}}, "cluster.memory_per_gpu", "whole binary quantity"),
+        ({"cluster": {"shm_size": "1.5Gi"}}, "cluster.shm_size", "whole binary quantity"),
     ],
 )
 def test_bad_field_is_named_with_value_and_allowed(overrides, field, allowed):

@@ -13,6 +13,8 @@ from typing import Any
 EXIT_OK = 0
 EXIT_BAD_SPEC = 2
 """The spec itself is wrong: every index would fail the same way, so the rendered policy fails the Job."""
+EXIT_FAILED = 1
+"""Anything else (storage after its retries, a crash): the Job retries the pod."""
 EXIT_BAD_INPUT = 42
 """This shard's input (a chunk) is bad or its output failed the integrity checks: FailIndex, no retry."""
 
@@ -50,3 +52,12 @@ class IntegrityError(DflashError):
 
 class InputError(DflashError):
     """User input (a JSONL data set, a checkpoint directory) is unusable."""
+
+
+def pod_exit_code(error: BaseException) -> int:
+    """The code a pod's worker (extract, train, eval) exits with for `error`."""
+    if isinstance(error, SpecError):
+        return EXIT_BAD_SPEC
+    if isinstance(error, (InputError, IntegrityError, FormatError)):
+        return EXIT_BAD_INPUT
+    return EXIT_FAILED

@@ -40,7 +40,7 @@ from typing import Any, BinaryIO, Iterable, Iterator
 import numpy as np
 
 from dflash_jobs.errors import EXIT_BAD_SPEC, EXIT_OK, DflashError, InputError, SpecError
-from dflash_jobs.formats import DATASET_KEY, TOKEN_CHUNKS, ChunkInfo, DatasetIndex, TokenChunk, token_chunk_key
+from dflash_jobs.formats import DATASET_KEY, DONE_MARKERS, TOKEN_CHUNKS, ChunkInfo, DatasetIndex, TokenChunk, token_chunk_key
 from dflash_jobs.spec import DEFAULT_SPEC_FILE, DataSpec, RunSpec, is_s3, load_spec
 from dflash_jobs.storage import ObjectNotFound, Storage, open_storage, open_url, storage_for
 
@@ -427,6 +427,14 @@ class Preparer:
         self.rejected.close()
 
     def run(self, batches: Iterable[list[tuple[int, Encoded]]]) -> DatasetIndex:
+        extracted = self.storage.list(DONE_MARKERS)
+        if extracted:
+            # Those hidden states belong to the current token chunks; new chunks would silently
+            # pair with them (and the manifest would send training onto the old data).
+            raise InputError(
+                f"{self.storage.url} already holds {len(extracted)} extracted chunks of the current token data set",
+                f"Delete {self.storage.url}/extract first to extract again, or use a new `output` for the new data set",
+            )
         # A re-run rewrites the chunks: the old index must not describe a half-written data set.
         self.storage.delete(DATASET_KEY)
         writer = ChunkWriter(self.storage, self.data.chunk_tokens)

@@ -23,6 +23,7 @@ import yaml
 from dflash_jobs.errors import SpecError
 
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+BINARY_QUANTITY = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti)?$")
 # Job names get suffixes ("-extract", "-controller") and pods another "-<index>-<hash>"; the
 # Job name is also a label value (<= 63 characters), so the run name must leave room for them.
 MAX_RUN_NAME = 40
@@ -232,6 +233,8 @@ class ClusterSpec:
             _dns_label("cluster.queue", self.queue, limit=63)
         _dns_label("cluster.service_account", self.service_account, limit=253)
         _positive("cluster.cpu_per_gpu", self.cpu_per_gpu, minimum=1)
+        _binary_quantity("cluster.memory_per_gpu", self.memory_per_gpu)
+        _binary_quantity("cluster.shm_size", self.shm_size)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -277,6 +280,12 @@ class RunSpec:
 def _positive(path: str, value: Any, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise SpecError(path, value, f"an integer >= {minimum}")
+
+
+def _binary_quantity(path: str, value: Any) -> None:
+    # Whole binary units only: the renderer multiplies memory by the GPUs of a pod.
+    if not isinstance(value, str) or not BINARY_QUANTITY.match(value):
+        raise SpecError(path, value, "a whole binary quantity such as 96Gi or 512Mi")
 
 
 def _dns_label(path: str, value: Any, *, limit: int) -> None:

@@ -291,10 +291,12 @@ class S3Storage:
         return PutResult(info.size, sha256_file(path), info.etag)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
-        from botocore.exceptions import ClientError
+        from botocore.exceptions import BotoCoreError, ClientError
 
         try:
             self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
+        except BotoCoreError as exc:  # connection errors after the client's retries
+            raise _s3_error(exc, f"{self.url}/{key}") from None
         except ClientError as exc:
             code = exc.response.get("Error", {}).get("Code", "")
             if code in ("PreconditionFailed", "ConditionalRequestConflict", "412"):

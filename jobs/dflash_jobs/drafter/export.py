@@ -96,19 +96,22 @@ def export_drafter(drafter: Drafter, storage: Storage, prefix: str = DRAFTER_PRE
     storage.put_bytes(prefix + CONFIG_FILE, (json.dumps(zlab_config(drafter.config), indent=2) + "\n").encode())
 
 
-def load_drafter(source: str, *, target: str, device: str | torch.device = "cpu") -> tuple[Drafter, DrafterConfig]:
+def load_drafter(
+    source: str, *, target: str, device: str | torch.device = "cpu", endpoint_url: str | None = None, region: str | None = None
+) -> tuple[Drafter, DrafterConfig]:
     """An exported drafter (a directory or a storage prefix such as s3://bucket/run/train/drafter)
     with the frozen embedding and LM head of the target checkpoint `target`, in eval mode.
+    `endpoint_url` and `region` locate s3:// URLs (the spec's storage section).
 
     Weights stay in bf16 as exported; `Drafter.draft_block` drafts one block from there."""
     from safetensors.torch import load
 
-    storage = open_storage(source)
+    storage = open_storage(source, endpoint_url=endpoint_url, region=region)
     if not storage.exists(CONFIG_FILE) or not storage.exists(WEIGHTS_FILE):
         raise InputError(f"{source} holds no exported drafter ({CONFIG_FILE} + {WEIGHTS_FILE})", "Train first, or point at <output>/train/drafter")
     config = config_from_zlab(json.loads(storage.get_bytes(CONFIG_FILE)))
     drafter = Drafter(config)
     drafter.load_state_dict(load(storage.get_bytes(WEIGHTS_FILE)))
-    tensors = TargetCheckpoint(open_storage(target)).read_target_tensors()
+    tensors = TargetCheckpoint(open_storage(target, endpoint_url=endpoint_url, region=region)).read_target_tensors()
     drafter.load_target_tensors(tensors.embed_tokens, tensors.lm_head, tensors.final_norm)
     return drafter.to(device=device, dtype=torch.bfloat16).eval(), config

@@ -12,7 +12,7 @@ import json
 import logging
 import sys
 
-from dflash_jobs.errors import EXIT_BAD_INPUT, EXIT_BAD_SPEC, EXIT_OK, DflashError, InputError, SpecError
+from dflash_jobs.errors import EXIT_OK, DflashError, pod_exit_code
 from dflash_jobs.spec import DEFAULT_SPEC_FILE, load_spec
 from dflash_jobs.storage import storage_for
 
@@ -33,15 +33,9 @@ def main(argv: list[str] | None = None) -> int:
         # As the trainer decides: a local run pinned to the CPU stays there even on a GPU machine.
         use_cuda = torch.cuda.is_available() and not (spec.backend == "local" and spec.local.device == "cpu")
         report = evaluate(spec, storage_for(spec), device=torch.device("cuda" if use_cuda else "cpu"))
-    except SpecError as exc:
-        log.error("%s", exc)
-        return EXIT_BAD_SPEC
-    except InputError as exc:
-        log.error("%s", exc)
-        return EXIT_BAD_INPUT
     except DflashError as exc:
         log.error("%s", exc)
-        return 1
+        return pod_exit_code(exc)
     if not report["lossless"]:
         # A bug (rollback, positions) or, in bf16, a near-tie rounded differently: each mismatch's
         # greedy logit margin in the report tells which.

@@ -111,7 +111,10 @@ def evaluate(spec: RunSpec, storage: Storage, *, device: torch.device) -> dict[s
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     prompts = held_out_prompts(storage, spec.eval.prompts)
     model = load_target(spec, device=device, dtype=dtype)
-    drafter, config = load_drafter(f"{storage.url.rstrip('/')}/{DRAFTER_PREFIX}", target=spec.target.model, device=device)
+    drafter, config = load_drafter(
+        f"{storage.url.rstrip('/')}/{DRAFTER_PREFIX}", target=spec.target.model, device=device,
+        endpoint_url=spec.storage.endpoint_url, region=spec.storage.region,
+    )
     log.info("target %s (%s, %s), drafter: %d layers, block %d, target layers %s; %d prompts, %d new tokens each",
              spec.target.model, device, dtype, config.num_layers, config.block_size, config.target_layer_ids,
              len(prompts), spec.eval.max_new_tokens)
