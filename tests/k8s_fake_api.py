@@ -82,6 +82,8 @@ class FakeKubernetes:
     sent_bookmarks: int = 0
     index_failures: dict[str, dict[int, int]] = field(default_factory=dict)
     """Job uid -> index -> failed pods counted against backoffLimitPerIndex."""
+    namespaces: set[str] | None = None
+    """The namespaces that exist; None: every one does."""
     lock: threading.Condition = field(default_factory=threading.Condition)
     _clock: itertools.count = field(default_factory=itertools.count)
 
@@ -150,6 +152,8 @@ class FakeKubernetes:
 
     def _create(self, kind: str, namespace: str, body: Obj) -> tuple[int, Obj]:
         name = body.get("metadata", {}).get("name")
+        if self.namespaces is not None and namespace not in self.namespaces:
+            return 404, _status(404, "NotFound", f'namespaces "{namespace}" not found')
         if (kind, name) in self.objects:
             return 409, _status(409, "AlreadyExists", f'{kind.lower()}s "{name}" already exists')
         obj = copy.deepcopy(body)

@@ -207,8 +207,8 @@ def test_status_watch_follows_until_nothing_runs_and_ctrl_c_detaches(run, monkey
         raise KeyboardInterrupt
 
     monkeypatch.setattr(status_cli.time, "sleep", interrupt)
-    code, _, _ = cli(monkeypatch, capsys, "status", "--watch", "-f", str(spec_file))
-    assert code == 130
+    code, _, err = cli(monkeypatch, capsys, "status", "--watch", "-f", str(spec_file))
+    assert code == 130 and "detached, the run goes on" in err
     assert api.get("Job", job) is not None  # the run goes on
 
 

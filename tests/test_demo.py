@@ -79,3 +79,14 @@ def test_init_demo_writes_a_local_spec_for_the_demo_inputs(tmp_path):
 
     refused = dflashctl("init", "--demo", str(directory), "-f", str(spec_file), cwd=tmp_path)
     assert refused.returncode == 2 and "already exists" in refused.stderr and "--force" in refused.stderr
+
+
+def test_fresh_refuses_a_directory_that_is_not_a_demo(tmp_path):
+    precious = tmp_path / "work"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+
+    result = dflashctl("demo", str(precious), "--fresh", cwd=tmp_path)
+
+    assert result.returncode == 2 and "not a demo directory" in result.stderr
+    assert (precious / "notes.txt").read_text() == "keep me"

@@ -12,6 +12,8 @@ from test_render import make_spec
 
 from kubernetes.client import ApiClient, Configuration
 
+from dflash_jobs.errors import InputError
+
 from dflashctl.backend import EVENT_EXTRACTION_FINISHED, PROGRESS_ANNOTATION
 from dflashctl.cluster import Cluster
 from dflashctl.errors import ClusterUnreachable, Conflict, Forbidden, RunFailed, WaitTimeout, exit_code
@@ -209,6 +211,20 @@ def test_forbidden_and_unreachable_clusters_exit_4(backend, fake_k8s, tmp_path, 
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     with pytest.raises(ClusterUnreachable, match="KUBECONFIG"):
         Cluster.connect("dflash")
+
+
+def test_a_missing_namespace_and_a_refused_object_exit_2_naming_the_fix(backend, fake_k8s):  # noqa: F811
+    fake_k8s.api.namespaces = {"default"}
+    with pytest.raises(InputError, match="namespace dflash does not exist") as error:
+        backend.submit(render_selection(SPEC, "extract"))
+    assert exit_code(error.value) == 2 and "kubectl apply -k" in error.value.fix
+    fake_k8s.api.namespaces = None
+    posts = len(fake_k8s.api.requests_matching("POST", "/namespaces/dflash/"))
+    fake_k8s.api.fail_requests(1, status=422, method="POST")
+    with pytest.raises(InputError, match="refused to create") as error:
+        backend.submit(render_selection(SPEC, "extract"))
+    assert exit_code(error.value) == 2
+    assert len(fake_k8s.api.requests_matching("POST", "/namespaces/dflash/")) == posts + 1, "a refused object is not retried"
 
 
 def test_the_controller_role_allows_every_call_the_backend_makes(backend, fake_k8s):  # noqa: F811

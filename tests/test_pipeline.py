@@ -14,7 +14,8 @@ from collections.abc import Callable
 import pytest
 from extracted_chunks import CHUNKS, LAYERS, hidden_chunk, mark_done, write_dataset
 
-from dflash_jobs.formats import DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, MANIFEST_KEY, RUN_KEY, done_key, hidden_chunk_key
+from dflash_jobs.errors import StorageError
+from dflash_jobs.formats import DONE_MARKERS, DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, MANIFEST_KEY, RUN_KEY, done_key, hidden_chunk_key
 from dflash_jobs.spec import parse_spec
 from dflash_jobs.storage import open_storage
 
@@ -222,6 +223,32 @@ def test_a_rerun_after_a_crash_attaches_to_the_running_extraction(spec, storage)
     result = run_pipeline(spec, backend, storage=storage, refresh_s=0.01)
     assert result.found_done == ["prepare"] and result.ran == ["extract", "verify", "train", "eval"]
     assert backend.calls == [("attach", "pipe-extract"), ("submit", "pipe-train"), ("submit", "pipe-eval")]
+
+
+def test_storage_failing_while_extraction_runs_is_reported_and_outwaited(spec, storage, monkeypatch):
+    work = pipeline_work(storage)
+    write_dataset(storage)
+    backend = backend_for(work)
+    backend.jobs["pipe-extract"] = make_job("pipe-extract", completions=SHARDS, running=True)
+    backend.hashes["pipe-extract"] = spec.fingerprint()
+    real_list, outage = storage.list, iter(range(1))
+
+    def flaky_list(prefix: str = "") -> list[str]:
+        if prefix == DONE_MARKERS and next(outage, None) is not None:
+            raise StorageError("S3 call failed: SlowDown", "retried calls exhausted their attempts")
+        return real_list(prefix)
+
+    def extraction_ends() -> None:
+        monkeypatch.setattr(storage, "list", flaky_list)  # the outage starts while the Job runs
+        for chunk in range(CHUNKS):
+            mark_done(storage, chunk, hidden_chunk(chunk))
+        backend.jobs["pipe-extract"] = make_job("pipe-extract", completions=SHARDS)
+
+    backend.on_wait["pipe-extract"] = extraction_ends
+    recorder = Recorder()
+    result = run_pipeline(spec, backend, storage=storage, reporter=recorder, refresh_s=0.01)
+    assert result.ran == ["extract", "verify", "train", "eval"]
+    assert any("cannot read progress" in line and "SlowDown" in line for line in recorder.lines)
 
 
 def test_landed_chunks_are_verified_even_when_the_job_failed(spec, storage):

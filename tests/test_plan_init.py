@@ -115,11 +115,11 @@ def test_plan_from_the_dataset_index_matches_hand_computed_figures(tmp_path):
     # fp8:  5 x (5120 + 4 bytes of scale) + 5                  = 25,625 bytes per token.
     assert plan["bytes_per_token"] == {"bfloat16": 51_205, "float8_e4m3fn": 25_625}
     assert plan["storage_tb"] == pytest.approx({"bfloat16": 51.205, "float8_e4m3fn": 25.625})
-    # 1e9 tokens / 8200 tokens/s / 3600 s = 33.875 GPU-hours; on 8 shards 4.234 hours.
-    assert plan["gpu_hours"] == pytest.approx(33.875338753)
-    assert plan["wall_clock_hours"] == pytest.approx(4.234417344)
-    # 8 GPUs x 8200 tokens/s x 51,205 bytes = 3,359.0 MB/s; fp8 1,681.0 MB/s.
-    assert plan["upload_mb_per_s_per_node"] == pytest.approx({"bfloat16": 3359.048, "float8_e4m3fn": 1681.0})
+    # 1e9 tokens / 5964 tokens/s / 3600 s = 46.576 GPU-hours; on 8 shards 5.822 hours.
+    assert plan["gpu_hours"] == pytest.approx(46.575750801)
+    assert plan["wall_clock_hours"] == pytest.approx(5.821968850)
+    # 8 GPUs x 5964 tokens/s x 51,205 bytes = 2,443.1 MB/s; fp8 x 25,625 bytes = 1,222.6 MB/s.
+    assert plan["upload_mb_per_s_per_node"] == pytest.approx({"bfloat16": 2443.09296, "float8_e4m3fn": 1222.62})
 
 
 def test_plan_rate_flag_layers_and_small_jobs(tmp_path):
@@ -145,7 +145,7 @@ def test_plan_table_states_its_basis(tmp_path):
     result = runner.invoke(app, ["plan", "-f", write_run(tmp_path, tokens=None)])
     assert result.exit_code == 0, result.output
     assert "1,000,000 (estimate)" in result.stdout
-    assert "storage bfloat16" in result.stdout and "3,359 MB/s" in result.stdout
+    assert "storage bfloat16" in result.stdout and "2,443 MB/s" in result.stdout
     assert "estimate: 4,000,000 bytes" in result.stderr
 
 

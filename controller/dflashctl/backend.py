@@ -15,10 +15,6 @@ if TYPE_CHECKING:
     from dflash_jobs.spec import RunSpec
 
 
-# Shard (pod) phases as shown to people. Pending/Running/Succeeded/Failed are the pod phases;
-# "Queued" is a Job held back by Kueue (suspended), "Missing" an index that has no pod (yet).
-PHASES = ("Queued", "Missing", "Pending", "Running", "Succeeded", "Failed")
-
 # Reasons of the events the pipeline records on its Jobs (`kubectl describe job` lists them).
 EVENT_EXTRACTION_FINISHED = "ExtractionFinished"
 EVENT_SHARDS_FAILED = "ShardsFailed"
@@ -41,6 +37,8 @@ class ShardStatus:
     pod: str | None
     node: str | None
     phase: str
+    """The pod phases Pending, Running, Succeeded, Failed; "Queued" while Kueue holds the Job
+    (suspended), "Missing" for an index without a pod (yet)."""
     attempts: int
     """Pods started for this index so far (preempted ones included)."""
     exit_reason: str | None

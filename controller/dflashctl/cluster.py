@@ -22,6 +22,8 @@ from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
+from dflash_jobs.errors import InputError
+
 from dflashctl.errors import ClusterUnreachable, Conflict, DflashError, Forbidden
 from dflashctl.render import SPEC_HASH
 
@@ -100,7 +102,14 @@ class Cluster:
     # ---- verbs ---------------------------------------------------------------------------------
 
     def create(self, obj: Obj) -> Obj:
-        return self._call(obj["kind"], "create_namespaced_{}", self.namespace, obj)
+        try:
+            return self._call(obj["kind"], "create_namespaced_{}", self.namespace, obj)
+        except _NotFound:
+            # Creating answers 404 only when the namespace itself is missing: a first-run mistake.
+            raise InputError(
+                f"namespace {self.namespace} does not exist (creating {obj['kind']} {obj['metadata']['name']})",
+                "Create it with its RBAC and volumes: `kubectl apply -k k8s/overlays/<cluster>`, or set cluster.namespace",
+            ) from None
 
     def create_or_attach(self, obj: Obj, *, force: bool = False, wait: float = 120.0) -> str:
         """Create `obj`, or attach to the existing one with the same spec hash.
@@ -118,8 +127,7 @@ class Cluster:
         if existing is None or existing["metadata"].get("deletionTimestamp"):
             # Being deleted (e.g. by `cancel` a moment ago): wait for it to go, then create anew.
             self._wait_gone(kind, name, wait)
-            self.create(obj)
-            return "created"
+            return self._create_once_gone(obj, wait=wait)
         wanted = obj["metadata"].get("annotations", {}).get(SPEC_HASH)
         found = (existing["metadata"].get("annotations") or {}).get(SPEC_HASH)
         if wanted is None or wanted == found:
@@ -130,8 +138,15 @@ class Cluster:
                 "Give the run a new `name:` in the spec, or pass --force to delete and recreate it (its pods are lost)",
             )
         self.delete(kind, name, wait=wait)
-        self.create(obj)
-        return "replaced"
+        return "replaced" if self._create_once_gone(obj, wait=wait) == "created" else "attached"
+
+    def _create_once_gone(self, obj: Obj, *, wait: float) -> str:
+        try:
+            self.create(obj)
+            return "created"
+        except _AlreadyExists:
+            # Another controller (a restarted pod, a terminal `run`) created it in between: attach to it.
+            return self.create_or_attach(obj, wait=wait)
 
     def get(self, kind: str, name: str) -> Obj | None:
         try:
@@ -333,6 +348,9 @@ def _translate(error: ApiException, *, what: str) -> Exception:
         )
     if error.status == 400 and "log" in what:
         return DflashError(f"cannot read {what}: {detail}", "The container has not started yet; try again in a moment")
+    if error.status in (400, 422):
+        # The object itself was refused (schema, admission webhook, quota): retrying cannot help.
+        return InputError(f"the Kubernetes API refused to {what}: {detail}", "Fix the spec field behind it (or the admission policy it names) and retry")
     return ClusterUnreachable(f"the Kubernetes API failed to {what}: {error.status} {detail}", "Check the API server (`kubectl get --raw /readyz`) and retry")
 
 

@@ -55,6 +55,11 @@ def write_demo(directory: Path, spec_file: Path, *, output: str | None = None, f
 
     An existing spec that differs is replaced only with `overwrite`: it may hold the user's edits."""
     if fresh and directory.exists():
+        if any(directory.iterdir()) and not (directory / SPEC_NAME).is_file():
+            raise InputError(
+                f"{directory} holds files but no {SPEC_NAME}: it is not a demo directory, and --fresh would delete it",
+                "Give --fresh the directory of an earlier demo, or a new one",
+            )
         shutil.rmtree(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if not ((directory / TARGET_DIR / "config.json").exists() and (directory / CHATS_FILE).exists()):

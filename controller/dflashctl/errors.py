@@ -5,9 +5,8 @@ Errors from the shared contract (SpecError, StorageError, ...) are mapped here t
 
 from __future__ import annotations
 
-from dflash_jobs.errors import DflashError, FormatError, InputError, IntegrityError, SpecError, StorageError
+from dflash_jobs.errors import DflashError, InputError, SpecError, StorageError
 
-EXIT_DONE = 0
 EXIT_RUN_FAILED = 1
 EXIT_USAGE = 2
 EXIT_TIMEOUT = 3
@@ -48,12 +47,10 @@ def exit_code(error: BaseException) -> int:
     if isinstance(error, StorageError):
         # Unreachable storage or wrong credentials: the user must fix the setup, like a bad spec.
         return EXIT_USAGE
-    if isinstance(error, (RunFailed, FormatError, IntegrityError)):
-        return EXIT_RUN_FAILED
-    return EXIT_RUN_FAILED
+    return EXIT_RUN_FAILED  # RunFailed, FormatError, IntegrityError and anything unforeseen
 
 
 __all__ = [
     "ClusterUnreachable", "Conflict", "DflashError", "Forbidden", "RunFailed", "WaitTimeout", "exit_code",
-    "EXIT_DONE", "EXIT_RUN_FAILED", "EXIT_USAGE", "EXIT_TIMEOUT", "EXIT_CLUSTER", "EXIT_INTERRUPTED",
+    "EXIT_RUN_FAILED", "EXIT_USAGE", "EXIT_TIMEOUT", "EXIT_CLUSTER", "EXIT_INTERRUPTED",
 ]

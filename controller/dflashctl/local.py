@@ -20,7 +20,7 @@ machine, so a local run exercises the manifests themselves:
 
 Each Job is run by a detached supervisor process (`python -m dflashctl.local <job dir>`) that writes
 the Job's state as JSON under the workdir. `submit` returns at once; `wait`, `status` and `logs`,
-from this process or another, read that state. The supervisor holds an flock on the job directory
+from this process or another, read that state. The supervisor holds an flock on the job's supervisor.lock
 for its whole life: a free lock means no supervisor, and `submit` of the same Job resumes it.
 """
 
@@ -138,19 +138,37 @@ def _read_json(path: Path) -> Any | None:
         return None
 
 
-def _try_lock(path: Path) -> int | None:
-    """An fd holding the exclusive lock on `path`, or None when another process holds it."""
+def _try_lock(path: Path, *, shared: bool = False, patience_s: float = 0.0) -> int | None:
+    """An fd holding the lock on `path`, or None when another process holds it (still, after
+    `patience_s`: a status probe holds it for an instant)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                return None
+            time.sleep(POLL_S)
+
+
+def _supervisor_pid(files: JobFiles) -> int:
+    """The running supervisor's pid; the process that started it writes the file a moment after."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        try:
+            return int(files.pid.read_text())
+        except (FileNotFoundError, ValueError):
+            if time.monotonic() >= deadline:
+                raise RunFailed(f"the supervisor of {files.name} runs but left no pid in {files.pid}", "Kill it by hand (`pgrep -f dflashctl.local`)") from None
+            time.sleep(POLL_S)
 
 
 def _supervisor_alive(files: JobFiles) -> bool:
-    fd = _try_lock(files.lock)
+    # A shared probe: two probes never mistake each other for a supervisor.
+    fd = _try_lock(files.lock, shared=True)
     if fd is None:
         return True
     os.close(fd)
@@ -389,13 +407,6 @@ class Pod:
             self._finish(("", 0))
         return self.result is not None
 
-    def kill(self) -> None:
-        """SIGTERM the running container's process group, SIGKILL after the grace period."""
-        if self.process is not None and self.process.poll() is None:
-            _kill_group(self.process.pid, self.process)
-        if self.result is None:
-            self._finish((self.container, 128 + signal.SIGTERM))
-
     @property
     def pid(self) -> int | None:
         return self.process.pid if self.process is not None and self.result is None else None
@@ -441,24 +452,41 @@ class Pod:
         shutil.rmtree(self.dir, ignore_errors=True)  # emptyDirs live as long as their pod
 
 
-def _kill_group(pgid: int, process: subprocess.Popen | None = None) -> None:
-    """Ends a process group: SIGTERM, then SIGKILL after the grace period."""
-    for sig, grace in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, KILL_GRACE_S)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
+def _kill_groups(groups: list[tuple[int, subprocess.Popen | None]]) -> None:
+    """Ends process groups together: SIGTERM to all, SIGKILL to what is left after the grace
+    period (one by one, eight shards would outlast `delete`'s patience)."""
+    alive = list(groups)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pgid, _ in alive:
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + KILL_GRACE_S
+        while alive and time.monotonic() < deadline:
+            alive = [(pgid, process) for pgid, process in alive if _running(pgid, process)]
+            if alive:
+                time.sleep(POLL_S)
+        if not alive:
             return
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:
-            if process is not None:
-                if process.poll() is not None:
-                    return
-            else:
-                try:
-                    os.killpg(pgid, 0)
-                except ProcessLookupError:
-                    return
-            time.sleep(POLL_S)
+
+
+def _running(pgid: int, process: subprocess.Popen | None) -> bool:
+    if process is not None:
+        return process.poll() is None
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def kill_pods(pods: list[Pod]) -> None:
+    """SIGTERM the running containers of `pods` at once, SIGKILL after the grace period."""
+    _kill_groups([(pod.process.pid, pod.process) for pod in pods if pod.process is not None and pod.process.poll() is None])
+    for pod in pods:
+        if pod.result is None:
+            pod._finish((pod.container, 128 + signal.SIGTERM))
 
 
 def exit_reason(container: str, exit_code: int) -> str:
@@ -531,11 +559,10 @@ class Supervisor:
         """A previous supervisor died: end the pods it left, and run those indexes again.
 
         Like a pod lost with its node, the interrupted attempt does not count against the retries."""
-        for shard in self.state.shards:
-            if shard.phase in ("Pending", "Running"):
-                if shard.pid is not None:
-                    _kill_group(shard.pid)
-                shard.phase, shard.pid = "Missing", None
+        interrupted = [shard for shard in self.state.shards if shard.phase in ("Pending", "Running")]
+        _kill_groups([(shard.pid, None) for shard in interrupted if shard.pid is not None])
+        for shard in interrupted:
+            shard.phase, shard.pid = "Missing", None
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, self._stop)
@@ -550,8 +577,8 @@ class Supervisor:
             if changed:
                 self._save()
             time.sleep(POLL_S)
+        kill_pods(list(self.pods.values()))
         for pod in list(self.pods.values()):
-            pod.kill()
             self._settle(pod, counted=False)
         self._save()
 
@@ -650,8 +677,8 @@ class Supervisor:
     def _end(self, condition: str, text: str) -> None:
         """Terminal: the pods still running are ended, and their indexes count as failed."""
         self.state.conditions[condition] = text
+        kill_pods(list(self.pods.values()))
         for pod in list(self.pods.values()):
-            pod.kill()
             del self.pods[pod.index]
             shard = self.state.shards[pod.index]
             shard.pid = None
@@ -729,7 +756,7 @@ class LocalBackend:
         state = _read_json(files.state)
         if state is not None and JobState.from_json(state).finished:
             return
-        fd = _try_lock(files.lock)
+        fd = _try_lock(files.lock, patience_s=1.0)
         if fd is None:
             return  # a supervisor runs it: attach
         try:
@@ -886,7 +913,7 @@ class LocalBackend:
         if not files.dir.exists():
             return
         if _supervisor_alive(files):
-            pid = int(files.pid.read_text())
+            pid = _supervisor_pid(files)
             try:
                 os.kill(pid, signal.SIGTERM)  # it ends its pods, then itself
             except ProcessLookupError:
@@ -894,14 +921,13 @@ class LocalBackend:
             deadline = time.monotonic() + DELETE_TIMEOUT_S
             while _supervisor_alive(files):
                 if time.monotonic() > deadline:
-                    _kill_group(pid)
+                    _kill_groups([(pid, None)])
                     break
                 time.sleep(POLL_S)
         # Pods a killed supervisor left behind.
         saved = _read_json(files.state)
-        for shard in JobState.from_json(saved).shards if saved else []:
-            if shard.pid is not None and shard.phase in ("Pending", "Running"):
-                _kill_group(shard.pid)
+        shards = JobState.from_json(saved).shards if saved else []
+        _kill_groups([(shard.pid, None) for shard in shards if shard.pid is not None and shard.phase in ("Pending", "Running")])
         shutil.rmtree(files.dir, ignore_errors=True)
         shutil.rmtree(files.logs, ignore_errors=True)
 

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import yaml
 
+from dflash_jobs.errors import StorageError
 from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, RUN_KEY, Manifest
 from dflash_jobs.spec import RunSpec, dump_spec
 from dflash_jobs.storage import ObjectNotFound, Storage, storage_for
@@ -50,7 +51,6 @@ from dflashctl.progress import RateMeter, read_progress
 from dflashctl.render import job_name, render_selection
 from dflashctl.verify import Expected, VerificationFailed, read_manifest, verify_run
 
-STEPS = ("prepare", "extract", "verify", "train", "eval")
 EXTRACT_RETRIES = 1
 """Times a failed extract Job is replaced within one `run` before it fails (each `run` starts afresh)."""
 REFRESH_S = 10.0
@@ -330,7 +330,12 @@ class Pipeline:
         if step != "extract":
             self.reporter.update(StepUpdate(step, job=job))
             return
-        progress = read_progress(self.storage)
+        try:
+            progress = read_progress(self.storage)
+        except StorageError as error:
+            # Hours of extraction outlive S3 hiccups: the Job goes on, and so does the watching.
+            self.reporter.say(f"extract: cannot read progress from {self.storage.url} ({error.what}); trying again in {self.refresh_s:.0f} s")
+            return
         self.meter.observe(progress)
         if job is not None and job.exists and progress.label != self.progress_label:
             self.backend.annotate(job.name, PROGRESS_ANNOTATION, progress.label)

@@ -19,8 +19,9 @@ from dflash_jobs.formats import DATASET_KEY, HIDDEN_DTYPES, DatasetIndex
 from dflash_jobs.spec import RunSpec, default_layers, is_s3, resolve_layers, text_config
 from dflash_jobs.storage import Storage, open_storage
 
-DEFAULT_TOKENS_PER_SECOND = 8200.0
-"""Real (unpadded) tokens/s per GPU extracting from Qwen3.6-27B on an H200 (DESIGN section 5)."""
+DEFAULT_TOKENS_PER_SECOND = 5964.0
+"""Real (unpadded) tokens/s per GPU of the extractor end to end, 27B shape on an H200
+(bench/results/extract-h200.json); the bare forward pass alone is faster, the extractor is what runs."""
 EXTRACT_GPUS_PER_NODE = 8
 """Extraction pods (one GPU each) that land on one node, all uploading at once."""
 SOURCE_BYTES_PER_TOKEN = 4.0

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import copy
 import math
-import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from dflash_jobs.errors import EXIT_BAD_INPUT, EXIT_BAD_SPEC, SpecError
-from dflash_jobs.spec import RunSpec, dump_spec
+from dflash_jobs.spec import BINARY_QUANTITY, RunSpec, dump_spec
 
 from dflashctl.errors import EXIT_RUN_FAILED
 
@@ -496,18 +495,14 @@ def _spec_volume(spec: RunSpec) -> dict[str, Any]:
 
 def _gpu_resources(spec: RunSpec, *, gpus: int) -> dict[str, Any]:
     """GPUs are limits only; CPU is requested but never limited (throttling stalls the input pipeline)."""
-    memory = _scale_quantity("cluster.memory_per_gpu", spec.cluster.memory_per_gpu, gpus)
+    memory = _scale_quantity(spec.cluster.memory_per_gpu, gpus)
     return {
         "requests": {"cpu": str(spec.cluster.cpu_per_gpu * gpus), "memory": memory},
         "limits": {GPU: str(gpus), "memory": memory},
     }
 
 
-_QUANTITY = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti)?$")
-
-
-def _scale_quantity(field: str, quantity: str, factor: int) -> str:
-    match = _QUANTITY.match(quantity)
-    if not match:
-        raise SpecError(field, quantity, "a whole binary quantity such as 96Gi or 512Mi")
-    return f"{int(match.group(1)) * factor}{match.group(2) or ''}"
+def _scale_quantity(quantity: str, factor: int) -> str:
+    """`factor` times a quantity the spec validated ("96Gi" x 8 = "768Gi")."""
+    number, unit = BINARY_QUANTITY.match(quantity).groups()
+    return f"{int(number) * factor}{unit or ''}"

@@ -24,7 +24,7 @@ DemoOutputOpt = Annotated[
     str | None,
     typer.Option("--output", help="Store the run here instead of DIR/output, e.g. s3://bucket/demo (AWS_ENDPOINT_URL for MinIO)."),
 ]
-FreshOpt = Annotated[bool, typer.Option("--fresh", help="Delete DIR first and start over.")]
+FreshOpt = Annotated[bool, typer.Option("--fresh", help="Delete DIR (an earlier demo's) first and start over; an --output elsewhere is kept.")]
 
 
 def demo(directory: DirectoryArg = Path("demo"), output_url: DemoOutputOpt = None, fresh: FreshOpt = False) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
 import typer
 
 from dflash_jobs.formats import EVAL_REPORT_KEY
@@ -11,11 +9,10 @@ from dflash_jobs.spec import load_spec
 
 from dflashctl.backend import open_backend
 from dflashctl.cli import output
-from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt
+from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt, TimeoutOpt
 from dflashctl.cli.reporting import print_report, reporter_for
 from dflashctl.pipeline import run_eval
 
-TimeoutOpt = Annotated[float | None, typer.Option("--timeout", help="Give up waiting after this many seconds (exit 3); the Job goes on.")]
 
 
 def evaluate(

@@ -6,16 +6,17 @@ import os
 import sys
 
 from dflashctl.cli.app import app
-from dflashctl.errors import DflashError, exit_code
+from dflashctl.errors import EXIT_INTERRUPTED, DflashError, exit_code
 
 
 def main() -> None:
     debug = os.environ.get("DFLASHCTL_DEBUG") == "1"
     try:
         app()
-    except KeyboardInterrupt:
-        print("Interrupted: detached, the run goes on. `dflashctl status` shows it.", file=sys.stderr)
-        sys.exit(exit_code(KeyboardInterrupt()))
+    except SystemExit as stop:
+        if stop.code == EXIT_INTERRUPTED:  # typer turns Ctrl-C into this exit
+            print("Interrupted: detached, the run goes on. `dflashctl status` shows it.", file=sys.stderr)
+        raise
     except DflashError as error:
         if debug:
             raise

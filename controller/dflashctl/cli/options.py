@@ -21,5 +21,7 @@ SpecOpt = Annotated[
 OutputOpt = Annotated[OutputFormat, typer.Option("-o", "--output", help="table for people, json for machines.")]
 WatchOpt = Annotated[bool, typer.Option("--watch", "-w", help="Keep refreshing until the run ends.")]
 ShardOpt = Annotated[int | None, typer.Option("--shard", help="Extraction shard (Job completion index).")]
+TimeoutOpt = Annotated[float | None, typer.Option("--timeout", help="Give up waiting after this many seconds (exit 3); the Jobs go on.")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Delete and recreate what a different spec left under this name (its Jobs, run.yaml).")]
 
 DEFAULT_SPEC = Path("dflash.yaml")

@@ -5,7 +5,7 @@ Progress goes to stderr (cli/reporting.py), the evaluation report to stdout.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
 import typer
 
@@ -13,12 +13,10 @@ from dflash_jobs.spec import load_spec
 
 from dflashctl.backend import open_backend
 from dflashctl.cli import output
-from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt
+from dflashctl.cli.options import DEFAULT_SPEC, ForceOpt, OutputFormat, OutputOpt, SpecOpt, TimeoutOpt
 from dflashctl.cli.reporting import print_report, reporter_for
 from dflashctl.pipeline import PipelineResult, run_pipeline
 
-ForceOpt = Annotated[bool, typer.Option("--force", help="Replace a run.yaml and Jobs left by a different spec under this name.")]
-TimeoutOpt = Annotated[float | None, typer.Option("--timeout", help="Give up after this many seconds (exit 3); running Jobs go on.")]
 
 
 def run(

@@ -14,7 +14,7 @@ from dflash_jobs.storage import storage_for
 
 from dflashctl.backend import JobStatus, open_backend
 from dflashctl.cli import output
-from dflashctl.cli.options import DEFAULT_SPEC, SpecOpt
+from dflashctl.cli.options import DEFAULT_SPEC, ForceOpt, SpecOpt, TimeoutOpt
 from dflashctl.cli.status import summarize
 from dflashctl.errors import RunFailed
 from dflashctl.render import job_name, render_selection
@@ -29,8 +29,6 @@ class Step(str, Enum):
 
 
 StepArg = Annotated[Step, typer.Argument(help="The step whose Job to submit.")]
-ForceOpt = Annotated[bool, typer.Option("--force", help="Delete and recreate objects left by a different spec under this name.")]
-TimeoutOpt = Annotated[float | None, typer.Option("--timeout", help="With --wait: give up waiting after this many seconds (exit 3).")]
 
 
 def submit(
