@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from dflash_jobs.errors import EXIT_BAD_INPUT, EXIT_BAD_SPEC, SpecError
-from dflash_jobs.spec import load_spec, parse_spec
+from dflash_jobs.spec import MODEL_CACHE_ENV, load_spec, parse_spec
 from dflashctl import render
 from dflashctl.cli.main import main
 
@@ -40,7 +40,7 @@ SPECS = {
         train={"nodes": 2, "gpus_per_node": 4},
         cluster={
             "queue": "gpu-queue", "ttl_seconds_after_finished": 3600, "model_volume": {"claim": "models", "mount": "/weights"},
-            "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H200"}, "namespace": "team-a",
+            "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H200"}, "namespace": "team-a", "model_cache": "model-cache",
         },
     ),
     "no-secret": make_spec(cluster={"s3_secret": None}),
@@ -153,6 +153,20 @@ def test_gpu_pods_get_a_memory_backed_shm_and_the_model_volume_read_only():
         assert mounts["/weights"] == {"name": "model", "mountPath": "/weights", "readOnly": True}
         assert pod["automountServiceAccountToken"] is False
     assert not any(v["name"] == "model" for v in the_job(render.render_all(SPECS["defaults"]), "extract")["spec"]["template"]["spec"]["volumes"])
+
+
+def test_a_model_cache_claim_holds_the_s3_checkpoint_for_every_pod_of_a_node():
+    spec = make_spec(target={"model": "s3://bucket/models/Qwen3.6-27B"}, cluster={"model_cache": "model-cache"})
+    for component in ("extract", "train", "eval"):
+        pod = the_job(render.render_all(spec), component)["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["model-cache"]["persistentVolumeClaim"] == {"claimName": "model-cache"}
+        for container in pod["initContainers"] + pod["containers"]:  # selfcheck reads the checkpoint too
+            env = {e["name"]: e["value"] for e in container["env"]}
+            assert env[MODEL_CACHE_ENV] == render.MODEL_CACHE_DIR
+            assert {"name": "model-cache", "mountPath": render.MODEL_CACHE_DIR} in container["volumeMounts"]
+    default = the_job(render.render_all(SPECS["defaults"]), "extract")["spec"]["template"]["spec"]
+    assert not any(e["name"] == MODEL_CACHE_ENV for e in default["containers"][0]["env"])
 
 
 def test_labels_and_spec_hash_on_every_object_of_the_run():

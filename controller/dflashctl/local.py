@@ -709,6 +709,7 @@ class LocalBackend:
         self.workdir = Path(spec.local.workdir).resolve()
         self.parallelism_cap = spec.local.parallelism
         self.model = spec.target.model
+        self.model_cache = spec.cluster.model_cache
 
     # -- submit --
 
@@ -788,12 +789,17 @@ class LocalBackend:
                 volumes[volume["name"]] = str(directory)
             elif "emptyDir" in volume:
                 volumes[volume["name"]] = None
+            elif "persistentVolumeClaim" in volume and volume["persistentVolumeClaim"]["claimName"] == self.model_cache:
+                # One directory for every pod, as the claim is one volume for every pod of a node.
+                directory = self.workdir / "volumes" / self.model_cache
+                directory.mkdir(parents=True, exist_ok=True)
+                volumes[volume["name"]] = str(directory)
             elif "persistentVolumeClaim" in volume:
                 volumes[volume["name"]] = self._model_directory(name)
             else:
                 raise InputError(
                     f"volume {volume['name']} of Job {name} is of a kind the local backend cannot map ({sorted(volume)})",
-                    "Use configMap, emptyDir or the model persistentVolumeClaim",
+                    "Use configMap, emptyDir, the model or the model cache persistentVolumeClaim",
                 )
         return volumes
 

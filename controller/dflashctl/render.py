@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from dflash_jobs.errors import EXIT_BAD_INPUT, EXIT_BAD_SPEC, SpecError
-from dflash_jobs.spec import BINARY_QUANTITY, RunSpec, dump_spec
+from dflash_jobs.spec import BINARY_QUANTITY, MODEL_CACHE_ENV, RunSpec, dump_spec
 
 from dflashctl.errors import EXIT_RUN_FAILED
 
@@ -40,6 +40,8 @@ GPU = "nvidia.com/gpu"
 WORKER = "worker"
 RUN_AS_USER = 10001  # the images' user (UID 1000 is ubuntu in Ubuntu 24.04 images)
 CACHE_DIR = "/var/cache/dflash"
+MODEL_CACHE_DIR = "/var/cache/dflash-models"
+"""Where cluster.model_cache is mounted."""
 RENDEZVOUS_PORT = 29400
 CACHE_HEADROOM_GIB = 16
 
@@ -406,6 +408,9 @@ def _pod_template(
     if cluster.model_volume is not None:
         mounts.append({"name": "model", "mountPath": cluster.model_volume.mount, "readOnly": True})
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": cluster.model_volume.claim, "readOnly": True}})
+    if cluster.model_cache is not None:
+        mounts.append({"name": "model-cache", "mountPath": MODEL_CACHE_DIR})
+        volumes.append({"name": "model-cache", "persistentVolumeClaim": {"claimName": cluster.model_cache}})
 
     selfcheck = _container(
         spec, name="selfcheck", image=cluster.image,
@@ -442,7 +447,7 @@ def _container(
         "name": name,
         "image": image,
         "command": command,
-        "env": _env(),
+        "env": _env(spec),
     }
     if spec.cluster.s3_secret:
         # Optional: on EKS/GKE the credentials may come from workload identity instead.
@@ -461,9 +466,10 @@ def _container(
     return container
 
 
-def _env() -> list[dict[str, str]]:
-    """Every writable path points into an emptyDir: the root filesystem is read-only."""
-    return [
+def _env(spec: RunSpec) -> list[dict[str, str]]:
+    """Every writable path points into a volume: the root filesystem is read-only."""
+    model_cache = [{"name": MODEL_CACHE_ENV, "value": MODEL_CACHE_DIR}] if spec.cluster.model_cache else []
+    return model_cache + [
         {"name": "HOME", "value": "/tmp"},
         {"name": "TMPDIR", "value": "/tmp"},
         {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},

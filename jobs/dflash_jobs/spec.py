@@ -24,6 +24,8 @@ from dflash_jobs.errors import SpecError
 
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 BINARY_QUANTITY = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti)?$")
+MODEL_CACHE_ENV = "DFLASH_MODEL_CACHE"
+"""Where a pod keeps its copy of an s3:// target.model (the renderer points it at cluster.model_cache)."""
 # Job names get suffixes ("-extract", "-controller") and pods another "-<index>-<hash>"; the
 # Job name is also a label value (<= 63 characters), so the run name must leave room for them.
 MAX_RUN_NAME = 40
@@ -211,6 +213,9 @@ class ClusterSpec:
     """Small CPU image running `dflashctl run` in the cluster."""
     node_selector: dict[str, str] = field(default_factory=dict)
     model_volume: VolumeSpec | None = None
+    model_cache: str | None = None
+    """PersistentVolumeClaim for an s3:// target.model: fetched into it once per node (ReadWriteOnce
+    serves the pods of one node, ReadWriteMany every node) instead of once per pod."""
     s3_secret: str | None = "dflash-s3"
     """Secret with AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and optionally AWS_ENDPOINT_URL."""
     queue: str | None = None
@@ -229,6 +234,8 @@ class ClusterSpec:
             raise SpecError("cluster.image", self.image, "an image reference such as registry/dflash:0.1.0-cuda13.0")
         if self.s3_secret is not None:
             _dns_label("cluster.s3_secret", self.s3_secret, limit=253)
+        if self.model_cache is not None:
+            _dns_label("cluster.model_cache", self.model_cache, limit=253)
         if self.queue is not None:
             _dns_label("cluster.queue", self.queue, limit=63)
         _dns_label("cluster.service_account", self.service_account, limit=253)

@@ -25,12 +25,11 @@ import torch
 from dflash_jobs.errors import InputError, SpecError
 from dflash_jobs.formats import read_header
 from dflash_jobs.selfcheck import CAUSAL_CONV1D, FLA, check_fast_path
-from dflash_jobs.spec import TargetSpec, is_s3, text_config
+from dflash_jobs.spec import MODEL_CACHE_ENV, TargetSpec, is_s3, text_config
 from dflash_jobs.storage import Storage, sha256_file
 
 log = logging.getLogger("dflash.extract")
 
-CACHE_ENV = "DFLASH_MODEL_CACHE"
 RANGE_BYTES = 64 << 20
 DOWNLOAD_THREADS = 16
 COMPLETE_FILE = ".dflash-complete.json"
@@ -160,7 +159,7 @@ def load_target(
 
 
 def cache_root() -> Path:
-    explicit = os.environ.get(CACHE_ENV)
+    explicit = os.environ.get(MODEL_CACHE_ENV)
     if explicit:
         return Path(explicit)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash" / "models"
