@@ -10,8 +10,6 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-import torch
 
 from dflash_jobs.extract import target as target_module
 from dflash_jobs.extract.__main__ import main
@@ -58,11 +56,9 @@ def test_killed_worker_restarts_to_identical_output(tmp_path, tmp_path_factory):
     assert summary["status"] == "done" and summary["chunks_skipped"] == 1 and summary["chunks_done"] == 2
     expected = open_storage(str(reference))
     for cid in range(len(chunks)):
-        # safetensors orders header metadata differently in every process: compare contents, bit for bit.
-        got, want = (HiddenChunk.decode(s.get_bytes(hidden_chunk_key(cid)), hidden_chunk_key(cid)) for s in (storage, expected))
-        assert torch.equal(got.hidden_states.view(torch.int16), want.hidden_states.view(torch.int16))
-        assert (got.layers, got.model, got.config_hash, got.dtype) == (want.layers, want.model, want.config_hash, want.dtype)
-        assert all(np.array_equal(a, b) for a, b in zip(got.tokens.tensors().values(), want.tokens.tensors().values()))
+        # Another process, the same bytes: chunk headers are canonical, so markers match too.
+        assert storage.get_bytes(hidden_chunk_key(cid)) == expected.get_bytes(hidden_chunk_key(cid))
+        assert storage.get_bytes(done_key(cid)) == expected.get_bytes(done_key(cid))
         marker = DoneMarker.from_json(storage.get_bytes(done_key(cid)), done_key(cid))
         assert marker.bytes == storage.stat(hidden_chunk_key(cid)).size and marker.samples == chunks[cid].num_samples
     assert not [p for p in output.rglob("*") if p.name.startswith(".tmp-")]

@@ -4,7 +4,7 @@ Each trial kills a real shard process (the `python -m dflash_jobs.extract` entry
 a zygote: tests/faults/shard_process.py) either after a seeded random delay or, through the
 worker's own hook, in the narrowest window there is: the chunk object stored, its done marker not
 yet. After every kill the storage is listed: every visible chunk and marker must equal the
-undisturbed run's (tensor bytes identical; see `canonical` for the header), and no marker may exist
+undisturbed run's, byte for byte (chunk headers are canonical), and no marker may exist
 without its object or disagree with it. At the end the whole extract/ prefix must equal the
 undisturbed run's. Local directories and S3 (moto,
 through the fault proxy) both."""
@@ -26,7 +26,7 @@ from faults.s3_fault_proxy import S3FaultProxy
 from faults.shard_process import start_shard, warm_zygote
 
 from dflash_jobs.extract.writer import KILL_BEFORE_MARKER_ENV
-from dflash_jobs.formats import DONE_MARKERS, HIDDEN_CHUNKS, TOKEN_CHUNKS, chunk_of_key, done_key, header_size, hidden_chunk_key
+from dflash_jobs.formats import DONE_MARKERS, HIDDEN_CHUNKS, TOKEN_CHUNKS, chunk_of_key, done_key, hidden_chunk_key
 from dflash_jobs.storage import TEMP_PREFIX, Storage, open_storage
 
 CHUNKS = 5
@@ -62,20 +62,8 @@ def write_run_spec(path: Path, *, name: str, target: Path, output: str) -> Path:
     return path
 
 
-def canonical(key: str, data: bytes) -> tuple:
-    """What must be identical between runs. Everything, except that safetensors writes its
-    `__metadata__` entries in hash order (a Rust HashMap: the order differs from process to
-    process), so a header is compared parsed, and a marker's sha256/etag (of those bytes) is
-    compared against its object instead (`assert_markers_match_objects`)."""
-    if key.startswith(HIDDEN_CHUNKS):
-        size = header_size(data)
-        return json.loads(data[8:size]), data[size:]
-    marker = json.loads(data)
-    return tuple(sorted((name, json.dumps(value)) for name, value in marker.items() if name not in ("sha256", "etag")))
-
-
-def extract_snapshot(storage: Storage) -> dict[str, tuple]:
-    return {key: canonical(key, storage.get_bytes(key)) for key in storage.list("extract/")}
+def extract_snapshot(storage: Storage) -> dict[str, bytes]:
+    return {key: storage.get_bytes(key) for key in storage.list("extract/")}
 
 
 def assert_markers_match_objects(storage: Storage, markers: list[str]) -> None:
@@ -94,13 +82,13 @@ def run_shard(spec: Path, env: dict[str, str], log: Path) -> int:
     return process.exitcode
 
 
-def assert_nothing_partial(storage: Storage, reference: dict[str, tuple], log: Path) -> int:
+def assert_nothing_partial(storage: Storage, reference: dict[str, bytes], log: Path) -> int:
     """Every visible chunk and marker is complete and the undisturbed run's; a marker always has its
     object and describes it exactly. Returns the number of committed chunks."""
     visible = storage.list("extract/")
     for key in visible:
         assert key.startswith((HIDDEN_CHUNKS, DONE_MARKERS)) and TEMP_PREFIX not in key, f"stray object {key}"
-        assert canonical(key, storage.get_bytes(key)) == reference[key], f"{key} is visible but differs from the undisturbed run ({log})"
+        assert storage.get_bytes(key) == reference[key], f"{key} is visible but differs from the undisturbed run ({log})"
     markers = [key for key in visible if key.startswith(DONE_MARKERS)]
     for key in markers:
         assert hidden_chunk_key(chunk_of_key(key)) in visible, f"{key} exists without its chunk object"
@@ -109,7 +97,7 @@ def assert_nothing_partial(storage: Storage, reference: dict[str, tuple], log: P
 
 
 def kill_until_done(
-    spec: Path, storage: Storage, reference: dict[str, tuple], record: KillLog, *, rng: random.Random,
+    spec: Path, storage: Storage, reference: dict[str, bytes], record: KillLog, *, rng: random.Random,
     random_kills: int, hook_kills: int, reference_s: float, env: dict[str, str], logs: Path,
 ) -> None:
     """Restarts the shard until it exits 0. Until `record` holds `hook_kills` hook kills and
@@ -152,7 +140,7 @@ def target(tmp_path_factory) -> Path:
     return tiny_target(tmp_path_factory)
 
 
-def undisturbed(spec: Path, storage: Storage, env: dict[str, str], logs: Path) -> tuple[dict[str, tuple], float]:
+def undisturbed(spec: Path, storage: Storage, env: dict[str, str], logs: Path) -> tuple[dict[str, bytes], float]:
     warm_zygote()
     started = time.monotonic()
     assert run_shard(spec, env, logs / "reference.log") == 0, (logs / "reference.log").read_text()[-3000:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import numpy as np
@@ -12,6 +13,7 @@ from dflash_jobs.errors import FormatError
 from dflash_jobs.formats import (
     DatasetIndex, ChunkInfo, DoneMarker, HiddenChunk, Manifest, TokenChunk, chunk_of_key, done_key,
     encode_hidden_chunk, header_size, hidden_metadata, hidden_tensors, hidden_chunk_key, read_header, token_chunk_key,
+    write_safetensors,
 )
 
 
@@ -87,6 +89,25 @@ def test_hidden_chunk_round_trip(dtype):
         assert torch.all(restored[3] == 0)
     header, total = read_header(data[: header_size(data[:8])], "x")
     assert total == len(data) and header["__metadata__"]["dtype"] == dtype
+
+
+def test_chunk_bytes_do_not_depend_on_metadata_order_and_load_with_safetensors():
+    from safetensors.torch import load
+
+    tensors = {
+        "hidden_states": torch.randn(5, 2, 8).to(torch.float8_e4m3fn), "hidden_states_scale": torch.rand(5, 2),
+        "input_ids": torch.arange(5, dtype=torch.int32), "loss_mask": torch.tensor([0, 1, 1, 0, 1], dtype=torch.uint8),
+        "cu_seqlens": torch.tensor([0, 5]), "sample_ids": torch.tensor([7]),
+    }
+    metadata = {"format": "dflash.hidden/v1", "layers": "[1, 3]", "model": "m", "config_hash": "h", "dtype": "float8_e4m3fn"}
+    encodings = []
+    for order in (metadata, dict(reversed(metadata.items()))):
+        out = io.BytesIO()
+        write_safetensors(out, tensors, order)
+        encodings.append(out.getvalue())
+    assert encodings[0] == encodings[1] and int.from_bytes(encodings[0][:8], "little") % 8 == 0  # aligned data
+    loaded = load(encodings[0])
+    assert all(torch.equal(loaded[name].view(torch.uint8), tensor.view(torch.uint8)) for name, tensor in tensors.items())
 
 
 def test_mislabeled_hidden_chunk_is_rejected():

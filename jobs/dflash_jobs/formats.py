@@ -9,10 +9,11 @@ Readers reject a truncated, mislabeled or inconsistent file with a FormatError n
 
 from __future__ import annotations
 
+import io
 import json
 import struct
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
@@ -248,6 +249,31 @@ def hidden_metadata(*, layers: list[int], model: str, config_hash: str, dtype: s
     return {"format": HIDDEN_FORMAT, "layers": json.dumps(list(layers)), "model": model, "config_hash": config_hash, "dtype": dtype}
 
 
+_SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float32": "F32", "int64": "I64", "int32": "I32", "uint8": "U8"}
+
+
+def write_safetensors(out: BinaryIO, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """safetensors with a canonical header: the same tensors and metadata give the same bytes in any
+    process (the library writes __metadata__ in a per-process hash order, so a re-extracted chunk
+    would get another sha256). Tensors are laid out as the library does: widest elements first."""
+    import torch
+
+    names = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))  # every offset stays aligned
+    entries, offset = {}, 0
+    for name in names:
+        tensor = tensors[name]
+        size = tensor.numel() * tensor.element_size()
+        dtype = _SAFETENSORS_DTYPES[str(tensor.dtype).removeprefix("torch.")]
+        entries[name] = {"dtype": dtype, "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header = json.dumps({"__metadata__": metadata, **entries}, sort_keys=True, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    out.write(struct.pack("<Q", len(header)))
+    out.write(header)
+    for name in names:
+        out.write(tensors[name].contiguous().view(torch.uint8).numpy().data)
+
+
 def hidden_tensors(tokens: TokenChunk, hidden: torch.Tensor, scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """The tensors of a hidden-state chunk: the token chunk's four, plus the states (and scales)."""
     import torch
@@ -264,7 +290,6 @@ def encode_hidden_chunk(
 ) -> bytes:
     """Serialises one hidden-state chunk; `hidden` is [T, L, d] in bf16 (quantized here for fp8)."""
     import torch
-    from safetensors.torch import save
 
     scale = None
     if dtype == "float8_e4m3fn" and hidden.dtype != torch.float8_e4m3fn:
@@ -272,7 +297,9 @@ def encode_hidden_chunk(
     elif dtype == "bfloat16":
         hidden = hidden.to(torch.bfloat16)
     metadata = hidden_metadata(layers=layers, model=model, config_hash=config_hash, dtype=dtype)
-    return save(hidden_tensors(tokens, hidden, scale), metadata=metadata)
+    out = io.BytesIO()
+    write_safetensors(out, hidden_tensors(tokens, hidden, scale), metadata)
+    return out.getvalue()
 
 
 @dataclass

@@ -4,8 +4,9 @@
         for each batch: forward with hooks -> async copy to a host slot -> writer
     writer: assemble chunks -> integrity -> store -> done marker
 
-The GPU thread never waits on storage or on a copy; it blocks only when every host slot is in use,
-which is the back-pressure of a writer that cannot keep up.
+The GPU thread never waits on a copy or an upload; it blocks when every host slot is in use (the
+back-pressure of a writer that cannot keep up) and, at a window's start, on its token chunks if
+the one-window-ahead read has not finished.
 """
 
 from __future__ import annotations

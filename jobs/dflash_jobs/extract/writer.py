@@ -6,8 +6,9 @@
 The assembler waits for a slot's copy to finish, scatters its samples into their chunks (a batch
 mixes samples of several chunks of the window), returns the slot, and checks each chunk it
 completes. The uploader serializes a chunk to a spool file, stores it, then creates its done
-marker: the marker is the commit point, so a chunk is visible only complete. Every queue is
-bounded, so a slow store blocks the GPU thread instead of growing host memory.
+marker: the marker is the commit point, so a chunk is visible only complete. Host memory is
+bounded by the slot pool (batches wait for a free slot) and the bounded chunk queue, so a slow
+store blocks the GPU thread instead of growing host memory.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from dflash_jobs.errors import IntegrityError, StorageError
 from dflash_jobs.extract import integrity
 from dflash_jobs.extract.capture import DeviceToHost, HostSlot
-from dflash_jobs.formats import ChunkInfo, DoneMarker, TokenChunk, done_key, header_size, hidden_chunk_key, hidden_metadata, hidden_tensors
+from dflash_jobs.formats import (
+    ChunkInfo, DoneMarker, TokenChunk, done_key, header_size, hidden_chunk_key, hidden_metadata, hidden_tensors, write_safetensors,
+)
 from dflash_jobs.storage import Storage
 
 POLL_S = 1.0
@@ -181,11 +183,11 @@ class ChunkWriter:
     def _store(self, assembly: ChunkAssembly) -> None:
         chunk, meta = assembly.info.id, self.metadata
         path = self.spool_dir / f"{chunk:06d}.safetensors"
-        save_file(
-            hidden_tensors(assembly.tokens, assembly.hidden, assembly.scale),
-            str(path),
-            metadata=hidden_metadata(layers=meta.layers, model=meta.model, config_hash=meta.config_hash, dtype=meta.dtype),
-        )
+        with open(path, "wb") as out:
+            write_safetensors(
+                out, hidden_tensors(assembly.tokens, assembly.hidden, assembly.scale),
+                hidden_metadata(layers=meta.layers, model=meta.model, config_hash=meta.config_hash, dtype=meta.dtype),
+            )
         with open(path, "rb") as f:
             prefix = f.read(8)
             prefix += f.read(header_size(prefix) - 8)

@@ -3,7 +3,7 @@
 Trainer.build reads the manifest (refusing to start without one), the target's frozen tensors and
 the document index, then assembles model, optimizer, schedule, data stream and checkpointer; it
 resumes from the newest checkpoint. Trainer.train is the checklist: train_step, metrics at the log
-interval (the only device sync), checkpoints when due and at every epoch's end, export at the end.
+interval (the only deliberate device sync: the loss's gather of supervised rows syncs too), checkpoints when due and at every epoch's end, export at the end.
 """
 
 from __future__ import annotations
