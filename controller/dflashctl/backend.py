@@ -27,6 +27,8 @@ EVENT_EVALUATION_DONE = "EvaluationDone"
 EVENT_RUN_FAILED = "RunFailed"
 PROGRESS_ANNOTATION = "dflash.dev/progress"
 """On the extraction Job: chunks done/total from the storage markers, e.g. "12/40"."""
+INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+"""Kubernetes' annotation of an Indexed Job's pod: its completion index."""
 
 
 @dataclass(slots=True)

@@ -10,12 +10,11 @@ from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Any
 
-from dflashctl.backend import JobStatus, ShardStatus, parse_indexes
+from dflashctl.backend import INDEX_ANNOTATION, JobStatus, ShardStatus, parse_indexes
 from dflashctl.cluster import Cluster
 from dflashctl.errors import RunFailed, WaitTimeout
 from dflashctl.render import WORKER
 
-INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 CONTROLLER_UID_LABEL = "batch.kubernetes.io/controller-uid"
 
 log = logging.getLogger(__name__)

@@ -46,14 +46,13 @@ from typing import TYPE_CHECKING, Any
 from dflash_jobs.errors import InputError
 from dflash_jobs.spec import is_s3
 
-from dflashctl.backend import JobStatus, ShardStatus, parse_indexes
+from dflashctl.backend import INDEX_ANNOTATION, JobStatus, ShardStatus, parse_indexes
 from dflashctl.errors import Conflict, RunFailed, WaitTimeout
 from dflashctl.render import SPEC_HASH, WORKER
 
 if TYPE_CHECKING:
     from dflash_jobs.spec import RunSpec
 
-INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 NODE_NAME = "local"
 DEFAULT_BACKOFF_LIMIT = 6
 """The Job's backoffLimit when the manifest sets none (the Kubernetes default)."""

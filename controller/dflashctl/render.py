@@ -24,8 +24,10 @@ from dflashctl.errors import EXIT_RUN_FAILED
 
 Manifest = dict[str, Any]
 
-COMPONENTS = ("prepare", "extract", "train", "eval", "controller")
-"""The Jobs of a run, in pipeline order; each is named `<run>-<component>`."""
+STEPS = ("prepare", "extract", "train", "eval")
+"""The data-plane Jobs of a run, in pipeline order."""
+COMPONENTS = (*STEPS, "controller")
+"""Every Job of a run: the steps and the controller that drives them; each is named `<run>-<component>`."""
 
 SPEC_DIR = "/etc/dflash"
 SPEC_FILE = "dflash.yaml"
@@ -257,7 +259,7 @@ def render_controller_objects(spec: RunSpec) -> list[Manifest]:
     return [*rbac, job]
 
 
-SELECTIONS = ("prepare", "extract", "train", "eval", "controller", "all")
+SELECTIONS = (*COMPONENTS, "all")
 
 
 def render_selection(spec: RunSpec, which: str) -> list[Manifest]:

@@ -15,9 +15,9 @@ from dflash_jobs.spec import load_spec
 from dflashctl.backend import EVENT_SHARDS_RETRIED, format_indexes, open_backend
 from dflashctl.cli import output
 from dflashctl.cli.options import DEFAULT_SPEC, SpecOpt
-from dflashctl.cli.status import STEPS, job_statuses
+from dflashctl.cli.status import job_statuses
 from dflashctl.cli.submit import Step
-from dflashctl.render import COMPONENTS, job_name, render_selection
+from dflashctl.render import COMPONENTS, STEPS, job_name, render_selection
 
 
 def cancel(spec_file: SpecOpt = DEFAULT_SPEC) -> None:

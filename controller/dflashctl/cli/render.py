@@ -15,13 +15,7 @@ from dflashctl import render as manifests
 from dflashctl.cli import output
 from dflashctl.cli.options import DEFAULT_SPEC, SpecOpt
 
-class Selection(str, Enum):
-    prepare = "prepare"
-    extract = "extract"
-    train = "train"
-    eval = "eval"
-    controller = "controller"
-    all = "all"
+Selection = Enum("Selection", {selection: selection for selection in manifests.SELECTIONS}, type=str)
 
 
 def render(

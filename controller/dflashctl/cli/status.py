@@ -25,10 +25,8 @@ from dflashctl.backend import Backend, JobStatus, format_indexes, open_backend
 from dflashctl.cli import output
 from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt, WatchOpt
 from dflashctl.progress import Progress, RateMeter, format_duration, format_rate, read_progress
-from dflashctl.render import COMPONENTS, job_name
+from dflashctl.render import COMPONENTS, STEPS, job_name
 
-STEPS = ("prepare", "extract", "train", "eval")
-"""The data-plane Jobs in pipeline order; the controller Job drives them."""
 REFRESH_S = 5.0
 """Seconds between refreshes of `status --watch`."""
 

@@ -17,15 +17,10 @@ from dflashctl.cli import output
 from dflashctl.cli.options import DEFAULT_SPEC, ForceOpt, SpecOpt, TimeoutOpt
 from dflashctl.cli.status import summarize
 from dflashctl.errors import RunFailed
-from dflashctl.render import job_name, render_selection
+from dflashctl.render import COMPONENTS, job_name, render_selection
 
 
-class Step(str, Enum):
-    prepare = "prepare"
-    extract = "extract"
-    train = "train"
-    eval = "eval"
-    controller = "controller"
+Step = Enum("Step", {component: component for component in COMPONENTS}, type=str)
 
 
 StepArg = Annotated[Step, typer.Argument(help="The step whose Job to submit.")]
