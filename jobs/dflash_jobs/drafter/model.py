@@ -188,7 +188,10 @@ class Drafter(nn.Module):
     ) -> torch.Tensor:
         """Final-normed hidden states [N, B, d] of every block slot."""
         N, B = block_ids.shape
-        context = self.hidden_norm(self.fc(context_hidden.to(self.fc.weight.dtype)))  # [C, L*d] -> [C, d]
+        if not torch.is_autocast_enabled(context_hidden.device.type):
+            # Under autocast the bf16 states go in as they are: an fp32 copy of [C, L*d] costs GBs.
+            context_hidden = context_hidden.to(self.fc.weight.dtype)
+        context = self.hidden_norm(self.fc(context_hidden))  # [C, L*d] -> [C, d]
         h = F.embedding(block_ids.reshape(N * B), self.embed_tokens)  # [N*B, d]
         positions = torch.cat([context_positions, block_positions.reshape(N * B)])  # [C + N*B]
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
