@@ -57,6 +57,7 @@ def test_minimal_spec_gets_the_documented_defaults():
         ({"train": {"sliding_window_layers": 9}}, "train.sliding_window_layers", "0..train.draft_layers"),
         ({"cluster": {"memory_per_gpu": "96G"}}, "cluster.memory_per_gpu", "whole binary quantity"),
         ({"cluster": {"shm_size": "1.5Gi"}}, "cluster.shm_size", "whole binary quantity"),
+        ({"cluster": {"model_cache": "Model_Cache"}}, "cluster.model_cache", "DNS-1123"),
     ],
 )
 def test_bad_field_is_named_with_value_and_allowed(overrides, field, allowed):

@@ -1,0 +1,93 @@
+"""Writing one hidden-state chunk to local disk: safetensors' own writer against the canonical one
+the extraction worker uses (dflash_jobs.formats.write_safetensors), side by side in one run.
+
+    python bench/extract_io/bench_chunk_write.py [--tokens 16384] [--layers 5] [--hidden 5120] [--repeats 3] -o OUT.json
+
+The canonical writer fixes the header's byte order so a re-extracted chunk is byte-identical; this
+checks that it costs no throughput. Each writer runs `repeats` times, alternating (the first round
+warms the page cache and is dropped); the median counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from dflash_jobs.formats import TokenChunk, hidden_metadata, hidden_tensors, write_safetensors
+
+
+def chunk_tensors(tokens: int, layers: int, hidden: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    lengths = np.full(tokens // 1024, 1024)
+    chunk = TokenChunk(
+        input_ids=np.arange(tokens, dtype=np.int32) % 1000, loss_mask=np.ones(tokens, dtype=np.uint8),
+        cu_seqlens=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), sample_ids=np.arange(len(lengths), dtype=np.int64),
+    )
+    states = torch.randn(tokens, layers, hidden, dtype=torch.bfloat16)
+    metadata = hidden_metadata(layers=list(range(layers)), model="bench", config_hash="bench", dtype="bfloat16")
+    return hidden_tensors(chunk, states, None), metadata
+
+
+def timed(write, path: Path) -> float:
+    started = time.perf_counter()
+    write(path)
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())  # the bytes reached the disk, as the uploader then reads them
+    return time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--layers", type=int, default=5)
+    parser.add_argument("--hidden", type=int, default=5120)
+    parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("-o", "--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    tensors, metadata = chunk_tensors(args.tokens, args.layers, args.hidden)
+
+    def library(path: Path) -> None:
+        save_file(tensors, str(path), metadata=metadata)
+
+    def canonical(path: Path) -> None:
+        with open(path, "wb") as out:
+            write_safetensors(out, tensors, metadata)
+
+    writers = {"safetensors_save_file": library, "canonical_write_safetensors": canonical}
+    seconds: dict[str, list[float]] = {name: [] for name in writers}
+    with tempfile.TemporaryDirectory(dir=Path.cwd()) as scratch:
+        for _ in range(args.repeats):
+            for name, write in writers.items():
+                path = Path(scratch) / f"{name}.safetensors"
+                seconds[name].append(timed(write, path))
+                size = path.stat().st_size
+                path.unlink()
+    median = {name: statistics.median(times[1:]) for name, times in seconds.items()}
+    result = {
+        "benchmark": "chunk_write",
+        "command": shlex.join(["python", "bench/extract_io/bench_chunk_write.py", *(argv if argv is not None else sys.argv[1:])]),
+        "machine": {"cpus": os.cpu_count(), "processor": platform.machine(), "python": platform.python_version(), "torch": torch.__version__},
+        "chunk": {"tokens": args.tokens, "layers": args.layers, "hidden": args.hidden, "bytes": size},
+        "seconds": seconds,
+        "median_gb_per_s": {name: round(size / t / 1e9, 3) for name, t in median.items()},
+        "ratio_canonical_over_library": round(median["safetensors_save_file"] / median["canonical_write_safetensors"], 3),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
