@@ -252,10 +252,13 @@ def hidden_metadata(*, layers: list[int], model: str, config_hash: str, dtype: s
 _SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float32": "F32", "int64": "I64", "int32": "I32", "uint8": "U8"}
 
 
-def write_safetensors(out: BinaryIO, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """safetensors with a canonical header: the same tensors and metadata give the same bytes in any
-    process (the library writes __metadata__ in a per-process hash order, so a re-extracted chunk
-    would get another sha256). Tensors are laid out as the library does: widest elements first."""
+def safetensors_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> list[memoryview]:
+    """The bytes of a safetensors file as views, in file order: the header, then every tensor's own
+    memory (no copy), so a writer can stream them to storage.
+
+    The header is canonical: the same tensors and metadata give the same bytes in any process (the
+    library writes __metadata__ in a per-process hash order, so a re-extracted chunk would get
+    another sha256). Tensors are laid out as the library does: widest elements first."""
     import torch
 
     names = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))  # every offset stays aligned
@@ -268,10 +271,16 @@ def write_safetensors(out: BinaryIO, tensors: dict[str, torch.Tensor], metadata:
         offset += size
     header = json.dumps({"__metadata__": metadata, **entries}, sort_keys=True, separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)
-    out.write(struct.pack("<Q", len(header)))
-    out.write(header)
+    parts = [memoryview(struct.pack("<Q", len(header)) + header)]
     for name in names:
-        out.write(tensors[name].contiguous().view(torch.uint8).numpy().data)
+        parts.append(tensors[name].contiguous().view(torch.uint8).reshape(-1).numpy().data)
+    return parts
+
+
+def write_safetensors(out: BinaryIO, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """A safetensors file with a canonical header (safetensors_parts) written to `out`."""
+    for part in safetensors_parts(tensors, metadata):
+        out.write(part)
 
 
 def hidden_tensors(tokens: TokenChunk, hidden: torch.Tensor, scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
