@@ -243,10 +243,12 @@ def dequantize_fp8(quantized: torch.Tensor, scale: torch.Tensor, dtype=None) -> 
     return (quantized.float() * scale.unsqueeze(-1)).to(dtype or torch.bfloat16)
 
 
-def hidden_metadata(*, layers: list[int], model: str, config_hash: str, dtype: str) -> dict[str, str]:
+def hidden_metadata(*, layers: list[int], model: str, config_hash: str, dtype: str, compute_dtype: str = "bfloat16") -> dict[str, str]:
+    """The header metadata of a hidden-state chunk; compute_dtype: what the target's matmuls ran in."""
     if dtype not in HIDDEN_DTYPES:
         raise FormatError(f"hidden-state dtype {dtype!r} is not supported", f"Use one of {HIDDEN_DTYPES}")
-    return {"format": HIDDEN_FORMAT, "layers": json.dumps(list(layers)), "model": model, "config_hash": config_hash, "dtype": dtype}
+    return {"format": HIDDEN_FORMAT, "layers": json.dumps(list(layers)), "model": model, "config_hash": config_hash, "dtype": dtype,
+            "compute_dtype": compute_dtype}
 
 
 _SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float32": "F32", "int64": "I64", "int32": "I32", "uint8": "U8"}
@@ -391,6 +393,7 @@ class DoneMarker:
     hidden_size: int
     shard: int = 0
     stats: dict[str, float] = field(default_factory=dict)
+    compute_dtype: str = "bfloat16"  # the target's matmuls: bfloat16, or float8 (extract.compute_dtype)
 
     def to_json(self) -> str:
         return json.dumps({"format": DONE_FORMAT, **asdict(self)}, indent=2, sort_keys=True) + "\n"

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from dflash_jobs.errors import FormatError, InputError
-from dflash_jobs.extract import packing
+from dflash_jobs.extract import fp8, packing
 from dflash_jobs.extract.batching import Batch, BatchPlanner, SampleRef, round_up, window_samples
 from dflash_jobs.extract.capture import BufferPool, DeviceToHost, LayerCapture, Run, merge_runs
 from dflash_jobs.extract.progress import Progress, Summary
@@ -43,7 +43,7 @@ log = logging.getLogger("dflash.extract")
 
 def chunk_is_done(storage: Storage, chunk: ChunkInfo, expected: ChunkMetadata) -> bool:
     """The marker exists, describes this chunk as this run extracts it (samples, tokens, layers,
-    dtype, hidden size), and its object matches it (size, and etag when both have one).
+    dtype, compute dtype, hidden size), and its object matches it (size, and etag when both have one).
 
     A stale marker (its object missing or different, or from other settings) is deleted, so the
     redone chunk can commit; verify would reject it otherwise, one round later."""
@@ -52,8 +52,8 @@ def chunk_is_done(storage: Storage, chunk: ChunkInfo, expected: ChunkMetadata) -
         marker = DoneMarker.from_json(storage.get_bytes(key), key)
     except FormatError:
         marker = None
-    if marker is not None and (marker.samples, marker.tokens, marker.layers, marker.dtype, marker.hidden_size) == (
-        chunk.samples, chunk.tokens, expected.layers, expected.dtype, expected.hidden_size
+    if marker is not None and (marker.samples, marker.tokens, marker.layers, marker.dtype, marker.hidden_size, marker.compute_dtype) == (
+        chunk.samples, chunk.tokens, expected.layers, expected.dtype, expected.hidden_size, expected.compute_dtype
     ):
         info = storage.stat(hidden_chunk_key(chunk.id))
         if info is not None and info.size == marker.bytes and (info.etag is None or marker.etag is None or info.etag == marker.etag):
@@ -220,7 +220,7 @@ class ExtractWorker:
         )
         self.metadata = ChunkMetadata(
             layers=target.layers, hidden_size=target.hidden_size, model=target.name,
-            config_hash=target.config_hash, dtype=spec.dtype, shard=summary.shard,
+            config_hash=target.config_hash, dtype=spec.dtype, shard=summary.shard, compute_dtype=spec.compute_dtype,
         )
         self.log_interval = log_interval
         self.progress: Progress | None = None
@@ -340,6 +340,8 @@ def build_worker(spec: RunSpec, shard: int, *, summary: Summary, started: float 
         raise InputError(f"{storage.url}/{DATASET_KEY} does not exist", "Run `dflashctl prepare` first") from None
     chunks = shard_chunks(index.chunks, spec.extract.shards, shard)
     device = pick_device(spec)
+    if spec.extract.compute_dtype == "float8":
+        fp8.require_fp8(device)  # before minutes of loading: every shard would fail alike
     fast = FastPaths.detect(device)
     summary.fast_paths = fast.as_dict()
     checkpoint = local_checkpoint(
@@ -348,11 +350,14 @@ def build_worker(spec: RunSpec, shard: int, *, summary: Summary, started: float 
     _, config = read_config(spec.target, checkpoint)
     layers = resolve_layers(spec, config)
     target = load_target(spec.target, checkpoint=checkpoint, layers=layers, device=device)
+    if spec.extract.compute_dtype == "float8":
+        log.info("compute: %d linear layers of the target in FP8 (row-wise scaled)", fp8.to_float8(target.decoder_layers))
     packed = fast.fla and device.type == "cuda" and packing.can_pack(target.model)
     log.info(
         "device %s; fast paths: flash-linear-attention %s, causal-conv1d %s; batches: %s",
         device, "on" if fast.fla else "OFF (torch fallback)", "on" if fast.causal_conv1d else "off (not needed)",
-        "packed (FLA varlen + masked conv gaps)" if packed else f"right-padded to multiples of {spec.extract.pad_multiple}",
+        f"packed (FLA varlen + masked conv gaps; attention: {packing.attention_path(device)})" if packed
+        else f"right-padded to multiples of {spec.extract.pad_multiple}",
     )
     return ExtractWorker(
         spec.extract, target=target, storage=storage, chunks=chunks, summary=summary,

@@ -49,6 +49,7 @@ class ChunkMetadata:
     config_hash: str
     dtype: str
     shard: int
+    compute_dtype: str = "bfloat16"
 
 
 class ChunkAssembly:
@@ -163,7 +164,8 @@ class ChunkWriter:
         stats = integrity.check_assembled(chunk, assembly.tokens, assembly.view(buffer.ids), assembly.view(buffer.absmax), assembly.written)
         parts = safetensors_parts(
             hidden_tensors(assembly.tokens, assembly.view(buffer.hidden), assembly.view(buffer.scale)),
-            hidden_metadata(layers=meta.layers, model=meta.model, config_hash=meta.config_hash, dtype=meta.dtype),
+            hidden_metadata(layers=meta.layers, model=meta.model, config_hash=meta.config_hash, dtype=meta.dtype,
+                            compute_dtype=meta.compute_dtype),
         )
         integrity.check_encoded(chunk, bytes(parts[0]), sum(len(p) for p in parts), assembly.tokens, meta.layers)
         put = self.storage.put_parts(hidden_chunk_key(chunk), parts)
@@ -172,7 +174,7 @@ class ChunkWriter:
         marker = DoneMarker(
             chunk=chunk, samples=assembly.tokens.num_samples, tokens=assembly.tokens.num_tokens,
             bytes=put.size, sha256=put.sha256, etag=put.etag, dtype=meta.dtype, layers=list(meta.layers),
-            hidden_size=meta.hidden_size, shard=meta.shard, stats=stats,
+            hidden_size=meta.hidden_size, shard=meta.shard, stats=stats, compute_dtype=meta.compute_dtype,
         )
         if not self.storage.put_if_absent(done_key(chunk), marker.to_json().encode()):
             raise StorageError(
