@@ -219,6 +219,11 @@ class ClusterSpec:
     model_cache: str | None = None
     """PersistentVolumeClaim for an s3:// target.model: fetched into it once per node (ReadWriteOnce
     serves the pods of one node, ReadWriteMany every node) instead of once per pod."""
+    kernel_cache: str | None = None
+    """PersistentVolumeClaim for compiled GPU kernels and their autotuning results (Triton, FLA,
+    Inductor): only the first pod of a node compiles (about two minutes), the others start in
+    seconds. Defaults to a kernels/ folder of cluster.model_cache when that is set; with neither,
+    every pod compiles anew."""
     s3_secret: str | None = "dflash-s3"
     """Secret with AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and optionally AWS_ENDPOINT_URL."""
     queue: str | None = None
@@ -239,6 +244,8 @@ class ClusterSpec:
             _dns_label("cluster.s3_secret", self.s3_secret, limit=253)
         if self.model_cache is not None:
             _dns_label("cluster.model_cache", self.model_cache, limit=253)
+        if self.kernel_cache is not None:
+            _dns_label("cluster.kernel_cache", self.kernel_cache, limit=253)
         if self.queue is not None:
             _dns_label("cluster.queue", self.queue, limit=63)
         _dns_label("cluster.service_account", self.service_account, limit=253)
