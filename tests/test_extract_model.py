@@ -5,7 +5,8 @@ with output_hidden_states, at layer i = hidden_states[i + 1]."""
 
 from __future__ import annotations
 
-import time
+import queue
+import threading
 
 import numpy as np
 import pytest
@@ -195,28 +196,36 @@ def test_non_finite_states_stop_the_shard_naming_the_chunk(checkpoint, chunks, t
 
 
 def test_a_slow_store_holds_the_gpu_back_without_losing_or_reordering_anything(checkpoint, tmp_path):
-    """Chunk buffers are the only host memory the states use: with the store slower than the forward,
-    the GPU thread waits for a free buffer (reported as host_wait_s) and every chunk still lands whole."""
+    """Chunk buffers are the only host memory the states use: while the store is stuck, the GPU
+    thread waits for a free buffer (reported as host_wait_s) and every chunk still lands whole."""
     chunks = random_chunks(seed=7, count=6, max_len=24)
     storage, infos = prepared_run(tmp_path / "slow", chunks)
-    put_parts = storage.put_parts
-
-    def slow_put_parts(key, parts):
-        time.sleep(0.3)
-        return put_parts(key, parts)
-
-    storage.put_parts = slow_put_parts
     worker = ExtractWorker(
         ExtractSpec(shards=1, token_budget=64, pad_multiple=16, sort_window=1), target=fp32_target(checkpoint),
         storage=storage, chunks=infos, summary=Summary(shard=0, shards=1), max_length=48, packed=False, log_interval=0.0,
     )
+    gpu_blocked = threading.Event()
+    take, put_parts = worker.pool.take, storage.put_parts
+
+    def take_or_report(timeout):
+        try:
+            return take(timeout)
+        except queue.Empty:
+            gpu_blocked.set()
+            raise
+
+    def stuck_until_the_gpu_waits(key, parts):
+        assert gpu_blocked.wait(timeout=120), "the GPU thread never ran out of buffers"
+        return put_parts(key, parts)
+
+    worker.pool.take, storage.put_parts = take_or_report, stuck_until_the_gpu_waits
     try:
         with torch.inference_mode():
             summary = worker.run()
     finally:
         worker.close()
     assert worker.pool.allocated == worker.pool.size == 1 + WRITER_THREADS  # never more host memory than the pool
-    assert summary.host_wait_s > 0 and summary.chunks_done == len(chunks)
+    assert summary.host_wait_s >= 1.0 and summary.chunks_done == len(chunks)
     fast, _ = run_worker(checkpoint, tmp_path / "fast", chunks)
     for cid in range(len(chunks)):
         assert stored(storage, cid).hidden_states.equal(stored(fast, cid).hidden_states)

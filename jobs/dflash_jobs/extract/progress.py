@@ -28,6 +28,7 @@ class Summary:
     ready_s: float = 0.0  # from the pod's start to its first forward of real data
     first_chunk_s: float = 0.0  # from the pod's start to its first stored chunk
     host_wait_s: float = 0.0  # the GPU thread waited this long for a free chunk buffer (storage behind)
+    drain_s: float = 0.0  # from the GPU's last batch to the last chunk stored (part of elapsed_s)
     elapsed_s: float = 0.0
     tokens_per_s: float = 0.0
     padding_waste: float = 0.0

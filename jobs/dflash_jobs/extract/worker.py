@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from dflash_jobs.devices import pick_device
 from dflash_jobs.errors import FormatError, InputError
 from dflash_jobs.extract import fp8, packing
-from dflash_jobs.extract.batching import Batch, BatchPlanner, SampleRef, round_up, window_samples
+from dflash_jobs.extract.batching import Batch, BatchPlanner, round_up, window_samples
 from dflash_jobs.extract.capture import BufferPool, DeviceToHost, LayerCapture, Run, merge_runs
 from dflash_jobs.extract.progress import Progress, Summary
 from dflash_jobs.extract.sharding import shard_chunks
@@ -76,7 +77,8 @@ def pending_chunks(storage: Storage, chunks: Sequence[ChunkInfo], expected: Chun
 class Window:
     chunks: list[ChunkInfo]
     tokens: list[TokenChunk]
-    batches: list[list[SampleRef]]
+    batches: list[Batch]
+    """Built on the loader thread, pinned for a GPU: the GPU thread only launches work."""
     open: dict[int, ChunkAssembly] = field(default_factory=dict)
     """The window's chunks that hold a buffer, by position in the window: taken at the first sample."""
 
@@ -86,7 +88,7 @@ class Window:
         return self.open[slot]
 
 
-def load_window(storage: Storage, chunks: Sequence[ChunkInfo], planner: BatchPlanner) -> Window:
+def load_window(storage: Storage, chunks: Sequence[ChunkInfo], planner: BatchPlanner, *, pin: bool = False) -> Window:
     tokens = [TokenChunk.decode(storage.get_bytes(token_chunk_key(c.id)), token_chunk_key(c.id)) for c in chunks]
     for info, chunk in zip(chunks, tokens):
         if chunk.num_samples != info.samples or chunk.num_tokens != info.tokens:
@@ -94,28 +96,43 @@ def load_window(storage: Storage, chunks: Sequence[ChunkInfo], planner: BatchPla
                 f"{token_chunk_key(info.id)} holds {chunk.num_samples} samples / {chunk.num_tokens} tokens, "
                 f"tokens/dataset.json says {info.samples} / {info.tokens}", "Re-run prepare",
             )
-    return Window(list(chunks), tokens, planner.plan(window_samples(tokens)))
+    batches = [planner.build(samples, tokens) for samples in planner.plan(window_samples(tokens))]
+    # From pageable memory a copy to the GPU waits for the stream to reach it (a sync per batch).
+    return Window(list(chunks), tokens, [pin_batch(batch) for batch in batches] if pin else batches)
 
 
-def iter_windows(storage: Storage, chunks: Sequence[ChunkInfo], planner: BatchPlanner, size: int) -> Iterator[Window]:
-    """Windows of `size` chunks; the next one is read and planned while the current one runs."""
+def iter_windows(
+    storage: Storage, chunks: Sequence[ChunkInfo], planner: BatchPlanner, size: int, *, pin: bool = False,
+) -> Iterator[Window]:
+    """Windows of `size` chunks; the next one is read, planned and built while the current one runs."""
     groups = [chunks[i:i + size] for i in range(0, len(chunks), size)]
     with ThreadPoolExecutor(1, thread_name_prefix="window-loader") as pool:
-        future = pool.submit(load_window, storage, groups[0], planner) if groups else None
+        future = pool.submit(load_window, storage, groups[0], planner, pin=pin) if groups else None
         for index in range(len(groups)):
             window = future.result()
             if index + 1 < len(groups):
-                future = pool.submit(load_window, storage, groups[index + 1], planner)
+                future = pool.submit(load_window, storage, groups[index + 1], planner, pin=pin)
             yield window
 
 
 # ---- running batches --------------------------------------------------------------------------
 
 
+BATCH_TENSORS = ("input_ids", "real_index", "position_ids", "token_mask", "cu_seqlens")
+
+
+def _map_tensors(batch: Batch, fn) -> Batch:
+    moved = {name: getattr(batch, name) for name in BATCH_TENSORS}
+    return Batch(batch.samples, packed=batch.packed, segments=batch.segments,
+                 **{name: None if t is None else fn(t) for name, t in moved.items()})
+
+
 def to_device(batch: Batch, device: torch.device) -> Batch:
-    moved = {name: getattr(batch, name) for name in ("input_ids", "real_index", "position_ids", "token_mask", "cu_seqlens")}
-    moved = {name: None if t is None else t.to(device, non_blocking=True) for name, t in moved.items()}
-    return Batch(batch.samples, packed=batch.packed, segments=batch.segments, **moved)
+    return _map_tensors(batch, lambda t: t.to(device, non_blocking=True))
+
+
+def pin_batch(batch: Batch) -> Batch:
+    return _map_tensors(batch, lambda t: t.pin_memory())
 
 
 def warmup_depth(model: torch.nn.Module) -> int:
@@ -258,15 +275,22 @@ class ExtractWorker:
                  f"{sum(c.tokens for c in pending):,}")
         if not pending:
             return summary
+        self.pool.start(len(pending))
+        log.info("host buffers: %d of %.2f GB%s, allocated while the kernels warm up", min(len(pending), self.pool.size),
+                 self.pool.buffer_bytes / 1e9, " pinned" if self.pool.pinned else "")
         summary.warmup_s = round(self.warm_up(), 1)
         self.progress = Progress(summary, total_tokens=sum(c.tokens for c in pending), interval=self.log_interval)
         self.writer = ChunkWriter(storage=self.storage, metadata=self.metadata, pool=self.pool, on_commit=self._committed)
         self.progress.start()
         try:
-            for window in iter_windows(self.storage, pending, self.planner, self.spec.sort_window):
-                for samples in window.batches:
-                    self.run_batch(self.planner.build(samples, window.tokens), window)
+            for window in iter_windows(self.storage, pending, self.planner, self.spec.sort_window, pin=self.device.type == "cuda"):
+                for batch in window.batches:
+                    self.run_batch(batch, window)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            forwarded = time.monotonic()
             self.writer.close()
+            summary.drain_s = round(time.monotonic() - forwarded, 1)
         finally:
             summary.host_wait_s = round(self.writer.waited_s, 1)
         self.progress.log()
@@ -322,13 +346,6 @@ class ExtractWorker:
 
 
 # ---- wiring -------------------------------------------------------------------------------------
-
-
-def pick_device(spec: RunSpec) -> torch.device:
-    """cuda in pods (cpu when none is visible); local.device on the local backend."""
-    if spec.backend == "local":
-        return torch.device(spec.local.device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def build_worker(spec: RunSpec, shard: int, *, summary: Summary, started: float | None = None) -> ExtractWorker:
