@@ -219,7 +219,7 @@ def test_training_on_one_node_is_one_pod_with_every_gpu():
     pod = job["spec"]["template"]["spec"]
     assert "completionMode" not in job["spec"]
     assert pod["containers"][0]["command"] == [
-        "torchrun", "--nproc_per_node=8", "--standalone", "--nnodes=1", "-m", "dflash_jobs.train", "-f", "/etc/dflash/dflash.yaml",
+        "python", "-m", "dflash_jobs.train.launch", "--nproc_per_node=8", "--standalone", "--nnodes=1", "-m", "dflash_jobs.train", "-f", "/etc/dflash/dflash.yaml",
     ]
     assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
     assert pod["containers"][0]["resources"]["requests"] == {"cpu": "64", "memory": "768Gi"}

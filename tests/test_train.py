@@ -23,7 +23,7 @@ from dflash_jobs.storage import open_storage
 from dflash_jobs.train.__main__ import main
 from dflash_jobs.train.anchors import anchor_candidates, sample_anchors
 from dflash_jobs.train.checkpointer import step_prefix
-from dflash_jobs.train.data import BatchBuilder, BatchStream, ChunkCache, assign_chunks, plan_epoch, read_document_index
+from dflash_jobs.train.data import BatchBuilder, BatchStream, Budget, ChunkCache, assign_chunks, plan_epoch, read_document_index
 from dflash_jobs.formats import TRAIN_METRICS_KEY as METRICS_KEY, TRAIN_PLOT_KEY as PLOT_KEY
 from dflash_jobs.train.trainer import Runtime, Trainer
 from train_fixtures import LAYERS, tiny_extract, tiny_target, train_spec_dict, write_spec
@@ -70,6 +70,10 @@ def final_weights(output: Path) -> dict[str, torch.Tensor]:
 # ---- anchors, plans, batches -----------------------------------------------------------------
 
 
+def tokens_only(tokens: int) -> Budget:
+    return Budget(tokens=tokens, blocks=10**9, anchors=512)
+
+
 def test_anchors_are_supervised_positions_with_a_supervised_successor():
     mask = np.array([0, 0, 1, 1, 1, 0, 1, 1, 0, 1, 1, 1, 1], dtype=np.uint8)
     assert anchor_candidates(mask).tolist() == [2, 3, 6, 9, 10, 11]
@@ -86,22 +90,36 @@ def test_each_rank_gets_its_own_chunks_and_the_same_number_of_steps(extract):
     assignment = assign_chunks(index, 2)
     assert sorted(c.chunk for rank in assignment for c in rank) == [0, 1, 2, 3]
     for epoch in range(3):
-        plans = plan_epoch(index, world_size=2, seed=3, epoch=epoch, micro_batch_tokens=400)
+        plans = plan_epoch(index, world_size=2, seed=3, epoch=epoch, budget=tokens_only(400))
         assert len(plans[0]) == len(plans[1]) > 0
         for rank, plan in enumerate(plans):
             docs = [(d.chunk, d.index) for batch in plan for d in batch]
             assert len(docs) == len(set(docs))  # no document twice in an epoch
             assert {c for c, _ in docs} <= {c.chunk for c in assignment[rank]}
             assert all(sum(d.tokens for d in batch) <= 400 or len(batch) == 1 for batch in plan)
-    first, second = (plan_epoch(index, world_size=1, seed=3, epoch=e, micro_batch_tokens=400)[0] for e in (0, 1))
+    first, second = (plan_epoch(index, world_size=1, seed=3, epoch=e, budget=tokens_only(400))[0] for e in (0, 1))
     assert first != second  # reshuffled every epoch
+
+
+def test_micro_batches_are_bounded_by_blocks_as_well_as_tokens(extract):
+    """Memory grows with blocks: many short documents, each with up to `anchors` blocks, must not
+    fill one micro-batch however few tokens they hold."""
+    index = read_document_index(open_storage(str(extract)), [0, 1, 2, 3])
+    anchors = 6
+    blocks_of = {(c.chunk, i): min(anchors, c.candidates[i]) for c in index for i in range(len(c.lengths))}
+    unbounded = plan_epoch(index, world_size=1, seed=0, epoch=0, budget=Budget(tokens=10**6, blocks=10**9, anchors=anchors))[0]
+    bounded = plan_epoch(index, world_size=1, seed=0, epoch=0, budget=Budget(tokens=10**6, blocks=20, anchors=anchors))[0]
+    assert len(unbounded) == 1 and len(bounded) > 1
+    for batch in bounded:
+        assert sum(blocks_of[d.chunk, d.index] for d in batch) <= 20
+    assert sorted((d.chunk, d.index) for b in bounded for d in b) == sorted((d.chunk, d.index) for d in unbounded[0])
 
 
 def test_batches_hold_one_block_per_anchor_with_in_place_labels(extract):
     storage = open_storage(str(extract))
     chunk = HiddenChunk.decode(storage.get_bytes(hidden_chunk_key(0)), "0")
     index = read_document_index(storage, [0])
-    docs = plan_epoch(index, world_size=1, seed=0, epoch=0, micro_batch_tokens=10**6)[0][0]
+    docs = plan_epoch(index, world_size=1, seed=0, epoch=0, budget=tokens_only(10**6))[0][0]
     builder = BatchBuilder(block_size=4, anchors=8, gamma=7.0, mask_token_id=999, seed=0, layers=LAYERS)
     batch = builder.build(docs, {0: chunk}, epoch=0)
     assert batch.context_hidden.shape == (chunk.tokens.num_tokens, len(LAYERS) * chunk.hidden_states.shape[-1])
@@ -130,7 +148,7 @@ def test_fp8_chunks_are_dequantized_into_the_same_batch(extract):
     fp8 = HiddenChunk.decode(
         encode_hidden_chunk(chunk.tokens, chunk.hidden_states, layers=LAYERS, model="tiny", config_hash="tiny", dtype="float8_e4m3fn"), "1-fp8"
     )
-    docs = plan_epoch(read_document_index(storage, [1]), world_size=1, seed=0, epoch=0, micro_batch_tokens=10**6)[0][0]
+    docs = plan_epoch(read_document_index(storage, [1]), world_size=1, seed=0, epoch=0, budget=tokens_only(10**6))[0][0]
     builder = BatchBuilder(block_size=4, anchors=8, gamma=7.0, mask_token_id=999, seed=0, layers=LAYERS)
     exact, quantized = builder.build(docs, {1: chunk}, 0), builder.build(docs, {1: fp8}, 0)
     assert quantized.context_hidden.dtype == torch.bfloat16 and torch.equal(quantized.block_ids, exact.block_ids)
@@ -149,7 +167,7 @@ def test_the_local_cache_stays_within_its_bound(extract, tmp_path):
 def test_the_data_order_survives_a_restart_from_the_cursor(extract, tmp_path):
     storage = open_storage(str(extract))
     index = read_document_index(storage, [0, 1, 2, 3])
-    plans = [plan_epoch(index, world_size=1, seed=0, epoch=e, micro_batch_tokens=700)[0] for e in range(2)]
+    plans = [plan_epoch(index, world_size=1, seed=0, epoch=e, budget=tokens_only(700))[0] for e in range(2)]
 
     def stream() -> BatchStream:
         builder = BatchBuilder(block_size=4, anchors=8, gamma=7.0, mask_token_id=999, seed=0, layers=LAYERS)
@@ -174,7 +192,7 @@ def test_the_data_order_survives_a_restart_from_the_cursor(extract, tmp_path):
 def test_a_cache_smaller_than_a_batch_still_streams_every_epoch_exactly(extract, tmp_path, micro_batch_tokens):
     storage = open_storage(str(extract))
     index = read_document_index(storage, [0, 1, 2, 3])
-    plans = [plan_epoch(index, world_size=1, seed=0, epoch=e, micro_batch_tokens=micro_batch_tokens)[0] for e in range(3)]
+    plans = [plan_epoch(index, world_size=1, seed=0, epoch=e, budget=tokens_only(micro_batch_tokens))[0] for e in range(3)]
     chunk_bytes = storage.stat(hidden_chunk_key(0)).size
 
     def batches(cache_bytes: int, directory: Path) -> list[tuple]:

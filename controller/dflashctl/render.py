@@ -151,7 +151,9 @@ def render_train_objects(spec: RunSpec) -> list[Manifest]:
     """One pod with every GPU of a node; several nodes: an Indexed Job plus a headless Service for rendezvous."""
     name = job_name(spec, "train")
     train = spec.train
-    torchrun = ["torchrun", f"--nproc_per_node={train.gpus_per_node}"]
+    # torchrun itself, run by a launcher that exits with the workers' own bad-spec or bad-input code
+    # (torchrun alone reports every failure as 1, which the Job would retry).
+    torchrun = ["python", "-m", "dflash_jobs.train.launch", f"--nproc_per_node={train.gpus_per_node}"]
     if train.nodes == 1:
         torchrun += ["--standalone", "--nnodes=1"]
     else:

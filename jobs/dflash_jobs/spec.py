@@ -147,6 +147,14 @@ class TrainSpec:
     """Loss weight of slot k is exp(-(k - 1) / gamma)."""
     micro_batch_tokens: int = 16384
     """Target tokens per micro-batch on one rank."""
+    micro_batch_blocks: int = 2048
+    """Blocks per micro-batch on one rank: memory grows with blocks (anchors), not with context, so
+    many short documents (each with up to `anchors` blocks) must not fill one micro-batch."""
+    activation_checkpointing: Literal["none", "mlp", "layers"] = "mlp"
+    """Recompute in backward instead of keeping: nothing, each layer's SwiGLU, or whole layers
+    (see train/parallelize.py: the memory and speed of each at the 27B shape)."""
+    compile: bool = False
+    """torch.compile each draft layer (fused norms, RoPE and SwiGLU)."""
     mask_token_id: int | None = None
     """Mask token; default: the first unused embedding row."""
     seed: int = 42
@@ -166,6 +174,9 @@ class TrainSpec:
         _positive("train.anchors", self.anchors, minimum=1)
         _positive("train.epochs", self.epochs, minimum=1)
         _positive("train.micro_batch_tokens", self.micro_batch_tokens, minimum=1)
+        if self.micro_batch_blocks < self.anchors:
+            raise SpecError("train.micro_batch_blocks", self.micro_batch_blocks,
+                            f"at least train.anchors ({self.anchors}): one document can bring that many blocks")
         _positive("train.checkpoint_every", self.checkpoint_every, minimum=1)
         for name in ("lr", "gamma", "cache_gb"):
             if getattr(self, name) <= 0:

@@ -208,16 +208,18 @@ class Drafter(nn.Module):
         attention: Mapping[str, AttentionFn],
         labels: torch.Tensor | None = None,
         loss_weights: torch.Tensor | None = None,
+        loss_normalizer: torch.Tensor | None = None,
     ) -> torch.Tensor | DraftLoss:
         """context_hidden [C, L*d] (raw captured layers), context_positions [C], block_ids and
         block_positions [N, B]; `attention` maps each layer type to its masked kernel (train/masks.py).
 
-        With labels and loss_weights [N, B]: the weighted loss (train/loss.py). Without: logits [N, B, V]
-        (for small inputs only: at vocab 248K they are large)."""
+        With labels and loss_weights [N, B]: the weighted loss (train/loss.py), divided by
+        loss_normalizer when given. Without: logits [N, B, V] (for small inputs only: at vocab 248K
+        they are large)."""
         hidden = self.hidden_states(context_hidden, context_positions, block_ids, block_positions, attention)
         if labels is None:
             return hidden @ self.lm_head.T.to(hidden.dtype)
-        return draft_loss(hidden, self.lm_head, labels, loss_weights)
+        return draft_loss(hidden, self.lm_head, labels, loss_weights, normalizer=loss_normalizer)
 
     @torch.no_grad()
     def draft_block(

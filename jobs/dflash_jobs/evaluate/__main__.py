@@ -26,13 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s eval: %(message)s", stream=sys.stdout, force=True)
     try:
         spec = load_spec(args.file)
-        import torch
-
+        from dflash_jobs.devices import pick_device
         from dflash_jobs.evaluate.evaluator import evaluate
 
-        # As the trainer decides: a local run pinned to the CPU stays there even on a GPU machine.
-        use_cuda = torch.cuda.is_available() and not (spec.backend == "local" and spec.local.device == "cpu")
-        report = evaluate(spec, storage_for(spec), device=torch.device("cuda" if use_cuda else "cpu"))
+        # As extraction and training decide: local.device on the local backend, else the pod's GPU.
+        report = evaluate(spec, storage_for(spec), device=pick_device(spec))
     except DflashError as exc:
         log.error("%s", exc)
         return pod_exit_code(exc)

@@ -42,11 +42,14 @@ class ChunkDocuments:
     chunk: int
     sample_ids: list[int]  # 0-based line numbers in data.source: the anchors' seed
     lengths: list[int]
-    trainable: list[bool]  # has at least one anchor candidate (two consecutive supervised tokens)
+    candidates: list[int]  # anchor candidates (two consecutive supervised tokens) per document
 
     @property
     def tokens(self) -> int:
         return sum(self.lengths)
+
+    def trainable(self, index: int) -> bool:
+        return self.candidates[index] > 0
 
 
 def read_chunk_documents(storage: Storage, chunk: int) -> ChunkDocuments:
@@ -65,7 +68,7 @@ def read_chunk_documents(storage: Storage, chunk: int) -> ChunkDocuments:
         chunk=chunk,
         sample_ids=tensor("sample_ids", np.int64).tolist(),
         lengths=[end - begin for begin, end in bounds],
-        trainable=[len(anchor_candidates(loss_mask[begin:end])) > 0 for begin, end in bounds],
+        candidates=[len(anchor_candidates(loss_mask[begin:end])) for begin, end in bounds],
     )
 
 
@@ -93,32 +96,44 @@ def assign_chunks(index: list[ChunkDocuments], world_size: int) -> list[list[Chu
     return balance_by_tokens(index, world_size, tokens=lambda c: c.tokens, ident=lambda c: c.chunk)
 
 
-def plan_rank_epoch(chunks: list[ChunkDocuments], *, seed: int, epoch: int, rank: int, micro_batch_tokens: int) -> list[MicroBatch]:
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """What one micro-batch may hold: context tokens, and blocks (one per anchor, at most `anchors`
+    per document), which is what activation memory grows with."""
+
+    tokens: int
+    blocks: int
+    anchors: int
+
+
+def plan_rank_epoch(chunks: list[ChunkDocuments], *, seed: int, epoch: int, rank: int, budget: Budget) -> list[MicroBatch]:
     """Shuffled chunks, shuffled documents inside each, packed greedily into micro-batches."""
     rng = np.random.default_rng([seed, epoch, rank])
     batches: list[MicroBatch] = []
     current: MicroBatch = []
-    tokens = 0
+    tokens = blocks = 0
     for c in rng.permutation(len(chunks)):
         chunk = chunks[c]
         for i in rng.permutation(len(chunk.lengths)):
-            if not chunk.trainable[i]:
+            if not chunk.trainable(i):
                 continue
             doc = DocumentRef(chunk.chunk, int(i), chunk.sample_ids[i], chunk.lengths[i])
-            if current and tokens + doc.tokens > micro_batch_tokens:
+            doc_blocks = min(budget.anchors, chunk.candidates[i])
+            if current and (tokens + doc.tokens > budget.tokens or blocks + doc_blocks > budget.blocks):
                 batches.append(current)
-                current, tokens = [], 0
+                current, tokens, blocks = [], 0, 0
             current.append(doc)
             tokens += doc.tokens
+            blocks += doc_blocks
     if current:
         batches.append(current)
     return batches
 
 
-def plan_epoch(index: list[ChunkDocuments], *, world_size: int, seed: int, epoch: int, micro_batch_tokens: int) -> list[list[MicroBatch]]:
+def plan_epoch(index: list[ChunkDocuments], *, world_size: int, seed: int, epoch: int, budget: Budget) -> list[list[MicroBatch]]:
     """Every rank's micro-batches for one epoch, cut to the shortest rank's count."""
     plans = [
-        plan_rank_epoch(chunks, seed=seed, epoch=epoch, rank=rank, micro_batch_tokens=micro_batch_tokens)
+        plan_rank_epoch(chunks, seed=seed, epoch=epoch, rank=rank, budget=budget)
         for rank, chunks in enumerate(assign_chunks(index, world_size))
     ]
     steps = min(len(plan) for plan in plans)

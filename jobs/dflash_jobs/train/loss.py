@@ -29,13 +29,15 @@ def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """sum(w * CE(hidden @ weight.T, labels)) / sum(w), plus the argmax predictions, chunked over rows.
+    """sum(w * CE(hidden @ weight.T, labels)) / normalizer, plus the argmax predictions, chunked over rows.
 
-    `weight` (the LM head) is frozen: no gradient flows to it."""
+    The normalizer defaults to sum(w); under DDP it is the mean of sum(w) over the ranks, so the
+    averaged gradient is that of the mean over every rank's supervised slots. `weight` (the LM
+    head) is frozen: no gradient flows to it."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, row_weights, chunk_rows: int):
-        total = row_weights.sum().clamp(min=1e-12)
+    def forward(ctx, hidden, weight, labels, row_weights, chunk_rows: int, normalizer: torch.Tensor | None = None):
+        total = (row_weights.sum() if normalizer is None else normalizer.float()).clamp(min=1e-12)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         predictions = torch.empty_like(labels)
         needs_grad = ctx.needs_input_grad[0]
@@ -61,7 +63,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_predictions):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None
 
 
 @dataclass
@@ -78,14 +80,16 @@ class DraftLoss:
 
 def draft_loss(
     hidden: torch.Tensor, lm_head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-    *, chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    *, chunk_rows: int = DEFAULT_CHUNK_ROWS, normalizer: torch.Tensor | None = None,
 ) -> DraftLoss:
-    """hidden [N, B, d] (after the final norm), labels [N, B], weights [N, B] (0 where unsupervised)."""
+    """hidden [N, B, d] (after the final norm), labels [N, B], weights [N, B] (0 where unsupervised).
+
+    normalizer: what the weighted sum is divided by (default: this batch's sum of weights)."""
     N, B, d = hidden.shape
     rows = weights.flatten().nonzero().squeeze(1)  # only supervised slots need logits
     flat_labels = labels.flatten()[rows]
     loss, predictions = ChunkedLinearCrossEntropy.apply(
-        hidden.reshape(N * B, d)[rows], lm_head, flat_labels, weights.flatten()[rows].float(), chunk_rows
+        hidden.reshape(N * B, d)[rows], lm_head, flat_labels, weights.flatten()[rows].float(), chunk_rows, normalizer
     )
     correct = torch.zeros(N * B, dtype=torch.bool, device=hidden.device)
     correct[rows] = predictions == flat_labels

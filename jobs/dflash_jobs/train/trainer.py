@@ -22,17 +22,19 @@ import torch.distributed as dist
 
 from dflash_jobs.drafter.checkpoint import TargetCheckpoint, drafter_config_for_target, resolve_mask_token_id
 from dflash_jobs.drafter.export import export_drafter
+from dflash_jobs.devices import pick_device
 from dflash_jobs.drafter.model import Drafter
 from dflash_jobs.errors import InputError
 from dflash_jobs.formats import MANIFEST_KEY, Manifest
 from dflash_jobs.spec import RunSpec, resolve_layers
 from dflash_jobs.storage import Storage, open_storage, storage_for
 from dflash_jobs.train.checkpointer import Checkpointer
-from dflash_jobs.train.data import Batch, BatchBuilder, BatchStream, ChunkCache, plan_epoch, read_document_index
+from dflash_jobs.train.data import Batch, BatchBuilder, BatchStream, Budget, ChunkCache, plan_epoch, read_document_index
 from dflash_jobs.train.loss import DraftLoss, expected_acceptance_length
 from dflash_jobs.train.masks import build_attention
 from dflash_jobs.train.metrics import ConsoleSink, MetricSink, MultiSink, NullSink, StorageSink, should_log
 from dflash_jobs.train.optim import build_optimizer, build_scheduler
+from dflash_jobs.train.parallelize import parallelize
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +54,8 @@ class Runtime:
         """torchrun's environment; one process without it. Initialises the process group."""
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
-        use_cuda = torch.cuda.is_available() and not (spec.backend == "local" and spec.local.device == "cpu")
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
+        device = pick_device(spec, int(os.environ.get("LOCAL_RANK", "0")))
+        use_cuda = device.type == "cuda"
         if use_cuda:
             torch.cuda.set_device(device)
         if world_size > 1 and not dist.is_initialized():
@@ -107,6 +109,18 @@ def build_drafter(spec: RunSpec, runtime: Runtime, manifest: Manifest) -> Drafte
     table_dtype = torch.bfloat16 if runtime.device.type == "cuda" else frozen.embed_tokens.dtype
     drafter.load_target_tensors(frozen.embed_tokens.to(table_dtype), frozen.lm_head.to(table_dtype), frozen.final_norm)
     return drafter
+
+
+def global_loss_normalizer(loss_weights: torch.Tensor, world_size: int) -> torch.Tensor | None:
+    """Under DDP, the mean over ranks of their summed loss weights: each rank divides its own sum
+    by it and DDP averages the gradients, which gives the gradient of the mean over every supervised
+    slot of every rank. (Each rank's own sum would weigh the ranks with few supervised slots more.)
+    One small all-reduce per step, on the device; None in one process (the batch's own sum)."""
+    if world_size == 1:
+        return None
+    total = loss_weights.sum(dtype=torch.float32)
+    dist.all_reduce(total)
+    return total / world_size
 
 
 class MetricsWindow:
@@ -168,18 +182,13 @@ class Trainer:
         manifest = load_manifest(storage)
         drafter = build_drafter(spec, runtime, manifest)
         config, layers = drafter.config, drafter.config.target_layer_ids
-        model = drafter
-        if runtime.world_size > 1:
-            from torch.nn.parallel import DistributedDataParallel
-
-            # The frozen vocab tables are read by every rank from the checkpoint: never broadcast them.
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(drafter, ["embed_tokens", "lm_head"])
-            model = DistributedDataParallel(drafter, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None)
+        model = parallelize(drafter, train, device=runtime.device, world_size=runtime.world_size)
 
         log.info("reading the document index of %d chunks (%d samples, %d tokens)", len(manifest.chunks), manifest.samples, manifest.tokens)
         index = _broadcast(lambda: read_document_index(storage, [c.chunk for c in manifest.chunks]), runtime)
+        budget = Budget(tokens=train.micro_batch_tokens, blocks=train.micro_batch_blocks, anchors=train.anchors)
         plans = [
-            plan_epoch(index, world_size=runtime.world_size, seed=train.seed, epoch=epoch, micro_batch_tokens=train.micro_batch_tokens)[runtime.rank]
+            plan_epoch(index, world_size=runtime.world_size, seed=train.seed, epoch=epoch, budget=budget)[runtime.rank]
             for epoch in range(train.epochs)
         ]
         steps_per_epoch = [len(plan) for plan in plans]
@@ -235,7 +244,7 @@ class Trainer:
         with self.autocast():
             out = self.model(
                 batch.context_hidden, batch.context_positions, batch.block_ids, batch.block_positions, attention,
-                batch.labels, batch.loss_weights,
+                batch.labels, batch.loss_weights, global_loss_normalizer(batch.loss_weights, self.runtime.world_size),
             )
         out.loss.backward()
         max_norm = self.spec.train.grad_clip or math.inf

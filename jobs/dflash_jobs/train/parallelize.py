@@ -1,0 +1,58 @@
+"""How the drafter runs on its ranks: activation checkpointing, compilation, data parallelism
+(applied from outside the model, in that order, as torchtitan's parallelize does).
+
+Activation checkpointing trades compute for memory at the default micro-batch (2,048 blocks of 16
+slots against up to 16K context tokens, 1.84B trainable parameters at the 27B shape):
+- "none": every activation kept; fastest, and over 96 GB at the default micro-batch;
+- "mlp": each layer's SwiGLU recomputed in backward (its [slots, 17408] activations are most
+  of a layer's memory): one MLP forward more per layer;
+- "layers": each whole decoder layer recomputed in backward: the least memory, one layer
+  forward more.
+The wrappers keep parameter names as they were, so checkpoints and exports do not change.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from dflash_jobs.drafter.model import Drafter
+from dflash_jobs.spec import TrainSpec
+
+log = logging.getLogger(__name__)
+
+
+def apply_activation_checkpointing(drafter: Drafter, mode: str) -> None:
+    if mode == "layers":
+        for index, layer in enumerate(drafter.layers):
+            drafter.layers[index] = checkpoint_wrapper(layer)
+    elif mode == "mlp":
+        for layer in drafter.layers:
+            layer.mlp = checkpoint_wrapper(layer.mlp)
+    elif mode != "none":
+        raise ValueError(f"activation checkpointing {mode!r}: expected none, mlp or layers")
+
+
+def apply_compile(drafter: Drafter) -> None:
+    """Each decoder layer compiled on its own (regional compilation: one graph serves all five, and
+    a new micro-batch shape recompiles one small graph); norms, RoPE and SwiGLU become fused kernels."""
+    for layer in drafter.layers:
+        layer.compile(dynamic=True)
+
+
+def parallelize(drafter: Drafter, train: TrainSpec, *, device: torch.device, world_size: int) -> nn.Module:
+    """The module the training loop calls: `drafter` itself, or its DDP wrapper."""
+    apply_activation_checkpointing(drafter, train.activation_checkpointing)
+    if train.compile:
+        apply_compile(drafter)
+    log.info("activation checkpointing: %s; compiled layers: %s", train.activation_checkpointing, "yes" if train.compile else "no")
+    if world_size == 1:
+        return drafter
+    from torch.nn.parallel import DistributedDataParallel
+
+    # The frozen vocab tables are read by every rank from the checkpoint: never broadcast them.
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(drafter, ["embed_tokens", "lm_head"])
+    return DistributedDataParallel(drafter, device_ids=[device.index] if device.type == "cuda" else None)

@@ -1,0 +1,136 @@
+"""How the drafter runs on its ranks (train/parallelize.py, train/launch.py): the loss under DDP is
+the mean over every rank's supervised slots, activation checkpointing changes memory and nothing
+else, and a worker's bad-spec or bad-input verdict survives torchrun to fail the Job at once."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dflash_jobs.drafter.model import Drafter
+from dflash_jobs.errors import EXIT_BAD_INPUT, EXIT_BAD_SPEC, EXIT_FAILED
+from dflash_jobs.spec import TrainSpec, parse_spec
+from dflash_jobs.train.launch import pod_code
+from dflash_jobs.train.masks import build_attention
+from dflash_jobs.train.parallelize import parallelize
+from dflash_jobs.train.trainer import global_loss_normalizer
+
+from conftest import free_port
+from test_drafter import packed_inputs, random_drafter, small_config
+
+
+def rank_data(rank: int, config):
+    """Rank 0: three blocks, most slots supervised; rank 1: one block with few: unequal counts."""
+    context_hidden, context_positions, block_ids, block_positions, layout = packed_inputs(config, seed=1 + rank)
+    g = torch.Generator().manual_seed(10 + rank)
+    labels = torch.randint(0, config.vocab_size - 1, block_ids.shape, generator=g)
+    weights = torch.rand(block_ids.shape, generator=g) * (torch.rand(block_ids.shape, generator=g) < (0.9 if rank == 0 else 0.2))
+    weights[:, 0] = 0
+    if rank == 1:
+        weights[1:] = 0  # only the first block supervised
+    return (context_hidden, context_positions, block_ids, block_positions, layout), labels, weights
+
+
+def loss_of(model, drafter: Drafter, inputs, labels, weights, normalizer):
+    context_hidden, context_positions, block_ids, block_positions, layout = inputs
+    attention = build_attention(layout, drafter.config.layer_types, drafter.config.sliding_window, backend="dense")
+    return model(context_hidden, context_positions, block_ids, block_positions, attention, labels, weights, normalizer).loss
+
+
+def ddp_rank(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        config = small_config()
+        drafter = random_drafter(config).train()
+        model = parallelize(drafter, TrainSpec(activation_checkpointing="none"), device=torch.device("cpu"), world_size=2)
+        inputs, labels, weights = rank_data(rank, config)
+        loss_of(model, drafter, inputs, labels, weights, global_loss_normalizer(weights, 2)).backward()
+        if rank == 0:
+            torch.save({n: p.grad for n, p in drafter.named_parameters() if p.requires_grad}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_gradient_is_that_of_one_process_on_every_rank_s_data(tmp_path):
+    out = str(tmp_path / "ddp-grads.pt")
+    mp.start_processes(ddp_rank, args=(free_port(), out), nprocs=2, start_method="spawn")
+    ddp = torch.load(out)
+
+    config = small_config()
+    data = [rank_data(rank, config) for rank in range(2)]
+    assert data[0][2].sum() > 5 * data[1][2].sum() > 0  # really unequal
+
+    def one_process_grads(normalizers):
+        drafter = random_drafter(config).train()
+        for (inputs, labels, weights), normalizer in zip(data, normalizers):
+            loss_of(drafter, drafter, inputs, labels, weights, normalizer).backward()
+        return {n: p.grad for n, p in drafter.named_parameters() if p.requires_grad}
+
+    total = sum(weights.sum() for _, _, weights in data)
+    everything = one_process_grads([total, total])  # the mean over all supervised slots, in one process
+    for name, grad in everything.items():
+        torch.testing.assert_close(ddp[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    # Each rank normalising by its own sum, as before, gives another gradient: the test can tell.
+    per_rank = one_process_grads([2 * weights.sum() for _, _, weights in data])
+    assert any(not torch.allclose(per_rank[n], g, rtol=1e-3, atol=1e-6) for n, g in everything.items())
+
+
+@pytest.mark.parametrize("mode", ["mlp", "layers"])
+def test_activation_checkpointing_changes_memory_not_the_loss_gradients_or_names(mode):
+    config = small_config()
+    inputs, labels, weights = rank_data(0, config)
+    plain = random_drafter(config).train()
+    checkpointed = random_drafter(config).train()
+    parallelize(checkpointed, TrainSpec(activation_checkpointing=mode), device=torch.device("cpu"), world_size=1)
+    assert list(checkpointed.state_dict()) == list(plain.state_dict())  # checkpoints and exports unchanged
+    checkpointed.load_state_dict(plain.state_dict())
+    losses = [loss_of(m, m, inputs, labels, weights, None) for m in (plain, checkpointed)]
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[0], losses[1])
+    for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters()):
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_the_pod_exits_with_the_workers_final_verdict():
+    assert pod_code([EXIT_BAD_SPEC]) == EXIT_BAD_SPEC
+    assert pod_code([EXIT_FAILED, EXIT_BAD_INPUT]) == EXIT_BAD_INPUT
+    assert pod_code([EXIT_BAD_INPUT, EXIT_BAD_SPEC]) == EXIT_BAD_SPEC
+    assert pod_code([1, -9]) == EXIT_FAILED  # a crash or a kill: retried
+    with pytest.raises(Exception, match="micro_batch_blocks"):
+        parse_spec({"name": "x", "target": {"model": "/m"}, "data": {"source": "/d"}, "output": "/o",
+                    "train": {"anchors": 512, "micro_batch_blocks": 256}})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("component", ["train", "eval"])
+def test_a_bad_spec_or_input_in_the_rendered_pod_fails_the_job_at_once(component, tmp_path, tmp_path_factory, monkeypatch):
+    """The rendered Job itself, on the local backend: training under torchrun with a mask token the
+    target does not have (a spec error found at run time), evaluation of a run with no drafter (bad
+    input). Each must fail the Job through its podFailurePolicy on the first attempt, not after
+    backoffLimit retries."""
+    from dflashctl.local import LocalBackend
+    from dflashctl.render import render_selection
+    from train_fixtures import tiny_extract, tiny_target, train_spec_dict
+
+    root = tmp_path_factory.getbasetemp() / "train-root"
+    output = tiny_extract(root)
+    spec = train_spec_dict(tiny_target(root), output, mask_token_id=10**6 if component == "train" else None)
+    spec["local"] = {"workdir": str(tmp_path / "work")}
+    spec = parse_spec(spec)
+    monkeypatch.chdir(tmp_path)
+    backend = LocalBackend(spec)
+    objects = render_selection(spec, component)
+    backend.submit(objects)
+    status = backend.wait(objects[-1]["metadata"]["name"], timeout=300)
+    assert status.failed_terminally and status.failure_message.startswith("PodFailurePolicy"), status.failure_message
+    expected = EXIT_BAD_SPEC if component == "train" else EXIT_BAD_INPUT
+    assert f"exit code {expected}" in status.failure_message
+    assert status.shards[0].attempts == 1
