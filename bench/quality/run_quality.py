@@ -83,6 +83,7 @@ class Size:
     epochs: int
     draft_lr: float
     micro_batch_tokens: int
+    micro_batch_blocks: int
     chunk_tokens: int
     max_length: int
     """data.max_length: also the longest batch shape extraction warms up, so kept near the longest sample."""
@@ -94,14 +95,14 @@ SIZES = {
         target_layers=4, target_hidden=64, vocab_size=1024, capture=[1, 3], corpus_files=60, pydoc=False,
         prompt_lines=2, answer_lines=1, train_steps=110, train_seconds=60.0, train_batch=32, train_length=64, lr=1e-2,
         chats=168, holdout=8, max_answer_tokens=24, regenerate_batch=56,
-        draft_layers=1, block_size=8, anchors=24, epochs=8, draft_lr=3e-3, micro_batch_tokens=2048, chunk_tokens=4096,
+        draft_layers=1, block_size=8, anchors=24, epochs=8, draft_lr=3e-3, micro_batch_tokens=2048, micro_batch_blocks=2048, chunk_tokens=4096,
         max_length=256, eval_new_tokens=24,
     ),
     "gpu": Size(
         target_layers=8, target_hidden=256, vocab_size=2048, capture=[1, 3, 5, 7], corpus_files=170, pydoc=True,
         prompt_lines=8, answer_lines=4, train_steps=800, train_seconds=110.0, train_batch=64, train_length=256, lr=2e-3,
         chats=2048, holdout=16, max_answer_tokens=96, regenerate_batch=512,
-        draft_layers=2, block_size=16, anchors=64, epochs=6, draft_lr=1e-3, micro_batch_tokens=32768, chunk_tokens=65536,
+        draft_layers=2, block_size=16, anchors=64, epochs=6, draft_lr=1e-3, micro_batch_tokens=32768, micro_batch_blocks=8192, chunk_tokens=65536,
         max_length=512, eval_new_tokens=96,
     ),
 }
@@ -205,6 +206,7 @@ def write_spec(workdir: Path, target: Path, data: Path, size: Size, device: torc
         "train": {
             "gpus_per_node": 1, "draft_layers": size.draft_layers, "block_size": size.block_size, "anchors": size.anchors,
             "epochs": size.epochs, "lr": size.draft_lr, "micro_batch_tokens": size.micro_batch_tokens,
+            "micro_batch_blocks": size.micro_batch_blocks,
             "checkpoint_every": 10_000, "cache_gb": 1.0,
         },
         "eval": {"prompts": size.holdout, "max_new_tokens": size.eval_new_tokens},

@@ -27,6 +27,7 @@ import math
 import random
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -300,6 +301,25 @@ def write_tiny_target(
     return directory
 
 
+@contextmanager
+def reference_delta_rule() -> Iterator[None]:
+    """The Gated DeltaNet's torch reference in place of flash-linear-attention's kernels, while the
+    tiny target trains: FLA refuses its own backward on Hopper under Triton < 3.7.1 (its gated
+    chunk_bwd_dqkwg gives wrong results there), and a few hundred steps at this size do not need
+    it. Extraction and generation, forward only, keep the fast kernels."""
+    import transformers.models.qwen3_5.modeling_qwen3_5 as qwen3_5
+
+    fused = qwen3_5.torch_chunk_gated_delta_rule
+    reference = fused
+    while hasattr(reference, "__wrapped__"):  # transformers wraps the torch reference with its kernel lookup
+        reference = reference.__wrapped__
+    qwen3_5.torch_chunk_gated_delta_rule = reference
+    try:
+        yield
+    finally:
+        qwen3_5.torch_chunk_gated_delta_rule = fused
+
+
 def teach_tiny_target(
     directory: str | Path,
     texts: list[str],
@@ -335,21 +355,22 @@ def teach_tiny_target(
     losses: list[float] = []
     deadline = time.monotonic() + seconds
     done = 0
-    while done < steps and time.monotonic() < deadline:
-        starts = torch.randint(0, len(stream) - length - 1, (batch,), generator=generator)
-        windows = torch.stack([stream[s : s + length + 1] for s in starts.tolist()]).to(device)
-        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=torch.device(device).type == "cuda"):
-            hidden = text_model(input_ids=windows[:, :-1]).last_hidden_state
-            loss = F.cross_entropy(head(hidden).float().flatten(0, 1), windows[:, 1:].flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        if done % 50 == 0 or done + 1 == steps or time.monotonic() > deadline:
-            losses.append(loss.item())
-            print(f"target step {done}/{steps}: loss {losses[-1]:.3f}", file=sys.stderr, flush=True)
-        done += 1
+    with reference_delta_rule():
+        while done < steps and time.monotonic() < deadline:
+            starts = torch.randint(0, len(stream) - length - 1, (batch,), generator=generator)
+            windows = torch.stack([stream[s : s + length + 1] for s in starts.tolist()]).to(device)
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=torch.device(device).type == "cuda"):
+                hidden = text_model(input_ids=windows[:, :-1]).last_hidden_state
+                loss = F.cross_entropy(head(hidden).float().flatten(0, 1), windows[:, 1:].flatten())
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            if done % 50 == 0 or done + 1 == steps or time.monotonic() > deadline:
+                losses.append(loss.item())
+                print(f"target step {done}/{steps}: loss {losses[-1]:.3f}", file=sys.stderr, flush=True)
+            done += 1
     model.eval().save_pretrained(directory)
     return {"steps": done, "tokens_seen": done * batch * length, "loss_first": losses[0], "loss_last": losses[-1]}
 
