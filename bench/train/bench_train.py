@@ -1,14 +1,18 @@
 """Speed and memory of one drafter training step (Trainer.train_step) on synthetic chunks.
 
-    python bench/train/bench_train.py [--shape 27b] [--tokens 4096] [--docs 1,4] [--anchors 512]
-                                      [--sliding 0,4] [--steps 6] [-o bench/results/train-h200.json]
+    python bench/train/bench_train.py [--shape 27b] [--tokens 4096] [--cases 4:none,4:mlp,4:layers,4:mlp:compile]
+                                      [--anchors 512] [--memory-gib 96] [--profile 4:mlp] [-o bench/results/train-h200.json]
 
 The drafter has the shape z-lab uses for Qwen3.5/3.6-27B (hidden 5120, 24/4 heads of 256, FFN
 17408, vocab 248,320, 5 captured layers) with random weights; the frozen embedding and LM head are
-random bf16 tables. Each case packs `docs` documents of `tokens` tokens (10% prompt, the rest
-supervised) into one micro-batch through the real BatchBuilder, then times train_step: flex
-attention, chunked loss, AdamW, bf16 autocast. Reported per case: step time (median after warm-up),
-context tokens/s, model TFLOP/s and MFU against the 989 TFLOP/s bf16 datasheet peak, peak memory.
+random bf16 tables. A case is DOCS:CHECKPOINTING[:compile][:sliding=N]: `docs` documents of `tokens`
+tokens (10% prompt, the rest supervised) packed into one micro-batch through the real
+BatchBuilder, the drafter set up by train/parallelize.py (activation checkpointing none, mlp or
+layers; compiled layers or not), then train_step timed: flex attention, chunked loss, AdamW, bf16
+autocast. GPU memory is capped at --memory-gib for every case (96: an RTX PRO 6000). Reported per
+case: step time (median after warm-up), context tokens/s, model TFLOP/s and MFU against the
+989 TFLOP/s bf16 datasheet peak, peak memory; --profile adds torch.profiler's top operators of one
+steady step of that case.
 
 FLOPs counted: every matmul of the trainable layers x3 (forward, input and weight gradients), fc
 x3 on the context, attention over the visible (query, key) pairs only x3 (4 * head_dim per pair
@@ -19,11 +23,13 @@ weight gradient). `--shape tiny` runs the same on CPU in seconds.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +41,7 @@ from dflash_jobs.spec import parse_spec
 from dflash_jobs.train.data import BatchBuilder, DocumentRef
 from dflash_jobs.train.metrics import NullSink
 from dflash_jobs.train.optim import build_optimizer, build_scheduler
+from dflash_jobs.train.parallelize import parallelize
 from dflash_jobs.train.trainer import LoopState, Runtime, Trainer
 
 PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16 datasheet
@@ -89,15 +96,35 @@ def progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def run_case(shape: str, docs: int, tokens: int, anchors: int, sliding: int, steps: int, warmup: int, device: torch.device) -> dict:
+@dataclass(frozen=True)
+class Case:
+    docs: int
+    checkpointing: str = "none"
+    compile: bool = False
+    sliding: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> Case:
+        """DOCS:CHECKPOINTING[:compile][:sliding=N], e.g. 4:mlp or 4:none:compile:sliding=4."""
+        docs, checkpointing, *flags = text.split(":") + ([] if ":" in text else ["none"])
+        sliding = next((int(f.split("=")[1]) for f in flags if f.startswith("sliding=")), 0)
+        return cls(int(docs), checkpointing, "compile" in flags, sliding)
+
+    def __str__(self) -> str:
+        return f"{self.docs}:{self.checkpointing}" + (":compile" if self.compile else "") + (f":sliding={self.sliding}" if self.sliding else "")
+
+
+def run_case(shape: str, case: Case, tokens: int, anchors: int, steps: int, warmup: int, device: torch.device, *, profile: bool) -> dict:
     spec = parse_spec({
         "name": "bench", "target": {"model": "/unused"}, "data": {"source": "/unused"}, "output": "/unused",
-        "train": {"anchors": anchors, "sliding_window_layers": sliding, "micro_batch_tokens": docs * tokens},
+        "train": {"anchors": anchors, "sliding_window_layers": case.sliding, "micro_batch_tokens": case.docs * tokens,
+                  "micro_batch_blocks": max(anchors, case.docs * anchors), "activation_checkpointing": case.checkpointing,
+                  "compile": case.compile},
     })
     config = DrafterConfig(
         **SHAPES[shape], num_layers=spec.train.draft_layers, block_size=spec.train.block_size,
         mask_token_id=SHAPES[shape]["vocab_size"] - 1, sliding_window=spec.train.sliding_window,
-        layer_types=["sliding_attention"] * sliding + ["full_attention"] * (spec.train.draft_layers - sliding),
+        layer_types=["sliding_attention"] * case.sliding + ["full_attention"] * (spec.train.draft_layers - case.sliding),
     )
     started = time.perf_counter()
     torch.manual_seed(0)
@@ -109,21 +136,24 @@ def run_case(shape: str, docs: int, tokens: int, anchors: int, sliding: int, ste
         (torch.randn(V, d, device=device) * 0.02).to(table_dtype), (torch.randn(V, d, device=device) * 0.02).to(table_dtype),
         torch.ones(d),
     )
+    model = parallelize(drafter, spec.train, device=device, world_size=1)
     optimizer = build_optimizer(drafter, spec.train, device=device)
     trainer = Trainer(
-        spec=spec, runtime=Runtime(0, 1, device), drafter=drafter, model=drafter, optimizer=optimizer,
+        spec=spec, runtime=Runtime(0, 1, device), drafter=drafter, model=model, optimizer=optimizer,
         scheduler=build_scheduler(optimizer, spec.train, 1000), stream=None, checkpointer=None, state=LoopState(),
         sink=NullSink(), storage=None, total_steps=1000, steps_per_epoch=[1000],
         attention_backend="flex" if device.type == "cuda" else "dense",
     )
     builder = BatchBuilder(block_size=config.block_size, anchors=anchors, gamma=spec.train.gamma,
                            mask_token_id=config.mask_token_id, seed=0, layers=config.target_layer_ids)
-    chunk = synthetic_chunk(docs, tokens, config)
-    documents = [DocumentRef(0, i, i, tokens) for i in range(docs)]
+    chunk = synthetic_chunk(case.docs, tokens, config)
+    documents = [DocumentRef(0, i, i, tokens) for i in range(case.docs)]
     batches = [builder.build(documents, {0: chunk}, epoch) for epoch in range(2)]
+    if device.type == "cuda":  # as the training stream hands them over: pinned, so the copy to the GPU is async
+        batches = [batch.pin_memory() for batch in batches]
     flops = step_flops(config, batches[0])
     setup_s = time.perf_counter() - started
-    progress(f"docs={docs} sliding={sliding}: model and batches ready in {setup_s:.1f}s")
+    progress(f"case {case}: model and batches ready in {setup_s:.1f}s")
 
     def synchronize():
         if device.type == "cuda":
@@ -144,7 +174,8 @@ def run_case(shape: str, docs: int, tokens: int, anchors: int, sliding: int, ste
             times.append(elapsed)
     step_time = statistics.median(times)
     result = {
-        "shape": shape, "docs": docs, "tokens_per_doc": tokens, "anchors_per_doc": anchors, "block_size": config.block_size,
+        "case": str(case), "shape": shape, "docs": case.docs, "activation_checkpointing": case.checkpointing,
+        "compile": case.compile, "tokens_per_doc": tokens, "anchors_per_doc": anchors, "block_size": config.block_size,
         "layer_types": config.layer_types, "context_tokens": batches[0].tokens, "blocks": batches[0].block_ids.shape[0],
         "trainable_params": sum(p.numel() for p in drafter.parameters() if p.requires_grad),
         "setup_s": setup_s, "step_s": step_time, "step_s_all": times, "tokens_per_s": batches[0].tokens / step_time,
@@ -154,18 +185,45 @@ def run_case(shape: str, docs: int, tokens: int, anchors: int, sliding: int, ste
     if device.type == "cuda":
         result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+    if profile:
+        result["profile"] = profile_step(trainer, batches[0], device)
     return result
+
+
+def profile_step(trainer: Trainer, batch, device: torch.device, top: int = 25) -> dict:
+    """torch.profiler of one steady step: the operators that take the time, on the GPU and on the CPU."""
+    from torch.profiler import ProfilerActivity
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    started = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        trainer.train_step(batch).loss.item()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - started) * 1e3
+    events = prof.key_averages()
+
+    def rows(attribute: str) -> list[dict]:
+        ranked = sorted(events, key=lambda e: getattr(e, attribute, 0), reverse=True)[:top]
+        return [{"name": e.key[:90], "calls": e.count, "self_device_ms": round(getattr(e, "self_device_time_total", 0) / 1e3, 2),
+                 "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 2)} for e in ranked]
+
+    device_ms = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e3
+    return {"wall_ms": round(wall_ms, 1), "device_busy_ms": round(device_ms, 1), "top_device": rows("self_device_time_total"),
+            "top_cpu": rows("self_cpu_time_total")}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="27b")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per document")
-    parser.add_argument("--docs", default="1,4", help="documents per micro-batch, one case each")
+    parser.add_argument("--cases", default="4:none,4:mlp,4:layers,4:mlp:compile,1:none",
+                        help="DOCS:CHECKPOINTING[:compile][:sliding=N], comma-separated")
     parser.add_argument("--anchors", type=int, default=512)
-    parser.add_argument("--sliding", default="0,4", help="sliding-window layers, one case each")
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--memory-gib", type=float, default=96.0, help="cap on GPU memory (RTX PRO 6000: 96)")
+    parser.add_argument("--profile", default="4:mlp", help="the case to profile one steady step of ('' for none)")
     parser.add_argument("-o", "--output", type=Path)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -174,20 +232,28 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "peak_bf16_tflops": PEAK_BF16_FLOPS / 1e12, "cases": [],
     }
-    for docs in (int(n) for n in args.docs.split(",")):
-        for sliding in (int(s) for s in args.sliding.split(",")):
-            try:
-                case = run_case(args.shape, docs, args.tokens, args.anchors, sliding, args.steps, args.warmup, device)
-            except torch.OutOfMemoryError as exc:
-                case = {"docs": docs, "sliding_layers": sliding, "error": f"out of memory: {str(exc).splitlines()[0]}"}
-            report["cases"].append(case)
-            progress(json.dumps(case))
-            if args.output:  # after every case: a run cut short keeps what it measured
-                args.output.parent.mkdir(parents=True, exist_ok=True)
-                args.output.write_text(json.dumps(report, indent=2) + "\n")
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    print(json.dumps(report, indent=2))
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total))
+        report["memory_cap_gib"] = args.memory_gib
+    for text in args.cases.split(","):
+        case = Case.parse(text)
+        try:
+            result = run_case(args.shape, case, args.tokens, args.anchors, args.steps, args.warmup, device,
+                              profile=str(case) == str(Case.parse(args.profile)) if args.profile else False)
+        except torch.OutOfMemoryError as exc:
+            result = {"case": str(case), "error": f"out of memory: {str(exc).splitlines()[0]}"}
+        except Exception as exc:  # a case that cannot run (a compile failure) must not cost the others
+            result = {"case": str(case), "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+        report["cases"].append(result)
+        progress(json.dumps({k: v for k, v in result.items() if k != "profile"}))
+        if args.output:  # after every case: a run cut short keeps what it measured
+            args.output.parent.mkdir(parents=True, exist_ok=True)
+            args.output.write_text(json.dumps(report, indent=2) + "\n")
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print(json.dumps({**report, "cases": [{k: v for k, v in c.items() if k != "profile"} for c in report["cases"]]}, indent=2))
 
 
 if __name__ == "__main__":
