@@ -115,11 +115,16 @@ def test_plan_from_the_dataset_index_matches_hand_computed_figures(tmp_path):
     # fp8:  5 x (5120 + 4 bytes of scale) + 5                  = 25,625 bytes per token.
     assert plan["bytes_per_token"] == {"bfloat16": 51_205, "float8_e4m3fn": 25_625}
     assert plan["storage_tb"] == pytest.approx({"bfloat16": 51.205, "float8_e4m3fn": 25.625})
-    # 1e9 tokens / 5964 tokens/s / 3600 s = 46.576 GPU-hours; on 8 shards 5.822 hours.
-    assert plan["gpu_hours"] == pytest.approx(46.575750801)
-    assert plan["wall_clock_hours"] == pytest.approx(5.821968850)
-    # 8 GPUs x 5964 tokens/s x 51,205 bytes = 2,443.1 MB/s; fp8 x 25,625 bytes = 1,222.6 MB/s.
-    assert plan["upload_mb_per_s_per_node"] == pytest.approx({"bfloat16": 2443.09296, "float8_e4m3fn": 1222.62})
+    # 1e9 tokens / 8804 tokens/s (measured, bench/results/extract-h200.json) / 3600 s = 31.551 GPU-hours; on 8 shards 3.944 hours.
+    assert plan["tokens_per_second_per_gpu"] == 8804.0
+    assert plan["gpu_hours"] == pytest.approx(31.551315)
+    assert plan["wall_clock_hours"] == pytest.approx(3.943914)
+    # 8 GPUs x 8804 tokens/s x 51,205 bytes = 3,606.5 MB/s; fp8 x 25,625 bytes = 1,804.8 MB/s.
+    assert plan["upload_mb_per_s_per_node"] == pytest.approx({"bfloat16": 3606.4706, "float8_e4m3fn": 1804.82})
+    # Training: 6 epochs x 1e9 tokens / 10,487 tokens/s (bench/results/train-h200.json) / 3600 s = 158.93 GPU-hours;
+    # on 1 node x 8 GPUs 19.866 hours.
+    assert plan["train_gpu_hours"] == pytest.approx(158.926925)
+    assert plan["train_wall_clock_hours"] == pytest.approx(19.865866)
 
 
 def test_plan_rate_flag_layers_and_small_jobs(tmp_path):
@@ -132,6 +137,18 @@ def test_plan_rate_flag_layers_and_small_jobs(tmp_path):
     # Two shards: two GPUs upload from a node, not eight.
     assert plan["gpus_per_node"] == 2
     assert plan["upload_mb_per_s_per_node"]["float8_e4m3fn"] == pytest.approx(10_000 * 15_377 * 2 / 1e6)
+    trained = plan_json("-f", spec_file, "--train-tokens-per-second", "12000")
+    assert trained["train_gpu_hours"] == pytest.approx(36e6 * 6 / 12_000 / 3600)
+
+
+def test_plan_uses_the_measured_rate_of_the_compute_dtype(tmp_path):
+    spec_file = write_run(tmp_path, tokens=36_000_000)
+    spec = yaml.safe_load(open(spec_file))
+    spec["extract"]["compute_dtype"] = "float8"
+    open(spec_file, "w").write(yaml.safe_dump(spec))
+    plan = plan_json("-f", spec_file)
+    assert plan["tokens_per_second_per_gpu"] == 9502.0
+    assert plan["gpu_hours"] == pytest.approx(36e6 / 9502 / 3600)
 
 
 def test_plan_before_prepare_estimates_from_the_source_size(tmp_path):
@@ -145,7 +162,7 @@ def test_plan_table_states_its_basis(tmp_path):
     result = runner.invoke(app, ["plan", "-f", write_run(tmp_path, tokens=None)])
     assert result.exit_code == 0, result.output
     assert "1,000,000 (estimate)" in result.stdout
-    assert "storage bfloat16" in result.stdout and "2,443 MB/s" in result.stdout
+    assert "storage bfloat16" in result.stdout and "3,606 MB/s" in result.stdout
     assert "estimate: 4,000,000 bytes" in result.stderr
 
 

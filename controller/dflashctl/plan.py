@@ -19,9 +19,15 @@ from dflash_jobs.formats import DATASET_KEY, HIDDEN_DTYPES, DatasetIndex
 from dflash_jobs.spec import RunSpec, default_layers, is_s3, resolve_layers, text_config
 from dflash_jobs.storage import Storage, open_storage
 
-DEFAULT_TOKENS_PER_SECOND = 5964.0
-"""Real (unpadded) tokens/s per GPU of the extractor end to end, 27B shape on an H200
-(bench/results/extract-h200.json); the bare forward pass alone is faster, the extractor is what runs."""
+DEFAULT_TOKENS_PER_SECOND = 8804.0
+"""Real (unpadded) tokens/s per GPU of the extractor end to end, bf16, states stored to local disk,
+27B shape on an H200 (bench/results/extract-h200.json: 0.95x the bare forward's 9,263)."""
+FP8_COMPUTE_TOKENS_PER_SECOND = 9502.0
+"""The same with extract.compute_dtype: float8 (bench/results/extract-fp8-h200.json)."""
+TRAIN_TOKENS_PER_SECOND = 10487.0
+"""Context tokens/s per GPU of a drafter training step at the default spec (4,096-token documents,
+512 anchors, 2,048 blocks per micro-batch, mlp activation checkpointing), 27B shape on an H200
+(bench/results/train-h200.json). Shorter documents bring more blocks per token, so fewer tokens/s."""
 EXTRACT_GPUS_PER_NODE = 8
 """Extraction pods (one GPU each) that land on one node, all uploading at once."""
 SOURCE_BYTES_PER_TOKEN = 4.0
@@ -71,6 +77,11 @@ class Plan:
     wall_clock_hours: float | None
     gpus_per_node: int
     upload_mb_per_s_per_node: dict[str, float]
+    train_tokens_per_second_per_gpu: float
+    train_gpu_hours: float | None
+    """Every token once per epoch (train.epochs), at the measured training rate."""
+    train_wall_clock_hours: float | None
+    """On train.nodes x train.gpus_per_node GPUs."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,12 +96,23 @@ def bytes_per_token(hidden_size: int, num_layers: int, dtype: str) -> int:
     raise SpecError("extract.dtype", dtype, " | ".join(HIDDEN_DTYPES))
 
 
-def make_plan(spec: RunSpec, data: DataSize, target: TargetShape, *, tokens_per_second: float = DEFAULT_TOKENS_PER_SECOND) -> Plan:
-    if tokens_per_second <= 0:
-        raise SpecError("--tokens-per-second", tokens_per_second, "a number > 0")
+def extraction_rate(spec: RunSpec) -> float:
+    """The measured extractor rate for this spec's compute dtype."""
+    return FP8_COMPUTE_TOKENS_PER_SECOND if spec.extract.compute_dtype == "float8" else DEFAULT_TOKENS_PER_SECOND
+
+
+def make_plan(
+    spec: RunSpec, data: DataSize, target: TargetShape, *, tokens_per_second: float | None = None,
+    train_tokens_per_second: float = TRAIN_TOKENS_PER_SECOND,
+) -> Plan:
+    tokens_per_second = extraction_rate(spec) if tokens_per_second is None else tokens_per_second
+    for option, rate in (("--tokens-per-second", tokens_per_second), ("--train-tokens-per-second", train_tokens_per_second)):
+        if rate <= 0:
+            raise SpecError(option, rate, "a number > 0")
     per_token = {dtype: bytes_per_token(target.hidden_size, len(target.layers), dtype) for dtype in HIDDEN_DTYPES}
     gpus_per_node = min(EXTRACT_GPUS_PER_NODE, spec.extract.shards)
     gpu_hours = None if data.tokens is None else data.tokens / tokens_per_second / 3600
+    train_gpu_hours = None if data.tokens is None else data.tokens * spec.train.epochs / train_tokens_per_second / 3600
     return Plan(
         name=spec.name,
         data=data,
@@ -104,6 +126,9 @@ def make_plan(spec: RunSpec, data: DataSize, target: TargetShape, *, tokens_per_
         wall_clock_hours=None if gpu_hours is None else gpu_hours / spec.extract.shards,
         gpus_per_node=gpus_per_node,
         upload_mb_per_s_per_node={dtype: tokens_per_second * size * gpus_per_node / MB for dtype, size in per_token.items()},
+        train_tokens_per_second_per_gpu=train_tokens_per_second,
+        train_gpu_hours=train_gpu_hours,
+        train_wall_clock_hours=None if train_gpu_hours is None else train_gpu_hours / spec.train.world_size,
     )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
@@ -18,10 +18,14 @@ def plan(
     spec_file: SpecOpt = DEFAULT_SPEC,
     output_format: OutputOpt = OutputFormat.table,
     tokens_per_second: Annotated[
-        float, typer.Option("--tokens-per-second", help="Extraction speed per GPU in real tokens/s (default: Qwen3.6-27B on an H200).")
-    ] = planning.DEFAULT_TOKENS_PER_SECOND,
+        Optional[float],
+        typer.Option("--tokens-per-second", help="Extraction speed per GPU in real tokens/s (default: measured, Qwen3.6-27B on an H200, for extract.compute_dtype)."),
+    ] = None,
+    train_tokens_per_second: Annotated[
+        float, typer.Option("--train-tokens-per-second", help="Training speed per GPU in context tokens/s (default: measured, Qwen3.6-27B drafter on an H200).")
+    ] = planning.TRAIN_TOKENS_PER_SECOND,
 ) -> None:
-    """Validate the spec and show what the run costs: tokens, storage (TB), GPU-hours, upload rate.
+    """Validate the spec and show what the run costs: tokens, storage (TB), GPU-hours of extraction and training, upload rate.
 
     Exact once `dflashctl prepare` wrote tokens/dataset.json; before that, estimated from the size
     of data.source.
@@ -35,6 +39,7 @@ def plan(
     spec = load_spec(spec_file)
     result = planning.make_plan(
         spec, planning.read_data_size(spec), planning.read_target_shape(spec), tokens_per_second=tokens_per_second,
+        train_tokens_per_second=train_tokens_per_second,
     )
     if output_format is OutputFormat.json:
         output.result_json(result.to_dict())
@@ -60,6 +65,8 @@ def plan_table(result: planning.Plan) -> Table:
     table.add_row("wall clock", _amount(result.wall_clock_hours, f" hours on {result.shards} shards"))
     for dtype, rate in result.upload_mb_per_s_per_node.items():
         table.add_row(f"upload per node {dtype}", _amount(rate, f" MB/s ({result.gpus_per_node} GPUs per node)"))
+    table.add_row("training", _amount(result.train_gpu_hours, f" GPU-hours at {result.train_tokens_per_second_per_gpu:,.0f} tokens/s per GPU"))
+    table.add_row("training wall clock", _amount(result.train_wall_clock_hours, " hours"))
     return table
 
 
