@@ -105,6 +105,18 @@ def test_loss_mask_covers_exactly_what_the_assistant_generates(target, tokenizer
     assert supervised_runs(tokenizer, ids3, mask3) == ["1 + 1 = 2.<|im_end|>", "Also easy.\n</think>\n\n2 + 2 = 4.<|im_end|>"]
 
 
+def test_an_assistant_message_of_weight_0_is_context_only(target, tokenizer, tmp_path):
+    context_first = [{**m, "weight": 0} if i == 2 else m for i, m in enumerate(TWO_TURNS)]
+    every_one_context = [{**m, "weight": 0} if m["role"] == "assistant" else m for m in TWO_TURNS]
+    rows = [{"messages": context_first}, {"messages": every_one_context}, {"messages": [*TWO_TURNS[:4], {**TWO_TURNS[4], "weight": 2}]}]
+    index = prepare(make_spec(target, write_jsonl(tmp_path / "chats.jsonl", rows), tmp_path / "out"), workers=1)
+    (_, ids, mask), = all_samples(read_output(tmp_path / "out")[1])
+    # The same rendering as without the weights; only the last answer is learned.
+    assert tokenizer.decode(ids.tolist()) == tokenizer.apply_chat_template(TWO_TURNS, tokenize=False)
+    assert supervised_runs(tokenizer, ids, mask) == ["\n</think>\n\n1, 2, 3, 4.<|im_end|>"]
+    assert index.dropped == {"invalid_fields": 1, "no_supervised_tokens": 1}
+
+
 def test_pretokenized_and_chat_rows_mix_and_sample_ids_are_line_numbers(target, tokenizer, tmp_path):
     rows = [
         {"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]},

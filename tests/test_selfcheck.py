@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from dflash_jobs.errors import EXIT_BAD_SPEC
-from dflash_jobs.selfcheck import COMPONENTS, GpuReport, SelfCheck, check_gpu, main, read_kernel_driver
+from dflash_jobs.selfcheck import COMPONENTS, GpuReport, SelfCheck, check_gpu, component_needs, main, read_kernel_driver
 from dflash_jobs.spec import parse_spec
 
 H200 = GpuReport(
@@ -65,7 +65,7 @@ def test_cpu_mode_passes_and_skips_the_gpu_checks(run, tmp_path, capsys, compone
     for name in ("gpu", "flash-linear-attention", "causal-conv1d"):
         assert f"selfcheck {component}: {name:<22} skip  cpu mode: local.device is cpu" in output
     assert "target                 ok    " in output and "capturing [1, 2, 3, 4, 5]" in output
-    assert ("data.source" in output) == (component == "prepare")
+    assert ("data.source" in output) == (component in ("generate", "prepare"))
 
 
 def test_module_entry_point_prints_one_summary_line(run, tmp_path):
@@ -221,3 +221,10 @@ def test_kernel_driver_version_is_read_from_both_module_flavours(tmp_path):
     assert read_kernel_driver(proprietary) == "570.124.06"
     assert read_kernel_driver(open_module) == "580.159.04"
     assert read_kernel_driver(tmp_path / "absent") is None
+
+
+def test_generation_needs_the_source_the_checkpoint_and_its_engines_gpus(run):
+    vllm = component_needs(parse_spec({**run, "generate": {"gpus_per_shard": 2}}), "generate")
+    assert (vllm.gpus, vllm.fla_missing, vllm.weights, vllm.tokenizer, vllm.reads_source) == (2, "skip", True, True, True)
+    transformers = component_needs(parse_spec({**run, "generate": {"engine": "transformers"}}), "generate")
+    assert (transformers.gpus, transformers.fla_missing) == (1, "warn")

@@ -197,6 +197,8 @@ class DatasetIndex:
     truncated: int = 0
     supervised_tokens: int = 0
     holdout: dict[str, Any] = field(default_factory=dict)
+    generation: dict[str, Any] | None = None
+    """With generation on: the generate/manifest.json the rows came from (settings, counts, drops)."""
 
     def to_json(self) -> str:
         return json.dumps({"format": TOKENS_FORMAT, **asdict(self)}, indent=2, sort_keys=True) + "\n"

@@ -26,12 +26,12 @@ from typing import Callable, Literal
 
 from dflash_jobs.errors import EXIT_BAD_SPEC, EXIT_OK, DflashError, SpecError, StorageError
 from dflash_jobs.formats import RUN_KEY
-from dflash_jobs.spec import DEFAULT_SPEC_FILE, RunSpec, is_s3, load_spec, resolve_layers, text_config
+from dflash_jobs.spec import DEFAULT_SPEC_FILE, GenerateSpec, RunSpec, is_s3, load_spec, resolve_layers, text_config
 from dflash_jobs.storage import ObjectNotFound, open_storage, open_url, storage_for
 from dflash_jobs.termination import write_termination_message
 
-COMPONENTS = ("prepare", "extract", "train", "eval")
-Component = Literal["prepare", "extract", "train", "eval"]
+COMPONENTS = ("generate", "prepare", "extract", "train", "eval")
+Component = Literal["generate", "prepare", "extract", "train", "eval"]
 Status = Literal["ok", "warn", "skip", "fail"]
 
 MIN_DRIVER_CUDA = (13, 0)
@@ -84,6 +84,12 @@ class Needs:
 
 
 def component_needs(spec: RunSpec, component: Component) -> Needs:
+    if component == "generate":
+        settings = spec.generate or GenerateSpec()
+        if settings.engine == "vllm":
+            # The vLLM image brings its own kernels: this image's fast paths do not run there.
+            return Needs(gpus=settings.gpus_per_shard, fla_missing="skip", weights=True, tokenizer=True, reads_source=True)
+        return Needs(gpus=1, fla_missing="warn", weights=True, tokenizer=True, reads_source=True)
     if component == "prepare":
         return Needs(gpus=0, fla_missing="skip", weights=False, tokenizer=True, reads_source=True, packages=("transformers",))
     if component == "extract":

@@ -30,6 +30,8 @@ MODEL_CACHE_ENV = "DFLASH_MODEL_CACHE"
 # Job name is also a label value (<= 63 characters), so the run name must leave room for them.
 MAX_RUN_NAME = 40
 DEFAULT_SPEC_FILE = "dflash.yaml"
+OPTIONAL_SECTIONS = ("generate",)
+"""Sections that are off while absent: a resolved spec without them does not mention them."""
 
 
 def is_s3(url: str) -> bool:
@@ -120,6 +122,70 @@ class ExtractSpec:
         _positive("extract.backoff_limit_per_index", self.backoff_limit_per_index, minimum=0)
         _positive("extract.pad_multiple", self.pad_multiple, minimum=1)
         _positive("extract.sort_window", self.sort_window, minimum=1)
+
+
+VLLM_IMAGE = "vllm/vllm-openai:v0.21.0"
+"""The official vLLM image; from v0.20.0 its unsuffixed tags are CUDA 13 builds."""
+VLLM_OWN_ARGS = ("-i", "--input-file", "-o", "--output-file", "--model", "--served-model-name", "--tensor-parallel-size", "-tp",
+                 "--seed", "--generation-config")
+"""`vllm run-batch` arguments the generation job sets itself (from the spec), so generate.vllm_args may not."""
+
+
+@dataclass(kw_only=True, slots=True)
+class GenerateSpec:
+    engine: Literal["vllm", "transformers"] = "vllm"
+    """vllm: `vllm run-batch` in the vLLM image (real runs); transformers: batched generate in the dflash image (demo, tests, small runs)."""
+    temperature: float = 0.7
+    """Sampling temperature; 0 decodes greedily."""
+    top_p: float = 0.8
+    """Nucleus sampling: the smallest set of tokens holding this much probability."""
+    max_new_tokens: int = 2048
+    """Longest answer in tokens; each prompt's is also capped so that prompt and answer fit data.max_length."""
+    thinking: bool | None = None
+    """The chat template's enable_thinking switch: true or false as you will serve the target; null keeps the template's default. A template without the switch refuses true or false."""
+    seed: int = 42
+    """Every prompt samples with a seed derived from this and its line, so a chunk generated again gives the same answers (vllm)."""
+    truncated: Literal["drop", "keep"] = "drop"
+    """An answer cut at its token limit (finish_reason length): dropped, or kept as it is. Counted either way."""
+    empty: Literal["drop", "keep"] = "drop"
+    """An answer with no text: dropped, or kept. Counted either way."""
+    shards: int = 8
+    """Generation pods; each owns a token-balanced set of chunks."""
+    gpus_per_shard: int = 1
+    """GPUs of one generation pod (vllm's tensor parallelism; transformers: 1)."""
+    chunk_prompts: int = 1024
+    """Prompts per work unit: what a killed pod loses at most, and (vllm) one model load per chunk."""
+    batch_prompts: int = 64
+    """Prompts decoded together by the transformers engine (vllm schedules its own batches)."""
+    backoff_limit_per_index: int = 3
+    """Retries of one shard before it is marked failed."""
+    vllm_image: str = VLLM_IMAGE
+    """The image of the vllm engine's pods: the official vLLM image (CUDA 13), or one built on it."""
+    vllm_args: list[str] = field(default_factory=list)
+    """More `vllm run-batch` arguments, e.g. [--gpu-memory-utilization, "0.92", --max-num-seqs, "256"]."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise SpecError("generate.temperature", self.temperature, "a number >= 0 (0 decodes greedily)")
+        if not 0 < self.top_p <= 1:
+            raise SpecError("generate.top_p", self.top_p, "a number in (0, 1]")
+        _positive("generate.max_new_tokens", self.max_new_tokens, minimum=1)
+        _positive("generate.seed", self.seed, minimum=0)
+        _positive("generate.shards", self.shards, minimum=1)
+        _positive("generate.gpus_per_shard", self.gpus_per_shard, minimum=1)
+        _positive("generate.chunk_prompts", self.chunk_prompts, minimum=1)
+        _positive("generate.batch_prompts", self.batch_prompts, minimum=1)
+        _positive("generate.backoff_limit_per_index", self.backoff_limit_per_index, minimum=0)
+        if self.engine == "transformers" and self.gpus_per_shard != 1:
+            raise SpecError("generate.gpus_per_shard", self.gpus_per_shard, "1 with engine transformers (engine vllm splits a model over several GPUs)")
+        if not self.vllm_image or any(c.isspace() for c in self.vllm_image):
+            raise SpecError("generate.vllm_image", self.vllm_image, f"an image reference such as {VLLM_IMAGE}")
+        own = [arg for arg in self.vllm_args if arg.split("=", 1)[0] in VLLM_OWN_ARGS]
+        if own:
+            raise SpecError(
+                "generate.vllm_args", self.vllm_args,
+                f"arguments other than {', '.join(VLLM_OWN_ARGS)}: the job sets those from target.model and the generate section ({own[0]})",
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -288,6 +354,8 @@ class RunSpec:
     extract: ExtractSpec = field(default_factory=ExtractSpec)
     train: TrainSpec = field(default_factory=TrainSpec)
     eval: EvalSpec = field(default_factory=EvalSpec)
+    generate: GenerateSpec | None = None
+    """Regenerate the answers of data.source with the target before prepare (off while null)."""
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
     local: LocalSpec = field(default_factory=LocalSpec)
 
@@ -296,7 +364,8 @@ class RunSpec:
         _check_location("output", self.output, what="where the run writes everything")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # An optional section left off is left out, so a spec that never used it keeps its hash and run.yaml.
+        return {key: value for key, value in dataclasses.asdict(self).items() if not (key in OPTIONAL_SECTIONS and value is None)}
 
     def fingerprint(self) -> str:
         """A stable hash of the resolved spec: submit refuses a different spec under the same name."""
@@ -351,6 +420,9 @@ def _convert(path: str, value: Any, tp: Any) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
+        section = next((arg for arg in args if dataclasses.is_dataclass(arg)), None)
+        if section is not None and isinstance(value, dict):
+            return _build(path, value, section)  # an optional section: its own field names the error
         for arg in args:
             if arg is type(None):
                 continue

@@ -1,0 +1,163 @@
+"""The engines that answer a batch file (dflash_jobs.generate.batch): vLLM's `vllm run-batch`, or Transformers.
+
+Both read the same request JSONL and write the same response JSONL, so the chunk around them does
+not know which one ran:
+
+- `VllmEngine` runs vLLM's own batch runner in the vLLM image, one process per chunk (the model
+  loads once per chunk: generate.chunk_prompts trades that against what a killed pod loses);
+- `TransformersEngine` renders each conversation with the chat template, as vLLM does, and decodes
+  prompts of similar length together with left padding (for the demo, tests and small runs).
+
+Output lines are written as answers complete, so a watcher of the output file sees progress.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+from pathlib import Path
+from typing import Any, Protocol
+
+from dflash_jobs.errors import SpecError
+from dflash_jobs.generate.batch import EngineError, completion_line, error_line
+from dflash_jobs.spec import GenerateSpec
+
+log = logging.getLogger("dflash.generate")
+
+SERVED_MODEL = "target"
+"""The model name requests carry and `vllm run-batch --served-model-name` serves."""
+
+
+class Engine(Protocol):
+    name: str
+
+    def run(self, requests: Path, outputs: Path) -> None:
+        """Answers every request line of `requests` into `outputs` (one line each, any order)."""
+
+
+class VllmEngine:
+    """`vllm run-batch` on one chunk's batch file, with the settings the requests do not carry."""
+
+    name = "vllm"
+
+    def __init__(self, settings: GenerateSpec, checkpoint: Path) -> None:
+        self.settings = settings
+        self.checkpoint = checkpoint
+
+    def command(self, requests: Path, outputs: Path) -> list[str]:
+        return [
+            "vllm", "run-batch", "-i", str(requests), "-o", str(outputs),
+            "--model", str(self.checkpoint), "--served-model-name", SERVED_MODEL,
+            "--tensor-parallel-size", str(self.settings.gpus_per_shard),
+            "--seed", str(self.settings.seed),
+            # Sampling is what the spec says, not the checkpoint's generation_config.json defaults.
+            "--generation-config", "vllm",
+            *self.settings.vllm_args,
+        ]
+
+    def run(self, requests: Path, outputs: Path) -> None:
+        command = self.command(requests, outputs)
+        # The packages staged for this job (PYTHONPATH) must not shadow vLLM's own.
+        env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+        log.info("running %s", " ".join(command))
+        try:
+            code = subprocess.run(command, env=env, stdin=subprocess.DEVNULL).returncode  # its log is the pod's log
+        except FileNotFoundError:
+            raise SpecError("generate.vllm_image", self.settings.vllm_image, "an image with vLLM's `vllm` command, such as the official vllm/vllm-openai") from None
+        if code != 0:
+            raise EngineError(f"vllm run-batch exited with code {code}", "Its log lines above say why; the shard retries the chunk")
+
+
+class TransformersEngine:
+    """Batched `generate` with a Transformers causal LM: prompts sorted by length, left-padded."""
+
+    name = "transformers"
+
+    def __init__(self, settings: GenerateSpec, *, model, tokenizer, device) -> None:
+        self.settings = settings
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+        eos = getattr(model.generation_config, "eos_token_id", None)
+        eos = model.config.eos_token_id if eos is None else eos
+        self.stop_ids = set([eos] if isinstance(eos, int) else eos or ()) | ({tokenizer.eos_token_id} - {None})
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.stop_ids)
+
+    @classmethod
+    def load(cls, settings: GenerateSpec, checkpoint: Path, *, tokenizer, device, attn_implementation: str) -> TransformersEngine:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, attn_implementation=attn_implementation)
+        return cls(settings, model=model.to(device).eval(), tokenizer=tokenizer, device=device)
+
+    def run(self, requests: Path, outputs: Path) -> None:
+        import torch
+
+        pending: list[tuple[str, list[int], dict[str, Any]]] = []
+        with open(requests) as source, open(outputs, "w") as sink:
+            for line in source:
+                record = json.loads(line)
+                try:
+                    ids = self.encode(record["body"])
+                except Exception as exc:  # noqa: BLE001 - jinja raises anything; vLLM answers such a request 400
+                    self.write(sink, error_line(record["custom_id"], status=400, message=f"chat template: {type(exc).__name__}: {exc}"))
+                    continue
+                pending.append((record["custom_id"], ids, record["body"]))
+            pending.sort(key=lambda item: len(item[1]))
+            size = self.settings.batch_prompts
+            for begin in range(0, len(pending), size):
+                with torch.inference_mode():
+                    for answer in self.generate(pending[begin : begin + size]):
+                        self.write(sink, answer)
+
+    def encode(self, body: dict[str, Any]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            body["messages"], tools=body.get("tools"), tokenize=False, add_generation_prompt=True, **body.get("chat_template_kwargs", {}),
+        )
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def generate(self, batch: list[tuple[str, list[int], dict[str, Any]]]) -> list[dict[str, Any]]:
+        import torch
+
+        longest = max(len(ids) for _, ids, _ in batch)
+        input_ids = torch.full((len(batch), longest), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(batch), longest), dtype=torch.long)
+        for row, (_, ids, _) in enumerate(batch):
+            input_ids[row, longest - len(ids):] = torch.tensor(ids)
+            attention[row, longest - len(ids):] = 1
+        body = batch[0][2]
+        limit = max(b["max_completion_tokens"] for _, _, b in batch)
+        sampling = body["temperature"] > 0
+        torch.manual_seed(body["seed"])  # the batch's first request's seed: the same batch samples the same
+        options: dict[str, Any] = {"do_sample": sampling}
+        if sampling:
+            # top_k 0 switches off the checkpoint's default top-k: sampling is what the spec says.
+            options.update(temperature=body["temperature"], top_p=body["top_p"], top_k=0)
+        output = self.model.generate(
+            input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device), max_new_tokens=limit,
+            eos_token_id=sorted(self.stop_ids), pad_token_id=self.pad_id, **options,
+        )
+        answers = []
+        for row, (request_id, ids, request) in enumerate(batch):
+            generated = output[row, longest:].tolist()
+            stop = next((i for i, token in enumerate(generated) if token in self.stop_ids), None)
+            own_limit = request["max_completion_tokens"]
+            if stop is not None and stop < own_limit:
+                tokens, counted, reason = generated[:stop], stop + 1, "stop"
+            else:
+                tokens = generated[:own_limit]
+                counted, reason = len(tokens), "length"
+            answers.append(completion_line(
+                request_id, model=request["model"], content=self.tokenizer.decode(tokens, skip_special_tokens=True),
+                finish_reason=reason, prompt_tokens=len(ids), completion_tokens=counted,
+            ))
+        return answers
+
+    @staticmethod
+    def write(sink, record: dict[str, Any]) -> None:
+        sink.write(json.dumps(record) + "\n")
+        sink.flush()
