@@ -67,6 +67,7 @@ def run_spec():
         "data": {"source": "s3://bucket/chats.jsonl"},
         "output": "s3://bucket/dflash/qwen36-27b-v1",
         "cluster": {"model_volume": {"claim": "models"}},
+        "generate": {},  # the vLLM image's pod must be admitted too
     })
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import typing
 
 import pytest
@@ -57,7 +58,8 @@ def _spec_classes(cls: type) -> list[type]:
 def test_init_explains_each_field_with_its_docstring():
     text = starter_spec()
     lines = text.splitlines()
-    comments = " ".join(line.strip()[2:] for line in lines if line.strip().startswith("# "))
+    # Comment text, also of the commented-out optional sections ("#   # doc" lines).
+    comments = " ".join(re.sub(r"^[#\s]+", "", line) for line in lines if line.strip().startswith("# "))
     classes = _spec_classes(RunSpec)
     assert len(classes) >= 9  # RunSpec, its eight sections, the model volume
     for cls in classes:
@@ -65,6 +67,12 @@ def test_init_explains_each_field_with_its_docstring():
             assert doc in comments, f"{cls.__name__}.{name}"
     assert lines[lines.index("  chunk_tokens: 65536") - 1] == "  # Target size of one work unit (a token chunk and its hidden-state chunk)."
     assert lines[lines.index("backend: kubernetes") - 1] == "# One of: kubernetes, local."
+    # Generation is off, and its section is there to turn on: uncommented, it parses with every default.
+    block = lines[lines.index("generate: null") + 1:]
+    block = [line[2:] for line in block[: next(i for i, line in enumerate(block) if not line.startswith("#"))]]
+    assert block[0] == "generate:"
+    turned_on = parse_spec({**STARTER_VALUES, **yaml.safe_load("\n".join(block))})
+    assert turned_on.generate == parse_spec({**STARTER_VALUES, "generate": {}}).generate
 
 
 def test_init_refuses_to_overwrite_without_force(tmp_path):

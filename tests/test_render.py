@@ -36,6 +36,7 @@ def make_spec(**sections):
 SPECS = {
     "defaults": make_spec(),
     "everything": make_spec(
+        generate={"shards": 4, "gpus_per_shard": 2, "vllm_args": ["--max-num-seqs", "256"]},
         extract={"shards": 3, "backoff_limit_per_index": 5},
         train={"nodes": 2, "gpus_per_node": 4},
         cluster={
@@ -43,7 +44,7 @@ SPECS = {
             "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H200"}, "namespace": "team-a", "model_cache": "model-cache",
         },
     ),
-    "no-secret": make_spec(cluster={"s3_secret": None}),
+    "no-secret": make_spec(cluster={"s3_secret": None}, generate={"engine": "transformers"}),
 }
 
 
@@ -113,6 +114,40 @@ def test_extraction_job_is_an_indexed_job_with_the_designed_failure_policy():
     assert body["ttlSecondsAfterFinished"] == 3600
 
 
+def test_generation_is_an_indexed_job_whose_vllm_worker_runs_in_the_vllm_image():
+    spec = SPECS["everything"]
+    job = the_job(render.render_all(spec), "generate")
+    body = job["spec"]
+    assert job["metadata"]["name"] == "demo-run-generate"
+    assert body["completionMode"] == "Indexed" and body["completions"] == body["parallelism"] == 4
+    assert body["backoffLimitPerIndex"] == 3 and body["podReplacementPolicy"] == "Failed"
+    assert body["podFailurePolicy"] == the_job(render.render_all(spec), "extract")["spec"]["podFailurePolicy"]
+    pod = body["template"]["spec"]
+    (worker,) = pod["containers"]
+    assert worker["image"] == "vllm/vllm-openai:v0.21.0"
+    assert worker["command"] == ["python3", "-m", "dflash_jobs.generate", "-f", "/etc/dflash/dflash.yaml"]
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert {"name": "PYTHONPATH", "value": render.STAGED_PYTHON} in worker["env"]
+    assert {"name": "stage", "mountPath": render.STAGE_DIR, "readOnly": True} in worker["volumeMounts"]
+    selfcheck, stage = pod["initContainers"]
+    assert selfcheck["command"][-2:] == ["--component", "generate"] and selfcheck["image"] == spec.cluster.image
+    assert stage["image"] == spec.cluster.image
+    assert stage["command"] == ["python", "-m", "dflash_jobs.generate.stage", render.STAGED_PYTHON]
+    assert {"name": "stage", "mountPath": render.STAGE_DIR} in stage["volumeMounts"]
+    assert {"name": "stage", "emptyDir": {}} in pod["volumes"]
+    # The transformers engine runs in the dflash image like the other steps, on one GPU.
+    local = the_job(render.render_all(SPECS["no-secret"]), "generate")["spec"]["template"]["spec"]
+    assert [c["name"] for c in local["initContainers"]] == ["selfcheck"]
+    assert local["containers"][0]["image"] == spec.cluster.image
+    assert local["containers"][0]["command"] == ["python", "-m", "dflash_jobs.generate", "-f", "/etc/dflash/dflash.yaml"]
+    assert local["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    # Without a generate section there is no such Job, and asking for it names the section.
+    assert not by_kind(render.render_all(SPECS["defaults"]), "Job", "generate")
+    with pytest.raises(SpecError, match="generate"):
+        render.render_selection(SPECS["defaults"], "generate")
+    assert [o["kind"] for o in render.render_selection(spec, "generate")] == ["ConfigMap", "Job"]
+
+
 def test_every_pod_is_locked_down_and_writes_only_to_empty_dirs():
     for name, spec in SPECS.items():
         for job_name, pod in pod_specs(render.render_all(spec)):
@@ -135,7 +170,9 @@ def test_every_pod_is_locked_down_and_writes_only_to_empty_dirs():
                     assert any(env[variable].startswith(path) for path in writable), f"{where}: {variable}={env[variable]} is not writable"
                 # Credentials only by Secret reference: never a literal key in a manifest.
                 assert not any(e["name"].startswith("AWS_") for e in container["env"]), where
-                if spec.cluster.s3_secret:
+                if container["name"] == "stage":
+                    assert "envFrom" not in container, where  # it copies files: no credentials
+                elif spec.cluster.s3_secret:
                     assert container["envFrom"] == [{"secretRef": {"name": "dflash-s3", "optional": True}}], where
                 else:
                     assert "envFrom" not in container, where

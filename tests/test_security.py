@@ -43,6 +43,7 @@ def full_spec(**overrides):
         "data": {"source": "s3://bucket/chats.jsonl", "max_length": 256, "chunk_tokens": 1024},
         "output": "s3://bucket/dflash/secure-run",
         "train": {"nodes": 2, "gpus_per_node": 4},  # the Indexed training Job and its Service too
+        "generate": {},  # the generation Job in the vLLM image, with its staging init container
         "cluster": {"s3_secret": "dflash-s3", "queue": "gpu", "model_volume": {"claim": "models"}},
         **overrides,
     }
@@ -72,7 +73,9 @@ def test_no_secret_value_in_any_rendered_manifest_or_cli_output(secret_env, tmp_
         for container in containers(pod):
             # Credentials only by reference: no literal AWS_* values in the manifest.
             assert not [e for e in container.get("env", []) if e["name"].startswith("AWS_") and "value" in e]
-            assert container.get("envFrom") == [{"secretRef": {"name": "dflash-s3", "optional": True}}]
+            # Every container that talks to S3 gets the Secret by reference; the one that copies files gets none.
+            expected = None if container["name"] == "stage" else [{"secretRef": {"name": "dflash-s3", "optional": True}}]
+            assert container.get("envFrom") == expected
 
     spec_file = tmp_path / "dflash.yaml"
     spec_file.write_text(yaml.safe_dump(spec.to_dict()))
@@ -167,7 +170,7 @@ def test_storage_keys_that_could_leave_the_output_prefix_are_refused(key, tmp_pa
 
 def test_every_container_is_non_root_read_only_and_without_capabilities():
     objects = render_all(full_spec())
-    assert len(pods(objects)) == 5  # prepare, extract, train, eval, controller
+    assert len(pods(objects)) == 6  # generate, prepare, extract, train, eval, controller
     for pod in pods(objects):
         pod_security = pod["securityContext"]
         assert pod_security["runAsNonRoot"] is True and pod_security.get("runAsUser", 1) != 0

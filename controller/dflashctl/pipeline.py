@@ -1,8 +1,11 @@
-"""`dflashctl run`: prepare, extract, verify, train, eval; run again after a crash, it goes on.
+"""`dflashctl run`: [generate,] prepare, extract, verify, train, eval; run again after a crash, it goes on.
 
 Each step first looks at what exists, in storage and on the backend, and does only what is missing:
 
     step     done when                               otherwise
+    generate generate/manifest.json exists with      the generate Job (only with a generate section):
+             the spec's generation settings          attached to, replaced once like extract's; the
+                                                     manifest is written once every chunk landed
     prepare  tokens/dataset.json exists              the prepare Job
     extract  every chunk has its done marker         the extract Job (attached to when it runs); a Job
                                                      that ended with chunks missing is replaced once
@@ -28,6 +31,7 @@ import yaml
 
 from dflash_jobs.errors import StorageError
 from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, RUN_KEY, Manifest
+from dflash_jobs.generate.layout import current_manifest, write_manifest_if_complete
 from dflash_jobs.spec import RunSpec, dump_spec
 from dflash_jobs.storage import ObjectNotFound, Storage, storage_for
 
@@ -47,19 +51,21 @@ from dflashctl.backend import (
     format_indexes,
 )
 from dflashctl.errors import Conflict, RunFailed, WaitTimeout
-from dflashctl.progress import RateMeter, read_progress
+from dflashctl.progress import GenerationMeter, RateMeter, read_progress
 from dflashctl.render import job_name, render_selection
 from dflashctl.verify import Expected, VerificationFailed, read_manifest, verify_run
 
 EXTRACT_RETRIES = 1
-"""Times a failed extract Job is replaced within one `run` before it fails (each `run` starts afresh)."""
+"""Times a failed extract (or generate) Job is replaced within one `run` before it fails (each `run` starts afresh)."""
+EVENT_GENERATION_FINISHED = "GenerationFinished"
 REFRESH_S = 10.0
 """How often progress is read from storage while a Job runs."""
 
 
 @dataclass(frozen=True, slots=True)
 class StepUpdate:
-    """Where the current step is: its Job, and for extract and verify the chunks done of total."""
+    """Where the current step is: its Job, for extract and verify the chunks done of total, for
+    generate the prompts done of total (tokens/s: generated tokens)."""
 
     step: str
     job: JobStatus | None = None
@@ -154,12 +160,15 @@ class Pipeline:
         self.timeout = timeout
         self.refresh_s = refresh_s
         self.meter = RateMeter()
-        self.progress_label: str | None = None
+        self.generation_meter = GenerationMeter()
+        self.progress_labels: dict[str, str] = {}
+        """The dflash.dev/progress annotation last set on each step's Job."""
 
     def run(self) -> PipelineResult:
         result = PipelineResult()
         self.record_spec()
         steps: list[tuple[str, Callable[[], bool]]] = [
+            *([("generate", self.generate)] if self.spec.generate is not None else []),
             ("prepare", lambda: self.step_unless_stored("prepare", DATASET_KEY)),
             ("extract", self.extract),
             ("verify", self.verify),
@@ -206,6 +215,49 @@ class Pipeline:
         if self.storage.exists(output_key):
             return False
         self.job_step(step, output_key)
+        return True
+
+    def generate(self) -> bool:
+        if current_manifest(self.storage, self.spec) is not None:
+            return False
+        name = job_name(self.spec, "generate")
+        status: JobStatus | None = None
+        for attempt in range(1 + EXTRACT_RETRIES):
+            if write_manifest_if_complete(self.storage, self.spec) is not None:
+                break  # every chunk has landed (this attempt, or an earlier Job)
+            current = self.backend.job_status(name)
+            if current.exists and current.finished:
+                label = self.generation_meter.read(self.storage, self.spec).label
+                if attempt:
+                    self.backend.record_event(
+                        name, EVENT_SHARDS_RETRIED, f"{label} chunks landed; replacing the Job once (landed chunks are skipped)", warning=True,
+                    )
+                self.reporter.say(f"generate Job {name} ended with {label} chunks landed: submitting it again")
+                self.backend.delete(name)
+            self.backend.submit(render_selection(self.spec, "generate"), force=self.force)
+            self.reporter.say(f"generate: Job {name} submitted ({self.spec.generate.shards} shards, engine {self.spec.generate.engine})")
+            status = self.wait("generate", name)
+            if status.failed_terminally:
+                self.backend.record_event(name, EVENT_SHARDS_FAILED, describe(status), warning=True)
+        else:
+            if write_manifest_if_complete(self.storage, self.spec) is None:
+                label = self.generation_meter.read(self.storage, self.spec).label
+                raise self.failure(
+                    name,
+                    f"generation ended with {label} chunks landed after {1 + EXTRACT_RETRIES} attempts: {describe(status)}",
+                    "`dflashctl logs generate --shard N` shows why a shard failed; fix it and `dflashctl run` again "
+                    "(landed chunks are kept)",
+                )
+        manifest = current_manifest(self.storage, self.spec)
+        assert manifest is not None
+        dropped = ", ".join(f"{reason} {count}" for reason, count in manifest.dropped.items()) or "none"
+        message = (f"{manifest.rows} of {manifest.lines} prompts answered ({manifest.completion_tokens:,} tokens generated); "
+                   f"dropped: {dropped}; truncated answers kept: {manifest.truncated_kept}")
+        if status is None:
+            self.reporter.say(f"generation: every chunk had landed; {message}")
+            return False
+        self.backend.record_event(name, EVENT_GENERATION_FINISHED, message)
+        self.reporter.say(f"generation: {message}")
         return True
 
     def extract(self) -> bool:
@@ -327,6 +379,9 @@ class Pipeline:
                 self.refresh(step, last[0] if last else None)
 
     def refresh(self, step: str, job: JobStatus | None) -> None:
+        if step == "generate":
+            self.refresh_generation(job)
+            return
         if step != "extract":
             self.reporter.update(StepUpdate(step, job=job))
             return
@@ -337,13 +392,29 @@ class Pipeline:
             self.reporter.say(f"extract: cannot read progress from {self.storage.url} ({error.what}); trying again in {self.refresh_s:.0f} s")
             return
         self.meter.observe(progress)
-        if job is not None and job.exists and progress.label != self.progress_label:
-            self.backend.annotate(job.name, PROGRESS_ANNOTATION, progress.label)
-            self.progress_label = progress.label
+        self.annotate("extract", job, progress.label)
         self.reporter.update(StepUpdate(
             step, job=job, done=progress.chunks_done, total=progress.chunks_total,
             tokens_per_s=self.meter.tokens_per_s, eta_s=self.meter.eta_s(progress),
         ))
+
+    def refresh_generation(self, job: JobStatus | None) -> None:
+        try:
+            progress = self.generation_meter.read(self.storage, self.spec)
+        except StorageError as error:
+            self.reporter.say(f"generate: cannot read progress from {self.storage.url} ({error.what}); trying again in {self.refresh_s:.0f} s")
+            return
+        self.annotate("generate", job, progress.label)
+        self.reporter.update(StepUpdate(
+            "generate", job=job, done=progress.prompts_done, total=progress.prompts_total,
+            tokens_per_s=self.generation_meter.tokens_per_s, eta_s=self.generation_meter.eta_s(progress),
+        ))
+
+    def annotate(self, step: str, job: JobStatus | None, label: str) -> None:
+        """Chunks done of total on the step's Job (`kubectl get jobs` shows it), when it changed."""
+        if job is not None and job.exists and label != self.progress_labels.get(step):
+            self.backend.annotate(job.name, PROGRESS_ANNOTATION, label)
+            self.progress_labels[step] = label
 
     def failure(self, name: str, what: str, fix: str) -> RunFailed:
         """RunFailed, recorded as an event on the Job first (`kubectl describe job` shows it)."""

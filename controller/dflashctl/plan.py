@@ -1,4 +1,5 @@
-"""The bill of a run before it starts: tokens, storage, GPU-hours, and the upload rate a node must sustain.
+"""The bill of a run before it starts: tokens, storage, GPU-hours, and the upload rate a node must sustain;
+with a generate section, the answers to generate first and their GPU-hours.
 
 Pure functions of the spec, the token dataset's size and the target's shape; the two readers at
 the bottom fetch those (tokens/dataset.json and the checkpoint's config.json) and fall back to
@@ -14,8 +15,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_jobs.errors import DflashError, SpecError, StorageError
+from dflash_jobs.errors import DflashError, FormatError, SpecError, StorageError
 from dflash_jobs.formats import DATASET_KEY, HIDDEN_DTYPES, DatasetIndex
+from dflash_jobs.generate.layout import PLAN_KEY, GenerationProgress, read_plan
+from dflash_jobs.generate.layout import read_progress as read_generation_progress
 from dflash_jobs.spec import RunSpec, default_layers, is_s3, resolve_layers, text_config
 from dflash_jobs.storage import Storage, open_storage
 
@@ -63,6 +66,27 @@ class TargetShape:
 
 
 @dataclass(frozen=True, slots=True)
+class GenerationCost:
+    """What regenerating the answers costs: prompts x tokens per answer, at a rate per GPU."""
+
+    prompts: int | None
+    prompts_estimated: bool
+    prompts_basis: str
+    max_new_tokens: int
+    tokens_per_prompt: float | None
+    """Mean answer length measured by the chunks done so far; None before the first."""
+    tokens: float | None
+    """Tokens to generate: prompts x the measured mean, or x max_new_tokens (an upper bound) before any chunk."""
+    upper_bound: bool
+    tokens_per_second_per_gpu: float | None
+    rate_basis: str
+    gpu_hours: float | None
+    shards: int
+    gpus_per_shard: int
+    wall_clock_hours: float | None
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     name: str
     data: DataSize
@@ -82,6 +106,8 @@ class Plan:
     """Every token once per epoch (train.epochs), at the measured training rate."""
     train_wall_clock_hours: float | None
     """On train.nodes x train.gpus_per_node GPUs."""
+    generation: GenerationCost | None = None
+    """With a generate section: the generation step's bill, before prepare's tokens exist."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,7 +129,7 @@ def extraction_rate(spec: RunSpec) -> float:
 
 def make_plan(
     spec: RunSpec, data: DataSize, target: TargetShape, *, tokens_per_second: float | None = None,
-    train_tokens_per_second: float = TRAIN_TOKENS_PER_SECOND,
+    train_tokens_per_second: float = TRAIN_TOKENS_PER_SECOND, generation: GenerationCost | None = None,
 ) -> Plan:
     tokens_per_second = extraction_rate(spec) if tokens_per_second is None else tokens_per_second
     for option, rate in (("--tokens-per-second", tokens_per_second), ("--train-tokens-per-second", train_tokens_per_second)):
@@ -129,6 +155,35 @@ def make_plan(
         train_tokens_per_second_per_gpu=train_tokens_per_second,
         train_gpu_hours=train_gpu_hours,
         train_wall_clock_hours=None if train_gpu_hours is None else train_gpu_hours / spec.train.world_size,
+        generation=generation,
+    )
+
+
+def generation_cost(spec: RunSpec, prompts: DataSize, measured: GenerationProgress | None, *, tokens_per_second: float | None) -> GenerationCost | None:
+    """The generation bill from the prompts (`prompts.samples`), what the done chunks measured, and a
+    rate per GPU: `tokens_per_second` when given, else the one measured, else unknown."""
+    generate = spec.generate
+    if generate is None:
+        return None
+    if tokens_per_second is not None and tokens_per_second <= 0:
+        raise SpecError("--generate-tokens-per-second", tokens_per_second, "a number > 0")
+    per_prompt = measured.tokens_per_prompt if measured is not None else None
+    tokens = None if prompts.samples is None else prompts.samples * (per_prompt if per_prompt is not None else generate.max_new_tokens)
+    gpu_seconds = measured.engine_seconds * generate.gpus_per_shard if measured is not None else 0.0
+    rate, basis = tokens_per_second, "given (--generate-tokens-per-second)"
+    if rate is None and measured is not None and measured.completion_tokens and gpu_seconds:
+        rate = measured.completion_tokens / gpu_seconds
+        basis = (f"measured by this run: {measured.completion_tokens:,} tokens in {measured.chunks_done} chunks, "
+                 f"{gpu_seconds:,.0f} GPU-seconds (engine start-up included)")
+    if rate is None:
+        basis = f"unknown until a chunk is done: pass --generate-tokens-per-second (the generation log's tokens/s per {generate.gpus_per_shard} GPU(s))"
+    gpu_hours = None if tokens is None or rate is None else tokens / rate / 3600
+    gpus = generate.shards * generate.gpus_per_shard
+    return GenerationCost(
+        prompts=prompts.samples, prompts_estimated=prompts.estimated, prompts_basis=prompts.basis,
+        max_new_tokens=generate.max_new_tokens, tokens_per_prompt=per_prompt, tokens=tokens, upper_bound=per_prompt is None,
+        tokens_per_second_per_gpu=rate, rate_basis=basis, gpu_hours=gpu_hours, shards=generate.shards,
+        gpus_per_shard=generate.gpus_per_shard, wall_clock_hours=None if gpu_hours is None else gpu_hours / gpus,
     )
 
 
@@ -149,6 +204,45 @@ def read_data_size(spec: RunSpec) -> DataSize:
         return DataSize(None, None, estimated=True, basis=f"unknown: neither tokens/dataset.json nor {spec.data.source} is readable")
     tokens = round(size / SOURCE_BYTES_PER_TOKEN)
     return DataSize(None, tokens, estimated=True, basis=f"estimate: {size:,} bytes of {spec.data.source} at {SOURCE_BYTES_PER_TOKEN:g} bytes/token")
+
+
+SAMPLE_BYTES = 1 << 20
+"""Of data.source read to count its lines per byte when generation has not planned it yet."""
+
+
+def read_generation(spec: RunSpec) -> tuple[DataSize, GenerationProgress | None]:
+    """The prompts to answer (exact from generate/plan.json, else from data.source's first MiB) and
+    what the done chunks measured (None before generation started)."""
+    try:
+        storage = _open(spec, spec.output)
+        plan = read_plan(storage)
+        if plan is not None:
+            prompts = DataSize(plan.lines, None, estimated=False, basis=f"{storage.url}/{PLAN_KEY}")
+            return prompts, read_generation_progress(storage, spec)
+    except (StorageError, FormatError):
+        pass  # unreachable output here: estimate from the source instead
+    return _source_lines(spec), None
+
+
+def _source_lines(spec: RunSpec) -> DataSize:
+    source = spec.data.source
+    size = _source_bytes(spec)
+    try:
+        if is_s3(source):
+            parent, _, key = source.rpartition("/")
+            head = _open(spec, parent).get_bytes(key, 0, SAMPLE_BYTES)
+        else:
+            with open(source.removeprefix("file://"), "rb") as f:
+                head = f.read(SAMPLE_BYTES)
+    except (DflashError, OSError):
+        head = b""
+    if size is None or not head:
+        return DataSize(None, None, estimated=True, basis=f"unknown: {source} is not readable here")
+    lines = head.count(b"\n") + (not head.endswith(b"\n"))
+    if len(head) >= size:
+        return DataSize(lines, None, estimated=False, basis=f"{lines:,} lines of {source}")
+    estimate = round(size * lines / len(head))
+    return DataSize(estimate, None, estimated=True, basis=f"estimate: {lines:,} lines in the first {len(head):,} of {size:,} bytes of {source}")
 
 
 def _source_bytes(spec: RunSpec) -> int | None:

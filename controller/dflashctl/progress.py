@@ -1,4 +1,4 @@
-"""How far extraction is, from the storage markers: chunks done of total, tokens/s, ETA.
+"""How far extraction (and generation) is, from the storage markers: chunks done of total, tokens/s, ETA.
 
 Storage is the source of truth (DESIGN section 6): a chunk is done when its marker exists, whatever
 the Job says. Counting needs one list of extract/done/ and the token dataset index, never a chunk.
@@ -12,6 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dflash_jobs.formats import DATASET_KEY, DONE_MARKERS, DatasetIndex, chunk_of_key
+from dflash_jobs.generate.layout import ChunkMarker, GenerationProgress
+from dflash_jobs.generate.layout import read_progress as read_generation_progress
+from dflash_jobs.spec import RunSpec
 from dflash_jobs.storage import Storage
 
 
@@ -72,14 +75,19 @@ class RateMeter:
         self._points.appendleft((at, tokens))
 
     def observe(self, progress: Progress) -> None:
+        self.observe_count(progress.tokens_done)
+
+    def observe_count(self, done: int) -> None:
+        """One reading of a growing count (tokens, prompts)."""
         now = self.clock()
-        self._points.append((now, progress.tokens_done))
+        self._points.append((now, done))
         # Keep one point older than the window, so the rate always spans the whole window.
         while len(self._points) > 2 and self._points[1][0] < now - self.window_s:
             self._points.popleft()
 
     @property
     def tokens_per_s(self) -> float | None:
+        """The count's growth per second over the window (tokens for extraction)."""
         if len(self._points) < 2:
             return None
         (t0, n0), (t1, n1) = self._points[0], self._points[-1]
@@ -88,10 +96,41 @@ class RateMeter:
         return (n1 - n0) / (t1 - t0)
 
     def eta_s(self, progress: Progress) -> float | None:
+        return self.eta_for(progress.tokens_total, progress.tokens_done)
+
+    def eta_for(self, total: int | None, done: int) -> float | None:
         rate = self.tokens_per_s
-        if progress.tokens_total is None or not rate:
+        if total is None or not rate:
             return None
-        return max(0, progress.tokens_total - progress.tokens_done) / rate
+        return max(0, total - done) / rate
+
+
+class GenerationMeter:
+    """Generation as `status` and `run` show it: generated tokens per second, and the ETA from the
+    prompts answered per second. Keeps each done marker it read (they never change)."""
+
+    def __init__(self, window_s: float = 600.0, clock: Callable[[], float] = time.time) -> None:
+        self.prompts = RateMeter(window_s, clock)
+        self.tokens = RateMeter(window_s, clock)
+        self.markers: dict[str, ChunkMarker] = {}
+
+    def read(self, storage: Storage, spec: RunSpec) -> GenerationProgress:
+        progress = read_generation_progress(storage, spec, self.markers)
+        self.prompts.observe_count(progress.prompts_done)
+        self.tokens.observe_count(progress.completion_tokens)
+        return progress
+
+    def seed(self, at: float) -> None:
+        """Starts both windows at an earlier point with nothing done (the Job's start)."""
+        self.prompts.seed(at, 0)
+        self.tokens.seed(at, 0)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens.tokens_per_s
+
+    def eta_s(self, progress: GenerationProgress) -> float | None:
+        return self.prompts.eta_for(progress.prompts_total, progress.prompts_done)
 
 
 def format_duration(seconds: float | None) -> str:

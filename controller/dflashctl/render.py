@@ -24,8 +24,8 @@ from dflashctl.errors import EXIT_RUN_FAILED
 
 Manifest = dict[str, Any]
 
-STEPS = ("prepare", "extract", "train", "eval")
-"""The data-plane Jobs of a run, in pipeline order."""
+STEPS = ("generate", "prepare", "extract", "train", "eval")
+"""The data-plane Jobs of a run, in pipeline order (generate only when the spec has a generate section)."""
 COMPONENTS = (*STEPS, "controller")
 """Every Job of a run: the steps and the controller that drives them; each is named `<run>-<component>`."""
 
@@ -46,12 +46,16 @@ MODEL_CACHE_DIR = "/var/cache/dflash-models"
 """Where cluster.model_cache is mounted."""
 KERNEL_CACHE_DIR = "/var/cache/dflash-kernels"
 """Where cluster.kernel_cache is mounted."""
+STAGE_DIR = "/var/lib/dflash-stage"
+"""The emptyDir through which the dflash image hands the generation job's code to the vLLM container."""
+STAGED_PYTHON = f"{STAGE_DIR}/python"
 RENDEZVOUS_PORT = 29400
 CACHE_HEADROOM_GIB = 16
 
 # Resources of the CPU pods. Prepare tokenizes the JSONL data set; the controller only watches.
 PREPARE_RESOURCES = {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "16Gi"}}
 CONTROLLER_RESOURCES = {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}}
+STAGE_RESOURCES = {"requests": {"cpu": "1", "memory": "512Mi"}, "limits": {"memory": "512Mi"}}
 
 # Retries of the single-pod Jobs. Training resumes from its last checkpoint, so a few are cheap;
 # prepare and evaluation are short and deterministic; the controller attaches to what exists.
@@ -127,6 +131,19 @@ def render_prepare_job(spec: RunSpec) -> Manifest:
     return _job(spec, "prepare", pod, {"backoffLimit": SHORT_JOB_BACKOFF_LIMIT, "podFailurePolicy": _failure_policy(index=False)})
 
 
+def render_generate_job(spec: RunSpec) -> Manifest:
+    """Regenerates the answers of data.source with the target: an Indexed Job, generate.gpus_per_shard
+    GPUs per shard; each shard owns its chunks. Engine vllm: the worker runs in the vLLM image."""
+    generate = spec.generate
+    if generate is None:
+        raise SpecError("generate", None, "a generate section: generation is off in this spec")
+    gpus = generate.gpus_per_shard
+    pod = _pod_template(spec, "generate", command=_module_command("dflash_jobs.generate"), resources=_gpu_resources(spec, gpus=gpus), gpus=gpus)
+    if generate.engine == "vllm":
+        _run_in_vllm_image(spec, pod)
+    return _job(spec, "generate", pod, _indexed(generate.shards, generate.backoff_limit_per_index))
+
+
 def render_extract_job(spec: RunSpec) -> Manifest:
     """One Indexed Job, one GPU per shard; each shard owns its chunks (JOB_COMPLETION_INDEX)."""
     pod = _pod_template(
@@ -135,16 +152,7 @@ def render_extract_job(spec: RunSpec) -> Manifest:
         resources=_gpu_resources(spec, gpus=1),
         gpus=1,
     )
-    shards = spec.extract.shards
-    return _job(spec, "extract", pod, {
-        "completionMode": "Indexed",
-        "completions": shards,
-        "parallelism": shards,
-        "backoffLimitPerIndex": spec.extract.backoff_limit_per_index,
-        "podFailurePolicy": _failure_policy(index=True),
-        # Never two pods for one index: a replacement starts only once the old pod is gone.
-        "podReplacementPolicy": "Failed",
-    })
+    return _job(spec, "extract", pod, _indexed(spec.extract.shards, spec.extract.backoff_limit_per_index))
 
 
 def render_train_objects(spec: RunSpec) -> list[Manifest]:
@@ -271,6 +279,7 @@ def render_selection(spec: RunSpec, which: str) -> list[Manifest]:
     if which == "all":
         return render_all(spec)
     builders = {
+        "generate": lambda: [render_generate_job(spec)],
         "prepare": lambda: [render_prepare_job(spec)],
         "extract": lambda: [render_extract_job(spec)],
         "train": lambda: render_train_objects(spec),
@@ -286,6 +295,7 @@ def render_all(spec: RunSpec) -> list[Manifest]:
     """Every object of the run, in the order they are needed."""
     return [
         render_configmap(spec),
+        *([render_generate_job(spec)] if spec.generate is not None else []),
         render_prepare_job(spec),
         render_extract_job(spec),
         *render_train_objects(spec),
@@ -382,6 +392,40 @@ def _failure_policy(*, index: bool) -> dict[str, Any]:
         {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [EXIT_BAD_SPEC]}},
         {"action": "FailIndex" if index else "FailJob", "onExitCodes": {"operator": "In", "values": [EXIT_BAD_INPUT]}},
     ]}
+
+
+def _indexed(shards: int, backoff_limit_per_index: int) -> dict[str, Any]:
+    """The Job spec of the sharded steps: one index per shard, retried alone, failed alone on bad input."""
+    return {
+        "completionMode": "Indexed",
+        "completions": shards,
+        "parallelism": shards,
+        "backoffLimitPerIndex": backoff_limit_per_index,
+        "podFailurePolicy": _failure_policy(index=True),
+        # Never two pods for one index: a replacement starts only once the old pod is gone.
+        "podReplacementPolicy": "Failed",
+    }
+
+
+def _run_in_vllm_image(spec: RunSpec, pod: dict[str, Any]) -> None:
+    """The generation worker in the official vLLM image: an init container of the dflash image stages
+    the job's code into an emptyDir, and the worker runs it with the vLLM image's Python."""
+    assert spec.generate is not None
+    pod_spec = pod["spec"]
+    worker = pod_spec["containers"][0]
+    stage = {"name": "stage", "mountPath": STAGE_DIR}
+    stager = _container(
+        spec, name="stage", image=spec.cluster.image,
+        command=["python", "-m", "dflash_jobs.generate.stage", STAGED_PYTHON],
+        resources=STAGE_RESOURCES, mounts=[*pod_spec["initContainers"][0]["volumeMounts"], stage],
+    )
+    stager.pop("envFrom", None)  # it copies files: no credentials
+    pod_spec["initContainers"].append(stager)
+    pod_spec["volumes"].append({"name": "stage", "emptyDir": {}})
+    worker["image"] = spec.generate.vllm_image
+    worker["command"] = ["python3", "-m", "dflash_jobs.generate", "-f", SPEC_PATH]
+    worker["env"].append({"name": "PYTHONPATH", "value": STAGED_PYTHON})
+    worker["volumeMounts"].append({**stage, "readOnly": True})
 
 
 def _module_command(module: str) -> list[str]:

@@ -24,27 +24,41 @@ def plan(
     train_tokens_per_second: Annotated[
         float, typer.Option("--train-tokens-per-second", help="Training speed per GPU in context tokens/s (default: measured, Qwen3.6-27B drafter on an H200).")
     ] = planning.TRAIN_TOKENS_PER_SECOND,
+    generate_tokens_per_second: Annotated[
+        Optional[float], typer.Option("--generate-tokens-per-second", help="Generated tokens/s per GPU (default: measured by the chunks done so far).")
+    ] = None,
 ) -> None:
     """Validate the spec and show what the run costs: tokens, storage (TB), GPU-hours of extraction and training, upload rate.
 
     Exact once `dflashctl prepare` wrote tokens/dataset.json; before that, estimated from the size
-    of data.source.
+    of data.source. With a generate section, also the answers to generate: prompts (exact once
+    generation planned its chunks), tokens (measured once chunks are done) and GPU-hours.
 
     Examples:
 
       dflashctl plan
 
       dflashctl plan --tokens-per-second 6000 -o json
+
+      dflashctl plan --generate-tokens-per-second 2500
     """
     spec = load_spec(spec_file)
+    generation = None
+    if spec.generate is not None:
+        prompts, measured = planning.read_generation(spec)
+        generation = planning.generation_cost(spec, prompts, measured, tokens_per_second=generate_tokens_per_second)
     result = planning.make_plan(
         spec, planning.read_data_size(spec), planning.read_target_shape(spec), tokens_per_second=tokens_per_second,
         train_tokens_per_second=train_tokens_per_second,
+        generation=generation,
     )
     if output_format is OutputFormat.json:
         output.result_json(result.to_dict())
         return
     output.stdout.print(plan_table(result))
+    if result.generation is not None:
+        output.info(f"prompts: {result.generation.prompts_basis}")
+        output.info(f"generation rate: {result.generation.rate_basis}")
     output.info(f"data: {result.data.basis}")
     output.info(f"target: {result.target.basis}")
     output.hint("dflashctl run" if not result.data.estimated else "dflashctl prepare   (exact token counts)")
@@ -55,6 +69,8 @@ def plan_table(result: planning.Plan) -> Table:
     table = Table(title=f"plan for {result.name}", show_header=False, title_justify="left")
     table.add_column("item", style="bold")
     table.add_column("value")
+    if result.generation is not None:
+        _generation_rows(table, result.generation)
     table.add_row("samples", _amount(result.data.samples, estimated))
     table.add_row("tokens", _amount(result.data.tokens, estimated))
     table.add_row("captured states", f"{len(result.target.layers)} layers {result.target.layers} x hidden {result.target.hidden_size}")
@@ -68,6 +84,17 @@ def plan_table(result: planning.Plan) -> Table:
     table.add_row("training", _amount(result.train_gpu_hours, f" GPU-hours at {result.train_tokens_per_second_per_gpu:,.0f} tokens/s per GPU"))
     table.add_row("training wall clock", _amount(result.train_wall_clock_hours, " hours"))
     return table
+
+
+def _generation_rows(table: Table, cost: planning.GenerationCost) -> None:
+    estimated = " (estimate)" if cost.prompts_estimated else ""
+    per_answer = (f"up to {cost.max_new_tokens:,} tokens each (an upper bound)" if cost.upper_bound
+                  else f"{cost.tokens_per_prompt:,.0f} tokens each (measured mean)")
+    table.add_row("prompts to answer", f"{_amount(cost.prompts, estimated)}, {per_answer}")
+    table.add_row("tokens to generate", _amount(cost.tokens, " (upper bound)" if cost.upper_bound else ""))
+    rate = "" if cost.tokens_per_second_per_gpu is None else f" at {cost.tokens_per_second_per_gpu:,.0f} tokens/s per GPU"
+    table.add_row("generation", _amount(cost.gpu_hours, f" GPU-hours{rate}"))
+    table.add_row("generation wall clock", _amount(cost.wall_clock_hours, f" hours on {cost.shards} shards x {cost.gpus_per_shard} GPU(s)"))
 
 
 def _amount(value: float | int | None, suffix: str = "") -> str:

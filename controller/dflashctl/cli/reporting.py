@@ -22,17 +22,19 @@ LINE_INTERVAL_S = 10.0
 """Without a terminal: at most one progress line per step this often."""
 
 def describe(update: StepUpdate) -> str:
-    """The text beside a step's bar: its Job, and for extraction the rate and ETA."""
+    """The text beside a step's bar: its Job, and for extraction and generation the rate and ETA."""
     parts = []
     if update.job is not None:
         parts.append(summarize(update.step, update.job).removeprefix(f"{update.step} "))
     if update.step == "extract" and update.total is not None:
         parts.append(f"chunks {update.done}/{update.total}, {format_rate(update.tokens_per_s)}, ETA {format_duration(update.eta_s)}")
+    if update.step == "generate" and update.total is not None:
+        parts.append(f"prompts {update.done:,}/{update.total:,}, {format_rate(update.tokens_per_s)} generated, ETA {format_duration(update.eta_s)}")
     return "; ".join(parts)
 
 
 class LiveReporter:
-    """A terminal: a bar per step (chunks for extract and verify, pods otherwise), milestones above."""
+    """A terminal: a bar per step (chunks for extract and verify, prompts for generate, pods otherwise), milestones above."""
 
     def __init__(self, console: Console) -> None:
         self.progress = Progress(

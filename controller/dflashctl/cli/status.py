@@ -1,4 +1,5 @@
-"""`dflashctl status`: where the run is, per shard, with chunks done, tokens/s, ETA and what comes next.
+"""`dflashctl status`: where the run is, per shard, with chunks done (prompts answered when the answers
+are regenerated), tokens/s, ETA and what comes next.
 
 Also installed as `kubectl-dflash`, so `kubectl dflash status` works for people who live in kubectl.
 """
@@ -18,13 +19,15 @@ from rich.text import Text
 
 from dflash_jobs.errors import StorageError
 from dflash_jobs.formats import DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, MANIFEST_KEY
+from dflash_jobs.generate.layout import MANIFEST_KEY as GENERATION_MANIFEST_KEY
+from dflash_jobs.generate.layout import GenerationProgress, current_manifest
 from dflash_jobs.spec import RunSpec, load_spec
 from dflash_jobs.storage import storage_for
 
 from dflashctl.backend import Backend, JobStatus, format_indexes, open_backend
 from dflashctl.cli import output
 from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt, WatchOpt
-from dflashctl.progress import Progress, RateMeter, format_duration, format_rate, read_progress
+from dflashctl.progress import GenerationMeter, Progress, RateMeter, format_duration, format_rate, read_progress
 from dflashctl.render import COMPONENTS, STEPS, job_name
 
 REFRESH_S = 5.0
@@ -46,6 +49,12 @@ class RunReport:
     evaluated: bool
     storage_error: str | None
     next_step: str = ""
+    generation: GenerationProgress | None = None
+    """With a generate section: chunks and prompts done, from the plan and the markers."""
+    generated: bool = False
+    """generate/manifest.json exists with the spec's generation settings."""
+    generation_tokens_per_s: float | None = None
+    generation_eta_s: float | None = None
 
     @property
     def active(self) -> bool:
@@ -94,9 +103,11 @@ def summarize(step: str, job: JobStatus) -> str:
     return f"{step} {state}: {', '.join(parts)}"
 
 
-def collect(spec: RunSpec, backend: Backend, meter: RateMeter) -> RunReport:
+def collect(spec: RunSpec, backend: Backend, meter: RateMeter, generation_meter: GenerationMeter | None = None) -> RunReport:
     jobs = job_statuses(spec, backend)
     progress = manifest = trained = evaluated = None
+    generation, generated = None, False
+    generation_meter = generation_meter or GenerationMeter()
     storage_error = None
     try:
         storage = storage_for(spec)
@@ -104,8 +115,14 @@ def collect(spec: RunSpec, backend: Backend, meter: RateMeter) -> RunReport:
         manifest = storage.exists(MANIFEST_KEY)
         trained = storage.exists(DRAFTER_CONFIG_KEY)
         evaluated = storage.exists(EVAL_REPORT_KEY)
+        if spec.generate is not None:
+            generation = generation_meter.read(storage, spec)
+            generated = current_manifest(storage, spec) is not None
     except StorageError as error:
         storage_error = str(error)
+    generating = jobs["generate"].exists and not jobs["generate"].finished
+    if generating and generation_meter.tokens_per_s is None and jobs["generate"].started_at is not None:
+        generation_meter.seed(jobs["generate"].started_at)  # a single look: the average since the Job started
     if progress is not None:
         meter.observe(progress)
     extract = jobs["extract"]
@@ -123,6 +140,10 @@ def collect(spec: RunSpec, backend: Backend, meter: RateMeter) -> RunReport:
         trained=bool(trained),
         evaluated=bool(evaluated),
         storage_error=storage_error,
+        generation=generation,
+        generated=generated,
+        generation_tokens_per_s=generation_meter.tokens_per_s if generating else None,
+        generation_eta_s=generation_meter.eta_s(generation) if generating and generation is not None else None,
     )
     report.next_step = next_step(spec, report)
     return report
@@ -137,6 +158,8 @@ def next_step(spec: RunSpec, report: RunReport) -> str:
         return "fix storage access first (see the error above), then `dflashctl status` again"
     if report.evaluated:
         return f"done: the drafter is in {spec.output}/train/drafter, the evaluation in {spec.output}/{EVAL_REPORT_KEY}"
+    if spec.generate is not None and not report.generated and (progress is None or progress.chunks_total is None):
+        return generation_hint(jobs["generate"], report.generation) + by
     if progress is None or progress.chunks_total is None:
         return _step_hint("prepare", jobs["prepare"], running="prepare is tokenizing data.source", start="`dflashctl run`, or `dflashctl prepare` alone") + by
     if not progress.landed:
@@ -156,6 +179,22 @@ def next_step(spec: RunSpec, report: RunReport) -> str:
         nodes = f"{spec.train.nodes} node(s) x {spec.train.gpus_per_node} GPUs"
         return _step_hint("train", jobs["train"], running=f"training on {nodes}: `dflashctl logs train --follow`", start="`dflashctl submit train`") + by
     return _step_hint("eval", jobs["eval"], running="evaluating the drafter: `dflashctl logs eval --follow`", start="`dflashctl eval`") + by
+
+
+def generation_hint(job: JobStatus, generation: GenerationProgress | None) -> str:
+    """What comes next while the answers are regenerated (before prepare)."""
+    label = generation.label if generation is not None else "?"
+    if generation is not None and generation.landed:
+        return f"every generation chunk landed: `dflashctl run` writes {GENERATION_MANIFEST_KEY} and prepares the answers"
+    if job.exists and job.finished:
+        failed = format_indexes(job.failed_indexes) or "some"
+        first = min(job.failed_indexes, default=0)
+        return f"generation shards {failed} failed with chunks missing: `dflashctl logs generate --shard {first}`, then `dflashctl retry generate`"
+    return _step_hint(
+        "generate", job,
+        running=f"generation: {label} chunks landed; prepare follows once all have",
+        start="`dflashctl run` (or `dflashctl submit generate`)",
+    )
 
 
 def _step_hint(step: str, job: JobStatus, *, running: str, start: str) -> str:
@@ -191,6 +230,10 @@ def report_json(report: RunReport) -> dict[str, Any]:
         "trained": report.trained,
         "evaluated": report.evaluated,
         "storage_error": report.storage_error,
+        "generation": None if report.generation is None else {
+            **asdict(report.generation), "done": report.generated,
+            "tokens_per_s": report.generation_tokens_per_s, "eta_s": report.generation_eta_s,
+        },
         "next": report.next_step,
     }
 
@@ -205,6 +248,20 @@ def progress_line(report: RunReport) -> str:
     return f"chunks: {progress.label}{percent}, {format_rate(report.tokens_per_s)}, ETA {format_duration(report.eta_s)}"
 
 
+def generation_line(report: RunReport) -> str | None:
+    """`generation: 3/12 chunks, 3,072/12,288 prompts (25%), 1.2K tok/s generated, ETA 1h02m`; None without generation."""
+    progress = report.generation
+    if progress is None:
+        return None
+    if progress.prompts_total is None:
+        return "generation: not started (no plan yet)"
+    share = f" ({progress.prompts_done / progress.prompts_total:.0%})" if progress.prompts_total else ""
+    line = f"generation: {progress.label} chunks, {progress.prompts_done:,}/{progress.prompts_total:,} prompts{share}"
+    if report.generated:
+        return f"{line}, done ({GENERATION_MANIFEST_KEY})"
+    return f"{line}, {format_rate(report.generation_tokens_per_s)} generated, ETA {format_duration(report.generation_eta_s)}"
+
+
 def plain_lines(report: RunReport) -> list[str]:
     lines = [f"run {report.run} ({report.backend})"]
     lines += [summarize(step, job) for step, job in report.jobs.items() if job.exists]
@@ -212,6 +269,7 @@ def plain_lines(report: RunReport) -> list[str]:
     for shard in report.jobs[step].shards if step else []:
         reason = f" {shard.exit_reason}" if shard.exit_reason else ""
         lines.append(f"  {step}[{shard.index}] {shard.phase} pod={shard.pod or '-'} node={shard.node or '-'} attempts={shard.attempts}{reason}")
+    lines += [line for line in (generation_line(report),) if line]
     lines.append(progress_line(report))
     lines.append(f"next: {report.next_step}")
     return lines
@@ -236,6 +294,7 @@ def rich_view(report: RunReport) -> Group:
         lines.append(table)
     if report.storage_error:
         lines.append(Text(f"storage: {report.storage_error}", style="red"))
+    lines += [Text(line) for line in (generation_line(report),) if line]
     lines += [Text(progress_line(report)), Text(f"next: {report.next_step}", style="bold")]
     return Group(*lines)
 
@@ -245,7 +304,7 @@ def status(
     watch: WatchOpt = False,
     fmt: OutputOpt = OutputFormat.table,
 ) -> None:
-    """Shards (pod, node, phase, attempts, exit reason), chunks landed, tokens/s, ETA, and the next step.
+    """Shards (pod, node, phase, attempts, exit reason), prompts answered, chunks landed, tokens/s, ETA, and the next step.
 
     Examples:
 
@@ -267,21 +326,21 @@ def status(
     """
     spec = load_spec(spec_file)
     backend = open_backend(spec)
-    meter = RateMeter()
-    report = collect(spec, backend, meter)
+    meter, generation_meter = RateMeter(), GenerationMeter()
+    report = collect(spec, backend, meter, generation_meter)
     if not watch:
         _show(report, fmt)
     elif fmt is OutputFormat.table and sys.stdout.isatty():
         with Live(rich_view(report), console=output.stdout, auto_refresh=False) as live:
             while report.active:
                 time.sleep(REFRESH_S)
-                report = collect(spec, backend, meter)
+                report = collect(spec, backend, meter, generation_meter)
                 live.update(rich_view(report), refresh=True)
     else:
         _show(report, fmt)
         while report.active:
             time.sleep(REFRESH_S)
-            previous, report = report, collect(spec, backend, meter)
+            previous, report = report, collect(spec, backend, meter, generation_meter)
             if fmt is OutputFormat.json or plain_lines(report) != plain_lines(previous):
                 _show(report, fmt)
     if watch and report.failed:
