@@ -14,7 +14,8 @@ from pathlib import Path
 import boto3
 import pytest
 
-from dflash_jobs.formats import DRAFTER_CONFIG_KEY, EVAL_PLOT_KEY, EVAL_REPORT_KEY, MANIFEST_KEY, TRAIN_PLOT_KEY, Manifest
+from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, EVAL_PLOT_KEY, EVAL_REPORT_KEY, MANIFEST_KEY, TRAIN_PLOT_KEY, Manifest
+from dflash_jobs.generate.layout import MANIFEST_KEY as GENERATION_MANIFEST_KEY
 from dflash_jobs.spec import load_spec
 
 pytestmark = pytest.mark.slow
@@ -39,8 +40,10 @@ def test_demo_runs_the_whole_pipeline_into_s3_and_a_rerun_finds_it_done(tmp_path
     first = dflashctl("demo", str(directory), "--output", output, cwd=tmp_path)
 
     assert first.returncode == 0, first.stderr[-3000:]
-    for step in ("prepare", "extract", "train", "eval"):
+    for step in ("generate", "prepare", "extract", "train", "eval"):
         assert f"{step}: Job demo-{step} submitted" in first.stderr
+    # The target answered every chat first; the drafter learned those answers.
+    assert "240 of 240 chats answered by the target" in first.stdout
     assert "extraction: all " in first.stderr and " chunks verified: " in first.stderr
     # The summary names where everything is, in S3, and the commands to look further.
     assert f"{output}/{TRAIN_PLOT_KEY}" in first.stdout and f"{output}/{EVAL_PLOT_KEY}" in first.stdout
@@ -49,7 +52,9 @@ def test_demo_runs_the_whole_pipeline_into_s3_and_a_rerun_finds_it_done(tmp_path
 
     s3 = boto3.client("s3", endpoint_url=s3_server)
     keys = {o["Key"].removeprefix("runs/demo/") for o in s3.list_objects_v2(Bucket=s3_bucket, Prefix="runs/demo/")["Contents"]}
-    assert {MANIFEST_KEY, DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, TRAIN_PLOT_KEY, EVAL_PLOT_KEY} <= keys
+    assert {MANIFEST_KEY, GENERATION_MANIFEST_KEY, DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, TRAIN_PLOT_KEY, EVAL_PLOT_KEY} <= keys
+    dataset = json.loads(s3.get_object(Bucket=s3_bucket, Key=f"runs/demo/{DATASET_KEY}")["Body"].read())
+    assert dataset["generation"]["rows"] == 240 and dataset["generation"]["settings"]["engine"] == "transformers"
     manifest = Manifest.from_json(s3.get_object(Bucket=s3_bucket, Key=f"runs/demo/{MANIFEST_KEY}")["Body"].read())
     assert {chunk.shard for chunk in manifest.chunks} == {0, 1}, "both extraction shards wrote chunks"
     assert manifest.tokens > 10_000 and f"{manifest.tokens:,} tokens in {len(manifest.chunks)} chunks" in first.stdout
@@ -74,6 +79,7 @@ def test_init_demo_writes_a_local_spec_for_the_demo_inputs(tmp_path):
     assert result.returncode == 0, result.stderr
     spec = load_spec(spec_file)
     assert (spec.backend, spec.extract.shards, spec.output) == ("local", 2, str(directory.resolve() / "output"))
+    assert (spec.generate.engine, spec.generate.shards, spec.generate.temperature) == ("transformers", 2, 0.0)
     assert Path(spec.target.model) == directory.resolve() / "target" and Path(spec.data.source).is_file()
     assert f"dflashctl run -f {spec_file}" in result.stderr
 

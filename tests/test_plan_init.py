@@ -73,6 +73,9 @@ def test_init_explains_each_field_with_its_docstring():
     assert block[0] == "generate:"
     turned_on = parse_spec({**STARTER_VALUES, **yaml.safe_load("\n".join(block))})
     assert turned_on.generate == parse_spec({**STARTER_VALUES, "generate": {}}).generate
+    # Only such sections: an optional nested one left off (no model volume) stays a plain null.
+    without_volume = starter_spec({**STARTER_VALUES, "cluster": {}})
+    assert "  model_volume: null" in without_volume.splitlines() and "#   claim" not in without_volume
 
 
 def test_init_refuses_to_overwrite_without_force(tmp_path):

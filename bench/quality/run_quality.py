@@ -1,4 +1,5 @@
-"""Does the whole chain make a drafter that drafts? A small target trained on real text, end to end.
+"""Does the whole chain make a drafter that drafts, and does regenerating the answers pay? A small
+target trained on real text, end to end, twice on the same prompts.
 
     python bench/quality/run_quality.py --size cpu|gpu [--out bench/results/quality-<size>.json] [--workdir DIR]
 
@@ -6,16 +7,17 @@
    structure, available offline everywhere.
 2. Target: a small model of the Qwen3.5 architecture (`dflash_jobs.tiny`, GDN + gated attention,
    multimodal checkpoint layout) trained briefly on chats "continue this code" built from it.
-3. Regeneration: new prompts of the same kind, answered greedily by that target (DFlash trains on
-   what the target says, not on the corpus), written as pre-tokenized JSONL (the exact ids the
-   target produced, see `regenerate`). Prompts are rendered and cut exactly as prepare renders and
-   cuts them, so the held-out prompts of step 5 are answered as in training.
-4. The product's chain through its own entry points, on a spec written to the work directory:
-   `python -m dflash_jobs.prepare`, `python -m dflash_jobs.extract --shard 0/1`, `dflashctl verify`,
-   `python -m dflash_jobs.train`, `python -m dflash_jobs.evaluate`.
-5. The figures: the drafter's acceptance length next to prompt lookup's (training-free n-gram
-   drafting, as Transformers' `prompt_lookup_num_tokens`) on the same held-out prompts, tokens/s
-   against plain greedy, and whether every output equals plain greedy.
+3. Data: new chats of the same kind, with the corpus's own continuation as the answer (chat JSONL).
+4. The product's chain through its own entry points, twice, on specs written to the work directory:
+   - source: `python -m dflash_jobs.prepare`, `python -m dflash_jobs.extract --shard 0/1`,
+     `dflashctl verify`, `python -m dflash_jobs.train`, `python -m dflash_jobs.evaluate`, on the
+     chats as they are;
+   - regenerated: `python -m dflash_jobs.generate --shard 0/1` first (the transformers engine,
+     greedy), so that the answers are the target's own, then the same chain.
+   The held-out prompts are the last chats of the source in both (checked): the same prompts.
+5. The figures, side by side: each drafter's acceptance length next to prompt lookup's
+   (training-free n-gram drafting, as Transformers' `prompt_lookup_num_tokens`) on the same
+   held-out prompts, tokens/s against plain greedy, and whether every output equals plain greedy.
 
 Prints one JSON document (and writes it to --out). The CPU size runs in tests/test_quality.py.
 """
@@ -40,8 +42,7 @@ from typing import Any, Iterator
 import torch
 import yaml
 
-from dflash_jobs.formats import EVAL_REPORT_KEY
-from dflash_jobs.prepare import ChatEncoder, prompt_length
+from dflash_jobs.formats import DATASET_KEY, EVAL_REPORT_KEY
 from dflash_jobs.tiny import teach_tiny_target, write_tiny_target
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,10 +74,12 @@ class Size:
     train_length: int
     lr: float
     chats: int
-    """Regenerated conversations; the last `holdout` of them are the evaluation prompts."""
+    """Conversations of the data set; the last `holdout` of them are the evaluation prompts."""
     holdout: int
     max_answer_tokens: int
+    """generate.max_new_tokens: the target's answers are this long (a briefly trained target rarely ends them)."""
     regenerate_batch: int
+    """generate.batch_prompts."""
     draft_layers: int
     block_size: int
     anchors: int
@@ -155,47 +158,20 @@ def train_target(directory: Path, documents: list[str], size: Size, device: torc
                              lr=size.lr, seconds=size.train_seconds, device=device.type)
 
 
-# ---- 3. regeneration -------------------------------------------------------------------------------
+# ---- 3. the chats -----------------------------------------------------------------------------------
 
 
-@torch.inference_mode()
-def regenerate(directory: Path, documents: list[str], size: Size, device: torch.device, path: Path) -> dict[str, Any]:
-    """Writes `size.chats` rows holding the target's own greedy answers to new prompts.
-
-    Rows are pre-tokenized ({"input_ids", "loss_mask"}, which prepare reads as it reads chats): the
-    answer is kept as the exact token ids the target produced. As chat text it would not survive:
-    the chat template trims an answer's surrounding whitespace and text can re-tokenize
-    differently, and the drafter would learn tokens the target never emits. The prompt is the
-    conversation rendered by prepare's own ChatEncoder, cut where prepare cuts evaluation prompts.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(directory, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).to(device).eval()
-    encoder = ChatEncoder(tokenizer)
-    prompts = [p for p, _ in continuation_chats(documents, size.chats, size, random.Random(3))]
-    rendered = encoder.encode([encoder.render({"messages": conversation(p, "placeholder")}) for p in prompts])
-    prompt_ids = [ids[: prompt_length(mask)].tolist() for ids, mask in rendered]
-    rows, finished = [], 0
-    for begin in range(0, len(prompts), size.regenerate_batch):
-        batch = prompt_ids[begin : begin + size.regenerate_batch]
-        padded = tokenizer.pad({"input_ids": batch}, return_tensors="pt").to(device)
-        output = model.generate(**padded, max_new_tokens=size.max_answer_tokens, do_sample=False,
-                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        for prompt, answer in zip(batch, output[:, padded["input_ids"].shape[1]:].tolist()):
-            if tokenizer.eos_token_id in answer:
-                answer = answer[: answer.index(tokenizer.eos_token_id) + 1]
-                finished += 1
-            rows.append({"input_ids": prompt + answer, "loss_mask": [0] * len(prompt) + [1] * len(answer)})
+def write_chats(documents: list[str], size: Size, path: Path) -> Path:
+    """`size.chats` chats answered by the corpus itself: the data set before regeneration."""
+    rows = [{"messages": conversation(p, a)} for p, a in continuation_chats(documents, size.chats, size, random.Random(3))]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return {"rows": len(rows), "answers_ended_by_eos": finished, "answer_tokens": sum(sum(r["loss_mask"]) for r in rows),
-            "example": tokenizer.decode(rows[0]["input_ids"])}
+    return path
 
 
 # ---- 4. the product's chain ------------------------------------------------------------------------
 
 
-def write_spec(workdir: Path, target: Path, data: Path, size: Size, device: torch.device) -> Path:
+def write_spec(workdir: Path, target: Path, data: Path, size: Size, device: torch.device, *, regenerate: bool) -> Path:
     spec = {
         "name": "quality",
         "backend": "local",
@@ -212,13 +188,22 @@ def write_spec(workdir: Path, target: Path, data: Path, size: Size, device: torc
         "eval": {"prompts": size.holdout, "max_new_tokens": size.eval_new_tokens},
         "local": {"workdir": str(workdir / "local"), "device": device.type},
     }
+    if regenerate:
+        # Greedy, as the evaluation decodes. The answers are cut at max_answer_tokens and kept: a
+        # briefly trained target rarely ends its turn, and every prompt must keep its row (the same
+        # held-out prompts in both runs).
+        spec["generate"] = {
+            "engine": "transformers", "shards": 2, "temperature": 0.0, "thinking": False, "max_new_tokens": size.max_answer_tokens,
+            "truncated": "keep", "empty": "keep", "chunk_prompts": -(-size.chats // 4), "batch_prompts": size.regenerate_batch,
+        }
+    workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "dflash.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
 
 
-def run_chain(spec: Path, workdir: Path) -> dict[str, float]:
-    """prepare, extract (two shards at once), verify, train, evaluate: each as its pod would run it."""
+def run_chain(spec: Path, workdir: Path, *, regenerate: bool) -> dict[str, float]:
+    """[generate,] prepare, extract (two shards at once each), verify, train, evaluate: each as its pod would run it."""
     env = {**os.environ, "DFLASH_CACHE_DIR": str(workdir / "cache"), "PYTHONUNBUFFERED": "1"}
     job = [sys.executable, "-m"]
     seconds: dict[str, float] = {}
@@ -236,13 +221,37 @@ def run_chain(spec: Path, workdir: Path) -> dict[str, float]:
             tail = (workdir / f"{name}-{failed}.log").read_text()[-3000:]
             raise RuntimeError(f"{name} failed (exit {codes[failed]}): {shlex.join(commands[failed])}\n{tail}")
 
-    step("prepare", job + ["dflash_jobs.prepare", "-f", str(spec)])
     # Two shards share the machine: one intra-op thread each keeps them from fighting over cores.
-    step("extract", *[job + ["dflash_jobs.extract", "-f", str(spec), "--shard", str(i)] for i in range(2)], extra_env={"OMP_NUM_THREADS": "1"})
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    if regenerate:
+        step("generate", *[job + ["dflash_jobs.generate", "-f", str(spec), "--shard", str(i)] for i in range(2)], extra_env=one_thread)
+    step("prepare", job + ["dflash_jobs.prepare", "-f", str(spec)])
+    step("extract", *[job + ["dflash_jobs.extract", "-f", str(spec), "--shard", str(i)] for i in range(2)], extra_env=one_thread)
     step("verify", job + ["dflashctl.cli.main", "verify", "-f", str(spec)])
     step("train", job + ["dflash_jobs.train", "-f", str(spec)])
     step("evaluate", job + ["dflash_jobs.evaluate", "-f", str(spec)])
     return seconds
+
+
+def chain_figures(workdir: Path) -> dict[str, Any]:
+    """One chain's evaluation report, reduced to its figures, and the prompts it was evaluated on."""
+    report = json.loads((workdir / "run" / EVAL_REPORT_KEY).read_text())
+    dataset = json.loads((workdir / "run" / DATASET_KEY).read_text())
+    columns = {
+        name: {key: summary[key] for key in ("acceptance_length", "acceptance_per_position", "tokens_per_second", "speedup", "lossless", "mismatches")}
+        for name, summary in report["drafters"].items()
+    }
+    return {
+        "acceptance_length": {name: round(column["acceptance_length"], 3) for name, column in columns.items()},
+        "lossless": report["lossless"],
+        "drafters": columns,
+        "greedy_tokens_per_second": report["greedy"]["tokens_per_second"],
+        "eval": {key: report[key] for key in ("prompts", "max_new_tokens", "block_size", "dtype")},
+        "held_out_sample_ids": dataset["holdout"]["sample_ids"],
+        "samples": dataset["samples"],
+        "supervised_tokens": dataset["supervised_tokens"],
+        "generation": dataset.get("generation"),
+    }
 
 
 # ---- 5. the figures --------------------------------------------------------------------------------
@@ -254,7 +263,7 @@ def run(size_name: str, workdir: Path) -> dict[str, Any]:
     if device.type == "cpu":
         # Tiny matrices: extra intra-op threads only add synchronisation, and on a shared box they spin.
         torch.set_num_threads(1)
-    seconds: dict[str, float] = {}
+    seconds: dict[str, Any] = {}
     started = time.monotonic()
     documents = stdlib_documents(size.corpus_files, with_pydoc=size.pydoc)
     target = write_tiny_target(workdir / "target", num_layers=size.target_layers, hidden_size=size.target_hidden, vocab_size=size.vocab_size)
@@ -264,26 +273,21 @@ def run(size_name: str, workdir: Path) -> dict[str, Any]:
     target_training = train_target(target, documents, size, device)
     seconds["target_training"] = round(time.monotonic() - started, 1)
 
-    started = time.monotonic()
-    regeneration = regenerate(target, documents, size, device, workdir / "regenerated.jsonl")
-    seconds["regeneration"] = round(time.monotonic() - started, 1)
-
-    seconds |= run_chain(write_spec(workdir, target, workdir / "regenerated.jsonl", size, device), workdir)
-    report = json.loads((workdir / "run" / EVAL_REPORT_KEY).read_text())
-    columns = {
-        name: {key: summary[key] for key in ("acceptance_length", "acceptance_per_position", "tokens_per_second", "speedup", "lossless", "mismatches")}
-        for name, summary in report["drafters"].items()
-    }
+    chats = write_chats(documents, size, workdir / "chats.jsonl")
+    runs: dict[str, dict[str, Any]] = {}
+    for name, regenerate in (("regenerated", True), ("source", False)):
+        chain = workdir / name
+        seconds[name] = run_chain(write_spec(chain, target, chats, size, device, regenerate=regenerate), chain, regenerate=regenerate)
+        runs[name] = chain_figures(chain)
+    if runs["regenerated"]["held_out_sample_ids"] != runs["source"]["held_out_sample_ids"]:
+        raise RuntimeError("the two runs were evaluated on different prompts: generation dropped a held-out chat")
     return {
         "size": size_name,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "acceptance_length": {name: round(column["acceptance_length"], 3) for name, column in columns.items()},
-        "lossless": report["lossless"],
-        "drafters": columns,
-        "greedy_tokens_per_second": report["greedy"]["tokens_per_second"],
-        "eval": {key: report[key] for key in ("prompts", "max_new_tokens", "block_size", "dtype")},
+        "acceptance_length": {name: figures["acceptance_length"] for name, figures in runs.items()},
+        "same_prompts": True,
+        "runs": runs,
         "target_training": target_training,
-        "regeneration": regeneration,
         "settings": asdict(size),
         "seconds": seconds,
     }

@@ -1,5 +1,6 @@
 """The demo: a tiny target of the real architecture, a small chat data set and a spec for the local
-backend, so `dflashctl demo` runs the whole pipeline on a laptop CPU in a few minutes.
+backend, so `dflashctl demo` runs the whole pipeline on a laptop CPU in a few minutes, the target's
+own answers regenerated first as in a real run.
 
 The target and data come from `python -m dflash_jobs.tiny` in a subprocess: the controller never
 imports torch. The spec is the starter spec (every field explained) with the demo's sizes.
@@ -17,6 +18,7 @@ from typing import Any
 
 from dflash_jobs.errors import InputError
 from dflash_jobs.formats import EVAL_PLOT_KEY, TRAIN_METRICS_KEY, TRAIN_PLOT_KEY
+from dflash_jobs.generate.layout import GenerationManifest, current_manifest
 from dflash_jobs.spec import RunSpec, is_s3
 from dflash_jobs.storage import Storage
 
@@ -30,7 +32,7 @@ CHATS_FILE = "chats.jsonl"
 
 
 def demo_values(directory: Path, output: str | None = None) -> dict[str, Any]:
-    """The demo's spec over the defaults: small enough for a CPU, two extraction shards."""
+    """The demo's spec over the defaults: small enough for a CPU, two shards for generation and extraction."""
     directory = directory.resolve()
     return {
         "name": "demo",
@@ -45,6 +47,12 @@ def demo_values(directory: Path, output: str | None = None) -> dict[str, Any]:
             "warmup_ratio": 0.1, "micro_batch_tokens": 2048, "checkpoint_every": 50, "cache_gb": 1.0,
         },
         "eval": {"prompts": 8, "max_new_tokens": 32},
+        # The recipe of a real run: the drafter learns the target's own answers. Greedy, as the
+        # evaluation decodes; answers cut at the limit are kept (the tiny target is verbose).
+        "generate": {
+            "engine": "transformers", "shards": 2, "temperature": 0.0, "thinking": False, "max_new_tokens": 64,
+            "truncated": "keep", "chunk_prompts": 200, "batch_prompts": 100, "backoff_limit_per_index": 1,
+        },
         "local": {"workdir": str(directory / ".dflash"), "device": "cpu"},
     }
 
@@ -99,6 +107,10 @@ class DemoSummary:
     tokens: int
     extract_seconds: float | None
     """Wall time of extraction in this invocation (pods' start-up included); None when it was done before."""
+    generation: GenerationManifest | None
+    """What generation answered and dropped (generate/manifest.json)."""
+    generate_seconds: float | None
+    """Wall time of generation in this invocation (pods' start-up included); None when it was done before."""
     train_steps: int
     train_loss: tuple[float, float]
     """First and last logged loss."""
@@ -125,6 +137,8 @@ def summarize_demo(spec_file: Path, spec: RunSpec, storage: Storage, result: Pip
         chunks=len(manifest.chunks),
         tokens=manifest.tokens,
         extract_seconds=result.seconds.get("extract"),
+        generation=current_manifest(storage, spec) if spec.generate is not None else None,
+        generate_seconds=result.seconds.get("generate"),
         train_steps=records[-1]["step"],
         train_loss=(records[0]["loss"], records[-1]["loss"]),
         train_plot=f"{where}/{TRAIN_PLOT_KEY}",

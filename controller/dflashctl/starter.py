@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from dflash_jobs.spec import RunSpec, parse_spec
+from dflash_jobs.spec import OPTIONAL_SECTIONS, RunSpec, parse_spec
 
 COMMENT_WIDTH = 100
 
@@ -82,8 +82,8 @@ def _render(cls: type, values: dict[str, Any], *, indent: int, lines: list[str])
             _render(section, nested, indent=indent + 2, lines=lines)
         else:
             lines.append(f"{pad}{f.name}: {_scalar(value)}")
-        if section and value is None:
-            # An optional section left off: its fields at their defaults, commented out, ready to turn on.
+        if cls is RunSpec and f.name in OPTIONAL_SECTIONS and value is None:
+            # A section that is off while absent: its fields at their defaults, commented out, ready to turn on.
             block = [f"{pad}{f.name}:"]
             _render(section, {}, indent=indent + 2, lines=block)
             lines.extend(f"{pad}# {line[len(pad):]}" for line in block)

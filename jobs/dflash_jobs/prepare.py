@@ -188,11 +188,7 @@ class ChatEncoder:
 
     def render(self, row: dict[str, Any]) -> RenderedChat:
         """The conversation as text, with the character spans of what the assistant generates."""
-        messages = row["messages"]
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-            raise BadRow(INVALID_FIELDS, '"messages" must be a list of objects, each with a string "role"')
-        if not messages:
-            raise BadRow(EMPTY, '"messages" is empty')
+        messages = chat_messages(row)
         if any(m.get("weight", 1) not in (0, 1) for m in messages):
             raise BadRow(INVALID_FIELDS, '"weight" of a message must be 0 (context only) or 1')
         trained = [m["role"] == "assistant" and m.get("weight", 1) == 1 for m in messages]
@@ -251,6 +247,29 @@ def _token_at(encoding, char: int, stop: int, *, step: int) -> int | None:
         if token is not None:
             return token
     return None
+
+
+def json_row(line: bytes) -> dict[str, Any]:
+    """One line of a JSONL data set as an object; BadRow for a blank line or anything else."""
+    if not line.strip():
+        raise BadRow(EMPTY, "blank line")
+    try:
+        row = json.loads(line)
+    except ValueError as exc:
+        raise BadRow(MALFORMED_JSON, f"not valid JSON ({exc})") from None
+    if not isinstance(row, dict):
+        raise BadRow(MALFORMED_JSON, f"a JSON {type(row).__name__}, expected an object")
+    return row
+
+
+def chat_messages(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat row's "messages": a non-empty list of objects, each with a string "role"; else BadRow."""
+    messages = row["messages"]
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise BadRow(INVALID_FIELDS, '"messages" must be a list of objects, each with a string "role"')
+    if not messages:
+        raise BadRow(EMPTY, '"messages" is empty')
+    return messages
 
 
 def parse_pretokenized(row: dict[str, Any], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -353,14 +372,7 @@ class RowEncoder:
 
     def parse(self, line: bytes) -> RenderedChat | tuple[np.ndarray, np.ndarray]:
         """A chat row rendered (tokenized later, with its batch), or a pre-tokenized row's (ids, mask)."""
-        if not line.strip():
-            raise BadRow(EMPTY, "blank line")
-        try:
-            row = json.loads(line)
-        except ValueError as exc:
-            raise BadRow(MALFORMED_JSON, f"not valid JSON ({exc})") from None
-        if not isinstance(row, dict):
-            raise BadRow(MALFORMED_JSON, f"a JSON {type(row).__name__}, expected an object")
+        row = json_row(line)
         if "messages" in row:
             return self.chat.render(row)
         if "input_ids" in row:

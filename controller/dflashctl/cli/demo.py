@@ -31,8 +31,9 @@ def demo(directory: DirectoryArg = Path("demo"), output_url: DemoOutputOpt = Non
     """Run the whole pipeline on this machine's CPU with a tiny target: a few minutes.
 
     Writes a tiny Qwen3.5-architecture target (Gated DeltaNet and gated attention layers, taught a
-    little), 1,200 chats and a local-backend spec into DIR, then prepares, extracts in 2 shards,
-    verifies, trains a drafter and evaluates it. Run it again: finished steps are skipped.
+    little), 1,200 chats and a local-backend spec into DIR, then regenerates the chats' answers with
+    the target, prepares, extracts in 2 shards, verifies, trains a drafter and evaluates it. Run it
+    again: finished steps are skipped.
 
     Examples:
 
@@ -61,6 +62,8 @@ def print_summary(summary: DemoSummary) -> None:
     table.add_row("spec", str(summary.spec_file))
     table.add_row("run output", summary.output)
     table.add_row("pod logs", str(summary.logs))
+    if summary.generation is not None:
+        table.add_row("regenerated", generated_line(summary))
     table.add_row("extracted", extracted)
     first, last = summary.train_loss
     table.add_row("training", f"{summary.train_steps} steps, loss {first:.2f} -> {last:.2f}; curve: {summary.train_plot}")
@@ -71,6 +74,22 @@ def print_summary(summary: DemoSummary) -> None:
     spec = summary.spec_file
     for command in (f"dflashctl status -f {spec}", f"dflashctl logs extract --shard 1 -f {spec}", f"dflashctl render all -f {spec} -o manifests/"):
         output.hint(command)
+
+
+def generated_line(summary: DemoSummary) -> str:
+    """`1,200 of 1,200 chats answered by the target (41,200 tokens, 96 cut at the limit and kept), 38 s`."""
+    manifest = summary.generation
+    assert manifest is not None
+    dropped = sum(manifest.dropped.values())
+    parts = [f"{manifest.completion_tokens:,} tokens"]
+    if manifest.truncated_kept:
+        parts.append(f"{manifest.truncated_kept:,} cut at the limit and kept")
+    if dropped:
+        parts.append(f"{dropped:,} dropped: " + ", ".join(f"{reason} {count}" for reason, count in manifest.dropped.items()))
+    line = f"{manifest.rows:,} of {manifest.lines:,} chats answered by the target ({'; '.join(parts)})"
+    if summary.generate_seconds is not None:
+        line += f" in {summary.generate_seconds:.0f} s (2 CPU shards, start-up included)"
+    return line
 
 
 def register(app: typer.Typer) -> None:

@@ -13,7 +13,6 @@ format), so that prepare trains only on what the target wrote.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from typing import Any, BinaryIO
 from dflash_jobs.errors import InputError, SpecError
 from dflash_jobs.formats import DATASET_KEY
 from dflash_jobs.generate.layout import DONE_MARKERS, PLAN_KEY, GenerationPlan, SourceChunk, read_plan
-from dflash_jobs.prepare import EMPTY, INVALID_FIELDS, MALFORMED_JSON, MISSING_FIELDS, BadRow, open_source
+from dflash_jobs.prepare import MISSING_FIELDS, BadRow, chat_messages, json_row, open_source
 from dflash_jobs.spec import RunSpec, is_s3
 from dflash_jobs.storage import Storage, open_url
 
@@ -139,23 +138,12 @@ def load_plan(storage: Storage, spec: RunSpec, source: Source) -> GenerationPlan
 
 def parse_prompt(sample_id: int, line: bytes) -> Prompt:
     """The prompt of one source line, or BadRow saying why it has none."""
-    if not line.strip():
-        raise BadRow(EMPTY, "blank line")
-    try:
-        row = json.loads(line)
-    except ValueError as exc:
-        raise BadRow(MALFORMED_JSON, f"not valid JSON ({exc})") from None
-    if not isinstance(row, dict):
-        raise BadRow(MALFORMED_JSON, f"a JSON {type(row).__name__}, expected an object")
+    row = json_row(line)
     if "messages" not in row:
         if "input_ids" in row:
             raise BadRow(NOT_CHAT, "a pre-tokenized row holds no conversation to answer; generation needs chat rows")
         raise BadRow(MISSING_FIELDS, 'expected "messages" (a chat row)')
-    messages = row["messages"]
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-        raise BadRow(INVALID_FIELDS, '"messages" must be a list of objects, each with a string "role"')
-    if not messages:
-        raise BadRow(EMPTY, '"messages" is empty')
+    messages = chat_messages(row)
     end = len(messages)
     while end and messages[end - 1]["role"] == "assistant":
         end -= 1
