@@ -273,6 +273,7 @@ def test_shards_generate_their_chunks_and_the_last_writes_the_manifest(target, t
     assert manifest.lines == 24 and manifest.rows == 20
     assert manifest.dropped == {"malformed_json": 1, NOT_CHAT: 1, NO_USER_TURN: 1, OVER_CONTEXT: 1}
     assert manifest.settings["temperature"] == 0 and manifest.settings["engine"] == "transformers"
+    assert manifest.engine_options == {"gpus_per_shard": 1, "batch_prompts": 8, "attn_implementation": "sdpa"}
     assert manifest.completion_tokens > 0
     rejected = [json.loads(line) for line in (output / REJECTED_KEY).read_text().splitlines()]
     assert [(r["line"], r["reason"]) for r in rejected] == [(11, "malformed_json"), (12, NOT_CHAT), (13, NO_USER_TURN), (14, OVER_CONTEXT)]
@@ -455,6 +456,7 @@ def test_vllm_engine_runs_run_batch_with_the_spec_and_without_the_staged_path(ta
                      "--generation-config": "vllm", "--gpu-memory-utilization": "0.9"}
     manifest = GenerationManifest.from_json((tmp_path / "out" / MANIFEST_KEY).read_text())
     assert manifest.rows == 6 and manifest.completion_tokens == 6 * 8
+    assert manifest.engine_options == {"gpus_per_shard": 2, "vllm_image": "vllm/vllm-openai:v0.21.0", "vllm_args": ["--gpu-memory-utilization", "0.9"]}
 
 
 def test_a_crashed_vllm_is_retried_and_a_missing_one_is_a_spec_error(target, tmp_path, fake_vllm, monkeypatch):

@@ -127,7 +127,8 @@ def test_generation_is_an_indexed_job_whose_vllm_worker_runs_in_the_vllm_image()
     assert worker["image"] == "vllm/vllm-openai:v0.21.0"
     assert worker["command"] == ["python3", "-m", "dflash_jobs.generate", "-f", "/etc/dflash/dflash.yaml"]
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == "2"
-    assert {"name": "PYTHONPATH", "value": render.STAGED_PYTHON} in worker["env"]
+    env = {e["name"]: e["value"] for e in worker["env"]}
+    assert env["PYTHONPATH"] == render.STAGED_PYTHON and env["HF_HUB_OFFLINE"] == env["VLLM_NO_USAGE_STATS"] == "1"
     assert {"name": "stage", "mountPath": render.STAGE_DIR, "readOnly": True} in worker["volumeMounts"]
     selfcheck, stage = pod["initContainers"]
     assert selfcheck["command"][-2:] == ["--component", "generate"] and selfcheck["image"] == spec.cluster.image

@@ -424,7 +424,13 @@ def _run_in_vllm_image(spec: RunSpec, pod: dict[str, Any]) -> None:
     pod_spec["volumes"].append({"name": "stage", "emptyDir": {}})
     worker["image"] = spec.generate.vllm_image
     worker["command"] = ["python3", "-m", "dflash_jobs.generate", "-f", SPEC_PATH]
-    worker["env"].append({"name": "PYTHONPATH", "value": STAGED_PYTHON})
+    worker["env"] += [
+        {"name": "PYTHONPATH", "value": STAGED_PYTHON},
+        # Checkpoints come from a path; vLLM reports usage to its project unless told not to.
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        {"name": "VLLM_NO_USAGE_STATS", "value": "1"},
+        {"name": "DO_NOT_TRACK", "value": "1"},
+    ]
     worker["volumeMounts"].append({**stage, "readOnly": True})
 
 

@@ -19,7 +19,7 @@ import hashlib
 import json
 import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -33,7 +33,6 @@ PLAN_FORMAT = "dflash.generate-plan/v1"
 DONE_FORMAT = "dflash.generate-done/v1"
 MANIFEST_FORMAT = "dflash.generate/v1"
 
-PREFIX = "generate/"
 PLAN_KEY = "generate/plan.json"
 CHUNKS = "generate/chunks/"
 DONE_MARKERS = "generate/done/"
@@ -74,6 +73,18 @@ def generation_settings(spec: RunSpec) -> dict[str, Any]:
         "empty": generate.empty,
         "chunk_prompts": generate.chunk_prompts,
     }
+
+
+def engine_options(spec: RunSpec) -> dict[str, Any]:
+    """How the answers were computed beyond the settings: recorded in the manifest, regenerating nothing."""
+    generate = spec.generate
+    assert generate is not None
+    options: dict[str, Any] = {"gpus_per_shard": generate.gpus_per_shard}
+    if generate.engine == "vllm":
+        options.update(vllm_image=generate.vllm_image, vllm_args=list(generate.vllm_args))
+    else:
+        options.update(batch_prompts=generate.batch_prompts, attn_implementation=spec.target.attn_implementation)
+    return options
 
 
 def settings_hash(settings: dict[str, Any]) -> str:
@@ -198,16 +209,16 @@ def object_matches(storage: Storage, marker: ChunkMarker) -> bool:
 
 
 def listed_markers(
-    storage: Storage, plan: GenerationPlan, settings: str, cache: dict[str, ChunkMarker] | None = None
+    storage: Storage, chunks: Sequence[SourceChunk], settings: str, cache: dict[str, ChunkMarker] | None = None
 ) -> dict[int, ChunkMarker]:
-    """The markers present that describe a chunk of the plan with these settings, by chunk id.
+    """The markers present that describe one of `chunks` with these settings, by chunk id.
 
     One listing, and one read per marker not in `cache` (markers do not change once written, so a
     watcher reads each once)."""
     cache = {} if cache is None else cache
     present = set(storage.list(DONE_MARKERS))
     found = {}
-    for chunk in plan.chunks:
+    for chunk in chunks:
         key = done_key(chunk.id)
         if key not in present:
             cache.pop(key, None)
@@ -222,9 +233,9 @@ def listed_markers(
     return found
 
 
-def done_markers(storage: Storage, plan: GenerationPlan, settings: str) -> dict[int, ChunkMarker]:
+def done_markers(storage: Storage, chunks: Sequence[SourceChunk], settings: str) -> dict[int, ChunkMarker]:
     """The chunks that are done: a marker with these settings, and its object as it describes."""
-    return {chunk: marker for chunk, marker in listed_markers(storage, plan, settings).items() if object_matches(storage, marker)}
+    return {chunk: marker for chunk, marker in listed_markers(storage, chunks, settings).items() if object_matches(storage, marker)}
 
 
 # ---- the manifest ----------------------------------------------------------------------------------
@@ -245,6 +256,7 @@ class GenerationManifest:
 
     settings: dict[str, Any]
     settings_hash: str
+    engine_options: dict[str, Any]
     lines: int
     """Lines of data.source read."""
     rows: int
@@ -329,7 +341,7 @@ def write_manifest_if_complete(storage: Storage, spec: RunSpec) -> GenerationMan
         return None
     settings = generation_settings(spec)
     digest = settings_hash(settings)
-    markers = done_markers(storage, plan, digest)
+    markers = done_markers(storage, plan.chunks, digest)
     if len(markers) < len(plan.chunks):
         return None
     ordered = [markers[chunk.id] for chunk in plan.chunks]
@@ -341,6 +353,7 @@ def write_manifest_if_complete(storage: Storage, spec: RunSpec) -> GenerationMan
     manifest = GenerationManifest(
         settings=settings,
         settings_hash=digest,
+        engine_options=engine_options(spec),
         lines=sum(m.lines for m in ordered),
         rows=sum(m.rows for m in ordered),
         dropped=dict(sorted(dropped.items())),
@@ -390,7 +403,7 @@ def read_progress(storage: Storage, spec: RunSpec, cache: dict[str, ChunkMarker]
     plan = read_plan(storage)
     if plan is None:
         return GenerationProgress(0, None, 0, None, 0, 0.0)
-    markers = listed_markers(storage, plan, settings_hash(generation_settings(spec)), cache)
+    markers = listed_markers(storage, plan.chunks, settings_hash(generation_settings(spec)), cache)
     return GenerationProgress(
         chunks_done=len(markers),
         chunks_total=len(plan.chunks),

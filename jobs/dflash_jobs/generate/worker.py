@@ -122,7 +122,7 @@ class GenerateWorker:
     def run(self) -> Summary:
         summary = self.summary
         mine = assign_chunks(self.plan, summary.shards)[summary.shard]
-        done = done_markers(self.storage, self.plan, self.settings_hash)
+        done = done_markers(self.storage, mine, self.settings_hash)
         pending = [chunk for chunk in mine if chunk.id not in done]
         summary.engine = self.engine.name
         summary.chunks_total, summary.chunks_skipped = len(mine), len(mine) - len(pending)
