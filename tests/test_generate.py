@@ -302,13 +302,13 @@ def test_a_killed_shard_loses_only_the_chunk_in_flight(target, tmp_path):
     done = tmp_path / "b" / "out" / "generate" / "done"
     process = subprocess.Popen([sys.executable, "-m", "dflash_jobs.generate", "-f", str(spec_file), "--shard", "0"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not (done.is_dir() and len(list(done.iterdir())) >= 2) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 600  # a loaded CI machine starts torch slowly
+    while not (done.is_dir() and any(done.iterdir())) and time.monotonic() < deadline and process.poll() is None:
         time.sleep(0.02)
     process.send_signal(signal.SIGKILL)
     process.wait()
-    landed = len(list(done.iterdir()))
-    assert 2 <= landed < 8, "the kill came too late to interrupt anything"
+    landed = len(list(done.iterdir())) if done.is_dir() else 0
+    assert 1 <= landed < 8, f"the kill was to land mid-run, {landed} of 8 chunks had landed"
     # Another shard count on the restart: the chunks are the same, only their owners change.
     spec = yaml.safe_load(spec_file.read_text())
     spec["generate"]["shards"] = 3
