@@ -46,4 +46,6 @@ def test_cpu_chain_trains_a_drafter_that_drafts_and_regeneration_pays(tmp_path):
     assert result["same_prompts"] and regenerated["held_out_sample_ids"] == source["held_out_sample_ids"]
     assert regenerated["generation"]["rows"] == regenerated["generation"]["lines"] == result["settings"]["chats"]
     assert source["generation"] is None
+    # The same prompts to the same target give the same greedy outputs: prompt lookup drafts alike.
+    assert regenerated["acceptance_length"]["prompt_lookup"] == source["acceptance_length"]["prompt_lookup"]
     assert dflash["acceptance_length"] > source["drafters"]["dflash"]["acceptance_length"] + 0.5

@@ -14,7 +14,7 @@ target trained on real text, end to end, twice on the same prompts.
      chats as they are;
    - regenerated: `python -m dflash_jobs.generate --shard 0/1` first (the transformers engine,
      greedy), so that the answers are the target's own, then the same chain.
-   The held-out prompts are the last chats of the source in both (checked): the same prompts.
+   The held-out prompts are the last chats of the source in both, the same tokens (checked).
 5. The figures, side by side: each drafter's acceptance length next to prompt lookup's
    (training-free n-gram drafting, as Transformers' `prompt_lookup_num_tokens`) on the same
    held-out prompts, tokens/s against plain greedy, and whether every output equals plain greedy.
@@ -42,7 +42,8 @@ from typing import Any, Iterator
 import torch
 import yaml
 
-from dflash_jobs.formats import DATASET_KEY, EVAL_REPORT_KEY
+from dflash_jobs.formats import DATASET_KEY, EVAL_REPORT_KEY, TokenChunk
+from dflash_jobs.prepare import HOLDOUT_KEY, prompt_length
 from dflash_jobs.tiny import teach_tiny_target, write_tiny_target
 
 REPO = Path(__file__).resolve().parents[2]
@@ -191,9 +192,10 @@ def write_spec(workdir: Path, target: Path, data: Path, size: Size, device: torc
     if regenerate:
         # Greedy, as the evaluation decodes. The answers are cut at max_answer_tokens and kept: a
         # briefly trained target rarely ends its turn, and every prompt must keep its row (the same
-        # held-out prompts in both runs).
+        # held-out prompts in both runs). The template's default thinking mode, as the source run's
+        # prepare renders it: the held-out prompts are then the same tokens in both runs.
         spec["generate"] = {
-            "engine": "transformers", "shards": 2, "temperature": 0.0, "thinking": False, "max_new_tokens": size.max_answer_tokens,
+            "engine": "transformers", "shards": 2, "temperature": 0.0, "thinking": None, "max_new_tokens": size.max_answer_tokens,
             "truncated": "keep", "empty": "keep", "chunk_prompts": -(-size.chats // 4), "batch_prompts": size.regenerate_batch,
         }
     workdir.mkdir(parents=True, exist_ok=True)
@@ -231,6 +233,12 @@ def run_chain(spec: Path, workdir: Path, *, regenerate: bool) -> dict[str, float
     step("train", job + ["dflash_jobs.train", "-f", str(spec)])
     step("evaluate", job + ["dflash_jobs.evaluate", "-f", str(spec)])
     return seconds
+
+
+def held_out_prompts(workdir: Path) -> list[list[int]]:
+    """The token ids the evaluation asked the target: each held-out sample before its last answer."""
+    chunk = TokenChunk.decode((workdir / "run" / HOLDOUT_KEY).read_bytes(), HOLDOUT_KEY)
+    return [chunk.sample(i)[0][: prompt_length(chunk.sample(i)[1])].tolist() for i in range(chunk.num_samples)]
 
 
 def chain_figures(workdir: Path) -> dict[str, Any]:
@@ -279,8 +287,8 @@ def run(size_name: str, workdir: Path) -> dict[str, Any]:
         chain = workdir / name
         seconds[name] = run_chain(write_spec(chain, target, chats, size, device, regenerate=regenerate), chain, regenerate=regenerate)
         runs[name] = chain_figures(chain)
-    if runs["regenerated"]["held_out_sample_ids"] != runs["source"]["held_out_sample_ids"]:
-        raise RuntimeError("the two runs were evaluated on different prompts: generation dropped a held-out chat")
+    if held_out_prompts(workdir / "regenerated") != held_out_prompts(workdir / "source"):
+        raise RuntimeError("the two runs were evaluated on different prompts (a held-out chat dropped, or rendered otherwise)")
     return {
         "size": size_name,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
