@@ -103,6 +103,7 @@ class BufferPool:
         self.allocated = 0
         self.free: queue.SimpleQueue[ChunkBuffer] = queue.SimpleQueue()
         self.allocator: threading.Thread | None = None
+        self.error: BaseException | None = None  # an allocation that failed (host memory), raised by take
 
     @property
     def buffer_bytes(self) -> int:
@@ -112,15 +113,20 @@ class BufferPool:
     def start(self, count: int) -> None:
         """Allocates min(count, size) buffers in the background, each ready for `take` as it comes."""
         def allocate() -> None:
-            for _ in range(min(count, self.size)):
-                self.free.put(self._allocate())
-                self.allocated += 1
+            try:
+                for _ in range(min(count, self.size)):
+                    self.free.put(self._allocate())
+                    self.allocated += 1
+            except BaseException as exc:  # handed to the GPU thread at its next take
+                self.error = exc
 
         self.allocator = threading.Thread(target=allocate, name="buffer-pool", daemon=True)
         self.allocator.start()
 
     def take(self, timeout: float) -> ChunkBuffer:
         """A free buffer; raises queue.Empty after `timeout` seconds (the caller checks the writer's health)."""
+        if self.error is not None and self.free.empty():
+            raise self.error
         return self.free.get(timeout=timeout)
 
     def give_back(self, buffer: ChunkBuffer) -> None:
