@@ -85,11 +85,14 @@ class _Digest:
                 digest.update(part[start:start + HASH_BLOCK])
         return digest.hexdigest()
 
+    def __enter__(self) -> _Digest:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._pool.shutdown()  # after a failed write too: the hashing thread ends with the put
+
     def result(self) -> str:
-        try:
-            return self._future.result()
-        finally:
-            self._pool.shutdown()
+        return self._future.result()
 
 
 def sha256_file(path: str | Path) -> str:
@@ -167,8 +170,7 @@ class LocalStorage:
         """One object from buffers written in order, hashed while written: each byte is written once."""
         target = self._path(key)
         views = _byte_views(parts)
-        digest = _Digest(views)
-        with self._temp_beside(target) as temp:
+        with _Digest(views) as digest, self._temp_beside(target) as temp:
             with open(temp, "wb") as f:
                 for view in views:
                     f.write(view)
@@ -362,7 +364,10 @@ class S3Storage:
         (no spool file). A failed upload is aborted, so no parts are left behind."""
         views = _byte_views(parts)
         size = sum(len(v) for v in views)
-        digest = _Digest(views)
+        with _Digest(views) as digest:
+            return self._put_views(key, views, size, digest)
+
+    def _put_views(self, key: str, views: list[memoryview], size: int, digest: _Digest) -> PutResult:
         if size < MULTIPART_THRESHOLD:
             response = self._call(key, self.client.put_object, Bucket=self.bucket, Key=self._key(key), Body=b"".join(views))
             return PutResult(size, digest.result(), response.get("ETag"))
@@ -384,7 +389,6 @@ class S3Storage:
         except BaseException:
             with suppress(Exception):
                 self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload)
-            digest.result()
             raise
         return PutResult(size, digest.result(), response.get("ETag"))
 
