@@ -20,7 +20,8 @@ from k8s_fake_api import fake_k8s  # noqa: F401 - the fixture
 from dflash_jobs.formats import DATASET_KEY, ChunkInfo, DatasetIndex, DoneMarker, done_key
 from dflash_jobs.spec import load_spec, parse_spec
 from dflash_jobs.storage import open_storage
-from dflashctl.backend import JobStatus, ShardStatus, open_backend
+from dflashctl.backend import JobStatus, ShardStatus
+from dflashctl.backends import open_backend
 from dflashctl.cli import status as status_cli
 from dflashctl.cli.main import main
 from dflashctl.progress import Progress, RateMeter, format_duration, read_progress

@@ -19,7 +19,9 @@ from dflash_jobs.errors import InputError
 from dflash_jobs.spec import dump_spec, parse_spec
 
 from dflashctl.errors import Conflict, RunFailed, WaitTimeout
-from dflashctl.local import JobFiles, LocalBackend, PathMap, resolve_container
+from dflashctl.local.backend import LocalBackend
+from dflashctl.local.pod import PathMap, resolve_container
+from dflashctl.local.state import JobFiles
 from dflashctl.render import SPEC_HASH, render_extract_job, render_selection
 
 WAIT_S = 30

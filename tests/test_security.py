@@ -20,7 +20,7 @@ from extract_helpers import LAYERS, random_chunks, tiny_target, write_prepared
 from dflash_jobs.errors import SpecError, StorageError
 from dflash_jobs.spec import parse_spec
 from dflash_jobs.storage import check_key, open_storage
-from dflashctl.local import LocalBackend
+from dflashctl.local.backend import LocalBackend
 from dflashctl.render import controller_role_rules, render_all, render_selection, to_yaml
 
 from test_bad_input import cli

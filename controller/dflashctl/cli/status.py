@@ -21,7 +21,8 @@ from dflash_jobs.formats import DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, MANIFEST_KE
 from dflash_jobs.spec import RunSpec, load_spec
 from dflash_jobs.storage import storage_for
 
-from dflashctl.backend import Backend, JobStatus, format_indexes, open_backend
+from dflashctl.backend import Backend, JobStatus, format_indexes
+from dflashctl.backends import open_backend
 from dflashctl.cli import output
 from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt, WatchOpt
 from dflashctl.progress import Progress, RateMeter, format_duration, format_rate, read_progress
