@@ -28,7 +28,7 @@ from dflash_jobs.errors import IntegrityError, StorageError
 from dflash_jobs.extract import integrity
 from dflash_jobs.extract.capture import DeviceToHost, HostSlot
 from dflash_jobs.formats import (
-    ChunkInfo, DoneMarker, TokenChunk, done_key, header_size, hidden_chunk_key, hidden_metadata, hidden_tensors, write_safetensors,
+    ChunkInfo, DoneMarker, TokenChunk, done_key, fetch_header_bytes, file_range, hidden_chunk_key, hidden_metadata, hidden_tensors, write_safetensors,
 )
 from dflash_jobs.storage import Storage
 
@@ -188,9 +188,7 @@ class ChunkWriter:
                 out, hidden_tensors(assembly.tokens, assembly.hidden, assembly.scale),
                 hidden_metadata(layers=meta.layers, model=meta.model, config_hash=meta.config_hash, dtype=meta.dtype),
             )
-        with open(path, "rb") as f:
-            prefix = f.read(8)
-            prefix += f.read(header_size(prefix) - 8)
+        prefix = fetch_header_bytes(file_range(path))
         integrity.check_encoded(chunk, prefix, path.stat().st_size, assembly.tokens, meta.layers)
         put = self.storage.put_file(hidden_chunk_key(chunk), path)
         path.unlink()
