@@ -34,8 +34,9 @@ from dflashctl.local.state import (
     JobRecord,
     JobState,
     read_json,
+    record_supervisor,
     supervisor_alive,
-    supervisor_pid,
+    supervisor_process,
     try_lock,
     write_json,
 )
@@ -99,8 +100,8 @@ class LocalBackend:
 
     def _resume(self, files: JobFiles) -> None:
         """Starts a supervisor unless one runs (or the Job has ended)."""
-        state = read_json(files.state)
-        if state is not None and JobState.from_json(state).finished:
+        state = JobState.load(files)
+        if state is not None and state.finished:
             return
         fd = try_lock(files.lock, patience_s=1.0)
         if fd is None:
@@ -116,7 +117,7 @@ class LocalBackend:
                 )
         finally:
             os.close(fd)  # the supervisor holds the lock now
-        files.pid.write_text(str(process.pid))
+        record_supervisor(files, process.pid)
         threading.Thread(target=process.wait, daemon=True).start()  # reap it, wherever it ends
 
     def _volumes(self, job: dict[str, Any]) -> dict[str, str | None]:
@@ -165,8 +166,7 @@ class LocalBackend:
         if record is None:
             return JobStatus(name=job_name, exists=False)
         policy = record.policy()
-        saved = read_json(files.state)
-        state = JobState.from_json(saved) if saved else JobState([IndexState(i) for i in range(policy.completions)])
+        state = JobState.load(files) or JobState([IndexState(i) for i in range(policy.completions)])
         conditions = dict(state.conditions)
         if not state.finished and not supervisor_alive(files):
             conditions["Failed"] = (
@@ -264,21 +264,21 @@ class LocalBackend:
         if not files.dir.exists():
             return
         if supervisor_alive(files):
-            pid = supervisor_pid(files)
+            supervisor = supervisor_process(files)
             try:
-                os.kill(pid, signal.SIGTERM)  # it ends its pods, then itself
+                os.kill(supervisor.pid, signal.SIGTERM)  # it ends its pods, then itself
             except ProcessLookupError:
                 pass
             deadline = time.monotonic() + DELETE_TIMEOUT_S
             while supervisor_alive(files):
                 if time.monotonic() > deadline:
-                    kill_groups([(pid, None)])
+                    kill_groups([supervisor])
                     break
                 time.sleep(POLL_S)
-        # Pods a killed supervisor left behind.
-        saved = read_json(files.state)
-        shards = JobState.from_json(saved).shards if saved else []
-        kill_groups([(shard.pid, None) for shard in shards if shard.pid is not None and shard.phase in ("Pending", "Running")])
+        # Pods a killed supervisor left behind (never a process that took over one's pid since).
+        state = JobState.load(files)
+        shards = state.shards if state is not None else []
+        kill_groups([shard.process for shard in shards if shard.process is not None and shard.phase in ("Pending", "Running")])
         shutil.rmtree(files.dir, ignore_errors=True)
         shutil.rmtree(files.logs, ignore_errors=True)
 

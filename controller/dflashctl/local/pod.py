@@ -17,7 +17,7 @@ from typing import Any
 from dflash_jobs.errors import InputError
 
 from dflashctl.backend import INDEX_ANNOTATION
-from dflashctl.local.processes import kill_groups
+from dflashctl.local.processes import ProcessRef, kill_groups
 from dflashctl.local.state import JobFiles, JobRecord
 from dflashctl.render import WORKER
 
@@ -141,6 +141,7 @@ class Pod:
         self.log = open(log_path, "ab")
         self.position = -1
         self.process: subprocess.Popen | None = None
+        self.started: ProcessRef | None = None
         self.result: tuple[str, int] | None = None
         """(container, exit code) of the container that ended the pod; ("", 0) when all succeeded."""
 
@@ -173,8 +174,9 @@ class Pod:
         return self.result is not None
 
     @property
-    def pid(self) -> int | None:
-        return self.process.pid if self.process is not None and self.result is None else None
+    def running_process(self) -> ProcessRef | None:
+        """The container that runs now, as the state file records it."""
+        return self.started if self.process is not None and self.result is None else None
 
     def _next(self) -> None:
         self.position += 1
@@ -196,6 +198,7 @@ class Pod:
                 container.argv, env=container.env, cwd=container.cwd, stdin=subprocess.DEVNULL,
                 stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
             )
+            self.started = ProcessRef.of(self.process.pid)
         except OSError as error:  # like a container that cannot start (bad command): exit 127/128
             self.log.write(f"cannot start {container.argv[0]}: {error}\n".encode())
             self._finish((container.name, 127 if isinstance(error, FileNotFoundError) else 128))
@@ -219,7 +222,7 @@ class Pod:
 
 def kill_pods(pods: list[Pod]) -> None:
     """SIGTERM the running containers of `pods` at once, SIGKILL after the grace period."""
-    kill_groups([(pod.process.pid, pod.process) for pod in pods if pod.process is not None and pod.process.poll() is None])
+    kill_groups([pod.process for pod in pods if pod.process is not None])
     for pod in pods:
         if pod.result is None:
             pod._finish((pod.container, 128 + signal.SIGTERM))

@@ -16,6 +16,7 @@ from typing import Any
 
 from dflashctl.backend import parse_indexes
 from dflashctl.errors import RunFailed
+from dflashctl.local.processes import ProcessRef
 
 DEFAULT_BACKOFF_LIMIT = 6
 """The Job's backoffLimit when the manifest sets none (the Kubernetes default)."""
@@ -54,6 +55,7 @@ class JobFiles:
 
     @property
     def pid(self) -> Path:
+        """The supervisor's pid and start time (JSON)."""
         return self.dir / "supervisor.pid"
 
     @property
@@ -102,16 +104,28 @@ def try_lock(path: Path, *, shared: bool = False, patience_s: float = 0.0) -> in
             time.sleep(POLL_S)
 
 
-def supervisor_pid(files: JobFiles) -> int:
-    """The running supervisor's pid; the process that started it writes the file a moment after."""
+def record_supervisor(files: JobFiles, pid: int) -> None:
+    """supervisor.pid: the supervisor's pid and start time (written by its starter and by itself)."""
+    process = ProcessRef.of(pid)
+    write_json(files.pid, {"pid": process.pid, "started": process.started})
+
+
+def supervisor_process(files: JobFiles) -> ProcessRef:
+    """The running supervisor, from supervisor.pid; its starter writes the file a moment after the
+    start, so a missing file, or one naming a process that no longer runs, is read again for a while."""
     deadline = time.monotonic() + 5.0
     while True:
-        try:
-            return int(files.pid.read_text())
-        except (FileNotFoundError, ValueError):
-            if time.monotonic() >= deadline:
-                raise RunFailed(f"the supervisor of {files.name} runs but left no pid in {files.pid}", "Kill it by hand (`pgrep -f dflashctl.local.supervisor`)") from None
-            time.sleep(POLL_S)
+        recorded = read_json(files.pid)
+        if recorded is not None:
+            process = ProcessRef(recorded["pid"], recorded["started"])
+            if process.is_running():
+                return process
+        if time.monotonic() >= deadline:
+            raise RunFailed(
+                f"the supervisor of {files.name} holds its lock but {files.pid} does not name a running process ({recorded})",
+                "Kill it by hand (`pgrep -f dflashctl.local.supervisor`)",
+            )
+        time.sleep(POLL_S)
 
 
 def supervisor_alive(files: JobFiles) -> bool:
@@ -228,7 +242,17 @@ class IndexState:
     """Pods started for this index (the next one's log is <index>-<attempts>.log)."""
     pod: str | None = None
     pid: int | None = None
+    """The running container's process (the leader of its group) and its start time."""
+    pid_started: str | None = None
     exit_reason: str | None = None
+
+    @property
+    def process(self) -> ProcessRef | None:
+        return None if self.pid is None else ProcessRef(self.pid, self.pid_started)
+
+    @process.setter
+    def process(self, process: ProcessRef | None) -> None:
+        self.pid, self.pid_started = (None, None) if process is None else (process.pid, process.started)
 
 
 @dataclass(slots=True)
@@ -250,6 +274,12 @@ class JobState:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> JobState:
         return cls([IndexState(**s) for s in data["shards"]], data["conditions"], data["failed_pods"], data["started_at"])
+
+    @classmethod
+    def load(cls, files: JobFiles) -> JobState | None:
+        """state.json, or None before the supervisor first wrote it."""
+        saved = read_json(files.state)
+        return None if saved is None else cls.from_json(saved)
 
     @property
     def finished(self) -> bool:

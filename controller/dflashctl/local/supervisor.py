@@ -16,7 +16,7 @@ from typing import Any
 
 from dflashctl.local.pod import Pod, exit_reason, kill_pods
 from dflashctl.local.processes import kill_groups
-from dflashctl.local.state import POLL_S, IndexState, JobFiles, JobRecord, JobState, read_json, write_json
+from dflashctl.local.state import POLL_S, IndexState, JobFiles, JobRecord, JobState, record_supervisor, write_json
 
 
 class Supervisor:
@@ -28,11 +28,11 @@ class Supervisor:
         assert record is not None, f"{files.job} is written before its supervisor starts"
         self.record = record
         self.policy = record.policy()
-        saved = read_json(files.state)
+        saved = JobState.load(files)
         if saved is None:
             self.state = JobState([IndexState(i) for i in range(self.policy.completions)])
         else:
-            self.state = JobState.from_json(saved)
+            self.state = saved
             self._adopt_orphans()
         self.pods: dict[int, Pod] = {}
         self.stopping = False
@@ -40,11 +40,12 @@ class Supervisor:
     def _adopt_orphans(self) -> None:
         """A previous supervisor died: end the pods it left, and run those indexes again.
 
-        Like a pod lost with its node, the interrupted attempt does not count against the retries."""
+        Like a pod lost with its node, the interrupted attempt does not count against the retries.
+        A pod whose pid now belongs to another process (the machine rebooted) is not signalled."""
         interrupted = [shard for shard in self.state.shards if shard.phase in ("Pending", "Running")]
-        kill_groups([(shard.pid, None) for shard in interrupted if shard.pid is not None])
+        kill_groups([shard.process for shard in interrupted if shard.process is not None])
         for shard in interrupted:
-            shard.phase, shard.pid = "Missing", None
+            shard.phase, shard.process = "Missing", None
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, self._stop)
@@ -80,7 +81,7 @@ class Supervisor:
             shard.pod, shard.phase = pod.name, "Pending"
             self.pods[shard.index] = pod
             pod.start()
-            shard.pid = pod.pid
+            shard.process = pod.running_process
             started = True
         return started
 
@@ -92,8 +93,8 @@ class Supervisor:
             shard = self.state.shards[index]
             ended = pod.poll()
             phase = "Pending" if pod.in_init and not ended else "Running"
-            if not ended and (phase != shard.phase or pod.pid != shard.pid):
-                shard.phase, shard.pid = phase, pod.pid
+            if not ended and (phase != shard.phase or pod.running_process != shard.process):
+                shard.phase, shard.process = phase, pod.running_process
                 changed = True
             if ended:
                 self._settle(pod, counted=True)
@@ -104,7 +105,7 @@ class Supervisor:
         """Applies a finished pod's outcome to its index (and perhaps to the Job)."""
         del self.pods[pod.index]
         shard = self.state.shards[pod.index]
-        shard.pid = None
+        shard.process = None
         container, exit_code = pod.result or ("", 0)
         if exit_code == 0:
             shard.phase, shard.exit_reason = "Succeeded", None
@@ -163,7 +164,7 @@ class Supervisor:
         for pod in list(self.pods.values()):
             del self.pods[pod.index]
             shard = self.state.shards[pod.index]
-            shard.pid = None
+            shard.process = None
             shard.phase = "Failed"
             shard.exit_reason = "terminated (the Job ended)"
 
@@ -174,7 +175,7 @@ class Supervisor:
 def supervise(job_dir: Path, lock_fd: int) -> None:
     """The detached supervisor's main: runs the Job, holding the lock (inherited as `lock_fd`)."""
     files = JobFiles(job_dir.parent.parent, job_dir.name)
-    files.pid.write_text(str(os.getpid()))
+    record_supervisor(files, os.getpid())
     try:
         Supervisor(files).run()
     finally:
