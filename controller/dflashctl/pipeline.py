@@ -14,6 +14,10 @@ Each step first looks at what exists, in storage and on the backend, and does on
 Storage decides, never a Job's Complete: with backoffLimitPerIndex one failed index fails the
 whole Job although its chunks may have landed, and a Complete Job proves nothing about its
 objects. The same code runs in a terminal and as the in-cluster controller Job, on either backend.
+
+A run lasts days, and storage has outages: every storage call waits one out (STORAGE_PATIENCE_S,
+with backoff, said in the log), and past that the run exits 5, which the controller Job retries;
+only a bad spec or bad input (2) and a failed step (1) are final.
 """
 
 from __future__ import annotations
@@ -26,10 +30,10 @@ from typing import Any, Protocol
 
 import yaml
 
-from dflash_jobs.errors import StorageError
+from dflash_jobs.errors import StorageError, StorageUnavailable
 from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, RUN_KEY, Manifest
 from dflash_jobs.spec import RunSpec, dump_spec
-from dflash_jobs.storage import ObjectNotFound, Storage, storage_for
+from dflash_jobs.storage import ObjectNotFound, Patience, Storage, storage_for
 
 from dflashctl.backend import (
     EVENT_CHUNKS_VERIFIED,
@@ -55,6 +59,8 @@ EXTRACT_RETRIES = 1
 """Times a failed extract Job is replaced within one `run` before it fails (each `run` starts afresh)."""
 REFRESH_S = 10.0
 """How often progress is read from storage while a Job runs."""
+STORAGE_PATIENCE_S = 900.0
+"""How long one storage call waits out an outage before the run exits 5 (and is run again)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,12 +117,16 @@ def run_pipeline(
     force: bool = False,
     timeout: float | None = None,
     refresh_s: float = REFRESH_S,
+    storage_patience_s: float | None = None,
 ) -> PipelineResult:
     """Runs what is missing of the run, step by step; see the module docstring.
 
     `force` replaces a run.yaml and Jobs left by a different spec under this name. `timeout` bounds
-    the whole call (WaitTimeout; the Jobs go on). Raises RunFailed when a step fails."""
-    pipeline = Pipeline(spec, backend, storage or storage_for(spec), reporter or Silent(), force=force, timeout=timeout, refresh_s=refresh_s)
+    the whole call (WaitTimeout; the Jobs go on). Raises RunFailed when a step fails, and
+    StorageUnavailable when storage stays unavailable for `storage_patience_s`."""
+    reporter = reporter or Silent()
+    storage = storage or patient_storage(spec, reporter, storage_patience_s)
+    pipeline = Pipeline(spec, backend, storage, reporter, force=force, timeout=timeout, refresh_s=refresh_s)
     return pipeline.run()
 
 
@@ -128,9 +138,12 @@ def run_eval(
     reporter: Reporter | None = None,
     timeout: float | None = None,
     refresh_s: float = REFRESH_S,
+    storage_patience_s: float | None = None,
 ) -> dict[str, Any]:
     """`dflashctl eval`: evaluate the trained drafter (or attach to the evaluation that runs); the report."""
-    pipeline = Pipeline(spec, backend, storage or storage_for(spec), reporter or Silent(), force=False, timeout=timeout, refresh_s=refresh_s)
+    reporter = reporter or Silent()
+    storage = storage or patient_storage(spec, reporter, storage_patience_s)
+    pipeline = Pipeline(spec, backend, storage, reporter, force=False, timeout=timeout, refresh_s=refresh_s)
     if not pipeline.storage.exists(DRAFTER_CONFIG_KEY):
         raise RunFailed(
             f"{pipeline.storage.url}/{DRAFTER_CONFIG_KEY} does not exist: there is no trained drafter to evaluate",
@@ -138,6 +151,16 @@ def run_eval(
         )
     pipeline.job_step("eval", EVAL_REPORT_KEY)
     return pipeline.read_report()
+
+
+def patient_storage(spec: RunSpec, reporter: Reporter, patience_s: float | None) -> Storage:
+    """The run's storage, its calls waiting out an outage of up to `patience_s` (None:
+    STORAGE_PATIENCE_S), each wait said."""
+
+    def waiting(error: StorageUnavailable, seconds: float) -> None:
+        reporter.say(f"storage unavailable ({error.what}); trying again in {seconds:.0f} s")
+
+    return storage_for(spec, patience=Patience(STORAGE_PATIENCE_S if patience_s is None else patience_s, on_wait=waiting))
 
 
 class Pipeline:

@@ -250,7 +250,8 @@ def render_controller_objects(spec: RunSpec) -> list[Manifest]:
     job = _job(spec, "controller", pod, {
         "backoffLimit": CONTROLLER_BACKOFF_LIMIT,
         # A failed run (exit 1) or a bad spec (exit 2) fails the same way again; anything else
-        # (lost API server, OOM, node drain) is retried, and the new pod attaches to the run.
+        # (storage or API server unavailable for long: 5, 4; OOM; node drain) is retried, and the
+        # new pod attaches to the run.
         "podFailurePolicy": {"rules": [
             _ignore_disruptions(),
             {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [EXIT_RUN_FAILED, EXIT_BAD_SPEC]}},
