@@ -51,7 +51,7 @@ from dflashctl.backend import (
     format_indexes,
 )
 from dflashctl.errors import Conflict, RunFailed, WaitTimeout
-from dflashctl.progress import RateMeter, read_progress
+from dflashctl.progress import landing_rate, read_progress, time_left
 from dflashctl.render import job_name, render_selection
 from dflashctl.verify import Expected, VerificationFailed, read_manifest, verify_run
 
@@ -176,7 +176,6 @@ class Pipeline:
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.timeout = timeout
         self.refresh_s = refresh_s
-        self.meter = RateMeter()
         self.progress_label: str | None = None
 
     def run(self) -> PipelineResult:
@@ -359,13 +358,13 @@ class Pipeline:
             # Hours of extraction outlive S3 hiccups: the Job goes on, and so does the watching.
             self.reporter.say(f"extract: cannot read progress from {self.storage.url} ({error.what}); trying again in {self.refresh_s:.0f} s")
             return
-        self.meter.observe(progress)
         if job is not None and job.exists and progress.label != self.progress_label:
             self.backend.annotate(job.name, PROGRESS_ANNOTATION, progress.label)
             self.progress_label = progress.label
+        rate = landing_rate(progress, since=job.started_at if job is not None else None)
         self.reporter.update(StepUpdate(
             step, job=job, done=progress.chunks_done, total=progress.chunks_total,
-            tokens_per_s=self.meter.tokens_per_s, eta_s=self.meter.eta_s(progress),
+            tokens_per_s=rate, eta_s=time_left(progress, rate),
         ))
 
     def failure(self, name: str, what: str, fix: str) -> RunFailed:
