@@ -45,6 +45,7 @@ CACHE_DIR = "/var/cache/dflash"
 MODEL_CACHE_DIR = "/var/cache/dflash-models"
 """Where cluster.model_cache is mounted."""
 RENDEZVOUS_PORT = 29400
+METRICS_PORT_NAME = "metrics"
 CACHE_HEADROOM_GIB = 16
 
 # Resources of the CPU pods. Prepare tokenizes the JSONL data set; the controller only watches.
@@ -239,6 +240,9 @@ def render_controller_objects(spec: RunSpec) -> list[Manifest]:
         resources=CONTROLLER_RESOURCES,
         mounts=[_spec_mount(), {"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_DIR}],
     )
+    if spec.cluster.metrics_port is not None:
+        # By name: the Service of k8s/components/metrics targets "metrics", whatever the number.
+        container["ports"] = [{"name": METRICS_PORT_NAME, "containerPort": spec.cluster.metrics_port, "protocol": "TCP"}]
     pod_spec = {
         "serviceAccountName": account,
         "restartPolicy": "Never",
