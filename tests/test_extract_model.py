@@ -5,6 +5,8 @@ with output_hidden_states, at layer i = hidden_states[i + 1]."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -12,9 +14,11 @@ from transformers import AutoModelForCausalLM
 import transformers.models.qwen3_5.modeling_qwen3_5 as qwen3_5
 
 from dflash_jobs.errors import InputError, IntegrityError
+from dflash_jobs.extract.capture import Run, merge_runs
 from dflash_jobs.extract.progress import Summary
 from dflash_jobs.extract.target import load_target
 from dflash_jobs.extract.worker import ExtractWorker
+from dflash_jobs.extract.writer import WRITER_THREADS
 from dflash_jobs.formats import HiddenChunk, hidden_chunk_key
 from dflash_jobs.spec import ExtractSpec, TargetSpec
 
@@ -42,7 +46,7 @@ def run_worker(checkpoint, tmp_path, chunks, *, packed=False, dtype="bfloat16", 
     worker = ExtractWorker(
         ExtractSpec(shards=1, token_budget=token_budget, pad_multiple=16, sort_window=2, dtype=dtype),
         target=target or fp32_target(checkpoint), storage=storage, chunks=infos, summary=Summary(shard=0, shards=1),
-        max_length=48, packed=packed, spool_dir=tmp_path / "spool", log_interval=0.0,
+        max_length=48, packed=packed, log_interval=0.0,
     )
     try:
         with torch.inference_mode():
@@ -188,3 +192,39 @@ def test_non_finite_states_stop_the_shard_naming_the_chunk(checkpoint, chunks, t
     with pytest.raises(IntegrityError, match=r"chunk 000000: non-finite hidden states in sample"):
         run_worker(checkpoint, tmp_path, chunks[:1], target=target)
     assert not (tmp_path / "run" / "extract" / "done").exists()
+
+
+def test_a_slow_store_holds_the_gpu_back_without_losing_or_reordering_anything(checkpoint, tmp_path):
+    """Chunk buffers are the only host memory the states use: with the store slower than the forward,
+    the GPU thread waits for a free buffer (reported as host_wait_s) and every chunk still lands whole."""
+    chunks = random_chunks(seed=7, count=6, max_len=24)
+    storage, infos = prepared_run(tmp_path / "slow", chunks)
+    put_parts = storage.put_parts
+
+    def slow_put_parts(key, parts):
+        time.sleep(0.3)
+        return put_parts(key, parts)
+
+    storage.put_parts = slow_put_parts
+    worker = ExtractWorker(
+        ExtractSpec(shards=1, token_budget=64, pad_multiple=16, sort_window=1), target=fp32_target(checkpoint),
+        storage=storage, chunks=infos, summary=Summary(shard=0, shards=1), max_length=48, packed=False, log_interval=0.0,
+    )
+    try:
+        with torch.inference_mode():
+            summary = worker.run()
+    finally:
+        worker.close()
+    assert worker.pool.allocated == worker.pool.size == 1 + WRITER_THREADS  # never more host memory than the pool
+    assert summary.host_wait_s > 0 and summary.chunks_done == len(chunks)
+    fast, _ = run_worker(checkpoint, tmp_path / "fast", chunks)
+    for cid in range(len(chunks)):
+        assert stored(storage, cid).hidden_states.equal(stored(fast, cid).hidden_states)
+
+
+def test_runs_of_consecutive_samples_are_merged_into_one_copy():
+    first, second = object(), object()
+    runs = [Run(first, 0, 10, 5), Run(first, 5, 15, 3), Run(second, 8, 0, 4), Run(second, 12, 4, 2), Run(first, 14, 40, 1)]
+    assert merge_runs(runs) == [Run(first, 0, 10, 8), Run(second, 8, 0, 6), Run(first, 14, 40, 1)]
+    # Rows that do not continue each other in both buffers stay apart (padded batches: one copy per sample).
+    assert merge_runs([Run(first, 0, 10, 5), Run(first, 8, 15, 3)]) == [Run(first, 0, 10, 5), Run(first, 8, 15, 3)]

@@ -5,12 +5,13 @@ and a whole extraction must produce the same chunks as one over a clean network.
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import pytest
 from faults.s3_fault_proxy import ERROR_500, ERROR_503, KINDS, LOST_RESPONSE, RESET, SLOW, S3FaultProxy, s3_error_body
 
-from dflash_jobs.storage import open_storage
+from dflash_jobs.storage import MULTIPART_CHUNK, open_storage
 
 SEEDS = (1, 2, 3)
 
@@ -53,6 +54,17 @@ def test_every_storage_call_completes_correctly_through_faults(through_proxy, s3
         assert proxy.faults >= 4
         injected |= set(proxy.injected)
     assert injected == set(KINDS)  # every kind of fault was really tried
+
+
+def test_a_chunk_streamed_from_memory_in_parts_lands_whole_through_faults(through_proxy):
+    """put_parts (how a hidden-state chunk goes up): every part and the completion survive faults."""
+    storage, proxy = through_proxy(5, rate=1.0, max_faults=6, methods=("PUT", "POST"))
+    header, states = os.urandom(4096), os.urandom(MULTIPART_CHUNK + 100_000)
+    result = storage.put_parts("extract/chunks/000000.safetensors", [memoryview(header), memoryview(states)])
+    assert result.sha256 == hashlib.sha256(header + states).hexdigest()
+    assert storage.get_bytes("extract/chunks/000000.safetensors") == header + states
+    assert result.etag == storage.stat("extract/chunks/000000.safetensors").etag
+    assert proxy.faults >= 2  # at most every other request is faulted: create, parts and completion alike
 
 
 @pytest.mark.parametrize("kind", [RESET, ERROR_500, ERROR_503, SLOW, LOST_RESPONSE])

@@ -157,6 +157,7 @@ def test_static_objects_have_the_names_the_spec_defaults_refer_to(builds):
         one(objects, "ServiceAccount", DEFAULTS.service_account)
         one(objects, "Secret", DEFAULTS.s3_secret)
         one(objects, "PersistentVolumeClaim", "models")
+        one(objects, "PersistentVolumeClaim", "dflash-kernels")
 
 
 # ---- metrics (an optional component) ---------------------------------------------------------
@@ -258,6 +259,11 @@ def test_single_node_overlay_makes_the_model_pvc_read_write_once(builds):
     annotations = rtx["metadata"]["annotations"]
     assert annotations["argocd.argoproj.io/sync-options"] == "Prune=false"
     assert annotations["kustomize.toolkit.fluxcd.io/prune"] == "disabled"
+
+
+def test_single_node_overlay_keeps_compiled_kernels_on_the_node(builds):
+    assert one(builds["default"], "PersistentVolumeClaim", "dflash-kernels")["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert one(builds["rtx-pro-6000"], "PersistentVolumeClaim", "dflash-kernels")["spec"]["accessModes"] == ["ReadWriteOnce"]
 
 
 def test_dev_overlay_wires_minio_as_the_s3_endpoint(builds):

@@ -170,6 +170,28 @@ def test_a_model_cache_claim_holds_the_s3_checkpoint_for_every_pod_of_a_node():
     assert not any(e["name"] == MODEL_CACHE_ENV for e in default["containers"][0]["env"])
 
 
+@pytest.mark.parametrize("cluster, volume, directory", [
+    ({}, None, render.CACHE_DIR),  # per pod: every pod compiles
+    ({"model_cache": "model-cache"}, "model-cache", f"{render.MODEL_CACHE_DIR}/kernels"),
+    ({"model_cache": "model-cache", "kernel_cache": "kernels"}, "kernel-cache", render.KERNEL_CACHE_DIR),
+])
+def test_compiled_kernels_and_autotuning_go_to_a_volume_the_node_s_pods_share(cluster, volume, directory):
+    spec = make_spec(cluster=cluster)
+    for component in ("extract", "train", "eval"):
+        pod = the_job(render.render_all(spec), component)["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for container in pod["initContainers"] + pod["containers"]:
+            env = {e["name"]: e["value"] for e in container["env"]}
+            assert env["TRITON_CACHE_DIR"] == f"{directory}/triton" and env["TORCHINDUCTOR_CACHE_DIR"] == f"{directory}/inductor"
+            assert env["TRITON_CACHE_AUTOTUNING"] == "1"
+            mounted = [m for m in container["volumeMounts"] if directory.startswith(m["mountPath"])]
+            assert mounted, f"{directory} is not on a volume of {container['name']}"
+        if volume == "kernel-cache":
+            assert volumes[volume]["persistentVolumeClaim"] == {"claimName": "kernels"}
+        elif volume is None:
+            assert "kernel-cache" not in volumes
+
+
 def test_labels_and_spec_hash_on_every_object_of_the_run():
     spec = SPECS["everything"]
     objects = render.render_all(spec)

@@ -7,10 +7,11 @@ import os
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from dflash_jobs.errors import StorageError
-from dflash_jobs.storage import MULTIPART_THRESHOLD, ObjectNotFound, S3Storage, open_storage, open_url
+from dflash_jobs.storage import MULTIPART_CHUNK, MULTIPART_THRESHOLD, ObjectNotFound, S3Storage, open_storage, open_url
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -86,6 +87,43 @@ def test_large_file_goes_up_in_parts_and_round_trips(storage, tmp_path):
     assert (tmp_path / "back.bin").read_bytes() == data
     with storage.open_read("chunks/big.bin") as f:
         assert f.read(10) == data[:10]
+
+
+@pytest.mark.parametrize("sizes", [(8, 100, 3), (MULTIPART_CHUNK - 8, 8, MULTIPART_CHUNK + 5, 1)])
+def test_parts_stream_into_one_object_hashed_as_written(storage, sizes):
+    """put_parts writes buffers in place (a chunk's header, then its tensors' memory); parts cross
+    the views' boundaries, and the sha256 is of the whole object."""
+    rng = np.random.default_rng(len(sizes))
+    parts = [rng.integers(0, 256, size, dtype=np.uint8) for size in sizes]
+    views = [memoryview(parts[0].tobytes()), *(p.data for p in parts[1:])]
+    data = b"".join(p.tobytes() for p in parts)
+    result = storage.put_parts("chunks/parts.bin", views)
+    assert result.size == len(data) and result.sha256 == hashlib.sha256(data).hexdigest()
+    assert storage.get_bytes("chunks/parts.bin") == data
+    if isinstance(storage, S3Storage):
+        expected_parts = -(-len(data) // MULTIPART_CHUNK) if len(data) >= MULTIPART_THRESHOLD else 1
+        assert result.etag == storage.stat("chunks/parts.bin").etag
+        assert (result.etag.strip('"').endswith(f"-{expected_parts}")) == (expected_parts > 1)
+    else:
+        assert [p.name for p in storage.root.joinpath("chunks").iterdir()] == ["parts.bin"]
+
+
+def test_a_failed_multipart_upload_is_aborted_and_stores_nothing(s3_bucket, monkeypatch):
+    storage = open_storage(f"s3://{s3_bucket}/runs/abort")
+    calls = {"n": 0}
+    upload_part = storage.client.upload_part
+
+    def fail_third(**kwargs):
+        calls["n"] += 1
+        if kwargs["PartNumber"] == 3:
+            raise StorageError("part 3 failed", "retry")
+        return upload_part(**kwargs)
+
+    monkeypatch.setattr(storage.client, "upload_part", fail_third)
+    with pytest.raises(StorageError, match="part 3 failed"):
+        storage.put_parts("chunks/x.bin", [memoryview(bytes(MULTIPART_CHUNK * 3))])
+    assert not storage.exists("chunks/x.bin")
+    assert storage.client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
 
 
 def test_streaming_read_gives_lines(storage):

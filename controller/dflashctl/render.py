@@ -44,6 +44,8 @@ RUN_AS_USER = 10001  # the images' user (UID 1000 is ubuntu in Ubuntu 24.04 imag
 CACHE_DIR = "/var/cache/dflash"
 MODEL_CACHE_DIR = "/var/cache/dflash-models"
 """Where cluster.model_cache is mounted."""
+KERNEL_CACHE_DIR = "/var/cache/dflash-kernels"
+"""Where cluster.kernel_cache is mounted."""
 RENDEZVOUS_PORT = 29400
 METRICS_PORT_NAME = "metrics"
 CACHE_HEADROOM_GIB = 16
@@ -418,6 +420,9 @@ def _pod_template(
     if cluster.model_cache is not None:
         mounts.append({"name": "model-cache", "mountPath": MODEL_CACHE_DIR})
         volumes.append({"name": "model-cache", "persistentVolumeClaim": {"claimName": cluster.model_cache}})
+    if cluster.kernel_cache is not None:
+        mounts.append({"name": "kernel-cache", "mountPath": KERNEL_CACHE_DIR})
+        volumes.append({"name": "kernel-cache", "persistentVolumeClaim": {"claimName": cluster.kernel_cache}})
 
     selfcheck = _container(
         spec, name="selfcheck", image=cluster.image,
@@ -473,16 +478,31 @@ def _container(
     return container
 
 
+def kernel_cache_dir(spec: RunSpec) -> str:
+    """Where compiled kernels go: a volume the node's pods share when the spec names one."""
+    if spec.cluster.kernel_cache:
+        return KERNEL_CACHE_DIR
+    if spec.cluster.model_cache:
+        return f"{MODEL_CACHE_DIR}/kernels"
+    return CACHE_DIR
+
+
 def _env(spec: RunSpec) -> list[dict[str, str]]:
     """Every writable path points into a volume: the root filesystem is read-only."""
     model_cache = [{"name": MODEL_CACHE_ENV, "value": MODEL_CACHE_DIR}] if spec.cluster.model_cache else []
+    kernels = kernel_cache_dir(spec)
     return model_cache + [
         {"name": "HOME", "value": "/tmp"},
         {"name": "TMPDIR", "value": "/tmp"},
         {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
         {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
-        {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
-        {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{CACHE_DIR}/inductor"},
+        # Triton keys its cache by kernel source, GPU architecture and version, and writes entries
+        # atomically, so the pods of a node (or of a cluster, on a ReadWriteMany claim) share it;
+        # FLA caches its autotuning results there too, and TRITON_CACHE_AUTOTUNING does the same
+        # for every other autotuned kernel.
+        {"name": "TRITON_CACHE_DIR", "value": f"{kernels}/triton"},
+        {"name": "TRITON_CACHE_AUTOTUNING", "value": "1"},
+        {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{kernels}/inductor"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
         {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
     ]

@@ -283,19 +283,24 @@ def dequantize_fp8(quantized: torch.Tensor, scale: torch.Tensor, dtype=None) -> 
     return (quantized.float() * scale.unsqueeze(-1)).to(dtype or torch.bfloat16)
 
 
-def hidden_metadata(*, layers: list[int], model: str, config_hash: str, dtype: str) -> dict[str, str]:
+def hidden_metadata(*, layers: list[int], model: str, config_hash: str, dtype: str, compute_dtype: str = "bfloat16") -> dict[str, str]:
+    """The header metadata of a hidden-state chunk; compute_dtype: what the target's matmuls ran in."""
     if dtype not in HIDDEN_DTYPES:
         raise FormatError(f"hidden-state dtype {dtype!r} is not supported", f"Use one of {HIDDEN_DTYPES}")
-    return {"format": HIDDEN_FORMAT, "layers": json.dumps(list(layers)), "model": model, "config_hash": config_hash, "dtype": dtype}
+    return {"format": HIDDEN_FORMAT, "layers": json.dumps(list(layers)), "model": model, "config_hash": config_hash, "dtype": dtype,
+            "compute_dtype": compute_dtype}
 
 
 _SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float32": "F32", "int64": "I64", "int32": "I32", "uint8": "U8"}
 
 
-def write_safetensors(out: BinaryIO, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """safetensors with a canonical header: the same tensors and metadata give the same bytes in any
-    process (the library writes __metadata__ in a per-process hash order, so a re-extracted chunk
-    would get another sha256). Tensors are laid out as the library does: widest elements first."""
+def safetensors_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> list[memoryview]:
+    """The bytes of a safetensors file as views, in file order: the header, then every tensor's own
+    memory (no copy), so a writer can stream them to storage.
+
+    The header is canonical: the same tensors and metadata give the same bytes in any process (the
+    library writes __metadata__ in a per-process hash order, so a re-extracted chunk would get
+    another sha256). Tensors are laid out as the library does: widest elements first."""
     import torch
 
     names = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))  # every offset stays aligned
@@ -308,10 +313,16 @@ def write_safetensors(out: BinaryIO, tensors: dict[str, torch.Tensor], metadata:
         offset += size
     header = json.dumps({"__metadata__": metadata, **entries}, sort_keys=True, separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)
-    out.write(struct.pack("<Q", len(header)))
-    out.write(header)
+    parts = [memoryview(struct.pack("<Q", len(header)) + header)]
     for name in names:
-        out.write(tensors[name].contiguous().view(torch.uint8).numpy().data)
+        parts.append(tensors[name].contiguous().view(torch.uint8).reshape(-1).numpy().data)
+    return parts
+
+
+def write_safetensors(out: BinaryIO, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """A safetensors file with a canonical header (safetensors_parts) written to `out`."""
+    for part in safetensors_parts(tensors, metadata):
+        out.write(part)
 
 
 def hidden_tensors(tokens: TokenChunk, hidden: torch.Tensor, scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -422,6 +433,7 @@ class DoneMarker:
     hidden_size: int
     shard: int = 0
     stats: dict[str, float] = field(default_factory=dict)
+    compute_dtype: str = "bfloat16"  # the target's matmuls: bfloat16, or float8 (extract.compute_dtype)
 
     def to_json(self) -> str:
         return json.dumps({"format": DONE_FORMAT, **asdict(self)}, indent=2, sort_keys=True) + "\n"

@@ -105,6 +105,9 @@ class ExtractSpec:
     """Padded tokens per forward batch."""
     dtype: Literal["bfloat16", "float8_e4m3fn"] = "bfloat16"
     """Storage dtype of hidden states; float8_e4m3fn stores a float32 scale per token and layer."""
+    compute_dtype: Literal["bfloat16", "float8"] = "bfloat16"
+    """The target's linear layers: bfloat16, or float8 (row-wise scaled FP8 matmuls, about 1.5x the
+    throughput, for targets served in FP8; needs FP8 tensor cores: Ada, Hopper, Blackwell)."""
     backoff_limit_per_index: int = 3
     """Retries of one shard before it is marked failed."""
     pad_multiple: int = 256
@@ -217,6 +220,11 @@ class ClusterSpec:
     model_cache: str | None = None
     """PersistentVolumeClaim for an s3:// target.model: fetched into it once per node (ReadWriteOnce
     serves the pods of one node, ReadWriteMany every node) instead of once per pod."""
+    kernel_cache: str | None = None
+    """PersistentVolumeClaim for compiled GPU kernels and their autotuning results (Triton, FLA,
+    Inductor): only the first pod of a node compiles (about two minutes), the others start in
+    seconds. Defaults to a kernels/ folder of cluster.model_cache when that is set; with neither,
+    every pod compiles anew."""
     s3_secret: str | None = "dflash-s3"
     """Secret with AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and optionally AWS_ENDPOINT_URL."""
     queue: str | None = None
@@ -240,6 +248,8 @@ class ClusterSpec:
             _dns_label("cluster.s3_secret", self.s3_secret, limit=253)
         if self.model_cache is not None:
             _dns_label("cluster.model_cache", self.model_cache, limit=253)
+        if self.kernel_cache is not None:
+            _dns_label("cluster.kernel_cache", self.kernel_cache, limit=253)
         if self.queue is not None:
             _dns_label("cluster.queue", self.queue, limit=63)
         _dns_label("cluster.service_account", self.service_account, limit=253)

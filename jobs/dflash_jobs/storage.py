@@ -19,11 +19,12 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator, Protocol, TypeVar
+from typing import BinaryIO, Iterator, Protocol, TypeVar, Union
 
 from dflash_jobs.errors import StorageError, StorageUnavailable
 
@@ -32,12 +33,15 @@ HASH_BLOCK = 8 << 20
 MULTIPART_THRESHOLD = 64 << 20
 MULTIPART_CHUNK = 64 << 20
 TEMP_PREFIX = ".tmp-"
+PART_THREADS = 8
 FIRST_WAIT_S = 5.0
 LONGEST_WAIT_S = 120.0
 """Waits between attempts while storage is unavailable (`patience_s`): doubling from the first to the longest."""
 # S3 error codes of a store that is down or overloaded; HEAD answers carry only the status ("503").
 _UNAVAILABLE_CODES = {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout", "Throttling", "ThrottlingException"}
 
+Buffer = Union[bytes, bytearray, memoryview]
+"""Anything with the buffer protocol: put_parts reads it in place, without a copy."""
 T = TypeVar("T")
 
 
@@ -68,6 +72,33 @@ def check_key(key: str) -> str:
     return key
 
 
+def _byte_views(parts: Sequence[Buffer]) -> list[memoryview]:
+    return [memoryview(part).cast("B") for part in parts]
+
+
+class _Digest:
+    """sha256 of a sequence of buffers, computed on its own thread while the caller moves the bytes
+    (hashlib releases the GIL on large buffers, so both run at once)."""
+
+    def __init__(self, parts: Sequence[memoryview]) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
+        self._future = self._pool.submit(self._digest, parts)
+
+    @staticmethod
+    def _digest(parts: Sequence[memoryview]) -> str:
+        digest = hashlib.sha256()
+        for part in parts:
+            for start in range(0, len(part), HASH_BLOCK):
+                digest.update(part[start:start + HASH_BLOCK])
+        return digest.hexdigest()
+
+    def result(self) -> str:
+        try:
+            return self._future.result()
+        finally:
+            self._pool.shutdown()
+
+
 def sha256_file(path: str | Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -81,6 +112,7 @@ class Storage(Protocol):
 
     def put_bytes(self, key: str, data: bytes) -> PutResult: ...
     def put_file(self, key: str, path: str | Path) -> PutResult: ...
+    def put_parts(self, key: str, parts: Sequence[Buffer]) -> PutResult: ...
     def put_if_absent(self, key: str, data: bytes) -> bool: ...
     def get_bytes(self, key: str, start: int | None = None, end: int | None = None) -> bytes: ...
     def get_file(self, key: str, path: str | Path) -> None: ...
@@ -139,6 +171,21 @@ class LocalStorage:
                 os.fsync(dst.fileno())
             os.replace(temp, target)
         return PutResult(size, digest.hexdigest(), None)
+
+    def put_parts(self, key: str, parts: Sequence[Buffer]) -> PutResult:
+        """One object from buffers written in order, hashed while written: each byte is written once."""
+        target = self._path(key)
+        views = _byte_views(parts)
+        digest = _Digest(views)
+        with self._temp_beside(target) as temp:
+            with open(temp, "wb") as f:
+                for view in views:
+                    f.write(view)
+                f.flush()
+                os.fsync(f.fileno())
+            sha256 = digest.result()
+            os.replace(temp, target)
+        return PutResult(sum(len(v) for v in views), sha256, None)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         path = self._path(key)
@@ -300,6 +347,24 @@ class _BodyReader(io.RawIOBase):
         super().close()
 
 
+def _slices(views: Sequence[memoryview], size: int) -> Iterator[list[memoryview]]:
+    """The concatenation of `views` cut into pieces of `size` bytes (the last one shorter), each
+    piece a list of slices of the views: nothing is copied."""
+    piece: list[memoryview] = []
+    room = size
+    for view in views:
+        while len(view):
+            take = view[:room]
+            piece.append(take)
+            view = view[len(take):]
+            room -= len(take)
+            if room == 0:
+                yield piece
+                piece, room = [], size
+    if piece:
+        yield piece
+
+
 class S3Storage:
     """A bucket prefix. Multipart uploads for large objects; standard botocore retries in adaptive
     mode, so 503 SlowDown and throttling back off instead of failing the pod; past those, `patience`
@@ -361,6 +426,37 @@ class S3Storage:
         info = self.stat(key)
         assert info is not None
         return PutResult(info.size, sha256_file(path), info.etag)
+
+    def put_parts(self, key: str, parts: Sequence[Buffer]) -> PutResult:
+        """One object from buffers in memory: a multipart upload of slices of them, hashed meanwhile
+        (no spool file). A failed upload is aborted, so no parts are left behind."""
+        views = _byte_views(parts)
+        size = sum(len(v) for v in views)
+        digest = _Digest(views)
+        if size < MULTIPART_THRESHOLD:
+            response = self._call(key, self.client.put_object, Bucket=self.bucket, Key=self._key(key), Body=b"".join(views))
+            return PutResult(size, digest.result(), response.get("ETag"))
+        full = self._key(key)
+        upload = self._call(key, self.client.create_multipart_upload, Bucket=self.bucket, Key=full)["UploadId"]
+
+        def send(number: int, piece: list[memoryview]) -> dict:
+            # One copy of the part (botocore takes bytes or a file), sent in one go and rewound for a retry.
+            response = self._call(key, self.client.upload_part, Bucket=self.bucket, Key=full, UploadId=upload,
+                                  PartNumber=number, Body=b"".join(piece))
+            return {"PartNumber": number, "ETag": response["ETag"]}
+
+        try:
+            with ThreadPoolExecutor(PART_THREADS, thread_name_prefix="s3-part") as pool:
+                sent = [pool.submit(send, n + 1, piece) for n, piece in enumerate(_slices(views, MULTIPART_CHUNK))]
+                done = [future.result() for future in sent]
+            response = self._call(key, self.client.complete_multipart_upload, Bucket=self.bucket, Key=full, UploadId=upload,
+                                  MultipartUpload={"Parts": done})
+        except BaseException:
+            with suppress(Exception):
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload)
+            digest.result()
+            raise
+        return PutResult(size, digest.result(), response.get("ETag"))
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         return self.patience.call(lambda: self._put_if_absent_once(key, data))

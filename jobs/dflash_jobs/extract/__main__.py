@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 
 from dflash_jobs.errors import EXIT_OK, DflashError, SpecError, pod_exit_code
 from dflash_jobs.extract.progress import Summary
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-f", "--file", default=DEFAULT_SPEC_FILE, help="the run spec (default: ./dflash.yaml)")
     parser.add_argument("--shard", type=int, default=None, help="shard index (default: $JOB_COMPLETION_INDEX)")
     args = parser.parse_args(argv)
+    started = time.monotonic()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
 
     summary = Summary(shard=-1, shards=0)
@@ -45,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SpecError("--shard", summary.shard, f"0..{summary.shards - 1} (extract.shards = {summary.shards})")
         from dflash_jobs.extract.worker import build_worker  # torch and transformers: after the spec is known good
 
-        worker = build_worker(spec, summary.shard, summary=summary)
+        worker = build_worker(spec, summary.shard, summary=summary, started=started)
         worker.run()
         summary.status = "done"
         log.info("shard %d/%d done: %s", summary.shard, summary.shards, summary.to_json())

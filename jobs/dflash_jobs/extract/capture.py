@@ -1,18 +1,21 @@
-"""Capturing the chosen layers of a forward into host memory without stalling the GPU.
+"""Capturing the chosen layers of a forward straight into the host memory of their chunks.
 
 Forward hooks copy each captured layer's output, real tokens only, into one preallocated GPU
 buffer [tokens, L, d]. After the forward, one side stream reduces the buffer to per-token
-absolute maxima (integrity and fp8 scales), quantizes it when the run stores fp8, and makes one
-asynchronous device-to-host copy per batch into a pinned host slot, then records an event. The
-main stream goes on with the next forward at once; its first hook waits (on the GPU, not the CPU)
-for that copy before overwriting the buffer, which in practice has long finished. A small pool of
-host slots bounds host memory: when the writer falls behind, taking a slot blocks.
+absolute maxima (integrity and fp8 scales), quantizes it when the run stores fp8, and copies each
+run of consecutive samples straight to its rows in the pinned host buffer of its chunk: the host
+does no scatter and no extra copy. Samples of a packed batch are consecutive in their chunk, so a
+batch is one or two copies; a padded batch is one copy per sample. The main stream goes on with
+the next forward at once; its first hook waits (on the GPU, not the CPU) for the copies before
+overwriting the buffer. A bounded pool of chunk buffers bounds host memory: when the writer falls
+behind, taking a buffer blocks the GPU thread.
 """
 
 from __future__ import annotations
 
 import contextlib
 import queue
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +23,7 @@ import torch
 from dflash_jobs.formats import quantize_fp8
 
 QUANTIZE_ROWS = 4096
-"""Tokens quantized at a time: bounds the float32 temporaries of fp8 on the GPU."""
+"""Tokens reduced or quantized at a time: bounds the float32 temporaries on the GPU."""
 
 
 class LayerCapture:
@@ -74,49 +77,97 @@ class LayerCapture:
 
 
 @dataclass(slots=True)
-class HostSlot:
-    """Pinned host memory for one batch's capture."""
+class ChunkBuffer:
+    """Host memory (pinned on a GPU) for one chunk's states, filled in place by the copies."""
 
     hidden: torch.Tensor  # [capacity, L, d] bf16, or float8_e4m3fn
     absmax: torch.Tensor  # [capacity, L] float32: max |h| per token and layer
     scale: torch.Tensor | None  # [capacity, L] float32: fp8 scales (fp8 runs only)
     ids: torch.Tensor  # [capacity] int64: the token ids the forward saw, for the integrity check
-    event: torch.cuda.Event | None = None
 
-    def wait(self) -> None:
-        if self.event is not None:
-            self.event.synchronize()
+    @property
+    def capacity(self) -> int:
+        return self.hidden.shape[0]
+
+
+class BufferPool:
+    """At most `size` chunk buffers of `capacity` tokens, allocated on first need and reused.
+
+    Pinning gigabytes takes about a second a buffer, so they are kept for the whole shard."""
+
+    def __init__(self, *, size: int, capacity: int, layers: int, hidden_size: int, dtype: torch.dtype, pinned: bool) -> None:
+        self.size, self.capacity = size, capacity
+        self.shape = (capacity, layers, hidden_size)
+        self.dtype, self.pinned = dtype, pinned
+        self.allocated = 0
+        self.free: queue.SimpleQueue[ChunkBuffer] = queue.SimpleQueue()
+
+    def take(self, timeout: float) -> ChunkBuffer:
+        """A free buffer; raises queue.Empty after `timeout` seconds (the caller checks the writer's health)."""
+        try:
+            return self.free.get_nowait()
+        except queue.Empty:
+            if self.allocated < self.size:
+                self.allocated += 1
+                return self._allocate()
+        return self.free.get(timeout=timeout)
+
+    def give_back(self, buffer: ChunkBuffer) -> None:
+        self.free.put(buffer)
+
+    def _allocate(self) -> ChunkBuffer:
+        def empty(shape, dtype):
+            return torch.empty(shape, dtype=dtype, pin_memory=self.pinned)
+
+        fp8 = self.dtype == torch.float8_e4m3fn
+        return ChunkBuffer(
+            hidden=empty(self.shape, self.dtype), absmax=empty(self.shape[:2], torch.float32),
+            scale=empty(self.shape[:2], torch.float32) if fp8 else None, ids=empty(self.shape[:1], torch.int64),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Rows [source, source + rows) of the capture buffer go to rows [dest, dest + rows) of `buffer`."""
+
+    buffer: ChunkBuffer
+    source: int
+    dest: int
+    rows: int
+
+
+def merge_runs(runs: Sequence[Run]) -> list[Run]:
+    """Joins runs that continue each other in both buffers: a packed batch's samples are one copy."""
+    merged: list[Run] = []
+    for run in runs:
+        last = merged[-1] if merged else None
+        if last is not None and last.buffer is run.buffer and last.source + last.rows == run.source and last.dest + last.rows == run.dest:
+            merged[-1] = Run(last.buffer, last.source, last.dest, last.rows + run.rows)
+        else:
+            merged.append(run)
+    return merged
 
 
 class DeviceToHost:
-    """The side stream that moves a batch's capture to a pinned host slot."""
+    """The side stream that moves a batch's capture to the rows of its chunks' host buffers."""
 
-    def __init__(self, capture: LayerCapture, *, storage_dtype: str, slots: int) -> None:
+    def __init__(self, capture: LayerCapture, *, storage_dtype: str) -> None:
         self.capture = capture
         self.fp8 = storage_dtype == "float8_e4m3fn"
         device = capture.device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        shape = capture.buffer.shape
-        dtype = torch.float8_e4m3fn if self.fp8 else capture.buffer.dtype
-        self.free: queue.Queue[HostSlot] = queue.Queue()
-        for _ in range(slots):
-            self.free.put(HostSlot(
-                hidden=torch.empty(shape, dtype=dtype, pin_memory=self.cuda),
-                absmax=torch.empty(shape[:2], dtype=torch.float32, pin_memory=self.cuda),
-                scale=torch.empty(shape[:2], dtype=torch.float32, pin_memory=self.cuda) if self.fp8 else None,
-                ids=torch.empty(shape[0], dtype=torch.int64, pin_memory=self.cuda),
-            ))
+        rows, layers, _ = capture.buffer.shape
+        self.absmax = torch.empty((rows, layers), dtype=torch.float32, device=device)
+        self.ids = torch.empty(rows, dtype=torch.int64, device=device)
+        self.state_dtype = torch.float8_e4m3fn if self.fp8 else torch.bfloat16
+        # States leave the GPU in their storage dtype: quantized, or cast from a float32 target (tests).
+        self.staged = None if capture.buffer.dtype == self.state_dtype else torch.empty(capture.buffer.shape, dtype=self.state_dtype, device=device)
+        self.scale = torch.empty((rows, layers), dtype=torch.float32, device=device) if self.fp8 else None
 
-    def take_slot(self, timeout: float) -> HostSlot:
-        """A free slot; raises queue.Empty after `timeout` seconds (the caller checks the writer's health)."""
-        return self.free.get(timeout=timeout)
-
-    def release(self, slot: HostSlot) -> None:
-        self.free.put(slot)
-
-    def launch(self, slot: HostSlot, input_ids: torch.Tensor, real_index: torch.Tensor) -> HostSlot:
-        """Queues the copy of the forward just launched; returns at once (the slot's event marks the end)."""
+    def launch(self, runs: Sequence[Run], input_ids: torch.Tensor, real_index: torch.Tensor) -> torch.cuda.Event | None:
+        """Queues the reductions and copies of the forward just launched; returns at once with the
+        event that marks their end (None on a CPU, where they are done on return)."""
         n = real_index.numel()
         buffer = self.capture.buffer[:n]
         stream_ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
@@ -128,19 +179,25 @@ class DeviceToHost:
         with stream_ctx:
             for begin in range(0, n, QUANTIZE_ROWS):  # in pieces: a whole-buffer abs() is ~1.7 GB at the 27B shape
                 end = min(begin + QUANTIZE_ROWS, n)
-                absmax = buffer[begin:end].abs().amax(dim=-1).float()  # [rows, L]; NaN and inf propagate
-                slot.absmax[begin:end].copy_(absmax, non_blocking=True)
-            slot.ids[:n].copy_(input_ids.reshape(-1).index_select(0, real_index), non_blocking=True)
-            if self.fp8:
-                for begin in range(0, n, QUANTIZE_ROWS):
-                    end = min(begin + QUANTIZE_ROWS, n)
+                self.absmax[begin:end] = buffer[begin:end].abs().amax(dim=-1)  # NaN and inf propagate
+                if self.fp8:
                     quantized, scale = quantize_fp8(buffer[begin:end])
-                    slot.hidden[begin:end].copy_(quantized, non_blocking=True)
-                    slot.scale[begin:end].copy_(scale, non_blocking=True)
-            else:
-                slot.hidden[:n].copy_(buffer, non_blocking=True)
-            if self.cuda:
-                slot.event = torch.cuda.Event()
-                slot.event.record(self.stream)
-                self.capture.buffer_free = slot.event
-        return slot
+                    self.staged[begin:end].copy_(quantized)
+                    self.scale[begin:end].copy_(scale)
+                elif self.staged is not None:
+                    self.staged[begin:end].copy_(buffer[begin:end])
+            torch.index_select(input_ids.reshape(-1), 0, real_index, out=self.ids[:n])
+            states = self.capture.buffer if self.staged is None else self.staged
+            for run in runs:
+                source, dest = slice(run.source, run.source + run.rows), slice(run.dest, run.dest + run.rows)
+                run.buffer.hidden[dest].copy_(states[source], non_blocking=True)
+                run.buffer.absmax[dest].copy_(self.absmax[source], non_blocking=True)
+                run.buffer.ids[dest].copy_(self.ids[source], non_blocking=True)
+                if self.fp8:
+                    run.buffer.scale[dest].copy_(self.scale[source], non_blocking=True)
+            if not self.cuda:
+                return None
+            event = torch.cuda.Event()
+            event.record(self.stream)
+            self.capture.buffer_free = event
+        return event

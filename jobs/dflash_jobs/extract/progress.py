@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass, field
 log = logging.getLogger("dflash.extract")
 
 
-
 @dataclass(slots=True)
 class Summary:
     shard: int
@@ -26,6 +25,9 @@ class Summary:
     bytes: int = 0
     padded_tokens: int = 0
     warmup_s: float = 0.0
+    ready_s: float = 0.0  # from the pod's start to its first forward of real data
+    first_chunk_s: float = 0.0  # from the pod's start to its first stored chunk
+    host_wait_s: float = 0.0  # the GPU thread waited this long for a free chunk buffer (storage behind)
     elapsed_s: float = 0.0
     tokens_per_s: float = 0.0
     padding_waste: float = 0.0

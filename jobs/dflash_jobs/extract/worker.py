@@ -1,38 +1,34 @@
 """The extraction loop of one shard: windows of chunks -> batches -> forward + capture -> writer.
 
     for each window of `sort_window` pending chunks (loaded and planned one window ahead):
-        for each batch: forward with hooks -> async copy to a host slot -> writer
-    writer: assemble chunks -> integrity -> store -> done marker
+        for each batch: forward with hooks -> async copies into the chunks' host buffers
+        each chunk whose samples are all copied -> writer: integrity -> store -> done marker
 
-The GPU thread never waits on a copy or an upload; it blocks when every host slot is in use (the
-back-pressure of a writer that cannot keep up) and, at a window's start, on its token chunks if
-the one-window-ahead read has not finished.
+The GPU thread never waits on a copy or an upload; it blocks when every chunk buffer is in use
+(the back-pressure of a writer that cannot keep up; the time is reported as host_wait_s) and, at
+a window's start, on its token chunks if the one-window-ahead read has not finished.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from dflash_jobs.errors import FormatError, InputError
-from dflash_jobs.extract import packing
+from dflash_jobs.extract import fp8, packing
 from dflash_jobs.extract.batching import Batch, BatchPlanner, SampleRef, round_up, window_samples
-from dflash_jobs.extract.capture import DeviceToHost, LayerCapture
+from dflash_jobs.extract.capture import BufferPool, DeviceToHost, LayerCapture, Run, merge_runs
 from dflash_jobs.extract.progress import Progress, Summary
 from dflash_jobs.extract.sharding import shard_chunks
 from dflash_jobs.extract.target import FastPaths, Target, load_target, local_checkpoint, read_config
-from dflash_jobs.extract.writer import ChunkAssembly, ChunkMetadata, ChunkWriter
+from dflash_jobs.extract.writer import WRITER_THREADS, ChunkAssembly, ChunkMetadata, ChunkWriter
 from dflash_jobs.formats import (
     DATASET_KEY, DONE_MARKERS, ChunkInfo, DatasetIndex, DoneMarker, TokenChunk, done_key, hidden_chunk_key, token_chunk_key,
 )
@@ -41,17 +37,13 @@ from dflash_jobs.storage import ObjectNotFound, Storage, open_storage, storage_f
 
 log = logging.getLogger("dflash.extract")
 
-HOST_SLOTS = 2
-"""Pinned host slots: one being filled by the GPU, one being drained by the assembler."""
-SLOT_POLL_S = 1.0
-
 
 # ---- which chunks still need work -----------------------------------------------------------------
 
 
 def chunk_is_done(storage: Storage, chunk: ChunkInfo, expected: ChunkMetadata) -> bool:
     """The marker exists, describes this chunk as this run extracts it (samples, tokens, layers,
-    dtype, hidden size), and its object matches it (size, and etag when both have one).
+    dtype, compute dtype, hidden size), and its object matches it (size, and etag when both have one).
 
     A stale marker (its object missing or different, or from other settings) is deleted, so the
     redone chunk can commit; verify would reject it otherwise, one round later."""
@@ -60,8 +52,8 @@ def chunk_is_done(storage: Storage, chunk: ChunkInfo, expected: ChunkMetadata) -
         marker = DoneMarker.from_json(storage.get_bytes(key), key)
     except FormatError:
         marker = None
-    if marker is not None and (marker.samples, marker.tokens, marker.layers, marker.dtype, marker.hidden_size) == (
-        chunk.samples, chunk.tokens, expected.layers, expected.dtype, expected.hidden_size
+    if marker is not None and (marker.samples, marker.tokens, marker.layers, marker.dtype, marker.hidden_size, marker.compute_dtype) == (
+        chunk.samples, chunk.tokens, expected.layers, expected.dtype, expected.hidden_size, expected.compute_dtype
     ):
         info = storage.stat(hidden_chunk_key(chunk.id))
         if info is not None and info.size == marker.bytes and (info.etag is None or marker.etag is None or info.etag == marker.etag):
@@ -85,6 +77,13 @@ class Window:
     chunks: list[ChunkInfo]
     tokens: list[TokenChunk]
     batches: list[list[SampleRef]]
+    open: dict[int, ChunkAssembly] = field(default_factory=dict)
+    """The window's chunks that hold a buffer, by position in the window: taken at the first sample."""
+
+    def assembly(self, slot: int, writer: ChunkWriter) -> ChunkAssembly:
+        if slot not in self.open:
+            self.open[slot] = writer.open(self.chunks[slot], self.tokens[slot])
+        return self.open[slot]
 
 
 def load_window(storage: Storage, chunks: Sequence[ChunkInfo], planner: BatchPlanner) -> Window:
@@ -190,8 +189,8 @@ class ExtractWorker:
         summary: Summary,
         max_length: int,
         packed: bool,
-        spool_dir: Path,
         log_interval: float = 10.0,
+        started: float | None = None,
     ) -> None:
         self.spec = spec
         self.target = target
@@ -200,6 +199,7 @@ class ExtractWorker:
         self.summary = summary
         self.max_length = max_length
         self.device = target.device
+        self.started = time.monotonic() if started is None else started  # the pod's start, for ready_s
         self.planner = BatchPlanner(
             token_budget=spec.token_budget, pad_multiple=spec.pad_multiple, packed=packed, gap=target.conv_gap if packed else 0,
         )
@@ -211,12 +211,17 @@ class ExtractWorker:
             target.decoder_layers, target.layers, capacity=capacity, hidden_size=target.hidden_size,
             dtype=target.dtype, device=self.device,
         )
-        self.transfer = DeviceToHost(self.capture, storage_dtype=spec.dtype, slots=HOST_SLOTS)
+        self.transfer = DeviceToHost(self.capture, storage_dtype=spec.dtype)
+        # A window's chunks can all be open at once (padded batches mix them), plus those being stored.
+        self.pool = BufferPool(
+            size=spec.sort_window + WRITER_THREADS, capacity=max((c.tokens for c in self.chunks), default=1),
+            layers=len(target.layers), hidden_size=target.hidden_size, dtype=self.transfer.state_dtype,
+            pinned=self.device.type == "cuda",
+        )
         self.metadata = ChunkMetadata(
             layers=target.layers, hidden_size=target.hidden_size, model=target.name,
-            config_hash=target.config_hash, dtype=spec.dtype, shard=summary.shard,
+            config_hash=target.config_hash, dtype=spec.dtype, shard=summary.shard, compute_dtype=spec.compute_dtype,
         )
-        self.spool_dir = spool_dir
         self.log_interval = log_interval
         self.progress: Progress | None = None
         self.writer: ChunkWriter | None = None
@@ -254,33 +259,35 @@ class ExtractWorker:
         if not pending:
             return summary
         summary.warmup_s = round(self.warm_up(), 1)
-        shutil.rmtree(self.spool_dir, ignore_errors=True)  # files of a killed predecessor
         self.progress = Progress(summary, total_tokens=sum(c.tokens for c in pending), interval=self.log_interval)
-        self.writer = ChunkWriter(
-            storage=self.storage, metadata=self.metadata, transfer=self.transfer, spool_dir=self.spool_dir,
-            queue_depth=self.spec.sort_window, on_commit=lambda m: self.progress.committed(m.samples, m.tokens, m.bytes),
-        )
+        self.writer = ChunkWriter(storage=self.storage, metadata=self.metadata, pool=self.pool, on_commit=self._committed)
         self.progress.start()
-        for window in iter_windows(self.storage, pending, self.planner, self.spec.sort_window):
-            assemblies = [self.writer.open(info, tokens) for info, tokens in zip(window.chunks, window.tokens)]
-            for samples in window.batches:
-                self.run_batch(self.planner.build(samples, window.tokens), window.tokens, assemblies)
-        self.writer.close()
+        try:
+            for window in iter_windows(self.storage, pending, self.planner, self.spec.sort_window):
+                for samples in window.batches:
+                    self.run_batch(self.planner.build(samples, window.tokens), window)
+            self.writer.close()
+        finally:
+            summary.host_wait_s = round(self.writer.waited_s, 1)
         self.progress.log()
         return summary
 
-    def run_batch(self, batch: Batch, tokens: Sequence[TokenChunk], assemblies: Sequence[ChunkAssembly]) -> None:
+    def _committed(self, marker: DoneMarker) -> None:
+        self.progress.committed(marker.samples, marker.tokens, marker.bytes)
+        if not self.summary.first_chunk_s:
+            self.summary.first_chunk_s = round(time.monotonic() - self.started, 1)
+
+    def run_batch(self, batch: Batch, window: Window) -> None:
         """Forward + capture of one batch; a batch that runs out of memory is halved and retried."""
         try:
-            self._forward(batch, assemblies)
+            self._forward(batch, window)
         except torch.OutOfMemoryError:
-            halves = self.planner.split(batch, tokens)
+            halves = self.planner.split(batch, window.tokens)
             if not halves:
                 sample = batch.samples[0]
-                info = assemblies[sample.slot].info
                 raise InputError(
-                    f"sample {tokens[sample.slot].sample_ids[sample.index]} of chunk {info.id:06d} ({sample.length} tokens) "
-                    "does not fit in GPU memory even alone",
+                    f"sample {window.tokens[sample.slot].sample_ids[sample.index]} of chunk {window.chunks[sample.slot].id:06d} "
+                    f"({sample.length} tokens) does not fit in GPU memory even alone",
                     "Lower data.max_length and re-run prepare, or use GPUs with more memory",
                 ) from None
             self.summary.oom_splits += 1
@@ -288,31 +295,27 @@ class ExtractWorker:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             for half in halves:
-                self.run_batch(half, tokens, assemblies)
+                self.run_batch(half, window)
 
-    def _forward(self, batch: Batch, assemblies: Sequence[ChunkAssembly]) -> None:
+    def _forward(self, batch: Batch, window: Window) -> None:
         on_device = to_device(batch, self.device)
         self.capture.start(on_device.real_index)
         self.target.model(**packing.forward_kwargs(on_device))
-        slot = self._take_slot()
-        try:
-            self.transfer.launch(slot, on_device.input_ids, on_device.real_index)
-        except BaseException:
-            # An OOM here is split and retried by run_batch: the slot must go back, or the next take waits forever.
-            self.transfer.release(slot)
-            raise
-        offsets = np.concatenate([[0], np.cumsum([s.length for s in batch.samples])[:-1]])
-        placements = [(assemblies[s.slot], s.index, int(o)) for s, o in zip(batch.samples, offsets)]
-        self.writer.submit(slot, placements)
+        if not self.summary.ready_s:
+            self.summary.ready_s = round(time.monotonic() - self.started, 1)
+        # While the forward runs: where each sample's rows go (a chunk takes its buffer here, which can wait).
+        runs, offset = [], 0
+        for sample in batch.samples:
+            assembly = window.assembly(sample.slot, self.writer)
+            runs.append(Run(assembly.buffer, offset, assembly.rows(sample.index)[0], sample.length))
+            offset += sample.length
+        copied = self.transfer.launch(merge_runs(runs), on_device.input_ids, on_device.real_index)
+        for sample in batch.samples:
+            assembly = window.open[sample.slot]
+            assembly.placed(sample.index, copied)
+            if assembly.remaining == 0:
+                self.writer.submit(assembly)
         self.progress.batch(batch.real_tokens, batch.padded_tokens)
-
-    def _take_slot(self):
-        while True:
-            self.writer.check()
-            try:
-                return self.transfer.take_slot(SLOT_POLL_S)
-            except queue.Empty:
-                continue
 
     def close(self) -> None:
         self.capture.remove()
@@ -328,7 +331,7 @@ def pick_device(spec: RunSpec) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def build_worker(spec: RunSpec, shard: int, *, summary: Summary) -> ExtractWorker:
+def build_worker(spec: RunSpec, shard: int, *, summary: Summary, started: float | None = None) -> ExtractWorker:
     """Everything shard `shard` needs: its chunks, the target on its device, the output storage."""
     storage = storage_for(spec)
     try:
@@ -337,6 +340,8 @@ def build_worker(spec: RunSpec, shard: int, *, summary: Summary) -> ExtractWorke
         raise InputError(f"{storage.url}/{DATASET_KEY} does not exist", "Run `dflashctl prepare` first") from None
     chunks = shard_chunks(index.chunks, spec.extract.shards, shard)
     device = pick_device(spec)
+    if spec.extract.compute_dtype == "float8":
+        fp8.require_fp8(device)  # before minutes of loading: every shard would fail alike
     fast = FastPaths.detect(device)
     summary.fast_paths = fast.as_dict()
     checkpoint = local_checkpoint(
@@ -345,14 +350,16 @@ def build_worker(spec: RunSpec, shard: int, *, summary: Summary) -> ExtractWorke
     _, config = read_config(spec.target, checkpoint)
     layers = resolve_layers(spec, config)
     target = load_target(spec.target, checkpoint=checkpoint, layers=layers, device=device)
+    if spec.extract.compute_dtype == "float8":
+        log.info("compute: %d linear layers of the target in FP8 (row-wise scaled)", fp8.to_float8(target.decoder_layers))
     packed = fast.fla and device.type == "cuda" and packing.can_pack(target.model)
     log.info(
         "device %s; fast paths: flash-linear-attention %s, causal-conv1d %s; batches: %s",
         device, "on" if fast.fla else "OFF (torch fallback)", "on" if fast.causal_conv1d else "off (not needed)",
-        "packed (FLA varlen + masked conv gaps)" if packed else f"right-padded to multiples of {spec.extract.pad_multiple}",
+        f"packed (FLA varlen + masked conv gaps; attention: {packing.attention_path(device)})" if packed
+        else f"right-padded to multiples of {spec.extract.pad_multiple}",
     )
     return ExtractWorker(
         spec.extract, target=target, storage=storage, chunks=chunks, summary=summary,
-        max_length=spec.data.max_length, packed=packed,
-        spool_dir=Path(tempfile.gettempdir()) / "dflash-spool" / f"{spec.name}-shard-{shard}",
+        max_length=spec.data.max_length, packed=packed, started=started,
     )

@@ -1,14 +1,14 @@
-"""Host side of the pipeline: assembling chunks from batches, then storing them, in two threads.
+"""Host side of the pipeline: chunks filled in place by the GPU's copies, then stored by writer threads.
 
-    GPU thread --(host slots)--> assembler --(complete chunks)--> uploader --> storage
-                 bounded pool                 bounded queue
+    GPU thread --(copies into a chunk's pinned buffer)--> complete chunk --> writer threads --> storage
+                  bounded buffer pool                                        (hash while writing)
 
-The assembler waits for a slot's copy to finish, scatters its samples into their chunks (a batch
-mixes samples of several chunks of the window), returns the slot, and checks each chunk it
-completes. The uploader serializes a chunk to a spool file, stores it, then creates its done
-marker: the marker is the commit point, so a chunk is visible only complete. Host memory is
-bounded by the slot pool (batches wait for a free slot) and the bounded chunk queue, so a slow
-store blocks the GPU thread instead of growing host memory.
+A chunk takes a buffer from the pool when its first sample is captured and gives it back once it
+is stored: the pool bounds host memory, and a store that cannot keep up blocks the GPU thread
+instead of growing it (the time blocked is reported). A writer waits for the chunk's last copy,
+checks it, then streams it to storage straight from its buffer (the local store writes each byte
+once, S3 gets a multipart upload from memory; both hash as they go), then creates its done
+marker: the marker is the commit point, so a chunk is visible only complete.
 """
 
 from __future__ import annotations
@@ -17,22 +17,24 @@ import os
 import queue
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from dflash_jobs.errors import IntegrityError, StorageError
 from dflash_jobs.extract import integrity
-from dflash_jobs.extract.capture import DeviceToHost, HostSlot
+from dflash_jobs.extract.capture import BufferPool, ChunkBuffer
 from dflash_jobs.formats import (
-    ChunkInfo, DoneMarker, TokenChunk, done_key, fetch_header_bytes, file_range, hidden_chunk_key, hidden_metadata, hidden_tensors, write_safetensors,
+    ChunkInfo, DoneMarker, TokenChunk, done_key, hidden_chunk_key, hidden_metadata, hidden_tensors, safetensors_parts,
 )
 from dflash_jobs.storage import Storage
 
 POLL_S = 1.0
+WRITER_THREADS = 2
+"""Chunks stored at once: one can hash and write while the other waits on storage."""
 KILL_BEFORE_MARKER_ENV = "DFLASH_TEST_KILL_BEFORE_MARKER"
 """Fault injection for the restart test: SIGKILL this process once chunk N is stored, before its marker."""
 
@@ -47,36 +49,33 @@ class ChunkMetadata:
     config_hash: str
     dtype: str
     shard: int
+    compute_dtype: str = "bfloat16"
 
 
 class ChunkAssembly:
-    """One chunk's states, filled sample by sample from the batches."""
+    """One chunk's states, written in place by the GPU's copies, sample by sample."""
 
-    def __init__(self, info: ChunkInfo, tokens: TokenChunk, metadata: ChunkMetadata, state_dtype: torch.dtype) -> None:
-        shape = (tokens.num_tokens, len(metadata.layers), metadata.hidden_size)
+    def __init__(self, info: ChunkInfo, tokens: TokenChunk, buffer: ChunkBuffer) -> None:
         self.info = info
         self.tokens = tokens
-        self.hidden = torch.empty(shape, dtype=state_dtype)
-        self.absmax = torch.empty(shape[:2], dtype=torch.float32)
-        self.scale = torch.empty(shape[:2], dtype=torch.float32) if metadata.dtype == "float8_e4m3fn" else None
-        self.ids = torch.empty(shape[0], dtype=torch.int64)
+        self.buffer = buffer
         self.written = np.zeros(tokens.num_samples, dtype=bool)
         self.remaining = tokens.num_samples
-        self.stats: dict[str, float] = {}
+        self.copied: torch.cuda.Event | None = None  # recorded after the last copy into this chunk
 
-    def put(self, index: int, slot: HostSlot, offset: int) -> None:
-        """Copies sample `index` from rows [offset, offset + length) of a host slot."""
+    def rows(self, index: int) -> tuple[int, int]:
+        return int(self.tokens.cu_seqlens[index]), int(self.tokens.cu_seqlens[index + 1])
+
+    def placed(self, index: int, event: torch.cuda.Event | None) -> None:
+        """Sample `index` has its copy queued (done once `event` completes)."""
         if self.written[index]:
             raise IntegrityError(f"chunk {self.info.id:06d}: sample {self.tokens.sample_ids[index]} captured twice", integrity.FIX)
-        begin, end = int(self.tokens.cu_seqlens[index]), int(self.tokens.cu_seqlens[index + 1])
-        rows = slice(offset, offset + end - begin)
-        self.hidden[begin:end] = slot.hidden[rows]
-        self.absmax[begin:end] = slot.absmax[rows]
-        self.ids[begin:end] = slot.ids[rows]
-        if self.scale is not None:
-            self.scale[begin:end] = slot.scale[rows]
         self.written[index] = True
         self.remaining -= 1
+        self.copied = event
+
+    def view(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else tensor[: self.tokens.num_tokens]
 
 
 _DONE = object()
@@ -88,25 +87,19 @@ class ChunkWriter:
         *,
         storage: Storage,
         metadata: ChunkMetadata,
-        transfer: DeviceToHost,
-        spool_dir: Path,
-        queue_depth: int,
+        pool: BufferPool,
         on_commit: Callable[[DoneMarker], None] = lambda marker: None,
     ) -> None:
         self.storage = storage
         self.metadata = metadata
-        self.transfer = transfer
-        self.spool_dir = spool_dir
+        self.pool = pool
         self.on_commit = on_commit
-        self.state_dtype = torch.float8_e4m3fn if metadata.dtype == "float8_e4m3fn" else torch.bfloat16
-        self.batches: queue.Queue = queue.Queue()  # bounded by the slot pool: one entry per slot in use
-        self.complete: queue.Queue = queue.Queue(maxsize=queue_depth)
+        self.complete: queue.Queue = queue.Queue()  # bounded by the pool: a queued chunk holds a buffer
         self.error: BaseException | None = None
+        self.waited_s = 0.0  # how long the GPU thread waited for a free buffer
         self.kill_before_marker = os.environ.get(KILL_BEFORE_MARKER_ENV)
-        spool_dir.mkdir(parents=True, exist_ok=True)
         self.threads = [
-            threading.Thread(target=self._guard, args=(self._assemble,), name="assembler", daemon=True),
-            threading.Thread(target=self._guard, args=(self._upload,), name="uploader", daemon=True),
+            threading.Thread(target=self._guard, name=f"chunk-writer-{i}", daemon=True) for i in range(WRITER_THREADS)
         ]
         for thread in self.threads:
             thread.start()
@@ -114,12 +107,24 @@ class ChunkWriter:
     # ---- GPU thread side ----
 
     def open(self, info: ChunkInfo, tokens: TokenChunk) -> ChunkAssembly:
-        return ChunkAssembly(info, tokens, self.metadata, self.state_dtype)
+        """A chunk with a buffer of its own; blocks while every buffer is held (back-pressure)."""
+        if tokens.num_tokens > self.pool.capacity:
+            raise ValueError(f"chunk {info.id:06d} holds {tokens.num_tokens} tokens, the buffers {self.pool.capacity}")
+        started = time.monotonic()
+        while True:
+            self.check()
+            try:
+                buffer = self.pool.take(POLL_S)
+                break
+            except queue.Empty:
+                continue
+        self.waited_s += time.monotonic() - started
+        return ChunkAssembly(info, tokens, buffer)
 
-    def submit(self, slot: HostSlot, placements: list[tuple[ChunkAssembly, int, int]]) -> None:
-        """Hands over a slot whose copy is queued; placements: (chunk, sample index, first row in the slot)."""
+    def submit(self, assembly: ChunkAssembly) -> None:
+        """Hands over a chunk whose every sample has its copy queued."""
         self.check()
-        self.batches.put((slot, placements))
+        self.complete.put(assembly)
 
     def check(self) -> None:
         """Re-raises, in the caller's thread, the first error of a writer thread."""
@@ -128,76 +133,48 @@ class ChunkWriter:
 
     def close(self) -> None:
         """Stores everything submitted, then stops the threads; raises their first error."""
-        self.batches.put(_DONE)
+        for _ in self.threads:
+            self.complete.put(_DONE)
         for thread in self.threads:
             while thread.is_alive():
                 thread.join(POLL_S)
         self.check()
 
-    # ---- threads ----
+    # ---- writer threads ----
 
-    def _guard(self, body: Callable[[], None]) -> None:
+    def _guard(self) -> None:
         try:
-            # Chunks are created under the GPU thread's inference mode, which is per thread.
-            with torch.inference_mode():
-                body()
+            while self.error is None:
+                try:
+                    assembly = self.complete.get(timeout=POLL_S)
+                except queue.Empty:
+                    continue
+                if assembly is _DONE:
+                    return
+                self._store(assembly)
+                self.pool.give_back(assembly.buffer)
         except BaseException as exc:  # handed to the GPU thread, which stops the pod with it
             if self.error is None:
                 self.error = exc
 
-    def _put(self, target: queue.Queue, item) -> None:
-        """A blocking put that gives up once another thread failed."""
-        while True:
-            self.check()
-            try:
-                target.put(item, timeout=POLL_S)
-                return
-            except queue.Full:
-                continue
-
-    def _get(self, source: queue.Queue):
-        """A blocking get that ends (with _DONE) once another thread failed."""
-        while self.error is None:
-            try:
-                return source.get(timeout=POLL_S)
-            except queue.Empty:
-                continue
-        return _DONE
-
-    def _assemble(self) -> None:
-        while (item := self._get(self.batches)) is not _DONE:
-            slot, placements = item
-            slot.wait()
-            for assembly, index, offset in placements:
-                assembly.put(index, slot, offset)
-                if assembly.remaining == 0:
-                    assembly.stats = integrity.check_assembled(assembly.info.id, assembly.tokens, assembly.ids, assembly.absmax, assembly.written)
-                    self._put(self.complete, assembly)
-            self.transfer.release(slot)
-        self._put(self.complete, _DONE)
-
-    def _upload(self) -> None:
-        while (assembly := self._get(self.complete)) is not _DONE:
-            self._store(assembly)
-
     def _store(self, assembly: ChunkAssembly) -> None:
-        chunk, meta = assembly.info.id, self.metadata
-        path = self.spool_dir / f"{chunk:06d}.safetensors"
-        with open(path, "wb") as out:
-            write_safetensors(
-                out, hidden_tensors(assembly.tokens, assembly.hidden, assembly.scale),
-                hidden_metadata(layers=meta.layers, model=meta.model, config_hash=meta.config_hash, dtype=meta.dtype),
-            )
-        prefix = fetch_header_bytes(file_range(path))
-        integrity.check_encoded(chunk, prefix, path.stat().st_size, assembly.tokens, meta.layers)
-        put = self.storage.put_file(hidden_chunk_key(chunk), path)
-        path.unlink()
+        chunk, meta, buffer = assembly.info.id, self.metadata, assembly.buffer
+        if assembly.copied is not None:
+            assembly.copied.synchronize()
+        stats = integrity.check_assembled(chunk, assembly.tokens, assembly.view(buffer.ids), assembly.view(buffer.absmax), assembly.written)
+        parts = safetensors_parts(
+            hidden_tensors(assembly.tokens, assembly.view(buffer.hidden), assembly.view(buffer.scale)),
+            hidden_metadata(layers=meta.layers, model=meta.model, config_hash=meta.config_hash, dtype=meta.dtype,
+                            compute_dtype=meta.compute_dtype),
+        )
+        integrity.check_encoded(chunk, bytes(parts[0]), sum(len(p) for p in parts), assembly.tokens, meta.layers)
+        put = self.storage.put_parts(hidden_chunk_key(chunk), parts)
         if self.kill_before_marker == str(chunk):
             os.kill(os.getpid(), signal.SIGKILL)
         marker = DoneMarker(
             chunk=chunk, samples=assembly.tokens.num_samples, tokens=assembly.tokens.num_tokens,
             bytes=put.size, sha256=put.sha256, etag=put.etag, dtype=meta.dtype, layers=list(meta.layers),
-            hidden_size=meta.hidden_size, shard=meta.shard, stats=assembly.stats,
+            hidden_size=meta.hidden_size, shard=meta.shard, stats=stats, compute_dtype=meta.compute_dtype,
         )
         if not self.storage.put_if_absent(done_key(chunk), marker.to_json().encode()):
             raise StorageError(
