@@ -68,9 +68,10 @@ class RunMetrics:
         else:  # the rate and the ETA are extraction's: once it is over they are not known
             self._set(self.tokens_per_second, None)
             self._set(self.eta, None)
-        if update.step == "verify":
+        if update.step == "verify":  # which runs once every chunk has landed
             self._set(self.chunks_verified, update.done)
             self._set(self.chunks, update.total)
+            self._set(self.chunks_landed, update.total)
         self.reported.labels(run=self.run).set(time.time())
 
     def _set(self, gauge: Gauge, value: float | None) -> None:
