@@ -35,7 +35,7 @@ def quick_retries(monkeypatch):
     monkeypatch.setattr(storage_module.open_storage, "__kwdefaults__", {**storage_module.open_storage.__kwdefaults__, "max_attempts": 2})
     monkeypatch.setattr(storage_module, "FIRST_WAIT_S", 0.05)
     monkeypatch.setattr(storage_module, "LONGEST_WAIT_S", 0.2)
-
+    monkeypatch.setattr(pipeline_module, "OUTAGE_LINE_S", 0.0)  # every wait said
 
 @pytest.fixture
 def run_on_s3(s3_server, s3_bucket, tmp_path, monkeypatch, quick_retries):
@@ -166,3 +166,14 @@ def test_s3_answers_are_classified_by_code_and_status(code, status, expected):
 
     answer = ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}, "HeadObject")
     assert type(storage_module._s3_error(answer, "s3://bucket/run/key")) is expected
+
+
+def test_an_outage_is_said_once_in_a_while_not_once_per_waiting_thread(s3_bucket):
+    """verify checks chunks on many threads, and each waits out the same outage: one line says it."""
+    spec = parse_spec({"name": "outage", "target": {"model": "/m"}, "data": {"source": "/d.jsonl"}, "output": f"s3://{s3_bucket}/run"})
+    recorder = Recorder()
+    storage = pipeline_module.patient_storage(spec, recorder, 60)
+    for _ in range(16):
+        storage.patience.on_wait(StorageUnavailable("cannot reach the S3 endpoint"), 5.0)
+    assert recorder.lines == ["storage unavailable (cannot reach the S3 endpoint); trying again in 5 s"]
+    assert storage.patience.seconds == 60

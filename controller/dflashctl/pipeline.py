@@ -23,6 +23,7 @@ only a bad spec or bad input (2) and a failed step (1) are final.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,6 +62,8 @@ REFRESH_S = 10.0
 """How often progress is read from storage while a Job runs."""
 STORAGE_PATIENCE_S = 900.0
 """How long one storage call waits out an outage before the run exits 5 (and is run again)."""
+OUTAGE_LINE_S = 30.0
+"""At most one "storage unavailable" line this often: verify's many threads all wait at once."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,9 +158,15 @@ def run_eval(
 
 def patient_storage(spec: RunSpec, reporter: Reporter, patience_s: float | None) -> Storage:
     """The run's storage, its calls waiting out an outage of up to `patience_s` (None:
-    STORAGE_PATIENCE_S), each wait said."""
+    STORAGE_PATIENCE_S), the waits said (one line every OUTAGE_LINE_S at most)."""
+    said = [float("-inf")]
+    lock = threading.Lock()
 
     def waiting(error: StorageUnavailable, seconds: float) -> None:
+        with lock:
+            if time.monotonic() - said[0] < OUTAGE_LINE_S:
+                return
+            said[0] = time.monotonic()
         reporter.say(f"storage unavailable ({error.what}); trying again in {seconds:.0f} s")
 
     return storage_for(spec, patience=Patience(STORAGE_PATIENCE_S if patience_s is None else patience_s, on_wait=waiting))
