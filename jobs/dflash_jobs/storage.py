@@ -36,7 +36,7 @@ TEMP_PREFIX = ".tmp-"
 PART_THREADS = 8
 FIRST_WAIT_S = 5.0
 LONGEST_WAIT_S = 120.0
-"""Waits between attempts while storage is unavailable (`patience_s`): doubling from the first to the longest."""
+"""Waits between attempts while storage is unavailable (see Patience): doubling from the first to the longest."""
 # S3 error codes of a store that is down or overloaded; HEAD answers carry only the status ("503").
 _UNAVAILABLE_CODES = {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout", "Throttling", "ThrottlingException"}
 

@@ -116,7 +116,7 @@ def supervisor_process(files: JobFiles) -> ProcessRef:
     deadline = time.monotonic() + 5.0
     while True:
         recorded = read_json(files.pid)
-        if recorded is not None:
+        if isinstance(recorded, dict):  # a bare pid, as older versions wrote it, cannot be verified
             process = ProcessRef(recorded["pid"], recorded["started"])
             if process.is_running():
                 return process
