@@ -14,11 +14,16 @@ Each step first looks at what exists, in storage and on the backend, and does on
 Storage decides, never a Job's Complete: with backoffLimitPerIndex one failed index fails the
 whole Job although its chunks may have landed, and a Complete Job proves nothing about its
 objects. The same code runs in a terminal and as the in-cluster controller Job, on either backend.
+
+A run lasts days, and storage has outages: every storage call waits one out (STORAGE_PATIENCE_S,
+with backoff, said in the log), and past that the run exits 5, which the controller Job retries;
+only a bad spec or bad input (2) and a failed step (1) are final.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,10 +31,10 @@ from typing import Any, Protocol
 
 import yaml
 
-from dflash_jobs.errors import StorageError
+from dflash_jobs.errors import StorageError, StorageUnavailable
 from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, RUN_KEY, Manifest
 from dflash_jobs.spec import RunSpec, dump_spec
-from dflash_jobs.storage import ObjectNotFound, Storage, storage_for
+from dflash_jobs.storage import ObjectNotFound, Patience, Storage, storage_for
 
 from dflashctl.backend import (
     EVENT_CHUNKS_VERIFIED,
@@ -47,7 +52,7 @@ from dflashctl.backend import (
     format_indexes,
 )
 from dflashctl.errors import Conflict, RunFailed, WaitTimeout
-from dflashctl.progress import RateMeter, read_progress
+from dflashctl.progress import landing_rate, read_progress, time_left
 from dflashctl.render import job_name, render_selection
 from dflashctl.verify import Expected, VerificationFailed, read_manifest, verify_run
 
@@ -55,6 +60,10 @@ EXTRACT_RETRIES = 1
 """Times a failed extract Job is replaced within one `run` before it fails (each `run` starts afresh)."""
 REFRESH_S = 10.0
 """How often progress is read from storage while a Job runs."""
+STORAGE_PATIENCE_S = 900.0
+"""How long one storage call waits out an outage before the run exits 5 (and is run again)."""
+OUTAGE_LINE_S = 30.0
+"""At most one "storage unavailable" line this often: verify's many threads all wait at once."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,12 +120,16 @@ def run_pipeline(
     force: bool = False,
     timeout: float | None = None,
     refresh_s: float = REFRESH_S,
+    storage_patience_s: float | None = None,
 ) -> PipelineResult:
     """Runs what is missing of the run, step by step; see the module docstring.
 
     `force` replaces a run.yaml and Jobs left by a different spec under this name. `timeout` bounds
-    the whole call (WaitTimeout; the Jobs go on). Raises RunFailed when a step fails."""
-    pipeline = Pipeline(spec, backend, storage or storage_for(spec), reporter or Silent(), force=force, timeout=timeout, refresh_s=refresh_s)
+    the whole call (WaitTimeout; the Jobs go on). Raises RunFailed when a step fails, and
+    StorageUnavailable when storage stays unavailable for `storage_patience_s`."""
+    reporter = reporter or Silent()
+    storage = storage or patient_storage(spec, reporter, storage_patience_s)
+    pipeline = Pipeline(spec, backend, storage, reporter, force=force, timeout=timeout, refresh_s=refresh_s)
     return pipeline.run()
 
 
@@ -128,9 +141,12 @@ def run_eval(
     reporter: Reporter | None = None,
     timeout: float | None = None,
     refresh_s: float = REFRESH_S,
+    storage_patience_s: float | None = None,
 ) -> dict[str, Any]:
     """`dflashctl eval`: evaluate the trained drafter (or attach to the evaluation that runs); the report."""
-    pipeline = Pipeline(spec, backend, storage or storage_for(spec), reporter or Silent(), force=False, timeout=timeout, refresh_s=refresh_s)
+    reporter = reporter or Silent()
+    storage = storage or patient_storage(spec, reporter, storage_patience_s)
+    pipeline = Pipeline(spec, backend, storage, reporter, force=False, timeout=timeout, refresh_s=refresh_s)
     if not pipeline.storage.exists(DRAFTER_CONFIG_KEY):
         raise RunFailed(
             f"{pipeline.storage.url}/{DRAFTER_CONFIG_KEY} does not exist: there is no trained drafter to evaluate",
@@ -138,6 +154,22 @@ def run_eval(
         )
     pipeline.job_step("eval", EVAL_REPORT_KEY)
     return pipeline.read_report()
+
+
+def patient_storage(spec: RunSpec, reporter: Reporter, patience_s: float | None) -> Storage:
+    """The run's storage, its calls waiting out an outage of up to `patience_s` (None:
+    STORAGE_PATIENCE_S), the waits said (one line every OUTAGE_LINE_S at most)."""
+    said = [float("-inf")]
+    lock = threading.Lock()
+
+    def waiting(error: StorageUnavailable, seconds: float) -> None:
+        with lock:
+            if time.monotonic() - said[0] < OUTAGE_LINE_S:
+                return
+            said[0] = time.monotonic()
+        reporter.say(f"storage unavailable ({error.what}); trying again in {seconds:.0f} s")
+
+    return storage_for(spec, patience=Patience(STORAGE_PATIENCE_S if patience_s is None else patience_s, on_wait=waiting))
 
 
 class Pipeline:
@@ -153,7 +185,6 @@ class Pipeline:
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.timeout = timeout
         self.refresh_s = refresh_s
-        self.meter = RateMeter()
         self.progress_label: str | None = None
 
     def run(self) -> PipelineResult:
@@ -336,13 +367,13 @@ class Pipeline:
             # Hours of extraction outlive S3 hiccups: the Job goes on, and so does the watching.
             self.reporter.say(f"extract: cannot read progress from {self.storage.url} ({error.what}); trying again in {self.refresh_s:.0f} s")
             return
-        self.meter.observe(progress)
         if job is not None and job.exists and progress.label != self.progress_label:
             self.backend.annotate(job.name, PROGRESS_ANNOTATION, progress.label)
             self.progress_label = progress.label
+        rate = landing_rate(progress, since=job.started_at if job is not None else None)
         self.reporter.update(StepUpdate(
             step, job=job, done=progress.chunks_done, total=progress.chunks_total,
-            tokens_per_s=self.meter.tokens_per_s, eta_s=self.meter.eta_s(progress),
+            tokens_per_s=rate, eta_s=time_left(progress, rate),
         ))
 
     def failure(self, name: str, what: str, fix: str) -> RunFailed:

@@ -47,6 +47,7 @@ MODEL_CACHE_DIR = "/var/cache/dflash-models"
 KERNEL_CACHE_DIR = "/var/cache/dflash-kernels"
 """Where cluster.kernel_cache is mounted."""
 RENDEZVOUS_PORT = 29400
+METRICS_PORT_NAME = "metrics"
 CACHE_HEADROOM_GIB = 16
 
 # Resources of the CPU pods. Prepare tokenizes the JSONL data set; the controller only watches.
@@ -243,6 +244,9 @@ def render_controller_objects(spec: RunSpec) -> list[Manifest]:
         resources=CONTROLLER_RESOURCES,
         mounts=[_spec_mount(), {"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_DIR}],
     )
+    if spec.cluster.metrics_port is not None:
+        # By name: the Service of k8s/components/metrics targets "metrics", whatever the number.
+        container["ports"] = [{"name": METRICS_PORT_NAME, "containerPort": spec.cluster.metrics_port, "protocol": "TCP"}]
     pod_spec = {
         "serviceAccountName": account,
         "restartPolicy": "Never",
@@ -254,7 +258,8 @@ def render_controller_objects(spec: RunSpec) -> list[Manifest]:
     job = _job(spec, "controller", pod, {
         "backoffLimit": CONTROLLER_BACKOFF_LIMIT,
         # A failed run (exit 1) or a bad spec (exit 2) fails the same way again; anything else
-        # (lost API server, OOM, node drain) is retried, and the new pod attaches to the run.
+        # (storage or API server unavailable for long: 5, 4; OOM; node drain) is retried, and the
+        # new pod attaches to the run.
         "podFailurePolicy": {"rules": [
             _ignore_disruptions(),
             {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [EXIT_RUN_FAILED, EXIT_BAD_SPEC]}},

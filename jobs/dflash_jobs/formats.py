@@ -12,7 +12,9 @@ from __future__ import annotations
 import io
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
@@ -21,6 +23,8 @@ from dflash_jobs.errors import FormatError
 
 if TYPE_CHECKING:
     import torch
+
+    from dflash_jobs.storage import Storage
 
 TOKENS_FORMAT = "dflash.tokens/v1"
 HIDDEN_FORMAT = "dflash.hidden/v1"
@@ -66,6 +70,10 @@ def chunk_of_key(key: str) -> int:
 # ---- safetensors header, read without torch ----------------------------------------------------
 
 _ST_DTYPES = {"I32": 4, "U8": 1, "I64": 8, "BF16": 2, "F8_E4M3": 1, "F32": 4, "F16": 2}
+HEADER_PROBE = 64 << 10
+"""Bytes of the first ranged read of a header: a hidden-state chunk's (~1 KB) fits, so one request usually suffices."""
+MAX_HEADER = 100 << 20
+"""A longer header is not a safetensors header but a corrupt or foreign file."""
 
 
 def read_header(data: bytes, name: str) -> tuple[dict[str, Any], int]:
@@ -76,7 +84,7 @@ def read_header(data: bytes, name: str) -> tuple[dict[str, Any], int]:
     if len(data) < 8:
         raise FormatError(f"{name} is truncated: {len(data)} bytes, no safetensors header", "Re-create the file (re-run the step that wrote it)")
     (length,) = struct.unpack("<Q", data[:8])
-    if length > 100 << 20:
+    if 8 + length > MAX_HEADER:
         raise FormatError(f"{name} is not a safetensors file (header length {length})", "Re-create the file")
     if len(data) < 8 + length:
         raise FormatError(f"{name} is truncated inside its header", "Re-create the file")
@@ -99,6 +107,38 @@ def read_header(data: bytes, name: str) -> tuple[dict[str, Any], int]:
 def header_size(prefix: bytes) -> int:
     """Bytes to fetch to read a whole header, given at least the first 8 bytes of the file."""
     return 8 + struct.unpack("<Q", prefix[:8])[0]
+
+
+def fetch_header_bytes(read_range: Callable[[int, int], bytes]) -> bytes:
+    """The first bytes of a safetensors file up to the end of its header (what `read_header`
+    parses; their length is where the tensor data starts), by ranged reads.
+
+    `read_range(start, end)` returns those bytes of the file: `object_range(storage, key)` for a
+    stored object, `file_range(path)` for a local file. One probe covers most headers; a longer one
+    takes a second read. A file too short or with an implausible length is returned as read, for
+    `read_header` to reject by name."""
+    prefix = read_range(0, HEADER_PROBE)
+    if len(prefix) < 8 or header_size(prefix) > MAX_HEADER:
+        return prefix
+    if header_size(prefix) > len(prefix):
+        prefix = read_range(0, header_size(prefix))
+    return prefix[: header_size(prefix)]
+
+
+def object_range(storage: Storage, key: str) -> Callable[[int, int], bytes]:
+    """A stored object as `read_range` for `fetch_header_bytes`: one ranged get per call."""
+    return lambda start, end: storage.get_bytes(key, start, end)
+
+
+def file_range(path: str | Path) -> Callable[[int, int], bytes]:
+    """A local file as `read_range` for `fetch_header_bytes`."""
+
+    def read(start: int, end: int) -> bytes:
+        with open(path, "rb") as f:
+            f.seek(start)
+            return f.read(end - start)
+
+    return read
 
 
 # ---- token chunks ------------------------------------------------------------------------------

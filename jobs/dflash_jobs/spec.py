@@ -29,6 +29,7 @@ MODEL_CACHE_ENV = "DFLASH_MODEL_CACHE"
 # Job names get suffixes ("-extract", "-controller") and pods another "-<index>-<hash>"; the
 # Job name is also a label value (<= 63 characters), so the run name must leave room for them.
 MAX_RUN_NAME = 40
+UNPRIVILEGED_PORTS = (1024, 65535)
 DEFAULT_SPEC_FILE = "dflash.yaml"
 
 
@@ -246,6 +247,9 @@ class ClusterSpec:
     shm_size: str = "16Gi"
     ttl_seconds_after_finished: int | None = None
     """Left unset by default: Git-managed Jobs must not delete themselves."""
+    metrics_port: int | None = None
+    """Port on which `dflashctl run` (the in-cluster controller) serves its progress as Prometheus
+    metrics at /metrics; rendered as the controller Job's "metrics" port. null: no metrics."""
 
     def __post_init__(self) -> None:
         _dns_label("cluster.namespace", self.namespace, limit=63)
@@ -263,6 +267,8 @@ class ClusterSpec:
         _positive("cluster.cpu_per_gpu", self.cpu_per_gpu, minimum=1)
         _binary_quantity("cluster.memory_per_gpu", self.memory_per_gpu)
         _binary_quantity("cluster.shm_size", self.shm_size)
+        if self.metrics_port is not None and not UNPRIVILEGED_PORTS[0] <= self.metrics_port <= UNPRIVILEGED_PORTS[1]:
+            raise SpecError("cluster.metrics_port", self.metrics_port, f"a port in {UNPRIVILEGED_PORTS[0]}..{UNPRIVILEGED_PORTS[1]} (the controller runs as non-root), or null")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,12 +1,15 @@
 """`dflashctl status`: where the run is, per shard, with chunks done, tokens/s, ETA and what comes next.
 
-Also installed as `kubectl-dflash`, so `kubectl dflash status` works for people who live in kubectl.
+`--watch` follows the run to its end, across the gaps between its Jobs (verify runs between
+extraction and training without a Job of its own). Also installed as `kubectl-dflash`, so
+`kubectl dflash status` works for people who live in kubectl.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -21,10 +24,11 @@ from dflash_jobs.formats import DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, MANIFEST_KE
 from dflash_jobs.spec import RunSpec, load_spec
 from dflash_jobs.storage import storage_for
 
-from dflashctl.backend import Backend, JobStatus, format_indexes, open_backend
+from dflashctl.backend import Backend, JobStatus, format_indexes
+from dflashctl.backends import open_backend
 from dflashctl.cli import output
 from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt, WatchOpt
-from dflashctl.progress import Progress, RateMeter, format_duration, format_rate, read_progress
+from dflashctl.progress import Progress, format_duration, format_rate, landing_rate, read_progress, time_left
 from dflashctl.render import COMPONENTS, STEPS, job_name
 
 REFRESH_S = 5.0
@@ -55,6 +59,21 @@ class RunReport:
     @property
     def failed(self) -> bool:
         return not self.evaluated and any(job.failed_terminally for job in self.jobs.values())
+
+    @property
+    def step(self) -> str:
+        """The step the run is at: the first whose output is not in storage ("done" at the end)."""
+        if self.evaluated:
+            return "done"
+        if self.progress is None:
+            return "unknown (storage unreachable)"
+        if self.progress.chunks_total is None:
+            return "prepare"
+        if not self.progress.landed:
+            return "extract"
+        if not self.manifest:
+            return "verify"
+        return "train" if not self.trained else "eval"
 
 
 def job_statuses(spec: RunSpec, backend: Backend) -> dict[str, JobStatus]:
@@ -94,7 +113,7 @@ def summarize(step: str, job: JobStatus) -> str:
     return f"{step} {state}: {', '.join(parts)}"
 
 
-def collect(spec: RunSpec, backend: Backend, meter: RateMeter) -> RunReport:
+def collect(spec: RunSpec, backend: Backend) -> RunReport:
     jobs = job_statuses(spec, backend)
     progress = manifest = trained = evaluated = None
     storage_error = None
@@ -106,19 +125,17 @@ def collect(spec: RunSpec, backend: Backend, meter: RateMeter) -> RunReport:
         evaluated = storage.exists(EVAL_REPORT_KEY)
     except StorageError as error:
         storage_error = str(error)
-    if progress is not None:
-        meter.observe(progress)
     extract = jobs["extract"]
-    if meter.tokens_per_s is None and extract.started_at is not None and progress is not None and not extract.finished:
-        # A single look: the average since the extraction Job started.
-        meter.seed(extract.started_at, 0)
+    rate = None
+    if progress is not None and extract.exists and not extract.finished:
+        rate = landing_rate(progress, since=extract.started_at)  # what landed since this Job started
     report = RunReport(
         run=spec.name,
         backend=spec.backend,
         jobs=jobs,
         progress=progress,
-        tokens_per_s=meter.tokens_per_s if extract.exists and not extract.finished else None,
-        eta_s=meter.eta_s(progress) if progress is not None and extract.exists and not extract.finished else None,
+        tokens_per_s=rate,
+        eta_s=None if progress is None else time_left(progress, rate),
         manifest=bool(manifest),
         trained=bool(trained),
         evaluated=bool(evaluated),
@@ -168,6 +185,29 @@ def _step_hint(step: str, job: JobStatus, *, running: str, start: str) -> str:
     return running
 
 
+def follow(spec: RunSpec, backend: Backend, report: RunReport) -> Iterator[RunReport]:
+    """`report`, then a fresh one every REFRESH_S until the run has ended (see `ended`)."""
+    previous = None
+    while True:
+        yield report
+        if ended(report, previous):
+            return
+        time.sleep(REFRESH_S)
+        previous, report = report, collect(spec, backend)
+
+
+def ended(report: RunReport, previous: RunReport | None) -> bool:
+    """The run is over: evaluated, or its in-cluster controller finished, or (driven from a terminal
+    or by hand) a Job failed with nothing running, in two looks in a row: whoever drives the run
+    replaces a failed extraction within moments. A gap without Jobs (verify) is not an end."""
+    if report.evaluated:
+        return True
+    controller = report.jobs["controller"]
+    if controller.exists:
+        return controller.finished
+    return all(look is not None and look.failed and not look.active for look in (report, previous))
+
+
 # ---- output ------------------------------------------------------------------------------------
 
 
@@ -183,9 +223,12 @@ def report_json(report: RunReport) -> dict[str, Any]:
     return {
         "run": report.run,
         "backend": report.backend,
+        "step": report.step,
         "jobs": {step: job(status) for step, status in report.jobs.items()},
         "progress": None if progress is None else {
-            **asdict(progress), "tokens_per_s": report.tokens_per_s, "eta_s": report.eta_s,
+            "chunks_done": progress.chunks_done, "chunks_total": progress.chunks_total,
+            "tokens_done": progress.tokens_done, "tokens_total": progress.tokens_total,
+            "tokens_per_s": report.tokens_per_s, "eta_s": report.eta_s,
         },
         "manifest": report.manifest,
         "trained": report.trained,
@@ -206,7 +249,7 @@ def progress_line(report: RunReport) -> str:
 
 
 def plain_lines(report: RunReport) -> list[str]:
-    lines = [f"run {report.run} ({report.backend})"]
+    lines = [f"run {report.run} ({report.backend}), step: {report.step}"]
     lines += [summarize(step, job) for step, job in report.jobs.items() if job.exists]
     step = current_step(report.jobs)
     for shard in report.jobs[step].shards if step else []:
@@ -221,6 +264,7 @@ def rich_view(report: RunReport) -> Group:
     step = current_step(report.jobs)
     header = Text(f"run {report.run}", style="bold")
     header.append(f"  ({report.backend})", style="dim")
+    header.append(f"  step: {report.step}")
     jobs = Text("  ".join(f"{s}: {job_state(j)}" for s, j in report.jobs.items() if s != "controller" or j.exists))
     table = Table(title=f"{step} shards" if step else None, expand=False)
     for column in ("shard", "pod", "node", "phase", "attempts", "exit reason"):
@@ -251,7 +295,7 @@ def status(
 
       dflashctl status                 # a table
 
-      dflashctl status --watch         # live until nothing runs any more
+      dflashctl status --watch         # live until the run ends (or Ctrl-C), across the gaps between Jobs
 
       dflashctl status -o json | jq .progress
 
@@ -267,23 +311,19 @@ def status(
     """
     spec = load_spec(spec_file)
     backend = open_backend(spec)
-    meter = RateMeter()
-    report = collect(spec, backend, meter)
+    report = collect(spec, backend)
     if not watch:
         _show(report, fmt)
     elif fmt is OutputFormat.table and sys.stdout.isatty():
         with Live(rich_view(report), console=output.stdout, auto_refresh=False) as live:
-            while report.active:
-                time.sleep(REFRESH_S)
-                report = collect(spec, backend, meter)
+            for report in follow(spec, backend, report):
                 live.update(rich_view(report), refresh=True)
     else:
-        _show(report, fmt)
-        while report.active:
-            time.sleep(REFRESH_S)
-            previous, report = report, collect(spec, backend, meter)
-            if fmt is OutputFormat.json or plain_lines(report) != plain_lines(previous):
+        shown: list[str] = []
+        for report in follow(spec, backend, report):
+            if fmt is OutputFormat.json or plain_lines(report) != shown:
                 _show(report, fmt)
+                shown = plain_lines(report)
     if watch and report.failed:
         raise typer.Exit(1)
 
