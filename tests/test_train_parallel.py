@@ -116,7 +116,7 @@ def test_a_bad_spec_or_input_in_the_rendered_pod_fails_the_job_at_once(component
     target does not have (a spec error found at run time), evaluation of a run with no drafter (bad
     input). Each must fail the Job through its podFailurePolicy on the first attempt, not after
     backoffLimit retries."""
-    from dflashctl.local import LocalBackend
+    from dflashctl.local.backend import LocalBackend
     from dflashctl.render import render_selection
     from train_fixtures import tiny_extract, tiny_target, train_spec_dict
 
