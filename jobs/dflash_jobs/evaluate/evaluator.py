@@ -21,7 +21,7 @@ from dflash_jobs.errors import InputError
 from dflash_jobs.evaluate.baselines import PromptLookupDrafter
 from dflash_jobs.evaluate.metrics import acceptance_length
 from dflash_jobs.evaluate.report import build_report, store_report
-from dflash_jobs.evaluate.speculative import BlockDrafter, Decoded, DFlashDrafter, Target, greedy_decode, speculative_decode
+from dflash_jobs.drafter.speculative import BlockDrafter, Decoded, DFlashDrafter, Target, greedy_decode, speculative_decode
 from dflash_jobs.extract.target import local_checkpoint
 from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk
 from dflash_jobs.prepare import prompt_length

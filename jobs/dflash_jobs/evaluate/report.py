@@ -14,7 +14,7 @@ import json
 from typing import Any, Mapping, Sequence
 
 from dflash_jobs.evaluate.metrics import summarize, tokens_per_second
-from dflash_jobs.evaluate.speculative import Decoded
+from dflash_jobs.drafter.speculative import Decoded
 from dflash_jobs.formats import EVAL_PLOT_KEY, EVAL_REPORT_KEY
 
 REPORT_FORMAT = "dflash.eval/v1"

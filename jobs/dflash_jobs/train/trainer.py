@@ -29,8 +29,8 @@ from dflash_jobs.spec import RunSpec, resolve_layers
 from dflash_jobs.storage import Storage, open_storage, storage_for
 from dflash_jobs.train.checkpointer import Checkpointer
 from dflash_jobs.train.data import Batch, BatchBuilder, BatchStream, ChunkCache, plan_epoch, read_document_index
-from dflash_jobs.train.loss import DraftLoss, expected_acceptance_length
-from dflash_jobs.train.masks import build_attention
+from dflash_jobs.train.loss import DraftLoss, draft_loss, expected_acceptance_length
+from dflash_jobs.drafter.masks import build_attention
 from dflash_jobs.train.metrics import ConsoleSink, MetricSink, MultiSink, NullSink, StorageSink, should_log
 from dflash_jobs.train.optim import build_optimizer, build_scheduler
 
@@ -233,10 +233,8 @@ class Trainer:
         config = self.drafter.config
         attention = build_attention(batch.layout, config.layer_types, config.sliding_window, backend=self.attention_backend)
         with self.autocast():
-            out = self.model(
-                batch.context_hidden, batch.context_positions, batch.block_ids, batch.block_positions, attention,
-                batch.labels, batch.loss_weights,
-            )
+            hidden = self.model(batch.context_hidden, batch.context_positions, batch.block_ids, batch.block_positions, attention)
+            out = draft_loss(hidden, self.drafter.lm_head, batch.labels, batch.loss_weights)
         out.loss.backward()
         max_norm = self.spec.train.grad_clip or math.inf
         torch.nn.utils.clip_grad_norm_(self.trainable, max_norm)
