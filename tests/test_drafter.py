@@ -219,3 +219,9 @@ def test_draft_block_agrees_with_the_training_forward():
         logits = drafter.logits(drafter(context_hidden[0], positions, block_ids, block_positions, attention))
     assert drafted.shape == (B - 1,)
     assert torch.equal(drafted, logits[0, 1:].argmax(-1))
+
+
+def test_a_drafter_refuses_captured_layers_out_of_ascending_order():
+    """vLLM concatenates the captured layers in ascending order: fc must have been trained on that order."""
+    with pytest.raises(ValueError, match=r"target_layer_ids \[3, 1\] must be distinct and ascending"):
+        small_config(target_layer_ids=[3, 1])
