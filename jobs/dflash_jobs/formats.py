@@ -5,6 +5,13 @@ can read them without torch. Hidden-state chunks need torch (bf16 and fp8 have n
 those functions import it when called.
 
 Readers reject a truncated, mislabeled or inconsistent file with a FormatError naming the file.
+
+The layer convention of hidden-state chunks: hidden_states[:, k] is the output of decoder layer
+layers[k] (0-based, ascending), before the final norm. That is z-lab's target_layer_ids and
+Transformers' output_hidden_states[layers[k] + 1], except for the target's last decoder layer:
+Transformers' last entry is after the final norm, ours is before it, like vLLM's aux state
+num_hidden_layers (which speculators appends to its files). vLLM and speculators number every
+layer one higher (their 0 is the embeddings). tests/test_layer_convention.py pins the edge.
 """
 
 from __future__ import annotations
