@@ -24,11 +24,12 @@ import torch
 from dflash_jobs.drafter.checkpoint import TargetCheckpoint
 from dflash_jobs.drafter.model import Drafter, DrafterConfig
 from dflash_jobs.errors import InputError
+from dflash_jobs.formats import DRAFTER_DIR
 from dflash_jobs.storage import Storage, open_storage
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-DRAFTER_PREFIX = "train/drafter/"
+DRAFTER_PREFIX = f"{DRAFTER_DIR}/"
 MODELING_FILES = ("dflash.py", "model.py", "masks.py", "speculative.py")
 """This package's inference code, copied into the export: dflash.py imports the others relatively."""
 

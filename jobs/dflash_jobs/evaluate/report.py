@@ -5,6 +5,7 @@ report.json (format dflash.eval/v1):
     greedy:   {tokens, tokens_per_second}             plain greedy decoding, the reference
     drafters: {name: metrics.summarize(...)}          "dflash", and "prompt_lookup" as the training-free baseline
     lossless: true when every drafter's output equals plain greedy on every prompt
+    vllm_serve: the shell commands that serve this drafter with its target in vLLM (drafter/serving.py)
 """
 
 from __future__ import annotations
