@@ -38,7 +38,7 @@ def extract(checkpoint, tmp_path, chunks) -> HiddenChunk:
     storage, infos = prepared_run(tmp_path, chunks)
     worker = ExtractWorker(
         ExtractSpec(shards=1, token_budget=96, pad_multiple=16, sort_window=1), target=target, storage=storage, chunks=infos,
-        summary=Summary(shard=0, shards=1), max_length=48, packed=False, spool_dir=tmp_path / "spool", log_interval=0.0,
+        summary=Summary(shard=0, shards=1), max_length=48, packed=False, log_interval=0.0,
     )
     try:
         with torch.inference_mode():
