@@ -56,10 +56,10 @@ def export_states(
     spec = load_spec(spec_file)
     source = storage_for(spec)
     destination = open_storage(to or default_destination(spec), endpoint_url=spec.storage.endpoint_url, region=spec.storage.region)
-    target_layers = depth or target_depth(spec)
+    depth = depth or target_depth(spec)
     with reporter_for(output.stderr) as reporter:
         summary = export_speculators(
-            source, destination, depth=target_layers, workers=workers,
+            source, destination, depth=depth, workers=workers,
             on_progress=lambda done, total: reporter.update(StepUpdate("export", done=done, total=total)),
         )
     if fmt is OutputFormat.json:

@@ -21,7 +21,7 @@ from dflash_jobs.drafter.serving import run_serve_command
 from dflash_jobs.errors import FormatError, StorageError
 from dflash_jobs.formats import DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, MANIFEST_KEY
 from dflash_jobs.spec import RunSpec, load_spec
-from dflash_jobs.storage import storage_for
+from dflash_jobs.storage import Storage, storage_for
 
 from dflashctl.backend import Backend, JobStatus, format_indexes, open_backend
 from dflashctl.cli import output
@@ -134,7 +134,7 @@ def collect(spec: RunSpec, backend: Backend, meter: RateMeter) -> RunReport:
     return report
 
 
-def serve_command(spec: RunSpec, storage) -> str:
+def serve_command(spec: RunSpec, storage: Storage) -> str:
     """The vLLM serve command of the exported drafter, from its config.json."""
     try:
         return run_serve_command(spec, json.loads(storage.get_bytes(DRAFTER_CONFIG_KEY)))
