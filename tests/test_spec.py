@@ -52,6 +52,7 @@ def test_minimal_spec_gets_the_documented_defaults():
         ({"output": ""}, "output", "s3://bucket/prefix URL"),
         ({"output": "s3://"}, "output", "with a bucket name"),
         ({"target": {"layers": [1, 1]}}, "target.layers", "distinct"),
+        ({"target": {"layers": [5, 1, 3]}}, "target.layers", "= [5, 1, 3] is invalid. Expected layer indices in ascending order, [1, 3, 5]"),
         ({"target": {"layers": "1,2"}}, "target.layers", "a list of an integer"),
         ({"data": {"chunk_tokens": 1024}}, "data.chunk_tokens", ">= data.max_length"),
         ({"cluster": {"namespace": "My NS"}}, "cluster.namespace", "DNS-1123 label"),

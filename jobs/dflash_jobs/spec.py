@@ -51,7 +51,9 @@ class TargetSpec:
     model: str
     """HF checkpoint directory (a PVC mount in pods) or an s3:// prefix holding one."""
     layers: list[int] | None = None
-    """Decoder layers to capture, 0-based: layer i is HF output_hidden_states[i + 1]. Default: 5 evenly spaced over 1..n-3."""
+    """Decoder layers to capture, 0-based and ascending: layer i is the output of decoder layer i before the final norm
+    (z-lab's target_layer_ids; HF output_hidden_states[i + 1], except for the last layer, whose HF entry is after the
+    final norm). Default: 5 evenly spaced over 1..n-3."""
     attn_implementation: str = "sdpa"
     """Attention kernel for the target's full-attention layers: sdpa, eager or flash_attention_2."""
 
@@ -64,6 +66,13 @@ class TargetSpec:
                 raise SpecError("target.layers", self.layers, "layer indices >= 0")
             if len(set(self.layers)) != len(self.layers):
                 raise SpecError("target.layers", self.layers, "distinct layer indices")
+            if self.layers != sorted(self.layers):
+                # vLLM concatenates the captured layers in ascending order: a drafter trained on
+                # another order would read them shuffled when served, silently.
+                raise SpecError(
+                    "target.layers", self.layers,
+                    f"layer indices in ascending order, {sorted(self.layers)}: vLLM feeds the drafter the layers in ascending order",
+                )
         allowed = ("sdpa", "eager", "flash_attention_2")
         if self.attn_implementation not in allowed:
             raise SpecError("target.attn_implementation", self.attn_implementation, " | ".join(allowed))

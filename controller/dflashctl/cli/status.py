@@ -7,6 +7,7 @@ extraction and training without a Job of its own). Also installed as `kubectl-df
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Iterator
@@ -19,10 +20,11 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from dflash_jobs.errors import StorageError
+from dflash_jobs.drafter.serving import run_serve_command
+from dflash_jobs.errors import FormatError, StorageError
 from dflash_jobs.formats import DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, MANIFEST_KEY
 from dflash_jobs.spec import RunSpec, load_spec
-from dflash_jobs.storage import storage_for
+from dflash_jobs.storage import Storage, storage_for
 
 from dflashctl.backend import Backend, JobStatus, format_indexes
 from dflashctl.backends import open_backend
@@ -50,6 +52,8 @@ class RunReport:
     evaluated: bool
     storage_error: str | None
     next_step: str = ""
+    serve: str | None = None
+    """Once the drafter is exported: the vLLM command that serves it (or why it cannot be formatted)."""
 
     @property
     def active(self) -> bool:
@@ -115,7 +119,7 @@ def summarize(step: str, job: JobStatus) -> str:
 
 def collect(spec: RunSpec, backend: Backend) -> RunReport:
     jobs = job_statuses(spec, backend)
-    progress = manifest = trained = evaluated = None
+    progress = manifest = trained = evaluated = serve = None
     storage_error = None
     try:
         storage = storage_for(spec)
@@ -123,6 +127,7 @@ def collect(spec: RunSpec, backend: Backend) -> RunReport:
         manifest = storage.exists(MANIFEST_KEY)
         trained = storage.exists(DRAFTER_CONFIG_KEY)
         evaluated = storage.exists(EVAL_REPORT_KEY)
+        serve = serve_command(spec, storage) if trained else None
     except StorageError as error:
         storage_error = str(error)
     extract = jobs["extract"]
@@ -140,9 +145,18 @@ def collect(spec: RunSpec, backend: Backend) -> RunReport:
         trained=bool(trained),
         evaluated=bool(evaluated),
         storage_error=storage_error,
+        serve=serve,
     )
     report.next_step = next_step(spec, report)
     return report
+
+
+def serve_command(spec: RunSpec, storage: Storage) -> str:
+    """The vLLM serve command of the exported drafter, from its config.json."""
+    try:
+        return run_serve_command(spec, json.loads(storage.get_bytes(DRAFTER_CONFIG_KEY)))
+    except (ValueError, FormatError) as error:  # json's errors are ValueErrors
+        return f"(cannot tell: {spec.output}/{DRAFTER_CONFIG_KEY} is unreadable: {error})"
 
 
 def next_step(spec: RunSpec, report: RunReport) -> str:
@@ -235,6 +249,7 @@ def report_json(report: RunReport) -> dict[str, Any]:
         "evaluated": report.evaluated,
         "storage_error": report.storage_error,
         "next": report.next_step,
+        "serve": report.serve,
     }
 
 
@@ -257,6 +272,8 @@ def plain_lines(report: RunReport) -> list[str]:
         lines.append(f"  {step}[{shard.index}] {shard.phase} pod={shard.pod or '-'} node={shard.node or '-'} attempts={shard.attempts}{reason}")
     lines.append(progress_line(report))
     lines.append(f"next: {report.next_step}")
+    if report.serve:
+        lines += ["serve with vLLM:", *report.serve.splitlines()]
     return lines
 
 
@@ -281,6 +298,8 @@ def rich_view(report: RunReport) -> Group:
     if report.storage_error:
         lines.append(Text(f"storage: {report.storage_error}", style="red"))
     lines += [Text(progress_line(report)), Text(f"next: {report.next_step}", style="bold")]
+    if report.serve:
+        lines.append(Text(f"serve with vLLM:\n{report.serve}"))
     return Group(*lines)
 
 

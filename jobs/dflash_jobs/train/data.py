@@ -29,7 +29,7 @@ from dflash_jobs.formats import HiddenChunk, dequantize_fp8, fetch_header_bytes,
 from dflash_jobs.storage import Storage
 from dflash_jobs.train.anchors import anchor_candidates, sample_anchors
 from dflash_jobs.train.loss import slot_weights
-from dflash_jobs.train.masks import BlockLayout
+from dflash_jobs.drafter.masks import BlockLayout
 
 DECODED_CHUNKS = 2
 """Chunks held decoded in host memory (~3 GiB each at the 27B shape): the current and the next."""
