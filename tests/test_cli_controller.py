@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import threading
 import time
 from importlib.metadata import entry_points
@@ -17,13 +18,15 @@ from rich.console import Console
 from conftest import free_port
 from k8s_fake_api import fake_k8s  # noqa: F401 - the fixture
 
-from dflash_jobs.formats import DATASET_KEY, ChunkInfo, DatasetIndex, DoneMarker, done_key
+from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, MANIFEST_KEY, ChunkInfo, DatasetIndex, DoneMarker, done_key
 from dflash_jobs.spec import load_spec, parse_spec
 from dflash_jobs.storage import open_storage
-from dflashctl.backend import JobStatus, ShardStatus, open_backend
+from dflashctl.backend import JobStatus, ShardStatus
+from dflashctl.backends import open_backend
 from dflashctl.cli import status as status_cli
 from dflashctl.cli.main import main
-from dflashctl.progress import Progress, RateMeter, format_duration, read_progress
+from dflashctl.progress import Progress, format_duration, landing_rate, read_progress, time_left
+from dflashctl.render import render_selection
 
 CHUNK_TOKENS = 1000
 RUN = {
@@ -44,14 +47,24 @@ def run(tmp_path, fake_k8s):  # noqa: F811 - the fixture above
     chunks = [ChunkInfo(id=i, path=f"tokens/chunks/{i:06d}.safetensors", samples=10, tokens=CHUNK_TOKENS) for i in range(4)]
     storage.put_bytes(DATASET_KEY, DatasetIndex(samples=40, tokens=4 * CHUNK_TOKENS, vocab_size=100, chunks=chunks).to_json().encode())
     for chunk in (0, 2):
-        land(storage, chunk)
+        land(storage, chunk, at=time.time() - 3600)  # by an earlier extraction Job
     return spec_file, storage, fake_k8s.api
 
 
-def land(storage, chunk):
+def land(storage, chunk, *, at: float | None = None):
+    """A chunk's done marker, landed now or at Unix time `at`."""
     marker = DoneMarker(chunk=chunk, samples=10, tokens=CHUNK_TOKENS, bytes=1, sha256="0" * 64, etag=None,
                         dtype="bfloat16", layers=[1], hidden_size=8)
     storage.put_bytes(done_key(chunk), marker.to_json().encode())
+    if at is not None:
+        os.utime(storage.root / done_key(chunk), (at, at))
+
+
+def started(api, job, *, seconds_ago: float) -> float:
+    """The Job's status.startTime, `seconds_ago` (the fake API's clock is its own); returns it."""
+    at = time.time() - seconds_ago
+    api.patch("Job", job, {"status": {"startTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))}})
+    return at
 
 
 def cli(monkeypatch, capsys, *args):
@@ -84,6 +97,7 @@ def test_submit_status_logs_cancel_on_the_cluster(run, monkeypatch, capsys):
     assert code == 0 and "submitted Job demo-run-extract" in err
     assert cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec_file))[0] == 0  # attaches
     api.start("demo-run-extract")
+    started(api, "demo-run-extract", seconds_ago=60)
     api.finish("demo-run-extract", 1, exit_code=42)
     api.write_log("demo-run-extract", 0, "chunk 0: 1000 tokens, 5.1K tok/s")
 
@@ -97,8 +111,8 @@ def test_submit_status_logs_cancel_on_the_cluster(run, monkeypatch, capsys):
     ]
     assert extract["shards"][0]["node"] == "gpu-node-1" and extract["shards"][0]["pod"].startswith("demo-run-extract-0-")
     assert report["progress"]["chunks_done"] == 2 and report["progress"]["chunks_total"] == 4
-    assert report["progress"]["tokens_per_s"] > 0  # averaged since the Job started
-    assert report["next"].startswith("extraction: 2/4 chunks landed")
+    assert report["progress"]["tokens_per_s"] is None  # both chunks landed before this Job started
+    assert report["step"] == "extract" and report["next"].startswith("extraction: 2/4 chunks landed")
     assert report["jobs"]["train"]["state"] == "not submitted"
 
     code, out, _ = cli(monkeypatch, capsys, "status", "-f", str(spec_file))
@@ -109,7 +123,7 @@ def test_submit_status_logs_cancel_on_the_cluster(run, monkeypatch, capsys):
 
     # In a terminal: the same facts as a rich table.
     console = Console(file=io.StringIO(), width=140, color_system=None)
-    console.print(status_cli.rich_view(status_cli.collect(load_spec(spec_file), open_backend(load_spec(spec_file)), RateMeter())))
+    console.print(status_cli.rich_view(status_cli.collect(load_spec(spec_file), open_backend(load_spec(spec_file)))))
     screen = console.file.getvalue()
     assert "extract shards" in screen and "exit 42 (Error)" in screen and "gpu-node-1" in screen
     assert "next: extraction: 2/4 chunks landed" in screen
@@ -183,24 +197,78 @@ def test_retry_resubmits_only_failed_jobs_and_says_so_on_the_new_job(run, monkey
     assert event["reason"] == "ShardsRetried" and event["involvedObject"]["uid"] == new["metadata"]["uid"]
 
 
-def test_status_watch_follows_until_nothing_runs_and_ctrl_c_detaches(run, monkeypatch, capsys):
+def watched(out: str) -> list[dict]:
+    """The JSON documents `status --watch -o json` printed, one per look."""
+    return [json.loads(doc) for doc in out.replace("}\n{", "}\x00{").split("\x00")]
+
+
+def test_status_watch_follows_the_run_across_the_gaps_between_jobs_until_it_ends(run, monkeypatch, capsys):
+    spec_file, storage, api = run
+    spec = load_spec(spec_file)
+    backend = open_backend(spec)
+    job = "demo-run-extract"
+    cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec_file))
+
+    def submit_and_start(step):
+        backend.submit(render_selection(spec, step))
+        api.start(f"demo-run-{step}")
+
+    story = iter([
+        lambda: api.start(job),
+        lambda: (land(storage, 1), api.finish(job, 0)),
+        lambda: (land(storage, 3), api.finish(job, 1), api.finish(job, 2)),
+        lambda: None,  # verify checks the chunks: no Job runs
+        lambda: storage.put_bytes(MANIFEST_KEY, b"{}"),  # verified; training not submitted yet
+        lambda: submit_and_start("train"),
+        lambda: (storage.put_bytes(DRAFTER_CONFIG_KEY, b"{}"), api.finish("demo-run-train", 0)),
+        lambda: submit_and_start("eval"),
+        lambda: (storage.put_bytes(EVAL_REPORT_KEY, b"{}"), api.finish("demo-run-eval", 0)),
+    ])
+    monkeypatch.setattr(status_cli.time, "sleep", lambda seconds: next(story)())
+    code, out, _ = cli(monkeypatch, capsys, "status", "--watch", "-o", "json", "-f", str(spec_file))
+    reports = watched(out)
+    assert code == 0 and len(reports) == 10 and next(story, None) is None  # every look, to the end
+    steps = [r["step"] for r in reports]
+    assert steps == ["extract"] * 3 + ["verify"] * 2 + ["train"] * 2 + ["eval"] * 2 + ["done"]
+    gap = [r for r in reports if r["step"] == "verify" or (r["step"] == "train" and r["jobs"]["train"]["state"] == "not submitted")]
+    assert len(gap) == 3 and all(r["jobs"]["extract"]["state"] == "Complete" for r in gap)
+    assert reports[3]["next"].startswith("every chunk landed: `dflashctl verify`")
+    assert reports[-1]["next"].startswith("done: the drafter is in")
+
+    # As plain lines: one block per change, the step in its first line.
+    monkeypatch.setattr(status_cli.time, "sleep", lambda seconds: pytest.fail("the run had ended"))
+    code, out, _ = cli(monkeypatch, capsys, "status", "--watch", "-f", str(spec_file))
+    assert code == 0 and out.startswith("run demo-run (kubernetes), step: done")
+
+
+def test_status_watch_ends_on_a_failure_that_stays_and_ctrl_c_detaches(run, monkeypatch, capsys):
     spec_file, storage, api = run
     job = "demo-run-extract"
     cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec_file))
     story = iter([
         lambda: api.start(job),
-        lambda: (land(storage, 1), api.finish(job, 0)),
-        lambda: (land(storage, 3), api.finish(job, 1), api.finish(job, 2)),
+        lambda: (api.finish(job, 0), api.finish(job, 1, exit_code=42), api.finish(job, 2)),  # shard 1: bad input
+        lambda: None,  # nobody replaces the Job: the failure stays
     ])
     monkeypatch.setattr(status_cli.time, "sleep", lambda seconds: next(story)())
     code, out, _ = cli(monkeypatch, capsys, "status", "--watch", "-o", "json", "-f", str(spec_file))
-    reports = [json.loads(doc) for doc in out.replace("}\n{", "}\x00{").split("\x00")]
-    assert code == 0 and len(reports) == 4
-    assert [r["progress"]["chunks_done"] for r in reports] == [2, 2, 3, 4]
-    assert reports[-1]["jobs"]["extract"]["state"] == "Complete"
-    assert reports[-1]["next"].startswith("every chunk landed: `dflashctl verify`")
+    reports = watched(out)
+    assert code == 1 and len(reports) == 4 and next(story, None) is None
+    assert [r["jobs"]["extract"]["state"] for r in reports] == ["Running", "Running", "Failed", "Failed"]
+    assert reports[-1]["next"].startswith("shards 1 failed with chunks missing")
+
+    # A failed step under a running in-cluster controller is the controller's to replace: no end.
+    cli(monkeypatch, capsys, "submit", "controller", "-f", str(spec_file))
+    api.start("demo-run-controller")
+    looks = iter(range(3))
+    monkeypatch.setattr(status_cli.time, "sleep", lambda seconds: next(looks) == 2 and api.finish("demo-run-controller", 0, exit_code=1))
+    code, out, _ = cli(monkeypatch, capsys, "status", "--watch", "-o", "json", "-f", str(spec_file))
+    reports = watched(out)
+    assert code == 1 and len(reports) == 4  # it ended when the controller did
+    assert [r["jobs"]["controller"]["state"] for r in reports] == ["Running", "Running", "Running", "Failed"]
 
     api.delete("Job", job)
+    api.delete("Job", "demo-run-controller")
     cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec_file))
 
     def interrupt(seconds):
@@ -277,17 +345,39 @@ def test_next_step_walks_the_pipeline():
     assert report_with(manifest=True, trained=True, evaluated=True).startswith("done: the drafter is in s3://bucket/runs/demo-run/train/drafter")
 
 
-def test_progress_counts_landed_chunks_and_the_rate_gives_an_eta(run):
+def test_progress_counts_landed_chunks_and_the_rate_counts_only_this_job_s(run):
     _, storage, _ = run
     progress = read_progress(storage)
     assert (progress.chunks_done, progress.chunks_total, progress.tokens_done, progress.tokens_total) == (2, 4, 2000, 4000)
     assert progress.label == "2/4" and not progress.landed
-    clock = iter([100.0, 200.0, 1000.0])
-    meter = RateMeter(window_s=600, clock=lambda: next(clock))
-    meter.observe(progress)
-    assert meter.tokens_per_s is None
-    meter.observe(Progress(chunks_done=3, chunks_total=4, tokens_done=3000, tokens_total=4000))
-    assert meter.tokens_per_s == 10.0 and meter.eta_s(Progress(3, 4, 3000, 4000)) == 100.0
-    meter.observe(Progress(chunks_done=4, chunks_total=4, tokens_done=4000, tokens_total=4000))
-    assert meter.tokens_per_s == pytest.approx(1000 / 800)  # the point at t=100 left the window
+    now = 10_000.0
+    resumed = Progress(chunks_done=3, chunks_total=4, tokens_done=3000, tokens_total=4000,
+                       landings=((100.0, 1000), (200.0, 1000), (now - 100, 1000)))
+    # The Job started 200 s ago: the two chunks of an earlier Job add nothing.
+    assert landing_rate(resumed, since=now - 200, now=now) == 1000 / 200
+    assert time_left(resumed, 5.0) == 200.0
+    # Started long ago: the rate is over the last 10 minutes.
+    assert landing_rate(resumed, since=0.0, now=now, window_s=600) == 1000 / 600
+    # Nothing landed since the start: no rate yet (not 0); stalled since: 0, and no ETA.
+    assert landing_rate(resumed, since=now - 50, now=now) is None
+    assert landing_rate(resumed, since=now - 5000, now=now + 700, window_s=600) == 0.0
+    assert time_left(resumed, 0.0) is None and landing_rate(resumed, since=None, now=now) is None
     assert format_duration(3725) == "1h02m" and format_duration(None) == "-"
+
+
+def test_a_resumed_extraction_is_rated_by_what_landed_since_it_started(run, monkeypatch, capsys):
+    """Chunks 0 and 2 landed an hour ago under an earlier Job; this one started 100 s ago and has
+    landed chunk 1 since: 1,000 tokens in 100 s (an average from its start counted all 3,000)."""
+    spec_file, storage, api = run
+    job = "demo-run-extract"
+    cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec_file))
+    api.start(job)
+    start = started(api, job, seconds_ago=100)
+    land(storage, 1, at=start + 50)
+    code, out, _ = cli(monkeypatch, capsys, "status", "-o", "json", "-f", str(spec_file))
+    progress = json.loads(out)["progress"]
+    assert code == 0 and progress["tokens_done"] == 3 * CHUNK_TOKENS
+    assert progress["tokens_per_s"] == pytest.approx(CHUNK_TOKENS / 100, rel=0.05)
+    assert progress["eta_s"] == pytest.approx(100, rel=0.05)  # the last chunk's 1,000 tokens at that rate
+    code, out, _ = cli(monkeypatch, capsys, "status", "-f", str(spec_file))
+    assert "chunks: 3/4 (75% of tokens), 10 tok/s, ETA 1m" in out

@@ -61,6 +61,13 @@ def test_demo_runs_the_whole_pipeline_into_s3_and_a_rerun_finds_it_done(tmp_path
     report = json.loads(s3.get_object(Bucket=s3_bucket, Key=f"runs/demo/{EVAL_REPORT_KEY}")["Body"].read())
     assert report["lossless"] is True and report["drafters"]["dflash"]["acceptance_length"] >= 1.0
     assert not (directory / "output").exists(), "with --output s3://... nothing goes to the local output directory"
+    # How to serve it: in the report, after the table, and in the status of the finished run.
+    spec = load_spec(directory / "dflash.yaml")
+    serve = report["vllm_serve"]
+    assert f'"num_speculative_tokens": {spec.train.block_size - 1}' in serve and f"aws s3 sync {output}/train/drafter ./drafter" in serve
+    assert f"serve it with vLLM:\n{serve}" in first.stdout
+    status = dflashctl("status", "-f", str(directory / "dflash.yaml"), cwd=tmp_path)
+    assert status.returncode == 0 and f"serve with vLLM:\n{serve}" in status.stdout
 
     again = dflashctl("demo", str(directory), "--output", output, cwd=tmp_path)
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from dflash_jobs.drafter.model import Drafter, DrafterConfig
 from dflash_jobs.train.loss import ChunkedLinearCrossEntropy, draft_loss, slot_weights
-from dflash_jobs.train.masks import BlockLayout, build_attention, flex_attention_fn
+from dflash_jobs.drafter.masks import BlockLayout, build_attention, flex_attention_fn
 
 WINDOW = 6
 
@@ -66,7 +66,7 @@ def block_logits(drafter: Drafter, inputs, backend: str = "dense") -> torch.Tens
             for kind in set(config.layer_types)
         }
     with torch.no_grad():
-        return drafter(context_hidden, context_positions, block_ids, block_positions, attention)
+        return drafter.logits(drafter(context_hidden, context_positions, block_ids, block_positions, attention))
 
 
 def reference_visible(q: int, kv: int, *, window: int | None, B: int = 4, C: int = 18) -> bool:
@@ -216,6 +216,12 @@ def test_draft_block_agrees_with_the_training_forward():
     layout = BlockLayout(C, B, torch.tensor([0]), torch.tensor([C]), torch.cat([positions, block_positions[0]]))
     attention = build_attention(layout, config.layer_types, config.sliding_window, backend="dense")
     with torch.no_grad():
-        logits = drafter(context_hidden[0], positions, block_ids, block_positions, attention)
+        logits = drafter.logits(drafter(context_hidden[0], positions, block_ids, block_positions, attention))
     assert drafted.shape == (B - 1,)
     assert torch.equal(drafted, logits[0, 1:].argmax(-1))
+
+
+def test_a_drafter_refuses_captured_layers_out_of_ascending_order():
+    """vLLM concatenates the captured layers in ascending order: fc must have been trained on that order."""
+    with pytest.raises(ValueError, match=r"target_layer_ids \[3, 1\] must be distinct and ascending"):
+        small_config(target_layer_ids=[3, 1])

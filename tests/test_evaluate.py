@@ -18,7 +18,7 @@ from dflash_jobs.evaluate.evaluator import held_out_prompts
 from dflash_jobs.evaluate.metrics import acceptance_length, acceptance_per_position, mismatches, summarize
 from dflash_jobs.evaluate.report import build_report, store_report
 from dflash_jobs.formats import EVAL_PLOT_KEY as PLOT_KEY, EVAL_REPORT_KEY as REPORT_KEY
-from dflash_jobs.evaluate.speculative import Decoded, Target, greedy_decode, speculative_decode
+from dflash_jobs.drafter.speculative import Decoded, Target, greedy_decode, speculative_decode
 from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk
 from dflash_jobs.storage import open_storage
 

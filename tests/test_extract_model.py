@@ -237,3 +237,23 @@ def test_runs_of_consecutive_samples_are_merged_into_one_copy():
     assert merge_runs(runs) == [Run(first, 0, 10, 8), Run(second, 8, 0, 6), Run(first, 14, 40, 1)]
     # Rows that do not continue each other in both buffers stay apart (padded batches: one copy per sample).
     assert merge_runs([Run(first, 0, 10, 5), Run(first, 8, 15, 3)]) == [Run(first, 0, 10, 5), Run(first, 8, 15, 3)]
+
+
+def test_a_host_buffer_that_cannot_be_allocated_stops_the_shard_instead_of_hanging(checkpoint, tmp_path):
+    chunks = random_chunks(seed=8, count=2, max_len=24)
+    storage, infos = prepared_run(tmp_path, chunks)
+    worker = ExtractWorker(
+        ExtractSpec(shards=1, token_budget=64, pad_multiple=16, sort_window=1), target=fp32_target(checkpoint),
+        storage=storage, chunks=infos, summary=Summary(shard=0, shards=1), max_length=48, packed=False, log_interval=0.0,
+    )
+
+    def out_of_host_memory():
+        raise RuntimeError("simulated: cannot allocate pinned host memory")
+
+    worker.pool._allocate = out_of_host_memory
+    try:
+        with pytest.raises(RuntimeError, match="cannot allocate pinned host memory"), torch.inference_mode():
+            worker.run()
+    finally:
+        worker.close()
+    assert not storage.list("extract/done/")

@@ -11,10 +11,11 @@ import torch
 
 from dflash_jobs.errors import FormatError
 from dflash_jobs.formats import (
-    DatasetIndex, ChunkInfo, DoneMarker, HiddenChunk, Manifest, TokenChunk, chunk_of_key, done_key,
-    encode_hidden_chunk, header_size, hidden_metadata, hidden_tensors, hidden_chunk_key, read_header, token_chunk_key,
-    write_safetensors,
+    HEADER_PROBE, DatasetIndex, ChunkInfo, DoneMarker, HiddenChunk, Manifest, TokenChunk, chunk_of_key, done_key,
+    encode_hidden_chunk, fetch_header_bytes, file_range, header_size, hidden_metadata, hidden_tensors, hidden_chunk_key,
+    object_range, read_header, token_chunk_key, write_safetensors,
 )
+from dflash_jobs.storage import open_storage
 
 
 def make_tokens(lengths=(5, 3, 7), seed=0) -> TokenChunk:
@@ -140,3 +141,42 @@ def test_json_documents_round_trip_and_reject_garbage():
     bad["tokens"] = 99
     with pytest.raises(FormatError, match="disagree"):
         DatasetIndex.from_json(json.dumps(bad))
+
+
+def test_a_header_is_fetched_by_range_from_a_file_or_an_object_in_one_read_or_two(tmp_path, s3_server, s3_bucket):
+    tokens = make_tokens()
+    small = encode_hidden_chunk(tokens, torch.randn(15, 2, 8), layers=[1, 3], model="m", config_hash="h")
+    # Metadata longer than the probe: the header takes a second read.
+    large = encode_hidden_chunk(tokens, torch.randn(15, 2, 8), layers=[1, 3], model="m" * HEADER_PROBE, config_hash="h")
+    local = open_storage(str(tmp_path / "store"))
+    s3 = open_storage(f"s3://{s3_bucket}/run")
+    for name, data in (("small", small), ("large", large)):
+        (tmp_path / name).write_bytes(data)
+        for storage in (local, s3):
+            storage.put_bytes(name, data)
+        reads = []
+
+        def counted(read):
+            return lambda start, end: reads.append((start, end)) or read(start, end)
+
+        for read_range in (file_range(tmp_path / name), object_range(local, name), object_range(s3, name)):
+            reads.clear()
+            prefix = fetch_header_bytes(counted(read_range))
+            assert len(prefix) == header_size(data[:8]) and prefix == data[: len(prefix)]
+            header, total = read_header(prefix, name)
+            assert total == len(data) and header["__metadata__"]["model"].startswith("m")
+            assert len(reads) == (1 if name == "small" else 2)
+
+
+def test_a_truncated_or_foreign_file_comes_back_as_read_and_is_rejected_by_name(tmp_path):
+    data = encode_hidden_chunk(make_tokens(), torch.randn(15, 2, 8), layers=[1], model="m", config_hash="h")
+    cases = {"empty": b"", "cut-in-length": data[:5], "cut-in-header": data[:40], "not-safetensors": b"\xff" * 64}
+    messages = {"empty": "truncated", "cut-in-length": "truncated", "cut-in-header": "truncated inside its header",
+                "not-safetensors": "is not a safetensors file"}
+    for name, content in cases.items():
+        (tmp_path / name).write_bytes(content)
+        prefix = fetch_header_bytes(file_range(tmp_path / name))
+        assert prefix == content[: len(prefix)]
+        with pytest.raises(FormatError, match=messages[name]) as error:
+            read_header(prefix, name)
+        assert name in str(error.value)

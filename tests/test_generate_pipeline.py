@@ -5,6 +5,7 @@ whose generate Job lands chunks and markers as the pods write them."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,6 @@ from dflashctl.cli import status as status_cli
 from dflashctl.cli.app import app
 from dflashctl.errors import RunFailed, exit_code
 from dflashctl.pipeline import EVENT_GENERATION_FINISHED, run_pipeline
-from dflashctl.progress import GenerationMeter, RateMeter
 
 PROMPTS_PER_CHUNK = 3
 GENERATION_CHUNKS = 2
@@ -144,31 +144,37 @@ def test_a_manifest_of_other_settings_is_generated_again(spec, storage):
 
 
 def test_status_shows_prompts_answered_tokens_per_second_and_what_comes_next(spec, storage):
-    clock = iter([1000.0, 1000.0, 1100.0, 1100.0])  # each look reads the clock for prompts and for tokens
-    meter = GenerationMeter(clock=lambda: next(clock))
     backend = FakeBackend({})
-    backend.jobs["pipe-generate"] = make_job("pipe-generate", completions=2, running=True)
+    job = make_job("pipe-generate", completions=2, running=True)
+    job.started_at = time.time() - 100
+    backend.jobs["pipe-generate"] = job
     plan_generation(storage, spec)
-    report = status_cli.collect(spec, backend, RateMeter(), meter)
-    assert status_cli.generation_line(report).startswith("generation: 0/2 chunks, 0/6 prompts (0%)")
-    assert report.next_step == "generation: 0/2 chunks landed; prepare follows once all have"
+    markers: dict = {}
+    report = status_cli.collect(spec, backend, markers)
+    assert status_cli.generation_line(report) == "generation: 0/2 chunks, 0/6 prompts (0%), - generated, ETA -"
+    assert report.next_step == "generation: 0/2 chunks landed; prepare follows once all have" and report.step == "generate"
     land(storage, spec, 0)
-    report = status_cli.collect(spec, backend, RateMeter(), meter)
-    # 120 tokens and 3 prompts in the 100 s between the two looks: 3 prompts left at 0.03/s.
-    assert report.generation_tokens_per_s == pytest.approx(1.2) and report.generation_eta_s == pytest.approx(100)
-    assert status_cli.generation_line(report) == "generation: 1/2 chunks, 3/6 prompts (50%), 1 tok/s generated, ETA 1m40s"
+    report = status_cli.collect(spec, backend, markers)
+    # 120 tokens and 3 prompts landed in the 100 s since the Job started: 3 prompts left at 0.03/s.
+    assert report.generation_tokens_per_s == pytest.approx(1.2, rel=0.05)
+    assert report.generation_eta_s == pytest.approx(100, rel=0.05)
+    assert status_cli.generation_line(report).startswith("generation: 1/2 chunks, 3/6 prompts (50%), 1 tok/s generated, ETA 1m")
     body = status_cli.report_json(report)["generation"]
     assert (body["prompts_done"], body["prompts_total"], body["completion_tokens"], body["done"]) == (3, 6, 120, False)
+    assert list(markers) == [done_key(0)]  # read once, kept for the next look
+    # A chunk an earlier Job left gets no credit in this Job's rate.
+    job.started_at = time.time() + 1
+    assert status_cli.collect(spec, backend, markers).generation_tokens_per_s is None
     backend.jobs["pipe-generate"] = make_job("pipe-generate", completions=2, failed={1})
-    report = status_cli.collect(spec, backend, RateMeter(), GenerationMeter())
+    report = status_cli.collect(spec, backend)
     assert report.next_step == "generation shards 1 failed with chunks missing: `dflashctl logs generate --shard 1`, then `dflashctl retry generate`"
     land(storage, spec, 1)
-    report = status_cli.collect(spec, backend, RateMeter(), GenerationMeter())
+    report = status_cli.collect(spec, backend)
     assert report.next_step.startswith("every generation chunk landed: `dflashctl run` writes generate/manifest.json")
     assert any(line.startswith("generation: 2/2 chunks") for line in status_cli.plain_lines(report))
     # A spec without generation shows none of it.
     plain = parse_spec({k: v for k, v in spec.to_dict().items() if k != "generate"})
-    assert status_cli.collect(plain, FakeBackend({}), RateMeter()).generation is None
+    assert status_cli.collect(plain, FakeBackend({})).generation is None
 
 
 # ---- plan ----------------------------------------------------------------------------------------

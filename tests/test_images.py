@@ -231,6 +231,16 @@ def test_gpu_image_targets_hopper_and_blackwell_with_torch_for_cuda_13_0():
     assert any('"/build/dflash-k8s[jobs,gpu]"' in run for run in runs)
 
 
+def test_gpu_image_pins_a_triton_flash_linear_attention_trusts_on_hopper():
+    """FLA refuses its gated backward on Hopper with Triton >= 3.4.0 and < 3.7.1 (wrong results);
+    the quality benchmark's target training and any GDN backward need one it trusts."""
+    pinned = arg_default(GPU_DOCKERFILE, "TRITON_VERSION")
+    assert tuple(int(part) for part in pinned.split(".")) >= (3, 7, 1)
+    runs = [i.args for i in parse_dockerfile(GPU_DOCKERFILE) if i.keyword == "RUN"]  # build arguments expanded
+    torch_run = next(run for run in runs if '"torch==' in run)
+    assert f'"triton=={pinned}"' in torch_run  # right after torch, before anything compiles against it
+
+
 def test_runtime_caches_live_under_the_users_writable_home():
     instructions = final_stage(GPU_DOCKERFILE)
     env = env_values(instructions)

@@ -4,6 +4,7 @@ examples point at what exists and leave the shared objects to the base."""
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import functools
 import json
@@ -11,6 +12,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
@@ -21,9 +23,57 @@ from dflashctl.render import controller_role_rules, render_all, render_selection
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
 KUBECTL = "/usr/bin/kubectl"
-OVERLAYS = ("rtx-pro-6000", "dev")
+OVERLAYS = ("rtx-pro-6000", "dev", "metrics")
 KUBERNETES_VERSIONS = ("1.33.0", "1.34.0", "1.35.0", "1.36.0", "1.37.0")
 DEFAULTS = ClusterSpec()
+CUSTOM_RESOURCE_GROUPS = {"monitoring.coreos.com"}
+
+# The ServiceMonitor is the Prometheus Operator's custom resource (monitoring.coreos.com/v1): no
+# schema of it ships with Kubernetes. This is the part of its structure the metrics component uses,
+# written after the operator's CRD: a field it does not know is refused here (the API server would
+# silently prune it), the required ones are there, durations have the CRD's pattern.
+DURATION = r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"
+STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+SERVICE_MONITOR_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "ServiceMonitor"},
+        "metadata": {
+            "type": "object", "required": ["name"], "additionalProperties": False,
+            "properties": {"name": {"type": "string"}, "namespace": {"type": "string"}, "labels": STRING_MAP, "annotations": STRING_MAP},
+        },
+        "spec": {
+            "type": "object", "required": ["selector", "endpoints"], "additionalProperties": False,
+            "properties": {
+                "selector": {"type": "object", "additionalProperties": False, "properties": {"matchLabels": STRING_MAP}},
+                "namespaceSelector": {
+                    "type": "object", "additionalProperties": False,
+                    "properties": {"any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}},
+                },
+                "jobLabel": {"type": "string"},
+                "podTargetLabels": {"type": "array", "items": {"type": "string"}},
+                "targetLabels": {"type": "array", "items": {"type": "string"}},
+                "endpoints": {
+                    "type": "array", "minItems": 1,
+                    "items": {
+                        "type": "object", "additionalProperties": False,
+                        "properties": {
+                            "port": {"type": "string"},
+                            "path": {"type": "string", "pattern": "^/"},
+                            "scheme": {"enum": ["http", "https"]},
+                            "interval": {"type": "string", "pattern": DURATION},
+                            "scrapeTimeout": {"type": "string", "pattern": DURATION},
+                            "honorLabels": {"type": "boolean"},
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
 
 
 def kustomize(path: Path) -> list[dict]:
@@ -75,10 +125,13 @@ def run_spec():
 
 
 def test_overlays_validate_strictly_against_kubernetes_1_33_to_1_37(builds, cached_schemas):
-    # Both overlays share most objects: validate each distinct object once per version.
+    # The overlays share most objects: validate each distinct object once per version. Custom
+    # resources have no schema in Kubernetes: see the ServiceMonitor's own test below.
     distinct = {json.dumps(obj, sort_keys=True): obj for objects in builds.values() for obj in objects}
     assert len(distinct) >= 10
     for obj in distinct.values():
+        if obj["apiVersion"].split("/")[0] in CUSTOM_RESOURCE_GROUPS:
+            continue
         for version in KUBERNETES_VERSIONS:
             try:
                 kubernetes_validate.validate(obj, version, strict=True)
@@ -106,6 +159,48 @@ def test_static_objects_have_the_names_the_spec_defaults_refer_to(builds):
         one(objects, "Secret", DEFAULTS.s3_secret)
         one(objects, "PersistentVolumeClaim", "models")
         one(objects, "PersistentVolumeClaim", "dflash-kernels")
+
+
+# ---- metrics (an optional component) ---------------------------------------------------------
+
+
+def seconds(duration: str) -> float:
+    return sum(int(n) * {"h": 3600, "m": 60, "s": 1}[unit] for n, unit in re.findall(r"(\d+)([hms])", duration))
+
+
+def test_the_metrics_component_is_optional_and_well_formed(builds):
+    for name in ("default", "rtx-pro-6000", "dev"):
+        assert not by_kind(builds[name], "ServiceMonitor"), f"{name} must not need the Prometheus Operator"
+    monitor = one(builds["metrics"], "ServiceMonitor")
+    jsonschema.validate(monitor, SERVICE_MONITOR_SCHEMA)
+    for endpoint in monitor["spec"]["endpoints"]:
+        assert seconds(endpoint["scrapeTimeout"]) <= seconds(endpoint["interval"])  # the operator refuses a longer timeout
+    # The check has teeth: a misspelled field fails it.
+    broken = {**monitor, "spec": {**monitor["spec"], "endpoint": monitor["spec"]["endpoints"]}}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, SERVICE_MONITOR_SCHEMA)
+
+
+def test_the_service_monitor_finds_the_controller_pods_and_their_metrics_port(builds, run_spec):
+    """ServiceMonitor -> Service (labels, port name) -> the rendered controller pod (labels, port name)."""
+    monitor, service = one(builds["metrics"], "ServiceMonitor"), one(builds["metrics"], "Service", "dflash-controller-metrics")
+    assert monitor["metadata"]["namespace"] == service["metadata"]["namespace"] == DEFAULTS.namespace
+    selected = [s for s in by_kind(builds["metrics"], "Service") if monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]
+    assert selected == [service]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    (port,) = [p for p in service["spec"]["ports"] if p["name"] == endpoint["port"]]
+    with_metrics = dataclasses.replace(run_spec, cluster=dataclasses.replace(run_spec.cluster, metrics_port=9100))
+    for spec, scraped in ((with_metrics, True), (run_spec, False)):
+        (job,) = by_kind(render_selection(spec, "controller"), "Job")
+        template = job["spec"]["template"]
+        assert service["spec"]["selector"].items() <= template["metadata"]["labels"].items()
+        (container,) = template["spec"]["containers"]
+        names = {p["name"] for p in container.get("ports", [])}
+        assert (port["targetPort"] in names) == scraped
+    # No other pod of a run matches the Service: only the controller serves metrics.
+    for job in by_kind(render_all(with_metrics), "Job"):
+        labels = job["spec"]["template"]["metadata"]["labels"]
+        assert (service["spec"]["selector"].items() <= labels.items()) == (labels["app.kubernetes.io/component"] == "controller")
 
 
 # ---- RBAC ---------------------------------------------------------------------------------------

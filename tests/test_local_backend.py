@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,7 +20,10 @@ from dflash_jobs.errors import InputError
 from dflash_jobs.spec import dump_spec, parse_spec
 
 from dflashctl.errors import Conflict, RunFailed, WaitTimeout
-from dflashctl.local import JobFiles, LocalBackend, PathMap, resolve_container
+from dflashctl.local.backend import LocalBackend
+from dflashctl.local.pod import PathMap, resolve_container
+from dflashctl.local.processes import ProcessRef, kill_groups, start_time
+from dflashctl.local.state import JobFiles
 from dflashctl.render import SPEC_HASH, render_extract_job, render_selection
 
 WAIT_S = 30
@@ -297,7 +301,7 @@ def test_a_lost_supervisor_shows_as_failed_and_submit_resumes_the_job(backend, t
         assert time.monotonic() < deadline
         time.sleep(0.05)
     files = JobFiles(backend.workdir, "resumable")
-    supervisor = int(files.pid.read_text())
+    supervisor = json.loads(files.pid.read_text())["pid"]
     os.killpg(supervisor, signal.SIGKILL)  # the supervisor dies; its pod of index 1 is left running
     while not backend.job_status("resumable").finished:
         assert time.monotonic() < deadline
@@ -309,6 +313,68 @@ def test_a_lost_supervisor_shows_as_failed_and_submit_resumes_the_job(backend, t
     status = backend.wait("resumable", timeout=WAIT_S)
     assert status.complete and status.completed_indexes == {0, 1}
     assert status.shards[0].attempts == 1, "a finished index is not run again"
+
+
+def start_stranger() -> subprocess.Popen:
+    """A process this backend did not start, in a session of its own (as a pod's leader would be)."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+
+
+def test_a_recorded_process_is_signalled_only_while_its_pid_is_still_that_process():
+    stranger = start_stranger()
+    try:
+        genuine = ProcessRef.of(stranger.pid)
+        assert genuine.is_running() and ProcessRef.of(os.getpid()).is_running()
+        reused = ProcessRef(stranger.pid, started="an earlier boot:12345")  # the pid as a state file recorded it
+        assert not reused.is_running()
+        kill_groups([reused])
+        assert stranger.poll() is None, "a pid that now belongs to another process was signalled"
+        kill_groups([genuine])
+        assert stranger.wait(5) == -signal.SIGTERM
+        assert not genuine.is_running() and start_time(stranger.pid) is None
+    finally:
+        stranger.kill()
+
+
+def test_pids_reused_after_a_reboot_survive_resume_and_delete(backend, tmp_path):
+    """The state file of a Job whose supervisor and pods died with the machine names pids that now
+    belong to other processes: resuming the Job and deleting it must leave those alone."""
+    gate = tmp_path / "gate"
+    script = f"import pathlib, time\nwhile not pathlib.Path({str(gate)!r}).exists(): time.sleep(0.05)"
+    job = make_job("rebooted", script, completions=2)
+    backend.submit([job])
+    files = JobFiles(backend.workdir, "rebooted")
+    deadline = time.monotonic() + WAIT_S
+    while backend.job_status("rebooted").active != 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    # "The reboot": the supervisor and its pods are gone, and two strangers hold the pods' pids.
+    os.killpg(json.loads(files.pid.read_text())["pid"], signal.SIGKILL)
+    state = json.loads(files.state.read_text())
+    for shard in state["shards"]:
+        assert ProcessRef(shard["pid"], shard["pid_started"]).is_running()  # the state names the pods exactly
+        os.killpg(shard["pid"], signal.SIGKILL)
+    strangers = [start_stranger() for _ in state["shards"]]
+    try:
+        for shard, stranger in zip(state["shards"], strangers):
+            shard["pid"] = stranger.pid  # what the kernel could hand out again; the start time stays the pod's
+        files.state.write_text(json.dumps(state))
+        while not backend.job_status("rebooted").finished:  # SupervisorLost
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+        backend.submit([job])  # resumes: the new supervisor adopts the orphans it finds in the state
+        gate.touch()
+        assert backend.wait("rebooted", timeout=WAIT_S).complete
+        assert all(stranger.poll() is None for stranger in strangers), "resume signalled a stranger"
+
+        files.state.write_text(json.dumps(state))  # the state again as the dead supervisor left it
+        backend.delete("rebooted")
+        assert not backend.job_status("rebooted").exists
+        assert all(stranger.poll() is None for stranger in strangers), "delete signalled a stranger"
+    finally:
+        for stranger in strangers:
+            stranger.kill()
 
 
 def test_logs_follow_streams_every_shard_until_the_job_ends(backend):
@@ -339,3 +405,22 @@ def test_rendered_extract_job_carries_the_policy_the_backend_honours(tmp_path):
     actions = {rule["action"]: rule.get("onExitCodes", {}).get("values") for rule in rules}
     assert actions["FailIndex"] == [42] and actions["FailJob"] == [2]
     assert job["spec"]["backoffLimitPerIndex"] == 2
+
+
+def test_the_kernel_cache_claim_is_one_directory_every_local_pod_shares(tmp_path, monkeypatch):
+    """Compiled kernels land where the next pod finds them, as the claim is one volume per node."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    spec = make_spec(tmp_path)
+    spec = parse_spec({**spec.to_dict(), "cluster": {**spec.to_dict()["cluster"], "kernel_cache": "kernels"}})
+    configmap, job = render_selection(spec, "extract")
+    probe = "import os; print(os.environ['TRITON_CACHE_DIR'])"
+    for container in (*job["spec"]["template"]["spec"]["initContainers"], *job["spec"]["template"]["spec"]["containers"]):
+        container["command"] = ["python", "-c", probe]
+    backend = LocalBackend(spec)
+    backend.submit([configmap, job])
+    status = backend.wait("demo-extract", timeout=WAIT_S)
+    assert status.complete
+    seen = {line.strip() for index in range(3) for line in backend.logs("demo-extract", index, follow=False)
+            if line.strip() and not line.startswith("==> container")}
+    assert seen == {str(tmp_path / "work" / "volumes" / "kernels" / "triton")}

@@ -231,15 +231,15 @@ def test_storage_failing_while_extraction_runs_is_reported_and_outwaited(spec, s
     backend = backend_for(work)
     backend.jobs["pipe-extract"] = make_job("pipe-extract", completions=SHARDS, running=True)
     backend.hashes["pipe-extract"] = spec.fingerprint()
-    real_list, outage = storage.list, iter(range(1))
+    real_list, outage = storage.list_modified, iter(range(1))
 
-    def flaky_list(prefix: str = "") -> list[str]:
+    def flaky_list(prefix: str = "") -> dict[str, float]:
         if prefix == DONE_MARKERS and next(outage, None) is not None:
             raise StorageError("S3 call failed: SlowDown", "retried calls exhausted their attempts")
         return real_list(prefix)
 
     def extraction_ends() -> None:
-        monkeypatch.setattr(storage, "list", flaky_list)  # the outage starts while the Job runs
+        monkeypatch.setattr(storage, "list_modified", flaky_list)  # the outage starts while the Job runs
         for chunk in range(CHUNKS):
             mark_done(storage, chunk, hidden_chunk(chunk))
         backend.jobs["pipe-extract"] = make_job("pipe-extract", completions=SHARDS)

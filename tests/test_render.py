@@ -42,6 +42,7 @@ SPECS = {
         cluster={
             "queue": "gpu-queue", "ttl_seconds_after_finished": 3600, "model_volume": {"claim": "models", "mount": "/weights"},
             "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H200"}, "namespace": "team-a", "model_cache": "model-cache",
+            "metrics_port": 8000,
         },
     ),
     "no-secret": make_spec(cluster={"s3_secret": None}, generate={"engine": "transformers"}),
@@ -297,6 +298,9 @@ def test_controller_job_runs_the_pipeline_with_its_own_service_account():
     assert container["command"] == ["dflashctl", "run", "-f", "/etc/dflash/dflash.yaml"]
     assert "nvidia.com/gpu" not in str(container["resources"]) and "tolerations" not in pod
     assert "kueue.x-k8s.io/queue-name" not in job["metadata"]["labels"]  # CPU: never waits behind GPU quota
+    assert "ports" not in container  # no metrics unless the spec asks
+    (container,) = the_job(render.render_selection(make_spec(cluster={"metrics_port": 9100}), "controller"), "controller")["spec"]["template"]["spec"]["containers"]
+    assert container["ports"] == [{"name": "metrics", "containerPort": 9100, "protocol": "TCP"}]
 
 
 def test_render_is_deterministic_and_round_trips():

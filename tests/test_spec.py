@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -50,6 +52,7 @@ def test_minimal_spec_gets_the_documented_defaults():
         ({"output": ""}, "output", "s3://bucket/prefix URL"),
         ({"output": "s3://"}, "output", "with a bucket name"),
         ({"target": {"layers": [1, 1]}}, "target.layers", "distinct"),
+        ({"target": {"layers": [5, 1, 3]}}, "target.layers", "= [5, 1, 3] is invalid. Expected layer indices in ascending order, [1, 3, 5]"),
         ({"target": {"layers": "1,2"}}, "target.layers", "a list of an integer"),
         ({"data": {"chunk_tokens": 1024}}, "data.chunk_tokens", ">= data.max_length"),
         ({"cluster": {"namespace": "My NS"}}, "cluster.namespace", "DNS-1123 label"),
@@ -109,8 +112,30 @@ def test_load_spec_names_the_file_and_round_trips(tmp_path):
 def test_importing_the_control_plane_loads_neither_torch_nor_transformers():
     code = (
         "import sys, json, dflashctl, dflashctl.cli.app, dflashctl.cli.main, dflash_jobs.spec, dflash_jobs.storage, dflash_jobs.formats;"
-        "import dflashctl.render, dflashctl.backend;"
+        "import dflashctl.render, dflashctl.backend, dflashctl.backends, dflashctl.kube, dflashctl.local.backend;"
         "print(json.dumps([m for m in ('torch', 'transformers', 'safetensors.torch') if m in sys.modules]))"
     )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert json.loads(out) == []
+
+
+def test_imports_run_one_way_the_interface_below_the_backends_below_the_factory():
+    """backend.py (the types) imports neither backend; kube.py and local/ import the types, never
+    the factory (backends.py); the data plane never imports the control plane."""
+    controller = Path(__file__).resolve().parents[1] / "controller" / "dflashctl"
+    jobs = Path(__file__).resolve().parents[1] / "jobs" / "dflash_jobs"
+
+    def imported(path: Path) -> set[str]:
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+            elif isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+        return names
+
+    assert not {name for name in imported(controller / "backend.py") if name.startswith(("dflashctl.kube", "dflashctl.local"))}
+    for path in [controller / "kube.py", *sorted((controller / "local").glob("*.py"))]:
+        assert "dflashctl.backends" not in imported(path), path
+    for path in jobs.rglob("*.py"):
+        assert not {name for name in imported(path) if name.split(".")[0] == "dflashctl"}, path

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -38,6 +39,18 @@ def test_put_get_list_stat_delete(storage):
     assert not storage.exists("z.txt")
     with pytest.raises(ObjectNotFound):
         storage.get_bytes("z.txt")
+
+
+def test_a_listing_tells_when_each_key_was_written(storage):
+    before = time.time()
+    storage.put_bytes("done/000001.json", b"a")
+    storage.put_bytes("done/000002.json", b"b")
+    storage.put_bytes("other.json", b"c")
+    modified = storage.list_modified("done/")
+    assert list(modified) == storage.list("done/") == ["done/000001.json", "done/000002.json"]
+    # S3's LastModified has whole seconds; a local clock and the server's agree within that.
+    assert all(before - 2 <= at <= time.time() + 2 for at in modified.values())
+    assert storage.list_modified("nothing/") == {}
 
 
 def test_put_if_absent_creates_once(storage):

@@ -16,7 +16,8 @@ from dflash_jobs.drafter.model import Drafter
 from dflash_jobs.errors import EXIT_BAD_INPUT, EXIT_BAD_SPEC, EXIT_FAILED
 from dflash_jobs.spec import TrainSpec, parse_spec
 from dflash_jobs.train.launch import pod_code
-from dflash_jobs.train.masks import build_attention
+from dflash_jobs.train.loss import draft_loss
+from dflash_jobs.drafter.masks import build_attention
 from dflash_jobs.train.parallelize import parallelize
 from dflash_jobs.train.trainer import global_loss_normalizer
 
@@ -37,9 +38,11 @@ def rank_data(rank: int, config):
 
 
 def loss_of(model, drafter: Drafter, inputs, labels, weights, normalizer):
+    """As Trainer.train_step computes it: the hidden states through `model` (DDP or not), the loss after."""
     context_hidden, context_positions, block_ids, block_positions, layout = inputs
     attention = build_attention(layout, drafter.config.layer_types, drafter.config.sliding_window, backend="dense")
-    return model(context_hidden, context_positions, block_ids, block_positions, attention, labels, weights, normalizer).loss
+    hidden = model(context_hidden, context_positions, block_ids, block_positions, attention)
+    return draft_loss(hidden, drafter.lm_head, labels, weights, normalizer=normalizer).loss
 
 
 def ddp_rank(rank: int, port: int, out: str) -> None:
@@ -116,7 +119,7 @@ def test_a_bad_spec_or_input_in_the_rendered_pod_fails_the_job_at_once(component
     target does not have (a spec error found at run time), evaluation of a run with no drafter (bad
     input). Each must fail the Job through its podFailurePolicy on the first attempt, not after
     backoffLimit retries."""
-    from dflashctl.local import LocalBackend
+    from dflashctl.local.backend import LocalBackend
     from dflashctl.render import render_selection
     from train_fixtures import tiny_extract, tiny_target, train_spec_dict
 

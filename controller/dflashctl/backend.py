@@ -1,4 +1,4 @@
-"""The interface both backends implement: kubernetes (kube.py) and local (local.py).
+"""The interface both backends implement: kubernetes (kube.py) and local (local/).
 
 A backend runs the rendered objects of a run (render.py) and reports on their Jobs in one shape,
 so that `dflashctl run`, `status`, `logs`, `cancel` and `retry` are the same code on a laptop and
@@ -9,11 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:
-    from dflash_jobs.spec import RunSpec
-
+from typing import Protocol
 
 # Reasons of the events the pipeline records on its Jobs (`kubectl describe job` lists them).
 EVENT_EXTRACTION_FINISHED = "ExtractionFinished"
@@ -154,13 +150,3 @@ def format_indexes(indexes: set[int]) -> str:
             start = i
     return ",".join(runs)
 
-
-def open_backend(spec: RunSpec) -> Backend:
-    """The backend the spec asks for. Imported lazily: the local one must not need a kubeconfig."""
-    if spec.backend == "local":
-        from dflashctl.local import LocalBackend
-
-        return LocalBackend(spec)
-    from dflashctl.kube import KubernetesBackend
-
-    return KubernetesBackend.connect(spec.cluster.namespace)

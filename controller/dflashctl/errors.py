@@ -5,12 +5,15 @@ Errors from the shared contract (SpecError, StorageError, ...) are mapped here t
 
 from __future__ import annotations
 
-from dflash_jobs.errors import DflashError, InputError, SpecError, StorageError
+from dflash_jobs.errors import DflashError, InputError, SpecError, StorageError, StorageUnavailable
 
 EXIT_RUN_FAILED = 1
 EXIT_USAGE = 2
 EXIT_TIMEOUT = 3
 EXIT_CLUSTER = 4
+EXIT_STORAGE_UNAVAILABLE = 5
+"""Storage did not answer (or answered 5xx) for longer than the command waits: running it again
+later goes on. The in-cluster controller's podFailurePolicy retries it; only 1 and 2 are final."""
 EXIT_INTERRUPTED = 130
 
 
@@ -44,13 +47,15 @@ def exit_code(error: BaseException) -> int:
         return EXIT_TIMEOUT
     if isinstance(error, (SpecError, InputError, Conflict)):
         return EXIT_USAGE
+    if isinstance(error, StorageUnavailable):
+        return EXIT_STORAGE_UNAVAILABLE
     if isinstance(error, StorageError):
-        # Unreachable storage or wrong credentials: the user must fix the setup, like a bad spec.
+        # Refused credentials or a missing bucket: the user must fix the setup, like a bad spec.
         return EXIT_USAGE
     return EXIT_RUN_FAILED  # RunFailed, FormatError, IntegrityError and anything unforeseen
 
 
 __all__ = [
     "ClusterUnreachable", "Conflict", "DflashError", "Forbidden", "RunFailed", "WaitTimeout", "exit_code",
-    "EXIT_RUN_FAILED", "EXIT_USAGE", "EXIT_TIMEOUT", "EXIT_CLUSTER", "EXIT_INTERRUPTED",
+    "EXIT_RUN_FAILED", "EXIT_USAGE", "EXIT_TIMEOUT", "EXIT_CLUSTER", "EXIT_STORAGE_UNAVAILABLE", "EXIT_INTERRUPTED",
 ]

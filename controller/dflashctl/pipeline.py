@@ -17,11 +17,16 @@ Each step first looks at what exists, in storage and on the backend, and does on
 Storage decides, never a Job's Complete: with backoffLimitPerIndex one failed index fails the
 whole Job although its chunks may have landed, and a Complete Job proves nothing about its
 objects. The same code runs in a terminal and as the in-cluster controller Job, on either backend.
+
+A run lasts days, and storage has outages: every storage call waits one out (STORAGE_PATIENCE_S,
+with backoff, said in the log), and past that the run exits 5, which the controller Job retries;
+only a bad spec or bad input (2) and a failed step (1) are final.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,11 +34,12 @@ from typing import Any, Protocol
 
 import yaml
 
-from dflash_jobs.errors import StorageError
+from dflash_jobs.errors import StorageError, StorageUnavailable
 from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, RUN_KEY, Manifest
-from dflash_jobs.generate.layout import current_manifest, write_manifest_if_complete
+from dflash_jobs.generate.layout import ChunkMarker, GenerationProgress, current_manifest, write_manifest_if_complete
+from dflash_jobs.generate.layout import read_progress as read_generation_progress
 from dflash_jobs.spec import RunSpec, dump_spec
-from dflash_jobs.storage import ObjectNotFound, Storage, storage_for
+from dflash_jobs.storage import ObjectNotFound, Patience, Storage, storage_for
 
 from dflashctl.backend import (
     EVENT_CHUNKS_VERIFIED,
@@ -51,7 +57,7 @@ from dflashctl.backend import (
     format_indexes,
 )
 from dflashctl.errors import Conflict, RunFailed, WaitTimeout
-from dflashctl.progress import GenerationMeter, RateMeter, read_progress
+from dflashctl.progress import generation_rates, generation_time_left, landing_rate, read_progress, time_left
 from dflashctl.render import job_name, render_selection
 from dflashctl.verify import Expected, VerificationFailed, read_manifest, verify_run
 
@@ -60,6 +66,10 @@ EXTRACT_RETRIES = 1
 EVENT_GENERATION_FINISHED = "GenerationFinished"
 REFRESH_S = 10.0
 """How often progress is read from storage while a Job runs."""
+STORAGE_PATIENCE_S = 900.0
+"""How long one storage call waits out an outage before the run exits 5 (and is run again)."""
+OUTAGE_LINE_S = 30.0
+"""At most one "storage unavailable" line this often: verify's many threads all wait at once."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,12 +127,16 @@ def run_pipeline(
     force: bool = False,
     timeout: float | None = None,
     refresh_s: float = REFRESH_S,
+    storage_patience_s: float | None = None,
 ) -> PipelineResult:
     """Runs what is missing of the run, step by step; see the module docstring.
 
     `force` replaces a run.yaml and Jobs left by a different spec under this name. `timeout` bounds
-    the whole call (WaitTimeout; the Jobs go on). Raises RunFailed when a step fails."""
-    pipeline = Pipeline(spec, backend, storage or storage_for(spec), reporter or Silent(), force=force, timeout=timeout, refresh_s=refresh_s)
+    the whole call (WaitTimeout; the Jobs go on). Raises RunFailed when a step fails, and
+    StorageUnavailable when storage stays unavailable for `storage_patience_s`."""
+    reporter = reporter or Silent()
+    storage = storage or patient_storage(spec, reporter, storage_patience_s)
+    pipeline = Pipeline(spec, backend, storage, reporter, force=force, timeout=timeout, refresh_s=refresh_s)
     return pipeline.run()
 
 
@@ -134,9 +148,12 @@ def run_eval(
     reporter: Reporter | None = None,
     timeout: float | None = None,
     refresh_s: float = REFRESH_S,
+    storage_patience_s: float | None = None,
 ) -> dict[str, Any]:
     """`dflashctl eval`: evaluate the trained drafter (or attach to the evaluation that runs); the report."""
-    pipeline = Pipeline(spec, backend, storage or storage_for(spec), reporter or Silent(), force=False, timeout=timeout, refresh_s=refresh_s)
+    reporter = reporter or Silent()
+    storage = storage or patient_storage(spec, reporter, storage_patience_s)
+    pipeline = Pipeline(spec, backend, storage, reporter, force=False, timeout=timeout, refresh_s=refresh_s)
     if not pipeline.storage.exists(DRAFTER_CONFIG_KEY):
         raise RunFailed(
             f"{pipeline.storage.url}/{DRAFTER_CONFIG_KEY} does not exist: there is no trained drafter to evaluate",
@@ -144,6 +161,22 @@ def run_eval(
         )
     pipeline.job_step("eval", EVAL_REPORT_KEY)
     return pipeline.read_report()
+
+
+def patient_storage(spec: RunSpec, reporter: Reporter, patience_s: float | None) -> Storage:
+    """The run's storage, its calls waiting out an outage of up to `patience_s` (None:
+    STORAGE_PATIENCE_S), the waits said (one line every OUTAGE_LINE_S at most)."""
+    said = [float("-inf")]
+    lock = threading.Lock()
+
+    def waiting(error: StorageUnavailable, seconds: float) -> None:
+        with lock:
+            if time.monotonic() - said[0] < OUTAGE_LINE_S:
+                return
+            said[0] = time.monotonic()
+        reporter.say(f"storage unavailable ({error.what}); trying again in {seconds:.0f} s")
+
+    return storage_for(spec, patience=Patience(STORAGE_PATIENCE_S if patience_s is None else patience_s, on_wait=waiting))
 
 
 class Pipeline:
@@ -159,10 +192,10 @@ class Pipeline:
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.timeout = timeout
         self.refresh_s = refresh_s
-        self.meter = RateMeter()
-        self.generation_meter = GenerationMeter()
         self.progress_labels: dict[str, str] = {}
         """The dflash.dev/progress annotation last set on each step's Job."""
+        self.generation_markers: dict[str, ChunkMarker] = {}
+        """Generation's done markers read so far (each once: they do not change)."""
 
     def run(self) -> PipelineResult:
         result = PipelineResult()
@@ -227,7 +260,7 @@ class Pipeline:
                 break  # every chunk has landed (this attempt, or an earlier Job)
             current = self.backend.job_status(name)
             if current.exists and current.finished:
-                label = self.generation_meter.read(self.storage, self.spec).label
+                label = self.generation_progress().label
                 if attempt:
                     self.backend.record_event(
                         name, EVENT_SHARDS_RETRIED, f"{label} chunks landed; replacing the Job once (landed chunks are skipped)", warning=True,
@@ -241,10 +274,9 @@ class Pipeline:
                 self.backend.record_event(name, EVENT_SHARDS_FAILED, describe(status), warning=True)
         else:
             if write_manifest_if_complete(self.storage, self.spec) is None:
-                label = self.generation_meter.read(self.storage, self.spec).label
                 raise self.failure(
                     name,
-                    f"generation ended with {label} chunks landed after {1 + EXTRACT_RETRIES} attempts: {describe(status)}",
+                    f"generation ended with {self.generation_progress().label} chunks landed after {1 + EXTRACT_RETRIES} attempts: {describe(status)}",
                     "`dflashctl logs generate --shard N` shows why a shard failed; fix it and `dflashctl run` again "
                     "(landed chunks are kept)",
                 )
@@ -259,6 +291,9 @@ class Pipeline:
         self.backend.record_event(name, EVENT_GENERATION_FINISHED, message)
         self.reporter.say(f"generation: {message}")
         return True
+
+    def generation_progress(self) -> GenerationProgress:
+        return read_generation_progress(self.storage, self.spec, self.generation_markers)
 
     def extract(self) -> bool:
         name = job_name(self.spec, "extract")
@@ -391,23 +426,24 @@ class Pipeline:
             # Hours of extraction outlive S3 hiccups: the Job goes on, and so does the watching.
             self.reporter.say(f"extract: cannot read progress from {self.storage.url} ({error.what}); trying again in {self.refresh_s:.0f} s")
             return
-        self.meter.observe(progress)
         self.annotate("extract", job, progress.label)
+        rate = landing_rate(progress, since=job.started_at if job is not None else None)
         self.reporter.update(StepUpdate(
             step, job=job, done=progress.chunks_done, total=progress.chunks_total,
-            tokens_per_s=self.meter.tokens_per_s, eta_s=self.meter.eta_s(progress),
+            tokens_per_s=rate, eta_s=time_left(progress, rate),
         ))
 
     def refresh_generation(self, job: JobStatus | None) -> None:
         try:
-            progress = self.generation_meter.read(self.storage, self.spec)
+            progress = self.generation_progress()
         except StorageError as error:
             self.reporter.say(f"generate: cannot read progress from {self.storage.url} ({error.what}); trying again in {self.refresh_s:.0f} s")
             return
         self.annotate("generate", job, progress.label)
+        prompts_per_s, tokens_per_s = generation_rates(progress, since=job.started_at if job is not None else None)
         self.reporter.update(StepUpdate(
             "generate", job=job, done=progress.prompts_done, total=progress.prompts_total,
-            tokens_per_s=self.generation_meter.tokens_per_s, eta_s=self.generation_meter.eta_s(progress),
+            tokens_per_s=tokens_per_s, eta_s=generation_time_left(progress, prompts_per_s),
         ))
 
     def annotate(self, step: str, job: JobStatus | None, label: str) -> None:

@@ -2,20 +2,24 @@
 
 Storage is the source of truth (DESIGN section 6): a chunk is done when its marker exists, whatever
 the Job says. Counting needs one list of extract/done/ and the token dataset index, never a chunk.
+
+The rate comes from when the markers landed (the listing's modification times), counting only the
+chunks that landed since the extraction Job started: a Job resumed over chunks an earlier one left
+gets no credit for them, so its rate and ETA are honest from the first look.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dflash_jobs.formats import DATASET_KEY, DONE_MARKERS, DatasetIndex, chunk_of_key
-from dflash_jobs.generate.layout import ChunkMarker, GenerationProgress
-from dflash_jobs.generate.layout import read_progress as read_generation_progress
-from dflash_jobs.spec import RunSpec
+from dflash_jobs.generate.layout import GenerationProgress
 from dflash_jobs.storage import Storage
+
+RATE_WINDOW_S = 600.0
+"""The rate is over this much of the recent past (or since the Job started, if that is less)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +30,8 @@ class Progress:
     chunks_total: int | None
     tokens_done: int
     tokens_total: int | None
+    landings: tuple[tuple[float, int], ...] = ()
+    """(when its marker landed, Unix time; its tokens) of every done chunk, oldest first."""
 
     @property
     def label(self) -> str:
@@ -45,92 +51,64 @@ class Progress:
 
 
 def read_progress(storage: Storage) -> Progress:
-    """Chunks and tokens done, from the done markers and the dataset index."""
-    done_ids = {chunk_of_key(key) for key in storage.list(DONE_MARKERS) if key.endswith(".json")}
+    """Chunks and tokens done, and when each landed, from the done markers and the dataset index."""
+    landed = {chunk_of_key(key): at for key, at in storage.list_modified(DONE_MARKERS).items() if key.endswith(".json")}
     if not storage.exists(DATASET_KEY):
-        return Progress(chunks_done=len(done_ids), chunks_total=None, tokens_done=0, tokens_total=None)
+        return Progress(chunks_done=len(landed), chunks_total=None, tokens_done=0, tokens_total=None)
     dataset = DatasetIndex.from_json(storage.get_bytes(DATASET_KEY), DATASET_KEY)
-    done = [chunk for chunk in dataset.chunks if chunk.id in done_ids]
+    done = [chunk for chunk in dataset.chunks if chunk.id in landed]
     return Progress(
         chunks_done=len(done),
         chunks_total=len(dataset.chunks),
         tokens_done=sum(chunk.tokens for chunk in done),
         tokens_total=dataset.tokens,
+        landings=tuple(sorted((landed[chunk.id], chunk.tokens) for chunk in done)),
     )
 
 
-class RateMeter:
-    """Tokens per second over a sliding window of observations, and the ETA it implies.
+def landing_rate(progress: Progress, *, since: float | None, now: float | None = None, window_s: float = RATE_WINDOW_S) -> float | None:
+    """Tokens per second landed over the last `window_s`, counting only chunks whose markers landed
+    at or after `since` (the extraction Job's start, so chunks it found done add nothing).
 
-    Chunks land in steps of ~64K tokens, so the rate is measured over minutes, not between two
-    refreshes. `seed` starts the window with a known earlier point (e.g. the Job's start time).
-    """
-
-    def __init__(self, window_s: float = 600.0, clock: Callable[[], float] = time.time) -> None:
-        self.window_s = window_s
-        self.clock = clock
-        self._points: deque[tuple[float, int]] = deque()
-
-    def seed(self, at: float, tokens: int) -> None:
-        self._points.appendleft((at, tokens))
-
-    def observe(self, progress: Progress) -> None:
-        self.observe_count(progress.tokens_done)
-
-    def observe_count(self, done: int) -> None:
-        """One reading of a growing count (tokens, prompts)."""
-        now = self.clock()
-        self._points.append((now, done))
-        # Keep one point older than the window, so the rate always spans the whole window.
-        while len(self._points) > 2 and self._points[1][0] < now - self.window_s:
-            self._points.popleft()
-
-    @property
-    def tokens_per_s(self) -> float | None:
-        """The count's growth per second over the window (tokens for extraction)."""
-        if len(self._points) < 2:
-            return None
-        (t0, n0), (t1, n1) = self._points[0], self._points[-1]
-        if t1 <= t0 or n1 < n0:
-            return None
-        return (n1 - n0) / (t1 - t0)
-
-    def eta_s(self, progress: Progress) -> float | None:
-        return self.eta_for(progress.tokens_total, progress.tokens_done)
-
-    def eta_for(self, total: int | None, done: int) -> float | None:
-        rate = self.tokens_per_s
-        if total is None or not rate:
-            return None
-        return max(0, total - done) / rate
+    Chunks land in steps of ~64K tokens, so the window spans minutes. None without a start, or
+    before this Job's first chunk has landed: there is no rate to tell yet (0 means it stalled)."""
+    return window_rate(progress.landings, since=since, now=now, window_s=window_s)
 
 
-class GenerationMeter:
-    """Generation as `status` and `run` show it: generated tokens per second, and the ETA from the
-    prompts answered per second. Keeps each done marker it read (they never change)."""
+def window_rate(landings: Iterable[tuple[float, float]], *, since: float | None, now: float | None = None,
+                window_s: float = RATE_WINDOW_S) -> float | None:
+    """Per second, the amounts of the (landed at, amount) pairs of the last `window_s` (from
+    `since` on); None without a start or before anything landed since it."""
+    if since is None:
+        return None
+    landings = list(landings)
+    now = time.time() if now is None else now
+    start = max(since, now - window_s)
+    if now <= start or not any(at >= since for at, _ in landings):
+        return None
+    return sum(amount for at, amount in landings if at >= start) / (now - start)
 
-    def __init__(self, window_s: float = 600.0, clock: Callable[[], float] = time.time) -> None:
-        self.prompts = RateMeter(window_s, clock)
-        self.tokens = RateMeter(window_s, clock)
-        self.markers: dict[str, ChunkMarker] = {}
 
-    def read(self, storage: Storage, spec: RunSpec) -> GenerationProgress:
-        progress = read_generation_progress(storage, spec, self.markers)
-        self.prompts.observe_count(progress.prompts_done)
-        self.tokens.observe_count(progress.completion_tokens)
-        return progress
+def generation_rates(progress: GenerationProgress, *, since: float | None, now: float | None = None) -> tuple[float | None, float | None]:
+    """(prompts, generated tokens) per second from the generation chunks that landed since the
+    generate Job started (`since`), over the rate window."""
+    prompts = window_rate(((at, lines) for at, lines, _ in progress.landings), since=since, now=now)
+    tokens = window_rate(((at, tokens) for at, _, tokens in progress.landings), since=since, now=now)
+    return prompts, tokens
 
-    def seed(self, at: float) -> None:
-        """Starts both windows at an earlier point with nothing done (the Job's start)."""
-        self.prompts.seed(at, 0)
-        self.tokens.seed(at, 0)
 
-    @property
-    def tokens_per_s(self) -> float | None:
-        return self.tokens.tokens_per_s
+def generation_time_left(progress: GenerationProgress, prompts_per_s: float | None) -> float | None:
+    """Seconds until every prompt is answered at this rate; None without a rate or a plan."""
+    if progress.prompts_total is None or not prompts_per_s:
+        return None
+    return max(0, progress.prompts_total - progress.prompts_done) / prompts_per_s
 
-    def eta_s(self, progress: GenerationProgress) -> float | None:
-        return self.prompts.eta_for(progress.prompts_total, progress.prompts_done)
+
+def time_left(progress: Progress, tokens_per_s: float | None) -> float | None:
+    """Seconds until every token has landed at this rate; None without a rate or a total."""
+    if progress.tokens_total is None or not tokens_per_s:
+        return None
+    return max(0, progress.tokens_total - progress.tokens_done) / tokens_per_s
 
 
 def format_duration(seconds: float | None) -> str:

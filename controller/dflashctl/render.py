@@ -50,6 +50,7 @@ STAGE_DIR = "/var/lib/dflash-stage"
 """The emptyDir through which the dflash image hands the generation job's code to the vLLM container."""
 STAGED_PYTHON = f"{STAGE_DIR}/python"
 RENDEZVOUS_PORT = 29400
+METRICS_PORT_NAME = "metrics"
 CACHE_HEADROOM_GIB = 16
 
 # Resources of the CPU pods. Prepare tokenizes the JSONL data set; the controller only watches.
@@ -251,6 +252,9 @@ def render_controller_objects(spec: RunSpec) -> list[Manifest]:
         resources=CONTROLLER_RESOURCES,
         mounts=[_spec_mount(), {"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_DIR}],
     )
+    if spec.cluster.metrics_port is not None:
+        # By name: the Service of k8s/components/metrics targets "metrics", whatever the number.
+        container["ports"] = [{"name": METRICS_PORT_NAME, "containerPort": spec.cluster.metrics_port, "protocol": "TCP"}]
     pod_spec = {
         "serviceAccountName": account,
         "restartPolicy": "Never",
@@ -262,7 +266,8 @@ def render_controller_objects(spec: RunSpec) -> list[Manifest]:
     job = _job(spec, "controller", pod, {
         "backoffLimit": CONTROLLER_BACKOFF_LIMIT,
         # A failed run (exit 1) or a bad spec (exit 2) fails the same way again; anything else
-        # (lost API server, OOM, node drain) is retried, and the new pod attaches to the run.
+        # (storage or API server unavailable for long: 5, 4; OOM; node drain) is retried, and the
+        # new pod attaches to the run.
         "podFailurePolicy": {"rules": [
             _ignore_disruptions(),
             {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [EXIT_RUN_FAILED, EXIT_BAD_SPEC]}},

@@ -36,8 +36,9 @@ from dflash_jobs.formats import (
     check_hidden_header,
     chunk_of_key,
     done_key,
-    header_size,
+    fetch_header_bytes,
     hidden_chunk_key,
+    object_range,
     read_header,
 )
 from dflash_jobs.spec import RunSpec
@@ -45,8 +46,6 @@ from dflash_jobs.storage import HASH_BLOCK, ObjectNotFound, Storage
 
 from dflashctl.errors import RunFailed
 
-HEADER_PROBE = 64 << 10
-"""Bytes of the first ranged read; a chunk's header (~1 KB) fits, so one request usually suffices."""
 WORKERS = 16
 """Chunks checked at once: the checks wait on storage round trips, not on the CPU."""
 LISTED_PROBLEMS = 20
@@ -121,7 +120,7 @@ def _check_against_marker(storage: Storage, info: ChunkInfo, marker: DoneMarker,
     if stat.etag and marker.etag and stat.etag != marker.etag:
         return bad(f"{key} has etag {stat.etag}, its marker says {marker.etag} (replaced after it was marked)")
 
-    header, end = _read_header(storage, key)
+    header, end = read_header(fetch_header_bytes(object_range(storage, key)), key)
     if end != stat.size:
         return bad(f"{key}: its header describes {end} bytes, the object has {stat.size}")
     meta = check_hidden_header(header, key)
@@ -146,13 +145,6 @@ def _check_against_marker(storage: Storage, info: ChunkInfo, marker: DoneMarker,
         if digest != marker.sha256:
             return bad(f"{key} has sha256 {digest[:12]}…, its marker says {marker.sha256[:12]}… (corrupt or replaced)")
     return ChunkCheck(info.id, marker=marker, model=meta.get("model"), config_hash=meta.get("config_hash"))
-
-
-def _read_header(storage: Storage, key: str) -> tuple[dict, int]:
-    prefix = storage.get_bytes(key, 0, HEADER_PROBE)
-    if len(prefix) >= 8 and header_size(prefix) > len(prefix):
-        prefix = storage.get_bytes(key, 0, header_size(prefix))
-    return read_header(prefix, key)
 
 
 def _sha256(storage: Storage, key: str) -> str:

@@ -42,6 +42,11 @@ class StorageError(DflashError):
     """Storage is unreachable, forbids the call, or lacks an object that must exist."""
 
 
+class StorageUnavailable(StorageError):
+    """Storage did not answer, or answered with a server error (5xx, SlowDown), past the client's
+    retries: transient, so trying again later can succeed (unlike refused credentials or a missing bucket)."""
+
+
 class FormatError(DflashError):
     """A file does not follow its format: truncated, mislabeled or inconsistent."""
 

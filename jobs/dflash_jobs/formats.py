@@ -5,6 +5,13 @@ can read them without torch. Hidden-state chunks need torch (bf16 and fp8 have n
 those functions import it when called.
 
 Readers reject a truncated, mislabeled or inconsistent file with a FormatError naming the file.
+
+The layer convention of hidden-state chunks: hidden_states[:, k] is the output of decoder layer
+layers[k] (0-based, ascending), before the final norm. That is z-lab's target_layer_ids and
+Transformers' output_hidden_states[layers[k] + 1], except for the target's last decoder layer:
+Transformers' last entry is after the final norm, ours is before it, like vLLM's aux state
+num_hidden_layers (which speculators appends to its files). vLLM and speculators number every
+layer one higher (their 0 is the embeddings). tests/test_layer_convention.py pins the edge.
 """
 
 from __future__ import annotations
@@ -12,7 +19,9 @@ from __future__ import annotations
 import io
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
@@ -21,6 +30,8 @@ from dflash_jobs.errors import FormatError
 
 if TYPE_CHECKING:
     import torch
+
+    from dflash_jobs.storage import Storage
 
 TOKENS_FORMAT = "dflash.tokens/v1"
 HIDDEN_FORMAT = "dflash.hidden/v1"
@@ -33,7 +44,8 @@ MANIFEST_KEY = "extract/manifest.json"
 TOKEN_CHUNKS = "tokens/chunks/"
 HIDDEN_CHUNKS = "extract/chunks/"
 DONE_MARKERS = "extract/done/"
-DRAFTER_CONFIG_KEY = "train/drafter/config.json"  # written last by the export: the drafter is complete
+DRAFTER_DIR = "train/drafter"  # the exported drafter, z-lab layout
+DRAFTER_CONFIG_KEY = f"{DRAFTER_DIR}/config.json"  # written last by the export: the drafter is complete
 TRAIN_METRICS_KEY = "train/metrics.jsonl"
 TRAIN_PLOT_KEY = "train/metrics.png"
 EVAL_REPORT_KEY = "eval/report.json"
@@ -66,6 +78,10 @@ def chunk_of_key(key: str) -> int:
 # ---- safetensors header, read without torch ----------------------------------------------------
 
 _ST_DTYPES = {"I32": 4, "U8": 1, "I64": 8, "BF16": 2, "F8_E4M3": 1, "F32": 4, "F16": 2}
+HEADER_PROBE = 64 << 10
+"""Bytes of the first ranged read of a header: a hidden-state chunk's (~1 KB) fits, so one request usually suffices."""
+MAX_HEADER = 100 << 20
+"""A longer header is not a safetensors header but a corrupt or foreign file."""
 
 
 def read_header(data: bytes, name: str) -> tuple[dict[str, Any], int]:
@@ -76,7 +92,7 @@ def read_header(data: bytes, name: str) -> tuple[dict[str, Any], int]:
     if len(data) < 8:
         raise FormatError(f"{name} is truncated: {len(data)} bytes, no safetensors header", "Re-create the file (re-run the step that wrote it)")
     (length,) = struct.unpack("<Q", data[:8])
-    if length > 100 << 20:
+    if 8 + length > MAX_HEADER:
         raise FormatError(f"{name} is not a safetensors file (header length {length})", "Re-create the file")
     if len(data) < 8 + length:
         raise FormatError(f"{name} is truncated inside its header", "Re-create the file")
@@ -99,6 +115,38 @@ def read_header(data: bytes, name: str) -> tuple[dict[str, Any], int]:
 def header_size(prefix: bytes) -> int:
     """Bytes to fetch to read a whole header, given at least the first 8 bytes of the file."""
     return 8 + struct.unpack("<Q", prefix[:8])[0]
+
+
+def fetch_header_bytes(read_range: Callable[[int, int], bytes]) -> bytes:
+    """The first bytes of a safetensors file up to the end of its header (what `read_header`
+    parses; their length is where the tensor data starts), by ranged reads.
+
+    `read_range(start, end)` returns those bytes of the file: `object_range(storage, key)` for a
+    stored object, `file_range(path)` for a local file. One probe covers most headers; a longer one
+    takes a second read. A file too short or with an implausible length is returned as read, for
+    `read_header` to reject by name."""
+    prefix = read_range(0, HEADER_PROBE)
+    if len(prefix) < 8 or header_size(prefix) > MAX_HEADER:
+        return prefix
+    if header_size(prefix) > len(prefix):
+        prefix = read_range(0, header_size(prefix))
+    return prefix[: header_size(prefix)]
+
+
+def object_range(storage: Storage, key: str) -> Callable[[int, int], bytes]:
+    """A stored object as `read_range` for `fetch_header_bytes`: one ranged get per call."""
+    return lambda start, end: storage.get_bytes(key, start, end)
+
+
+def file_range(path: str | Path) -> Callable[[int, int], bytes]:
+    """A local file as `read_range` for `fetch_header_bytes`."""
+
+    def read(start: int, end: int) -> bytes:
+        with open(path, "rb") as f:
+            f.seek(start)
+            return f.read(end - start)
+
+    return read
 
 
 # ---- token chunks ------------------------------------------------------------------------------
@@ -256,29 +304,53 @@ def hidden_metadata(*, layers: list[int], model: str, config_hash: str, dtype: s
 _SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float32": "F32", "int64": "I64", "int32": "I32", "uint8": "U8"}
 
 
-def safetensors_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> list[memoryview]:
-    """The bytes of a safetensors file as views, in file order: the header, then every tensor's own
-    memory (no copy), so a writer can stream them to storage.
+@dataclass(frozen=True, slots=True)
+class RawTensor:
+    """A tensor as safetensors stores it: dtype name, shape and little-endian bytes (no torch needed)."""
 
-    The header is canonical: the same tensors and metadata give the same bytes in any process (the
-    library writes __metadata__ in a per-process hash order, so a re-extracted chunk would get
-    another sha256). Tensors are laid out as the library does: widest elements first."""
-    import torch
+    dtype: str  # safetensors name: BF16, F8_E4M3, F32, I64, I32, U8
+    shape: tuple[int, ...]
+    data: Any  # a bytes-like object of exactly prod(shape) * itemsize bytes
 
-    names = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))  # every offset stays aligned
+    @property
+    def itemsize(self) -> int:
+        return _ST_DTYPES[self.dtype]
+
+
+def safetensors_header(tensors: dict[str, RawTensor], metadata: dict[str, str]) -> tuple[bytes, list[str]]:
+    """The canonical header (length prefix included) and the order the tensors' bytes follow it in.
+
+    Canonical: the same tensors and metadata give the same bytes in any process (the library writes
+    __metadata__ in a per-process hash order, so a re-extracted chunk would get another sha256).
+    Tensors are laid out as the library does: widest elements first, so every offset stays aligned."""
+    names = sorted(tensors, key=lambda name: (-tensors[name].itemsize, name))
     entries, offset = {}, 0
     for name in names:
         tensor = tensors[name]
-        size = tensor.numel() * tensor.element_size()
-        dtype = _SAFETENSORS_DTYPES[str(tensor.dtype).removeprefix("torch.")]
-        entries[name] = {"dtype": dtype, "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        size = int(np.prod(tensor.shape, dtype=np.int64)) * tensor.itemsize
+        entries[name] = {"dtype": tensor.dtype, "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
         offset += size
     header = json.dumps({"__metadata__": metadata, **entries}, sort_keys=True, separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)
-    parts = [memoryview(struct.pack("<Q", len(header)) + header)]
-    for name in names:
-        parts.append(tensors[name].contiguous().view(torch.uint8).reshape(-1).numpy().data)
-    return parts
+    return struct.pack("<Q", len(header)) + header, names
+
+
+def raw_safetensors_parts(tensors: dict[str, RawTensor], metadata: dict[str, str]) -> list[memoryview]:
+    """The bytes of a safetensors file as views, in file order: the canonical header, then every
+    tensor's own bytes (no copy), so a writer can stream them to storage."""
+    header, names = safetensors_header(tensors, metadata)
+    return [memoryview(header), *(memoryview(tensors[name].data) for name in names)]
+
+
+def safetensors_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> list[memoryview]:
+    """raw_safetensors_parts of torch tensors, viewing each tensor's own memory."""
+    import torch
+
+    raw = {
+        name: RawTensor(_SAFETENSORS_DTYPES[str(t.dtype).removeprefix("torch.")], tuple(t.shape), t.contiguous().view(torch.uint8).reshape(-1).numpy().data)
+        for name, t in tensors.items()
+    }
+    return raw_safetensors_parts(raw, metadata)
 
 
 def write_safetensors(out: BinaryIO, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:

@@ -29,6 +29,7 @@ MODEL_CACHE_ENV = "DFLASH_MODEL_CACHE"
 # Job names get suffixes ("-extract", "-controller") and pods another "-<index>-<hash>"; the
 # Job name is also a label value (<= 63 characters), so the run name must leave room for them.
 MAX_RUN_NAME = 40
+UNPRIVILEGED_PORTS = (1024, 65535)
 DEFAULT_SPEC_FILE = "dflash.yaml"
 OPTIONAL_SECTIONS = ("generate",)
 """Sections that are off while absent: a resolved spec without them does not mention them."""
@@ -52,7 +53,9 @@ class TargetSpec:
     model: str
     """HF checkpoint directory (a PVC mount in pods) or an s3:// prefix holding one."""
     layers: list[int] | None = None
-    """Decoder layers to capture, 0-based: layer i is HF output_hidden_states[i + 1]. Default: 5 evenly spaced over 1..n-3."""
+    """Decoder layers to capture, 0-based and ascending: layer i is the output of decoder layer i before the final norm
+    (z-lab's target_layer_ids; HF output_hidden_states[i + 1], except for the last layer, whose HF entry is after the
+    final norm). Default: 5 evenly spaced over 1..n-3."""
     attn_implementation: str = "sdpa"
     """Attention kernel for the target's full-attention layers: sdpa, eager or flash_attention_2."""
 
@@ -65,6 +68,13 @@ class TargetSpec:
                 raise SpecError("target.layers", self.layers, "layer indices >= 0")
             if len(set(self.layers)) != len(self.layers):
                 raise SpecError("target.layers", self.layers, "distinct layer indices")
+            if self.layers != sorted(self.layers):
+                # vLLM concatenates the captured layers in ascending order: a drafter trained on
+                # another order would read them shuffled when served, silently.
+                raise SpecError(
+                    "target.layers", self.layers,
+                    f"layer indices in ascending order, {sorted(self.layers)}: vLLM feeds the drafter the layers in ascending order",
+                )
         allowed = ("sdpa", "eager", "flash_attention_2")
         if self.attn_implementation not in allowed:
             raise SpecError("target.attn_implementation", self.attn_implementation, " | ".join(allowed))
@@ -312,6 +322,9 @@ class ClusterSpec:
     shm_size: str = "16Gi"
     ttl_seconds_after_finished: int | None = None
     """Left unset by default: Git-managed Jobs must not delete themselves."""
+    metrics_port: int | None = None
+    """Port on which `dflashctl run` (the in-cluster controller) serves its progress as Prometheus
+    metrics at /metrics; rendered as the controller Job's "metrics" port. null: no metrics."""
 
     def __post_init__(self) -> None:
         _dns_label("cluster.namespace", self.namespace, limit=63)
@@ -329,6 +342,8 @@ class ClusterSpec:
         _positive("cluster.cpu_per_gpu", self.cpu_per_gpu, minimum=1)
         _binary_quantity("cluster.memory_per_gpu", self.memory_per_gpu)
         _binary_quantity("cluster.shm_size", self.shm_size)
+        if self.metrics_port is not None and not UNPRIVILEGED_PORTS[0] <= self.metrics_port <= UNPRIVILEGED_PORTS[1]:
+            raise SpecError("cluster.metrics_port", self.metrics_port, f"a port in {UNPRIVILEGED_PORTS[0]}..{UNPRIVILEGED_PORTS[1]} (the controller runs as non-root), or null")
 
 
 @dataclass(kw_only=True, slots=True)

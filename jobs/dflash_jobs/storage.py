@@ -17,15 +17,16 @@ import io
 import os
 import shutil
 import tempfile
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator, Protocol, Union
+from typing import BinaryIO, Iterator, Protocol, TypeVar, Union
 
-from dflash_jobs.errors import StorageError
+from dflash_jobs.errors import StorageError, StorageUnavailable
 
 HASH_BLOCK = 8 << 20
 # Objects above this go up in parallel parts; S3 caps a single PUT at 5 GiB and parts help retries.
@@ -33,9 +34,15 @@ MULTIPART_THRESHOLD = 64 << 20
 MULTIPART_CHUNK = 64 << 20
 TEMP_PREFIX = ".tmp-"
 PART_THREADS = 8
+FIRST_WAIT_S = 5.0
+LONGEST_WAIT_S = 120.0
+"""Waits between attempts while storage is unavailable (see Patience): doubling from the first to the longest."""
+# S3 error codes of a store that is down or overloaded; HEAD answers carry only the status ("503").
+_UNAVAILABLE_CODES = {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout", "Throttling", "ThrottlingException"}
 
 Buffer = Union[bytes, bytearray, memoryview]
 """Anything with the buffer protocol: put_parts reads it in place, without a copy."""
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,11 +92,14 @@ class _Digest:
                 digest.update(part[start:start + HASH_BLOCK])
         return digest.hexdigest()
 
+    def __enter__(self) -> _Digest:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._pool.shutdown()  # after a failed write too: the hashing thread ends with the put
+
     def result(self) -> str:
-        try:
-            return self._future.result()
-        finally:
-            self._pool.shutdown()
+        return self._future.result()
 
 
 def sha256_file(path: str | Path) -> str:
@@ -113,6 +123,8 @@ class Storage(Protocol):
     def stat(self, key: str) -> ObjectInfo | None: ...
     def exists(self, key: str) -> bool: ...
     def list(self, prefix: str = "") -> list[str]: ...
+    def list_modified(self, prefix: str = "") -> dict[str, float]:
+        """Keys under `prefix` and when each was last written (Unix time), from the listing alone."""
     def delete(self, key: str) -> None: ...
 
 
@@ -167,8 +179,7 @@ class LocalStorage:
         """One object from buffers written in order, hashed while written: each byte is written once."""
         target = self._path(key)
         views = _byte_views(parts)
-        digest = _Digest(views)
-        with self._temp_beside(target) as temp:
+        with _Digest(views) as digest, self._temp_beside(target) as temp:
             with open(temp, "wb") as f:
                 for view in views:
                     f.write(view)
@@ -222,20 +233,32 @@ class LocalStorage:
         return self._path(key).is_file()
 
     def list(self, prefix: str = "") -> list[str]:
+        return sorted(self._walk(prefix))
+
+    def list_modified(self, prefix: str = "") -> dict[str, float]:
+        modified = {}
+        for key, path in sorted(self._walk(prefix).items()):
+            try:
+                modified[key] = path.stat().st_mtime
+            except FileNotFoundError:  # deleted since the walk
+                continue
+        return modified
+
+    def _walk(self, prefix: str) -> dict[str, Path]:
         base = self.root / prefix.rstrip("/") if prefix else self.root
         if prefix and not prefix.endswith("/") and not base.is_dir():
             base = base.parent
         if not base.is_dir():
-            return []
-        keys = []
+            return {}
+        found = {}
         for dirpath, _, filenames in os.walk(base):
             for name in filenames:
                 if name.startswith(TEMP_PREFIX):
                     continue
                 key = os.path.relpath(os.path.join(dirpath, name), self.root).replace(os.sep, "/")
                 if key.startswith(prefix):
-                    keys.append(key)
-        return sorted(keys)
+                    found[key] = Path(dirpath, name)
+        return found
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
@@ -246,14 +269,19 @@ class LocalStorage:
 
 def _s3_error(exc: Exception, url: str) -> StorageError:
     """Turns boto errors into messages that say what to fix."""
-    from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
+    from botocore.exceptions import ClientError, ConnectionError, HTTPClientError, NoCredentialsError
 
     if isinstance(exc, NoCredentialsError):
         return StorageError(f"no S3 credentials for {url}", "Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (in pods: the cluster.s3_secret Secret)")
-    if isinstance(exc, EndpointConnectionError):
-        return StorageError(f"cannot reach the S3 endpoint for {url} ({exc})", "Check AWS_ENDPOINT_URL or storage.endpoint_url, and the network")
+    if isinstance(exc, ConnectionError):
+        return StorageUnavailable(f"cannot reach the S3 endpoint for {url} ({exc})", "Check AWS_ENDPOINT_URL or storage.endpoint_url, and the network")
+    if isinstance(exc, HTTPClientError):  # reset or timed out mid-request
+        return StorageUnavailable(f"S3 call on {url} failed: {exc}", "Check the endpoint and the network; the call was retried")
     if isinstance(exc, ClientError):
         code = exc.response.get("Error", {}).get("Code", "")
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        if code in _UNAVAILABLE_CODES or status >= 500:
+            return StorageUnavailable(f"S3 call on {url} failed: {code or status} (the store is down or overloaded)", "Retried with backoff; check the store's health")
         if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403", "Forbidden"):
             return StorageError(f"S3 refused access to {url} ({code})", "Check the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) and the bucket policy")
         if code in ("NoSuchBucket",):
@@ -264,17 +292,55 @@ def _s3_error(exc: Exception, url: str) -> StorageError:
     return StorageError(f"S3 call on {url} failed: {exc}", "Check the endpoint, credentials and network")
 
 
+class Patience:
+    """How long S3 calls outlast an outage. A call that fails with StorageUnavailable (after the
+    client's own quick retries) is made again after a wait, doubling from FIRST_WAIT_S to
+    LONGEST_WAIT_S, until `seconds` have passed since its first failure; then the error goes up.
+    `on_wait(error, seconds)` hears of every wait (a log line: an outage must be visible).
+
+    The default, 0 seconds, fails at once: right for a command a person waits on. The pipeline,
+    which runs for days in the cluster, gives it minutes."""
+
+    def __init__(self, seconds: float = 0.0, on_wait: Callable[[StorageUnavailable, float], None] | None = None) -> None:
+        self.seconds = seconds
+        self.on_wait = on_wait
+
+    def call(self, attempt: Callable[[], T]) -> T:
+        deadline, delay = None, FIRST_WAIT_S
+        while True:
+            try:
+                return attempt()
+            except StorageUnavailable as error:
+                if self.seconds <= 0:
+                    raise
+                now = time.monotonic()
+                deadline = deadline or now + self.seconds
+                if now >= deadline:
+                    raise StorageUnavailable(f"{error.what}; still so after {self.seconds:.0f} s of retries", error.fix) from None
+                wait = min(delay, deadline - now)
+                if self.on_wait is not None:
+                    self.on_wait(error, wait)
+                time.sleep(wait)
+                delay = min(2 * delay, LONGEST_WAIT_S)
+
+
 class _BodyReader(io.RawIOBase):
     """A botocore StreamingBody as a raw stream, so io.BufferedReader gives it readline()."""
 
-    def __init__(self, body) -> None:
+    def __init__(self, body, url: str) -> None:
         self.body = body
+        self.url = url
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer) -> int:
-        data = self.body.read(len(buffer))
+        from botocore.exceptions import BotoCoreError
+
+        try:
+            data = self.body.read(len(buffer))
+        except BotoCoreError as exc:  # the connection broke mid-object: the reader starts over
+            raise _s3_error(exc, self.url) from None
         buffer[: len(data)] = data
         return len(data)
 
@@ -303,10 +369,12 @@ def _slices(views: Sequence[memoryview], size: int) -> Iterator[list[memoryview]
 
 class S3Storage:
     """A bucket prefix. Multipart uploads for large objects; standard botocore retries in adaptive
-    mode, so 503 SlowDown and throttling back off instead of failing the pod."""
+    mode, so 503 SlowDown and throttling back off instead of failing the pod; past those, `patience`
+    decides whether a call waits out an outage."""
 
     def __init__(
-        self, url: str, *, endpoint_url: str | None = None, region: str | None = None, max_attempts: int = 10
+        self, url: str, *, endpoint_url: str | None = None, region: str | None = None, max_attempts: int = 10,
+        patience: Patience | None = None,
     ) -> None:
         import boto3
         from boto3.s3.transfer import TransferConfig
@@ -334,12 +402,16 @@ class S3Storage:
         self.transfer = TransferConfig(
             multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=MULTIPART_CHUNK, max_concurrency=8
         )
+        self.patience = patience or Patience()
 
     def _key(self, key: str) -> str:
         check_key(key)
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _call(self, key: str, fn, /, **kwargs):
+        return self.patience.call(lambda: self._once(key, fn, **kwargs))
+
+    def _once(self, key: str, fn, /, **kwargs):
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
@@ -362,7 +434,10 @@ class S3Storage:
         (no spool file). A failed upload is aborted, so no parts are left behind."""
         views = _byte_views(parts)
         size = sum(len(v) for v in views)
-        digest = _Digest(views)
+        with _Digest(views) as digest:
+            return self._put_views(key, views, size, digest)
+
+    def _put_views(self, key: str, views: list[memoryview], size: int, digest: _Digest) -> PutResult:
         if size < MULTIPART_THRESHOLD:
             response = self._call(key, self.client.put_object, Bucket=self.bucket, Key=self._key(key), Body=b"".join(views))
             return PutResult(size, digest.result(), response.get("ETag"))
@@ -384,11 +459,13 @@ class S3Storage:
         except BaseException:
             with suppress(Exception):
                 self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload)
-            digest.result()
             raise
         return PutResult(size, digest.result(), response.get("ETag"))
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
+        return self.patience.call(lambda: self._put_if_absent_once(key, data))
+
+    def _put_if_absent_once(self, key: str, data: bytes) -> bool:
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
@@ -407,8 +484,8 @@ class S3Storage:
         kwargs = {}
         if start is not None or end is not None:
             kwargs["Range"] = f"bytes={start or 0}-{'' if end is None else end - 1}"
-        response = self._call(key, self.client.get_object, Bucket=self.bucket, Key=self._key(key), **kwargs)
-        return response["Body"].read()
+        # The body is read inside the call: a connection lost mid-body is retried like one lost before.
+        return self._call(key, lambda **call: self.client.get_object(**call)["Body"].read(), Bucket=self.bucket, Key=self._key(key), **kwargs)
 
     def get_file(self, key: str, path: str | Path) -> None:
         path = Path(path)
@@ -423,7 +500,7 @@ class S3Storage:
 
     def open_read(self, key: str) -> BinaryIO:
         response = self._call(key, self.client.get_object, Bucket=self.bucket, Key=self._key(key))
-        return io.BufferedReader(_BodyReader(response["Body"]), buffer_size=1 << 20)
+        return io.BufferedReader(_BodyReader(response["Body"], f"{self.url}/{key}"), buffer_size=1 << 20)
 
     def stat(self, key: str) -> ObjectInfo | None:
         try:
@@ -436,19 +513,24 @@ class S3Storage:
         return self.stat(key) is not None
 
     def list(self, prefix: str = "") -> list[str]:
-        full = self._key(prefix) if prefix else (f"{self.prefix}/" if self.prefix else "")
-        strip = len(self.prefix) + 1 if self.prefix else 0
-        keys: list[str] = []
-        paginator = self.client.get_paginator("list_objects_v2")
-        pages = self._call(prefix or "", paginator.paginate, Bucket=self.bucket, Prefix=full)
+        return sorted(self.list_modified(prefix))
+
+    def list_modified(self, prefix: str = "") -> dict[str, float]:
+        return self.patience.call(lambda: self._list_once(prefix))
+
+    def _list_once(self, prefix: str) -> dict[str, float]:
+        """One listing, every page; a page that fails fails the listing (the next attempt starts over)."""
         from botocore.exceptions import BotoCoreError, ClientError
 
+        full = self._key(prefix) if prefix else (f"{self.prefix}/" if self.prefix else "")
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        modified: dict[str, float] = {}
         try:
-            for page in pages:
-                keys.extend(obj["Key"][strip:] for obj in page.get("Contents", []))
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full):
+                modified.update((obj["Key"][strip:], obj["LastModified"].timestamp()) for obj in page.get("Contents", []))
         except (BotoCoreError, ClientError) as exc:
             raise _s3_error(exc, f"{self.url}/{prefix}") from None
-        return sorted(keys)
+        return dict(sorted(modified.items()))
 
     def delete(self, key: str) -> None:
         self._call(key, self.client.delete_object, Bucket=self.bucket, Key=self._key(key))
@@ -458,14 +540,15 @@ class S3Storage:
 
 
 def open_storage(
-    url: str, *, endpoint_url: str | None = None, region: str | None = None, max_attempts: int = 10
+    url: str, *, endpoint_url: str | None = None, region: str | None = None, max_attempts: int = 10,
+    patience: Patience | None = None,
 ) -> Storage:
     """Storage rooted at an s3:// prefix, a file:// URL or a local path.
 
-    `max_attempts` bounds S3 retries: lower it where failing fast beats riding out throttling
-    (a reachability check)."""
+    `max_attempts` bounds the client's quick S3 retries: lower it where failing fast beats riding
+    out throttling (a reachability check). `patience` waits out longer outages (see Patience)."""
     if url.startswith("s3://"):
-        return S3Storage(url, endpoint_url=endpoint_url, region=region, max_attempts=max_attempts)
+        return S3Storage(url, endpoint_url=endpoint_url, region=region, max_attempts=max_attempts, patience=patience)
     if url.startswith("file://"):
         url = url[len("file://"):]
     return LocalStorage(url)
@@ -479,6 +562,6 @@ def open_url(url: str, *, endpoint_url: str | None = None, region: str | None = 
     return open_storage(parent, endpoint_url=endpoint_url, region=region), name
 
 
-def storage_for(spec) -> Storage:  # spec: RunSpec (not imported: keeps this module dependency-free)
-    """The run's output root."""
-    return open_storage(spec.output, endpoint_url=spec.storage.endpoint_url, region=spec.storage.region)
+def storage_for(spec, *, patience: Patience | None = None) -> Storage:
+    """The run's output root (`spec` is a RunSpec, not imported: this module stays dependency-free)."""
+    return open_storage(spec.output, endpoint_url=spec.storage.endpoint_url, region=spec.storage.region, patience=patience)

@@ -7,8 +7,9 @@ body), loses responses of requests it did forward, or delays responses.
     proxy.injected   # Counter of faults by kind, proxy.events: what happened to each request
 
 Faults are bounded in count (`max_faults`) and in time (`active_s`), after which every request
-passes, so a client with ordinary retries must always finish. The proxy only ever connects to the
-upstream on 127.0.0.1.
+passes, so a client with ordinary retries must always finish. An outage is the other shape:
+`proxy.outage(kind)` fails every request with `kind` until `proxy.recover()`, longer than any
+client's own retries. The proxy only ever connects to the upstream on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ class _Handler(BaseHTTPRequestHandler):
         proxy = self.server.proxy
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
-        kind, delay = proxy.schedule.next(self.command)
+        kind, delay = proxy.fault_for(self.command)
         proxy.record(self.command, self.path, kind)
         if kind == RESET:
             return self._reset()
@@ -168,6 +169,7 @@ class S3FaultProxy:
         self.schedule = FaultSchedule(seed=seed, **schedule)
         self.injected: Counter[str] = Counter()
         self.events: list[tuple[str, str, str | None]] = []
+        self.outage_kind: str | None = None
         self._lock = threading.Lock()
         self._server = _ProxyServer((LOOPBACK, 0), _Handler)
         self._server.proxy = self
@@ -191,6 +193,19 @@ class S3FaultProxy:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+    def outage(self, kind: str = ERROR_503) -> None:
+        """From now on every request fails with `kind` (RESET: the store unreachable), until `recover()`."""
+        self.outage_kind = kind
+
+    def recover(self) -> None:
+        self.outage_kind = None
+
+    def fault_for(self, method: str) -> tuple[str | None, float]:
+        """(fault kind or None, delay for SLOW): the outage's, else the seeded schedule's."""
+        if self.outage_kind is not None:
+            return self.outage_kind, 0.0
+        return self.schedule.next(method)
 
     def record(self, method: str, path: str, kind: str | None) -> None:
         with self._lock:

@@ -22,6 +22,7 @@ from dflashctl.cli import submit; submit.register(app)  # noqa: E402,E702
 from dflashctl.cli import run; run.register(app)  # noqa: E402,E702
 from dflashctl.cli import verify; verify.register(app)  # noqa: E402,E702
 from dflashctl.cli import eval; eval.register(app)  # noqa: E402,E702
+from dflashctl.cli import export_states; export_states.register(app)  # noqa: E402,E702
 from dflashctl.cli import status; status.register(app)  # noqa: E402,E702
 from dflashctl.cli import logs; logs.register(app)  # noqa: E402,E702
 from dflashctl.cli import jobs; jobs.register(app)  # noqa: E402,E702

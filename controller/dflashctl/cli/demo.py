@@ -11,7 +11,7 @@ from rich.table import Table
 from dflash_jobs.spec import load_spec
 from dflash_jobs.storage import storage_for
 
-from dflashctl.backend import open_backend
+from dflashctl.backends import open_backend
 from dflashctl.cli import output
 from dflashctl.cli.options import OutputFormat
 from dflashctl.cli.reporting import print_report, reporter_for

@@ -7,7 +7,7 @@ import typer
 from dflash_jobs.formats import EVAL_REPORT_KEY
 from dflash_jobs.spec import load_spec
 
-from dflashctl.backend import open_backend
+from dflashctl.backends import open_backend
 from dflashctl.cli import output
 from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt, TimeoutOpt
 from dflashctl.cli.reporting import print_report, reporter_for

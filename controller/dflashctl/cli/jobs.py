@@ -12,7 +12,8 @@ import typer
 
 from dflash_jobs.spec import load_spec
 
-from dflashctl.backend import EVENT_SHARDS_RETRIED, format_indexes, open_backend
+from dflashctl.backend import EVENT_SHARDS_RETRIED, format_indexes
+from dflashctl.backends import open_backend
 from dflashctl.cli import output
 from dflashctl.cli.options import DEFAULT_SPEC, SpecOpt
 from dflashctl.cli.status import job_statuses

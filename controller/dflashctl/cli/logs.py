@@ -9,7 +9,7 @@ import typer
 
 from dflash_jobs.spec import load_spec
 
-from dflashctl.backend import open_backend
+from dflashctl.backends import open_backend
 from dflashctl.cli.options import DEFAULT_SPEC, ShardOpt, SpecOpt
 from dflashctl.cli.status import current_step, job_statuses
 from dflashctl.cli.submit import Step

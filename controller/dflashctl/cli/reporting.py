@@ -106,6 +106,8 @@ def print_report(report: dict[str, Any], fmt: OutputFormat) -> None:
             "yes" if summary.get("lossless") else "[red]NO[/]",
         )
     output.stdout.print(table)
+    if report.get("vllm_serve"):
+        output.stdout.print(f"serve it with vLLM:\n{report['vllm_serve']}", markup=False, highlight=False)
 
 
 def _number(value: float | None) -> str:

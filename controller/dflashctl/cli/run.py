@@ -11,10 +11,11 @@ import typer
 
 from dflash_jobs.spec import load_spec
 
-from dflashctl.backend import open_backend
+from dflashctl.backends import open_backend
 from dflashctl.cli import output
 from dflashctl.cli.options import DEFAULT_SPEC, ForceOpt, OutputFormat, OutputOpt, SpecOpt, TimeoutOpt
 from dflashctl.cli.reporting import print_report, reporter_for
+from dflashctl.metrics import with_metrics
 from dflashctl.pipeline import PipelineResult, run_pipeline
 
 
@@ -37,11 +38,13 @@ def run(
       dflashctl run -f runs/qwen36-27b.yaml --timeout 3600
 
       dflashctl submit controller      # the same, as a CPU Job inside the cluster
+
+    With cluster.metrics_port set, it serves its progress as Prometheus metrics on that port.
     """
     spec = load_spec(spec_file)
     backend = open_backend(spec)
     with reporter_for(output.stderr) as reporter:
-        result = run_pipeline(spec, backend, reporter=reporter, force=force, timeout=timeout)
+        result = run_pipeline(spec, backend, reporter=with_metrics(spec, reporter), force=force, timeout=timeout)
     if fmt is OutputFormat.json:
         output.result_json(result_json(result))
     else:

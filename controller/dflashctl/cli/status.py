@@ -1,13 +1,17 @@
 """`dflashctl status`: where the run is, per shard, with chunks done (prompts answered when the answers
 are regenerated), tokens/s, ETA and what comes next.
 
-Also installed as `kubectl-dflash`, so `kubectl dflash status` works for people who live in kubectl.
+`--watch` follows the run to its end, across the gaps between its Jobs (verify runs between
+extraction and training without a Job of its own). Also installed as `kubectl-dflash`, so
+`kubectl dflash status` works for people who live in kubectl.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -17,17 +21,22 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from dflash_jobs.errors import StorageError
+from dflash_jobs.drafter.serving import run_serve_command
+from dflash_jobs.errors import FormatError, StorageError
 from dflash_jobs.formats import DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, MANIFEST_KEY
 from dflash_jobs.generate.layout import MANIFEST_KEY as GENERATION_MANIFEST_KEY
-from dflash_jobs.generate.layout import GenerationProgress, current_manifest
+from dflash_jobs.generate.layout import ChunkMarker, GenerationProgress, current_manifest
+from dflash_jobs.generate.layout import read_progress as read_generation_progress
 from dflash_jobs.spec import RunSpec, load_spec
-from dflash_jobs.storage import storage_for
+from dflash_jobs.storage import Storage, storage_for
 
-from dflashctl.backend import Backend, JobStatus, format_indexes, open_backend
+from dflashctl.backend import Backend, JobStatus, format_indexes
+from dflashctl.backends import open_backend
 from dflashctl.cli import output
 from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt, WatchOpt
-from dflashctl.progress import GenerationMeter, Progress, RateMeter, format_duration, format_rate, read_progress
+from dflashctl.progress import (
+    Progress, format_duration, format_rate, generation_rates, generation_time_left, landing_rate, read_progress, time_left,
+)
 from dflashctl.render import COMPONENTS, STEPS, job_name
 
 REFRESH_S = 5.0
@@ -49,6 +58,8 @@ class RunReport:
     evaluated: bool
     storage_error: str | None
     next_step: str = ""
+    serve: str | None = None
+    """Once the drafter is exported: the vLLM command that serves it (or why it cannot be formatted)."""
     generation: GenerationProgress | None = None
     """With a generate section: chunks and prompts done, from the plan and the markers."""
     generated: bool = False
@@ -64,6 +75,21 @@ class RunReport:
     @property
     def failed(self) -> bool:
         return not self.evaluated and any(job.failed_terminally for job in self.jobs.values())
+
+    @property
+    def step(self) -> str:
+        """The step the run is at: the first whose output is not in storage ("done" at the end)."""
+        if self.evaluated:
+            return "done"
+        if self.progress is None:
+            return "unknown (storage unreachable)"
+        if self.progress.chunks_total is None:
+            return "generate" if self.generation is not None and not self.generated else "prepare"
+        if not self.progress.landed:
+            return "extract"
+        if not self.manifest:
+            return "verify"
+        return "train" if not self.trained else "eval"
 
 
 def job_statuses(spec: RunSpec, backend: Backend) -> dict[str, JobStatus]:
@@ -103,11 +129,12 @@ def summarize(step: str, job: JobStatus) -> str:
     return f"{step} {state}: {', '.join(parts)}"
 
 
-def collect(spec: RunSpec, backend: Backend, meter: RateMeter, generation_meter: GenerationMeter | None = None) -> RunReport:
+def collect(spec: RunSpec, backend: Backend, markers: dict[str, ChunkMarker] | None = None) -> RunReport:
+    """One look at the run. `markers`: generation's done markers already read (a watcher passes the
+    same dict every time, so each is read once)."""
     jobs = job_statuses(spec, backend)
-    progress = manifest = trained = evaluated = None
+    progress = manifest = trained = evaluated = serve = None
     generation, generated = None, False
-    generation_meter = generation_meter or GenerationMeter()
     storage_error = None
     try:
         storage = storage_for(spec)
@@ -115,38 +142,46 @@ def collect(spec: RunSpec, backend: Backend, meter: RateMeter, generation_meter:
         manifest = storage.exists(MANIFEST_KEY)
         trained = storage.exists(DRAFTER_CONFIG_KEY)
         evaluated = storage.exists(EVAL_REPORT_KEY)
+        serve = serve_command(spec, storage) if trained else None
         if spec.generate is not None:
-            generation = generation_meter.read(storage, spec)
+            generation = read_generation_progress(storage, spec, markers)
             generated = current_manifest(storage, spec) is not None
     except StorageError as error:
         storage_error = str(error)
-    generating = jobs["generate"].exists and not jobs["generate"].finished
-    if generating and generation_meter.tokens_per_s is None and jobs["generate"].started_at is not None:
-        generation_meter.seed(jobs["generate"].started_at)  # a single look: the average since the Job started
-    if progress is not None:
-        meter.observe(progress)
-    extract = jobs["extract"]
-    if meter.tokens_per_s is None and extract.started_at is not None and progress is not None and not extract.finished:
-        # A single look: the average since the extraction Job started.
-        meter.seed(extract.started_at, 0)
+    extract, generate = jobs["extract"], jobs["generate"]
+    rate = None
+    if progress is not None and extract.exists and not extract.finished:
+        rate = landing_rate(progress, since=extract.started_at)  # what landed since this Job started
+    prompts_per_s = generation_tokens_per_s = None
+    if generation is not None and generate.exists and not generate.finished:
+        prompts_per_s, generation_tokens_per_s = generation_rates(generation, since=generate.started_at)
     report = RunReport(
         run=spec.name,
         backend=spec.backend,
         jobs=jobs,
         progress=progress,
-        tokens_per_s=meter.tokens_per_s if extract.exists and not extract.finished else None,
-        eta_s=meter.eta_s(progress) if progress is not None and extract.exists and not extract.finished else None,
+        tokens_per_s=rate,
+        eta_s=None if progress is None else time_left(progress, rate),
         manifest=bool(manifest),
         trained=bool(trained),
         evaluated=bool(evaluated),
         storage_error=storage_error,
+        serve=serve,
         generation=generation,
         generated=generated,
-        generation_tokens_per_s=generation_meter.tokens_per_s if generating else None,
-        generation_eta_s=generation_meter.eta_s(generation) if generating and generation is not None else None,
+        generation_tokens_per_s=generation_tokens_per_s,
+        generation_eta_s=None if generation is None else generation_time_left(generation, prompts_per_s),
     )
     report.next_step = next_step(spec, report)
     return report
+
+
+def serve_command(spec: RunSpec, storage: Storage) -> str:
+    """The vLLM serve command of the exported drafter, from its config.json."""
+    try:
+        return run_serve_command(spec, json.loads(storage.get_bytes(DRAFTER_CONFIG_KEY)))
+    except (ValueError, FormatError) as error:  # json's errors are ValueErrors
+        return f"(cannot tell: {spec.output}/{DRAFTER_CONFIG_KEY} is unreadable: {error})"
 
 
 def next_step(spec: RunSpec, report: RunReport) -> str:
@@ -207,6 +242,29 @@ def _step_hint(step: str, job: JobStatus, *, running: str, start: str) -> str:
     return running
 
 
+def follow(spec: RunSpec, backend: Backend, report: RunReport, markers: dict[str, ChunkMarker] | None = None) -> Iterator[RunReport]:
+    """`report`, then a fresh one every REFRESH_S until the run has ended (see `ended`)."""
+    previous = None
+    while True:
+        yield report
+        if ended(report, previous):
+            return
+        time.sleep(REFRESH_S)
+        previous, report = report, collect(spec, backend, markers)
+
+
+def ended(report: RunReport, previous: RunReport | None) -> bool:
+    """The run is over: evaluated, or its in-cluster controller finished, or (driven from a terminal
+    or by hand) a Job failed with nothing running, in two looks in a row: whoever drives the run
+    replaces a failed extraction within moments. A gap without Jobs (verify) is not an end."""
+    if report.evaluated:
+        return True
+    controller = report.jobs["controller"]
+    if controller.exists:
+        return controller.finished
+    return all(look is not None and look.failed and not look.active for look in (report, previous))
+
+
 # ---- output ------------------------------------------------------------------------------------
 
 
@@ -218,23 +276,29 @@ def report_json(report: RunReport) -> dict[str, Any]:
         body["state"] = job_state(status)
         return body
 
-    progress = report.progress
+    progress, generation = report.progress, report.generation
     return {
         "run": report.run,
         "backend": report.backend,
+        "step": report.step,
         "jobs": {step: job(status) for step, status in report.jobs.items()},
         "progress": None if progress is None else {
-            **asdict(progress), "tokens_per_s": report.tokens_per_s, "eta_s": report.eta_s,
+            "chunks_done": progress.chunks_done, "chunks_total": progress.chunks_total,
+            "tokens_done": progress.tokens_done, "tokens_total": progress.tokens_total,
+            "tokens_per_s": report.tokens_per_s, "eta_s": report.eta_s,
         },
         "manifest": report.manifest,
         "trained": report.trained,
         "evaluated": report.evaluated,
         "storage_error": report.storage_error,
-        "generation": None if report.generation is None else {
-            **asdict(report.generation), "done": report.generated,
+        "generation": None if generation is None else {
+            "chunks_done": generation.chunks_done, "chunks_total": generation.chunks_total,
+            "prompts_done": generation.prompts_done, "prompts_total": generation.prompts_total,
+            "completion_tokens": generation.completion_tokens, "done": report.generated,
             "tokens_per_s": report.generation_tokens_per_s, "eta_s": report.generation_eta_s,
         },
         "next": report.next_step,
+        "serve": report.serve,
     }
 
 
@@ -263,7 +327,7 @@ def generation_line(report: RunReport) -> str | None:
 
 
 def plain_lines(report: RunReport) -> list[str]:
-    lines = [f"run {report.run} ({report.backend})"]
+    lines = [f"run {report.run} ({report.backend}), step: {report.step}"]
     lines += [summarize(step, job) for step, job in report.jobs.items() if job.exists]
     step = current_step(report.jobs)
     for shard in report.jobs[step].shards if step else []:
@@ -272,6 +336,8 @@ def plain_lines(report: RunReport) -> list[str]:
     lines += [line for line in (generation_line(report),) if line]
     lines.append(progress_line(report))
     lines.append(f"next: {report.next_step}")
+    if report.serve:
+        lines += ["serve with vLLM:", *report.serve.splitlines()]
     return lines
 
 
@@ -279,6 +345,7 @@ def rich_view(report: RunReport) -> Group:
     step = current_step(report.jobs)
     header = Text(f"run {report.run}", style="bold")
     header.append(f"  ({report.backend})", style="dim")
+    header.append(f"  step: {report.step}")
     jobs = Text("  ".join(f"{s}: {job_state(j)}" for s, j in report.jobs.items() if s != "controller" or j.exists))
     table = Table(title=f"{step} shards" if step else None, expand=False)
     for column in ("shard", "pod", "node", "phase", "attempts", "exit reason"):
@@ -296,6 +363,8 @@ def rich_view(report: RunReport) -> Group:
         lines.append(Text(f"storage: {report.storage_error}", style="red"))
     lines += [Text(line) for line in (generation_line(report),) if line]
     lines += [Text(progress_line(report)), Text(f"next: {report.next_step}", style="bold")]
+    if report.serve:
+        lines.append(Text(f"serve with vLLM:\n{report.serve}"))
     return Group(*lines)
 
 
@@ -310,7 +379,7 @@ def status(
 
       dflashctl status                 # a table
 
-      dflashctl status --watch         # live until nothing runs any more
+      dflashctl status --watch         # live until the run ends (or Ctrl-C), across the gaps between Jobs
 
       dflashctl status -o json | jq .progress
 
@@ -326,23 +395,20 @@ def status(
     """
     spec = load_spec(spec_file)
     backend = open_backend(spec)
-    meter, generation_meter = RateMeter(), GenerationMeter()
-    report = collect(spec, backend, meter, generation_meter)
+    markers: dict[str, ChunkMarker] = {}
+    report = collect(spec, backend, markers)
     if not watch:
         _show(report, fmt)
     elif fmt is OutputFormat.table and sys.stdout.isatty():
         with Live(rich_view(report), console=output.stdout, auto_refresh=False) as live:
-            while report.active:
-                time.sleep(REFRESH_S)
-                report = collect(spec, backend, meter, generation_meter)
+            for report in follow(spec, backend, report, markers):
                 live.update(rich_view(report), refresh=True)
     else:
-        _show(report, fmt)
-        while report.active:
-            time.sleep(REFRESH_S)
-            previous, report = report, collect(spec, backend, meter, generation_meter)
-            if fmt is OutputFormat.json or plain_lines(report) != plain_lines(previous):
+        shown: list[str] = []
+        for report in follow(spec, backend, report, markers):
+            if fmt is OutputFormat.json or plain_lines(report) != shown:
                 _show(report, fmt)
+                shown = plain_lines(report)
     if watch and report.failed:
         raise typer.Exit(1)
 

@@ -12,7 +12,8 @@ from dflash_jobs.formats import MANIFEST_KEY
 from dflash_jobs.spec import load_spec
 from dflash_jobs.storage import storage_for
 
-from dflashctl.backend import JobStatus, open_backend
+from dflashctl.backend import JobStatus
+from dflashctl.backends import open_backend
 from dflashctl.cli import output
 from dflashctl.cli.options import DEFAULT_SPEC, ForceOpt, SpecOpt, TimeoutOpt
 from dflashctl.cli.status import summarize

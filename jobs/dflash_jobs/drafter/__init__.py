@@ -1,2 +1,3 @@
-"""The DFlash drafter: the model (`model`), the frozen target tensors it borrows (`checkpoint`) and
-the z-lab export that vLLM loads (`export`)."""
+"""The DFlash drafter: the model (`model`, `masks`), the frozen target tensors it borrows
+(`checkpoint`), speculative decoding with it (`speculative`), the z-lab export that vLLM loads
+(`export`) with its Hugging Face entry point (`dflash`), and how to serve it (`serving`)."""

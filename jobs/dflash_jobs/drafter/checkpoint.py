@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from dflash_jobs.errors import InputError, SpecError
-from dflash_jobs.formats import header_size, read_header
+from dflash_jobs.formats import fetch_header_bytes, read_header
 from dflash_jobs.spec import TrainSpec, text_config
 from dflash_jobs.storage import Storage
 
@@ -60,9 +60,11 @@ class TargetCheckpoint:
     def _read_weight_map(self) -> dict[str, str]:
         if self.storage.exists(INDEX_FILE):
             return dict(json.loads(self._get(INDEX_FILE))["weight_map"])
-        prefix = self._get(SINGLE_FILE, 0, 8)
-        header, _ = read_header(self._get(SINGLE_FILE, 0, header_size(prefix)), f"{self.storage.url}/{SINGLE_FILE}")
+        header, _ = read_header(self._header_bytes(SINGLE_FILE), f"{self.storage.url}/{SINGLE_FILE}")
         return {key: SINGLE_FILE for key in header if key != "__metadata__"}
+
+    def _header_bytes(self, file: str) -> bytes:
+        return fetch_header_bytes(lambda start, end: self._get(file, start, end))
 
     def find(self, candidates: tuple[str, ...]) -> str | None:
         return next((key for key in candidates if key in self._weight_map), None)
@@ -71,8 +73,9 @@ class TargetCheckpoint:
         """One tensor, fetched with two ranged reads (header, then the tensor's bytes)."""
         file = self._weight_map[key]
         name = f"{self.storage.url}/{file}"
-        length = header_size(self._get(file, 0, 8))
-        header, _ = read_header(self._get(file, 0, length), name)
+        prefix = self._header_bytes(file)
+        header, _ = read_header(prefix, name)
+        length = len(prefix)
         entry = header[key]
         if entry["dtype"] not in _SAFETENSORS_DTYPES:
             raise InputError(f"{name}: {key} is {entry['dtype']}", f"Use a checkpoint with {sorted(_SAFETENSORS_DTYPES)} weights")

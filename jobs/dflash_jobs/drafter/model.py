@@ -6,19 +6,23 @@ injected as extra keys/values through each layer's own k/v projections (k_norm a
 context's absolute positions). Queries come from the block only: the anchor token, then B-1 mask
 tokens, predicted in place (slot j predicts the token at anchor + j).
 The embedding, the final norm and the LM head are the target's, frozen.
+
+This module imports torch and, relatively, masks.py, nothing else: the export copies both beside
+dflash.py (the Hugging Face entry point, `DFlashDraftModel`), so the served drafter runs this very
+code. `DraftTrunk` holds what the two share: the modules under z-lab's weight names and the pass
+through them.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_jobs.train.loss import DraftLoss, draft_loss
-from dflash_jobs.train.masks import AttentionFn, BlockLayout, build_attention
+from .masks import AttentionFn, one_block_attention
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -32,7 +36,7 @@ class DrafterConfig:
     head_dim: int  # per-head width of q, k and v
     intermediate_size: int  # SwiGLU width (the target's dense FFN width)
     vocab_size: int  # rows of the target's embedding and LM head
-    target_layer_ids: list[int]  # captured target layers, z-lab convention: output of decoder layer i
+    target_layer_ids: list[int]  # captured target layers, ascending, z-lab convention: output of decoder layer i
     num_target_layers: int  # depth of the target (exported as num_target_layers)
     block_size: int = 16  # tokens per drafted block: the anchor plus block_size - 1 predictions
     mask_token_id: int  # embedding row filling the slots to predict (an unused target row)
@@ -53,14 +57,83 @@ class DrafterConfig:
             raise ValueError(f"{self.num_attention_heads} query heads do not group over {self.num_key_value_heads} key/value heads")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if list(self.target_layer_ids) != sorted(set(self.target_layer_ids)):
+            # vLLM concatenates the captured layers in ascending order: fc would read them shuffled.
+            raise ValueError(f"target_layer_ids {self.target_layer_ids} must be distinct and ascending, as vLLM concatenates them")
 
     @property
     def context_features(self) -> int:
         """Width of the concatenated captured layers, the input of fc."""
         return len(self.target_layer_ids) * self.hidden_size
 
+    @property
+    def sliding_layers(self) -> bool:
+        return "sliding_attention" in self.layer_types
+
+    def window(self, layer_type: str) -> int | None:
+        """The attention window of a layer type: None for full attention."""
+        return self.sliding_window if layer_type == "sliding_attention" else None
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def to_zlab(self) -> dict[str, Any]:
+        """The config.json of the z-lab layout (reference/dflash.md section 5.1): a Qwen3 config plus
+        architectures, auto_map, block_size, dflash_config and num_target_layers."""
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "block_size": self.block_size,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "dtype": "bfloat16",
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_size,
+            "initializer_range": 0.02,
+            "intermediate_size": self.intermediate_size,
+            "layer_types": list(self.layer_types),
+            "max_position_embeddings": self.max_position_embeddings,
+            "model_type": "qwen3",
+            "num_attention_heads": self.num_attention_heads,
+            "num_hidden_layers": self.num_layers,
+            "num_key_value_heads": self.num_key_value_heads,
+            "num_target_layers": self.num_target_layers,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_scaling": None,
+            "rope_theta": self.rope_theta,
+            "sliding_window": self.sliding_window if self.sliding_layers else None,
+            "tie_word_embeddings": False,
+            "use_cache": True,
+            "use_sliding_window": self.sliding_layers,
+            "vocab_size": self.vocab_size,
+        }
+
+    @classmethod
+    def from_zlab(cls, raw: Mapping[str, Any]) -> DrafterConfig:
+        """From a z-lab config.json, or the to_dict() of the Qwen3Config transformers made of it
+        (which moves rope_theta into rope_parameters and may keep block_size in dflash_config)."""
+        dflash = raw["dflash_config"]
+        rope_theta = raw.get("rope_theta") or (raw.get("rope_parameters") or {})["rope_theta"]
+        return cls(
+            hidden_size=raw["hidden_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_attention_heads=raw["num_attention_heads"],
+            num_key_value_heads=raw["num_key_value_heads"],
+            head_dim=raw["head_dim"],
+            intermediate_size=raw["intermediate_size"],
+            vocab_size=raw["vocab_size"],
+            target_layer_ids=list(dflash["target_layer_ids"]),
+            num_target_layers=raw["num_target_layers"],
+            block_size=raw.get("block_size") or dflash["block_size"],
+            mask_token_id=dflash["mask_token_id"],
+            layer_types=list(raw["layer_types"]),
+            sliding_window=raw["sliding_window"] or cls.__dataclass_fields__["sliding_window"].default,
+            rope_theta=float(rope_theta),
+            rms_norm_eps=raw["rms_norm_eps"],
+            max_position_embeddings=raw["max_position_embeddings"],
+        )
 
 
 class RMSNorm(nn.Module):
@@ -76,16 +149,23 @@ class RMSNorm(nn.Module):
         return (normed * self.weight.float()).to(x.dtype)
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, head_dim] for absolute positions [T] (fp32)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    angles = positions.float()[:, None] * inv_freq[None, :]  # [T, head_dim / 2]
-    angles = torch.cat([angles, angles], dim=-1)  # [T, head_dim]
-    return angles.cos(), angles.sin()
+class Rope(nn.Module):
+    """cos, sin [T, head_dim] (fp32) of absolute positions [T]; no state (nothing exported)."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hd = self.head_dim
+        inv_freq = 1.0 / self.theta ** (torch.arange(0, hd, 2, device=positions.device, dtype=torch.float32) / hd)
+        angles = positions.float()[:, None] * inv_freq[None, :]  # [T, head_dim / 2]
+        angles = torch.cat([angles, angles], dim=-1)  # [T, head_dim]
+        return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] rotated by the tables of its T positions."""
+    """x [b, T, heads, head_dim] rotated by the tables of its T positions."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x.float() * cos[:, None] + rotated.float() * sin[:, None]).to(x.dtype)
@@ -108,17 +188,17 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttentionFn
     ) -> torch.Tensor:
-        Q, _ = x.shape
-        C, _ = context.shape
-        q = self.q_norm(self.q_proj(x).view(Q, self.num_heads, self.head_dim))
-        keys_in = torch.cat([context, x])  # [C + Q, d]: the context enters as keys/values only
-        k = self.k_norm(self.k_proj(keys_in).view(C + Q, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(keys_in).view(C + Q, self.num_kv_heads, self.head_dim)
+        b, Q, _ = x.shape
+        C = context.shape[1]
+        q = self.q_norm(self.q_proj(x).view(b, Q, self.num_heads, self.head_dim))
+        keys_in = torch.cat([context, x], dim=1)  # [b, C + Q, d]: the context enters as keys/values only
+        k = self.k_norm(self.k_proj(keys_in).view(b, C + Q, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(keys_in).view(b, C + Q, self.num_kv_heads, self.head_dim)
         q = apply_rope(q, cos[C:], sin[C:])
         k = apply_rope(k, cos, sin)
-        # [T, heads, hd] -> [1, heads, T, hd], the kernels' layout
-        out = attend(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
-        return self.o_proj(out[0].transpose(0, 1).reshape(Q, self.num_heads * self.head_dim))
+        # [b, T, heads, hd] -> [b, heads, T, hd], the kernels' layout
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.o_proj(out.transpose(1, 2).reshape(b, Q, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -146,22 +226,55 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Drafter(nn.Module):
+LayerAttention = Callable[[int, str], AttentionFn]
+"""(layer index, layer type) -> that layer's masked attention kernel."""
+
+
+class DraftTrunk:
+    """fc, hidden_norm, the decoder layers and the final norm, under z-lab's names (the exported
+    weight keys), and the pass through them. A mixin of nn.Module subclasses: the training `Drafter`
+    and the exported `DFlashDraftModel` (dflash.py) run this one pass."""
+
+    def build_trunk(self, config: DrafterConfig) -> None:
+        d = config.hidden_size
+        self.fc = nn.Linear(config.context_features, d, bias=False)
+        self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        self.rope = Rope(config.head_dim, config.rope_theta)
+
+    def run_trunk(
+        self, context_hidden: torch.Tensor, block_embeddings: torch.Tensor, positions: torch.Tensor, attention: LayerAttention
+    ) -> torch.Tensor:
+        """Final-normed hidden states [b, Q, d] of the block slots.
+
+        context_hidden [b, C, L*d]: the captured target layers, raw (before any norm), concatenated in
+        target_layer_ids order; block_embeddings [b, Q, d]; positions [C + Q]: RoPE positions of the
+        context, then of the block."""
+        if not torch.is_autocast_enabled(context_hidden.device.type):
+            # Under autocast the bf16 states go in as they are: an fp32 copy of [C, L*d] costs GBs.
+            context_hidden = context_hidden.to(self.fc.weight.dtype)
+            block_embeddings = block_embeddings.to(self.fc.weight.dtype)
+        context = self.hidden_norm(self.fc(context_hidden))  # [b, C, L*d] -> [b, C, d]
+        cos, sin = self.rope(positions)
+        h = block_embeddings
+        for index, layer in enumerate(self.layers):
+            h = layer(h, context, cos, sin, attention(index, layer.layer_type))
+        return self.norm(h)
+
+
+class Drafter(DraftTrunk, nn.Module):
     """Trainable: fc, hidden_norm, the layers. Frozen, from the target: `norm` (a parameter, exported
     like z-lab's), `embed_tokens` and `lm_head` (non-persistent buffers: never checkpointed nor exported)."""
 
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
         self.config = config
-        d = config.hidden_size
-        self.fc = nn.Linear(config.context_features, d, bias=False)
-        self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(d, config.rms_norm_eps)
+        self.build_trunk(config)
         self.norm.weight.requires_grad_(False)
         # Empty until load_target_tensors: at vocab 248K a placeholder table would cost 5 GB.
-        self.register_buffer("embed_tokens", torch.empty(0, d), persistent=False)
-        self.register_buffer("lm_head", torch.empty(0, d), persistent=False)
+        self.register_buffer("embed_tokens", torch.empty(0, config.hidden_size), persistent=False)
+        self.register_buffer("lm_head", torch.empty(0, config.hidden_size), persistent=False)
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=0.02)
@@ -178,27 +291,6 @@ class Drafter(nn.Module):
         with torch.no_grad():
             self.norm.weight.copy_(final_norm)
 
-    def hidden_states(
-        self,
-        context_hidden: torch.Tensor,
-        context_positions: torch.Tensor,
-        block_ids: torch.Tensor,
-        block_positions: torch.Tensor,
-        attention: Mapping[str, AttentionFn],
-    ) -> torch.Tensor:
-        """Final-normed hidden states [N, B, d] of every block slot."""
-        N, B = block_ids.shape
-        if not torch.is_autocast_enabled(context_hidden.device.type):
-            # Under autocast the bf16 states go in as they are: an fp32 copy of [C, L*d] costs GBs.
-            context_hidden = context_hidden.to(self.fc.weight.dtype)
-        context = self.hidden_norm(self.fc(context_hidden))  # [C, L*d] -> [C, d]
-        h = F.embedding(block_ids.reshape(N * B), self.embed_tokens)  # [N*B, d]
-        positions = torch.cat([context_positions, block_positions.reshape(N * B)])  # [C + N*B]
-        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
-        for layer in self.layers:
-            h = layer(h, context, cos, sin, attention[layer.layer_type])
-        return self.norm(h).view(N, B, -1)
-
     def forward(
         self,
         context_hidden: torch.Tensor,
@@ -206,20 +298,21 @@ class Drafter(nn.Module):
         block_ids: torch.Tensor,
         block_positions: torch.Tensor,
         attention: Mapping[str, AttentionFn],
-        labels: torch.Tensor | None = None,
-        loss_weights: torch.Tensor | None = None,
-        loss_normalizer: torch.Tensor | None = None,
-    ) -> torch.Tensor | DraftLoss:
-        """context_hidden [C, L*d] (raw captured layers), context_positions [C], block_ids and
-        block_positions [N, B]; `attention` maps each layer type to its masked kernel (train/masks.py).
+    ) -> torch.Tensor:
+        """Final-normed hidden states [N, B, d] of every block slot; the training loss (train/loss.py)
+        and `logits` read them through the frozen LM head.
 
-        With labels and loss_weights [N, B]: the weighted loss (train/loss.py), divided by
-        loss_normalizer when given. Without: logits [N, B, V] (for small inputs only: at vocab 248K
-        they are large)."""
-        hidden = self.hidden_states(context_hidden, context_positions, block_ids, block_positions, attention)
-        if labels is None:
-            return hidden @ self.lm_head.T.to(hidden.dtype)
-        return draft_loss(hidden, self.lm_head, labels, loss_weights, normalizer=loss_normalizer)
+        context_hidden [C, L*d] (raw captured layers), context_positions [C], block_ids and
+        block_positions [N, B]; `attention` maps each layer type to its masked kernel (masks.py)."""
+        N, B = block_ids.shape
+        h = F.embedding(block_ids.reshape(1, N * B), self.embed_tokens)  # [1, N*B, d]
+        positions = torch.cat([context_positions, block_positions.reshape(N * B)])  # [C + N*B]
+        hidden = self.run_trunk(context_hidden[None], h, positions, lambda index, kind: attention[kind])
+        return hidden.view(N, B, -1)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., d] -> logits [..., V]: for small inputs only (at vocab 248K they are large)."""
+        return hidden @ self.lm_head.T.to(hidden.dtype)
 
     @torch.no_grad()
     def draft_block(
@@ -235,18 +328,15 @@ class Drafter(nn.Module):
         anchor_position + 1 + k. The context K/V are recomputed on every call (no drafter cache).
         """
         device = self.fc.weight.device
-        B, C = self.config.block_size, context_hidden.shape[1]
+        B = self.config.block_size
         block_ids = torch.full((1, B), self.config.mask_token_id, dtype=torch.long, device=device)
         block_ids[0, 0] = anchor_token
-        block_positions = anchor_position + torch.arange(B, device=device)[None]  # [1, B]
-        context_positions = context_positions.to(device)
-        layout = BlockLayout(
-            num_context=C, block_size=B,
-            context_start=torch.zeros(1, dtype=torch.long, device=device),
-            anchor=torch.full((1,), C, dtype=torch.long, device=device),
-            key_positions=torch.cat([context_positions, block_positions[0]]),
-        )
-        attention = build_attention(layout, self.config.layer_types, self.config.sliding_window, backend="dense")
-        hidden = self.hidden_states(context_hidden[0].to(device), context_positions, block_ids, block_positions, attention)
-        logits = hidden[0, 1:] @ self.lm_head.T.to(hidden.dtype)  # [B-1, V]
-        return logits.argmax(-1)
+        block_positions = anchor_position + torch.arange(B, device=device)  # [B]
+        positions = torch.cat([context_positions.to(device), block_positions])
+        h = F.embedding(block_ids, self.embed_tokens)  # [1, B, d]
+
+        def attention(index: int, kind: str) -> AttentionFn:
+            return one_block_attention(positions, B, self.config.window(kind))
+
+        hidden = self.run_trunk(context_hidden.to(device), h, positions, attention)
+        return self.logits(hidden[0, 1:]).argmax(-1)  # [B-1, V] -> [B-1]

@@ -17,11 +17,12 @@ import numpy as np
 import torch
 
 from dflash_jobs.drafter.export import DRAFTER_PREFIX, load_drafter
+from dflash_jobs.drafter.serving import run_serve_command
 from dflash_jobs.errors import InputError
 from dflash_jobs.evaluate.baselines import PromptLookupDrafter
 from dflash_jobs.evaluate.metrics import acceptance_length
 from dflash_jobs.evaluate.report import build_report, store_report
-from dflash_jobs.evaluate.speculative import BlockDrafter, Decoded, DFlashDrafter, Target, greedy_decode, speculative_decode
+from dflash_jobs.drafter.speculative import BlockDrafter, Decoded, DFlashDrafter, Target, greedy_decode, speculative_decode
 from dflash_jobs.extract.target import local_checkpoint
 from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk
 from dflash_jobs.prepare import prompt_length
@@ -124,6 +125,8 @@ def evaluate(spec: RunSpec, storage: Storage, *, device: torch.device) -> dict[s
         greedy=greedy, drafters=drafted, block_size=config.block_size,
         target=spec.target.model, drafter=f"{storage.url.rstrip('/')}/{DRAFTER_PREFIX}", prompts=len(prompts),
         max_new_tokens=spec.eval.max_new_tokens, device=str(device), dtype=str(dtype).removeprefix("torch."),
+        vllm_serve=run_serve_command(spec, config.to_zlab()),
     )
     store_report(storage, report)
+    log.info("serve it with vLLM:\n%s", report["vllm_serve"])
     return report

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-from dflash_jobs.evaluate.speculative import Decoded
+from dflash_jobs.drafter.speculative import Decoded
 
 
 def acceptance_length(decoded: Sequence[Decoded]) -> float:

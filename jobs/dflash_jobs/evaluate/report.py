@@ -5,6 +5,7 @@ report.json (format dflash.eval/v1):
     greedy:   {tokens, tokens_per_second}             plain greedy decoding, the reference
     drafters: {name: metrics.summarize(...)}          "dflash", and "prompt_lookup" as the training-free baseline
     lossless: true when every drafter's output equals plain greedy on every prompt
+    vllm_serve: the shell commands that serve this drafter with its target in vLLM (drafter/serving.py)
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 from typing import Any, Mapping, Sequence
 
 from dflash_jobs.evaluate.metrics import summarize, tokens_per_second
-from dflash_jobs.evaluate.speculative import Decoded
+from dflash_jobs.drafter.speculative import Decoded
 from dflash_jobs.formats import EVAL_PLOT_KEY, EVAL_REPORT_KEY
 
 REPORT_FORMAT = "dflash.eval/v1"

@@ -102,25 +102,30 @@ class BufferPool:
         self.dtype, self.pinned = dtype, pinned
         self.allocated = 0
         self.free: queue.SimpleQueue[ChunkBuffer] = queue.SimpleQueue()
-        self.allocator: threading.Thread | None = None
+        self.error: BaseException | None = None  # an allocation that failed (host memory), raised by take
 
     @property
     def buffer_bytes(self) -> int:
         rows, layers, width = self.shape
-        return rows * layers * width * self.dtype.itemsize + rows * layers * 4 * (2 if self.dtype == torch.float8_e4m3fn else 1) + rows * 8
+        floats = 2 if self.dtype == torch.float8_e4m3fn else 1  # absmax, and the fp8 scales
+        return rows * (layers * width * self.dtype.itemsize + layers * 4 * floats + 8)
 
     def start(self, count: int) -> None:
         """Allocates min(count, size) buffers in the background, each ready for `take` as it comes."""
         def allocate() -> None:
-            for _ in range(min(count, self.size)):
-                self.free.put(self._allocate())
-                self.allocated += 1
+            try:
+                for _ in range(min(count, self.size)):
+                    self.free.put(self._allocate())
+                    self.allocated += 1
+            except BaseException as exc:  # handed to the GPU thread at its next take
+                self.error = exc
 
-        self.allocator = threading.Thread(target=allocate, name="buffer-pool", daemon=True)
-        self.allocator.start()
+        threading.Thread(target=allocate, name="buffer-pool", daemon=True).start()
 
     def take(self, timeout: float) -> ChunkBuffer:
         """A free buffer; raises queue.Empty after `timeout` seconds (the caller checks the writer's health)."""
+        if self.error is not None and self.free.empty():
+            raise self.error
         return self.free.get(timeout=timeout)
 
     def give_back(self, buffer: ChunkBuffer) -> None:

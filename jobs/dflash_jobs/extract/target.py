@@ -23,7 +23,7 @@ from typing import Iterator
 import torch
 
 from dflash_jobs.errors import InputError, SpecError
-from dflash_jobs.formats import read_header
+from dflash_jobs.formats import fetch_header_bytes, file_range, read_header
 from dflash_jobs.selfcheck import CAUSAL_CONV1D, FLA, check_fast_path
 from dflash_jobs.spec import MODEL_CACHE_ENV, TargetSpec, is_s3, text_config
 from dflash_jobs.storage import Storage, sha256_file
@@ -273,9 +273,6 @@ class CheckpointCache:
         if path.stat().st_size != size:
             raise InputError(f"{url}/{key}: fetched {path.stat().st_size} bytes, the object has {size}", "Retry; check the S3 endpoint")
         if key.endswith(".safetensors"):
-            with open(path, "rb") as f:
-                prefix = f.read(8)
-                prefix += f.read(int.from_bytes(prefix[:8], "little") if len(prefix) == 8 else 0)
-            _, total = read_header(prefix, f"{url}/{key}")
+            _, total = read_header(fetch_header_bytes(file_range(path)), f"{url}/{key}")
             if total != size:
                 raise InputError(f"{url}/{key}: its header describes {total} bytes, the object has {size}", "Re-upload the checkpoint")

@@ -19,7 +19,7 @@ import hashlib
 import json
 import logging
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -209,14 +209,16 @@ def object_matches(storage: Storage, marker: ChunkMarker) -> bool:
 
 
 def listed_markers(
-    storage: Storage, chunks: Sequence[SourceChunk], settings: str, cache: dict[str, ChunkMarker] | None = None
+    storage: Storage, chunks: Sequence[SourceChunk], settings: str, cache: dict[str, ChunkMarker] | None = None,
+    present: Collection[str] | None = None,
 ) -> dict[int, ChunkMarker]:
-    """The markers present that describe one of `chunks` with these settings, by chunk id.
+    """The markers present (`present`: a listing of generate/done/ already made) that describe one
+    of `chunks` with these settings, by chunk id.
 
     One listing, and one read per marker not in `cache` (markers do not change once written, so a
     watcher reads each once)."""
     cache = {} if cache is None else cache
-    present = set(storage.list(DONE_MARKERS))
+    present = set(storage.list(DONE_MARKERS) if present is None else present)
     found = {}
     for chunk in chunks:
         key = done_key(chunk.id)
@@ -382,6 +384,8 @@ class GenerationProgress:
     prompts_total: int | None
     completion_tokens: int
     engine_seconds: float
+    landings: tuple[tuple[float, int, int], ...] = ()
+    """(when its marker landed, Unix time; its prompts; its generated tokens) of every done chunk, oldest first."""
 
     @property
     def label(self) -> str:
@@ -399,11 +403,12 @@ class GenerationProgress:
 
 
 def read_progress(storage: Storage, spec: RunSpec, cache: dict[str, ChunkMarker] | None = None) -> GenerationProgress:
-    """Chunks and prompts done, from one listing of the markers (each read once with `cache`)."""
+    """Chunks and prompts done and when each chunk landed, from one listing of the markers (each read once with `cache`)."""
     plan = read_plan(storage)
     if plan is None:
         return GenerationProgress(0, None, 0, None, 0, 0.0)
-    markers = listed_markers(storage, plan.chunks, settings_hash(generation_settings(spec)), cache)
+    listing = storage.list_modified(DONE_MARKERS)
+    markers = listed_markers(storage, plan.chunks, settings_hash(generation_settings(spec)), cache, listing)
     return GenerationProgress(
         chunks_done=len(markers),
         chunks_total=len(plan.chunks),
@@ -411,4 +416,5 @@ def read_progress(storage: Storage, spec: RunSpec, cache: dict[str, ChunkMarker]
         prompts_total=plan.lines,
         completion_tokens=sum(m.completion_tokens for m in markers.values()),
         engine_seconds=sum(m.seconds for m in markers.values()),
+        landings=tuple(sorted((listing[done_key(chunk)], m.lines, m.completion_tokens) for chunk, m in markers.items())),
     )

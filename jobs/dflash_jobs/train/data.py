@@ -25,11 +25,11 @@ import torch
 
 from dflash_jobs.balance import balance_by_tokens
 from dflash_jobs.errors import FormatError
-from dflash_jobs.formats import HiddenChunk, dequantize_fp8, header_size, hidden_chunk_key, read_header
+from dflash_jobs.formats import HiddenChunk, dequantize_fp8, fetch_header_bytes, hidden_chunk_key, object_range, read_header
 from dflash_jobs.storage import Storage
 from dflash_jobs.train.anchors import anchor_candidates, sample_anchors
 from dflash_jobs.train.loss import slot_weights
-from dflash_jobs.train.masks import BlockLayout
+from dflash_jobs.drafter.masks import BlockLayout
 
 DECODED_CHUNKS = 2
 """Chunks held decoded in host memory (~3 GiB each at the 27B shape): the current and the next."""
@@ -55,8 +55,8 @@ class ChunkDocuments:
 def read_chunk_documents(storage: Storage, chunk: int) -> ChunkDocuments:
     """A chunk's document boundaries and loss masks, by ranged reads (never the hidden states)."""
     key = hidden_chunk_key(chunk)
-    length = header_size(storage.get_bytes(key, 0, 8))
-    header, _ = read_header(storage.get_bytes(key, 0, length), key)
+    prefix = fetch_header_bytes(object_range(storage, key))
+    header, length = read_header(prefix, key)[0], len(prefix)
 
     def tensor(name: str, dtype) -> np.ndarray:
         begin, end = header[name]["data_offsets"]

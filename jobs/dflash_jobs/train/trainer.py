@@ -20,9 +20,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dflash_jobs.devices import pick_device
 from dflash_jobs.drafter.checkpoint import TargetCheckpoint, drafter_config_for_target, resolve_mask_token_id
 from dflash_jobs.drafter.export import export_drafter
-from dflash_jobs.devices import pick_device
+from dflash_jobs.drafter.masks import build_attention
 from dflash_jobs.drafter.model import Drafter
 from dflash_jobs.errors import InputError
 from dflash_jobs.formats import MANIFEST_KEY, Manifest
@@ -30,8 +31,7 @@ from dflash_jobs.spec import RunSpec, resolve_layers
 from dflash_jobs.storage import Storage, open_storage, storage_for
 from dflash_jobs.train.checkpointer import Checkpointer
 from dflash_jobs.train.data import Batch, BatchBuilder, BatchStream, Budget, ChunkCache, plan_epoch, read_document_index
-from dflash_jobs.train.loss import DraftLoss, expected_acceptance_length
-from dflash_jobs.train.masks import build_attention
+from dflash_jobs.train.loss import DraftLoss, draft_loss, expected_acceptance_length
 from dflash_jobs.train.metrics import ConsoleSink, MetricSink, MultiSink, NullSink, StorageSink, should_log
 from dflash_jobs.train.optim import build_optimizer, build_scheduler
 from dflash_jobs.train.parallelize import parallelize
@@ -242,10 +242,9 @@ class Trainer:
         config = self.drafter.config
         attention = build_attention(batch.layout, config.layer_types, config.sliding_window, backend=self.attention_backend)
         with self.autocast():
-            out = self.model(
-                batch.context_hidden, batch.context_positions, batch.block_ids, batch.block_positions, attention,
-                batch.labels, batch.loss_weights, global_loss_normalizer(batch.loss_weights, self.runtime.world_size),
-            )
+            hidden = self.model(batch.context_hidden, batch.context_positions, batch.block_ids, batch.block_positions, attention)
+            out = draft_loss(hidden, self.drafter.lm_head, batch.labels, batch.loss_weights,
+                             normalizer=global_loss_normalizer(batch.loss_weights, self.runtime.world_size))
         out.loss.backward()
         max_norm = self.spec.train.grad_clip or math.inf
         torch.nn.utils.clip_grad_norm_(self.trainable, max_norm)

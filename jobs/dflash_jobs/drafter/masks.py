@@ -11,6 +11,10 @@ N x B block slots. Query (n, j) sees:
 
 One function, `visible`, states this rule on index tensors. The dense mask (CPU) evaluates it on a
 broadcast grid and flex_attention (GPU) calls it as its mask_mod, so both paths see the same mask.
+Training packs many blocks; inference drafts one block after all of its context
+(`one_block_attention`), the same rule with N = 1.
+
+Like model.py, this module imports torch only: the export carries it beside the model.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(q [b, heads, Q, hd], k and v [b, kv_heads, K, hd]) -> [b, heads, Q, hd]."""
 
 
 @dataclass
@@ -112,6 +117,20 @@ def flex_attention_fn(layout: BlockLayout, sliding_window: int | None, *, compil
         return kernel(q, k, v, block_mask=block_mask, enable_gqa=True)
 
     return attend
+
+
+def one_block_attention(key_positions: torch.Tensor, block_size: int, sliding_window: int | None) -> AttentionFn:
+    """Dense attention of one block over all of its context: keys are [context | block], with RoPE
+    positions `key_positions` [K]; the block is the last `block_size` of them."""
+    device = key_positions.device
+    num_context = len(key_positions) - block_size
+    layout = BlockLayout(
+        num_context=num_context, block_size=block_size,
+        context_start=torch.zeros(1, dtype=torch.long, device=device),
+        anchor=torch.full((1,), num_context, dtype=torch.long, device=device),
+        key_positions=key_positions,
+    )
+    return dense_attention(layout.dense_mask(sliding_window))
 
 
 def build_attention(

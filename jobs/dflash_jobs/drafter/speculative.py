@@ -16,6 +16,9 @@ Cost: one target forward of B tokens per block, plus one of (accepted + 1) token
 block was accepted. At batch size 1 a forward is bound by reading the weights, so the re-run costs
 about as much as the verify itself; serving engines avoid it with verify kernels that keep the
 recurrent state after every token. The re-run is exact: it builds the state plain decoding would.
+
+The export carries this module beside dflash.py (whose spec_generate runs this loop), so it imports
+torch and transformers only.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ class BlockDrafter(Protocol):
     block_size: int
     """Tokens per verified block: the anchor plus at most block_size - 1 drafted tokens."""
     target_layers: list[int]
-    """Target layers the drafter reads as context (0-based, layer i = HF output_hidden_states[i + 1]); [] for none."""
+    """Target layers the drafter reads as context (0-based: the output of decoder layer i, before the final norm); [] for none."""
 
     def propose(self, tokens: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
         """Draft ids to follow `tokens`.
