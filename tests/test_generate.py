@@ -23,7 +23,7 @@ from dflash_jobs.errors import EXIT_BAD_SPEC, FormatError, InputError, SpecError
 from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk
 from dflash_jobs.generate import batch
 from dflash_jobs.generate.__main__ import main
-from dflash_jobs.generate.engines import SERVED_MODEL, TransformersEngine, VllmEngine
+from dflash_jobs.generate.engines import SERVED_MODEL, TransformersEngine
 from dflash_jobs.generate.layout import (
     MANIFEST_KEY, PLAN_KEY, REJECTED_KEY, GenerationManifest, GenerationPlan, chunk_key, done_key, read_progress,
     write_manifest_if_complete,
