@@ -187,7 +187,7 @@ def test_retry_resubmits_only_failed_jobs_and_says_so_on_the_new_job(run, monkey
     uid = api.get("Job", job)["metadata"]["uid"]
     status = json.loads(cli(monkeypatch, capsys, "status", "-o", "json", "-f", str(spec_file))[1])
     assert status["jobs"]["extract"]["state"] == "Failed"
-    assert status["next"].startswith("shards 1 failed with chunks missing: `dflashctl logs --shard 1`")
+    assert status["next"].startswith("extraction shards 1 failed with chunks missing: `dflashctl logs extract --shard 1`")
 
     code, _, err = cli(monkeypatch, capsys, "retry", "-f", str(spec_file))
     assert code == 0 and "resubmitted Job demo-run-extract (failed shards: 1)" in err
@@ -255,7 +255,7 @@ def test_status_watch_ends_on_a_failure_that_stays_and_ctrl_c_detaches(run, monk
     reports = watched(out)
     assert code == 1 and len(reports) == 4 and next(story, None) is None
     assert [r["jobs"]["extract"]["state"] for r in reports] == ["Running", "Running", "Failed", "Failed"]
-    assert reports[-1]["next"].startswith("shards 1 failed with chunks missing")
+    assert reports[-1]["next"].startswith("extraction shards 1 failed with chunks missing")
 
     # A failed step under a running in-cluster controller is the controller's to replace: no end.
     cli(monkeypatch, capsys, "submit", "controller", "-f", str(spec_file))

@@ -253,7 +253,7 @@ class DatasetIndex:
 
     @classmethod
     def from_json(cls, text: str | bytes, name: str = DATASET_KEY) -> DatasetIndex:
-        raw = _load_json(text, name, TOKENS_FORMAT)
+        raw = load_json_document(text, name, TOKENS_FORMAT)
         try:
             chunks = [ChunkInfo(**c) for c in raw.pop("chunks")]
             index = cls(chunks=chunks, **raw)
@@ -264,13 +264,14 @@ class DatasetIndex:
         return index
 
 
-def _load_json(text: str | bytes, name: str, fmt: str) -> dict[str, Any]:
+def load_json_document(text: str | bytes, name: str, fmt: str, *, fix: str | None = None) -> dict[str, Any]:
+    """A JSON object carrying `"format": fmt` (removed from what is returned); `fix` says how to mend a bad one."""
     try:
         raw = json.loads(text)
     except ValueError:
-        raise FormatError(f"{name} is not valid JSON (truncated?)", "Re-create it") from None
+        raise FormatError(f"{name} is not valid JSON (truncated?)", fix or "Re-create it") from None
     if not isinstance(raw, dict) or raw.pop("format", None) != fmt:
-        raise FormatError(f"{name} is not a {fmt} document", "Point at the right file, or re-create it")
+        raise FormatError(f"{name} is not a {fmt} document", fix or "Point at the right file, or re-create it")
     return raw
 
 
@@ -474,7 +475,7 @@ class DoneMarker:
 
     @classmethod
     def from_json(cls, text: str | bytes, name: str) -> DoneMarker:
-        raw = _load_json(text, name, DONE_FORMAT)
+        raw = load_json_document(text, name, DONE_FORMAT)
         try:
             return cls(**raw)
         except TypeError as exc:
@@ -501,7 +502,7 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str | bytes, name: str = MANIFEST_KEY) -> Manifest:
-        raw = _load_json(text, name, MANIFEST_FORMAT)
+        raw = load_json_document(text, name, MANIFEST_FORMAT)
         try:
             raw["chunks"] = [DoneMarker(**c) for c in raw["chunks"]]
             return cls(**raw)

@@ -198,14 +198,8 @@ def next_step(spec: RunSpec, report: RunReport) -> str:
     if progress is None or progress.chunks_total is None:
         return _step_hint("prepare", jobs["prepare"], running="prepare is tokenizing data.source", start="`dflashctl run`, or `dflashctl prepare` alone") + by
     if not progress.landed:
-        extract = jobs["extract"]
-        if extract.exists and extract.finished:
-            failed = format_indexes(extract.failed_indexes) or "some"
-            first = min(extract.failed_indexes, default=0)
-            return f"shards {failed} failed with chunks missing: `dflashctl logs --shard {first}`, then `dflashctl retry extract`{by}"
-        return _step_hint(
-            "extract", extract,
-            running=f"extraction: {progress.label} chunks landed; verify and training follow once all have",
+        return _sharded_step_hint(
+            "extract", jobs["extract"], noun="extraction", landed=progress.label, follows="verify and training follow",
             start="`dflashctl submit extract` (or `dflashctl run`)",
         ) + by
     if not report.manifest:
@@ -221,15 +215,18 @@ def generation_hint(job: JobStatus, generation: GenerationProgress | None) -> st
     label = generation.label if generation is not None else "?"
     if generation is not None and generation.landed:
         return f"every generation chunk landed: `dflashctl run` writes {GENERATION_MANIFEST_KEY} and prepares the answers"
+    return _sharded_step_hint(
+        "generate", job, noun="generation", landed=label, follows="prepare follows", start="`dflashctl run` (or `dflashctl submit generate`)",
+    )
+
+
+def _sharded_step_hint(step: str, job: JobStatus, *, noun: str, landed: str, follows: str, start: str) -> str:
+    """An Indexed Job's step before all its chunks landed: the shards that failed, or how far it got."""
     if job.exists and job.finished:
         failed = format_indexes(job.failed_indexes) or "some"
         first = min(job.failed_indexes, default=0)
-        return f"generation shards {failed} failed with chunks missing: `dflashctl logs generate --shard {first}`, then `dflashctl retry generate`"
-    return _step_hint(
-        "generate", job,
-        running=f"generation: {label} chunks landed; prepare follows once all have",
-        start="`dflashctl run` (or `dflashctl submit generate`)",
-    )
+        return f"{noun} shards {failed} failed with chunks missing: `dflashctl logs {step} --shard {first}`, then `dflashctl retry {step}`"
+    return _step_hint(step, job, running=f"{noun}: {landed} chunks landed; {follows} once all have", start=start)
 
 
 def _step_hint(step: str, job: JobStatus, *, running: str, start: str) -> str:

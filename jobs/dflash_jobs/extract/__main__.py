@@ -9,25 +9,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 
-from dflash_jobs.errors import EXIT_OK, DflashError, SpecError, pod_exit_code
 from dflash_jobs.extract.progress import Summary
+from dflash_jobs.shard import check_shard, run_shard
 from dflash_jobs.spec import DEFAULT_SPEC_FILE, load_spec
-from dflash_jobs.termination import write_termination_message
 
 log = logging.getLogger("dflash.extract")
-
-
-def shard_index(arg: int | None) -> int:
-    if arg is not None:
-        return arg
-    value = os.environ.get("JOB_COMPLETION_INDEX")
-    if value is None or not value.isdigit():
-        raise SpecError("--shard", value, "a shard index: pass --shard I, or run in an Indexed Job (JOB_COMPLETION_INDEX)")
-    return int(value)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,31 +28,19 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
 
     summary = Summary(shard=-1, shards=0)
-    worker = None
-    try:
+
+    def extract() -> None:
         spec = load_spec(args.file)
-        summary.shard, summary.shards = shard_index(args.shard), spec.extract.shards
-        if not 0 <= summary.shard < summary.shards:
-            raise SpecError("--shard", summary.shard, f"0..{summary.shards - 1} (extract.shards = {summary.shards})")
+        check_shard(summary, args.shard, spec.extract.shards, "extract.shards")
         from dflash_jobs.extract.worker import build_worker  # torch and transformers: after the spec is known good
 
         worker = build_worker(spec, summary.shard, summary=summary, started=started)
-        worker.run()
-        summary.status = "done"
-        log.info("shard %d/%d done: %s", summary.shard, summary.shards, summary.to_json())
-        return EXIT_OK
-    except Exception as error:  # every failure ends as one message, one exit code and a termination message
-        summary.status = "failed"
-        summary.error = str(error)[:1000]
-        if isinstance(error, DflashError):
-            log.error("shard %s failed: %s", summary.shard, error)
-        else:
-            log.exception("shard %s failed", summary.shard)
-        return pod_exit_code(error)
-    finally:
-        if worker is not None:
+        try:
+            worker.run()
+        finally:
             worker.close()
-        write_termination_message(summary.to_json())
+
+    return run_shard(summary, extract, log)
 
 
 if __name__ == "__main__":

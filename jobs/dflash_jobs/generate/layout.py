@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dflash_jobs.errors import FormatError
+from dflash_jobs.formats import load_json_document
 from dflash_jobs.spec import RunSpec
 from dflash_jobs.storage import ObjectNotFound, Storage
 
@@ -92,13 +93,7 @@ def settings_hash(settings: dict[str, Any]) -> str:
 
 
 def _load(text: str | bytes, name: str, fmt: str) -> dict[str, Any]:
-    try:
-        raw = json.loads(text)
-    except ValueError:
-        raise FormatError(f"{name} is not valid JSON (truncated?)", "Delete it; generation writes it again") from None
-    if not isinstance(raw, dict) or raw.pop("format", None) != fmt:
-        raise FormatError(f"{name} is not a {fmt} document", "Delete it; generation writes it again")
-    return raw
+    return load_json_document(text, name, fmt, fix="Delete it; generation writes it again")
 
 
 def _dump(fmt: str, body: dict[str, Any]) -> str:
