@@ -89,6 +89,13 @@ class CacheCheckpoint:
     """Per layer: copies of the conv and recurrent states of GDN layers (None for attention layers)."""
 
 
+def _linear_layer_length(layer: LinearAttentionCacheLayerMixin) -> torch.Tensor | None:
+    """The token count a linear-attention cache layer keeps (transformers >= 5.25), which sets the positions
+    of the next forward when a GDN layer comes first; None where the version does not keep one."""
+    length = getattr(layer, "cumulative_length_linear", None)
+    return None if length is None else length.clone()
+
+
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of an HF causal LM (`model.model.layers`; multimodal wrappers nest a language model)."""
     inner = model.model
@@ -137,12 +144,13 @@ class Target:
                 states.append({
                     "conv": {i: t.clone() for i, t in layer.conv_states.items() if t is not None},
                     "recurrent": {i: t.clone() for i, t in layer.recurrent_states.items() if t is not None},
+                    "length": _linear_layer_length(layer),
                 })
             elif isinstance(layer, DynamicLayer) and type(layer).crop is DynamicLayer.crop:
                 states.append(None)
             else:
                 raise TypeError(f"cannot roll back a {type(layer).__name__} cache layer: only full attention and linear attention are supported")
-        return CacheCheckpoint(self.cache.get_seq_length(), states)
+        return CacheCheckpoint(int(self.cache.get_seq_length()), states)
 
     def rollback(self, checkpoint: CacheCheckpoint) -> None:
         """Puts the cache back to `checkpoint`: K/V cropped, GDN states restored in place (their addresses stay static)."""
@@ -152,8 +160,15 @@ class Target:
                     layer.conv_states[i].copy_(state)
                 for i, state in saved["recurrent"].items():
                     layer.recurrent_states[i].copy_(state)
+                if saved["length"] is not None:
+                    layer.cumulative_length_linear.copy_(saved["length"])
             if isinstance(layer, DynamicLayer):
                 DynamicLayer.crop(layer, checkpoint.length - layer.get_seq_length())
+        if int(self.cache.get_seq_length()) != checkpoint.length:
+            raise RuntimeError(
+                f"rolling the cache back left {int(self.cache.get_seq_length())} tokens, not {checkpoint.length}: this "
+                "transformers version keeps cache state that Target.checkpoint does not save; pin the version in pyproject.toml"
+            )
 
     def close(self) -> None:
         for hook in self._hooks:
