@@ -19,7 +19,10 @@ target trained on real text, end to end, twice on the same prompts.
    (training-free n-gram drafting, as Transformers' `prompt_lookup_num_tokens`) on the same
    held-out prompts, tokens/s against plain greedy, and whether every output equals plain greedy.
 
-Prints one JSON document (and writes it to --out). The CPU size runs in tests/test_quality.py.
+Prints one JSON document (and writes it to --out, after every stage too, marked "complete": false
+until the end). A rerun with the same --workdir goes on after the last finished stage (a device
+call cut by its time limit), and inside a chain the product's own steps resume. The CPU size runs
+in tests/test_quality.py.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import yaml
@@ -87,6 +90,9 @@ class Size:
     epochs: int
     draft_lr: float
     micro_batch_tokens: int
+    """train.micro_batch_tokens. Small on the CPU: its few epochs are then enough optimizer steps for the
+    drafter to learn (at 2,048 it stopped after 67 steps, half trained, and the figures swung with the
+    target's rounding), and the dense attention mask of the CPU path is quadratic in it."""
     micro_batch_blocks: int
     chunk_tokens: int
     max_length: int
@@ -99,7 +105,7 @@ SIZES = {
         target_layers=4, target_hidden=64, vocab_size=1024, capture=[1, 3], corpus_files=60, pydoc=False,
         prompt_lines=2, answer_lines=1, train_steps=110, train_seconds=60.0, train_batch=32, train_length=64, lr=1e-2,
         chats=168, holdout=8, max_answer_tokens=24, regenerate_batch=56,
-        draft_layers=1, block_size=8, anchors=24, epochs=8, draft_lr=3e-3, micro_batch_tokens=2048, micro_batch_blocks=2048, chunk_tokens=4096,
+        draft_layers=1, block_size=8, anchors=24, epochs=8, draft_lr=3e-3, micro_batch_tokens=512, micro_batch_blocks=2048, chunk_tokens=4096,
         max_length=256, eval_new_tokens=24,
     ),
     "gpu": Size(
@@ -218,6 +224,7 @@ def run_chain(spec: Path, workdir: Path, *, regenerate: bool) -> dict[str, float
         for log in logs:
             log.close()
         seconds[name] = round(time.monotonic() - started, 1)
+        print(f"quality: {workdir.name} {name}: exit {max(codes)} after {seconds[name]} s", file=sys.stderr, flush=True)
         if any(codes):
             failed = next(i for i, code in enumerate(codes) if code)
             tail = (workdir / f"{name}-{failed}.log").read_text()[-3000:]
@@ -265,28 +272,52 @@ def chain_figures(workdir: Path) -> dict[str, Any]:
 # ---- 5. the figures --------------------------------------------------------------------------------
 
 
-def run(size_name: str, workdir: Path) -> dict[str, Any]:
+class Stages:
+    """The stages a run has finished, kept in its work directory (stages.json) so that a rerun goes on
+    after them; `report` receives the figures so far after each stage."""
+
+    def __init__(self, workdir: Path, settings: dict[str, Any], report: Callable[[dict[str, Any]], None]) -> None:
+        self.path = workdir / "stages.json"
+        self.report = report
+        self.done: dict[str, Any] = json.loads(self.path.read_text()) if self.path.exists() else {"settings": settings}
+        if self.done["settings"] != settings:
+            raise SystemExit(f"{workdir} holds a quality run of other settings ({self.path}): remove it, or choose another --workdir")
+
+    def run(self, name: str, stage: Callable[[], Any]) -> Any:
+        if name not in self.done:
+            started = time.monotonic()
+            figures = stage()
+            self.done[name] = {"figures": figures, "seconds": round(time.monotonic() - started, 1)}
+            self.path.write_text(json.dumps(self.done, indent=2) + "\n")
+            self.report(self.done)
+        return self.done[name]["figures"]
+
+
+def run(size_name: str, workdir: Path, report: Callable[[dict[str, Any]], None] = lambda stages: None) -> dict[str, Any]:
     size = SIZES[size_name]
     device = torch.device("cuda" if size_name == "gpu" else "cpu")
     if device.type == "cpu":
         # Tiny matrices: extra intra-op threads only add synchronisation, and on a shared box they spin.
         torch.set_num_threads(1)
-    seconds: dict[str, Any] = {}
-    started = time.monotonic()
+    stages = Stages(workdir, asdict(size), report)
     documents = stdlib_documents(size.corpus_files, with_pydoc=size.pydoc)
-    target = write_tiny_target(workdir / "target", num_layers=size.target_layers, hidden_size=size.target_hidden, vocab_size=size.vocab_size)
-    seconds["corpus_and_target"] = round(time.monotonic() - started, 1)
+    target = workdir / "target"
 
-    started = time.monotonic()
-    target_training = train_target(target, documents, size, device)
-    seconds["target_training"] = round(time.monotonic() - started, 1)
+    def target_stage() -> dict[str, Any]:
+        write_tiny_target(target, num_layers=size.target_layers, hidden_size=size.target_hidden, vocab_size=size.vocab_size)
+        return train_target(target, documents, size, device)
 
+    target_training = stages.run("target_training", target_stage)
     chats = write_chats(documents, size, workdir / "chats.jsonl")
     runs: dict[str, dict[str, Any]] = {}
     for name, regenerate in (("regenerated", True), ("source", False)):
         chain = workdir / name
-        seconds[name] = run_chain(write_spec(chain, target, chats, size, device, regenerate=regenerate), chain, regenerate=regenerate)
-        runs[name] = chain_figures(chain)
+
+        def chain_stage() -> dict[str, Any]:
+            return {"step_seconds": run_chain(write_spec(chain, target, chats, size, device, regenerate=regenerate), chain, regenerate=regenerate),
+                    **chain_figures(chain)}
+
+        runs[name] = stages.run(name, chain_stage)
     if held_out_prompts(workdir / "regenerated") != held_out_prompts(workdir / "source"):
         raise RuntimeError("the two runs were evaluated on different prompts (a held-out chat dropped, or rendered otherwise)")
     return {
@@ -297,7 +328,7 @@ def run(size_name: str, workdir: Path) -> dict[str, Any]:
         "runs": runs,
         "target_training": target_training,
         "settings": asdict(size),
-        "seconds": seconds,
+        "seconds": {name: stages.done[name]["seconds"] for name in ("target_training", *runs)},
     }
 
 
@@ -308,14 +339,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=None, help="keep the run here (default: a temporary directory)")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
+    command = shlex.join(["python", "bench/quality/run_quality.py", *(argv if argv is not None else sys.argv[1:])])
+    out = args.out or REPO / "bench" / "results" / f"quality-{args.size}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(document: dict[str, Any]) -> None:
+        out.write_text(json.dumps({"command": command, **document}, indent=2) + "\n")
+
     with tempfile.TemporaryDirectory(prefix="dflash-quality-") as scratch:
         workdir = args.workdir or Path(scratch)
         workdir.mkdir(parents=True, exist_ok=True)
-        result = {"command": shlex.join(["python", "bench/quality/run_quality.py", *(argv if argv is not None else sys.argv[1:])]), **run(args.size, workdir)}
-    out = args.out or REPO / "bench" / "results" / f"quality-{args.size}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+        result = run(args.size, workdir, report=lambda stages: write({"complete": False, "stages": stages}))
+    write({"complete": True, **result})
+    print(out.read_text())
     return 0
 
 
