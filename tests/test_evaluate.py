@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers.cache_utils import DynamicLayer
 
 from dflash_jobs.evaluate.baselines import PromptLookupDrafter
 from dflash_jobs.evaluate.evaluator import held_out_prompts
@@ -135,6 +136,21 @@ def test_partly_right_drafter_rolls_back_exactly(model, prompt, reference, right
         states = model(committed[None], output_hidden_states=True).hidden_states
     expected = torch.cat([states[layer + 1][0] for layer in LAYERS], dim=-1)
     torch.testing.assert_close(context, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_rollback_that_misses_cache_state_is_refused(model, prompt, monkeypatch):
+    # A transformers release that keeps more per-layer state than Target.checkpoint saves (5.25 added
+    # a token count to the GDN layers) must fail loudly, not decode at shifted positions: stand in
+    # for it with attention layers whose crop does nothing.
+    target = Target(model, LAYERS)
+    with torch.inference_mode():
+        target.reset()
+        target.forward(prompt)
+        checkpoint = target.checkpoint()
+        target.forward(prompt[:3])
+        monkeypatch.setattr(DynamicLayer, "crop", lambda layer, tokens: None)
+        with pytest.raises(RuntimeError, match=f"left {len(prompt) + 3} tokens, not {len(prompt)}.*TRANSFORMERS_VERSION"):
+            target.rollback(checkpoint)
 
 
 def test_generation_stops_at_the_stop_token(model, prompt, reference):
