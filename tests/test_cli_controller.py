@@ -25,7 +25,8 @@ from dflashctl.backend import JobStatus, ShardStatus
 from dflashctl.backends import open_backend
 from dflashctl.cli import status as status_cli
 from dflashctl.cli.main import main
-from dflashctl.progress import Progress, format_duration, landing_rate, read_progress, time_left
+from dflash_jobs.units import format_duration
+from dflashctl.progress import Progress, landing_rate, read_progress, time_left
 from dflashctl.render import render_selection
 
 CHUNK_TOKENS = 1000

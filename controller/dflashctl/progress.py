@@ -111,17 +111,6 @@ def time_left(progress: Progress, tokens_per_s: float | None) -> float | None:
     return max(0, progress.tokens_total - progress.tokens_done) / tokens_per_s
 
 
-def format_duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    seconds = int(seconds)
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes:02d}m"
-    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
-
-
 def format_rate(tokens_per_s: float | None) -> str:
     if tokens_per_s is None:
         return "-"

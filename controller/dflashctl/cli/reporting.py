@@ -12,11 +12,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
 from rich.table import Table
 
+from dflash_jobs.units import format_duration
+
 from dflashctl.cli import output
 from dflashctl.cli.options import OutputFormat
 from dflashctl.cli.status import summarize
 from dflashctl.pipeline import Reporter, StepUpdate
-from dflashctl.progress import format_duration, format_rate
+from dflashctl.progress import format_rate
 
 LINE_INTERVAL_S = 10.0
 """Without a terminal: at most one progress line per step this often."""

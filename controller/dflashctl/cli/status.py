@@ -29,13 +29,14 @@ from dflash_jobs.generate.layout import ChunkMarker, GenerationProgress, current
 from dflash_jobs.generate.layout import read_progress as read_generation_progress
 from dflash_jobs.spec import RunSpec, load_spec
 from dflash_jobs.storage import Storage, storage_for
+from dflash_jobs.units import format_duration
 
 from dflashctl.backend import Backend, JobStatus, format_indexes
 from dflashctl.backends import open_backend
 from dflashctl.cli import output
 from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt, WatchOpt
 from dflashctl.progress import (
-    Progress, format_duration, format_rate, generation_rates, generation_time_left, landing_rate, read_progress, time_left,
+    Progress, format_rate, generation_rates, generation_time_left, landing_rate, read_progress, time_left,
 )
 from dflashctl.render import COMPONENTS, STEPS, job_name
 

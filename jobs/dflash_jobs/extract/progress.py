@@ -9,6 +9,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
+from dflash_jobs.units import format_duration
+
 log = logging.getLogger("dflash.extract")
 
 
@@ -80,7 +82,7 @@ class Progress:
             self._update()
             s = self.summary
             left = self.total_tokens - self.forwarded_tokens
-            eta = _duration(left / s.tokens_per_s) if s.tokens_per_s else "?"
+            eta = format_duration(left / s.tokens_per_s) if s.tokens_per_s else "?"
             pending = s.chunks_total - s.chunks_skipped
             log.info(
                 "shard %d/%d: chunks %d/%d (%d skipped), samples %d, %s tokens/s, padding %.1f%%, %.2f GB stored, ETA %s",
@@ -89,7 +91,3 @@ class Progress:
             )
             self.last_log = time.monotonic()
 
-
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"

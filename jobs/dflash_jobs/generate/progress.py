@@ -17,9 +17,9 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dflash_jobs.extract.progress import _duration as duration
 from dflash_jobs.generate.batch import Answer, EngineError, parse_output
 from dflash_jobs.generate.layout import ChunkMarker
+from dflash_jobs.units import format_duration
 
 log = logging.getLogger("dflash.generate")
 
@@ -115,7 +115,7 @@ class Progress:
             s.tokens_per_s = round(generated / max(s.elapsed_s, 1e-9), 1)
             answered = s.prompts + self.live_answers
             rate = answered / max(s.elapsed_s, 1e-9)
-            eta = duration((self.pending_prompts - answered) / rate) if answered else "?"
+            eta = format_duration((self.pending_prompts - answered) / rate) if answered else "?"
             live = ""
             if self.live_chunk is not None:
                 live = f" (chunk {self.live_chunk[0]:06d}: {self.live_answers:,}/{self.live_chunk[1]:,} answered)"

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from dflash_jobs.formats import TRAIN_METRICS_KEY, TRAIN_PLOT_KEY
 from dflash_jobs.storage import Storage
+from dflash_jobs.units import format_duration
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +37,10 @@ class ConsoleSink:
     """One line per interval: step, loss, acceptance, throughput, ETA."""
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        eta = metrics.get("eta_s", 0.0)
         log.info(
-            "step %d/%d epoch %d | loss %.4f acc@1 %.3f tau %.2f | lr %.2e | %.0f tok/s | eta %dh%02dm",
+            "step %d/%d epoch %d | loss %.4f acc@1 %.3f tau %.2f | lr %.2e | %.0f tok/s | eta %s",
             step, metrics["total_steps"], metrics["epoch"], metrics["loss"], metrics["accuracy"][1],
-            metrics["acceptance_length"], metrics["lr"], metrics["tokens_per_s"], eta // 3600, eta % 3600 // 60,
+            metrics["acceptance_length"], metrics["lr"], metrics["tokens_per_s"], format_duration(metrics.get("eta_s")),
         )
 
     def close(self) -> None:
