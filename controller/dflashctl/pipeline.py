@@ -61,8 +61,8 @@ from dflashctl.progress import generation_rates, generation_time_left, landing_r
 from dflashctl.render import job_name, render_selection
 from dflashctl.verify import Expected, VerificationFailed, read_manifest, verify_run
 
-EXTRACT_RETRIES = 1
-"""Times a failed extract (or generate) Job is replaced within one `run` before it fails (each `run` starts afresh)."""
+SHARDED_JOB_RETRIES = 1
+"""Times a failed extract or generate Job is replaced within one `run` before it fails (each `run` starts afresh)."""
 EVENT_GENERATION_FINISHED = "GenerationFinished"
 REFRESH_S = 10.0
 """How often progress is read from storage while a Job runs."""
@@ -250,36 +250,51 @@ class Pipeline:
         self.job_step(step, output_key)
         return True
 
+    def run_sharded_job(
+        self, component: str, *, what: str, details: str, landed: Callable[[], bool], label: Callable[[], str]
+    ) -> JobStatus | None:
+        """Runs the Indexed Job of `component` (extract, generate) until every chunk has landed.
+
+        A Job that ended with chunks missing, earlier in this run (a failure: retry) or before it,
+        is replaced; landed chunks are skipped. Returns the last Job's status, None when every chunk
+        had landed before this run; raises RunFailed when the last attempt still left chunks missing.
+        `landed` and `label` read storage: whether every chunk is there, and "done/total"."""
+        name = job_name(self.spec, component)
+        status: JobStatus | None = None
+        for attempt in range(1 + SHARDED_JOB_RETRIES):
+            if landed():
+                break
+            current = self.backend.job_status(name)
+            if current.exists and current.finished:
+                if attempt:
+                    self.backend.record_event(
+                        name, EVENT_SHARDS_RETRIED, f"{label()} chunks landed; replacing the Job once (landed chunks are skipped)", warning=True,
+                    )
+                self.reporter.say(f"{component} Job {name} ended with {label()} chunks landed: submitting it again")
+                self.backend.delete(name)
+            self.backend.submit(render_selection(self.spec, component), force=self.force)
+            self.reporter.say(f"{component}: Job {name} submitted ({details})")
+            status = self.wait(component, name)
+            if status.failed_terminally:
+                self.backend.record_event(name, EVENT_SHARDS_FAILED, describe(status), warning=True)
+        else:  # every attempt is spent: did the last one land everything?
+            if not landed():
+                raise self.failure(
+                    name,
+                    f"{what} ended with {label()} chunks landed after {1 + SHARDED_JOB_RETRIES} attempts: {describe(status)}",
+                    f"`dflashctl logs {component} --shard N` shows why a shard failed; fix it and `dflashctl run` again "
+                    "(landed chunks are kept)",
+                )
+        return status
+
     def generate(self) -> bool:
         if current_manifest(self.storage, self.spec) is not None:
             return False
-        name = job_name(self.spec, "generate")
-        status: JobStatus | None = None
-        for attempt in range(1 + EXTRACT_RETRIES):
-            if write_manifest_if_complete(self.storage, self.spec) is not None:
-                break  # every chunk has landed (this attempt, or an earlier Job)
-            current = self.backend.job_status(name)
-            if current.exists and current.finished:
-                label = self.generation_progress().label
-                if attempt:
-                    self.backend.record_event(
-                        name, EVENT_SHARDS_RETRIED, f"{label} chunks landed; replacing the Job once (landed chunks are skipped)", warning=True,
-                    )
-                self.reporter.say(f"generate Job {name} ended with {label} chunks landed: submitting it again")
-                self.backend.delete(name)
-            self.backend.submit(render_selection(self.spec, "generate"), force=self.force)
-            self.reporter.say(f"generate: Job {name} submitted ({self.spec.generate.shards} shards, engine {self.spec.generate.engine})")
-            status = self.wait("generate", name)
-            if status.failed_terminally:
-                self.backend.record_event(name, EVENT_SHARDS_FAILED, describe(status), warning=True)
-        else:
-            if write_manifest_if_complete(self.storage, self.spec) is None:
-                raise self.failure(
-                    name,
-                    f"generation ended with {self.generation_progress().label} chunks landed after {1 + EXTRACT_RETRIES} attempts: {describe(status)}",
-                    "`dflashctl logs generate --shard N` shows why a shard failed; fix it and `dflashctl run` again "
-                    "(landed chunks are kept)",
-                )
+        status = self.run_sharded_job(
+            "generate", what="generation", details=f"{self.spec.generate.shards} shards, engine {self.spec.generate.engine}",
+            landed=lambda: write_manifest_if_complete(self.storage, self.spec) is not None,
+            label=lambda: self.generation_progress().label,
+        )
         manifest = current_manifest(self.storage, self.spec)
         assert manifest is not None
         dropped = ", ".join(f"{reason} {count}" for reason, count in manifest.dropped.items()) or "none"
@@ -288,7 +303,7 @@ class Pipeline:
         if status is None:
             self.reporter.say(f"generation: every chunk had landed; {message}")
             return False
-        self.backend.record_event(name, EVENT_GENERATION_FINISHED, message)
+        self.backend.record_event(job_name(self.spec, "generate"), EVENT_GENERATION_FINISHED, message)
         self.reporter.say(f"generation: {message}")
         return True
 
@@ -296,40 +311,15 @@ class Pipeline:
         return read_generation_progress(self.storage, self.spec, self.generation_markers)
 
     def extract(self) -> bool:
-        name = job_name(self.spec, "extract")
-        status: JobStatus | None = None
-        for attempt in range(1 + EXTRACT_RETRIES):
-            progress = read_progress(self.storage)
-            if progress.landed:
-                break
-            current = self.backend.job_status(name)
-            if current.exists and current.finished:
-                # It ended with chunks missing: earlier in this run (a failure: retry), or before it.
-                if attempt:
-                    self.backend.record_event(
-                        name, EVENT_SHARDS_RETRIED,
-                        f"{progress.label} chunks landed; replacing the Job once (landed chunks are skipped)", warning=True,
-                    )
-                self.reporter.say(f"extract Job {name} ended with {progress.label} chunks landed: submitting it again")
-                self.backend.delete(name)
-            self.backend.submit(render_selection(self.spec, "extract"), force=self.force)
-            self.reporter.say(f"extract: Job {name} submitted ({self.spec.extract.shards} shards)")
-            status = self.wait("extract", name)
-            if status.failed_terminally:
-                self.backend.record_event(name, EVENT_SHARDS_FAILED, describe(status), warning=True)
-        else:  # every attempt is spent: did the last one land everything?
-            progress = read_progress(self.storage)
-            if not progress.landed:
-                raise self.failure(
-                    name,
-                    f"extraction ended with {progress.label} chunks landed after {1 + EXTRACT_RETRIES} attempts: {describe(status)}",
-                    "`dflashctl logs extract --shard N` shows why a shard failed; fix it and `dflashctl run` again "
-                    "(landed chunks are kept)",
-                )
+        status = self.run_sharded_job(
+            "extract", what="extraction", details=f"{self.spec.extract.shards} shards",
+            landed=lambda: read_progress(self.storage).landed, label=lambda: read_progress(self.storage).label,
+        )
         if status is None:
             return False  # every chunk had landed before this run
-        self.backend.record_event(name, EVENT_EXTRACTION_FINISHED, f"all {progress.chunks_total} chunks landed")
-        self.reporter.say(f"extraction: all {progress.chunks_total} chunks landed")
+        chunks = read_progress(self.storage).chunks_total
+        self.backend.record_event(job_name(self.spec, "extract"), EVENT_EXTRACTION_FINISHED, f"all {chunks} chunks landed")
+        self.reporter.say(f"extraction: all {chunks} chunks landed")
         return True
 
     def verify(self) -> bool:
