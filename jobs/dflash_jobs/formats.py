@@ -16,13 +16,12 @@ layer one higher (their 0 is the embeddings). tests/test_layer_convention.py pin
 
 from __future__ import annotations
 
-import io
 import json
 import struct
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -354,12 +353,6 @@ def safetensors_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]
     return raw_safetensors_parts(raw, metadata)
 
 
-def write_safetensors(out: BinaryIO, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """A safetensors file with a canonical header (safetensors_parts) written to `out`."""
-    for part in safetensors_parts(tensors, metadata):
-        out.write(part)
-
-
 def hidden_tensors(tokens: TokenChunk, hidden: torch.Tensor, scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """The tensors of a hidden-state chunk: the token chunk's four, plus the states (and scales)."""
     import torch
@@ -383,9 +376,7 @@ def encode_hidden_chunk(
     elif dtype == "bfloat16":
         hidden = hidden.to(torch.bfloat16)
     metadata = hidden_metadata(layers=layers, model=model, config_hash=config_hash, dtype=dtype)
-    out = io.BytesIO()
-    write_safetensors(out, hidden_tensors(tokens, hidden, scale), metadata)
-    return out.getvalue()
+    return b"".join(safetensors_parts(hidden_tensors(tokens, hidden, scale), metadata))
 
 
 @dataclass
