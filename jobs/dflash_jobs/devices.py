@@ -1,4 +1,4 @@
-"""Which device a pod's process computes on: the same rule for extraction, training and evaluation."""
+"""Which device a pod's process computes on: the same rule for extraction, generation, training and evaluation."""
 
 from __future__ import annotations
 

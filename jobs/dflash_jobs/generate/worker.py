@@ -278,11 +278,9 @@ def build_worker(spec: RunSpec, shard: int, *, summary: Summary) -> GenerateWork
     if settings.engine == "vllm":
         engine = VllmEngine(settings, checkpoint)
     else:
-        import torch
+        from dflash_jobs.devices import pick_device
 
-        # As evaluation decides: a local run pinned to the CPU stays there even on a GPU machine.
-        use_cuda = torch.cuda.is_available() and not (spec.backend == "local" and spec.local.device == "cpu")
-        engine = TransformersEngine.load(settings, checkpoint, tokenizer=tokenizer, device=torch.device("cuda" if use_cuda else "cpu"),
+        engine = TransformersEngine.load(settings, checkpoint, tokenizer=tokenizer, device=pick_device(spec),
                                          attn_implementation=spec.target.attn_implementation)
     return GenerateWorker(
         spec, storage=storage, source=source, plan=plan, tokenizer=tokenizer, engine=engine, summary=summary,
