@@ -248,7 +248,7 @@ class DatasetIndex:
     """With generation on: the generate/manifest.json the rows came from (settings, counts, drops)."""
 
     def to_json(self) -> str:
-        return json.dumps({"format": TOKENS_FORMAT, **asdict(self)}, indent=2, sort_keys=True) + "\n"
+        return dump_json_document(TOKENS_FORMAT, asdict(self))
 
     @classmethod
     def from_json(cls, text: str | bytes, name: str = DATASET_KEY) -> DatasetIndex:
@@ -261,6 +261,11 @@ class DatasetIndex:
         if sum(c.tokens for c in index.chunks) != index.tokens or sum(c.samples for c in index.chunks) != index.samples:
             raise FormatError(f"{name}: chunk totals disagree with samples/tokens", "Re-run prepare")
         return index
+
+
+def dump_json_document(fmt: str, body: dict[str, Any]) -> str:
+    """`body` as a JSON object carrying `"format": fmt`, keys sorted: what load_json_document reads."""
+    return json.dumps({"format": fmt, **body}, indent=2, sort_keys=True) + "\n"
 
 
 def load_json_document(text: str | bytes, name: str, fmt: str, *, fix: str | None = None) -> dict[str, Any]:
@@ -462,7 +467,7 @@ class DoneMarker:
     compute_dtype: str = "bfloat16"  # the target's matmuls: bfloat16, or float8 (extract.compute_dtype)
 
     def to_json(self) -> str:
-        return json.dumps({"format": DONE_FORMAT, **asdict(self)}, indent=2, sort_keys=True) + "\n"
+        return dump_json_document(DONE_FORMAT, asdict(self))
 
     @classmethod
     def from_json(cls, text: str | bytes, name: str) -> DoneMarker:
@@ -487,9 +492,7 @@ class Manifest:
     chunks: list[DoneMarker]
 
     def to_json(self) -> str:
-        body = asdict(self)
-        body["chunks"] = [asdict(c) for c in self.chunks]
-        return json.dumps({"format": MANIFEST_FORMAT, **body}, indent=2, sort_keys=True) + "\n"
+        return dump_json_document(MANIFEST_FORMAT, asdict(self))  # asdict converts the markers too
 
     @classmethod
     def from_json(cls, text: str | bytes, name: str = MANIFEST_KEY) -> Manifest:

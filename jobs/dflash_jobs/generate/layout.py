@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dflash_jobs.errors import FormatError
-from dflash_jobs.formats import load_json_document
+from dflash_jobs.formats import dump_json_document, load_json_document
 from dflash_jobs.spec import RunSpec
 from dflash_jobs.storage import ObjectNotFound, Storage
 
@@ -96,10 +96,6 @@ def _load(text: str | bytes, name: str, fmt: str) -> dict[str, Any]:
     return load_json_document(text, name, fmt, fix="Delete it; generation writes it again")
 
 
-def _dump(fmt: str, body: dict[str, Any]) -> str:
-    return json.dumps({"format": fmt, **body}, indent=2, sort_keys=True) + "\n"
-
-
 # ---- the plan ----------------------------------------------------------------------------------
 
 
@@ -128,7 +124,7 @@ class GenerationPlan:
         return sum(c.lines for c in self.chunks)
 
     def to_json(self) -> str:
-        return _dump(PLAN_FORMAT, {**asdict(self), "chunks": [asdict(c) for c in self.chunks]})
+        return dump_json_document(PLAN_FORMAT, asdict(self))
 
     @classmethod
     def from_json(cls, text: str | bytes, name: str = PLAN_KEY) -> GenerationPlan:
@@ -171,7 +167,7 @@ class ChunkMarker:
     engine: str = ""
 
     def to_json(self) -> str:
-        return _dump(DONE_FORMAT, asdict(self))
+        return dump_json_document(DONE_FORMAT, asdict(self))
 
     @classmethod
     def from_json(cls, text: str | bytes, name: str) -> ChunkMarker:
@@ -268,7 +264,7 @@ class GenerationManifest:
     chunks: list[ManifestChunk]
 
     def to_json(self) -> str:
-        return _dump(MANIFEST_FORMAT, {**asdict(self), "chunks": [asdict(c) for c in self.chunks]})
+        return dump_json_document(MANIFEST_FORMAT, asdict(self))
 
     @classmethod
     def from_json(cls, text: str | bytes, name: str = MANIFEST_KEY) -> GenerationManifest:
