@@ -14,6 +14,7 @@ learned the source's, on the same prompts.
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -38,6 +39,14 @@ def test_cpu_chain_trains_a_drafter_that_drafts_and_regeneration_pays(tmp_path):
     assert reports == [["target_training"], ["target_training", "regenerated"], ["target_training", "regenerated", "source"]]
     # A rerun on the same work directory (a device call cut by its limit) goes on after the finished stages: here, none is left.
     assert bench.run("cpu", tmp_path, report=lambda stages: reports.append(list(stages)[1:])) == result and len(reports) == 3
+    # A chain cut after its extraction goes on: no prepare over extracted states, the same drafter, the same figures.
+    stages = json.loads((tmp_path / "stages.json").read_text())
+    del stages["source"]
+    (tmp_path / "stages.json").write_text(json.dumps(stages))
+    (tmp_path / "source" / "run" / "eval" / "report.json").unlink()
+    resumed = bench.run("cpu", tmp_path)["runs"]["source"]
+    assert resumed["acceptance_length"] == result["runs"]["source"]["acceptance_length"]
+    assert "prepare" not in resumed["step_seconds"] and "evaluate" in resumed["step_seconds"]
 
     regenerated, source = result["runs"]["regenerated"], result["runs"]["source"]
     dflash, lookup = regenerated["drafters"]["dflash"], regenerated["drafters"]["prompt_lookup"]

@@ -112,7 +112,7 @@ SIZES = {
         target_layers=8, target_hidden=256, vocab_size=2048, capture=[1, 3, 5, 7], corpus_files=170, pydoc=True,
         prompt_lines=8, answer_lines=4, train_steps=800, train_seconds=110.0, train_batch=64, train_length=256, lr=2e-3,
         chats=2048, holdout=16, max_answer_tokens=96, regenerate_batch=512,
-        draft_layers=2, block_size=16, anchors=64, epochs=6, draft_lr=1e-3, micro_batch_tokens=32768, micro_batch_blocks=8192, chunk_tokens=65536,
+        draft_layers=2, block_size=16, anchors=64, epochs=6, draft_lr=1e-3, micro_batch_tokens=4096, micro_batch_blocks=8192, chunk_tokens=65536,
         max_length=512, eval_new_tokens=96,
     ),
 }
@@ -234,7 +234,12 @@ def run_chain(spec: Path, workdir: Path, *, regenerate: bool) -> dict[str, float
     one_thread = {"OMP_NUM_THREADS": "1"}
     if regenerate:
         step("generate", *[job + ["dflash_jobs.generate", "-f", str(spec), "--shard", str(i)] for i in range(2)], extra_env=one_thread)
-    step("prepare", job + ["dflash_jobs.prepare", "-f", str(spec)])
+    # As `dflashctl run` does: prepare refuses to re-chunk tokens that hidden states were extracted
+    # from, so a chain cut after it (a device call's limit) goes on from the stored data set.
+    if (workdir / "run" / DATASET_KEY).exists():
+        print(f"quality: {workdir.name} prepare: skipped, {DATASET_KEY} is stored", file=sys.stderr, flush=True)
+    else:
+        step("prepare", job + ["dflash_jobs.prepare", "-f", str(spec)])
     step("extract", *[job + ["dflash_jobs.extract", "-f", str(spec), "--shard", str(i)] for i in range(2)], extra_env=one_thread)
     step("verify", job + ["dflashctl.cli.main", "verify", "-f", str(spec)])
     step("train", job + ["dflash_jobs.train", "-f", str(spec)])
