@@ -126,17 +126,16 @@ def test_plan_from_the_dataset_index_matches_hand_computed_figures(tmp_path):
     # fp8:  5 x (5120 + 4 bytes of scale) + 5                  = 25,625 bytes per token.
     assert plan["bytes_per_token"] == {"bfloat16": 51_205, "float8_e4m3fn": 25_625}
     assert plan["storage_tb"] == pytest.approx({"bfloat16": 51.205, "float8_e4m3fn": 25.625})
-    # 1e9 tokens / 8804 tokens/s (measured, bench/results/extract-h200.json) / 3600 s = 31.551 GPU-hours; on 8 shards 3.944 hours.
-    assert plan["tokens_per_second_per_gpu"] == 8804.0
-    assert plan["gpu_hours"] == pytest.approx(31.551315)
-    assert plan["wall_clock_hours"] == pytest.approx(3.943914)
-    # 8 GPUs x 8804 tokens/s x 51,205 bytes = 3,606.5 MB/s; fp8 x 25,625 bytes = 1,804.8 MB/s.
-    assert plan["upload_mb_per_s_per_node"] == pytest.approx({"bfloat16": 3606.4706, "float8_e4m3fn": 1804.82})
-    # Training: 6 epochs x 1e9 tokens / 10,487 tokens/s (bench/results/train-h200.json) / 3600 s = 158.93 GPU-hours;
-    # on 1 node x 8 GPUs 19.866 hours.
-    assert plan["train_gpu_hours"] == pytest.approx(158.926925)
-    assert plan["train_wall_clock_hours"] == pytest.approx(19.865866)
-
+    # 1e9 tokens / 9880 tokens/s (measured, bench/results/extract-h200.json) / 3600 s = 28.115 GPU-hours; on 8 shards 3.514 hours.
+    assert plan["tokens_per_second_per_gpu"] == 9880.0
+    assert plan["gpu_hours"] == pytest.approx(28.115160)
+    assert plan["wall_clock_hours"] == pytest.approx(3.514395)
+    # 8 GPUs x 9880 tokens/s x 51,205 bytes = 4,047.2 MB/s; fp8 x 25,625 bytes = 2,025.4 MB/s.
+    assert plan["upload_mb_per_s_per_node"] == pytest.approx({"bfloat16": 4047.2432, "float8_e4m3fn": 2025.4000})
+    # Training: 6 epochs x 1e9 tokens / 11,431 tokens/s (bench/results/train-pinned-h200.json) / 3600 s = 145.80 GPU-hours;
+    # on 1 node x 8 GPUs 18.225 hours.
+    assert plan["train_gpu_hours"] == pytest.approx(145.802350)
+    assert plan["train_wall_clock_hours"] == pytest.approx(18.225294)
 
 def test_plan_rate_flag_layers_and_small_jobs(tmp_path):
     spec_file = write_run(tmp_path, tokens=36_000_000, layers=[3, 7, 11], shards=2, dtype="float8_e4m3fn")
@@ -173,7 +172,7 @@ def test_plan_table_states_its_basis(tmp_path):
     result = runner.invoke(app, ["plan", "-f", write_run(tmp_path, tokens=None)])
     assert result.exit_code == 0, result.output
     assert "1,000,000 (estimate)" in result.stdout
-    assert "storage bfloat16" in result.stdout and "3,606 MB/s" in result.stdout
+    assert "storage bfloat16" in result.stdout and "4,047 MB/s" in result.stdout
     assert "estimate: 4,000,000 bytes" in result.stderr
 
 
