@@ -16,11 +16,16 @@ Stages (one JSON document, rewritten after every stage, so a run cut short keeps
             forward (ready_s) and to its first stored chunk (first_chunk_s), from its own start;
   fp8       --compute float8: the states' relative error per layer against bf16, then bare forward
             (bf16 and FP8) and the FP8 extractor on disk and tmpfs.
+  compile   extract.compile (the target's norms and MLPs compiled) against eager on the target as
+            the stages before left it (bf16, or FP8 after fp8): the states' relative error per layer,
+            then a first compiled pass (recompiles for shapes warm-up did not see), and timed: bare
+            eager, bare compiled, the compiled extractor on disk, bare compiled, bare eager.
 
 Throughput counts real (unpadded) tokens; MFU is against the H200's 989 TFLOP/s dense bf16 peak.
 
     python bench/extract.py --shape 27b --stages setup,warmup,syncs,bf16,profile,exact,warm-pod --out $OUT/extract.json
     python bench/extract.py --shape 27b --stages setup,warmup,fp8 --out $OUT/extract-fp8.json
+    python bench/extract.py --shape 27b --stages setup,warmup,compile --out $OUT/extract-compile.json
     python bench/extract.py --shape tiny --device cpu --samples 24 --chunk-tokens 1024 --out /tmp/x.json   # CPU check
 """
 
@@ -47,7 +52,7 @@ STARTED = time.monotonic()  # a warm pod's clock starts with its process
 import numpy as np
 import torch
 
-from dflash_jobs.extract import fp8, packing
+from dflash_jobs.extract import fp8, fusion, packing
 from dflash_jobs.extract.batching import BatchPlanner, window_samples
 from dflash_jobs.extract.capture import LayerCapture
 from dflash_jobs.extract.progress import Summary
@@ -66,7 +71,9 @@ REAL_27B = dict(
     linear_value_head_dim=128, vocab_size=248320,
     rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
 )
-STAGES = ("setup", "warmup", "syncs", "bf16", "profile", "exact", "warm-pod", "fp8")
+STAGES = ("setup", "warmup", "syncs", "bf16", "profile", "exact", "warm-pod", "fp8", "compile")
+OPT_IN_STAGES = ("fp8", "compile")
+"""Each changes the target in place for the stages after it: run them last, and only when asked."""
 
 
 def sync(device: torch.device) -> None:
@@ -344,7 +351,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=("27b", "tiny"), default="27b")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--stages", default=",".join(s for s in STAGES if s != "fp8"), help=f"comma-separated, of {STAGES}")
+    parser.add_argument("--stages", default=",".join(s for s in STAGES if s not in OPT_IN_STAGES), help=f"comma-separated, of {STAGES}")
     parser.add_argument("--samples", type=int, default=520, help="520 lognormal samples: about 540K tokens")
     parser.add_argument("--mean-length", type=float, default=1050)
     parser.add_argument("--max-length", type=int, default=4096)
@@ -413,6 +420,9 @@ def main() -> int:
     def mfu(tokens_per_s: float) -> float:
         return round(flops_per_token * tokens_per_s / H200_PEAK_FLOPS, 4)
 
+    def bare() -> dict:
+        return bare_forward(target, *write_run(workdir / "bare", chunks), planner, spec.sort_window)
+
     def setup() -> dict:
         return {
             "shape": args.shape, "layers": target.layers, "model_build_s": round(time.perf_counter() - started, 1),
@@ -445,19 +455,19 @@ def main() -> int:
         return count_syncs(target, chunks[0], planner) if device.type == "cuda" else None
 
     def bf16() -> dict:
-        out = {"bare_1": bare_forward(target, *write_run(workdir / "bare", chunks), planner, spec.sort_window)}
+        out = {"bare_1": bare()}
         save_partial("bf16", out)
         out["extractor_disk"] = extractor(target, disk, chunks, spec, args, packed=packed)
         save_partial("bf16", out)
         out["extractor_tmpfs"] = extractor(target, tmpfs, chunks, spec, args, packed=packed)
         save_partial("bf16", out)
-        out["bare_2"] = bare_forward(target, *write_run(workdir / "bare", chunks), planner, spec.sort_window)
-        bare = [out["bare_1"]["tokens_per_s"], out["bare_2"]["tokens_per_s"]]
-        out["bare_mean_tokens_per_s"] = round(statistics.mean(bare), 1)
+        out["bare_2"] = bare()
+        bare_rates = [out["bare_1"]["tokens_per_s"], out["bare_2"]["tokens_per_s"]]
+        out["bare_mean_tokens_per_s"] = round(statistics.mean(bare_rates), 1)
         for where in ("disk", "tmpfs"):
             rate = out[f"extractor_{where}"]["tokens_per_s"]
             out[f"ratio_{where}"] = {"vs_mean": round(rate / out["bare_mean_tokens_per_s"], 4),
-                                     "vs_bare_1": round(rate / bare[0], 4), "vs_bare_2": round(rate / bare[1], 4)}
+                                     "vs_bare_1": round(rate / bare_rates[0], 4), "vs_bare_2": round(rate / bare_rates[1], 4)}
         out["mfu"] = {"bare": mfu(out["bare_mean_tokens_per_s"]), "extractor_disk": mfu(out["extractor_disk"]["tokens_per_s"]),
                       "extractor_tmpfs": mfu(out["extractor_tmpfs"]["tokens_per_s"])}
         return out
@@ -488,18 +498,23 @@ def main() -> int:
         report["process_wall_s"] = round(time.perf_counter() - launched, 1)
         return report
 
+    def sample_states() -> torch.Tensor:
+        """The captured states of chunk 0's first 8 samples, one packed (or padded) batch, as the target computes them now."""
+        refs = window_samples([chunks[0]])[:8]
+        buffer = LayerCapture(target.decoder_layers, target.layers, capacity=sum(r.length + planner.gap for r in refs) + 64,
+                              hidden_size=target.hidden_size, dtype=target.dtype, device=device)
+        try:
+            with torch.inference_mode():
+                return capture(target, chunks[0], planner, refs, buffer, packing.PACKED_ATTENTION if packed else "sdpa")
+        finally:
+            buffer.remove()
+
     def float8() -> dict:
         if device.type == "cuda":
             fp8.require_fp8(device)
         out: dict = {}
-        refs = window_samples([chunks[0]])[:8]
-        buffer = LayerCapture(target.decoder_layers, target.layers, capacity=sum(r.length + planner.gap for r in refs) + 64,
-                              hidden_size=target.hidden_size, dtype=target.dtype, device=device)
-        attention = packing.PACKED_ATTENTION if packed else "sdpa"
-        with torch.inference_mode():
-            reference = capture(target, chunks[0], planner, refs, buffer, attention)
-        buffer.remove()
-        out["bare_bf16"] = bare_forward(target, *write_run(workdir / "bare", chunks), planner, spec.sort_window)
+        reference = sample_states()
+        out["bare_bf16"] = bare()
         save_partial("fp8", out)
         converted = time.perf_counter()
         out["linear_layers_in_fp8"] = fp8.to_float8(target.decoder_layers, min_features=fp8.MIN_FEATURES if args.shape == "27b" else 16)
@@ -507,21 +522,48 @@ def main() -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         out["weights_gib"] = round(sum(t.numel() * t.element_size() for t in [*target.model.parameters(), *target.model.buffers()]) / 2**30, 2)
-        buffer = LayerCapture(target.decoder_layers, target.layers, capacity=reference.shape[0] + 64,
-                              hidden_size=target.hidden_size, dtype=target.dtype, device=device)
-        with torch.inference_mode():
-            got = capture(target, chunks[0], planner, refs, buffer, attention)
-        buffer.remove()
-        out["relative_error_per_layer"] = dict(zip(map(str, target.layers), layer_errors(reference, got)))
+        out["relative_error_per_layer"] = dict(zip(map(str, target.layers), layer_errors(reference, sample_states())))
         save_partial("fp8", out)
         fp8_spec = dataclasses.replace(spec, compute_dtype="float8")
         out["warmup_fp8_s"] = round(warm(fp8_spec)[0], 1)
-        out["bare_fp8"] = bare_forward(target, *write_run(workdir / "bare", chunks), planner, spec.sort_window)
+        out["bare_fp8"] = bare()
         save_partial("fp8", out)
         out["extractor_fp8_disk"] = extractor(target, disk, chunks, fp8_spec, args, packed=packed)
         save_partial("fp8", out)
         out["extractor_fp8_tmpfs"] = extractor(target, tmpfs, chunks, fp8_spec, args, packed=packed)
         out["speedup_bare"] = round(out["bare_fp8"]["tokens_per_s"] / out["bare_bf16"]["tokens_per_s"], 3)
+        return out
+
+    def compiled() -> dict:
+        compute = "float8" if any(isinstance(m, fp8.Float8Linear) for m in target.model.modules()) else "bfloat16"
+        compile_spec = dataclasses.replace(spec, compute_dtype=compute, compile=True)
+        eager = torch.compiler.set_stance("force_eager")  # every compiled function of the process eager, FP8's quantization too
+        with eager:
+            reference = sample_states()
+        out: dict = {"compute": compute, "modules": fusion.compile_elementwise(target.decoder_layers)}
+        out["warmup_s"] = round(warm(compile_spec)[0], 1)
+        out["relative_error_per_layer"] = dict(zip(map(str, target.layers), layer_errors(reference, sample_states())))
+        save_partial("compile", out)
+        # Warm-up compiles every module class, but batch sizes and strides it did not see recompile later: one
+        # compiled pass first, so that the timed ones below are all warm.
+        out["bare_compiled_first_pass"] = bare()
+        save_partial("compile", out)
+        with eager:
+            out["bare_eager_1"] = bare()
+        save_partial("compile", out)
+        out["bare_compiled_1"] = bare()
+        save_partial("compile", out)
+        out["extractor_compiled_disk"] = extractor(target, disk, chunks, compile_spec, args, packed=packed)
+        save_partial("compile", out)
+        out["bare_compiled_2"] = bare()
+        with eager:
+            out["bare_eager_2"] = bare()
+        eager_mean = statistics.mean([out["bare_eager_1"]["tokens_per_s"], out["bare_eager_2"]["tokens_per_s"]])
+        compiled_mean = statistics.mean([out["bare_compiled_1"]["tokens_per_s"], out["bare_compiled_2"]["tokens_per_s"]])
+        out["speedup_bare"] = round(compiled_mean / eager_mean, 3)
+        out["ratio_disk_vs_compiled_bare"] = round(out["extractor_compiled_disk"]["tokens_per_s"] / compiled_mean, 4)
+        out["mfu"] = {"bare_eager": mfu(eager_mean), "bare_compiled": mfu(compiled_mean),
+                      "extractor_compiled_disk": mfu(out["extractor_compiled_disk"]["tokens_per_s"])}
         return out
 
     stage("setup", setup)
@@ -532,6 +574,7 @@ def main() -> int:
     stage("exact", exact)
     stage("warm-pod", second_pod)
     stage("fp8", float8)
+    stage("compile", compiled)
     result["total_s"] = round(time.perf_counter() - started, 1)
     save()
     print(json.dumps({key: result[key] for key in result if key not in ("profile",)}, indent=2))

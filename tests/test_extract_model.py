@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 import transformers.models.qwen3_5.modeling_qwen3_5 as qwen3_5
 
 from dflash_jobs.errors import InputError, IntegrityError
+from dflash_jobs.extract import fusion
 from dflash_jobs.extract.capture import Run, merge_runs
 from dflash_jobs.extract.progress import Summary
 from dflash_jobs.extract.target import load_target
@@ -162,6 +163,23 @@ def test_fp8_round_trip_is_within_e4m3_precision(checkpoint, chunks, baseline, t
         bound = expected.abs() / 16 + quantized.scale.unsqueeze(-1) * 2.0**-6 + expected.abs() * 2.0**-7
         assert ((got - expected).abs() <= bound).all()
         assert (got - expected).norm() / expected.norm() < 0.05
+
+
+def test_compiled_norms_and_mlps_store_the_same_states(checkpoint, chunks, references, tmp_path):
+    """extract.compile: the worker's batches (several shapes) through the compiled modules give the
+    states of every sample run alone, as eagerly; a few graphs serve every layer and shape."""
+    target = fp32_target(checkpoint)
+    layers = target.decoder_layers
+    expected = sum(3 + (2 if hasattr(layer, "self_attn") else 1) for layer in layers)  # 2 norms + MLP, + the mixer's norms
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    assert fusion.compile_elementwise(layers) == expected
+    storage, summary = run_worker(checkpoint, tmp_path, chunks, target=target)
+    assert summary.chunks_done == len(chunks)
+    assert max_error_vs_references(storage, chunks, references) <= BF16_ULP
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    # Graphs per module class and input rank or stride, not per layer or batch; under the limit, so none ran eagerly.
+    assert 0 < graphs < min(expected, fusion.RECOMPILE_LIMIT), (graphs, expected)
 
 
 def test_a_batch_out_of_memory_is_split_and_retried(checkpoint, chunks, baseline, tmp_path):

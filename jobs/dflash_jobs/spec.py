@@ -119,6 +119,10 @@ class ExtractSpec:
     compute_dtype: Literal["bfloat16", "float8"] = "bfloat16"
     """The target's linear layers: bfloat16, or float8 (row-wise scaled FP8 matmuls, about 1.5x the
     throughput, for targets served in FP8; needs FP8 tensor cores: Ada, Hopper, Blackwell)."""
+    compile: bool = False
+    """torch.compile the target's norms and MLPs (extract/fusion.py): fused elementwise work, the
+    same states up to rounding. Off by default until its speed is measured on a GPU (bench/extract.py
+    --stages setup,warmup,compile); its graphs land in the kernel cache with Triton's."""
     backoff_limit_per_index: int = 3
     """Retries of one shard before it is marked failed."""
     pad_multiple: int = 256

@@ -23,7 +23,7 @@ import torch
 
 from dflash_jobs.devices import pick_device
 from dflash_jobs.errors import FormatError, InputError
-from dflash_jobs.extract import fp8, packing
+from dflash_jobs.extract import fp8, fusion, packing
 from dflash_jobs.extract.batching import Batch, BatchPlanner, round_up, window_samples
 from dflash_jobs.extract.capture import BufferPool, DeviceToHost, LayerCapture, Run, merge_runs
 from dflash_jobs.extract.progress import Progress, Summary
@@ -369,10 +369,13 @@ def build_worker(spec: RunSpec, shard: int, *, summary: Summary, started: float 
     target = load_target(spec.target, checkpoint=checkpoint, layers=layers, device=device)
     if spec.extract.compute_dtype == "float8":
         log.info("compute: %d linear layers of the target in FP8 (row-wise scaled)", fp8.to_float8(target.decoder_layers))
+    if spec.extract.compile:
+        log.info("compiled: %d norm and MLP modules of the target (torch.compile, one graph per module class)",
+                 fusion.compile_elementwise(target.decoder_layers))
     packed = fast.fla and device.type == "cuda" and packing.can_pack(target.model)
     log.info(
         "device %s; fast paths: flash-linear-attention %s, causal-conv1d %s; batches: %s",
-        device, "on" if fast.fla else "OFF (torch fallback)", "on" if fast.causal_conv1d else "off (not needed)",
+        device, "on" if fast.fla else "OFF (torch fallback)", "on" if fast.causal_conv1d else "off (torch fallback, slower)",
         f"packed (FLA varlen + masked conv gaps; attention: {packing.attention_path(device)})" if packed
         else f"right-padded to multiples of {spec.extract.pad_multiple}",
     )
