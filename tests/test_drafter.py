@@ -200,6 +200,42 @@ def test_chunked_loss_never_builds_full_logits():
     assert seen and max(shape[0] for shape in seen) == 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_chunk_terms_equal_the_eager_ones(dtype):
+    """draft_loss compiles _chunk_terms on CUDA; compiled here on the CPU by the same Inductor, it gives
+    the eager loss, predictions and hidden-state gradient for chunks of several sizes (ragged last
+    chunks among them) and rows of weight 0, and no chunk size compiles a second graph."""
+    g = torch.Generator().manual_seed(0)
+    rows, d, V = 23, 16, 37
+    hidden = torch.randn(rows, d, generator=g)
+    lm_head = torch.randn(V, d, generator=g).to(dtype)
+    labels = torch.randint(0, V, (rows,), generator=g)
+    row_weights = torch.rand(rows, generator=g)
+    unweighted = torch.tensor([0, 9, 22])
+    row_weights[unweighted] = 0
+    logits = hidden.to(dtype) @ lm_head.T
+    best = logits.amax(-1, keepdim=True)  # bf16 logits tie often: either index of a tied maximum is right
+
+    def loss_predictions_grad(chunk_rows, fused):
+        h = hidden.clone().requires_grad_()
+        loss, predictions = ChunkedLinearCrossEntropy.apply(h, lm_head, labels, row_weights, chunk_rows, None, fused)
+        loss.backward()
+        return loss, predictions, h.grad
+
+    # Compiled first on two chunks, as training's micro-batches always are: on a single chunk, the
+    # compiler would tie the chunk's row count to the whole label tensor's it is a view of.
+    loss_predictions_grad(16, fused=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for chunk_rows in (4, 7, 10, rows):  # row counts 4 and 3, 7 and 2, 10 and 3, 23
+            fused_loss, fused_predictions, fused_grad = loss_predictions_grad(chunk_rows, fused=True)
+            eager_loss, eager_predictions, eager_grad = loss_predictions_grad(chunk_rows, fused=False)
+            torch.testing.assert_close(fused_loss, eager_loss)
+            assert torch.equal(logits.gather(-1, fused_predictions[:, None]), best)
+            assert torch.equal(logits.gather(-1, eager_predictions[:, None]), best)
+            torch.testing.assert_close(fused_grad, eager_grad)
+            assert fused_grad.abs().sum() > 0 and not fused_grad[unweighted].any()
+
+
 def test_draft_block_agrees_with_the_training_forward():
     """The inference entry point (one block after the whole context) equals the training view."""
     config = small_config()
