@@ -8,12 +8,11 @@ The drafter has the shape z-lab uses for Qwen3.5/3.6-27B (hidden 5120, 24/4 head
 random bf16 tables. A case is DOCS:CHECKPOINTING[:compile][:sliding=N]: `docs` documents of `tokens`
 tokens (10% prompt, the rest supervised) packed into one micro-batch through the real
 BatchBuilder, the drafter set up by train/parallelize.py (activation checkpointing none, mlp or
-layers; compiled layers or not), then train_step timed: flex attention, chunked loss (its
-elementwise work compiled on CUDA in every case, as in training), AdamW, bf16 autocast. GPU memory
-is capped at --memory-gib for every case (96: an RTX PRO 6000). Reported per case: step time
-(median after warm-up), context tokens/s, model TFLOP/s and MFU against the 989 TFLOP/s bf16
-datasheet peak, peak memory; --profile adds torch.profiler's top operators of one steady step of
-that case.
+layers; compiled layers and loss or not), then train_step timed: flex attention, chunked loss,
+AdamW, bf16 autocast. GPU memory is capped at --memory-gib for every case (96: an RTX PRO 6000).
+Reported per case: step time (median after warm-up), context tokens/s, model TFLOP/s and MFU
+against the 989 TFLOP/s bf16 datasheet peak, peak memory; --profile adds torch.profiler's top
+operators of one steady step of that case.
 
 FLOPs counted: every matmul of the trainable layers x3 (forward, input and weight gradients), fc
 x3 on the context, attention over the visible (query, key) pairs only x3 (4 * head_dim per pair

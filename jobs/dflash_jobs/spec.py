@@ -234,8 +234,8 @@ class TrainSpec:
     """Recompute in backward instead of keeping: nothing, each layer's SwiGLU, or whole layers
     (see train/parallelize.py: the memory and speed of each at the 27B shape)."""
     compile: bool = False
-    """torch.compile each draft layer (fused norms, RoPE and SwiGLU). The loss's elementwise work is
-    compiled on every CUDA run, whatever this says (train/loss.py)."""
+    """torch.compile each draft layer (fused norms, RoPE and SwiGLU) and, on a GPU, the loss's
+    elementwise work between its two LM-head matmuls (train/loss.py)."""
     mask_token_id: int | None = None
     """Mask token; default: the first unused embedding row."""
     seed: int = 42

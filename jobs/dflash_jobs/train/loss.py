@@ -9,8 +9,9 @@ The logits are computed in row chunks: at vocab 248K, [512 anchors x 16 slots, V
 per sample. The chunked function also computes the gradient with respect to the hidden states in
 the same pass (softmax minus one-hot, times the frozen LM head), so backward needs no second
 [rows, V] matmul and no logits are kept for it. Between the chunk's two matmuls, _chunk_terms does
-the elementwise work; on CUDA it runs compiled, as a few fused kernels that read the bf16 logits
-about twice and write the bf16 gradient once, where eager makes ten passes over fp32 logits.
+the elementwise work; compiled (train.compile on a GPU), it is a few fused kernels that read the
+bf16 logits about twice and write the bf16 gradient once, where eager makes ten passes over fp32
+logits: 150-200 ms of a 1.3 s H200 step (bench/results/train-pinned-h200.json, profile).
 """
 
 from __future__ import annotations
@@ -103,21 +104,17 @@ class DraftLoss:
 
 def draft_loss(
     hidden: torch.Tensor, lm_head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-    *, chunk_rows: int = DEFAULT_CHUNK_ROWS, normalizer: torch.Tensor | None = None,
+    *, chunk_rows: int = DEFAULT_CHUNK_ROWS, normalizer: torch.Tensor | None = None, fused: bool = False,
 ) -> DraftLoss:
     """hidden [N, B, d] (after the final norm), labels [N, B], weights [N, B] (0 where unsupervised).
 
-    normalizer: what the weighted sum is divided by (default: this batch's sum of weights)."""
+    normalizer: what the weighted sum is divided by (default: this batch's sum of weights).
+    fused: the chunks' elementwise work compiled (the trainer asks for it under train.compile on a GPU)."""
     N, B, d = hidden.shape
     rows = weights.flatten().nonzero().squeeze(1)  # only supervised slots need logits
     flat_labels = labels.flatten()[rows]
-    # Fused on every CUDA run, not only under train.compile: that flag weighs the draft layers'
-    # graphs (compile time, a recompile per micro-batch shape), while this is one small graph whose
-    # eager form costs 150-200 ms of a 1.3 s H200 step, built by the Inductor that every CUDA run
-    # already uses for flex attention. On the CPU, Inductor needs a C++ compiler, for little gain.
     loss, predictions = ChunkedLinearCrossEntropy.apply(
-        hidden.reshape(N * B, d)[rows], lm_head, flat_labels, weights.flatten()[rows].float(), chunk_rows, normalizer,
-        hidden.is_cuda,
+        hidden.reshape(N * B, d)[rows], lm_head, flat_labels, weights.flatten()[rows].float(), chunk_rows, normalizer, fused,
     )
     correct = torch.zeros(N * B, dtype=torch.bool, device=hidden.device)
     correct[rows] = predictions == flat_labels
