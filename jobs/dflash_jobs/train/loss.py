@@ -38,16 +38,19 @@ def _chunk_terms(
     """One chunk's logits [r, V] -> (sum of w * CE, argmax predictions [r], d(loss)/d(logits) or None).
 
     fp32 inside whatever the matmul returned; the gradient, (softmax - onehot) * w / total, comes
-    back in the logits' dtype, the one the second matmul runs in. Pure (nothing written in place)
-    so that torch.compile can fuse it."""
+    back in the logits' dtype, the one the second matmul runs in. In place on its fp32 copy, so that
+    eager needs no second [r, V] buffer; torch.compile makes the same steps a few fused kernels."""
     scores = logits.float()
     lse = scores.logsumexp(-1, keepdim=True)
-    ce = (lse - scores.gather(-1, target[:, None])).squeeze(-1)
+    rows = torch.arange(scores.shape[0], device=scores.device)
+    ce = lse.squeeze(-1) - scores[rows, target]
+    predictions = scores.argmax(-1)
     grad_logits = None
     if with_grad:
-        onehot = target[:, None] == torch.arange(scores.shape[-1], device=scores.device)
-        grad_logits = (((scores - lse).exp() - onehot.float()) * (row_weights / total)[:, None]).to(logits.dtype)
-    return (ce * row_weights).sum(), scores.argmax(-1), grad_logits
+        probs = scores.sub_(lse).exp_()  # softmax, in place of the scores
+        probs[rows, target] -= 1
+        grad_logits = probs.mul_((row_weights / total)[:, None]).to(logits.dtype)
+    return (ce * row_weights).sum(), predictions, grad_logits
 
 
 @functools.cache
