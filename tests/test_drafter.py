@@ -202,9 +202,10 @@ def test_chunked_loss_never_builds_full_logits():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_chunk_terms_equal_the_eager_ones(dtype):
-    """draft_loss compiles _chunk_terms on CUDA; compiled here on the CPU by the same Inductor, it gives
-    the eager loss, predictions and hidden-state gradient for chunks of several sizes (ragged last
-    chunks among them) and rows of weight 0, and no chunk size compiles a second graph."""
+    """Training compiles _chunk_terms under train.compile on a GPU; compiled here on the CPU by the
+    same Inductor, it gives the eager loss, predictions and hidden-state gradient for chunks of
+    several sizes (ragged last chunks among them) and rows of weight 0, and no chunk size compiles
+    a second graph."""
     g = torch.Generator().manual_seed(0)
     rows, d, V = 23, 16, 37
     hidden = torch.randn(rows, d, generator=g)
