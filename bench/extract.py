@@ -537,8 +537,12 @@ def main() -> int:
     def compiled() -> dict:
         compute = "float8" if any(isinstance(m, fp8.Float8Linear) for m in target.model.modules()) else "bfloat16"
         compile_spec = dataclasses.replace(spec, compute_dtype=compute, compile=True)
-        eager = torch.compiler.set_stance("force_eager")  # every compiled function of the process eager, FP8's quantization too
-        with eager:
+        def eager():
+            # Every compiled function of the process eager, FP8's quantization too. A new object per use:
+            # set_stance sets the stance when it is constructed, not only inside its `with`.
+            return torch.compiler.set_stance("force_eager")
+
+        with eager():
             reference = sample_states()
         out: dict = {"compute": compute, "modules": fusion.compile_elementwise(target.decoder_layers)}
         out["warmup_s"] = round(warm(compile_spec)[0], 1)
@@ -548,7 +552,7 @@ def main() -> int:
         # compiled pass first, so that the timed ones below are all warm.
         out["bare_compiled_first_pass"] = bare()
         save_partial("compile", out)
-        with eager:
+        with eager():
             out["bare_eager_1"] = bare()
         save_partial("compile", out)
         out["bare_compiled_1"] = bare()
@@ -556,7 +560,7 @@ def main() -> int:
         out["extractor_compiled_disk"] = extractor(target, disk, chunks, compile_spec, args, packed=packed)
         save_partial("compile", out)
         out["bare_compiled_2"] = bare()
-        with eager:
+        with eager():
             out["bare_eager_2"] = bare()
         eager_mean = statistics.mean([out["bare_eager_1"]["tokens_per_s"], out["bare_eager_2"]["tokens_per_s"]])
         compiled_mean = statistics.mean([out["bare_compiled_1"]["tokens_per_s"], out["bare_compiled_2"]["tokens_per_s"]])

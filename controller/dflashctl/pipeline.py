@@ -266,11 +266,12 @@ class Pipeline:
                 break
             current = self.backend.job_status(name)
             if current.exists and current.finished:
+                landed_label = label()
                 if attempt:
                     self.backend.record_event(
-                        name, EVENT_SHARDS_RETRIED, f"{label()} chunks landed; replacing the Job once (landed chunks are skipped)", warning=True,
+                        name, EVENT_SHARDS_RETRIED, f"{landed_label} chunks landed; replacing the Job once (landed chunks are skipped)", warning=True,
                     )
-                self.reporter.say(f"{component} Job {name} ended with {label()} chunks landed: submitting it again")
+                self.reporter.say(f"{component} Job {name} ended with {landed_label} chunks landed: submitting it again")
                 self.backend.delete(name)
             self.backend.submit(render_selection(self.spec, component), force=self.force)
             self.reporter.say(f"{component}: Job {name} submitted ({details})")
