@@ -12,8 +12,10 @@ Stages (one JSON document, rewritten after every stage, so a run cut short keeps
             again: the same batches, all warm; ratios against the mean of both bare passes and each;
   profile   torch.profiler over a short extractor run: where CPU and GPU time go;
   exact     one packed batch against every sample run alone, and the varlen attention against SDPA;
-  warm-pod  a second process that finds the Triton cache of the first: warm-up, time to its first
-            forward (ready_s) and to its first stored chunk (first_chunk_s), from its own start;
+  warm-pod  two more processes, pods of the node, each with the spec's default extract.compile:
+            the first finds the Triton cache of warm-up but compiles its graphs, the second finds
+            both; each: warm-up, time to its first forward (ready_s) and to its first stored chunk
+            (first_chunk_s), from its own start;
   fp8       --compute float8: the states' relative error per layer against bf16, then bare forward
             (bf16 and FP8) and the FP8 extractor on disk and tmpfs.
   compile   extract.compile (the target's norms and MLPs compiled) against eager on the target as
@@ -21,6 +23,7 @@ Stages (one JSON document, rewritten after every stage, so a run cut short keeps
             then a first compiled pass (recompiles for shapes warm-up did not see), and timed: bare
             eager, bare compiled, the compiled extractor on disk, bare compiled, bare eager.
 
+Every stage but warm-pod and compile runs the target eager, as extract.compile: false does.
 Throughput counts real (unpadded) tokens; MFU is against the H200's 989 TFLOP/s dense bf16 peak.
 
     python bench/extract.py --shape 27b --stages setup,warmup,syncs,bf16,profile,exact,warm-pod --out $OUT/extract.json
@@ -484,19 +487,27 @@ def main() -> int:
         out["capture_error_padded"] = capture_errors(target, chunks[0], BatchPlanner(token_budget=spec.token_budget, pad_multiple=spec.pad_multiple), 8)
         return out
 
-    def second_pod() -> dict:
-        out_file = workdir / "warm-pod.json"
-        command = [sys.executable, __file__, "--warm-pod", "--shape", args.shape, "--device", args.device, "--workdir", str(workdir / "pod"),
+    def pod(name: str) -> dict:
+        out_file = workdir / f"{name}.json"
+        command = [sys.executable, __file__, "--warm-pod", "--shape", args.shape, "--device", args.device, "--workdir", str(workdir / name),
                    "--samples", str(max(8, args.samples // 8)), "--mean-length", str(args.mean_length), "--max-length", str(args.max_length),
                    "--chunk-tokens", str(args.chunk_tokens), "--token-budget", str(args.token_budget), "--pad-multiple", str(args.pad_multiple),
                    "--sort-window", str(args.sort_window), "--memory-gib", str(args.memory_gib), "--out", str(out_file)]
         if device.type == "cuda":
-            torch.cuda.empty_cache()  # the second pod needs its own room on this GPU
+            torch.cuda.empty_cache()  # the pod needs its own room on this GPU
         launched = time.perf_counter()
         subprocess.run(command, check=True)
         report = json.loads(out_file.read_text())
         report["process_wall_s"] = round(time.perf_counter() - launched, 1)
         return report
+
+    def pods() -> dict:
+        # The first pod finds the Triton kernels of the warm-up stage but compiles its own graphs
+        # (extract.compile, on by default on a GPU); the second finds both, as a node's later pods do.
+        out = {"first_pod": pod("pod-1")}
+        save_partial("warm-pod", out)
+        out["warm_pod"] = pod("pod-2")
+        return out
 
     def sample_states() -> torch.Tensor:
         """The captured states of chunk 0's first 8 samples, one packed (or padded) batch, as the target computes them now."""
@@ -576,7 +587,7 @@ def main() -> int:
     stage("bf16", bf16)
     stage("profile", profiled)
     stage("exact", exact)
-    stage("warm-pod", second_pod)
+    stage("warm-pod", pods)
     stage("fp8", float8)
     stage("compile", compiled)
     result["total_s"] = round(time.perf_counter() - started, 1)
@@ -586,7 +597,7 @@ def main() -> int:
 
 
 def warm_pod(args, device: torch.device, workdir: Path) -> int:
-    """A second pod of the node: its own process, the node's Triton cache, one short extraction."""
+    """A pod of the node: its own process, the node's kernel caches, one short extraction."""
     target = build_target(args.shape, device, workdir)
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
@@ -598,13 +609,16 @@ def warm_pod(args, device: torch.device, workdir: Path) -> int:
                               chunk_tokens=args.chunk_tokens, vocab=target.model.config.vocab_size, seed=1)
     storage, infos = write_run(workdir / "store", chunks)
     spec = ExtractSpec(shards=1, token_budget=args.token_budget, pad_multiple=args.pad_multiple, sort_window=args.sort_window)
+    compiled = spec.compiled_on(device.type)
+    if compiled:  # as the extraction job's worker does
+        fusion.compile_elementwise(target.decoder_layers)
     worker = ExtractWorker(spec, target=target, storage=storage, chunks=infos, summary=Summary(shard=0, shards=1),
                            max_length=args.max_length, packed=packed, started=STARTED)
     try:
         summary = worker.run()
     finally:
         worker.close()
-    report = {"model_build_s": round(built, 1), "warmup_s": summary.warmup_s, "ready_s": summary.ready_s,
+    report = {"compiled": compiled, "model_build_s": round(built, 1), "warmup_s": summary.warmup_s, "ready_s": summary.ready_s,
               "first_chunk_s": summary.first_chunk_s, "tokens": summary.tokens, "tokens_per_s": summary.tokens_per_s,
               "note": "from the process start; a real pod loads the checkpoint where this one builds random weights"}
     args.out.write_text(json.dumps(report, indent=2) + "\n")

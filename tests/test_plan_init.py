@@ -126,16 +126,18 @@ def test_plan_from_the_dataset_index_matches_hand_computed_figures(tmp_path):
     # fp8:  5 x (5120 + 4 bytes of scale) + 5                  = 25,625 bytes per token.
     assert plan["bytes_per_token"] == {"bfloat16": 51_205, "float8_e4m3fn": 25_625}
     assert plan["storage_tb"] == pytest.approx({"bfloat16": 51.205, "float8_e4m3fn": 25.625})
-    # 1e9 tokens / 9880 tokens/s (measured, bench/results/extract-h200.json) / 3600 s = 28.115 GPU-hours; on 8 shards 3.514 hours.
-    assert plan["tokens_per_second_per_gpu"] == 9880.0
-    assert plan["gpu_hours"] == pytest.approx(28.115160)
-    assert plan["wall_clock_hours"] == pytest.approx(3.514395)
-    # 8 GPUs x 9880 tokens/s x 51,205 bytes = 4,047.2 MB/s; fp8 x 25,625 bytes = 2,025.4 MB/s.
-    assert plan["upload_mb_per_s_per_node"] == pytest.approx({"bfloat16": 4047.2432, "float8_e4m3fn": 2025.4000})
-    # Training: 6 epochs x 1e9 tokens / 11,431 tokens/s (bench/results/train-pinned-h200.json) / 3600 s = 145.80 GPU-hours;
-    # on 1 node x 8 GPUs 18.225 hours.
-    assert plan["train_gpu_hours"] == pytest.approx(145.802350)
-    assert plan["train_wall_clock_hours"] == pytest.approx(18.225294)
+    # 1e9 tokens / 11,973 tokens/s (measured: bf16, compiled as a GPU pod is by default,
+    # bench/results/extract-compile-h200.json) / 3600 s = 23.200 GPU-hours; on 8 shards 2.900 hours.
+    assert plan["tokens_per_second_per_gpu"] == 11973.0
+    assert plan["gpu_hours"] == pytest.approx(23.200349)
+    assert plan["wall_clock_hours"] == pytest.approx(2.900044)
+    # 8 GPUs x 11,973 tokens/s x 51,205 bytes = 4,904.6 MB/s; fp8 x 25,625 bytes = 2,454.5 MB/s.
+    assert plan["upload_mb_per_s_per_node"] == pytest.approx({"bfloat16": 4904.61972, "float8_e4m3fn": 2454.465})
+    # Training: 6 epochs x 1e9 tokens / 14,288 tokens/s (compiled, no checkpointing: bench/results/train-compile-h200.json)
+    # / 3600 s = 116.648 GPU-hours; on 1 node x 8 GPUs 14.581 hours.
+    assert plan["train_gpu_hours"] == pytest.approx(116.648003)
+    assert plan["train_wall_clock_hours"] == pytest.approx(14.581000)
+
 
 def test_plan_rate_flag_layers_and_small_jobs(tmp_path):
     spec_file = write_run(tmp_path, tokens=36_000_000, layers=[3, 7, 11], shards=2, dtype="float8_e4m3fn")
@@ -151,14 +153,26 @@ def test_plan_rate_flag_layers_and_small_jobs(tmp_path):
     assert trained["train_gpu_hours"] == pytest.approx(36e6 * 6 / 12_000 / 3600)
 
 
-def test_plan_uses_the_measured_rate_of_the_compute_dtype(tmp_path):
+@pytest.mark.parametrize(
+    "extract, train, rate, train_rate",
+    [
+        ({"compute_dtype": "float8"}, {}, 16775.0, 14288.0),
+        ({"compute_dtype": "float8", "compile": False}, {}, 13092.0, 14288.0),
+        ({"compile": False}, {"compile": False}, 10408.0, 11228.0),
+        ({"compile": True}, {"compile": True}, 11973.0, 14288.0),
+    ],
+)
+def test_plan_uses_the_measured_rate_of_the_compute_dtype_and_compilation(tmp_path, extract, train, rate, train_rate):
     spec_file = write_run(tmp_path, tokens=36_000_000)
     spec = yaml.safe_load(open(spec_file))
-    spec["extract"]["compute_dtype"] = "float8"
+    spec["extract"].update(extract)
+    spec["train"] = train
     open(spec_file, "w").write(yaml.safe_dump(spec))
     plan = plan_json("-f", spec_file)
-    assert plan["tokens_per_second_per_gpu"] == 9502.0
-    assert plan["gpu_hours"] == pytest.approx(36e6 / 9502 / 3600)
+    assert plan["tokens_per_second_per_gpu"] == rate
+    assert plan["gpu_hours"] == pytest.approx(36e6 / rate / 3600)
+    assert plan["train_tokens_per_second_per_gpu"] == train_rate
+    assert plan["train_gpu_hours"] == pytest.approx(36e6 * 6 / train_rate / 3600)
 
 
 def test_plan_before_prepare_estimates_from_the_source_size(tmp_path):
@@ -172,7 +186,7 @@ def test_plan_table_states_its_basis(tmp_path):
     result = runner.invoke(app, ["plan", "-f", write_run(tmp_path, tokens=None)])
     assert result.exit_code == 0, result.output
     assert "1,000,000 (estimate)" in result.stdout
-    assert "storage bfloat16" in result.stdout and "4,047 MB/s" in result.stdout
+    assert "storage bfloat16" in result.stdout and "4,905 MB/s" in result.stdout
     assert "estimate: 4,000,000 bytes" in result.stderr
 
 

@@ -35,6 +35,24 @@ def test_minimal_spec_gets_the_documented_defaults():
 
 
 @pytest.mark.parametrize(
+    "settings, device, compiled, checkpointing",
+    [
+        ({}, "cuda", True, "none"),  # 66.7 GiB at the default micro-batch on an H200, the fastest that fits 96 GB
+        ({}, "cpu", False, "mlp"),
+        ({"compile": False}, "cuda", False, "mlp"),  # eager without checkpointing would not fit 96 GB
+        ({"compile": True}, "cpu", True, "none"),
+        ({"compile": True, "activation_checkpointing": "layers"}, "cuda", True, "layers"),
+        ({"activation_checkpointing": "none"}, "cpu", False, "none"),
+    ],
+)
+def test_unset_compile_means_on_a_gpu_and_auto_checkpointing_follows_it(settings, device, compiled, checkpointing):
+    spec = parse_spec(minimal(train=settings, extract={key: settings[key] for key in ("compile",) if key in settings}))
+    assert spec.train.compiled_on(device) is compiled
+    assert spec.extract.compiled_on(device) is compiled
+    assert spec.train.checkpointing_on(device) == checkpointing
+
+
+@pytest.mark.parametrize(
     "overrides, field, allowed",
     [
         ({"colour": "blue"}, "colour", "one of the known keys"),
@@ -61,6 +79,8 @@ def test_minimal_spec_gets_the_documented_defaults():
         ({"cluster": {"memory_per_gpu": "96G"}}, "cluster.memory_per_gpu", "whole binary quantity"),
         ({"cluster": {"shm_size": "1.5Gi"}}, "cluster.shm_size", "whole binary quantity"),
         ({"cluster": {"model_cache": "Model_Cache"}}, "cluster.model_cache", "DNS-1123"),
+        ({"train": {"activation_checkpointing": "some"}}, "train.activation_checkpointing", "'auto' | 'none' | 'mlp' | 'layers'"),
+        ({"extract": {"compile": "yes"}}, "extract.compile", "true or false or null"),
     ],
 )
 def test_bad_field_is_named_with_value_and_allowed(overrides, field, allowed):

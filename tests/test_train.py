@@ -251,6 +251,43 @@ def test_killed_and_restarted_it_ends_with_the_weights_of_an_uninterrupted_run(r
         assert torch.equal(expected[name], got[name]), name
 
 
+def test_compiled_training_serves_every_micro_batch_shape_from_the_first_graphs(root, extract, tmp_path, monkeypatch):
+    """train.compile is on by default on a GPU, where each micro-batch brings its own counts of
+    context tokens and blocks. The layers compile with dynamic shapes: the graphs the first step
+    compiles serve every later one (a recompile per shape would cost seconds a step, and past
+    dynamo's limit silently run eager), and the run follows eager's, step by step, up to rounding."""
+    from torch._dynamo.utils import counters
+
+    shapes, graphs, losses = [], [], []
+    train_step = Trainer.train_step
+
+    def recording(self, batch):
+        shapes.append((batch.context_hidden.shape[0], batch.block_ids.shape[0]))
+        out = train_step(self, batch)
+        losses.append(float(out.loss))
+        graphs.append(counters["stats"]["unique_graphs"])
+        return out
+
+    monkeypatch.setattr(Trainer, "train_step", recording)
+    eager = copy_extract(extract, tmp_path / "eager")
+    run_in_process(spec_for(root, eager, compile=False, activation_checkpointing="none"), tmp_path / "cache-e")
+    assert len(set(shapes)) >= 5, shapes  # the run does vary its shapes
+
+    torch._dynamo.reset()
+    counters.clear()
+    shapes.clear()
+    graphs.clear()  # the losses stay: the compiled run's follow the eager run's
+    compiled = copy_extract(extract, tmp_path / "compiled")
+    run_in_process(spec_for(root, compiled, compile=True), tmp_path / "cache-c")
+    assert len(shapes) == STEPS and len(set(shapes)) >= 5
+    assert graphs[0] > 0 and set(graphs) == {graphs[0]}, graphs  # compiled in the first step, never again
+    expected, got = final_weights(eager), final_weights(compiled)
+    eager_losses, compiled_losses = losses[:STEPS], losses[STEPS:]
+    torch.testing.assert_close(compiled_losses, eager_losses, rtol=1e-4, atol=0)
+    for name in expected:  # 30 Adam steps carry the fused kernels' rounding: 0.5% at most here
+        assert (got[name] - expected[name]).norm() <= 0.01 * expected[name].norm(), name
+
+
 def test_ddp_on_two_gloo_ranks_trains_and_exports(root, extract, tmp_path):
     output = copy_extract(extract, tmp_path / "ddp")
     spec = write_spec(tmp_path / "ddp.yaml", spec_for(root, output, epochs=3))

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from dflash_jobs.drafter.model import Drafter
 from dflash_jobs.errors import EXIT_BAD_INPUT, EXIT_BAD_SPEC, EXIT_FAILED
@@ -100,6 +101,17 @@ def test_activation_checkpointing_changes_memory_not_the_loss_gradients_or_names
     for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters()):
         if p.requires_grad:
             torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+@pytest.mark.parametrize("compile", [None, True])
+def test_parallelize_applies_what_the_spec_resolves_to_on_the_device(compile):
+    """On a CPU an unset compile is off and auto checkpointing is mlp; compile: true compiles
+    every layer and keeps every activation (auto: none)."""
+    drafter = random_drafter(small_config())
+    parallelize(drafter, TrainSpec(compile=compile), device=torch.device("cpu"), world_size=1)
+    for layer in drafter.layers:
+        assert (layer._compiled_call_impl is not None) is bool(compile)
+        assert isinstance(layer.mlp, CheckpointWrapper) is (not compile)
 
 
 def test_the_pod_exits_with_the_workers_final_verdict():

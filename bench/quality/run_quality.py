@@ -8,7 +8,8 @@ target trained on real text, end to end, twice on the same prompts.
 2. Target: a small model of the Qwen3.5 architecture (`dflash_jobs.tiny`, GDN + gated attention,
    multimodal checkpoint layout) trained briefly on chats "continue this code" built from it.
 3. Data: new chats of the same kind, with the corpus's own continuation as the answer (chat JSONL).
-4. The product's chain through its own entry points, twice, on specs written to the work directory:
+4. The product's chain through its own entry points, twice (on a GPU both at once, so a chain's
+   tokens/s may share the GPU with the other's), on specs written to the work directory:
    - source: `python -m dflash_jobs.prepare`, `python -m dflash_jobs.extract --shard 0/1`,
      `dflashctl verify`, `python -m dflash_jobs.train`, `python -m dflash_jobs.evaluate`, on the
      chats as they are;
@@ -37,7 +38,9 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -284,6 +287,7 @@ class Stages:
     def __init__(self, workdir: Path, settings: dict[str, Any], report: Callable[[dict[str, Any]], None]) -> None:
         self.path = workdir / "stages.json"
         self.report = report
+        self.lock = threading.Lock()
         self.done: dict[str, Any] = json.loads(self.path.read_text()) if self.path.exists() else {"settings": settings}
         if self.done["settings"] != settings:
             raise SystemExit(f"{workdir} holds a quality run of other settings ({self.path}): remove it, or choose another --workdir")
@@ -292,9 +296,10 @@ class Stages:
         if name not in self.done:
             started = time.monotonic()
             figures = stage()
-            self.done[name] = {"figures": figures, "seconds": round(time.monotonic() - started, 1)}
-            self.path.write_text(json.dumps(self.done, indent=2) + "\n")
-            self.report(self.done)
+            with self.lock:
+                self.done[name] = {"figures": figures, "seconds": round(time.monotonic() - started, 1)}
+                self.path.write_text(json.dumps(self.done, indent=2) + "\n")
+                self.report(self.done)
         return self.done[name]["figures"]
 
 
@@ -314,15 +319,18 @@ def run(size_name: str, workdir: Path, report: Callable[[dict[str, Any]], None] 
 
     target_training = stages.run("target_training", target_stage)
     chats = write_chats(documents, size, workdir / "chats.jsonl")
-    runs: dict[str, dict[str, Any]] = {}
-    for name, regenerate in (("regenerated", True), ("source", False)):
+
+    def chain_stage(name: str, regenerate: bool) -> dict[str, Any]:
         chain = workdir / name
+        return {"step_seconds": run_chain(write_spec(chain, target, chats, size, device, regenerate=regenerate), chain, regenerate=regenerate),
+                **chain_figures(chain)}
 
-        def chain_stage() -> dict[str, Any]:
-            return {"step_seconds": run_chain(write_spec(chain, target, chats, size, device, regenerate=regenerate), chain, regenerate=regenerate),
-                    **chain_figures(chain)}
-
-        runs[name] = stages.run(name, chain_stage)
+    # On a GPU the two chains run side by side: their small models leave it mostly idle, and one
+    # device call then holds the whole run. On a CPU they would only fight over its cores.
+    with ThreadPoolExecutor(max_workers=2 if device.type == "cuda" else 1) as pool:
+        futures = {name: pool.submit(stages.run, name, lambda name=name, regenerate=regenerate: chain_stage(name, regenerate))
+                   for name, regenerate in (("regenerated", True), ("source", False))}
+        runs = {name: future.result() for name, future in futures.items()}
     if held_out_prompts(workdir / "regenerated") != held_out_prompts(workdir / "source"):
         raise RuntimeError("the two runs were evaluated on different prompts (a held-out chat dropped, or rendered otherwise)")
     return {
@@ -330,6 +338,7 @@ def run(size_name: str, workdir: Path, report: Callable[[dict[str, Any]], None] 
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "acceptance_length": {name: figures["acceptance_length"] for name, figures in runs.items()},
         "same_prompts": True,
+        "chains_concurrent": device.type == "cuda",
         "runs": runs,
         "target_training": target_training,
         "settings": asdict(size),

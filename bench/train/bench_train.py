@@ -17,7 +17,9 @@ operators of one steady step of that case.
 FLOPs counted: every matmul of the trainable layers x3 (forward, input and weight gradients), fc
 x3 on the context, attention over the visible (query, key) pairs only x3 (4 * head_dim per pair
 forward), the frozen LM head x2 on supervised slots (logits, and the hidden-state gradient; no
-weight gradient). `--shape tiny` runs the same on CPU in seconds.
+weight gradient). `--shape tiny` runs the same on CPU in about a minute, with 512-token documents
+and 64 anchors by default: the CPU's dense attention mask grows with tokens x anchors (4 documents
+of 4,096 tokens need over 24 GB).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ from dflash_jobs.train.parallelize import parallelize
 from dflash_jobs.train.trainer import LoopState, Runtime, Trainer
 
 PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16 datasheet
+DOCUMENT_TOKENS = {"27b": 4096, "tiny": 512}
+ANCHORS = {"27b": 512, "tiny": 64}
 SHAPES = {
     "27b": dict(hidden_size=5120, num_attention_heads=24, num_key_value_heads=4, head_dim=256, intermediate_size=17408,
                 vocab_size=248320, num_target_layers=64, target_layer_ids=[1, 16, 31, 46, 61], rope_theta=1e7),
@@ -216,16 +220,18 @@ def profile_step(trainer: Trainer, batch, device: torch.device, top: int = 25) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="27b")
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per document")
+    parser.add_argument("--tokens", type=int, help=f"tokens per document (default by shape: {DOCUMENT_TOKENS})")
     parser.add_argument("--cases", default="4:none,4:mlp,4:layers,4:mlp:compile,1:none",
                         help="DOCS:CHECKPOINTING[:compile][:sliding=N], comma-separated")
-    parser.add_argument("--anchors", type=int, default=512)
+    parser.add_argument("--anchors", type=int, help=f"anchors per document (default by shape: {ANCHORS})")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--memory-gib", type=float, default=96.0, help="cap on GPU memory (RTX PRO 6000: 96)")
     parser.add_argument("--profile", default="4:mlp", help="the case to profile one steady step of ('' for none)")
     parser.add_argument("-o", "--output", type=Path)
     args = parser.parse_args()
+    args.tokens = args.tokens or DOCUMENT_TOKENS[args.shape]
+    args.anchors = args.anchors or ANCHORS[args.shape]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     report = {
         "command": " ".join(["python", *sys.argv]),

@@ -22,19 +22,22 @@ from dflash_jobs.generate.layout import read_progress as read_generation_progres
 from dflash_jobs.spec import RunSpec, default_layers, is_s3, resolve_layers, text_config
 from dflash_jobs.storage import Storage, open_storage
 
-DEFAULT_TOKENS_PER_SECOND = 9880.0
-"""Real (unpadded) tokens/s per GPU of the extractor end to end, bf16, states stored to local disk,
-27B shape on an H200 with the image's fast paths, causal-conv1d included
-(bench/results/extract-h200.json: 0.945x the bare forward's 10,453; 10,408 until the last batch,
-the rest is storing the final chunk, which a shard of hours pays once)."""
-FP8_COMPUTE_TOKENS_PER_SECOND = 9502.0
-"""The same with extract.compute_dtype: float8 (bench/results/extract-fp8-h200.json), measured before
-causal-conv1d was on that machine, hence below the bf16 rate: a floor until it is measured again."""
-TRAIN_TOKENS_PER_SECOND = 11431.0
-"""Context tokens/s per GPU of a drafter training step at the default spec (4,096-token documents,
-512 anchors, 2,048 blocks per micro-batch, mlp activation checkpointing, eager), 27B shape on an
-H200 (bench/results/train-pinned-h200.json). Shorter documents bring more blocks per token, so
-fewer tokens/s."""
+EXTRACT_TOKENS_PER_SECOND = {
+    ("bfloat16", True): 11973.0,
+    ("bfloat16", False): 10408.0,
+    ("float8", True): 16775.0,
+    ("float8", False): 13092.0,
+}
+"""Real (unpadded) tokens/s per GPU of the extractor, states stored to local disk, by
+(extract.compute_dtype, whether extract.compile is on), 27B shape on an H200 with the image's fast
+paths: bench/results/extract-compile-h200.json, extract-h200.json and extract-fp8-compile-h200.json.
+Each is the rate until the last batch, what a shard of hours runs at: storing its final chunk
+afterwards (3-4 s) is once per shard. Each is within 0.6% of the bare forward measured beside it."""
+TRAIN_TOKENS_PER_SECOND = {True: 14288.0, False: 11228.0}
+"""Context tokens/s per GPU of a drafter training step at the default micro-batch (4,096-token
+documents, 512 anchors, 2,048 blocks), by whether train.compile is on, with the checkpointing auto
+picks for each (none compiled, mlp eager), 27B shape on an H200 (bench/results/train-compile-h200.json,
+train-fused-loss-h200.json). Shorter documents bring more blocks per token, so fewer tokens/s."""
 EXTRACT_GPUS_PER_NODE = 8
 """Extraction pods (one GPU each) that land on one node, all uploading at once."""
 SOURCE_BYTES_PER_TOKEN = 4.0
@@ -127,15 +130,21 @@ def bytes_per_token(hidden_size: int, num_layers: int, dtype: str) -> int:
 
 
 def extraction_rate(spec: RunSpec) -> float:
-    """The measured extractor rate for this spec's compute dtype."""
-    return FP8_COMPUTE_TOKENS_PER_SECOND if spec.extract.compute_dtype == "float8" else DEFAULT_TOKENS_PER_SECOND
+    """The measured extractor rate for this spec's compute dtype and compilation, on a GPU."""
+    return EXTRACT_TOKENS_PER_SECOND[spec.extract.compute_dtype, spec.extract.compiled_on("cuda")]
+
+
+def training_rate(spec: RunSpec) -> float:
+    """The measured training rate for this spec's compilation, on a GPU."""
+    return TRAIN_TOKENS_PER_SECOND[spec.train.compiled_on("cuda")]
 
 
 def make_plan(
     spec: RunSpec, data: DataSize, target: TargetShape, *, tokens_per_second: float | None = None,
-    train_tokens_per_second: float = TRAIN_TOKENS_PER_SECOND, generation: GenerationCost | None = None,
+    train_tokens_per_second: float | None = None, generation: GenerationCost | None = None,
 ) -> Plan:
     tokens_per_second = extraction_rate(spec) if tokens_per_second is None else tokens_per_second
+    train_tokens_per_second = training_rate(spec) if train_tokens_per_second is None else train_tokens_per_second
     for option, rate in (("--tokens-per-second", tokens_per_second), ("--train-tokens-per-second", train_tokens_per_second)):
         if rate <= 0:
             raise SpecError(option, rate, "a number > 0")

@@ -75,7 +75,8 @@ def _render(cls: type, values: dict[str, Any], *, indent: int, lines: list[str])
         if section and indent == 0:
             lines.append("")
         if note:
-            lines.extend(textwrap.wrap(note, COMMENT_WIDTH - indent, initial_indent=f"{pad}# ", subsequent_indent=f"{pad}# "))
+            lines.extend(textwrap.wrap(note, COMMENT_WIDTH - indent, initial_indent=f"{pad}# ", subsequent_indent=f"{pad}# ",
+                                       break_on_hyphens=False, break_long_words=False))  # file names stay whole
         if section and value is not None:
             lines.append(f"{pad}{f.name}:")
             nested = value if isinstance(value, dict) else {}

@@ -117,12 +117,16 @@ class ExtractSpec:
     dtype: Literal["bfloat16", "float8_e4m3fn"] = "bfloat16"
     """Storage dtype of hidden states; float8_e4m3fn stores a float32 scale per token and layer."""
     compute_dtype: Literal["bfloat16", "float8"] = "bfloat16"
-    """The target's linear layers: bfloat16, or float8 (row-wise scaled FP8 matmuls, about 1.5x the
-    throughput, for targets served in FP8; needs FP8 tensor cores: Ada, Hopper, Blackwell)."""
-    compile: bool = False
+    """The target's linear layers: bfloat16, or float8 (row-wise scaled FP8 matmuls, for targets served
+    in FP8; needs FP8 tensor cores: Ada, Hopper, Blackwell). On an H200 at the 27B shape, in one run,
+    the forward runs 1.28x the bf16 one eager, and 1.64x it compiled (16,801 tokens/s:
+    bench/results/extract-fp8-compile-h200.json)."""
+    compile: bool | None = None
     """torch.compile the target's norms and MLPs (extract/fusion.py): fused elementwise work, the
-    same states up to rounding. Off by default until its speed is measured on a GPU (bench/extract.py
-    --stages setup,warmup,compile); its graphs land in the kernel cache with Triton's."""
+    same states up to rounding. Unset: on a GPU (an H200 at the 27B shape runs 1.17x faster in bf16,
+    1.28x with FP8 compute: bench/results/extract-compile-h200.json, extract-fp8-compile-h200.json),
+    off on a CPU (where compiling takes longer than a small run's whole extraction). Its graphs land
+    in the kernel cache with Triton's, so a node's later pods load them."""
     backoff_limit_per_index: int = 3
     """Retries of one shard before it is marked failed."""
     pad_multiple: int = 256
@@ -136,6 +140,15 @@ class ExtractSpec:
         _positive("extract.backoff_limit_per_index", self.backoff_limit_per_index, minimum=0)
         _positive("extract.pad_multiple", self.pad_multiple, minimum=1)
         _positive("extract.sort_window", self.sort_window, minimum=1)
+
+    def compiled_on(self, device_type: str) -> bool:
+        """Whether a pod on this device type ("cuda", "cpu") compiles the target's norms and MLPs."""
+        return _compiled_on(self.compile, device_type)
+
+
+def _compiled_on(compile: bool | None, device_type: str) -> bool:
+    """An unset `compile` means on a GPU: torch.compile pays there, and on a CPU costs more to build than it saves."""
+    return compile if compile is not None else device_type == "cuda"
 
 
 VLLM_IMAGE = "vllm/vllm-openai:v0.21.0"
@@ -230,12 +243,15 @@ class TrainSpec:
     micro_batch_blocks: int = 2048
     """Blocks per micro-batch on one rank: memory grows with blocks (anchors), not with context, so
     many short documents (each with up to `anchors` blocks) must not fill one micro-batch."""
-    activation_checkpointing: Literal["none", "mlp", "layers"] = "mlp"
+    activation_checkpointing: Literal["auto", "none", "mlp", "layers"] = "auto"
     """Recompute in backward instead of keeping: nothing, each layer's SwiGLU, or whole layers
-    (see train/parallelize.py: the memory and speed of each at the 27B shape)."""
-    compile: bool = False
-    """torch.compile each draft layer (fused norms, RoPE and SwiGLU) and, on a GPU, the loss's
-    elementwise work between its two LM-head matmuls (train/loss.py)."""
+    (train/parallelize.py has the memory and speed of each at the 27B shape). auto: the fastest
+    that fits 96 GB at the default micro-batch, none where training compiles, mlp where it does not."""
+    compile: bool | None = None
+    """torch.compile each draft layer (fused norms, RoPE and SwiGLU) and the loss's elementwise work
+    between its two LM-head matmuls (train/loss.py). Unset: on a GPU (faster and smaller: an H200
+    step at the 27B shape is 1.23 s compiled against 1.46 s eager, both with mlp checkpointing, and
+    51 GiB against 77), off on a CPU."""
     mask_token_id: int | None = None
     """Mask token; default: the first unused embedding row."""
     seed: int = 42
@@ -272,6 +288,16 @@ class TrainSpec:
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    def compiled_on(self, device_type: str) -> bool:
+        """Whether training on this device type ("cuda", "cpu") compiles the draft layers and the loss."""
+        return _compiled_on(self.compile, device_type)
+
+    def checkpointing_on(self, device_type: str) -> str:
+        """activation_checkpointing with auto resolved: none where training compiles, else mlp."""
+        if self.activation_checkpointing != "auto":
+            return self.activation_checkpointing
+        return "none" if self.compiled_on(device_type) else "mlp"
 
 
 @dataclass(kw_only=True, slots=True)

@@ -19,11 +19,11 @@ def plan(
     output_format: OutputOpt = OutputFormat.table,
     tokens_per_second: Annotated[
         Optional[float],
-        typer.Option("--tokens-per-second", help="Extraction speed per GPU in real tokens/s (default: measured, Qwen3.6-27B on an H200, for extract.compute_dtype)."),
+        typer.Option("--tokens-per-second", help="Extraction speed per GPU in real tokens/s (default: measured, Qwen3.6-27B on an H200, for extract.compute_dtype and extract.compile)."),
     ] = None,
     train_tokens_per_second: Annotated[
-        float, typer.Option("--train-tokens-per-second", help="Training speed per GPU in context tokens/s (default: measured, Qwen3.6-27B drafter on an H200).")
-    ] = planning.TRAIN_TOKENS_PER_SECOND,
+        Optional[float], typer.Option("--train-tokens-per-second", help="Training speed per GPU in context tokens/s (default: measured, Qwen3.6-27B drafter on an H200, for train.compile).")
+    ] = None,
     generate_tokens_per_second: Annotated[
         Optional[float], typer.Option("--generate-tokens-per-second", help="Generated tokens/s per GPU (default: measured by the chunks done so far).")
     ] = None,

@@ -369,7 +369,7 @@ def build_worker(spec: RunSpec, shard: int, *, summary: Summary, started: float 
     target = load_target(spec.target, checkpoint=checkpoint, layers=layers, device=device)
     if spec.extract.compute_dtype == "float8":
         log.info("compute: %d linear layers of the target in FP8 (row-wise scaled)", fp8.to_float8(target.decoder_layers))
-    if spec.extract.compile:
+    if spec.extract.compiled_on(device.type):
         log.info("compiled: %d norm and MLP modules of the target (torch.compile, graphs shared across layers)",
                  fusion.compile_elementwise(target.decoder_layers))
     packed = fast.fla and device.type == "cuda" and packing.can_pack(target.model)

@@ -9,9 +9,10 @@ The logits are computed in row chunks: at vocab 248K, [512 anchors x 16 slots, V
 per sample. The chunked function also computes the gradient with respect to the hidden states in
 the same pass (softmax minus one-hot, times the frozen LM head), so backward needs no second
 [rows, V] matmul and no logits are kept for it. Between the chunk's two matmuls, _chunk_terms does
-the elementwise work; compiled (train.compile on a GPU), it is a few fused kernels that read the
-bf16 logits about twice and write the bf16 gradient once, where eager makes ten passes over fp32
-logits: 150-200 ms of a 1.3 s H200 step (bench/results/train-pinned-h200.json, profile).
+the elementwise work; compiled (train.compile, on by default on a GPU), it is a few fused kernels
+that read the bf16 logits about twice and write the bf16 gradient once, where eager makes ten
+passes over fp32 logits. On an H200 at the 27B shape that took the compiled step from 1.30 s to
+1.23 s (bench/results/train-pinned-h200.json, then train-fused-loss-h200.json).
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def draft_loss(
     """hidden [N, B, d] (after the final norm), labels [N, B], weights [N, B] (0 where unsupervised).
 
     normalizer: what the weighted sum is divided by (default: this batch's sum of weights).
-    fused: the chunks' elementwise work compiled (the trainer asks for it under train.compile on a GPU)."""
+    fused: the chunks' elementwise work compiled (the trainer asks for it where train.compile resolves on)."""
     N, B, d = hidden.shape
     rows = weights.flatten().nonzero().squeeze(1)  # only supervised slots need logits
     flat_labels = labels.flatten()[rows]

@@ -2,12 +2,18 @@
 (applied from outside the model, in that order, as torchtitan's parallelize does).
 
 Activation checkpointing trades compute for memory at the default micro-batch (2,048 blocks of 16
-slots against up to 16K context tokens, 1.84B trainable parameters at the 27B shape):
-- "none": every activation kept; fastest, and over 96 GB at the default micro-batch;
-- "mlp": each layer's SwiGLU recomputed in backward (its [slots, 17408] activations are most
-  of a layer's memory): one MLP forward more per layer;
-- "layers": each whole decoder layer recomputed in backward: the least memory, one layer
-  forward more.
+slots against up to 16K context tokens, 1.84B trainable parameters at the 27B shape). One H200
+step, capped at 96 GB (bench/results/train-compile-h200.json, train-fused-loss-h200.json):
+
+| checkpointing | compiled | step | MFU | peak allocated |
+|---|---|---|---|---|
+| "none": every activation kept | yes | 1.15 s | 47.3% | 66.7 GiB |
+| "mlp": each SwiGLU recomputed in backward | yes | 1.23 s | 44.1% | 50.8 GiB |
+| "layers": each decoder layer recomputed | yes | 1.32 s | 41.3% | 43.3 GiB |
+| "mlp" | no | 1.46 s | 37.2% | 77.3 GiB |
+| "none" | no | out of memory at 96 GB | | |
+
+So "auto" (the default) is none where training compiles and mlp where it does not.
 The wrappers keep parameter names as they were, so checkpoints and exports do not change.
 """
 
@@ -45,10 +51,12 @@ def apply_compile(drafter: Drafter) -> None:
 
 def parallelize(drafter: Drafter, train: TrainSpec, *, device: torch.device, world_size: int) -> nn.Module:
     """The module the training loop calls: `drafter` itself, or its DDP wrapper."""
-    apply_activation_checkpointing(drafter, train.activation_checkpointing)
-    if train.compile:
+    checkpointing, compiled = train.checkpointing_on(device.type), train.compiled_on(device.type)
+    apply_activation_checkpointing(drafter, checkpointing)
+    if compiled:
         apply_compile(drafter)
-    log.info("activation checkpointing: %s; compiled layers: %s", train.activation_checkpointing, "yes" if train.compile else "no")
+    log.info("activation checkpointing: %s%s; compiled layers and loss: %s", checkpointing,
+             " (auto)" if train.activation_checkpointing == "auto" else "", "yes" if compiled else "no")
     if world_size == 1:
         return drafter
     from torch.nn.parallel import DistributedDataParallel

@@ -245,7 +245,7 @@ class Trainer:
             hidden = self.model(batch.context_hidden, batch.context_positions, batch.block_ids, batch.block_positions, attention)
             out = draft_loss(hidden, self.drafter.lm_head, batch.labels, batch.loss_weights,
                              normalizer=global_loss_normalizer(batch.loss_weights, self.runtime.world_size),
-                             fused=self.spec.train.compile and hidden.is_cuda)
+                             fused=self.spec.train.compiled_on(hidden.device.type))
         out.loss.backward()
         max_norm = self.spec.train.grad_clip or math.inf
         torch.nn.utils.clip_grad_norm_(self.trainable, max_norm)
