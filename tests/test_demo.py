@@ -15,7 +15,7 @@ import boto3
 import pytest
 
 from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, EVAL_PLOT_KEY, EVAL_REPORT_KEY, MANIFEST_KEY, TRAIN_PLOT_KEY, Manifest
-from dflash_jobs.generate.layout import MANIFEST_KEY as GENERATION_MANIFEST_KEY
+from dflash_jobs.generation import MANIFEST_KEY as GENERATION_MANIFEST_KEY
 from dflash_jobs.spec import load_spec
 
 pytestmark = pytest.mark.slow

@@ -24,7 +24,7 @@ from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk
 from dflash_jobs.generate import batch
 from dflash_jobs.generate.__main__ import main
 from dflash_jobs.generate.engines import SERVED_MODEL, TransformersEngine
-from dflash_jobs.generate.layout import (
+from dflash_jobs.generation import (
     MANIFEST_KEY, PLAN_KEY, REJECTED_KEY, GenerationManifest, GenerationPlan, chunk_key, done_key, read_progress,
     write_manifest_if_complete,
 )

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from extracted_chunks import LAYERS
 from test_pipeline import FakeBackend, Recorder, make_job, pipeline_work
 
-from dflash_jobs.generate.layout import (
+from dflash_jobs.generation import (
     MANIFEST_KEY, PLAN_KEY, ChunkMarker, GenerationPlan, SourceChunk, chunk_key, done_key, generation_settings, settings_hash,
     write_manifest_if_complete,
 )

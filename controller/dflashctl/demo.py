@@ -18,7 +18,7 @@ from typing import Any
 
 from dflash_jobs.errors import InputError
 from dflash_jobs.formats import EVAL_PLOT_KEY, TRAIN_METRICS_KEY, TRAIN_PLOT_KEY
-from dflash_jobs.generate.layout import GenerationManifest, current_manifest
+from dflash_jobs.generation import GenerationManifest, current_manifest
 from dflash_jobs.spec import RunSpec, is_s3
 from dflash_jobs.storage import Storage
 

@@ -36,8 +36,8 @@ import yaml
 
 from dflash_jobs.errors import StorageError, StorageUnavailable
 from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, RUN_KEY, Manifest
-from dflash_jobs.generate.layout import ChunkMarker, GenerationProgress, current_manifest, write_manifest_if_complete
-from dflash_jobs.generate.layout import read_progress as read_generation_progress
+from dflash_jobs.generation import ChunkMarker, GenerationProgress, current_manifest, write_manifest_if_complete
+from dflash_jobs.generation import read_progress as read_generation_progress
 from dflash_jobs.spec import RunSpec, dump_spec
 from dflash_jobs.storage import ObjectNotFound, Patience, Storage, storage_for
 

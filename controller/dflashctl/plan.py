@@ -17,8 +17,8 @@ from typing import Any
 
 from dflash_jobs.errors import DflashError, FormatError, SpecError, StorageError
 from dflash_jobs.formats import DATASET_KEY, HIDDEN_DTYPES, DatasetIndex
-from dflash_jobs.generate.layout import PLAN_KEY, GenerationProgress, read_plan
-from dflash_jobs.generate.layout import read_progress as read_generation_progress
+from dflash_jobs.generation import PLAN_KEY, GenerationProgress, read_plan
+from dflash_jobs.generation import read_progress as read_generation_progress
 from dflash_jobs.spec import RunSpec, default_layers, is_s3, resolve_layers, text_config
 from dflash_jobs.storage import Storage, open_storage
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dflash_jobs.formats import DATASET_KEY, DONE_MARKERS, DatasetIndex, chunk_of_key
-from dflash_jobs.generate.layout import GenerationProgress
+from dflash_jobs.generation import GenerationProgress
 from dflash_jobs.storage import Storage
 
 RATE_WINDOW_S = 600.0

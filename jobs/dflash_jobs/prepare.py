@@ -40,9 +40,9 @@ from typing import Any, BinaryIO, Iterable, Iterator
 import numpy as np
 
 from dflash_jobs.errors import EXIT_BAD_SPEC, EXIT_OK, DflashError, InputError, SpecError
-from dflash_jobs.generate.layout import MANIFEST_KEY as GENERATION_MANIFEST_KEY
-from dflash_jobs.generate.layout import GenerationManifest, current_manifest, generated_lines
 from dflash_jobs.formats import DATASET_KEY, DONE_MARKERS, TOKEN_CHUNKS, ChunkInfo, DatasetIndex, TokenChunk, token_chunk_key
+from dflash_jobs.generation import MANIFEST_KEY as GENERATION_MANIFEST_KEY
+from dflash_jobs.generation import GenerationManifest, current_manifest, generated_lines
 from dflash_jobs.spec import DEFAULT_SPEC_FILE, DataSpec, RunSpec, is_s3, load_spec
 from dflash_jobs.storage import ObjectNotFound, Storage, open_storage, open_url, storage_for
 

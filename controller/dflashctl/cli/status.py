@@ -24,9 +24,9 @@ from rich.text import Text
 from dflash_jobs.drafter.serving import run_serve_command
 from dflash_jobs.errors import FormatError, StorageError
 from dflash_jobs.formats import DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, MANIFEST_KEY
-from dflash_jobs.generate.layout import MANIFEST_KEY as GENERATION_MANIFEST_KEY
-from dflash_jobs.generate.layout import ChunkMarker, GenerationProgress, current_manifest
-from dflash_jobs.generate.layout import read_progress as read_generation_progress
+from dflash_jobs.generation import MANIFEST_KEY as GENERATION_MANIFEST_KEY
+from dflash_jobs.generation import ChunkMarker, GenerationProgress, current_manifest
+from dflash_jobs.generation import read_progress as read_generation_progress
 from dflash_jobs.spec import RunSpec, load_spec
 from dflash_jobs.storage import Storage, storage_for
 from dflash_jobs.units import format_duration

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dflash_jobs.generate.batch import Answer, EngineError, parse_output
-from dflash_jobs.generate.layout import ChunkMarker
+from dflash_jobs.generation import ChunkMarker
 from dflash_jobs.units import format_duration
 
 log = logging.getLogger("dflash.generate")

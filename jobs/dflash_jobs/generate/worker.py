@@ -25,7 +25,7 @@ from typing import Any
 from dflash_jobs.balance import balance_by_tokens
 from dflash_jobs.generate import batch
 from dflash_jobs.generate.engines import SERVED_MODEL, Engine
-from dflash_jobs.generate.layout import (
+from dflash_jobs.generation import (
     ChunkMarker, GenerationPlan, SourceChunk, chunk_key, done_key, done_markers, generation_settings, settings_hash,
     write_manifest_if_complete,
 )

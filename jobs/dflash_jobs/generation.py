@@ -1,4 +1,6 @@
-"""The contract of generation: where its files live under <output>/generate and what they hold.
+"""The contract of generation (the `generate` step): where its files live under <output>/generate
+and what they hold. It sits beside `formats` because three parties read it: the generate pods write
+it, prepare reads the rows it lists, and the control plane shows progress and plans from it.
 
     generate/plan.json              the source cut into chunks of generate.chunk_prompts lines
     generate/chunks/000000.jsonl    chat JSONL: the prompt's messages and the target's answer, one row per kept line
@@ -10,7 +12,7 @@ A chunk is the unit of work and of retry, as in extraction: it becomes visible o
 object, then its marker), a marker made with other settings or without its object is stale (the
 chunk is generated again), and chunks never depend on the shard count.
 
-Plain JSON only: the control plane reads these files to show progress and to plan.
+Plain JSON only, no torch: the control plane imports this module.
 """
 
 from __future__ import annotations
