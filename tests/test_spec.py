@@ -139,23 +139,38 @@ def test_importing_the_control_plane_loads_neither_torch_nor_transformers():
     assert json.loads(out) == []
 
 
+CONTROLLER = Path(__file__).resolve().parents[1] / "controller" / "dflashctl"
+JOBS = Path(__file__).resolve().parents[1] / "jobs" / "dflash_jobs"
+
+
+def imported(path: Path) -> set[str]:
+    """The modules a source file imports, at any depth (function-level imports too)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
 def test_imports_run_one_way_the_interface_below_the_backends_below_the_factory():
     """backend.py (the types) imports neither backend; kube.py and local/ import the types, never
     the factory (backends.py); the data plane never imports the control plane."""
-    controller = Path(__file__).resolve().parents[1] / "controller" / "dflashctl"
-    jobs = Path(__file__).resolve().parents[1] / "jobs" / "dflash_jobs"
-
-    def imported(path: Path) -> set[str]:
-        names = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                names.add(node.module)
-            elif isinstance(node, ast.Import):
-                names.update(alias.name for alias in node.names)
-        return names
-
+    controller, jobs = CONTROLLER, JOBS
     assert not {name for name in imported(controller / "backend.py") if name.startswith(("dflashctl.kube", "dflashctl.local"))}
     for path in [controller / "kube.py", *sorted((controller / "local").glob("*.py"))]:
         assert "dflashctl.backends" not in imported(path), path
     for path in jobs.rglob("*.py"):
         assert not {name for name in imported(path) if name.split(".")[0] == "dflashctl"}, path
+
+
+def test_the_data_plane_s_root_modules_import_no_step_s_package():
+    """prepare and the contract (storage, formats, generation) sit at dflash_jobs' root; the steps
+    (the packages a pod runs: generate, extract, train, evaluate) sit below it. A step reads what
+    another wrote through the contract, so no root module reaches down into a step's package."""
+    steps = {path.parent.name for path in JOBS.glob("*/__main__.py")}
+    assert {"generate", "extract", "train", "evaluate"} <= steps
+    for path in JOBS.glob("*.py"):
+        reaching_down = {name for name in imported(path) if name.split(".")[:2] in (["dflash_jobs", step] for step in steps)}
+        assert not reaching_down, f"{path.name} imports {sorted(reaching_down)}"
