@@ -160,6 +160,19 @@ def test_the_plan_cuts_lines_into_chunks_whose_byte_ranges_read_back_alone(tmp_p
         assert owned == [0, 1, 2]
 
 
+def test_a_line_holding_a_bare_carriage_return_reads_back_as_the_one_line_planned(tmp_path):
+    """"\r" is JSON whitespace: a valid line may hold one between its tokens. The plan counts lines
+    as a stream yields them (cut at "\n" only), and the chunk must read back the same way."""
+    lines = [b'{"messages":\r[{"role": "user", "content": "a"}]}\n', b'{"messages": [{"role": "user", "content": "b"}]}\n']
+    path = tmp_path / "chats.jsonl"
+    path.write_bytes(b"".join(lines))
+    with open(path, "rb") as f:
+        plan = make_plan(f, source=str(path), chunk_prompts=4, max_new_tokens=1)
+    read = Source(parse_spec(minimal_spec(data={"source": str(path)}, generate={}))).lines(plan.chunks[0])
+    assert read == [(0, lines[0]), (1, lines[1])]
+    assert [m["content"] for _, raw in read for m in parse_prompt(0, raw).messages] == ["a", "b"]
+
+
 def test_a_source_changed_under_its_plan_is_named():
     source_text = b"".join(json.dumps({"messages": [{"role": "user", "content": str(i)}]}).encode() + b"\n" for i in range(6))
     plan = make_plan(io.BytesIO(source_text), source="mem", chunk_prompts=3, max_new_tokens=1)

@@ -13,6 +13,7 @@ format), so that prepare trains only on what the target wrote.
 
 from __future__ import annotations
 
+import io
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -80,7 +81,9 @@ class Source:
     def lines(self, chunk: SourceChunk) -> list[tuple[int, bytes]]:
         """(0-based line number, raw line) of every line of the chunk."""
         data = self.read(chunk.offset, chunk.size)
-        lines = data.splitlines(keepends=True)
+        # Cut as make_plan's stream was, at b"\n" only: a bare b"\r" is JSON whitespace inside a
+        # line, where bytes.splitlines would cut it in two.
+        lines = io.BytesIO(data).readlines()
         if len(data) != chunk.size or len(lines) != chunk.lines:
             raise InputError(
                 f"data.source {self.url} changed since generation planned it: chunk {chunk.id:06d} should hold "
