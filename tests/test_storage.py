@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from dflash_jobs import storage as storage_module
 from dflash_jobs.errors import StorageError
 from dflash_jobs.storage import MULTIPART_CHUNK, MULTIPART_THRESHOLD, ObjectNotFound, S3Storage, open_storage, open_url
 
@@ -123,6 +124,28 @@ def test_a_failed_multipart_upload_is_aborted_and_stores_nothing(s3_bucket, monk
     with pytest.raises(StorageError, match="part 3 failed"):
         storage.put_parts("chunks/x.bin", [memoryview(bytes(MULTIPART_CHUNK * 3))])
     assert not storage.exists("chunks/x.bin")
+    assert storage.client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
+
+
+def test_parts_queued_behind_a_failed_part_are_not_sent(s3_bucket, monkeypatch):
+    """Once one part fails the upload is aborted: sending the parts still queued would cost their
+    whole transfer for nothing (a 3 GiB chunk is 48 parts, PART_THREADS at a time)."""
+    storage = open_storage(f"s3://{s3_bucket}/runs/cancel")
+    monkeypatch.setattr(storage_module, "PART_THREADS", 1)  # parts 2 and 3 wait in the queue behind part 1
+    sent = []
+    upload_part = storage.client.upload_part
+
+    def fail_first(**kwargs):
+        sent.append(kwargs["PartNumber"])
+        if kwargs["PartNumber"] == 1:
+            raise StorageError("part 1 failed", "retry")
+        return upload_part(**kwargs)
+
+    monkeypatch.setattr(storage.client, "upload_part", fail_first)
+    part = memoryview(bytes(MULTIPART_CHUNK))
+    with pytest.raises(StorageError, match="part 1 failed"):
+        storage.put_parts("chunks/x.bin", [part, part, part])
+    assert sent == [1]
     assert storage.client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
 
 

@@ -17,6 +17,7 @@ import io
 import os
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -431,7 +432,8 @@ class S3Storage:
 
     def put_parts(self, key: str, parts: Sequence[Buffer]) -> PutResult:
         """One object from buffers in memory: a multipart upload of slices of them, hashed meanwhile
-        (no spool file). A failed upload is aborted, so no parts are left behind."""
+        (no spool file). A failed part stops the parts not yet sent, and the upload is aborted, so no
+        parts are left behind."""
         views = _byte_views(parts)
         size = sum(len(v) for v in views)
         with _Digest(views) as digest:
@@ -444,15 +446,24 @@ class S3Storage:
         full = self._key(key)
         upload = self._call(key, self.client.create_multipart_upload, Bucket=self.bucket, Key=full)["UploadId"]
 
-        def send(number: int, piece: list[memoryview]) -> dict:
-            # One copy of the part (botocore takes bytes or a file), sent in one go and rewound for a retry.
-            response = self._call(key, self.client.upload_part, Bucket=self.bucket, Key=full, UploadId=upload,
-                                  PartNumber=number, Body=b"".join(piece))
+        failed = threading.Event()
+
+        def send(number: int, piece: list[memoryview]) -> dict | None:
+            if failed.is_set():  # the upload will be aborted: this part's transfer would be thrown away
+                return None
+            try:
+                # One copy of the part (botocore takes bytes or a file), sent in one go and rewound for a retry.
+                response = self._call(key, self.client.upload_part, Bucket=self.bucket, Key=full, UploadId=upload,
+                                      PartNumber=number, Body=b"".join(piece))
+            except BaseException:
+                failed.set()
+                raise
             return {"PartNumber": number, "ETag": response["ETag"]}
 
         try:
             with ThreadPoolExecutor(PART_THREADS, thread_name_prefix="s3-part") as pool:
                 sent = [pool.submit(send, n + 1, piece) for n, piece in enumerate(_slices(views, MULTIPART_CHUNK))]
+                # A part skipped (None) means another failed, whose result() raises: `done` never holds None.
                 done = [future.result() for future in sent]
             response = self._call(key, self.client.complete_multipart_upload, Bucket=self.bucket, Key=full, UploadId=upload,
                                   MultipartUpload={"Parts": done})
