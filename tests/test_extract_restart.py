@@ -8,15 +8,21 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 
+from dflash_jobs.errors import FormatError
 from dflash_jobs.extract import target as target_module
 from dflash_jobs.extract.__main__ import main
+from dflash_jobs.extract.progress import Summary
 from dflash_jobs.extract.target import CheckpointCache
+from dflash_jobs.extract.worker import build_worker
 from dflash_jobs.extract.writer import KILL_BEFORE_MARKER_ENV
 from dflash_jobs.formats import DoneMarker, HiddenChunk, done_key, hidden_chunk_key
-from dflash_jobs.storage import open_storage
+from dflash_jobs.spec import load_spec
+from dflash_jobs.storage import TEMP_PREFIX, open_storage
 
 from extract_helpers import random_chunks, tiny_target, write_prepared, write_spec
 
@@ -92,6 +98,47 @@ def test_bad_token_chunk_fails_the_shard_with_the_bad_input_code(tmp_path, tmp_p
     assert main(["-f", str(write_spec(tmp_path / "spec.yaml", target=checkpoint, output=output)), "--shard", "0"]) == 42
     summary = json.loads(termination.read_text())
     assert summary["status"] == "failed" and "tokens/chunks/000000.safetensors is truncated" in summary["error"]
+
+
+class SlowChunkUploads:
+    """A storage whose chunk uploads take `seconds` each: the writer is mid-store when the GPU thread fails."""
+
+    def __init__(self, storage, seconds: float) -> None:
+        self.storage = storage
+        self.seconds = seconds
+
+    def __getattr__(self, name):
+        return getattr(self.storage, name)
+
+    def put_parts(self, key, parts):
+        time.sleep(self.seconds)
+        return self.storage.put_parts(key, parts)
+
+
+def test_an_error_on_the_gpu_thread_waits_for_the_chunk_being_stored(tmp_path, tmp_path_factory):
+    """The second window's token chunk is corrupt, so the GPU thread fails while a writer stores
+    the first chunk. The error must leave the worker only once nothing is mid-store: the process
+    exits right after, and a daemon writer thread would die there, leaving a local temporary file
+    or an S3 multipart upload that nobody aborts."""
+    output = tmp_path / "run"
+    storage = open_storage(str(output))
+    write_prepared(storage, random_chunks(seed=13, count=2))
+    data = storage.get_bytes("tokens/chunks/000001.safetensors")
+    storage.put_bytes("tokens/chunks/000001.safetensors", data[: len(data) // 2])
+    spec = load_spec(write_spec(tmp_path / "spec.yaml", target=tiny_target(tmp_path_factory), output=output))
+    worker = build_worker(spec, 0, summary=Summary(shard=0, shards=1))
+    worker.storage = SlowChunkUploads(worker.storage, seconds=1.0)
+    try:
+        with pytest.raises(FormatError, match="000001.safetensors is truncated"):
+            worker.run()
+    finally:
+        worker.close()
+    assert not [thread.name for thread in worker.writer.threads if thread.is_alive()]
+    # The chunk in the writer's hands landed whole, its marker last; no temporary file is left.
+    marker = DoneMarker.from_json(storage.get_bytes(done_key(0)), done_key(0))
+    assert marker.bytes == storage.stat(hidden_chunk_key(0)).size
+    assert storage.list("extract/") == [hidden_chunk_key(0), done_key(0)]
+    assert not [path for path in output.rglob(f"{TEMP_PREFIX}*")]
 
 
 class CountingStorage:

@@ -133,12 +133,27 @@ class ChunkWriter:
 
     def close(self) -> None:
         """Stores everything submitted, then stops the threads; raises their first error."""
+        self._stop()
+        self.check()
+
+    def abort(self) -> None:
+        """After a failure on the GPU thread: drops the chunks no thread has started to store, and
+        waits for those being stored. Those end whole or clean up after themselves (the local
+        temporary file removed, the S3 multipart upload aborted); left running, they would die
+        with the process mid-store (they are daemon threads) and leave both behind."""
+        while True:
+            try:
+                self.complete.get_nowait()
+            except queue.Empty:
+                break
+        self._stop()
+
+    def _stop(self) -> None:
         for _ in self.threads:
             self.complete.put(_DONE)
         for thread in self.threads:
             while thread.is_alive():
                 thread.join(POLL_S)
-        self.check()
 
     # ---- writer threads ----
 
