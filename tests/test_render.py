@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from dflash_jobs.errors import EXIT_BAD_INPUT, EXIT_BAD_SPEC, SpecError
-from dflash_jobs.spec import MODEL_CACHE_ENV, load_spec, parse_spec
+from dflash_jobs.spec import CHUNK_CACHE_ENV, MODEL_CACHE_ENV, load_spec, parse_spec
 from dflashctl import render
 from dflashctl.cli.main import main
 
@@ -38,7 +38,7 @@ SPECS = {
     "everything": make_spec(
         generate={"shards": 4, "gpus_per_shard": 2, "vllm_args": ["--max-num-seqs", "256"]},
         extract={"shards": 3, "backoff_limit_per_index": 5},
-        train={"nodes": 2, "gpus_per_node": 4},
+        train={"nodes": 2, "gpus_per_node": 4, "cache_storage_class": "local-nvme"},
         cluster={
             "queue": "gpu-queue", "ttl_seconds_after_finished": 3600, "model_volume": {"claim": "models", "mount": "/weights"},
             "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H200"}, "namespace": "team-a", "model_cache": "model-cache",
@@ -165,7 +165,8 @@ def test_every_pod_is_locked_down_and_writes_only_to_empty_dirs():
                 assert security == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}, where
                 mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
                 assert mounts["/etc/dflash"]["readOnly"] is True
-                writable = [path for path, m in mounts.items() if "emptyDir" in volumes[m["name"]]]
+                # emptyDirs, and the training cache's ephemeral volume: created and deleted with the pod.
+                writable = [path for path, m in mounts.items() if {"emptyDir", "ephemeral"} & volumes[m["name"]].keys()]
                 assert "/tmp" in writable, where
                 env = {e["name"]: e["value"] for e in container["env"]}
                 for variable in ("HOME", "TMPDIR", "XDG_CACHE_HOME", "HF_HOME", "TRITON_CACHE_DIR"):
@@ -262,6 +263,32 @@ def test_training_on_one_node_is_one_pod_with_every_gpu():
     ]
     assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
     assert pod["containers"][0]["resources"]["requests"] == {"cpu": "64", "memory": "768Gi"}
+
+
+@pytest.mark.parametrize("storage_class", [None, "local-nvme"])
+def test_the_training_chunk_cache_is_the_node_local_volume_train_cache_gb_sizes(storage_class):
+    """The cache bound holds only if the chunks land on the volume sized for it: /tmp is an
+    emptyDir without a limit, on the node's root disk."""
+    spec = make_spec(train={"cache_gb": 499.5, "cache_storage_class": storage_class})
+    pod = the_job(render.render_all(spec), "train")["spec"]["template"]["spec"]
+    size = f"{500 + render.CACHE_HEADROOM_GIB}Gi"
+    for container in pod["initContainers"] + pod["containers"]:
+        env = {e["name"]: e["value"] for e in container["env"]}
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert env[CHUNK_CACHE_ENV].startswith(mounts["cache"] + "/")
+    volume = next(v for v in pod["volumes"] if v["name"] == "cache")
+    if storage_class is None:
+        assert volume == {"name": "cache", "emptyDir": {"sizeLimit": size}}
+    else:
+        claim = volume["ephemeral"]["volumeClaimTemplate"]["spec"]
+        assert claim == {"accessModes": ["ReadWriteOnce"], "storageClassName": "local-nvme", "resources": {"requests": {"storage": size}}}
+    for component in ("extract", "eval"):  # other pods keep their small cache
+        assert CHUNK_CACHE_ENV not in {e["name"] for e in the_job(render.render_all(spec), component)["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
+def test_a_cache_storage_class_must_be_a_kubernetes_name():
+    with pytest.raises(SpecError, match="train.cache_storage_class"):
+        make_spec(train={"cache_storage_class": "Local NVMe"})
 
 
 def test_training_on_several_nodes_rendezvous_through_a_headless_service():

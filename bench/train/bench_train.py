@@ -38,9 +38,9 @@ import numpy as np
 import torch
 
 from dflash_jobs.drafter.model import Drafter, DrafterConfig
-from dflash_jobs.formats import HiddenChunk, TokenChunk
+from dflash_jobs.formats import TokenChunk, encode_hidden_chunk
 from dflash_jobs.spec import parse_spec
-from dflash_jobs.train.data import BatchBuilder, DocumentRef
+from dflash_jobs.train.data import BatchBuilder, ChunkData, DocumentRef
 from dflash_jobs.train.metrics import NullSink
 from dflash_jobs.train.optim import build_optimizer, build_scheduler
 from dflash_jobs.train.parallelize import parallelize
@@ -57,7 +57,7 @@ SHAPES = {
 }
 
 
-def synthetic_chunk(docs: int, tokens: int, config: DrafterConfig, seed: int = 0) -> HiddenChunk:
+def synthetic_chunk(docs: int, tokens: int, config: DrafterConfig, seed: int = 0) -> ChunkData:
     g = torch.Generator().manual_seed(seed)
     loss_mask = np.ones(tokens, dtype=np.uint8)
     loss_mask[: tokens // 10] = 0
@@ -68,7 +68,8 @@ def synthetic_chunk(docs: int, tokens: int, config: DrafterConfig, seed: int = 0
         sample_ids=np.arange(docs, dtype=np.int64),
     )
     hidden = torch.randn(docs * tokens, len(config.target_layer_ids), config.hidden_size, generator=g).to(torch.bfloat16)
-    return HiddenChunk(token_chunk, hidden, None, config.target_layer_ids, "synthetic", "synthetic", "bfloat16")
+    encoded = encode_hidden_chunk(token_chunk, hidden, layers=config.target_layer_ids, model="synthetic", config_hash="synthetic")
+    return ChunkData.from_bytes(encoded, "synthetic")
 
 
 def visible_pairs(layout, window: int | None) -> int:

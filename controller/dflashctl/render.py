@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from dflash_jobs.errors import EXIT_BAD_INPUT, EXIT_BAD_SPEC, SpecError
-from dflash_jobs.spec import BINARY_QUANTITY, MODEL_CACHE_ENV, RunSpec, dump_spec
+from dflash_jobs.spec import BINARY_QUANTITY, CHUNK_CACHE_ENV, MODEL_CACHE_ENV, RunSpec, dump_spec
 
 from dflashctl.errors import EXIT_RUN_FAILED
 
@@ -42,6 +42,8 @@ GPU = "nvidia.com/gpu"
 WORKER = "worker"
 RUN_AS_USER = 10001  # the images' user (UID 1000 is ubuntu in Ubuntu 24.04 images)
 CACHE_DIR = "/var/cache/dflash"
+CHUNK_CACHE_DIR = f"{CACHE_DIR}/chunks"
+"""Where training keeps its resident chunks: on the cache volume, which train.cache_gb sizes."""
 MODEL_CACHE_DIR = "/var/cache/dflash-models"
 """Where cluster.model_cache is mounted."""
 KERNEL_CACHE_DIR = "/var/cache/dflash-kernels"
@@ -179,8 +181,8 @@ def render_train_objects(spec: RunSpec) -> list[Manifest]:
         command=[*torchrun, "-m", "dflash_jobs.train", "-f", SPEC_PATH],
         resources=_gpu_resources(spec, gpus=train.gpus_per_node),
         gpus=train.gpus_per_node,
-        # The chunk cache is bounded by train.cache_gb; the rest is room for the Triton and HF caches.
-        cache_limit=f"{math.ceil(spec.train.cache_gb) + CACHE_HEADROOM_GIB}Gi",
+        cache=_train_cache_volume(spec),
+        env=[{"name": CHUNK_CACHE_ENV, "value": CHUNK_CACHE_DIR}],
     )
     job_spec: dict[str, Any] = {"backoffLimit": TRAIN_BACKOFF_LIMIT, "podFailurePolicy": _failure_policy(index=False)}
     if train.nodes == 1:
@@ -207,6 +209,21 @@ def render_train_objects(spec: RunSpec) -> list[Manifest]:
         },
     }
     return [service, _job(spec, "train", pod, job_spec)]
+
+
+def _train_cache_volume(spec: RunSpec) -> dict[str, Any]:
+    """The node-local volume of the chunk cache: train.cache_gb, plus room for the Triton and HF caches."""
+    size = f"{math.ceil(spec.train.cache_gb) + CACHE_HEADROOM_GIB}Gi"
+    if spec.train.cache_storage_class is None:
+        return {"emptyDir": {"sizeLimit": size}}
+    return {"ephemeral": {"volumeClaimTemplate": {
+        "metadata": {"labels": run_labels(spec, "train")},
+        "spec": {
+            "accessModes": ["ReadWriteOnce"],
+            "storageClassName": spec.train.cache_storage_class,
+            "resources": {"requests": {"storage": size}},
+        },
+    }}}
 
 
 def render_eval_job(spec: RunSpec) -> Manifest:
@@ -450,8 +467,10 @@ def _pod_template(
     command: list[str],
     resources: dict[str, Any],
     gpus: int,
-    cache_limit: str | None = None,
+    cache: dict[str, Any] | None = None,
+    env: list[dict[str, str]] | None = None,
 ) -> dict[str, Any]:
+    """`cache`: the source of the cache volume (an unlimited emptyDir by default); `env`: added to the containers' environment."""
     cluster = spec.cluster
     mounts = [
         _spec_mount(),
@@ -462,7 +481,7 @@ def _pod_template(
     volumes: list[dict[str, Any]] = [
         _spec_volume(spec),
         {"name": "tmp", "emptyDir": {}},
-        {"name": "cache", "emptyDir": {"sizeLimit": cache_limit} if cache_limit else {}},
+        {"name": "cache", **(cache or {"emptyDir": {}})},
         # NCCL and DataLoader workers need more shared memory than the runtime's 64 MiB default.
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": cluster.shm_size}},
     ]
@@ -480,9 +499,9 @@ def _pod_template(
         spec, name="selfcheck", image=cluster.image,
         command=["python", "-m", "dflash_jobs.selfcheck", "-f", SPEC_PATH, "--component", component],
         # The same resources as the worker, so the check sees the GPUs the worker will get.
-        resources=resources, mounts=mounts,
+        resources=resources, mounts=mounts, env=env,
     )
-    worker = _container(spec, name=WORKER, image=cluster.image, command=command, resources=resources, mounts=mounts)
+    worker = _container(spec, name=WORKER, image=cluster.image, command=command, resources=resources, mounts=mounts, env=env)
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         # Workers talk to S3, not to the Kubernetes API.
@@ -506,12 +525,13 @@ def _container(
     command: list[str],
     resources: dict[str, Any],
     mounts: list[dict[str, Any]],
+    env: list[dict[str, str]] | None = None,
 ) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": name,
         "image": image,
         "command": command,
-        "env": _env(spec),
+        "env": _env(spec) + (env or []),
     }
     if spec.cluster.s3_secret:
         # Optional: on EKS/GKE the credentials may come from workload identity instead.

@@ -26,6 +26,8 @@ DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 BINARY_QUANTITY = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti)?$")
 MODEL_CACHE_ENV = "DFLASH_MODEL_CACHE"
 """Where a pod keeps its copy of an s3:// target.model (the renderer points it at cluster.model_cache)."""
+CHUNK_CACHE_ENV = "DFLASH_CACHE_DIR"
+"""Where a training pod keeps its resident hidden-state chunks (the renderer points it at the cache volume)."""
 # Job names get suffixes ("-extract", "-controller") and pods another "-<index>-<hash>"; the
 # Job name is also a label value (<= 63 characters), so the run name must leave room for them.
 MAX_RUN_NAME = 40
@@ -258,7 +260,13 @@ class TrainSpec:
     checkpoint_every: int = 500
     """Optimizer steps between checkpoints (also saved at the end of every epoch)."""
     cache_gb: float = 64.0
-    """Bound of the local chunk cache on each node."""
+    """GiB of hidden-state chunks each node keeps on local disk across epochs, shared by its ranks.
+    A rank keeps as many of its chunks as its part holds and streams the rest from storage every
+    epoch (`dflashctl plan` shows what that costs); rendered as the size of the pod's cache volume."""
+    cache_storage_class: str | None = None
+    """StorageClass of a node-local volume for the chunk cache (a generic ephemeral volume of
+    train.cache_gb, e.g. local NVMe through TopoLVM, OpenEBS LocalPV or local-path), created and
+    deleted with the pod. null: an emptyDir limited to train.cache_gb, on the node's ephemeral storage."""
 
     def __post_init__(self) -> None:
         _positive("train.nodes", self.nodes, minimum=1)
@@ -282,6 +290,8 @@ class TrainSpec:
             raise SpecError("train.warmup_ratio", self.warmup_ratio, "a number in [0, 1)")
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise SpecError("train.weight_decay/grad_clip", (self.weight_decay, self.grad_clip), "numbers >= 0")
+        if self.cache_storage_class is not None:
+            _dns_label("train.cache_storage_class", self.cache_storage_class, limit=63)
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise SpecError("train.mask_token_id", self.mask_token_id, "a token id >= 0, or null for the first unused embedding row")
 

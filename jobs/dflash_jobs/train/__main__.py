@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from dflash_jobs.errors import EXIT_OK, DflashError, pod_exit_code
-from dflash_jobs.spec import DEFAULT_SPEC_FILE, load_spec
+from dflash_jobs.spec import CHUNK_CACHE_ENV, DEFAULT_SPEC_FILE, load_spec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         spec = load_spec(args.spec)
-        cache_dir = Path(os.environ.get("DFLASH_CACHE_DIR", Path(tempfile.gettempdir()) / "dflash-cache")) / spec.name / f"rank{rank}"
+        cache_dir = Path(os.environ.get(CHUNK_CACHE_ENV, Path(tempfile.gettempdir()) / "dflash-cache")) / spec.name / f"rank{rank}"
         trainer = Trainer.build(spec, Runtime.from_env(spec), cache_dir=cache_dir)
         try:
             trainer.train()

@@ -38,7 +38,7 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> Any: ...
 
 
-RESUMABLE_CHANGES = frozenset({"checkpoint_every", "cache_gb"})
+RESUMABLE_CHANGES = frozenset({"checkpoint_every", "cache_gb", "cache_storage_class"})
 """Train settings a resumed run may change: neither touches the data order or the schedule."""
 
 

@@ -6,33 +6,37 @@
 - The plan of an epoch is a pure function of (document index, world size, seed, epoch): a
   restarted job rebuilds it and skips to its cursor, so the data order survives a kill.
 - Every rank runs the same number of steps per epoch (the shortest rank's plan), as DDP needs.
-- A background thread downloads upcoming chunks into a bounded local disk cache and builds the
-  next micro-batches while the GPU works on the current one.
+- A background thread opens upcoming chunks and builds the next micro-batches while the GPU works
+  on the current one. Every chunk is checked against the manifest when fetched; a fixed subset of
+  the rank's chunks (what the cache bound holds) stays on local disk across epochs, the rest streams
+  through memory (ChunkCache). A batch reads only its documents' rows, straight into pinned memory;
+  fp8 states cross to the GPU as stored and are dequantized there (Batch.to).
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import queue
 import threading
-from collections import OrderedDict
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import numpy as np
 import torch
 
 from dflash_jobs.balance import balance_by_tokens
-from dflash_jobs.errors import FormatError
-from dflash_jobs.formats import HiddenChunk, dequantize_fp8, fetch_header_bytes, hidden_chunk_key, object_range, read_header
-from dflash_jobs.storage import Storage
+from dflash_jobs.errors import FormatError, InputError
+from dflash_jobs.formats import (
+    DoneMarker, TokenChunk, check_hidden_header, dequantize_fp8, fetch_header_bytes, hidden_chunk_key, object_range, read_header,
+)
+from dflash_jobs.storage import TEMP_PREFIX, Storage
 from dflash_jobs.train.anchors import anchor_candidates, sample_anchors
 from dflash_jobs.train.loss import slot_weights
 from dflash_jobs.drafter.masks import BlockLayout
-
-DECODED_CHUNKS = 2
-"""Chunks held decoded in host memory (~3 GiB each at the 27B shape): the current and the next."""
 
 # ---- the document index: which documents each chunk holds ----------------------------------
 
@@ -140,6 +144,107 @@ def plan_epoch(index: list[ChunkDocuments], *, world_size: int, seed: int, epoch
     return [plan[:steps] for plan in plans]
 
 
+# ---- chunks as a batch reads them --------------------------------------------------------------
+
+
+class _MemoryBytes:
+    """A chunk held in host memory (streamed from storage)."""
+
+    def __init__(self, data: bytearray) -> None:
+        self.size = len(data)
+        self._tensor = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+    def read(self, start: int, end: int) -> bytes:
+        return self._tensor[start:end].numpy().tobytes()
+
+    def read_into(self, offset: int, out: torch.Tensor) -> None:
+        out.copy_(self._tensor[offset : offset + out.numel()])  # torch copies without the GIL
+
+    def close(self) -> None:
+        self._tensor = torch.empty(0, dtype=torch.uint8)
+
+
+class _FileBytes:
+    """A chunk on local disk: rows are read straight into the batch (pread releases the GIL)."""
+
+    def __init__(self, path: Path) -> None:
+        self.fd = os.open(path, os.O_RDONLY)
+        self.size = os.fstat(self.fd).st_size
+
+    def read(self, start: int, end: int) -> bytes:
+        return os.pread(self.fd, end - start, start)
+
+    def read_into(self, offset: int, out: torch.Tensor) -> None:
+        view = memoryview(out.numpy())
+        while view:
+            got = os.preadv(self.fd, [view], offset)
+            if got == 0:
+                raise FormatError(f"local cache file ended at byte {offset}", "Delete the training cache directory and restart")
+            view, offset = view[got:], offset + got
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class ChunkData:
+    """One hidden-state chunk as batches read it: the token tensors in memory (5 bytes a token),
+    the states read by rows straight into a batch's (pinned) buffer, never decoded whole."""
+
+    def __init__(self, source: _MemoryBytes | _FileBytes, name: str) -> None:
+        self.source, self.name = source, name
+        prefix = fetch_header_bytes(source.read)
+        header, total = read_header(prefix, name)
+        if total != source.size:
+            raise FormatError(f"{name} is truncated or has trailing bytes: {source.size} bytes, header says {total}", "Run `dflashctl verify`, then re-extract what it names")
+        meta = check_hidden_header(header, name)
+        self.layers, self.dtype = meta["layers"], meta["dtype"]
+
+        def tensor(key: str, dtype) -> np.ndarray:
+            begin, end = header[key]["data_offsets"]
+            return np.frombuffer(source.read(len(prefix) + begin, len(prefix) + end), dtype=dtype)
+
+        self.tokens = TokenChunk(
+            input_ids=tensor("input_ids", np.int32), loss_mask=tensor("loss_mask", np.uint8),
+            cu_seqlens=tensor("cu_seqlens", np.int64), sample_ids=tensor("sample_ids", np.int64),
+        ).validate(name)
+        _, self.num_layers, self.hidden_size = header["hidden_states"]["shape"]
+        self._states = len(prefix) + header["hidden_states"]["data_offsets"][0]
+        self._scales = len(prefix) + header["hidden_states_scale"]["data_offsets"][0] if self.quantized else None
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray, name: str) -> ChunkData:
+        return cls(_MemoryBytes(bytearray(data) if isinstance(data, bytes) else data), name)
+
+    @classmethod
+    def from_file(cls, path: Path) -> ChunkData:
+        source = _FileBytes(path)
+        try:
+            return cls(source, path.name)
+        except BaseException:
+            source.close()
+            raise
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype == "float8_e4m3fn"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn if self.quantized else torch.bfloat16
+
+    def read_states(self, begin: int, end: int, out: torch.Tensor) -> None:
+        """Tokens [begin, end) of hidden_states into `out` ([end - begin, L*d] of the chunk's dtype)."""
+        row = out.shape[-1] * out.element_size()
+        self.source.read_into(self._states + begin * row, out.view(torch.uint8).view(-1))
+
+    def read_scales(self, begin: int, end: int, out: torch.Tensor) -> None:
+        """Tokens [begin, end) of an fp8 chunk's hidden_states_scale into `out` (float32 [end - begin, L])."""
+        self.source.read_into(self._scales + begin * self.num_layers * 4, out.view(torch.uint8).view(-1))
+
+    def close(self) -> None:
+        self.source.close()
+
+
 # ---- micro-batches ---------------------------------------------------------------------------
 
 
@@ -147,7 +252,7 @@ def plan_epoch(index: list[ChunkDocuments], *, world_size: int, seed: int, epoch
 class Batch:
     """One packed micro-batch: the documents' context, and one block per anchor."""
 
-    context_hidden: torch.Tensor  # [C, L*d], the captured layers concatenated per token
+    context_hidden: torch.Tensor  # [C, L*d], the captured layers concatenated per token: bf16, or fp8 as stored
     context_positions: torch.Tensor  # int64 [C], positions inside each document
     block_ids: torch.Tensor  # int64 [N, B]: the anchor token, then mask tokens
     block_positions: torch.Tensor  # int64 [N, B]: anchor position + slot
@@ -155,16 +260,25 @@ class Batch:
     loss_weights: torch.Tensor  # float32 [N, B]: slot decay x loss_mask of the label; 0 for slot 0
     layout: BlockLayout
     documents: int
+    context_scale: torch.Tensor | None = None  # float32 [C, L] for fp8 states: dequantized by to(), on the device
 
     @property
     def tokens(self) -> int:
         return self.context_hidden.shape[0]
 
     def pin_memory(self) -> Batch:
-        return self._map(lambda t: t.pin_memory())
+        return self._map(lambda t: t if t.is_pinned() else t.pin_memory())
 
     def to(self, device: torch.device) -> Batch:
-        return self._map(lambda t: t.to(device, non_blocking=True))
+        """On `device`, the states in bf16: fp8 crosses PCIe at half the bytes of bf16 and is
+        dequantized on the device (one multiply per element, where the CPU would spend a core)."""
+        moved = self._map(lambda t: t.to(device, non_blocking=True))
+        if moved.context_scale is None:
+            return moved
+        C, L = moved.context_scale.shape
+        moved.context_hidden = dequantize_fp8(moved.context_hidden.view(C, L, -1), moved.context_scale).view(C, -1)  # [C, L, d] -> [C, L*d]
+        moved.context_scale = None
+        return moved
 
     def _map(self, fn) -> Batch:
         layout = self.layout
@@ -172,12 +286,13 @@ class Batch:
             fn(self.context_hidden), fn(self.context_positions), fn(self.block_ids), fn(self.block_positions),
             fn(self.labels), fn(self.loss_weights),
             BlockLayout(layout.num_context, layout.block_size, fn(layout.context_start), fn(layout.anchor), fn(layout.key_positions)),
-            self.documents,
+            self.documents, None if self.context_scale is None else fn(self.context_scale),
         )
 
 
 class BatchBuilder:
-    """Turns a micro-batch plan entry into tensors: samples anchors and lays out the blocks."""
+    """Turns a micro-batch plan entry into tensors: samples anchors, lays out the blocks, and reads
+    the documents' states straight into the batch (several documents at once with `readers`)."""
 
     def __init__(self, *, block_size: int, anchors: int, gamma: float, mask_token_id: int, seed: int, layers: list[int]) -> None:
         self.block_size = block_size
@@ -187,20 +302,22 @@ class BatchBuilder:
         self.layers = layers
         self.decay = slot_weights(block_size, gamma).numpy()
 
-    def build(self, documents: MicroBatch, chunks: dict[int, HiddenChunk], epoch: int) -> Batch:
+    def build(self, documents: MicroBatch, chunks: Mapping[int, ChunkData], epoch: int, *,
+              pin_memory: bool = False, readers: ThreadPoolExecutor | None = None) -> Batch:
         B = self.block_size
         slots = np.arange(B)
-        hidden, positions, ids, block_pos, labels, weights, starts, anchors = [], [], [], [], [], [], [], []
+        first = chunks[documents[0].chunk]
+        spans = []  # (chunk, begin, end, offset in the batch)
+        positions, ids, block_pos, labels, weights, starts, anchors = [], [], [], [], [], [], []
         offset = 0
         for doc in documents:
             chunk = chunks[doc.chunk]
+            if chunk.dtype != first.dtype:
+                raise FormatError(f"{chunk.name} holds {chunk.dtype} states, {first.name} {first.dtype}", "Re-run extraction with one extract.dtype, then verify")
             begin, end = (int(x) for x in chunk.tokens.cu_seqlens[doc.index : doc.index + 2])
             input_ids, loss_mask = chunk.tokens.input_ids[begin:end].astype(np.int64), chunk.tokens.loss_mask[begin:end]
             T = end - begin
-            states = chunk.hidden_states[begin:end]
-            if chunk.scale is not None:
-                states = dequantize_fp8(states, chunk.scale[begin:end])
-            hidden.append(states.reshape(T, -1))  # [T, L, d] -> [T, L*d]
+            spans.append((chunk, begin, end, offset))
             positions.append(np.arange(T))
             a = sample_anchors(loss_mask, self.anchors, seed=self.seed, epoch=epoch, sample_id=doc.sample_id)
             target = a[:, None] + slots[None, :]  # [n, B] positions of each slot
@@ -215,6 +332,17 @@ class BatchBuilder:
             starts.append(np.full(len(a), offset))
             anchors.append(offset + a)
             offset += T
+        hidden = torch.empty((offset, first.num_layers * first.hidden_size), dtype=first.torch_dtype, pin_memory=pin_memory)
+        scale = torch.empty((offset, first.num_layers), dtype=torch.float32, pin_memory=pin_memory) if first.quantized else None
+
+        def read(span) -> None:
+            chunk, begin, end, at = span
+            chunk.read_states(begin, end, hidden[at : at + end - begin])
+            if scale is not None:
+                chunk.read_scales(begin, end, scale[at : at + end - begin])
+
+        for _ in (readers.map(read, spans) if readers is not None else map(read, spans)):
+            pass
         context_positions = torch.from_numpy(np.concatenate(positions))
         block_positions = torch.from_numpy(np.concatenate(block_pos))
         layout = BlockLayout(
@@ -223,8 +351,8 @@ class BatchBuilder:
             anchor=torch.from_numpy(np.concatenate(anchors)),
             key_positions=torch.cat([context_positions, block_positions.flatten()]),
         )
-        return Batch(
-            context_hidden=torch.cat(hidden),
+        batch = Batch(
+            context_hidden=hidden,
             context_positions=context_positions,
             block_ids=torch.from_numpy(np.concatenate(ids)),
             block_positions=block_positions,
@@ -232,68 +360,145 @@ class BatchBuilder:
             loss_weights=torch.from_numpy(np.concatenate(weights).astype(np.float32)),
             layout=layout,
             documents=len(documents),
+            context_scale=scale,
         )
+        return batch.pin_memory() if pin_memory else batch  # the small tensors; the states are pinned already
 
 
-# ---- chunks: local cache and streaming -------------------------------------------------------
+# ---- chunks: fetched, checked, kept or streamed --------------------------------------------------
+
+DOWNLOAD_PART = 64 << 20
+"""Bytes per ranged GET of a chunk download; DOWNLOAD_THREADS of them in flight per cache."""
+DOWNLOAD_THREADS = 8
+
+
+def planned_chunks(chunks: list[DoneMarker], plans: list[list[MicroBatch]]) -> list[DoneMarker]:
+    """The manifest entries of the chunks these plans read (one rank's share)."""
+    read = {doc.chunk for plan in plans for batch in plan for doc in batch}
+    return [marker for marker in chunks if marker.chunk in read]
+
+
+class CacheClosed(Exception):
+    """A download stopped because the cache was closed (the stream is shutting down)."""
 
 
 class ChunkCache:
-    """Chunks downloaded to local disk, least recently used evicted above `max_bytes`."""
+    """This rank's chunks, each checked against its manifest entry (size and sha256) when fetched.
 
-    def __init__(self, storage: Storage, directory: Path, max_bytes: int) -> None:
+    A fixed subset, as many of the rank's chunks as `max_bytes` holds, stays on local disk across
+    epochs; the rest is streamed through memory every epoch and never written. So a cache of half the
+    share serves half the reads from disk every epoch, where LRU under a reshuffled order misses on
+    nearly all. The disk never holds more than `max_bytes`: only resident chunks are written, each
+    inside its own reservation. A file is named by its chunk and the manifest's sha256, and adopted
+    only under that name and size: a re-extraction under the same run name never serves old states.
+    Anything else in the directory (a killed download's temporary file, another extraction's chunk)
+    is removed when the cache opens."""
+
+    def __init__(self, storage: Storage, directory: Path, max_bytes: int, chunks: list[DoneMarker]) -> None:
         self.storage = storage
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
+        self.markers = {marker.chunk: marker for marker in chunks}
+        self.resident: set[int] = set()
+        kept = 0
+        for marker in sorted(chunks, key=lambda m: m.chunk):
+            if kept + marker.bytes <= max_bytes:
+                self.resident.add(marker.chunk)
+                kept += marker.bytes
+        self._on_disk = {chunk for chunk in self.resident if self._stored(chunk)}
+        wanted = {self.path(chunk).name for chunk in self._on_disk}
+        for path in self.directory.iterdir():
+            if path.name not in wanted and not path.is_dir():
+                path.unlink(missing_ok=True)
         self._lock = threading.Lock()
-        self._files: OrderedDict[int, int] = OrderedDict()  # chunk -> bytes, oldest use first
-        for path in sorted(self.directory.glob("*.safetensors")):
-            self._files[int(path.stem)] = path.stat().st_size
+        self.bytes_fetched = 0
+        """Bytes read from storage since the cache opened (what the object store had to deliver)."""
+        self._closed = threading.Event()
+        self._parts = ThreadPoolExecutor(DOWNLOAD_THREADS, thread_name_prefix="chunk-part")
 
     def path(self, chunk: int) -> Path:
-        return self.directory / f"{chunk:06d}.safetensors"
+        return self.directory / f"{chunk:06d}-{self.markers[chunk].sha256[:16]}.safetensors"
 
-    def fetch(self, chunk: int) -> Path:
+    def _stored(self, chunk: int) -> bool:
         path = self.path(chunk)
-        with self._lock:
-            if chunk in self._files:
-                self._files.move_to_end(chunk)
-                return path
-        self.storage.get_file(hidden_chunk_key(chunk), path)
-        with self._lock:
-            self._files[chunk] = path.stat().st_size
-            while sum(self._files.values()) > self.max_bytes and len(self._files) > 1:
-                evicted, _ = self._files.popitem(last=False)
-                self.path(evicted).unlink(missing_ok=True)
-        return path
+        return path.is_file() and path.stat().st_size == self.markers[chunk].bytes
 
-    def read(self, chunk: int) -> bytes:
-        """The chunk's bytes. A prefetched file may have been evicted since (a chunk spans many
-        steps and the cache a few chunks): then it is fetched again."""
-        while True:
-            path = self.fetch(chunk)
-            with self._lock:  # eviction takes the lock too: the file stays while it is read
-                if chunk in self._files:
-                    self._files.move_to_end(chunk)
-                    return path.read_bytes()
+    def open(self, chunk: int) -> ChunkData:
+        """The chunk, from local disk if it is resident and stored there, else from storage (a
+        resident one is then stored for the next epochs)."""
+        if chunk in self._on_disk:
+            return ChunkData.from_file(self.path(chunk))
+        data = self._download(chunk)
+        if chunk in self.resident:
+            path = self.path(chunk)
+            temp = path.with_name(f"{TEMP_PREFIX}{path.name}")
+            try:
+                temp.write_bytes(data)
+                os.replace(temp, path)
+            finally:
+                temp.unlink(missing_ok=True)
+            self._on_disk.add(chunk)
+        return ChunkData.from_bytes(data, hidden_chunk_key(chunk))
+
+    def close(self) -> None:
+        """Stops downloads between parts and waits for the parts in flight."""
+        self._closed.set()
+        self._parts.shutdown(wait=True, cancel_futures=True)
+
+    def _download(self, chunk: int) -> bytearray:
+        marker, key = self.markers[chunk], hidden_chunk_key(chunk)
+        data = bytearray(marker.bytes)
+        view = memoryview(data)
+
+        def part(start: int) -> None:
+            if self._closed.is_set():
+                raise CacheClosed(key)
+            end = min(start + DOWNLOAD_PART, marker.bytes)
+            piece = self.storage.get_bytes(key, start, end)
+            if len(piece) != end - start:
+                raise InputError(
+                    f"{self.storage.url}/{key} ends before byte {end}; its manifest entry says {marker.bytes} bytes",
+                    "Run `dflashctl verify` (it names the chunks that changed), re-extract them, then train again",
+                )
+            view[start:end] = piece
+
+        for _ in self._parts.map(part, range(0, marker.bytes, DOWNLOAD_PART)):
+            pass
+        if hashlib.sha256(data).hexdigest() != marker.sha256:  # hashlib releases the GIL on large buffers
+            raise InputError(
+                f"{self.storage.url}/{key} does not match its manifest entry (sha256): it changed after verification",
+                "Run `dflashctl verify` (it names the chunks that changed), re-extract them, then train again",
+            )
+        with self._lock:
+            self.bytes_fetched += marker.bytes
+        return data
 
 
 class BatchStream:
     """This rank's micro-batches over all epochs, from a cursor (epoch, step): Stateful, so the
-    checkpointer restores the exact position. Iterating yields (epoch, step, Batch)."""
+    checkpointer restores the exact position. Iterating yields (epoch, step, Batch).
+
+    A producer thread opens upcoming chunks (`prefetch_chunks` beyond the current batch's, in the
+    order the plan needs them) and builds `prefetch_batches` batches ahead, reading each document's
+    rows straight into the batch with `read_threads` threads. close() stops it and waits for it: a
+    process must never tear down under a thread running torch code (it dies by SIGABRT, not with
+    its own exit code)."""
 
     def __init__(
         self, plans: list[list[MicroBatch]], cache: ChunkCache, builder: BatchBuilder,
-        *, prefetch_batches: int = 2, prefetch_chunks: int = 2, pin_memory: bool = False,
+        *, prefetch_batches: int = 2, prefetch_chunks: int = 2, read_threads: int = 4, pin_memory: bool = False,
     ) -> None:
         self.plans = plans  # per epoch: this rank's micro-batches
         self.cache = cache
         self.builder = builder
         self.prefetch_batches = prefetch_batches
         self.prefetch_chunks = prefetch_chunks
+        self.read_threads = read_threads
         self.pin_memory = pin_memory
         self.epoch, self.step = 0, 0
+        self.wait_s = 0.0
+        """Seconds the consumer spent waiting for a batch (the training loop starved by the loader)."""
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -319,7 +524,9 @@ class BatchStream:
         self._thread = threading.Thread(target=self._produce, args=(ready,), daemon=True, name="batches")
         self._thread.start()
         while True:
+            waited = time.perf_counter()
             item = ready.get()
+            self.wait_s += time.perf_counter() - waited
             if item is None:
                 return
             if isinstance(item, BaseException):
@@ -331,39 +538,55 @@ class BatchStream:
 
     def close(self) -> None:
         self._stop.set()
+        self.cache.close()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _upcoming(self, batches: list[list[int]], i: int) -> list[int]:
+        """The chunks batch i reads, then the next `prefetch_chunks` other chunks the plan reads."""
+        wanted = list(batches[i])
+        for later in batches[i + 1 :]:
+            if len(wanted) >= len(batches[i]) + self.prefetch_chunks:
+                break
+            wanted += [chunk for chunk in later if chunk not in wanted]
+        return wanted[: len(batches[i]) + self.prefetch_chunks]
 
     def _produce(self, ready: queue.Queue) -> None:
-        downloads: dict[int, Future] = {}
-        decoded: OrderedDict[int, HiddenChunk] = OrderedDict()
-        with ThreadPoolExecutor(self.prefetch_chunks, thread_name_prefix="download") as pool:
+        upcoming = list(self.positions())
+        batches = [list(dict.fromkeys(doc.chunk for doc in self.plans[e][s])) for e, s in upcoming]
+        opened: dict[int, Future] = {}
+        with ThreadPoolExecutor(max(1, self.prefetch_chunks), thread_name_prefix="chunk") as fetch, \
+                ThreadPoolExecutor(self.read_threads, thread_name_prefix="rows") as readers:
             try:
-                upcoming = list(self.positions())
                 for i, (epoch, step) in enumerate(upcoming):
                     if self._stop.is_set():
-                        return
-                    for ahead_epoch, ahead_step in upcoming[i : i + 1 + self.prefetch_batches]:
-                        for doc in self.plans[ahead_epoch][ahead_step]:
-                            if doc.chunk not in downloads and doc.chunk not in decoded:
-                                downloads[doc.chunk] = pool.submit(self.cache.fetch, doc.chunk)
-                    documents = self.plans[epoch][step]
-                    needed = {doc.chunk for doc in documents}
-                    for chunk in sorted(needed):
-                        if chunk not in decoded:
-                            # Room first, never taking a chunk this batch needs (a batch can span several).
-                            spare = [c for c in decoded if c not in needed]
-                            for old in spare[: max(0, len(decoded) + 1 - DECODED_CHUNKS)]:
-                                del decoded[old]
-                            pending = downloads.pop(chunk, None)
-                            if pending is not None:
-                                pending.result()  # its download, or its error
-                            decoded[chunk] = self._decode(chunk)
-                        decoded.move_to_end(chunk)
-                    batch = self.builder.build(documents, decoded, epoch)
-                    if not self._hand_over(ready, (epoch, step, batch.pin_memory() if self.pin_memory else batch)):
-                        return
-                self._hand_over(ready, None)
+                        break
+                    wanted = self._upcoming(batches, i)
+                    for chunk in [c for c in opened if c not in wanted]:
+                        opened.pop(chunk).add_done_callback(_close_chunk)
+                    for chunk in wanted:
+                        if chunk not in opened:
+                            opened[chunk] = fetch.submit(self._open, chunk)
+                    chunks = {chunk: opened[chunk].result() for chunk in batches[i]}
+                    batch = self.builder.build(self.plans[epoch][step], chunks, epoch, pin_memory=self.pin_memory, readers=readers)
+                    if not self._hand_over(ready, (epoch, step, batch)):
+                        break
+                else:
+                    self._hand_over(ready, None)
             except BaseException as exc:  # re-raised in the training thread
-                self._hand_over(ready, exc)
+                if not self._stop.is_set():
+                    self._hand_over(ready, exc)
+            finally:
+                for pending in opened.values():
+                    pending.cancel()
+                    pending.add_done_callback(_close_chunk)
+
+    def _open(self, chunk: int) -> ChunkData:
+        data = self.cache.open(chunk)
+        if data.layers != self.builder.layers:
+            data.close()
+            raise FormatError(f"{data.name} holds layers {data.layers}, the manifest says {self.builder.layers}", "Re-run extraction and verify")
+        return data
 
     def _hand_over(self, ready: queue.Queue, item) -> bool:
         """Puts `item` for the training thread; False once close() was called (nobody takes it)."""
@@ -375,9 +598,7 @@ class BatchStream:
                 continue
         return False
 
-    def _decode(self, chunk_id: int) -> HiddenChunk:
-        name = self.cache.path(chunk_id).name
-        chunk = HiddenChunk.decode(self.cache.read(chunk_id), name)
-        if chunk.layers != self.builder.layers:
-            raise FormatError(f"{name} holds layers {chunk.layers}, the manifest says {self.builder.layers}", "Re-run extraction and verify")
-        return chunk
+
+def _close_chunk(opened: Future) -> None:
+    if not opened.cancelled() and opened.exception() is None:
+        opened.result().close()

@@ -30,7 +30,7 @@ from dflash_jobs.formats import MANIFEST_KEY, Manifest
 from dflash_jobs.spec import RunSpec, resolve_layers
 from dflash_jobs.storage import Storage, open_storage, storage_for
 from dflash_jobs.train.checkpointer import Checkpointer
-from dflash_jobs.train.data import Batch, BatchBuilder, BatchStream, Budget, ChunkCache, plan_epoch, read_document_index
+from dflash_jobs.train.data import Batch, BatchBuilder, BatchStream, Budget, ChunkCache, plan_epoch, planned_chunks, read_document_index
 from dflash_jobs.train.loss import DraftLoss, draft_loss, expected_acceptance_length
 from dflash_jobs.train.metrics import ConsoleSink, MetricSink, MultiSink, NullSink, StorageSink, should_log
 from dflash_jobs.train.optim import build_optimizer, build_scheduler
@@ -206,7 +206,7 @@ class Trainer:
             block_size=train.block_size, anchors=train.anchors, gamma=train.gamma,
             mask_token_id=config.mask_token_id, seed=train.seed, layers=layers,
         )
-        cache = ChunkCache(storage, cache_dir, int(train.cache_gb * (1 << 30) / runtime.local_world_size))
+        cache = ChunkCache(storage, cache_dir, int(train.cache_gb * (1 << 30) / runtime.local_world_size), planned_chunks(manifest.chunks, plans))
         stream = BatchStream(plans, cache, builder, pin_memory=runtime.device.type == "cuda")
         state = LoopState()
         meta = {

@@ -1,0 +1,168 @@
+"""The training data path under the faults a real run meets: a re-extraction under the same run
+name, a killed download's leftovers, a cache bound with downloads in flight, a training process
+that fails while its batch producer runs, and data larger than the cache."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import sys
+import textwrap
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_jobs.errors import EXIT_BAD_INPUT
+from dflash_jobs.formats import MANIFEST_KEY, HiddenChunk, Manifest, encode_hidden_chunk, hidden_chunk_key
+from dflash_jobs.spec import parse_spec
+from dflash_jobs.storage import TEMP_PREFIX, open_storage
+from dflash_jobs.train.trainer import Runtime, Trainer
+from train_fixtures import LAYERS, tiny_extract, tiny_target, train_spec_dict
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.getbasetemp() / "train-fixtures"
+
+
+@pytest.fixture(scope="module")
+def extract(root) -> Path:
+    return tiny_extract(root)
+
+
+def run_copy(extract: Path, output: Path) -> Path:
+    shutil.copytree(extract, output)
+    return output
+
+
+def build(root: Path, output: Path, cache: Path, **train) -> Trainer:
+    spec = parse_spec(train_spec_dict(tiny_target(root), output, **train))
+    return Trainer.build(spec, Runtime(0, 1, torch.device("cpu")), cache_dir=cache)
+
+
+def first_batch(root: Path, output: Path, cache: Path):
+    trainer = build(root, output, cache)
+    try:
+        return next(iter(trainer.stream))[2]
+    finally:
+        trainer.close()
+
+
+def reextract_negated(output: Path) -> None:
+    """Extraction again under the same run name: every chunk holds the same documents and other
+    states (negated: the same size), with new done markers and a new manifest."""
+    storage = open_storage(str(output))
+    manifest = Manifest.from_json(storage.get_bytes(MANIFEST_KEY))
+    markers = []
+    for marker in manifest.chunks:
+        key = hidden_chunk_key(marker.chunk)
+        chunk = HiddenChunk.decode(storage.get_bytes(key), key)
+        data = encode_hidden_chunk(chunk.tokens, -chunk.hidden_states, layers=LAYERS, model=chunk.model, config_hash=chunk.config_hash)
+        assert len(data) == marker.bytes
+        storage.put_bytes(key, data)
+        markers.append(replace(marker, sha256=hashlib.sha256(data).hexdigest()))
+    storage.put_bytes(MANIFEST_KEY, replace(manifest, chunks=markers).to_json().encode())
+
+
+def test_a_reextracted_run_is_never_served_the_old_states_from_its_cache(root, extract, tmp_path):
+    output = run_copy(extract, tmp_path / "run")
+    before = first_batch(root, output, tmp_path / "cache")
+    reextract_negated(output)
+    after = first_batch(root, output, tmp_path / "cache")  # the same cache directory, the same plan
+    assert torch.equal(after.block_ids, before.block_ids)
+    assert torch.equal(after.to(torch.device("cpu")).context_hidden, -before.to(torch.device("cpu")).context_hidden)
+
+
+def test_a_killed_download_leaves_nothing_behind_in_the_cache(root, extract, tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    leftovers = [cache / f"{TEMP_PREFIX}000000.safetensors.0f3a", cache / f"{TEMP_PREFIX}x8k2l1"]  # LocalStorage's and S3Storage's
+    for path in leftovers:
+        path.write_bytes(b"\0" * 4096)
+    build(root, extract, cache).close()
+    assert not any(path.exists() for path in leftovers)
+
+
+class DiskWatchingStorage:
+    """A real storage whose reads note how many bytes a directory holds once each read returns:
+    what a node's cache volume holds at that moment, downloads in flight included."""
+
+    def __init__(self, storage, directory: Path) -> None:
+        self.storage, self.directory, self.peak = storage, directory, 0
+
+    def __getattr__(self, name):
+        return getattr(self.storage, name)
+
+    def _note(self) -> None:
+        held = sum(p.stat().st_size for p in self.directory.rglob("*") if p.is_file())
+        self.peak = max(self.peak, held)
+
+    def get_bytes(self, key, start=None, end=None):
+        data = self.storage.get_bytes(key, start, end)
+        self._note()
+        return data
+
+    def get_file(self, key, path):
+        self.storage.get_file(key, path)
+        self._note()
+
+
+@pytest.mark.parametrize("cache_chunks", [0.5, 2.5])
+def test_the_cache_never_holds_more_than_its_bound_even_with_downloads_in_flight(extract, tmp_path, cache_chunks):
+    from dflash_jobs.train.data import BatchBuilder, BatchStream, Budget, ChunkCache, assign_chunks, plan_epoch, read_document_index
+
+    storage = open_storage(str(extract))
+    manifest = Manifest.from_json(storage.get_bytes(MANIFEST_KEY))
+    index = read_document_index(storage, [c.chunk for c in manifest.chunks])
+    plans = [plan_epoch(index, world_size=1, seed=0, epoch=e, budget=Budget(tokens=700, blocks=10**9, anchors=512))[0] for e in range(3)]
+    bound = int(cache_chunks * max(c.bytes for c in manifest.chunks))
+    watched = DiskWatchingStorage(storage, tmp_path / "cache")
+    cache = ChunkCache(watched, tmp_path / "cache", bound, manifest.chunks)
+    builder = BatchBuilder(block_size=4, anchors=8, gamma=7.0, mask_token_id=999, seed=0, layers=LAYERS)
+    stream = BatchStream(plans, cache, builder, prefetch_chunks=3)
+    assert sum(1 for _ in stream) == sum(len(plan) for plan in plans)
+    assert 0 < watched.peak <= bound if cache_chunks > 1 else watched.peak == 0
+
+
+FAILING_TRAINER = """
+import sys
+from pathlib import Path
+import torch
+from dflash_jobs.errors import InputError, pod_exit_code
+from dflash_jobs.spec import load_spec
+from dflash_jobs.train.trainer import Runtime, Trainer
+
+def main():
+    trainer = Trainer.build(load_spec(sys.argv[1]), Runtime(0, 1, torch.device("cpu")), cache_dir=Path(sys.argv[2]))
+    try:
+        for _ in trainer.stream:  # the producer thread is busy building the next batches
+            raise InputError("a bad document", "fix the data")
+    except InputError as exc:
+        return pod_exit_code(exc)
+    finally:
+        trainer.close()
+
+sys.exit(main())
+"""
+
+
+def test_a_training_process_failing_on_bad_input_exits_with_its_own_code(root, extract, tmp_path):
+    """Before close() joined the producer thread, such a process died by SIGABRT (exit 134) in 2 to
+    4 runs of 5 here: the interpreter tore down while the thread ran torch code, and the Job retried
+    what should fail at once (42)."""
+    from train_fixtures import write_spec
+
+    spec = write_spec(tmp_path / "dflash.yaml", train_spec_dict(tiny_target(root), extract, micro_batch_tokens=64, epochs=50))
+    script = tmp_path / "failing_trainer.py"
+    script.write_text(textwrap.dedent(FAILING_TRAINER))
+    codes = []
+    for i in range(4):
+        run = subprocess.run([sys.executable, str(script), str(spec), str(tmp_path / f"cache{i}")],
+                             capture_output=True, text=True, timeout=120)
+        codes.append((run.returncode, run.stderr[-2000:]))
+    assert [code for code, _ in codes] == [EXIT_BAD_INPUT] * 4, codes
