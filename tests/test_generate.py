@@ -251,29 +251,39 @@ def stored_chunks(output: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in stored(output / "generate" / "chunks")}
 
 
-def test_transformers_engine_batches_answer_as_each_prompt_alone(target, tmp_path):
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_transformers_engine_batches_answer_as_each_prompt_alone(target, tmp_path, temperature):
+    """Greedy or sampled, a prompt gets the same answer in a batch of 12 as alone: each request
+    samples with its own seed, so generate.batch_prompts (not in the settings hash) changes nothing."""
     tokenizer = AutoTokenizer.from_pretrained(target)
     import torch
 
-    settings = parse_spec(minimal_spec(generate={"engine": "transformers", "temperature": 0, "batch_prompts": 16})).generate
-    requests = tmp_path / "requests.jsonl"
+    def settings(batch_prompts: int):
+        return parse_spec(minimal_spec(generate={"engine": "transformers", "temperature": temperature, "batch_prompts": batch_prompts})).generate
+
+    def answers(seed: int, batch_prompts: int) -> dict[int, batch.Answer]:
+        requests, outputs = tmp_path / f"requests-{seed}.jsonl", tmp_path / f"outputs-{seed}-{batch_prompts}.jsonl"
+        requests.write_text("".join(
+            json.dumps(batch.request(i, row["messages"][:-1], tools=None, model=SERVED_MODEL, settings=settings(1),
+                                     max_tokens=limits[i], seed=prompt_seed(seed, i))) + "\n"
+            for i, row in enumerate(rows)
+        ))
+        engine.settings = settings(batch_prompts)
+        engine.run(requests, outputs)
+        return {a.sample_id: a for a in map(batch.parse_output, outputs.read_text().splitlines())}
+
     rows = list(tiny_chat_rows(12, seed=5))
     limits = [3 + i for i in range(12)]
-    requests.write_text("".join(
-        json.dumps(batch.request(i, row["messages"][:-1], tools=None, model=SERVED_MODEL, settings=settings, max_tokens=limits[i], seed=1)) + "\n"
-        for i, row in enumerate(rows)
-    ))
-    engine = TransformersEngine.load(settings, target, tokenizer=tokenizer, device=torch.device("cpu"), attn_implementation="sdpa")
-    engine.run(requests, tmp_path / "together.jsonl")
-    engine.settings = parse_spec(minimal_spec(generate={"engine": "transformers", "temperature": 0, "batch_prompts": 1})).generate
-    engine.run(requests, tmp_path / "alone.jsonl")
-    together = {a.sample_id: a for a in map(batch.parse_output, (tmp_path / "together.jsonl").read_text().splitlines())}
-    alone = {a.sample_id: a for a in map(batch.parse_output, (tmp_path / "alone.jsonl").read_text().splitlines())}
-    assert together == alone and len(together) == 12
+    engine = TransformersEngine.load(settings(1), target, tokenizer=tokenizer, device=torch.device("cpu"), attn_implementation="sdpa")
+    together = answers(seed=1, batch_prompts=16)
+    assert together == answers(seed=1, batch_prompts=1) and len(together) == 12
     for i, answer in together.items():
         # A random target rarely ends a turn: most answers run to their own limit, and say so.
         assert answer.completion_tokens <= limits[i]
         assert answer.finish_reason == ("length" if answer.completion_tokens == limits[i] else "stop")
+    if temperature:  # the answers are sampled: other seeds, other answers
+        reseeded = answers(seed=2, batch_prompts=16)
+        assert sum(together[i].content != reseeded[i].content for i in together) >= 6
 
 
 def test_shards_generate_their_chunks_and_the_last_writes_the_manifest(target, tmp_path):

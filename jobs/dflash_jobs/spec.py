@@ -173,7 +173,7 @@ class GenerateSpec:
     thinking: bool | None = None
     """The chat template's enable_thinking switch: true or false as you will serve the target; null keeps the template's default. A template without the switch refuses true or false."""
     seed: int = 42
-    """Every prompt samples with a seed derived from this and its line, so a chunk generated again gives the same answers (vllm)."""
+    """Every prompt samples with a seed derived from this and its line, so a chunk generated again gives the same answers, in whatever batch a prompt lands (both engines)."""
     truncated: Literal["drop", "keep"] = "drop"
     """An answer cut at its token limit (finish_reason length): dropped, or kept as it is. Counted either way."""
     empty: Literal["drop", "keep"] = "drop"

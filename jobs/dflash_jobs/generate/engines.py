@@ -70,6 +70,33 @@ class VllmEngine:
             raise EngineError(f"vllm run-batch exited with code {code}", "Its log lines above say why; the shard retries the chunk")
 
 
+class SeededSampling:
+    """A logits processor that samples each row of a batch with its own request's seed, temperature
+    and top_p, and leaves only the drawn token a finite score.
+
+    Transformers' own sampling draws every row from one generator, so a prompt's answer would
+    depend on which prompts share its batch, and generate.batch_prompts is a throughput knob,
+    left out of the settings hash: with a generator per row, a prompt samples the same in any batch."""
+
+    def __init__(self, requests: list[dict[str, Any]], device) -> None:
+        import torch
+
+        self.temperature = torch.tensor([[r["temperature"]] for r in requests], device=device)
+        self.top_p = torch.tensor([[r["top_p"]] for r in requests], device=device)
+        self.generators = [torch.Generator(device).manual_seed(r["seed"]) for r in requests]
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        probs = torch.softmax(scores.float() / self.temperature, dim=-1)  # [B, V]
+        ranked, order = probs.sort(dim=-1, descending=True)
+        # Nucleus: the most likely tokens until their mass reaches top_p (the first always stays).
+        ranked[ranked.cumsum(-1) - ranked >= self.top_p] = 0
+        picks = torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(ranked, self.generators)])  # [B]
+        chosen = order.gather(1, picks[:, None])  # [B, 1]
+        return torch.full_like(scores, float("-inf")).scatter_(1, chosen, 0.0)
+
+
 class TransformersEngine:
     """Batched `generate` with a Transformers causal LM: prompts sorted by length, left-padded."""
 
@@ -129,14 +156,16 @@ class TransformersEngine:
         for row, (_, ids, _) in enumerate(batch):
             input_ids[row, longest - len(ids):] = torch.tensor(ids)
             attention[row, longest - len(ids):] = 1
-        body = batch[0][2]
-        limit = max(b["max_completion_tokens"] for _, _, b in batch)
-        sampling = body["temperature"] > 0
-        torch.manual_seed(body["seed"])  # the batch's first request's seed: the same batch samples the same
-        options: dict[str, Any] = {"do_sample": sampling}
-        if sampling:
-            # top_k 0 switches off the checkpoint's default top-k: sampling is what the spec says.
-            options.update(temperature=body["temperature"], top_p=body["top_p"], top_k=0)
+        requests = [body for _, _, body in batch]
+        limit = max(body["max_completion_tokens"] for body in requests)
+        # Greedy over the scores SeededSampling leaves: one token per row, drawn with the row's own
+        # seed (and the checkpoint's default temperature, top-k and top-p, which apply only to
+        # do_sample, stay off: sampling is what the spec says).
+        options: dict[str, Any] = {"do_sample": False}
+        if requests[0]["temperature"] > 0:
+            from transformers import LogitsProcessorList
+
+            options["logits_processor"] = LogitsProcessorList([SeededSampling(requests, self.device)])
         output = self.model.generate(
             input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device), max_new_tokens=limit,
             eos_token_id=sorted(self.stop_ids), pad_token_id=self.pad_id, **options,
