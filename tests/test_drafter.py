@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from dflash_jobs.drafter.model import Drafter, DrafterConfig
 from dflash_jobs.train.loss import ChunkedLinearCrossEntropy, draft_loss, slot_weights
-from dflash_jobs.drafter.masks import BlockLayout, build_attention, flex_attention_fn
+from dflash_jobs.drafter.masks import BlockLayout, build_attention, dense_attention, flex_attention_fn
 
 WINDOW = 6
 
@@ -60,9 +60,9 @@ def block_logits(drafter: Drafter, inputs, backend: str = "dense") -> torch.Tens
     config = drafter.config
     if backend == "dense":
         attention = build_attention(layout, config.layer_types, config.sliding_window, backend="dense")
-    else:  # flex_attention run eagerly: the CPU stand-in for the GPU kernel
+    else:  # the compiled flex path, traced as on a GPU, its kernels run eagerly: the CPU stand-in
         attention = {
-            kind: flex_attention_fn(layout, config.sliding_window if kind == "sliding_attention" else None, compile=False)
+            kind: flex_attention_fn(layout, config.sliding_window if kind == "sliding_attention" else None, backend="aot_eager")
             for kind in set(config.layer_types)
         }
     with torch.no_grad():
@@ -96,11 +96,40 @@ def test_dense_mask_matches_the_rule_and_flex_mask_mod_agrees_elementwise(window
     assert torch.equal(grid, dense)
 
 
-@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_attention_equals_dense_attention_on_cpu():
     drafter = random_drafter(small_config())
     inputs = packed_inputs(drafter.config)
     torch.testing.assert_close(block_logits(drafter, inputs, "flex"), block_logits(drafter, inputs, "dense"), atol=1e-5, rtol=1e-5)
+
+
+def random_layout(generator: torch.Generator, *, context: int, blocks: int, block_size: int = 16) -> BlockLayout:
+    """Blocks anchored at random in a context of `context` tokens, as a packed micro-batch has them."""
+    start = torch.sort(torch.randint(0, context // 2, (blocks,), generator=generator)).values
+    anchor = start + 1 + torch.randint(0, context // 2 - 1, (blocks,), generator=generator)
+    positions = torch.cat([torch.arange(context), (anchor[:, None] + torch.arange(block_size)).flatten()])
+    return BlockLayout(num_context=context, block_size=block_size, context_start=start, anchor=anchor, key_positions=positions)
+
+
+def test_compiled_flex_serves_every_micro_batch_shape_from_the_first_graphs():
+    """Every micro-batch brings its own numbers of queries and keys. The block mask and the kernel
+    are traced once for every shape: a graph per new size would stall training for seconds a
+    step on a GPU, and past dynamo's recompile limit fall back to flex's unfused path. The CPU runs
+    the same tracing and guards (backend aot_eager), with eager kernels."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    generator = torch.Generator().manual_seed(0)
+    graphs = []
+    for context, blocks in [(397, 31), (220, 21), (461, 36), (444, 27), (498, 18), (458, 13), (344, 12), (586, 11), (516, 21), (301, 40)]:
+        layout = random_layout(generator, context=context, blocks=blocks)
+        attend = flex_attention_fn(layout, None, backend="aot_eager")
+        q = torch.randn(1, 4, layout.num_queries, 8, generator=generator)
+        k, v = (torch.randn(1, 2, layout.num_keys, 8, generator=generator) for _ in range(2))
+        expected = dense_attention(layout.dense_mask(None))(q, k, v)
+        torch.testing.assert_close(attend(q, k, v), expected, atol=1e-5, rtol=1e-5)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [2] * len(graphs), graphs  # create_block_mask and flex_attention, traced at the first shape only
 
 
 def test_a_block_sees_nothing_after_its_anchor_nor_other_blocks_nor_other_documents():

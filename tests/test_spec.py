@@ -32,6 +32,7 @@ def test_minimal_spec_gets_the_documented_defaults():
     assert (spec.train.draft_layers, spec.train.block_size, spec.train.anchors, spec.train.epochs, spec.train.lr) == (5, 16, 512, 6, 6.0e-4)
     assert (spec.data.max_length, spec.data.chunk_tokens) == (4096, 65536)
     assert spec.cluster.ttl_seconds_after_finished is None
+    assert spec.train.stall_seconds == 600.0  # well above a first step's compile
 
 
 @pytest.mark.parametrize(
@@ -81,6 +82,7 @@ def test_unset_compile_means_on_a_gpu_and_auto_checkpointing_follows_it(settings
         ({"cluster": {"model_cache": "Model_Cache"}}, "cluster.model_cache", "DNS-1123"),
         ({"train": {"activation_checkpointing": "some"}}, "train.activation_checkpointing", "'auto' | 'none' | 'mlp' | 'layers'"),
         ({"extract": {"compile": "yes"}}, "extract.compile", "true or false or null"),
+        ({"train": {"stall_seconds": 0}}, "train.stall_seconds", "a number > 0"),
     ],
 )
 def test_bad_field_is_named_with_value_and_allowed(overrides, field, allowed):

@@ -267,6 +267,10 @@ class TrainSpec:
     """StorageClass of a node-local volume for the chunk cache (a generic ephemeral volume of
     train.cache_gb, e.g. local NVMe through TopoLVM, OpenEBS LocalPV or local-path), created and
     deleted with the pod. null: an emptyDir limited to train.cache_gb, on the node's ephemeral storage."""
+    stall_seconds: float = 600.0
+    """A rank that completes no step for this long writes every thread's stack to its log (and again
+    each time as long again passes): a stalled pod says where it is stuck. The first step compiles
+    (a minute or two on a GPU), so keep it well above that."""
 
     def __post_init__(self) -> None:
         _positive("train.nodes", self.nodes, minimum=1)
@@ -283,7 +287,7 @@ class TrainSpec:
             raise SpecError("train.micro_batch_blocks", self.micro_batch_blocks,
                             f"at least train.anchors ({self.anchors}): one document can bring that many blocks")
         _positive("train.checkpoint_every", self.checkpoint_every, minimum=1)
-        for name in ("lr", "gamma", "cache_gb"):
+        for name in ("lr", "gamma", "cache_gb", "stall_seconds"):
             if getattr(self, name) <= 0:
                 raise SpecError(f"train.{name}", getattr(self, name), "a number > 0")
         if not 0 <= self.warmup_ratio < 1:

@@ -19,6 +19,7 @@ Like model.py, this module imports torch only: the export carries it beside the 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -96,22 +97,23 @@ def dense_attention(mask: torch.Tensor) -> AttentionFn:
     return attend
 
 
-_compiled_flex = None
-
-
-def flex_attention_fn(layout: BlockLayout, sliding_window: int | None, *, compile: bool = True) -> AttentionFn:
-    """flex_attention over a BlockMask built from `visible`: only the tiles that hold a visible key
-    are computed, which is what makes 512 blocks x 16 slots against 4K context affordable."""
+@functools.cache
+def compiled_flex(backend: str = "inductor"):
+    """(create_block_mask, flex_attention), each compiled once for every shape. Every micro-batch
+    brings its own numbers of queries and keys: dynamic=True traces one shape-generic graph where
+    automatic dynamic shapes would compile a static one first and recompile on a later size."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    global _compiled_flex
-    if compile and _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention)
-    kernel = _compiled_flex if compile else flex_attention
+    return torch.compile(create_block_mask, dynamic=True, backend=backend), torch.compile(flex_attention, dynamic=True, backend=backend)
 
-    block_mask = create_block_mask(
-        layout.mask_mod(sliding_window), None, None, layout.num_queries, layout.num_keys, device=layout.anchor.device, _compile=compile
-    )
+
+def flex_attention_fn(layout: BlockLayout, sliding_window: int | None, *, backend: str = "inductor") -> AttentionFn:
+    """flex_attention over a BlockMask built from `visible`: only the tiles that hold a visible key
+    are computed, which is what makes 512 blocks x 16 slots against 4K context affordable. Both are
+    compiled: uncompiled, building the mask materialises [queries, keys] and the attention runs
+    flex's unfused path, a [heads, queries, keys] fp32 score tensor."""
+    make_block_mask, kernel = compiled_flex(backend)
+    block_mask = make_block_mask(layout.mask_mod(sliding_window), None, None, layout.num_queries, layout.num_keys, device=layout.anchor.device)
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return kernel(q, k, v, block_mask=block_mask, enable_gqa=True)

@@ -31,6 +31,7 @@ from dflash_jobs.spec import RunSpec, resolve_layers
 from dflash_jobs.storage import Storage, open_storage, storage_for
 from dflash_jobs.train.checkpointer import Checkpointer
 from dflash_jobs.train.data import Batch, BatchBuilder, BatchStream, Budget, ChunkCache, plan_epoch, planned_chunks, read_document_index
+from dflash_jobs.train.heartbeat import Heartbeat
 from dflash_jobs.train.loss import DraftLoss, draft_loss, expected_acceptance_length
 from dflash_jobs.train.metrics import ConsoleSink, MetricSink, MultiSink, NullSink, StorageSink, should_log
 from dflash_jobs.train.optim import build_optimizer, build_scheduler
@@ -257,21 +258,24 @@ class Trainer:
     def train(self) -> None:
         start_step, started = self.state.step, time.monotonic()
         saved = self.state.step
-        for epoch, step_in_epoch, batch in self.stream:
-            self.state.step += 1
-            self.state.tokens += batch.tokens
-            out = self.train_step(batch)
-            self.window.add(out, batch.tokens)
-            step = self.state.step
-            if should_log(step, self.log_every) or step == self.total_steps:
-                metrics = self.window.read()
-                rate = (time.monotonic() - started) / (step - start_step)
-                metrics.update(epoch=epoch, total_steps=self.total_steps, lr=self.scheduler.get_last_lr()[0], eta_s=int(rate * (self.total_steps - step)))
-                self.sink.log(metrics, step)
-                self.window.reset()
-            if self.checkpointer.due(step) or step_in_epoch == self.steps_per_epoch[epoch] - 1:
-                self.checkpointer.save(step)
-                saved = step
+        with Heartbeat(total_steps=self.total_steps, step=start_step, stall_seconds=self.spec.train.stall_seconds) as heartbeat:
+            for epoch, step_in_epoch, batch in self.stream:
+                self.state.step += 1
+                self.state.tokens += batch.tokens
+                out = self.train_step(batch)
+                self.window.add(out, batch.tokens)
+                step = self.state.step
+                heartbeat.stepped(step)
+                if should_log(step, self.log_every) or step == self.total_steps:
+                    metrics = self.window.read()
+                    rate = (time.monotonic() - started) / (step - start_step)
+                    metrics.update(epoch=epoch, total_steps=self.total_steps, lr=self.scheduler.get_last_lr()[0], eta_s=int(rate * (self.total_steps - step)))
+                    self.sink.log(metrics, step)
+                    heartbeat.logged()
+                    self.window.reset()
+                if self.checkpointer.due(step) or step_in_epoch == self.steps_per_epoch[epoch] - 1:
+                    self.checkpointer.save(step)
+                    saved = step
         if self.state.step != saved:
             self.checkpointer.save(self.state.step)
         if self.runtime.rank == 0:
