@@ -166,3 +166,32 @@ def test_a_training_process_failing_on_bad_input_exits_with_its_own_code(root, e
                              capture_output=True, text=True, timeout=120)
         codes.append((run.returncode, run.stderr[-2000:]))
     assert [code for code, _ in codes] == [EXIT_BAD_INPUT] * 4, codes
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 1.0])
+def test_a_cache_smaller_than_the_share_keeps_a_fixed_part_on_disk_and_streams_the_rest(tmp_path, fraction):
+    """Every epoch reshuffles the rank's chunks: a cache that evicted by recency would miss on
+    nearly every read, and the share would come from storage again each epoch. A fixed resident
+    part is served from disk every epoch; only the rest is read from storage again."""
+    from dflash_jobs.train.data import BatchBuilder, BatchStream, Budget, ChunkCache, plan_epoch, read_document_index
+    from train_fixtures import synthetic_chunk, write_extract
+
+    storage = open_storage(str(tmp_path / "run"))
+    chunks = [synthetic_chunk(c, documents=4, document_tokens=48, layers=2, hidden_size=32, vocab_size=100) for c in range(12)]
+    manifest = write_extract(storage, chunks, model="synthetic", layers=[1, 2], dtype="bfloat16")
+    share, largest = manifest.bytes, max(c.bytes for c in manifest.chunks)
+    index = read_document_index(storage, list(range(12)))
+    epochs = 4
+    plans = [plan_epoch(index, world_size=1, seed=0, epoch=e, budget=Budget(tokens=100, blocks=10**9, anchors=8))[0] for e in range(epochs)]
+    cache = ChunkCache(storage, tmp_path / "cache", int(fraction * share), manifest.chunks)
+    builder = BatchBuilder(block_size=4, anchors=8, gamma=7.0, mask_token_id=99, seed=0, layers=[1, 2])
+    read_by_epoch = {}
+    for epoch, _, _ in BatchStream(plans, cache, builder):
+        read_by_epoch[epoch] = cache.bytes_fetched
+    assert read_by_epoch[0] >= share  # the first epoch reads the whole share once (and prefetches into the next)
+    later = (cache.bytes_fetched - share) / (epochs - 1)  # per epoch after the first
+    kept = sum(c.bytes for c in manifest.chunks if c.chunk in cache.resident)
+    assert fraction * share - largest < kept <= fraction * share
+    assert later <= share - kept
+    assert later / share <= {0.25: 0.8, 0.5: 0.6, 1.0: 0.0}[fraction]
+    assert sum(p.stat().st_size for p in (tmp_path / "cache").iterdir()) == kept

@@ -44,8 +44,7 @@ def tiny_extract(root: Path, *, dtype: str = "bfloat16") -> Path:
     rows = list(tiny_chat_rows(DOCUMENTS, seed=1))
     samples = encoder.encode([encoder.render(row) for row in rows])
     all_hidden = captured_layers(model, [ids for ids, _ in samples])
-    storage = open_storage(str(output))
-    markers = []
+    chunks = []
     for chunk in range(CHUNKS):
         ids = list(range(chunk, DOCUMENTS, CHUNKS))
         tokens = TokenChunk(
@@ -54,23 +53,47 @@ def tiny_extract(root: Path, *, dtype: str = "bfloat16") -> Path:
             cu_seqlens=np.concatenate([[0], np.cumsum([len(samples[i][0]) for i in ids])]).astype(np.int64),
             sample_ids=np.asarray(ids, dtype=np.int64),
         ).validate("tiny")
-        hidden = torch.cat([all_hidden[i] for i in ids])  # [T, L, d]
-        data = encode_hidden_chunk(tokens, hidden.to(torch.bfloat16), layers=LAYERS, model=str(target), config_hash="tiny", dtype=dtype)
+        chunks.append((tokens, torch.cat([all_hidden[i] for i in ids])))  # [T, L, d]
+    write_extract(open_storage(str(output)), chunks, model=str(target), layers=LAYERS, dtype=dtype)
+    return output
+
+
+def write_extract(storage, chunks, *, model: str, layers: list[int], dtype: str) -> Manifest:
+    """Hidden-state chunks ((TokenChunk, states [T, L, d]) each) with their token chunks, done
+    markers and the manifest, as extraction and verify leave them."""
+    markers = []
+    for chunk, (tokens, hidden) in enumerate(chunks):
+        data = encode_hidden_chunk(tokens, hidden.to(torch.bfloat16), layers=layers, model=model, config_hash="synthetic", dtype=dtype)
         storage.put_bytes(token_chunk_key(chunk), tokens.encode())
         put = storage.put_bytes(hidden_chunk_key(chunk), data)
         marker = DoneMarker(
-            chunk=chunk, samples=len(ids), tokens=tokens.num_tokens, bytes=put.size, sha256=hashlib.sha256(data).hexdigest(),
-            etag=None, dtype=dtype, layers=LAYERS, hidden_size=DEBUGMODEL.hidden_size,
+            chunk=chunk, samples=tokens.num_samples, tokens=tokens.num_tokens, bytes=put.size, sha256=hashlib.sha256(data).hexdigest(),
+            etag=None, dtype=dtype, layers=layers, hidden_size=hidden.shape[-1],
         )
         storage.put_bytes(done_key(chunk), marker.to_json().encode())
         markers.append(marker)
     manifest = Manifest(
-        model=str(target), layers=LAYERS, dtype=dtype, hidden_size=DEBUGMODEL.hidden_size,
+        model=model, layers=layers, dtype=dtype, hidden_size=markers[0].hidden_size,
         samples=sum(m.samples for m in markers), tokens=sum(m.tokens for m in markers), bytes=sum(m.bytes for m in markers),
         chunks=markers,
     )
     storage.put_bytes(MANIFEST_KEY, manifest.to_json().encode())
-    return output
+    return manifest
+
+
+def synthetic_chunk(chunk: int, *, documents: int, document_tokens: int, layers: int, hidden_size: int, vocab_size: int):
+    """(TokenChunk, random states [T, L, d]) of `documents` equal documents, 10% of each a prompt:
+    chunks of the real format and shape, without running a target."""
+    g = torch.Generator().manual_seed(chunk)
+    loss_mask = np.ones(document_tokens, dtype=np.uint8)
+    loss_mask[: document_tokens // 10] = 0
+    tokens = TokenChunk(
+        input_ids=torch.randint(0, vocab_size, (documents * document_tokens,), generator=g, dtype=torch.int32).numpy(),
+        loss_mask=np.tile(loss_mask, documents),
+        cu_seqlens=np.arange(documents + 1, dtype=np.int64) * document_tokens,
+        sample_ids=np.arange(chunk * documents, (chunk + 1) * documents, dtype=np.int64),
+    ).validate(f"synthetic chunk {chunk}")
+    return tokens, torch.randn(documents * document_tokens, layers, hidden_size, generator=g, dtype=torch.bfloat16)
 
 
 def captured_layers(model, documents: list[np.ndarray]) -> list[torch.Tensor]:
