@@ -139,6 +139,37 @@ def test_plan_from_the_dataset_index_matches_hand_computed_figures(tmp_path):
     assert plan["train_wall_clock_hours"] == pytest.approx(14.581000)
 
 
+def test_plan_bills_what_training_reads_from_storage_and_warns_where_the_store_cannot_keep_up(tmp_path):
+    spec_file = write_run(tmp_path, tokens=1_000_000_000)
+    reads = plan_json("-f", spec_file)["training_reads"]
+    # 1e9 tokens x 51,205 bytes = 51.205 TB over 8 ranks: 6.400625 TB each, against 64 GiB / 8 of
+    # cache: 8 GiB kept (0.134%), the rest read again every epoch after the first.
+    assert reads["share_tb_per_rank"] == pytest.approx(6.400625) and reads["cache_gib_per_rank"] == 8.0
+    assert reads["fits_cache"] is False and reads["resident_fraction"] == pytest.approx(8 * 2**30 / 6.400625e12)
+    later = 51.205 * (1 - 8 * 2**30 / 6.400625e12)
+    assert reads["read_tb_first_epoch"] == pytest.approx(51.205) and reads["read_tb_per_later_epoch"] == pytest.approx(later)
+    assert reads["read_tb_total"] == pytest.approx(51.205 + 5 * later)
+    # 14,288 tokens/s x 51,205 bytes = 731.6 MB/s per GPU, 5,852.9 MB/s for the node's 8.
+    assert reads["consumed_mb_per_s_per_gpu"] == pytest.approx(731.61704)
+    assert reads["store_mb_per_s_per_node_first_epoch"] == pytest.approx(5852.93632)
+    first, later_epochs = reads["warnings"]
+    assert "5,853 MB/s per node" in first and "over the 2,000 MB/s" in first and "float8_e4m3fn" in first
+    # The whole share on each node: 6.400625e12 x 8 / 2^30 = 47,688.2 GiB; or 51.205 TB / 64 GiB = 745.1 -> 746 nodes.
+    assert "train.cache_gb: 47,689" in later_epochs and "train.nodes: 746" in later_epochs and "float8_e4m3fn" in later_epochs
+
+    spec = yaml.safe_load(open(spec_file))
+    spec["train"] = {"cache_gb": 50_000, "cache_storage_class": "local-nvme"}
+    spec["extract"]["dtype"] = "float8_e4m3fn"
+    open(spec_file, "w").write(yaml.safe_dump(spec))
+    fits = plan_json("-f", spec_file, "--store-mb-per-s", "3000")["training_reads"]
+    # fp8: 25,625 bytes a token; the share (3.203 TB) fits the cache: nothing is read twice; and 8 x
+    # 14,288 x 25,625 = 2,929.04 MB/s stays under the 3,000 given.
+    assert fits["fits_cache"] is True and fits["read_tb_per_later_epoch"] == 0 and fits["read_tb_total"] == pytest.approx(25.625)
+    assert fits["store_mb_per_s_per_node_first_epoch"] == pytest.approx(2929.04) and fits["warnings"] == []
+    table = runner.invoke(app, ["plan", "-f", spec_file])
+    assert "100% of it stays on local disk" in table.stdout and "warning: the first epoch" in table.stderr
+
+
 def test_plan_rate_flag_layers_and_small_jobs(tmp_path):
     spec_file = write_run(tmp_path, tokens=36_000_000, layers=[3, 7, 11], shards=2, dtype="float8_e4m3fn")
     plan = plan_json("-f", spec_file, "--tokens-per-second", "10000")

@@ -1,5 +1,6 @@
-"""The bill of a run before it starts: tokens, storage, GPU-hours, and the upload rate a node must sustain;
-with a generate section, the answers to generate first and their GPU-hours.
+"""The bill of a run before it starts: tokens, storage, GPU-hours, the upload rate a node must sustain
+and what training reads from storage at what rate; with a generate section, the answers to generate
+first and their GPU-hours.
 
 Pure functions of the spec, the token dataset's size and the target's shape; the two readers at
 the bottom fetch those (tokens/dataset.json and the checkpoint's config.json) and fall back to
@@ -11,6 +12,7 @@ Units are decimal, as storage and network are billed: 1 TB = 1e12 bytes, 1 MB/s 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,12 @@ ASSUMED_TARGET = {"hidden_size": 5120, "num_hidden_layers": 64, "name": "Qwen3.6
 
 TB = 1e12
 MB = 1e6
+GIB = 1 << 30
+"""train.cache_gb counts GiB, as the cache volume's size is rendered."""
+STORE_READ_MB_PER_S_PER_NODE = 2000.0
+"""What the plan assumes one node can read from the object store, sustained for days (16 Gbit/s;
+not measured here: `--store-mb-per-s` takes your store's). Above it the plan warns: training would
+wait on storage."""
 S3_ATTEMPTS = 2
 """A plan answers in seconds: an unreachable store means "estimate", not minutes of retries."""
 
@@ -94,6 +102,36 @@ class GenerationCost:
 
 
 @dataclass(frozen=True, slots=True)
+class TrainingReads:
+    """Training reads every token's states once per epoch. Each rank trains on a fixed share of the
+    chunks; its part of the node's cache (train.cache_gb / gpus_per_node) keeps a fixed subset of
+    that share on local disk across epochs, the rest is read from storage again every epoch
+    (train/data.py ChunkCache). Sizes in the spec's extract.dtype."""
+
+    dtype: str
+    gpus_per_node: int
+    share_tb_per_rank: float | None
+    cache_gib_per_rank: float
+    resident_fraction: float | None
+    """Of each rank's share, what stays on local disk: 1.0 when the share fits the cache."""
+    read_tb_first_epoch: float | None
+    """Every chunk, once: what the cache starts from."""
+    read_tb_per_later_epoch: float | None
+    read_tb_total: float | None
+    consumed_mb_per_s_per_gpu: float
+    """What one GPU's training steps consume at the training rate (from disk, memory or storage)."""
+    store_mb_per_s_per_node_first_epoch: float
+    store_mb_per_s_per_node_later_epochs: float | None
+    store_limit_mb_per_s_per_node: float
+    warnings: list[str]
+    """Where the store would have to deliver more than the limit, and what helps."""
+
+    @property
+    def fits_cache(self) -> bool | None:
+        return None if self.resident_fraction is None else self.resident_fraction >= 1.0
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     name: str
     data: DataSize
@@ -113,11 +151,15 @@ class Plan:
     """Every token once per epoch (train.epochs), at the measured training rate."""
     train_wall_clock_hours: float | None
     """On train.nodes x train.gpus_per_node GPUs."""
+    training_reads: TrainingReads
+    """What training reads from storage, at what rate, and whether the store keeps up."""
     generation: GenerationCost | None = None
     """With a generate section: the generation step's bill, before prepare's tokens exist."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        plan = asdict(self)
+        plan["training_reads"]["fits_cache"] = self.training_reads.fits_cache
+        return plan
 
 
 def bytes_per_token(hidden_size: int, num_layers: int, dtype: str) -> int:
@@ -139,13 +181,51 @@ def training_rate(spec: RunSpec) -> float:
     return TRAIN_TOKENS_PER_SECOND[spec.train.compiled_on("cuda")]
 
 
+def training_reads(spec: RunSpec, tokens: int | None, per_token: int, *, tokens_per_second: float, store_limit: float) -> TrainingReads:
+    """The storage bill of training for `tokens` tokens of `per_token` bytes (see TrainingReads)."""
+    train = spec.train
+    cache_per_rank = train.cache_gb * GIB / train.gpus_per_node
+    consumed = tokens_per_second * per_token / MB
+    first_rate = consumed * train.gpus_per_node
+    warnings = []
+    fp8 = " fp8 storage (extract.dtype: float8_e4m3fn) halves it;" if spec.extract.dtype == "bfloat16" else ""
+    if first_rate > store_limit:
+        warnings.append(
+            f"the first epoch reads every chunk from storage at {first_rate:,.0f} MB/s per node, over the {store_limit:,.0f} MB/s "
+            f"assumed sustainable (--store-mb-per-s): its steps will wait on storage.{fp8.rstrip(';')}"
+        )
+    if tokens is None:
+        return TrainingReads(spec.extract.dtype, train.gpus_per_node, None, cache_per_rank / GIB, None, None, None, None, consumed, first_rate, None, store_limit, warnings)
+    total = tokens * per_token
+    share = total / train.world_size
+    resident = min(1.0, cache_per_rank / share) if share else 1.0
+    later = total * (1 - resident)
+    later_rate = first_rate * (1 - resident)
+    if later_rate > store_limit:
+        cache_gb = math.ceil(share * train.gpus_per_node / GIB)
+        nodes = math.ceil(total / (train.cache_gb * GIB))
+        warnings.append(
+            f"each later epoch streams {1 - resident:.0%} of every rank's share from storage again at {later_rate:,.0f} MB/s per node: "
+            f"a node-local cache of train.cache_gb: {cache_gb:,} holds the whole share (train.cache_storage_class for local NVMe);"
+            f"{fp8} or train.nodes: {nodes} makes each share fit the cache of {train.cache_gb:g} GiB per node"
+        )
+    return TrainingReads(
+        dtype=spec.extract.dtype, gpus_per_node=train.gpus_per_node, share_tb_per_rank=share / TB, cache_gib_per_rank=cache_per_rank / GIB, resident_fraction=resident,
+        read_tb_first_epoch=total / TB, read_tb_per_later_epoch=later / TB, read_tb_total=(total + later * (train.epochs - 1)) / TB,
+        consumed_mb_per_s_per_gpu=consumed, store_mb_per_s_per_node_first_epoch=first_rate,
+        store_mb_per_s_per_node_later_epochs=later_rate, store_limit_mb_per_s_per_node=store_limit, warnings=warnings,
+    )
+
+
 def make_plan(
     spec: RunSpec, data: DataSize, target: TargetShape, *, tokens_per_second: float | None = None,
     train_tokens_per_second: float | None = None, generation: GenerationCost | None = None,
+    store_mb_per_s: float = STORE_READ_MB_PER_S_PER_NODE,
 ) -> Plan:
     tokens_per_second = extraction_rate(spec) if tokens_per_second is None else tokens_per_second
     train_tokens_per_second = training_rate(spec) if train_tokens_per_second is None else train_tokens_per_second
-    for option, rate in (("--tokens-per-second", tokens_per_second), ("--train-tokens-per-second", train_tokens_per_second)):
+    for option, rate in (("--tokens-per-second", tokens_per_second), ("--train-tokens-per-second", train_tokens_per_second),
+                         ("--store-mb-per-s", store_mb_per_s)):
         if rate <= 0:
             raise SpecError(option, rate, "a number > 0")
     per_token = {dtype: bytes_per_token(target.hidden_size, len(target.layers), dtype) for dtype in HIDDEN_DTYPES}
@@ -168,6 +248,8 @@ def make_plan(
         train_tokens_per_second_per_gpu=train_tokens_per_second,
         train_gpu_hours=train_gpu_hours,
         train_wall_clock_hours=None if train_gpu_hours is None else train_gpu_hours / spec.train.world_size,
+        training_reads=training_reads(spec, data.tokens, per_token[spec.extract.dtype], tokens_per_second=train_tokens_per_second,
+                                      store_limit=store_mb_per_s),
         generation=generation,
     )
 

@@ -27,8 +27,12 @@ def plan(
     generate_tokens_per_second: Annotated[
         Optional[float], typer.Option("--generate-tokens-per-second", help="Generated tokens/s per GPU (default: measured by the chunks done so far).")
     ] = None,
+    store_mb_per_s: Annotated[
+        float, typer.Option("--store-mb-per-s", help="What one training node can read from the object store, sustained, in MB/s: above it the plan warns.")
+    ] = planning.STORE_READ_MB_PER_S_PER_NODE,
 ) -> None:
-    """Validate the spec and show what the run costs: tokens, storage (TB), GPU-hours of extraction and training, upload rate.
+    """Validate the spec and show what the run costs: tokens, storage (TB), GPU-hours of extraction and training, upload rate,
+    and what training reads from storage: each rank's share against its cache, TB per epoch and in all, MB/s per node.
 
     Exact once `dflashctl prepare` wrote tokens/dataset.json; before that, estimated from the size
     of data.source. With a generate section, also the answers to generate: prompts (exact once
@@ -41,6 +45,8 @@ def plan(
       dflashctl plan --tokens-per-second 6000 -o json
 
       dflashctl plan --generate-tokens-per-second 2500
+
+      dflashctl plan --store-mb-per-s 5000
     """
     spec = load_spec(spec_file)
     generation = None
@@ -49,7 +55,7 @@ def plan(
         generation = planning.generation_cost(spec, prompts, measured, tokens_per_second=generate_tokens_per_second)
     result = planning.make_plan(
         spec, planning.read_data_size(spec), planning.read_target_shape(spec), tokens_per_second=tokens_per_second,
-        train_tokens_per_second=train_tokens_per_second,
+        train_tokens_per_second=train_tokens_per_second, store_mb_per_s=store_mb_per_s,
         generation=generation,
     )
     if output_format is OutputFormat.json:
@@ -59,6 +65,8 @@ def plan(
     if result.generation is not None:
         output.info(f"prompts: {result.generation.prompts_basis}")
         output.info(f"generation rate: {result.generation.rate_basis}")
+    for warning in result.training_reads.warnings:
+        output.info(f"warning: {warning}")
     output.info(f"data: {result.data.basis}")
     output.info(f"target: {result.target.basis}")
     output.hint("dflashctl run" if not result.data.estimated else "dflashctl prepare   (exact token counts)")
@@ -83,7 +91,21 @@ def plan_table(result: planning.Plan) -> Table:
         table.add_row(f"upload per node {dtype}", _amount(rate, f" MB/s ({result.gpus_per_node} GPUs per node)"))
     table.add_row("training", _amount(result.train_gpu_hours, f" GPU-hours at {result.train_tokens_per_second_per_gpu:,.0f} tokens/s per GPU"))
     table.add_row("training wall clock", _amount(result.train_wall_clock_hours, " hours"))
+    _training_read_rows(table, result.training_reads)
     return table
+
+
+def _training_read_rows(table: Table, reads: planning.TrainingReads) -> None:
+    kept = "" if reads.resident_fraction is None else f": {reads.resident_fraction:.0%} of it stays on local disk across epochs"
+    table.add_row("training share per GPU", _amount(reads.share_tb_per_rank, f" TB ({reads.dtype}) against a cache of {reads.cache_gib_per_rank:,.0f} GiB{kept}"))
+    table.add_row("training reads from storage", (
+        f"{_amount(reads.read_tb_first_epoch, ' TB')} the first epoch, {_amount(reads.read_tb_per_later_epoch, ' TB')} each later one, "
+        f"{_amount(reads.read_tb_total, ' TB')} in all"
+    ))
+    table.add_row("training read rate", (
+        f"{reads.consumed_mb_per_s_per_gpu:,.0f} MB/s per GPU; from storage per node ({reads.gpus_per_node} GPUs): "
+        f"{reads.store_mb_per_s_per_node_first_epoch:,.0f} MB/s the first epoch, {_amount(reads.store_mb_per_s_per_node_later_epochs, ' MB/s')} later"
+    ))
 
 
 def _generation_rows(table: Table, cost: planning.GenerationCost) -> None:
