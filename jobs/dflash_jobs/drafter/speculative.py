@@ -11,11 +11,16 @@ cropped to the last accepted token, and, for each Gated DeltaNet layer, a short 
 recurrent state that summarise every token seen so far: those cannot be cropped. So each block is
 verified from a checkpoint. Before the verify forward the GDN states are copied (a few small
 tensors per layer, independent of the context length). When a draft is rejected, the cache is
-rolled back (K/V cropped, GDN states restored) and the target re-runs only the accepted tokens.
-Cost: one target forward of B tokens per block, plus one of (accepted + 1) tokens unless the whole
-block was accepted. At batch size 1 a forward is bound by reading the weights, so the re-run costs
-about as much as the verify itself; serving engines avoid it with verify kernels that keep the
-recurrent state after every token. The re-run is exact: it builds the state plain decoding would.
+rolled back (K/V cropped, GDN states restored): the tokens it accepted are committed but no longer
+in the cache. They do not get a forward of their own: they lead the next block's verify forward
+([uncached committed tokens, anchor, drafts]), which computes for them exactly what a forward of
+their own would (causal attention, the GDN state rebuilt from the real tokens, as plain decoding
+builds it). Their captured layers were taken from the verify that accepted them. So a block costs
+one target forward; only when the uncached tokens reach block_size are they run alone, which
+keeps a verify forward under two blocks. At batch size 1 a forward costs about the same for 16
+tokens as for 32 (launch or weight-read bound), which is why deferring beats re-running at once
+(which cost a second forward per rejected block); serving engines avoid both with verify kernels
+that keep the recurrent state after every token.
 
 The export carries this module beside dflash.py (whose spec_generate runs this loop), so it imports
 torch and transformers only.
@@ -252,6 +257,7 @@ def speculative_decode(
     sequence[: len(prompt)] = prompt
     sequence[len(prompt)] = logits[-1].argmax()
     length = len(prompt) + 1  # committed tokens; the last is the anchor of the next block
+    cached = len(prompt)  # committed tokens in the target's cache; those after it lead the next verify forward
     context: _Context | None = None
     if target.layers:
         features = target.features()
@@ -264,19 +270,24 @@ def speculative_decode(
         # A block yields at most len(draft) + 1 tokens: draft no more than the output still needs.
         draft = drafter.propose(sequence[:length], context.view() if context is not None else None)
         draft = draft[: min(drafter.block_size - 1, max_new_tokens - len(tokens) - 1)].to(device, torch.long)
-        block = torch.cat([sequence[length - 1 : length], draft])  # [anchor, drafts...]
+        anchor = length - 1 - cached  # the anchor's index in the verify forward, after the uncached committed tokens
         checkpoint = target.checkpoint()
-        predicted = target.forward(block).argmax(-1)  # predicted[j]: the target's token after block[j]
+        logits = target.forward(torch.cat([sequence[cached:length], draft]))
+        predicted = logits[anchor:].argmax(-1)  # predicted[j]: the target's token after the block's j-th (anchor, drafts...)
         accepted = int(torch.cumprod((draft == predicted[:-1]).long(), dim=0).sum())
-        if accepted < len(draft):
-            # A rejected draft left its state in the GDN layers: rebuild from the checkpoint.
-            target.rollback(checkpoint)
-            target.forward(block[: accepted + 1], last_only=True)
         if context is not None:
-            context.append(target.features()[: accepted + 1])
+            context.append(target.features()[anchor : anchor + accepted + 1])
         new = torch.cat([draft[:accepted], predicted[accepted : accepted + 1]])
         sequence[length : length + len(new)] = new
         length += len(new)
+        if accepted == len(draft):
+            cached = length - 1  # everything but the bonus token went through the cache as it stays
+        else:
+            # A rejected draft left its state in the GDN layers: back to the checkpoint.
+            target.rollback(checkpoint)
+            if length - 1 - cached >= drafter.block_size:
+                target.forward(sequence[cached : length - 1], last_only=True)
+                cached = length - 1
         tokens.extend(new.tolist())
         accepted_per_step.append(accepted)
         drafted_per_step.append(len(draft))
