@@ -15,26 +15,25 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from transformers import AutoTokenizer
 
-from dflash_jobs.errors import EXIT_BAD_SPEC, FormatError, InputError, SpecError
+from dflash_jobs.errors import EXIT_BAD_INPUT, EXIT_BAD_SPEC, FormatError, InputError, SpecError
 from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk
 from dflash_jobs.generate import batch
 from dflash_jobs.generate.__main__ import main
 from dflash_jobs.generate.engines import SERVED_MODEL, TransformersEngine
 from dflash_jobs.generation import (
-    MANIFEST_KEY, PLAN_KEY, REJECTED_KEY, GenerationManifest, GenerationPlan, chunk_key, done_key, read_progress,
-    write_manifest_if_complete,
+    EMPTY_ANSWER, ENGINE_ERROR, MANIFEST_KEY, OVER_CONTEXT, PLAN_KEY, REJECTED_KEY, TRUNCATED, GenerationManifest, GenerationPlan,
+    chunk_key, done_key, read_progress, write_manifest_if_complete,
 )
 from dflash_jobs.generate.progress import Summary
 from dflash_jobs.generate.source import NO_USER_TURN, NOT_CHAT, Source, make_plan, parse_prompt
 from dflash_jobs.generate.stage import stage
-from dflash_jobs.generate.worker import (
-    EMPTY_ANSWER, ENGINE_ERROR, OVER_CONTEXT, TRUNCATED, GenerateWorker, assign_chunks, build_worker, prompt_seed,
-)
-from dflash_jobs.prepare import BadRow, prepare
+from dflash_jobs.generate.worker import GenerateWorker, assign_chunks, build_worker, prompt_seed
+from dflash_jobs.prepare import TEMPLATE_ERROR, BadRow, Preparer, prepare
 from dflash_jobs.spec import parse_spec
 from dflash_jobs.storage import TEMP_PREFIX, open_storage
 from dflash_jobs.tiny import tiny_chat_rows, write_tiny_target
@@ -411,7 +410,7 @@ def scripted_worker(spec_file: Path, engine: ScriptedEngine) -> GenerateWorker:
 
 
 @pytest.mark.parametrize("truncated, empty", [("drop", "drop"), ("keep", "keep")])
-def test_failed_empty_and_truncated_answers_are_counted_and_kept_or_dropped_by_the_spec(target, tmp_path, truncated, empty):
+def test_failed_empty_and_truncated_answers_are_counted_and_kept_or_dropped_by_the_spec(target, tmp_path, truncated, empty, caplog):
     spec_file = write_run(tmp_path, target, list(tiny_chat_rows(8, seed=4)), shards=1, truncated=truncated, empty=empty,
                           engine="vllm", temperature=0.7, seed=3)
     engine = ScriptedEngine({1: "length", 2: "empty", 3: "error", 4: None})
@@ -421,9 +420,13 @@ def test_failed_empty_and_truncated_answers_are_counted_and_kept_or_dropped_by_t
     if truncated == "drop":
         assert manifest.dropped == {ENGINE_ERROR: 2, EMPTY_ANSWER: 1, TRUNCATED: 1} and manifest.rows == 4
         assert (manifest.truncated_kept, manifest.empty_kept) == (0, 0)
+        # Half the lines dropped: the log says so, with the settings behind each reason.
+        assert ("generation dropped 4 of 8 lines (50%): empty_answer 1 (answers without text, dropped by generate.empty: drop), "
+                "engine_error 2 (the engine failed them: generate/rejected.jsonl quotes why), truncated 1") in caplog.text
     else:
         assert manifest.dropped == {ENGINE_ERROR: 2} and manifest.rows == 6
         assert (manifest.truncated_kept, manifest.empty_kept) == (1, 1)
+        assert "generation dropped" not in caplog.text  # a quarter is not worth a warning
     rejected = {r["sample_id"]: r for r in map(json.loads, (tmp_path / "out" / REJECTED_KEY).read_text().splitlines())}
     assert "maximum context length" in rejected[3]["detail"] and "status 400" in rejected[3]["detail"]
     assert "holds no answer" in rejected[4]["detail"]
@@ -437,6 +440,55 @@ def test_failed_empty_and_truncated_answers_are_counted_and_kept_or_dropped_by_t
         sample_id = batch.sample_id_of(request["custom_id"])
         assert (body["temperature"], body["seed"]) == (0.7, prompt_seed(3, sample_id))
         assert 1 <= body["max_completion_tokens"] <= 12
+
+
+def test_generation_that_keeps_too_few_rows_fails_its_last_shard_at_once_naming_the_settings(target, tmp_path, monkeypatch, caplog):
+    """A new user's first try: a small target rarely ends its answers within 12 tokens, and
+    generate.truncated: drop drops every answer cut there. The shard that completes the manifest
+    exits with the bad-input code, the drops counted by reason and the settings that drop them named;
+    a rerun of the same spec fails the same at once (nothing is generated again); prepare says the same."""
+    spec_file = write_run(tmp_path, target, list(tiny_chat_rows(24, seed=1)), truncated="drop")
+    raw = yaml.safe_load(spec_file.read_text())
+    raw["data"]["holdout"] = 4
+    spec_file.write_text(yaml.safe_dump(raw))
+    termination = tmp_path / "termination-log"
+    monkeypatch.setenv("DFLASH_TERMINATION_LOG", str(termination))
+    assert main(["-f", str(spec_file), "--shard", "0"]) == 0  # chunks of shard 1 are still missing: no manifest yet
+    assert main(["-f", str(spec_file), "--shard", "1"]) == EXIT_BAD_INPUT
+    manifest = GenerationManifest.from_json((tmp_path / "out" / MANIFEST_KEY).read_text())
+    assert manifest.rows <= 4 and manifest.dropped == {TRUNCATED: 24 - manifest.rows}
+    error = json.loads(termination.read_text())["error"]
+    assert error.startswith(
+        f"generation kept {manifest.rows} of 24 lines of data.source, and prepare holds out the last data.holdout = 4 for evaluation, "
+        f"leaving nothing to train on; dropped: truncated {24 - manifest.rows} (answers cut at generate.max_new_tokens = 12 "
+        "or at data.max_length, dropped by generate.truncated: drop). Change the spec: set generate.truncated: keep or raise "
+        "generate.max_new_tokens, or lower data.holdout; then `dflashctl run --force`"
+    )
+    assert f"generation dropped {24 - manifest.rows} of 24 lines" in caplog.text
+    assert main(["-f", str(spec_file), "--shard", "1"]) == EXIT_BAD_INPUT
+    again = json.loads(termination.read_text())
+    assert (again["chunks_done"], again["error"]) == (0, error)
+    with pytest.raises(InputError) as caught:
+        prepare(parse_spec(raw), workers=1)
+    assert str(caught.value) == error
+
+
+def test_prepare_names_the_generated_rows_when_too_few_of_them_are_usable(tmp_path):
+    """Generation kept more rows than data.holdout, but prepare dropped some: its message is about
+    the generated rows it read, not about data.source."""
+    spec = parse_spec(minimal_spec(data={"holdout": 2}, output=str(tmp_path / "out"), generate={}))
+    usable = (np.arange(4, dtype=np.int32), np.ones(4, dtype=np.uint8))
+    preparer = Preparer(spec.data, storage=open_storage(spec.output), vocab_size=16, generation={"rows": 3, "lines": 6})
+    try:
+        with pytest.raises(InputError) as caught:
+            preparer.run([[(0, BadRow(TEMPLATE_ERROR, "the chat template failed")), (4, usable), (5, usable)]])
+    finally:
+        preparer.close()
+    assert str(caught.value) == (
+        "the generated rows (generate/manifest.json: 3 kept of 6 lines of data.source) give 2 usable samples, all held out "
+        "(data.holdout = 2); prepare dropped 1 of the rows (tokens/rejected.jsonl says why). Keep more rows in generation "
+        "(generate.truncated, generate.empty, generate.max_new_tokens), or lower data.holdout"
+    )
 
 
 # ---- the vllm engine's process ----------------------------------------------------------------------

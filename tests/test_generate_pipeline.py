@@ -12,16 +12,18 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 from extracted_chunks import LAYERS
+from test_bad_input import cli
 from test_pipeline import FakeBackend, Recorder, make_job, pipeline_work
 
 from dflash_jobs.generation import (
-    MANIFEST_KEY, PLAN_KEY, ChunkMarker, GenerationPlan, SourceChunk, chunk_key, done_key, generation_settings, settings_hash,
-    write_manifest_if_complete,
+    MANIFEST_KEY, PLAN_KEY, TRUNCATED, ChunkMarker, GenerationPlan, SourceChunk, chunk_key, done_key, generation_settings,
+    settings_hash, write_manifest_if_complete,
 )
 from dflash_jobs.spec import parse_spec
 from dflash_jobs.storage import open_storage
 
-from dflashctl.backend import EVENT_SHARDS_FAILED, EVENT_SHARDS_RETRIED, PROGRESS_ANNOTATION
+from dflashctl.backend import EVENT_RUN_FAILED, EVENT_SHARDS_FAILED, EVENT_SHARDS_RETRIED, PROGRESS_ANNOTATION
+from dflashctl.cli import run as run_command
 from dflashctl.cli import status as status_cli
 from dflashctl.cli.app import app
 from dflashctl.errors import RunFailed, exit_code
@@ -38,7 +40,7 @@ def spec(tmp_path):
         "name": "pipe",
         "backend": "local",
         "target": {"model": str(tmp_path / "model"), "layers": LAYERS},
-        "data": {"source": str(tmp_path / "chats.jsonl"), "max_length": 64, "chunk_tokens": 256},
+        "data": {"source": str(tmp_path / "chats.jsonl"), "max_length": 64, "chunk_tokens": 256, "holdout": 2},
         "output": str(tmp_path / "out"),
         "extract": {"shards": 2},
         "generate": {"shards": 2, "chunk_prompts": PROMPTS_PER_CHUNK},
@@ -59,22 +61,25 @@ def plan_generation(storage, spec) -> GenerationPlan:
     return plan
 
 
-def land(storage, spec, chunk: int, *, seconds: float = 10.0) -> None:
-    """What a generation pod stores for one chunk: its rows, then its marker."""
+def land(storage, spec, chunk: int, *, seconds: float = 10.0, kept: int = PROMPTS_PER_CHUNK) -> None:
+    """What a generation pod stores for one chunk: its rows, then its marker. The first `kept`
+    prompts keep their answer; the others' were cut at the limit and dropped (generate.truncated: drop)."""
     first = chunk * PROMPTS_PER_CHUNK
     rows = [{"sample_id": first + i, "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
-            for i in range(PROMPTS_PER_CHUNK)]
+            for i in range(kept)]
     stored = storage.put_bytes(chunk_key(chunk), "".join(json.dumps(r) + "\n" for r in rows).encode())
     marker = ChunkMarker(
-        chunk=chunk, first_line=first, lines=PROMPTS_PER_CHUNK, rows=PROMPTS_PER_CHUNK, bytes=stored.size, sha256=stored.sha256,
+        chunk=chunk, first_line=first, lines=PROMPTS_PER_CHUNK, rows=kept, bytes=stored.size, sha256=stored.sha256,
         etag=stored.etag, settings=settings_hash(generation_settings(spec)), completion_tokens=PROMPTS_PER_CHUNK * TOKENS_PER_ANSWER,
-        seconds=seconds, engine="vllm",
+        seconds=seconds, engine="vllm", dropped={TRUNCATED: PROMPTS_PER_CHUNK - kept} if kept < PROMPTS_PER_CHUNK else {},
     )
     storage.put_bytes(done_key(chunk), marker.to_json().encode())
 
 
-def generation_work(storage, spec, *, failing_shards=lambda attempt: set()) -> dict:
-    """The pipeline's Jobs with a generate Job whose failing shards land nothing (shard i owns chunk i)."""
+def generation_work(storage, spec, *, failing_shards=lambda attempt: set(), kept: int = PROMPTS_PER_CHUNK,
+                    bad_input_shards: set[int] = frozenset()) -> dict:
+    """The pipeline's Jobs with a generate Job whose failing shards land nothing (shard i owns chunk
+    i) and whose `bad_input_shards` land their chunk, then fail (a pod exiting 42)."""
     work = pipeline_work(storage)
     work.pop("manifest_at_train")
 
@@ -83,8 +88,8 @@ def generation_work(storage, spec, *, failing_shards=lambda attempt: set()) -> d
         failed = failing_shards(attempt)
         for chunk in range(GENERATION_CHUNKS):
             if chunk not in failed:
-                land(storage, spec, chunk)
-        return make_job("pipe-generate", completions=2, failed=failed)
+                land(storage, spec, chunk, kept=kept)
+        return make_job("pipe-generate", completions=2, failed=failed | bad_input_shards)
 
     prepare = work["prepare"]
 
@@ -141,6 +146,60 @@ def test_a_manifest_of_other_settings_is_generated_again(spec, storage):
     result = run_pipeline(spec, backend, storage=storage, refresh_s=0.01)
     assert result.ran[0] == "generate" and backend.calls[0] == ("submit", "pipe-generate")
     assert json.loads(storage.get_bytes(MANIFEST_KEY))["settings"]["temperature"] == spec.generate.temperature
+
+
+def test_generation_that_keeps_too_few_rows_stops_the_run_naming_the_settings_and_a_rerun_stops_again(
+    spec, storage, tmp_path, monkeypatch, capsys,
+):
+    """The repro of a new user: answers cut at the limit and dropped (generate.truncated: drop) leave
+    2 of 6 rows, no more than data.holdout = 2. The run stops after generation with the bad-input
+    exit code, naming the drops and the settings, not in prepare blaming the hold-out; run again
+    unchanged, it stops there again at once; status says the same."""
+    spec_file = tmp_path / "dflash.yaml"
+    spec_file.write_text(yaml.safe_dump(spec.to_dict()))
+    # The shard that writes the manifest exits 42 (bad input): the Job fails with every chunk landed.
+    backend = FakeBackend(generation_work(storage, spec, kept=1, bad_input_shards={1}))
+    monkeypatch.setattr(run_command, "open_backend", lambda _: backend)
+    monkeypatch.setattr(status_cli, "open_backend", lambda _: backend)
+    code, _, err = cli(monkeypatch, capsys, "run", "-f", str(spec_file))
+    assert code == 2, err
+    assert ("Error: generation kept 2 of 6 lines of data.source, and prepare holds out the last data.holdout = 2 for "
+            "evaluation, leaving nothing to train on; dropped: truncated 4 (answers cut at generate.max_new_tokens = 2048 "
+            "or at data.max_length, dropped by generate.truncated: drop). Change the spec: set generate.truncated: keep or "
+            "raise generate.max_new_tokens, or lower data.holdout; then `dflashctl run --force`") in err
+    assert "warning: generation dropped 4 of 6 lines (67%)" in err
+    assert [c for c in backend.calls if c[1] != "pipe-generate"] == []  # prepare never started
+    assert ("pipe-generate", EVENT_RUN_FAILED) in backend.events
+    calls = list(backend.calls)
+    code, _, again = cli(monkeypatch, capsys, "run", "-f", str(spec_file))
+    assert code == 2 and "Error: generation kept 2 of 6 lines of data.source" in again
+    assert backend.calls == calls  # from the manifest, at once: nothing submitted
+    code, out, _ = cli(monkeypatch, capsys, "status", "-f", str(spec_file))
+    assert code == 0
+    assert "step: generate" in out and "done (generate/manifest.json): 2 rows kept" in out
+    assert "warning: generation dropped 4 of 6 lines (67%): truncated 4" in out
+    assert "next: generation kept 2 of 6 lines of data.source" in out and "lower data.holdout" in out
+
+
+def test_generation_that_drops_over_a_quarter_says_so_in_run_and_status_and_goes_on(spec, storage, tmp_path, monkeypatch, capsys):
+    spec_file = tmp_path / "dflash.yaml"
+    spec_file.write_text(yaml.safe_dump(spec.to_dict()))
+    backend = FakeBackend(generation_work(storage, spec, kept=2))  # 4 of 6 kept: enough to train on, 33% dropped
+    monkeypatch.setattr(run_command, "open_backend", lambda _: backend)
+    code, out, err = cli(monkeypatch, capsys, "run", "-f", str(spec_file), "-o", "json")
+    assert code == 0, err
+    warning = ("generation dropped 2 of 6 lines (33%): truncated 2 (answers cut at generate.max_new_tokens = 2048 or at "
+               "data.max_length, dropped by generate.truncated: drop)")
+    assert json.loads(out)["warnings"] == [warning]
+    assert err.count(f"warning: {warning}") == 2  # when generation ended, and again below the run's summary
+    report = status_cli.collect(spec, backend)
+    assert f"warning: {warning}" in status_cli.plain_lines(report)
+    body = status_cli.report_json(report)["generation"]
+    assert (body["rows"], body["dropped"], body["warning"], body["error"]) == (4, {TRUNCATED: 2}, warning, None)
+    # A quarter or less is not worth a warning.
+    land(storage, spec, 0, kept=PROMPTS_PER_CHUNK)
+    storage.delete(MANIFEST_KEY)
+    assert write_manifest_if_complete(storage, spec).drop_warning() is None
 
 
 def test_status_shows_prompts_answered_tokens_per_second_and_what_comes_next(spec, storage):

@@ -5,7 +5,9 @@ Each step first looks at what exists, in storage and on the backend, and does on
     step     done when                               otherwise
     generate generate/manifest.json exists with      the generate Job (only with a generate section):
              the spec's generation settings          attached to, replaced once like extract's; the
-                                                     manifest is written once every chunk landed
+                                                     manifest is written once every chunk landed;
+                                                     either way, one that keeps no more rows than
+                                                     data.holdout fails the run (bad input: 2)
     prepare  tokens/dataset.json exists              the prepare Job
     extract  every chunk has its done marker         the extract Job (attached to when it runs); a Job
                                                      that ended with chunks missing is replaced once
@@ -116,6 +118,8 @@ class PipelineResult:
     """eval/report.json."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Wall time of each step this invocation did, Job start-up included."""
+    warnings: list[str] = field(default_factory=list)
+    """What the run went on despite, worth a look: generation that dropped a large share of the lines."""
 
 
 def run_pipeline(
@@ -201,7 +205,7 @@ class Pipeline:
         result = PipelineResult()
         self.record_spec()
         steps: list[tuple[str, Callable[[], bool]]] = [
-            *([("generate", self.generate)] if self.spec.generate is not None else []),
+            *([("generate", lambda: self.generate(result))] if self.spec.generate is not None else []),
             ("prepare", lambda: self.step_unless_stored("prepare", DATASET_KEY)),
             ("extract", self.extract),
             ("verify", self.verify),
@@ -288,24 +292,36 @@ class Pipeline:
                 )
         return status
 
-    def generate(self) -> bool:
-        if current_manifest(self.storage, self.spec) is not None:
-            return False
-        status = self.run_sharded_job(
-            "generate", what="generation", details=f"{self.spec.generate.shards} shards, engine {self.spec.generate.engine}",
-            landed=lambda: write_manifest_if_complete(self.storage, self.spec) is not None,
-            label=lambda: self.generation_progress().label,
-        )
+    def generate(self, result: PipelineResult) -> bool:
+        """Generates the answers unless generate/manifest.json of these settings exists; either way
+        the manifest must keep enough rows to train on (InputError naming the settings that drop them)."""
+        name = job_name(self.spec, "generate")
         manifest = current_manifest(self.storage, self.spec)
-        assert manifest is not None
+        found = "found done" if manifest is not None else "every chunk had landed"  # said when no Job ran now
+        status = None
+        if manifest is None:
+            status = self.run_sharded_job(
+                "generate", what="generation", details=f"{self.spec.generate.shards} shards, engine {self.spec.generate.engine}",
+                landed=lambda: write_manifest_if_complete(self.storage, self.spec) is not None,
+                label=lambda: self.generation_progress().label,
+            )
+            manifest = current_manifest(self.storage, self.spec)
+            assert manifest is not None
         dropped = ", ".join(f"{reason} {count}" for reason, count in manifest.dropped.items()) or "none"
         message = (f"{manifest.rows} of {manifest.lines} prompts answered ({manifest.completion_tokens:,} tokens generated); "
                    f"dropped: {dropped}; truncated answers kept: {manifest.truncated_kept}")
+        self.reporter.say(f"generation: {message}" if status is not None else f"generation: {found}; {message}")
+        warning = manifest.drop_warning()
+        if warning:
+            result.warnings.append(warning)
+            self.reporter.say(f"warning: {warning}")
+        too_few = manifest.too_few_rows(self.spec.data.holdout)
+        if too_few is not None:
+            self.backend.record_event(name, EVENT_RUN_FAILED, too_few.what, warning=True)
+            raise too_few
         if status is None:
-            self.reporter.say(f"generation: every chunk had landed; {message}")
             return False
-        self.backend.record_event(job_name(self.spec, "generate"), EVENT_GENERATION_FINISHED, message)
-        self.reporter.say(f"generation: {message}")
+        self.backend.record_event(name, EVENT_GENERATION_FINISHED, message)
         return True
 
     def generation_progress(self) -> GenerationProgress:

@@ -25,7 +25,7 @@ from collections.abc import Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dflash_jobs.errors import FormatError
+from dflash_jobs.errors import FormatError, InputError
 from dflash_jobs.formats import dump_json_document, load_json_document
 from dflash_jobs.spec import RunSpec
 from dflash_jobs.storage import ObjectNotFound, Storage
@@ -41,6 +41,17 @@ CHUNKS = "generate/chunks/"
 DONE_MARKERS = "generate/done/"
 MANIFEST_KEY = "generate/manifest.json"
 REJECTED_KEY = "generate/rejected.jsonl"
+
+# Why a prompt's answer is not kept: keys of `dropped` in the markers and the manifest, beside the
+# reasons of lines that hold no prompt (dflash_jobs.generate.source's, and prepare's malformed_json, ...).
+OVER_CONTEXT = "over_context"  # the prompt leaves no room for an answer within data.max_length
+ENGINE_ERROR = "engine_error"  # the engine failed this one prompt
+EMPTY_ANSWER = "empty_answer"  # no text (generate.empty: drop)
+TRUNCATED = "truncated"  # cut at the token limit, finish_reason length (generate.truncated: drop)
+
+LARGE_DROP_SHARE = 0.25
+"""Generation that drops more than this share of data.source's lines says so (the pod's log,
+`dflashctl status`, `dflashctl run`): the settings may be dropping what the drafter should learn."""
 
 
 def chunk_key(chunk: int) -> str:
@@ -275,6 +286,48 @@ class GenerationManifest:
             return cls(**{**raw, "chunks": [ManifestChunk(**c) for c in raw["chunks"]]})
         except (KeyError, TypeError) as exc:
             raise FormatError(f"{name} is not a valid generation manifest ({exc})", "Delete it; `dflashctl run` writes it again") from None
+
+    @property
+    def dropped_lines(self) -> int:
+        return sum(self.dropped.values())
+
+    def explain_drops(self) -> str:
+        """The drops by reason, each with the settings that decide it:
+        "truncated 24 (answers cut at generate.max_new_tokens = 12 or at data.max_length, dropped by generate.truncated: drop)"."""
+        causes = {
+            TRUNCATED: f"answers cut at generate.max_new_tokens = {self.settings['max_new_tokens']} or at data.max_length, "
+                       "dropped by generate.truncated: drop",
+            EMPTY_ANSWER: "answers without text, dropped by generate.empty: drop",
+            OVER_CONTEXT: f"prompts that leave no room for an answer within data.max_length = {self.settings['max_length']}",
+            ENGINE_ERROR: f"the engine failed them: {REJECTED_KEY} quotes why",
+        }
+        return ", ".join(
+            f"{reason} {count} ({causes.get(reason, f'lines that hold no prompt: {REJECTED_KEY} lists them')})"
+            for reason, count in self.dropped.items()
+        ) or "none"
+
+    def drop_warning(self) -> str | None:
+        """One line when more than LARGE_DROP_SHARE of the lines were dropped, else None."""
+        if self.dropped_lines <= LARGE_DROP_SHARE * self.lines:
+            return None
+        return f"generation dropped {self.dropped_lines:,} of {self.lines:,} lines ({self.dropped_lines / self.lines:.0%}): {self.explain_drops()}"
+
+    def too_few_rows(self, holdout: int) -> InputError | None:
+        """The error a run stops with when no more rows were kept than data.holdout takes for
+        evaluation (prepare would have nothing to train on), naming the settings to change; else None."""
+        if self.rows > holdout:
+            return None
+        fixes = [fix for reason, fix in (
+            (TRUNCATED, "set generate.truncated: keep or raise generate.max_new_tokens"),
+            (EMPTY_ANSWER, "set generate.empty: keep"),
+            (OVER_CONTEXT, "raise data.max_length"),
+        ) if reason in self.dropped] or ["add lines to data.source"]
+        return InputError(
+            f"generation kept {self.rows} of {self.lines} lines of data.source, and prepare holds out the last "
+            f"data.holdout = {holdout} for evaluation, leaving nothing to train on; dropped: {self.explain_drops()}",
+            f"Change the spec: {', or '.join([*fixes, 'lower data.holdout'])}; then `dflashctl run --force` (--force accepts "
+            "the changed spec; changed generation settings generate the answers again, while an unchanged spec stops here again)",
+        )
 
     def summary(self) -> dict[str, Any]:
         """What tokens/dataset.json records of the generation it was prepared from."""

@@ -478,9 +478,16 @@ class Preparer:
                 last_log = time.monotonic()
                 self.log_progress(started, len(writer.chunks))
         if not writer.pending and not writer.chunks:
+            if self.generation is None:
+                raise InputError(
+                    f"data.source {self.data.source} has {len(holdout)} usable samples, all held out (data.holdout = {self.data.holdout})",
+                    "Add samples, or lower data.holdout",
+                )
             raise InputError(
-                f"data.source {self.data.source} has {len(holdout)} usable samples, all held out (data.holdout = {self.data.holdout})",
-                "Add samples, or lower data.holdout",
+                f"the generated rows ({GENERATION_MANIFEST_KEY}: {self.generation['rows']} kept of {self.generation['lines']} lines "
+                f"of data.source) give {len(holdout)} usable samples, all held out (data.holdout = {self.data.holdout}); prepare "
+                f"dropped {sum(self.stats.dropped.values())} of the rows ({REJECTED_KEY} says why)",
+                "Keep more rows in generation (generate.truncated, generate.empty, generate.max_new_tokens), or lower data.holdout",
             )
         writer.flush()
         self.log_progress(started, len(writer.chunks))
@@ -594,6 +601,9 @@ def require_manifest(storage: Storage, spec: RunSpec) -> GenerationManifest:
             f"{storage.url}/{GENERATION_MANIFEST_KEY} {what}: the spec regenerates the answers of data.source (generate section) before prepare",
             "Run the generation first: `dflashctl run` (or `dflashctl submit generate --wait`)",
         )
+    too_few = manifest.too_few_rows(spec.data.holdout)
+    if too_few is not None:
+        raise too_few
     return manifest
 
 

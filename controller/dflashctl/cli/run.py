@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import typer
+from rich.markup import escape
 
 from dflash_jobs.spec import load_spec
 
@@ -17,7 +18,6 @@ from dflashctl.cli.options import DEFAULT_SPEC, ForceOpt, OutputFormat, OutputOp
 from dflashctl.cli.reporting import print_report, reporter_for
 from dflashctl.metrics import with_metrics
 from dflashctl.pipeline import PipelineResult, run_pipeline
-
 
 
 def run(
@@ -49,6 +49,8 @@ def run(
         output.result_json(result_json(result))
     else:
         print_report(result.report or {}, fmt)
+    for warning in result.warnings:  # last, where a run of many hours does not scroll it away
+        output.info(f"[yellow]warning:[/] {escape(warning)}")
     output.hint(f"the drafter: {spec.output}/train/drafter (z-lab layout, loads in vLLM with method dflash)")
 
 
@@ -62,6 +64,7 @@ def result_json(result: PipelineResult) -> dict[str, Any]:
             "bytes": manifest.bytes, "layers": manifest.layers, "dtype": manifest.dtype, "model": manifest.model,
         },
         "report": result.report,
+        "warnings": result.warnings,
     }
 
 

@@ -25,7 +25,7 @@ from dflash_jobs.drafter.serving import run_serve_command
 from dflash_jobs.errors import FormatError, StorageError
 from dflash_jobs.formats import DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, MANIFEST_KEY
 from dflash_jobs.generation import MANIFEST_KEY as GENERATION_MANIFEST_KEY
-from dflash_jobs.generation import ChunkMarker, GenerationProgress, current_manifest
+from dflash_jobs.generation import ChunkMarker, GenerationManifest, GenerationProgress, current_manifest
 from dflash_jobs.generation import read_progress as read_generation_progress
 from dflash_jobs.spec import RunSpec, load_spec
 from dflash_jobs.storage import Storage, storage_for
@@ -63,10 +63,21 @@ class RunReport:
     """Once the drafter is exported: the vLLM command that serves it (or why it cannot be formatted)."""
     generation: GenerationProgress | None = None
     """With a generate section: chunks and prompts done, from the plan and the markers."""
-    generated: bool = False
-    """generate/manifest.json exists with the spec's generation settings."""
+    generation_manifest: GenerationManifest | None = None
+    """generate/manifest.json, when it exists with the spec's generation settings."""
+    generation_error: str | None = None
+    """Why the run cannot go on from that manifest (it keeps no more rows than data.holdout), with the fix."""
     generation_tokens_per_s: float | None = None
     generation_eta_s: float | None = None
+
+    @property
+    def generated(self) -> bool:
+        return self.generation_manifest is not None
+
+    @property
+    def generation_warning(self) -> str | None:
+        """That generation dropped a large share of the lines, and why."""
+        return None if self.generation_manifest is None else self.generation_manifest.drop_warning()
 
     @property
     def active(self) -> bool:
@@ -85,7 +96,7 @@ class RunReport:
         if self.progress is None:
             return "unknown (storage unreachable)"
         if self.progress.chunks_total is None:
-            return "generate" if self.generation is not None and not self.generated else "prepare"
+            return "generate" if self.generation is not None and (not self.generated or self.generation_error) else "prepare"
         if not self.progress.landed:
             return "extract"
         if not self.manifest:
@@ -135,7 +146,7 @@ def collect(spec: RunSpec, backend: Backend, markers: dict[str, ChunkMarker] | N
     same dict every time, so each is read once)."""
     jobs = job_statuses(spec, backend)
     progress = manifest = trained = evaluated = serve = None
-    generation, generated = None, False
+    generation = generation_manifest = generation_error = None
     storage_error = None
     try:
         storage = storage_for(spec)
@@ -146,7 +157,9 @@ def collect(spec: RunSpec, backend: Backend, markers: dict[str, ChunkMarker] | N
         serve = serve_command(spec, storage) if trained else None
         if spec.generate is not None:
             generation = read_generation_progress(storage, spec, markers)
-            generated = current_manifest(storage, spec) is not None
+            generation_manifest = current_manifest(storage, spec)
+            too_few = None if generation_manifest is None else generation_manifest.too_few_rows(spec.data.holdout)
+            generation_error = None if too_few is None else str(too_few)
     except StorageError as error:
         storage_error = str(error)
     extract, generate = jobs["extract"], jobs["generate"]
@@ -169,7 +182,8 @@ def collect(spec: RunSpec, backend: Backend, markers: dict[str, ChunkMarker] | N
         storage_error=storage_error,
         serve=serve,
         generation=generation,
-        generated=generated,
+        generation_manifest=generation_manifest,
+        generation_error=generation_error,
         generation_tokens_per_s=generation_tokens_per_s,
         generation_eta_s=None if generation is None else generation_time_left(generation, prompts_per_s),
     )
@@ -194,6 +208,8 @@ def next_step(spec: RunSpec, report: RunReport) -> str:
         return "fix storage access first (see the error above), then `dflashctl status` again"
     if report.evaluated:
         return f"done: the drafter is in {spec.output}/train/drafter, the evaluation in {spec.output}/{EVAL_REPORT_KEY}"
+    if report.generation_error and (progress is None or progress.chunks_total is None):
+        return report.generation_error
     if spec.generate is not None and not report.generated and (progress is None or progress.chunks_total is None):
         return generation_hint(jobs["generate"], report.generation) + by
     if progress is None or progress.chunks_total is None:
@@ -274,7 +290,7 @@ def report_json(report: RunReport) -> dict[str, Any]:
         body["state"] = job_state(status)
         return body
 
-    progress, generation = report.progress, report.generation
+    progress, generation, manifest = report.progress, report.generation, report.generation_manifest
     return {
         "run": report.run,
         "backend": report.backend,
@@ -294,6 +310,8 @@ def report_json(report: RunReport) -> dict[str, Any]:
             "prompts_done": generation.prompts_done, "prompts_total": generation.prompts_total,
             "completion_tokens": generation.completion_tokens, "done": report.generated,
             "tokens_per_s": report.generation_tokens_per_s, "eta_s": report.generation_eta_s,
+            "rows": None if manifest is None else manifest.rows, "dropped": None if manifest is None else manifest.dropped,
+            "warning": report.generation_warning, "error": report.generation_error,
         },
         "next": report.next_step,
         "serve": report.serve,
@@ -319,8 +337,8 @@ def generation_line(report: RunReport) -> str | None:
         return "generation: not started (no plan yet)"
     share = f" ({progress.prompts_done / progress.prompts_total:.0%})" if progress.prompts_total else ""
     line = f"generation: {progress.label} chunks, {progress.prompts_done:,}/{progress.prompts_total:,} prompts{share}"
-    if report.generated:
-        return f"{line}, done ({GENERATION_MANIFEST_KEY})"
+    if report.generation_manifest is not None:
+        return f"{line}, done ({GENERATION_MANIFEST_KEY}): {report.generation_manifest.rows:,} rows kept"
     return f"{line}, {format_rate(report.generation_tokens_per_s)} generated, ETA {format_duration(report.generation_eta_s)}"
 
 
@@ -332,6 +350,8 @@ def plain_lines(report: RunReport) -> list[str]:
         reason = f" {shard.exit_reason}" if shard.exit_reason else ""
         lines.append(f"  {step}[{shard.index}] {shard.phase} pod={shard.pod or '-'} node={shard.node or '-'} attempts={shard.attempts}{reason}")
     lines += [line for line in (generation_line(report),) if line]
+    if report.generation_warning:
+        lines.append(f"warning: {report.generation_warning}")
     lines.append(progress_line(report))
     lines.append(f"next: {report.next_step}")
     if report.serve:
@@ -360,6 +380,8 @@ def rich_view(report: RunReport) -> Group:
     if report.storage_error:
         lines.append(Text(f"storage: {report.storage_error}", style="red"))
     lines += [Text(line) for line in (generation_line(report),) if line]
+    if report.generation_warning:
+        lines.append(Text(f"warning: {report.generation_warning}", style="yellow"))
     lines += [Text(progress_line(report)), Text(f"next: {report.next_step}", style="bold")]
     if report.serve:
         lines.append(Text(f"serve with vLLM:\n{report.serve}"))

@@ -4,7 +4,8 @@
         read its lines -> prompts (bad lines counted by reason) -> prompt lengths (over-long ones dropped)
         -> request JSONL -> engine -> response JSONL -> rows (failed, empty, truncated: by the spec)
         -> store generate/chunks/<id>.jsonl, then its done marker
-    when every chunk of the plan is done: generate/manifest.json
+    when every chunk of the plan is done: generate/manifest.json; a warning if it dropped over a
+        quarter of the lines, and InputError (exit 42) if it keeps no more rows than data.holdout
 
 A killed pod loses the chunk in flight, nothing else: a chunk without a marker does not exist.
 """
@@ -26,8 +27,8 @@ from dflash_jobs.balance import balance_by_tokens
 from dflash_jobs.generate import batch
 from dflash_jobs.generate.engines import SERVED_MODEL, Engine
 from dflash_jobs.generation import (
-    ChunkMarker, GenerationPlan, SourceChunk, chunk_key, done_key, done_markers, generation_settings, settings_hash,
-    write_manifest_if_complete,
+    EMPTY_ANSWER, ENGINE_ERROR, OVER_CONTEXT, TRUNCATED, ChunkMarker, GenerationPlan, SourceChunk, chunk_key, done_key,
+    done_markers, generation_settings, settings_hash, write_manifest_if_complete,
 )
 from dflash_jobs.generate.progress import Progress, Summary
 from dflash_jobs.generate.source import Prompt, Source, load_plan, prompts_of
@@ -38,11 +39,6 @@ from dflash_jobs.storage import Storage, open_storage, storage_for
 
 log = logging.getLogger("dflash.generate")
 
-# Why a prompt's answer is not kept, beside the reasons of dflash_jobs.generate.source and prepare.
-OVER_CONTEXT = "over_context"  # the prompt leaves no room for an answer within data.max_length
-ENGINE_ERROR = "engine_error"  # the engine failed this one prompt
-EMPTY_ANSWER = "empty_answer"  # no text (generate.empty: drop)
-TRUNCATED = "truncated"  # cut at the token limit, finish_reason length (generate.truncated: drop)
 DETAIL_CHARS = 300
 LOGGED_BAD_ROWS = 20
 
@@ -142,6 +138,12 @@ class GenerateWorker:
         if manifest is not None:
             log.info("every chunk is done: generate/manifest.json lists %d rows of %d lines; dropped %s; truncated kept %d",
                      manifest.rows, manifest.lines, manifest.dropped or "none", manifest.truncated_kept)
+            warning = manifest.drop_warning()
+            if warning:
+                log.warning("%s", warning)
+            too_few = manifest.too_few_rows(self.spec.data.holdout)
+            if too_few is not None:
+                raise too_few
         else:
             log.info("shard %d/%d done; other shards still have chunks to generate", summary.shard, summary.shards)
         return summary
