@@ -36,9 +36,10 @@ def test_cpu_chain_trains_a_drafter_that_drafts_and_regeneration_pays(tmp_path):
     bench = load_bench()
     reports = []
     result = bench.run("cpu", tmp_path, report=lambda stages: reports.append(list(stages)[1:]))
-    assert reports == [["target_training"], ["target_training", "regenerated"], ["target_training", "regenerated", "source"]]
+    assert reports == [["target_training"], ["target_training", "generation"], ["target_training", "generation", "regenerated"],
+                       ["target_training", "generation", "regenerated", "source"]]
     # A rerun on the same work directory (a device call cut by its limit) goes on after the finished stages: here, none is left.
-    assert bench.run("cpu", tmp_path, report=lambda stages: reports.append(list(stages)[1:])) == result and len(reports) == 3
+    assert bench.run("cpu", tmp_path, report=lambda stages: reports.append(list(stages)[1:])) == result and len(reports) == 4
     # A chain cut after its extraction goes on: no prepare over extracted states, the same drafter, the same figures.
     stages = json.loads((tmp_path / "stages.json").read_text())
     del stages["source"]
@@ -58,7 +59,7 @@ def test_cpu_chain_trains_a_drafter_that_drafts_and_regeneration_pays(tmp_path):
     assert dflash["acceptance_per_position"][1] > 0.2
     # Every chat was answered and kept, so both runs held out, and were evaluated on, the same prompts.
     assert result["same_prompts"] and regenerated["held_out_sample_ids"] == source["held_out_sample_ids"]
-    assert regenerated["generation"]["rows"] == regenerated["generation"]["lines"] == result["settings"]["chats"]
+    assert regenerated["generation"]["rows"] == regenerated["generation"]["lines"] == result["settings"]["chats"] == result["generation"]["rows"]
     assert source["generation"] is None
     # The same prompts to the same target give the same greedy outputs: prompt lookup drafts alike.
     assert regenerated["acceptance_length"]["prompt_lookup"] == source["acceptance_length"]["prompt_lookup"]

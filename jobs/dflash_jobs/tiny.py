@@ -30,7 +30,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,8 +179,9 @@ def _tokenizer_corpus() -> Iterator[str]:
     yield from _PHRASES
 
 
-def build_tiny_tokenizer(vocab_size: int):
-    """A Qwen3.5 tokenizer (Qwen's pre-tokenizer regex, byte-level BPE) with a small trained vocabulary.
+def build_tiny_tokenizer(vocab_size: int, corpus: Iterable[str] | None = None):
+    """A Qwen3.5 tokenizer (Qwen's pre-tokenizer regex, byte-level BPE) with a small vocabulary
+    trained on `corpus` (default: turns of the demo's kinds of conversation).
 
     transformers loads any `qwen3_5` checkpoint's tokenizer as `Qwen3_5Tokenizer`, which rebuilds
     the normaliser and pre-tokenizer itself, so the BPE is trained under exactly that pipeline.
@@ -198,7 +199,7 @@ def build_tiny_tokenizer(vocab_size: int):
     backend.normalizer = pipeline.normalizer
     backend.pre_tokenizer = pipeline.pre_tokenizer
     trainer = trainers.BpeTrainer(vocab_size=size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    backend.train_from_iterator(_tokenizer_corpus(), trainer=trainer)
+    backend.train_from_iterator(_tokenizer_corpus() if corpus is None else corpus, trainer=trainer)
     bpe = json.loads(backend.to_str())["model"]
     # Special and think tokens take the ids after the BPE vocabulary, in a fixed order (as in Qwen's).
     vocab = dict(bpe["vocab"])
@@ -220,29 +221,33 @@ def build_tiny_tokenizer(vocab_size: int):
 # ---- the checkpoint --------------------------------------------------------------------------
 
 
-def tiny_target_config(*, num_layers: int, hidden_size: int, vocab_size: int, token_ids: dict[str, int]):
-    """Qwen3_5Config with the text model scaled down and every structural feature of the 27B kept."""
+def tiny_target_config(*, num_layers: int, hidden_size: int, vocab_size: int, token_ids: dict[str, int], heads: int = 4, head_dim: int = 16):
+    """Qwen3_5Config with the text model scaled down and every structural feature of the 27B kept.
+    `heads` query heads of `head_dim` in the attention layers, half as many key/value heads; the
+    Gated DeltaNet layers have `heads` value heads and half as many key heads of the same width."""
     from transformers import Qwen3_5Config
+
+    rotary_pairs = head_dim // 8  # head_dim x partial_rotary_factor (0.25) / 2, split over (t, h, w) like the 27B's [11, 11, 10]
+    mrope_section = [(rotary_pairs + 2) // 3, (rotary_pairs + 1) // 3, rotary_pairs // 3]
 
     text_config = {
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
         "intermediate_size": 2 * hidden_size,
         "num_hidden_layers": num_layers,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads // 2,
+        "head_dim": head_dim,
         # GVA > 1 (more value heads than key heads), like the 27B's 16 -> 48.
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
+        "linear_num_key_heads": heads // 2,
+        "linear_num_value_heads": heads,
+        "linear_key_head_dim": head_dim,
+        "linear_value_head_dim": head_dim,
         "linear_conv_kernel_dim": 4,
         "full_attention_interval": 4,
-        # mrope_section must sum to head_dim * partial_rotary_factor / 2 = 2 (the 27B: 32).
         "rope_parameters": {
             "rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-            "mrope_section": [1, 1, 0], "mrope_interleaved": True,
+            "mrope_section": mrope_section, "mrope_interleaved": True,
         },
         "max_position_embeddings": 32768,
         "pad_token_id": token_ids["<|endoftext|>"],
@@ -283,15 +288,20 @@ def write_tiny_target(
     num_layers: int = DEBUGMODEL.num_layers,
     hidden_size: int = DEBUGMODEL.hidden_size,
     vocab_size: int = DEBUGMODEL.vocab_size,
+    heads: int = 4,
+    head_dim: int = 16,
+    corpus: Iterable[str] | None = None,
 ) -> Path:
-    """Writes a random-weight Qwen3.5 checkpoint (float32) and its tokenizer into `directory`."""
+    """Writes a random-weight Qwen3.5 checkpoint (float32) and its tokenizer into `directory`;
+    `corpus`: the text the tokenizer's BPE is trained on (default: the demo's kinds of conversation)."""
     import torch
     from transformers import Qwen3_5ForConditionalGeneration
 
     directory = Path(directory)
-    tokenizer = build_tiny_tokenizer(vocab_size)
+    tokenizer = build_tiny_tokenizer(vocab_size, corpus)
     token_ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
-    config = tiny_target_config(num_layers=num_layers, hidden_size=hidden_size, vocab_size=vocab_size, token_ids=token_ids)
+    config = tiny_target_config(num_layers=num_layers, hidden_size=hidden_size, vocab_size=vocab_size, token_ids=token_ids,
+                                heads=heads, head_dim=head_dim)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3_5ForConditionalGeneration(config).eval()
@@ -330,38 +340,57 @@ def teach_tiny_target(
     lr: float,
     seconds: float = math.inf,
     device: str = "cpu",
+    held_out: list[str] | None = None,
 ) -> dict[str, Any]:
     """Trains the checkpoint in `directory` in place, next-token prediction on `texts` concatenated.
 
-    Stops after `steps` or `seconds`, whichever comes first; returns how far it got and the loss at
-    both ends. Only the language model trains: the vision tower is saved as it was, so the
-    checkpoint keeps its multimodal layout."""
+    Stops after `steps` or `seconds`, whichever comes first; returns how far it got, the loss at
+    both ends and, given `held_out` texts, the mean loss over windows of them after training. Only
+    the language model trains: the vision tower is saved as it was, so the checkpoint keeps its
+    multimodal layout."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoTokenizer, Qwen3_5ForConditionalGeneration
 
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    stream = torch.tensor([t for ids in tokenizer(texts, add_special_tokens=False)["input_ids"] for t in ids])
-    if len(stream) <= length + 1:
-        raise ValueError(f"{len(stream)} tokens of text are too few to train on windows of {length}")
+
+    def token_stream(texts: list[str]) -> torch.Tensor:
+        stream = torch.tensor([t for ids in tokenizer(texts, add_special_tokens=False)["input_ids"] for t in ids])
+        if len(stream) <= length + 1:
+            raise ValueError(f"{len(stream)} tokens of text are too few to train on windows of {length}")
+        return stream
+
+    stream = token_stream(texts)
     model = Qwen3_5ForConditionalGeneration.from_pretrained(directory, dtype=torch.float32).to(device).train()
     text_model, head = model.model.language_model, model.lm_head
     parameters = [*text_model.parameters(), *head.parameters()]
     optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
     warmup = max(1, steps // 20)
+    started = time.monotonic()
+
+    def progress(step: int) -> float:
+        """How far training is: by steps, or by time where the time bound comes first (the cosine ends either way)."""
+        return min(1.0, max(step / steps, (time.monotonic() - started) / seconds))
+
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps)))
+        optimizer, lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * progress(step))))
     generator = torch.Generator().manual_seed(2)
+
+    def windows_of(stream: torch.Tensor) -> torch.Tensor:
+        starts = torch.randint(0, len(stream) - length - 1, (batch,), generator=generator)
+        return torch.stack([stream[s : s + length + 1] for s in starts.tolist()]).to(device)
+
+    def next_token_loss(windows: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=torch.device(device).type == "cuda"):
+            hidden = text_model(input_ids=windows[:, :-1]).last_hidden_state
+            return F.cross_entropy(head(hidden).float().flatten(0, 1), windows[:, 1:].flatten())
+
     losses: list[float] = []
-    deadline = time.monotonic() + seconds
+    deadline = started + seconds
     done = 0
     with reference_delta_rule():
         while done < steps and time.monotonic() < deadline:
-            starts = torch.randint(0, len(stream) - length - 1, (batch,), generator=generator)
-            windows = torch.stack([stream[s : s + length + 1] for s in starts.tolist()]).to(device)
-            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=torch.device(device).type == "cuda"):
-                hidden = text_model(input_ids=windows[:, :-1]).last_hidden_state
-                loss = F.cross_entropy(head(hidden).float().flatten(0, 1), windows[:, 1:].flatten())
+            loss = next_token_loss(windows_of(stream))
             loss.backward()
             torch.nn.utils.clip_grad_norm_(parameters, 1.0)
             optimizer.step()
@@ -371,8 +400,15 @@ def teach_tiny_target(
                 losses.append(loss.item())
                 print(f"target step {done}/{steps}: loss {losses[-1]:.3f}", file=sys.stderr, flush=True)
             done += 1
-    model.eval().save_pretrained(directory)
-    return {"steps": done, "tokens_seen": done * batch * length, "loss_first": losses[0], "loss_last": losses[-1]}
+        model.eval()
+        taught = {"steps": done, "tokens_seen": done * batch * length, "loss_first": losses[0], "loss_last": losses[-1]}
+        if held_out:
+            held_out_stream = token_stream(held_out)
+            with torch.no_grad():
+                taught["held_out_loss"] = sum(next_token_loss(windows_of(held_out_stream)).item() for _ in range(8)) / 8
+                taught["held_out_tokens"] = len(held_out_stream)
+    model.save_pretrained(directory)
+    return taught
 
 
 # ---- the demo's inputs -----------------------------------------------------------------------
