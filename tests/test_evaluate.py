@@ -188,12 +188,12 @@ def test_acceptance_accounting():
              Decoded(tokens=[7, 8], seconds=1.0, accepted=[1], drafted=[2])]
     assert acceptance_length(steps) == pytest.approx((4 + 1 + 2 + 2) / 4)
     assert acceptance_per_position(steps, 5) == [0.75, 0.25, 0.25, 0.0]
-    greedy = [Decoded(tokens=[1, 2, 3, 4, 5, 6], seconds=3.0, margins=[1.0] * 6),
-              Decoded(tokens=[7, 9], seconds=1.0, margins=[2.0, 0.001])]
-    wrong = mismatches(steps, greedy)
-    assert [(m.prompt, m.position, m.greedy_margin) for m in wrong] == [(1, 1, 0.001)]
-    summary = summarize(steps, greedy, 5)
-    assert summary["lossless"] is False
+    greedy = [Decoded(tokens=[1, 2, 3, 4, 5, 6], seconds=3.0, margins=[1.0] * 6, top_logits=[9.0] * 6),
+              Decoded(tokens=[7, 9], seconds=1.0, margins=[2.0, 0.001], top_logits=[9.0, 9.0])]
+    wrong = mismatches(steps, greedy, dtype=torch.float32, tie_ulps=2)
+    assert [(m.prompt, m.position, m.greedy_margin, m.tie) for m in wrong] == [(1, 1, 0.001, False)]
+    summary = summarize(steps, greedy, 5, dtype=torch.float32, tie_ulps=2)
+    assert summary["lossless"] is False and summary["ties"] == 0
     assert summary["tokens_per_second"] == pytest.approx(8 / 2.0)
     assert summary["speedup"] == pytest.approx((8 / 2.0) / (8 / 4.0))
 
@@ -202,7 +202,7 @@ def test_report_is_stored_with_its_plot(tmp_path):
     greedy = [Decoded(tokens=[1, 2, 3], seconds=1.0, margins=[1.0] * 3)]
     drafted = {"dflash": [Decoded(tokens=[1, 2, 3], seconds=0.5, accepted=[1, 0], drafted=[3, 3])],
                "prompt_lookup": [Decoded(tokens=[1, 2, 3], seconds=0.9, accepted=[0, 0, 0], drafted=[0, 1, 0])]}
-    report = build_report(greedy=greedy, drafters=drafted, block_size=4, target="t", prompts=1, max_new_tokens=3)
+    report = build_report(greedy=greedy, drafters=drafted, block_size=4, dtype=torch.bfloat16, tie_ulps=2, target="t", prompts=1, max_new_tokens=3)
     storage = open_storage(str(tmp_path))
     store_report(storage, report)
     stored = json.loads(storage.get_bytes(REPORT_KEY))

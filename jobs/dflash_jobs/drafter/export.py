@@ -49,6 +49,15 @@ def export_drafter(drafter: Drafter, storage: Storage, prefix: str = DRAFTER_PRE
     storage.put_bytes(prefix + CONFIG_FILE, (json.dumps(drafter.config.to_zlab(), indent=2) + "\n").encode())
 
 
+def load_drafter_config(source: str, *, endpoint_url: str | None = None, region: str | None = None) -> DrafterConfig:
+    """The config of the exported drafter at `source` (see load_drafter), from its config.json: the
+    z-lab keys, mask_token_id and target_layer_ids from dflash_config, where vLLM reads them."""
+    storage = open_storage(source, endpoint_url=endpoint_url, region=region)
+    if not storage.exists(CONFIG_FILE) or not storage.exists(WEIGHTS_FILE):
+        raise InputError(f"{source} holds no exported drafter ({CONFIG_FILE} + {WEIGHTS_FILE})", "Train first, or point at <output>/train/drafter")
+    return DrafterConfig.from_zlab(json.loads(storage.get_bytes(CONFIG_FILE)))
+
+
 def load_drafter(
     source: str, *, target: str, device: str | torch.device = "cpu", endpoint_url: str | None = None, region: str | None = None
 ) -> tuple[Drafter, DrafterConfig]:
@@ -60,9 +69,7 @@ def load_drafter(
     from safetensors.torch import load
 
     storage = open_storage(source, endpoint_url=endpoint_url, region=region)
-    if not storage.exists(CONFIG_FILE) or not storage.exists(WEIGHTS_FILE):
-        raise InputError(f"{source} holds no exported drafter ({CONFIG_FILE} + {WEIGHTS_FILE})", "Train first, or point at <output>/train/drafter")
-    config = DrafterConfig.from_zlab(json.loads(storage.get_bytes(CONFIG_FILE)))
+    config = load_drafter_config(source, endpoint_url=endpoint_url, region=region)
     drafter = Drafter(config)
     drafter.load_state_dict(load(storage.get_bytes(WEIGHTS_FILE)))
     tensors = TargetCheckpoint(open_storage(target, endpoint_url=endpoint_url, region=region)).read_target_tensors()

@@ -84,6 +84,8 @@ class Decoded:
     """Per verify step, the tokens proposed."""
     margins: list[float] = field(default_factory=list)
     """Plain greedy only: the target's top-1 minus top-2 logit at each token, to tell a numerical near-tie from a bug."""
+    top_logits: list[float] = field(default_factory=list)
+    """Plain greedy only: the target's top-1 logit at each token, the scale of its rounding."""
 
 
 @dataclass
@@ -208,16 +210,21 @@ def greedy_decode(target: Target, prompt: torch.Tensor, *, max_new_tokens: int, 
     start = time.perf_counter()
     target.reset()
     logits = target.forward(prompt.to(device), last_only=True)[-1]
-    tokens, margins = [], []
+    tokens, tops = [], []
     while True:
         top = logits.float().topk(2)
         tokens.append(int(top.indices[0]))
-        margins.append(float(top.values[0] - top.values[1]))
+        tops.append(top.values)  # read once at the end: one host sync per token (the token), not three
         if _finished(tokens, max_new_tokens, stop_ids):
             break
         logits = target.forward(top.indices[:1], last_only=True)[-1]
     _synchronize(device)
-    return Decoded(tokens=_cut(tokens, max_new_tokens, stop_ids), seconds=time.perf_counter() - start, margins=margins)
+    seconds = time.perf_counter() - start
+    values = torch.stack(tops).tolist()  # [n, 2]: top-1 and top-2 logits
+    return Decoded(
+        tokens=_cut(tokens, max_new_tokens, stop_ids), seconds=seconds,
+        margins=[first - second for first, second in values], top_logits=[first for first, _ in values],
+    )
 
 
 class _Context:

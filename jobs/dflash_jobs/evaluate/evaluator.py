@@ -4,30 +4,39 @@ Prompts are the samples prepare held out of training (tokens/holdout.safetensors
 its last supervised run: what the target was asked, never what it answered. For every prompt the
 target decodes three ways, on the same device and in the same loop style: plain greedy (the
 reference output and speed), DFlash speculative decoding, and prompt lookup (the training-free
-baseline). One untimed warm-up prompt comes first (kernel selection and compilation).
+baseline); then the DFlash drafter's training forward runs on the prompt and greedy's output
+(evaluate/simulated.py), the teacher-forced acceptance the decoded one should match. One untimed
+warm-up prompt comes first (kernel selection and compilation). With eval.processes > 1, worker
+processes on the same device take the prompts one at a time, each with its own target and
+drafter, and the results are merged in prompt order.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import time
-from typing import Any
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterable
 
 import numpy as np
 import torch
 
-from dflash_jobs.drafter.export import DRAFTER_PREFIX, load_drafter
+from dflash_jobs.drafter.export import DRAFTER_PREFIX, load_drafter, load_drafter_config
+from dflash_jobs.drafter.model import Drafter, DrafterConfig
 from dflash_jobs.drafter.serving import run_serve_command
+from dflash_jobs.drafter.speculative import BlockDrafter, Decoded, DFlashDrafter, Target, greedy_decode, speculative_decode
 from dflash_jobs.errors import InputError
 from dflash_jobs.evaluate.baselines import PromptLookupDrafter
 from dflash_jobs.evaluate.metrics import acceptance_length
 from dflash_jobs.evaluate.report import build_report, store_report
-from dflash_jobs.drafter.speculative import BlockDrafter, Decoded, DFlashDrafter, Target, greedy_decode, speculative_decode
+from dflash_jobs.evaluate.simulated import anchors_accepted, document_batch
 from dflash_jobs.extract.target import local_checkpoint
 from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk
 from dflash_jobs.prepare import prompt_length
 from dflash_jobs.spec import EvalSpec, RunSpec
-from dflash_jobs.storage import Storage, open_storage
+from dflash_jobs.storage import Storage, open_storage, storage_for
 
 log = logging.getLogger("dflash.eval")
 
@@ -67,66 +76,154 @@ def stop_ids(model) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else eos or ())
 
 
-def decode_prompts(
-    model, drafters: dict[str, BlockDrafter], prompts: list[torch.Tensor], settings: EvalSpec
-) -> tuple[list[Decoded], dict[str, list[Decoded]]]:
-    """Plain greedy and each drafter on every prompt: (greedy outputs, {drafter name: outputs})."""
-    stop = stop_ids(model)
-    plain = Target(model)
-    targets = {name: Target(model, drafter.target_layers) for name, drafter in drafters.items()}
+@dataclass
+class PromptResult:
+    """One prompt decoded every way, and the DFlash drafter's teacher-forced acceptance on greedy's output."""
 
-    def decode(prompt: torch.Tensor) -> tuple[Decoded, dict[str, Decoded]]:
-        reference = greedy_decode(plain, prompt, max_new_tokens=settings.max_new_tokens, stop_ids=stop)
-        return reference, {
-            name: speculative_decode(targets[name], drafter, prompt, max_new_tokens=settings.max_new_tokens, stop_ids=stop)
-            for name, drafter in drafters.items()
+    greedy: Decoded
+    drafted: dict[str, Decoded]
+    simulated: list[int]
+    """Per anchor of the simulation (evaluate/simulated.py), the drafts the training forward gets right in a row."""
+
+
+class PromptDecoder:
+    """The target and the drafters, ready to decode one prompt at a time (in this process or in a worker)."""
+
+    def __init__(self, model, drafter: Drafter, config: DrafterConfig, settings: EvalSpec) -> None:
+        self.drafter = drafter
+        self.drafters: dict[str, BlockDrafter] = {"dflash": DFlashDrafter(drafter, config), "prompt_lookup": PromptLookupDrafter(config.block_size)}
+        self.settings = settings
+        self.stop = stop_ids(model)
+        self.plain = Target(model)
+        self.targets = {name: Target(model, d.target_layers) for name, d in self.drafters.items()}
+
+    def decode(self, prompt: torch.Tensor) -> PromptResult:
+        new_tokens = self.settings.max_new_tokens
+        reference = greedy_decode(self.plain, prompt, max_new_tokens=new_tokens, stop_ids=self.stop)
+        drafted = {
+            name: speculative_decode(self.targets[name], drafter, prompt, max_new_tokens=new_tokens, stop_ids=self.stop)
+            for name, drafter in self.drafters.items()
         }
+        return PromptResult(reference, drafted, self.simulate(prompt, reference))
 
-    greedy: list[Decoded] = []
-    drafted: dict[str, list[Decoded]] = {name: [] for name in drafters}
-    try:
-        decode(prompts[0])  # warm-up: kernel selection and compilation stay out of the timings
-        last_log = time.monotonic()
-        for i, prompt in enumerate(prompts, 1):
-            reference, outputs = decode(prompt)
-            greedy.append(reference)
-            for name, output in outputs.items():
-                drafted[name].append(output)
-            if i == len(prompts) or time.monotonic() - last_log >= LOG_EVERY_S:
-                last_log = time.monotonic()
-                log.info("prompt %d/%d: %s", i, len(prompts), progress_line(greedy, drafted))
-    finally:
-        for target in (plain, *targets.values()):
+    def simulate(self, prompt: torch.Tensor, reference: Decoded) -> list[int]:
+        """The training forward on prompt + greedy's output, with the target's layers captured over it in one forward."""
+        target = self.targets["dflash"]
+        document = torch.cat([prompt, torch.tensor(reference.tokens, dtype=prompt.dtype)]).to(target.device)
+        with torch.inference_mode():
+            target.reset()
+            target.forward(document, last_only=True)
+            hidden = target.features().view(len(document), len(target.layers), -1)  # [T, L*d] -> [T, L, d]
+        return anchors_accepted(self.drafter, document_batch(document, len(prompt), hidden, self.drafter))
+
+    def close(self) -> None:
+        for target in (self.plain, *self.targets.values()):
             target.close()
-    return greedy, drafted
 
 
-def progress_line(greedy: list[Decoded], drafted: dict[str, list[Decoded]]) -> str:
-    taus = ", ".join(f"{name} tau {acceptance_length(outputs):.2f}" for name, outputs in drafted.items())
-    identical = all(d.tokens == g.tokens for outputs in drafted.values() for d, g in zip(outputs, greedy))
+def load_decoder(spec: RunSpec, *, device: torch.device) -> PromptDecoder:
+    """The run's target and exported drafter on `device`, as a PromptDecoder."""
+    model = load_target(spec, device=device, dtype=eval_dtype(device))
+    drafter, config = load_drafter(
+        drafter_url(spec), target=spec.target.model, device=device,
+        endpoint_url=spec.storage.endpoint_url, region=spec.storage.region,
+    )
+    return PromptDecoder(model, drafter, config, spec.eval)
+
+
+def eval_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def drafter_url(spec: RunSpec) -> str:
+    return f"{storage_for(spec).url.rstrip('/')}/{DRAFTER_PREFIX}"
+
+
+def decode_prompts(decoder: PromptDecoder, prompts: list[torch.Tensor]) -> list[PromptResult]:
+    """Every prompt decoded in this process, after one untimed warm-up prompt (kernel selection and compilation)."""
+    decoder.decode(prompts[0])
+    return log_progress(map(decoder.decode, prompts), len(prompts))
+
+
+# ---- worker processes (eval.processes > 1) -------------------------------------------------------
+
+_worker_decoder: PromptDecoder | None = None
+
+
+def _start_worker(spec: RunSpec, device: torch.device, threads: int, warm_up: torch.Tensor) -> None:
+    global _worker_decoder
+    torch.set_num_threads(threads)
+    _worker_decoder = load_decoder(spec, device=device)
+    _worker_decoder.decode(warm_up)
+
+
+def _decode_in_worker(prompt: torch.Tensor) -> PromptResult:
+    assert _worker_decoder is not None
+    return _worker_decoder.decode(prompt)
+
+
+def decode_in_processes(spec: RunSpec, prompts: list[torch.Tensor], *, device: torch.device) -> list[PromptResult]:
+    """Every prompt decoded by eval.processes workers on `device`, each loading the target and drafter
+    and warming up once; a worker takes the next prompt when it is done with one, and the results
+    come back in prompt order. The CPU threads are shared out between the workers."""
+    processes = min(spec.eval.processes, len(prompts))
+    threads = max(1, torch.get_num_threads() // processes)
+    # spawn: CUDA cannot be used in a forked child, and a fresh interpreter inherits no threads or locks.
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(processes, mp_context=context, initializer=_start_worker, initargs=(spec, device, threads, prompts[0])) as pool:
+        return log_progress(pool.map(_decode_in_worker, prompts), len(prompts))
+
+
+def log_progress(results: Iterable[PromptResult], total: int) -> list[PromptResult]:
+    done: list[PromptResult] = []
+    last_log = time.monotonic()
+    for result in results:
+        done.append(result)
+        if len(done) == total or time.monotonic() - last_log >= LOG_EVERY_S:
+            last_log = time.monotonic()
+            log.info("prompt %d/%d: %s", len(done), total, progress_line(done))
+    return done
+
+
+def progress_line(results: list[PromptResult]) -> str:
+    names = results[0].drafted
+    taus = ", ".join(f"{name} tau {acceptance_length([r.drafted[name] for r in results]):.2f}" for name in names)
+    identical = all(d.tokens == r.greedy.tokens for r in results for d in r.drafted.values())
     return f"{taus}; every output identical to greedy so far: {identical}"
 
 
 def evaluate(spec: RunSpec, storage: Storage, *, device: torch.device) -> dict[str, Any]:
     """Evaluates the exported drafter of the run; writes eval/report.json and eval/acceptance.png; returns the report."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     prompts = held_out_prompts(storage, spec.eval.prompts)
-    model = load_target(spec, device=device, dtype=dtype)
-    drafter, config = load_drafter(
-        f"{storage.url.rstrip('/')}/{DRAFTER_PREFIX}", target=spec.target.model, device=device,
-        endpoint_url=spec.storage.endpoint_url, region=spec.storage.region,
-    )
-    log.info("target %s (%s, %s), drafter: %d layers, block %d, target layers %s; %d prompts, %d new tokens each",
-             spec.target.model, device, dtype, config.num_layers, config.block_size, config.target_layer_ids,
-             len(prompts), spec.eval.max_new_tokens)
-    drafters = {"dflash": DFlashDrafter(drafter, config), "prompt_lookup": PromptLookupDrafter(config.block_size)}
-    greedy, drafted = decode_prompts(model, drafters, prompts, spec.eval)
+    settings = spec.eval
+    if settings.processes > 1:
+        # The workers load their own copies; this process reads the drafter's config only.
+        config = load_drafter_config(drafter_url(spec), endpoint_url=spec.storage.endpoint_url, region=spec.storage.region)
+        describe(spec, config, device, len(prompts))
+        results = decode_in_processes(spec, prompts, device=device)
+    else:
+        decoder = load_decoder(spec, device=device)
+        config = decoder.drafter.config
+        describe(spec, config, device, len(prompts))
+        try:
+            results = decode_prompts(decoder, prompts)
+        finally:
+            decoder.close()
     report = build_report(
-        greedy=greedy, drafters=drafted, block_size=config.block_size,
-        target=spec.target.model, drafter=f"{storage.url.rstrip('/')}/{DRAFTER_PREFIX}", prompts=len(prompts),
-        max_new_tokens=spec.eval.max_new_tokens, device=str(device), dtype=str(dtype).removeprefix("torch."),
+        greedy=[r.greedy for r in results],
+        drafters={name: [r.drafted[name] for r in results] for name in results[0].drafted},
+        simulated={"dflash": [anchor for r in results for anchor in r.simulated]},
+        block_size=config.block_size, dtype=eval_dtype(device), tie_ulps=settings.tie_ulps,
+        target=spec.target.model, drafter=drafter_url(spec), prompts=len(prompts),
+        max_new_tokens=settings.max_new_tokens, processes=min(settings.processes, len(prompts)), device=str(device),
         vllm_serve=run_serve_command(spec, config.to_zlab()),
     )
     store_report(storage, report)
     log.info("serve it with vLLM:\n%s", report["vllm_serve"])
     return report
+
+
+def describe(spec: RunSpec, config: DrafterConfig, device: torch.device, prompts: int) -> None:
+    log.info("target %s (%s, %s), drafter: %d layers, block %d, target layers %s; %d prompts, %d new tokens each, %d process(es)",
+             spec.target.model, device, eval_dtype(device), config.num_layers, config.block_size, config.target_layer_ids,
+             prompts, spec.eval.max_new_tokens, min(spec.eval.processes, prompts))

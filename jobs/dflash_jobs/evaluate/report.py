@@ -1,10 +1,18 @@
 """eval/report.json and eval/acceptance.png: the evaluation's figures, stored beside the run.
 
 report.json (format dflash.eval/v1):
-    target, drafter, prompts, max_new_tokens, block_size, device, dtype
+    target, drafter, prompts, max_new_tokens, block_size, device, dtype, processes
+    tie_ulps: a mismatch where greedy's top two logits were within this many units in the last
+              place of its top logit (in dtype) is a numerical tie, not a bug (metrics.py)
     greedy:   {tokens, tokens_per_second}             plain greedy decoding, the reference
-    drafters: {name: metrics.summarize(...)}          "dflash", and "prompt_lookup" as the training-free baseline
-    lossless: true when every drafter's output equals plain greedy on every prompt
+    drafters: {name: metrics.summarize(...)}          "dflash", and "prompt_lookup" as the training-free baseline;
+              lossless (no mismatch but ties), ties (how many), mismatches [{prompt, position,
+              greedy_margin, greedy_top_logit, tie_tolerance, tie}]
+    drafters.dflash.simulated: metrics.summarize_simulated(...)   the training forward's acceptance on
+              the same prompts (evaluate/simulated.py): acceptance_length, acceptance_per_position,
+              anchors, relative_gap per position ((decoded - simulated) / simulated), tolerance,
+              disagreeing_positions (1-based; empty when training and serving agree)
+    lossless: true when every drafter's output equals plain greedy on every prompt, ties aside
     vllm_serve: the shell commands that serve this drafter with its target in vLLM (drafter/serving.py)
 """
 
@@ -14,7 +22,9 @@ import io
 import json
 from typing import Any, Mapping, Sequence
 
-from dflash_jobs.evaluate.metrics import summarize, tokens_per_second
+import torch
+
+from dflash_jobs.evaluate.metrics import summarize, summarize_simulated, tokens_per_second
 from dflash_jobs.drafter.speculative import Decoded
 from dflash_jobs.formats import EVAL_PLOT_KEY, EVAL_REPORT_KEY
 
@@ -22,13 +32,19 @@ REPORT_FORMAT = "dflash.eval/v1"
 
 
 def build_report(
-    *, greedy: Sequence[Decoded], drafters: Mapping[str, Sequence[Decoded]], block_size: int, **about: Any
+    *, greedy: Sequence[Decoded], drafters: Mapping[str, Sequence[Decoded]], block_size: int, dtype: torch.dtype, tie_ulps: int,
+    simulated: Mapping[str, Sequence[int]] | None = None, **about: Any,
 ) -> dict[str, Any]:
-    """The report of one evaluation: `about` holds what was evaluated (target, drafter, prompts, ...)."""
-    summaries = {name: summarize(decoded, greedy, block_size) for name, decoded in drafters.items()}
+    """The report of one evaluation: `simulated` maps a drafter to its per-anchor teacher-forced
+    accepted lengths; `about` holds what was evaluated (target, drafter, prompts, ...)."""
+    summaries = {name: summarize(decoded, greedy, block_size, dtype=dtype, tie_ulps=tie_ulps) for name, decoded in drafters.items()}
+    for name, anchors in (simulated or {}).items():
+        summaries[name]["simulated"] = summarize_simulated(anchors, drafters[name], block_size)
     return {
         "format": REPORT_FORMAT,
         **about,
+        "dtype": str(dtype).removeprefix("torch."),
+        "tie_ulps": tie_ulps,
         "block_size": block_size,
         "greedy": {"tokens": sum(len(d.tokens) for d in greedy), "tokens_per_second": tokens_per_second(greedy)},
         "drafters": summaries,
@@ -50,7 +66,11 @@ def acceptance_plot(report: Mapping[str, Any]) -> bytes:
     figure, axes = plt.subplots(figsize=(7, 4), dpi=120)
     positions = list(range(1, report["block_size"]))
     for name, summary in report["drafters"].items():
-        axes.plot(positions, summary["acceptance_per_position"], marker="o", label=f"{name} (tau = {summary['acceptance_length']:.2f})")
+        line, = axes.plot(positions, summary["acceptance_per_position"], marker="o", label=f"{name} (tau = {summary['acceptance_length']:.2f})")
+        if "simulated" in summary:
+            simulated = summary["simulated"]
+            axes.plot(positions, simulated["acceptance_per_position"], linestyle="--", color=line.get_color(),
+                      label=f"{name}, training forward (tau = {simulated['acceptance_length']:.2f})")
     axes.set_xlabel("draft position k")
     axes.set_ylabel("P(first k drafts accepted)")
     axes.set_ylim(0, 1.02)
