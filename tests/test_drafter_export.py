@@ -120,3 +120,46 @@ def test_the_exported_modeling_files_import_nothing_of_this_project():
     for name in MODELING_FILES:
         source = (package / name).read_text()
         assert "from dflash_jobs" not in source and "import dflash_jobs" not in source, name
+
+
+def test_the_drafter_rotates_with_the_targets_rope_base_stated_in_both_config_forms(tmp_path, target_dir, trained):
+    """Transformers 5 moved rope_theta into rope_parameters; a reader of only one form lost the base
+    (theta 10,000 instead of 1e6, Model Optimizer #2221: no error, only lower acceptance)."""
+    from transformers import AutoConfig
+
+    from dflash_jobs.drafter.dflash import DFlashDraftModel
+    from dflash_jobs.drafter.export import load_drafter_config
+
+    target_rope = json.loads((target_dir / "config.json").read_text())["text_config"]["rope_parameters"]
+    assert target_rope["rope_type"] == "default" and target_rope["rope_theta"] == 1e7  # no scaling to carry over
+    assert trained.config.rope_theta == 1e7 and trained.rope.theta == 1e7
+    export_drafter(trained, open_storage(str(tmp_path)), prefix="")
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw["rope_theta"] == 1e7 and raw["rope_scaling"] is None
+    hf = AutoConfig.from_pretrained(tmp_path)  # what vLLM and AutoModel read: the Transformers 5 form
+    assert hf.rope_parameters["rope_theta"] == 1e7 and hf.rope_parameters["rope_type"] == "default"
+    assert DFlashDraftModel(hf).rope.theta == 1e7
+    assert load_drafter_config(str(tmp_path)).rope_theta == 1e7
+    # A config holding the base only in rope_parameters (a Transformers 5 re-save) keeps it too.
+    only_parameters = {key: value for key, value in raw.items() if key not in ("rope_theta", "rope_scaling")}
+    only_parameters["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e7}
+    assert DrafterConfig.from_zlab(only_parameters).rope_theta == 1e7
+
+
+def test_the_mask_token_is_read_from_dflash_config(tmp_path, target_dir, trained):
+    """Where vLLM and z-lab's loader read it: dflash_config.mask_token_id, never a top-level key."""
+    from transformers import AutoConfig
+
+    from dflash_jobs.drafter.dflash import DFlashDraftModel
+    from dflash_jobs.drafter.export import load_drafter, load_drafter_config
+
+    mask = trained.config.mask_token_id
+    export_drafter(trained, open_storage(str(tmp_path)), prefix="")
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw["dflash_config"]["mask_token_id"] == mask and "mask_token_id" not in raw
+    raw["mask_token_id"] = mask + 1  # a decoy where a careless reader would look
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert load_drafter_config(str(tmp_path)).mask_token_id == mask
+    loaded, _ = load_drafter(str(tmp_path), target=str(target_dir))
+    assert loaded.config.mask_token_id == mask
+    assert DFlashDraftModel(AutoConfig.from_pretrained(tmp_path)).mask_token_id == mask
