@@ -4,14 +4,14 @@ extraction and verify leave them. Built once per test session (shared by test_dr
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from dflash_jobs.formats import (
-    MANIFEST_KEY, DoneMarker, Manifest, TokenChunk, done_key, encode_hidden_chunk, hidden_chunk_key, token_chunk_key,
+    MANIFEST_KEY, DoneMarker, Manifest, TokenChunk, done_key, hidden_chunk_key, hidden_metadata, hidden_tensors, quantize_fp8,
+    safetensors_parts, token_chunk_key,
 )
 from dflash_jobs.prepare import ChatEncoder
 from dflash_jobs.spec import default_layers, parse_spec
@@ -59,16 +59,21 @@ def tiny_extract(root: Path, *, dtype: str = "bfloat16") -> Path:
 
 
 def write_extract(storage, chunks, *, model: str, layers: list[int], dtype: str) -> Manifest:
-    """Hidden-state chunks ((TokenChunk, states [T, L, d]) each) with their token chunks, done
-    markers and the manifest, as extraction and verify leave them."""
+    """Hidden-state chunks ((TokenChunk, states [T, L, d]) each, on any device: fp8 is quantized
+    there) with their token chunks, done markers and the manifest, as extraction and verify leave them."""
     markers = []
-    for chunk, (tokens, hidden) in enumerate(chunks):
-        data = encode_hidden_chunk(tokens, hidden.to(torch.bfloat16), layers=layers, model=model, config_hash="synthetic", dtype=dtype)
+    for chunk, (tokens, hidden) in enumerate(chunks):  # a generator keeps one chunk in memory at a time
+        scale = None
+        if dtype == "float8_e4m3fn":
+            hidden, scale = quantize_fp8(hidden)
+            scale = scale.cpu()
+        states = hidden.cpu() if dtype == "float8_e4m3fn" else hidden.to(torch.bfloat16).cpu()
+        metadata = hidden_metadata(layers=layers, model=model, config_hash="synthetic", dtype=dtype)
         storage.put_bytes(token_chunk_key(chunk), tokens.encode())
-        put = storage.put_bytes(hidden_chunk_key(chunk), data)
+        put = storage.put_parts(hidden_chunk_key(chunk), safetensors_parts(hidden_tensors(tokens, states, scale), metadata))
         marker = DoneMarker(
-            chunk=chunk, samples=tokens.num_samples, tokens=tokens.num_tokens, bytes=put.size, sha256=hashlib.sha256(data).hexdigest(),
-            etag=None, dtype=dtype, layers=layers, hidden_size=hidden.shape[-1],
+            chunk=chunk, samples=tokens.num_samples, tokens=tokens.num_tokens, bytes=put.size, sha256=put.sha256,
+            etag=put.etag, dtype=dtype, layers=layers, hidden_size=hidden.shape[-1],
         )
         storage.put_bytes(done_key(chunk), marker.to_json().encode())
         markers.append(marker)
@@ -81,9 +86,10 @@ def write_extract(storage, chunks, *, model: str, layers: list[int], dtype: str)
     return manifest
 
 
-def synthetic_chunk(chunk: int, *, documents: int, document_tokens: int, layers: int, hidden_size: int, vocab_size: int):
-    """(TokenChunk, random states [T, L, d]) of `documents` equal documents, 10% of each a prompt:
-    chunks of the real format and shape, without running a target."""
+def synthetic_chunk(chunk: int, *, documents: int, document_tokens: int, layers: int, hidden_size: int, vocab_size: int,
+                    device: str = "cpu"):
+    """(TokenChunk, random states [T, L, d] on `device`) of `documents` equal documents, 10% of each
+    a prompt: chunks of the real format and shape, without running a target."""
     g = torch.Generator().manual_seed(chunk)
     loss_mask = np.ones(document_tokens, dtype=np.uint8)
     loss_mask[: document_tokens // 10] = 0
@@ -93,7 +99,8 @@ def synthetic_chunk(chunk: int, *, documents: int, document_tokens: int, layers:
         cu_seqlens=np.arange(documents + 1, dtype=np.int64) * document_tokens,
         sample_ids=np.arange(chunk * documents, (chunk + 1) * documents, dtype=np.int64),
     ).validate(f"synthetic chunk {chunk}")
-    return tokens, torch.randn(documents * document_tokens, layers, hidden_size, generator=g, dtype=torch.bfloat16)
+    states = torch.empty(documents * document_tokens, layers, hidden_size, dtype=torch.bfloat16, device=device)
+    return tokens, states.normal_(generator=torch.Generator(device).manual_seed(chunk))
 
 
 def captured_layers(model, documents: list[np.ndarray]) -> list[torch.Tensor]:

@@ -119,7 +119,8 @@ class Case:
         return f"{self.docs}:{self.checkpointing}" + (":compile" if self.compile else "") + (f":sliding={self.sliding}" if self.sliding else "")
 
 
-def run_case(shape: str, case: Case, tokens: int, anchors: int, steps: int, warmup: int, device: torch.device, *, profile: bool) -> dict:
+def build_trainer(shape: str, case: Case, tokens: int, anchors: int, device: torch.device) -> tuple[Trainer, DrafterConfig]:
+    """The drafter of `shape` with random weights and random frozen tables, set up as training sets it up."""
     spec = parse_spec({
         "name": "bench", "target": {"model": "/unused"}, "data": {"source": "/unused"}, "output": "/unused",
         "train": {"anchors": anchors, "sliding_window_layers": case.sliding, "micro_batch_tokens": case.docs * tokens,
@@ -131,7 +132,6 @@ def run_case(shape: str, case: Case, tokens: int, anchors: int, steps: int, warm
         mask_token_id=SHAPES[shape]["vocab_size"] - 1, sliding_window=spec.train.sliding_window,
         layer_types=["sliding_attention"] * case.sliding + ["full_attention"] * (spec.train.draft_layers - case.sliding),
     )
-    started = time.perf_counter()
     torch.manual_seed(0)
     with device:
         drafter = Drafter(config)
@@ -149,7 +149,13 @@ def run_case(shape: str, case: Case, tokens: int, anchors: int, steps: int, warm
         sink=NullSink(), storage=None, total_steps=1000, steps_per_epoch=[1000],
         attention_backend="flex" if device.type == "cuda" else "dense",
     )
-    builder = BatchBuilder(block_size=config.block_size, anchors=anchors, gamma=spec.train.gamma,
+    return trainer, config
+
+
+def run_case(shape: str, case: Case, tokens: int, anchors: int, steps: int, warmup: int, device: torch.device, *, profile: bool) -> dict:
+    started = time.perf_counter()
+    trainer, config = build_trainer(shape, case, tokens, anchors, device)
+    builder = BatchBuilder(block_size=config.block_size, anchors=anchors, gamma=trainer.spec.train.gamma,
                            mask_token_id=config.mask_token_id, seed=0, layers=config.target_layer_ids)
     chunk = synthetic_chunk(case.docs, tokens, config)
     documents = [DocumentRef(0, i, i, tokens) for i in range(case.docs)]
@@ -182,7 +188,7 @@ def run_case(shape: str, case: Case, tokens: int, anchors: int, steps: int, warm
         "case": str(case), "shape": shape, "docs": case.docs, "activation_checkpointing": case.checkpointing,
         "compile": case.compile, "tokens_per_doc": tokens, "anchors_per_doc": anchors, "block_size": config.block_size,
         "layer_types": config.layer_types, "context_tokens": batches[0].tokens, "blocks": batches[0].block_ids.shape[0],
-        "trainable_params": sum(p.numel() for p in drafter.parameters() if p.requires_grad),
+        "trainable_params": sum(p.numel() for p in trainer.drafter.parameters() if p.requires_grad),
         "setup_s": setup_s, "step_s": step_time, "step_s_all": times, "tokens_per_s": batches[0].tokens / step_time,
         "blocks_per_s": batches[0].block_ids.shape[0] / step_time, "tflops_per_step": flops / 1e12,
         "tflop_per_s": flops / step_time / 1e12, "mfu": flops / step_time / PEAK_BF16_FLOPS, "loss": out.loss.item(),
