@@ -122,8 +122,7 @@ def simulated_consistency(decoded_rates: Sequence[float], simulated_rates: Seque
     for k, (decoded, simulated) in enumerate(zip(decoded_rates, simulated_rates, strict=True), 1):
         gaps.append((decoded - simulated) / simulated if simulated > 0 else None)
         noise = NOISE_STANDARD_ERRORS * math.sqrt(simulated * (1 - simulated) / steps) if steps else math.inf
-        beyond = abs(decoded - simulated) > max(CONSISTENCY_TOLERANCE * simulated, noise)
-        if beyond:
+        if abs(decoded - simulated) > max(CONSISTENCY_TOLERANCE * simulated, noise):
             disagreeing.append(k)
     return {"relative_gap": gaps, "tolerance": CONSISTENCY_TOLERANCE, "disagreeing_positions": disagreeing}
 
