@@ -24,7 +24,7 @@ from dflash_jobs.drafter.speculative import Decoded, DFlashDrafter, Target, gree
 from dflash_jobs.errors import SpecError
 from dflash_jobs.evaluate.evaluator import evaluate
 from dflash_jobs.evaluate.metrics import (
-    acceptance_length, acceptance_per_position, mismatches, summarize, summarize_simulated, tie_tolerance,
+    acceptance_length, acceptance_per_position, mismatches, simulated_consistency, summarize, summarize_simulated, tie_tolerance,
 )
 from dflash_jobs.evaluate.report import build_report
 from dflash_jobs.evaluate.simulated import anchors_accepted, blocks_per_call, document_batch
@@ -262,3 +262,12 @@ def test_worker_processes_give_the_one_process_report(tmp_path, target_dir, draf
     assert len(simulated["acceptance_per_position"]) == len(simulated["relative_gap"]) == BLOCK - 1
     assert simulated["anchors"] == 4 * (16 - 1) and simulated["disagreeing_positions"] == []
     assert "simulated" not in one["drafters"]["prompt_lookup"]
+
+
+def test_a_gap_is_named_only_beyond_ten_percent_and_beyond_the_noise_of_the_verify_steps():
+    # 1,000 steps: a 0.50 vs 0.40 gap (25%) is far beyond noise; 0.001 vs 0 (one step of the 1,000) is not.
+    verdict = simulated_consistency([0.50, 0.30, 0.001], [0.40, 0.29, 0.0], steps=1000)
+    assert verdict["disagreeing_positions"] == [1]
+    assert verdict["relative_gap"][0] == pytest.approx(0.25) and verdict["relative_gap"][2] is None
+    # The same 25% gap over 10 steps is within the noise.
+    assert simulated_consistency([0.50, 0.30, 0.001], [0.40, 0.29, 0.0], steps=10)["disagreeing_positions"] == []

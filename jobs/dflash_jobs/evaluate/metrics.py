@@ -38,8 +38,8 @@ from dflash_jobs.drafter.speculative import Decoded
 CONSISTENCY_TOLERANCE = 0.10
 """Relative gap between decoded and simulated acceptance at a position above which the report names it."""
 NOISE_STANDARD_ERRORS = 2.0
-"""...and only where the gap also exceeds this many standard errors of the decoded rate: at the
-last positions a handful of verify steps decide the rate, and 10% of a tiny rate is noise."""
+"""...and only where the gap also exceeds this many standard errors of a rate over the decoded verify
+steps: at the last positions a handful of steps decide the rate, and 10% of a tiny rate is noise."""
 
 
 def mean_committed(accepted: Sequence[int]) -> float:
@@ -121,7 +121,8 @@ def simulated_consistency(decoded_rates: Sequence[float], simulated_rates: Seque
     disagreeing = []
     for k, (decoded, simulated) in enumerate(zip(decoded_rates, simulated_rates, strict=True), 1):
         gaps.append((decoded - simulated) / simulated if simulated > 0 else None)
-        noise = NOISE_STANDARD_ERRORS * math.sqrt(simulated * (1 - simulated) / steps) if steps else math.inf
+        pooled = (decoded + simulated) / 2  # a rate of 0 or 1 on one side still has binomial noise on the other
+        noise = NOISE_STANDARD_ERRORS * math.sqrt(pooled * (1 - pooled) / steps) if steps else math.inf
         if abs(decoded - simulated) > max(CONSISTENCY_TOLERANCE * simulated, noise):
             disagreeing.append(k)
     return {"relative_gap": gaps, "tolerance": CONSISTENCY_TOLERANCE, "disagreeing_positions": disagreeing}
