@@ -115,11 +115,11 @@ class SlowChunkUploads:
         return self.storage.put_parts(key, parts)
 
 
-def test_an_error_on_the_gpu_thread_waits_for_the_chunk_being_stored(tmp_path, tmp_path_factory):
-    """The second window's token chunk is corrupt, so the GPU thread fails while a writer stores
-    the first chunk. The error must leave the worker only once nothing is mid-store: the process
-    exits right after, and a daemon writer thread would die there, leaving a local temporary file
-    or an S3 multipart upload that nobody aborts."""
+def test_an_error_on_the_gpu_thread_waits_for_the_chunks_handed_to_the_writer(tmp_path, tmp_path_factory):
+    """The second window's token chunk is corrupt, so the GPU thread fails while the writer stores
+    the first chunk (complete: handed over). The error must leave the worker only once nothing is
+    mid-store: the process exits right after, and a daemon writer thread would die there, leaving
+    a local temporary file or an S3 multipart upload that nobody aborts."""
     output = tmp_path / "run"
     storage = open_storage(str(output))
     write_prepared(storage, random_chunks(seed=13, count=2))
@@ -134,7 +134,7 @@ def test_an_error_on_the_gpu_thread_waits_for_the_chunk_being_stored(tmp_path, t
     finally:
         worker.close()
     assert not [thread.name for thread in worker.writer.threads if thread.is_alive()]
-    # The chunk in the writer's hands landed whole, its marker last; no temporary file is left.
+    # The chunk handed to the writer landed whole, its marker last; no temporary file is left.
     marker = DoneMarker.from_json(storage.get_bytes(done_key(0)), done_key(0))
     assert marker.bytes == storage.stat(hidden_chunk_key(0)).size
     assert storage.list("extract/") == [hidden_chunk_key(0), done_key(0)]

@@ -292,7 +292,7 @@ class ExtractWorker:
             self.writer.close()
             summary.drain_s = round(time.monotonic() - forwarded, 1)
         except BaseException:
-            self.writer.abort()  # nothing is mid-store when the error ends the process
+            self.writer.drain()  # nothing is mid-store when the error ends the process
             raise
         finally:
             summary.host_wait_s = round(self.writer.waited_s, 1)

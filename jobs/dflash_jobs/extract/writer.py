@@ -133,22 +133,14 @@ class ChunkWriter:
 
     def close(self) -> None:
         """Stores everything submitted, then stops the threads; raises their first error."""
-        self._stop()
+        self.drain()
         self.check()
 
-    def abort(self) -> None:
-        """After a failure on the GPU thread: drops the chunks no thread has started to store, and
-        waits for those being stored. Those end whole or clean up after themselves (the local
-        temporary file removed, the S3 multipart upload aborted); left running, they would die
-        with the process mid-store (they are daemon threads) and leave both behind."""
-        while True:
-            try:
-                self.complete.get_nowait()
-            except queue.Empty:
-                break
-        self._stop()
-
-    def _stop(self) -> None:
+    def drain(self) -> None:
+        """Stores everything submitted, then stops the threads, raising nothing: also what the GPU
+        thread does when it fails. Each chunk ends whole (it is complete: every copy was queued) or
+        cleans up after itself (the local temporary file removed, the S3 multipart upload aborted);
+        left running, the daemon threads would die with the process mid-store and leave both behind."""
         for _ in self.threads:
             self.complete.put(_DONE)
         for thread in self.threads:
