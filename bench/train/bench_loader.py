@@ -51,6 +51,11 @@ SHAPES = {
     "tiny": dict(chunk_tokens=2048, document_tokens=256, layers=5, hidden_size=64, vocab_size=1024, batch_tokens=512,
                  anchors=32, block_size=16, step_s=0.02),
 }
+CONSUMER = (
+    "The consumer moves each batch to the device (fp8 dequantized there) and takes the next; on a CPU the device is the "
+    "CPU, so fp8's dequantization runs in the consumer on the CPU's cores and bounds the fp8 cases (wait per step ~0): "
+    "on a GPU it is a kernel. peak_gib covers the whole case, the first epoch's downloads held in memory included."
+)
 GPU_TOKENS_PER_S = 13300.0
 """One H200's training step at the 27B shape (4 x 4,096 tokens, compiled, 1.23 s), measured 2026-12-04."""
 
@@ -260,7 +265,7 @@ def main() -> None:
     args.step_s = shape["step_s"] if args.step_s is None else args.step_s
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     report = {"command": " ".join(["python", *sys.argv]), "machine": machine(), "shape": {"name": args.shape, **shape},
-              "gpu_tokens_per_s": args.gpu_tokens_per_s, "cases": []}
+              "gpu_tokens_per_s": args.gpu_tokens_per_s, "consumer": CONSUMER, "cases": []}
 
     def save() -> None:
         if args.output:
