@@ -33,7 +33,7 @@ from dflash_jobs.generate.progress import Summary
 from dflash_jobs.generate.source import NO_USER_TURN, NOT_CHAT, Source, make_plan, parse_prompt
 from dflash_jobs.generate.stage import stage
 from dflash_jobs.generate.worker import GenerateWorker, assign_chunks, build_worker, prompt_seed
-from dflash_jobs.prepare import TEMPLATE_ERROR, BadRow, Preparer, prepare
+from dflash_jobs.prepare import TEMPLATE_ERROR, BadRow, Preparer, prepare, prompt_length
 from dflash_jobs.spec import parse_spec
 from dflash_jobs.storage import TEMP_PREFIX, open_storage
 from dflash_jobs.tiny import tiny_chat_rows, write_tiny_target
@@ -578,9 +578,21 @@ def test_the_staged_job_imports_in_a_python_that_has_only_what_a_vllm_image_has(
 # ---- prepare reads what generation stored ------------------------------------------------------------
 
 
-def test_prepare_trains_only_on_the_regenerated_answer_with_source_line_ids(target, tmp_path):
+@pytest.mark.parametrize("thinking", [False, None])
+def test_prepare_trains_on_the_tokens_the_target_generated_after_the_prompt_it_was_sent(target, tmp_path, thinking):
+    """Only the last turn, which the target wrote, is learned, and as the target wrote it: the
+    prompt is the engine's token for token (what evaluation then asks), and the supervised text is
+    the target's own greedy decoding of that prompt, the turn's end where it stopped. The template
+    would trim the answer and open it with an empty <think> block, and tokenizing the whole
+    conversation at once merges text across the generation prompt's end. (The answer is stored as
+    text: where a target emits a word in other pieces than its tokenizer would cut it, as this
+    random one does, training sees the tokenizer's pieces.)"""
+    import torch
+
+    from dflash_jobs.drafter.speculative import Target, greedy_decode
+
     rows = list(tiny_chat_rows(14, seed=8))
-    spec_file = write_run(tmp_path, target, ["not json"] + rows, shards=1)
+    spec_file = write_run(tmp_path, target, ["not json"] + rows, shards=1, thinking=thinking)
     spec = parse_spec(yaml.safe_load(spec_file.read_text()))
     with pytest.raises(InputError, match="generate/manifest.json does not exist"):
         prepare(spec, workers=1)
@@ -588,18 +600,24 @@ def test_prepare_trains_only_on_the_regenerated_answer_with_source_line_ids(targ
     index = prepare(spec, workers=1)
     assert index.generation["settings_hash"] == GenerationManifest.from_json((tmp_path / "out" / MANIFEST_KEY).read_text()).settings_hash
     assert index.generation["dropped"] == {"malformed_json": 1}
-    stored = {r["sample_id"]: r for name in stored_chunks(tmp_path / "out") for r in map(json.loads, (tmp_path / "out/generate/chunks" / name).read_text().splitlines())}
     tokenizer = AutoTokenizer.from_pretrained(target)
+    engine = TransformersEngine.load(spec.generate, target, tokenizer=tokenizer, device=torch.device("cpu"), attn_implementation="sdpa")
+    reference = Target(engine.model)
     storage = open_storage(spec.output)
-    for info in DatasetIndex.from_json(storage.get_bytes(DATASET_KEY)).chunks:
-        chunk = TokenChunk.decode(storage.get_bytes(info.path), info.path)
+    seen = []
+    dataset = DatasetIndex.from_json(storage.get_bytes(DATASET_KEY))
+    for path in [info.path for info in dataset.chunks] + [dataset.holdout["path"]]:  # the held-out prompts are evaluation's
+        chunk = TokenChunk.decode(storage.get_bytes(path), path)
         for i, sample_id in enumerate(chunk.sample_ids.tolist()):
             ids, mask = chunk.sample(i)
-            answer = stored[sample_id]["messages"][-1]["content"]
-            supervised = tokenizer.decode(ids[mask == 1])
-            # Only the last turn, which the target wrote, is learned; its text is the stored answer.
-            assert supervised == answer.strip() + "<|im_end|>", (sample_id, supervised, answer)
-    assert sorted(stored) == list(range(1, 15))
+            prompt = ids[: prompt_length(mask)].tolist()
+            messages = rows[sample_id - 1]["messages"][:-1]
+            switch = {} if thinking is None else {"chat_template_kwargs": {"enable_thinking": thinking}}  # as the request carries it
+            assert prompt == engine.encode({"messages": messages, **switch}), sample_id
+            greedy = greedy_decode(reference, torch.tensor(prompt), max_new_tokens=spec.generate.max_new_tokens, stop_ids=frozenset(engine.stop_ids))
+            assert tokenizer.decode(ids[mask == 1]) == tokenizer.decode(greedy.tokens), sample_id
+            seen.append(sample_id)
+    assert sorted(seen) == list(range(1, 15))
 
 
 def test_prepare_refuses_other_settings_and_a_chunk_changed_after_the_manifest(target, tmp_path):

@@ -388,13 +388,14 @@ class ChainRunner:
 
 
 def regenerated_rows(chain_dir: Path) -> list[str]:
-    """The generate step's rows, in sample order, as chat JSONL lines (the messages only)."""
+    """The generate step's rows, in sample order, as chat JSONL lines: prepare reads them as it reads
+    the generated rows (their "generation" record included), without the sample ids of data.source."""
     storage = open_storage(str(chain_dir / "run"))
     manifest = read_manifest(storage)
     if manifest is None:
         raise RuntimeError(f"{chain_dir}/run holds no generate/manifest.json: the generate step did not finish")
-    rows = sorted(generated_lines(storage, manifest))
-    return [json.dumps({"messages": json.loads(line)["messages"]}) + "\n" for _, line in rows]
+    rows = [json.loads(line) for _, line in sorted(generated_lines(storage, manifest))]
+    return [json.dumps({key: value for key, value in row.items() if key != "sample_id"}) + "\n" for row in rows]
 
 
 def part_of(rows: list[str], fraction: float, holdout: int) -> list[str]:

@@ -197,6 +197,8 @@ class ChatEncoder:
         tools = row.get("tools")
         try:
             text = self._apply(messages, tools, add_generation_prompt=False)
+            if (generated := self._generated_text(row, messages)) is not None:
+                text = self._apply(messages[:-1], tools, add_generation_prompt=True) + generated
             spans: list[tuple[int, int]] = []
             for i, message in enumerate(messages):
                 if trained[i]:
@@ -207,6 +209,20 @@ class ChatEncoder:
         except Exception as exc:  # noqa: BLE001 - jinja raises anything: the row's message says what
             raise BadRow(TEMPLATE_ERROR, f"the chat template failed: {type(exc).__name__}: {exc}") from None
         return RenderedChat(text, spans)
+
+    def _generated_text(self, row: dict[str, Any], messages: list[dict[str, Any]]) -> str | None:
+        """The target's answer of a regenerated row as it generated it, after the generation prompt:
+        its text, and the turn's end where it stopped. The template would render it otherwise (Qwen's
+        trims the reply and opens it with the rest of an empty <think> block the target did not
+        write), and the drafter learn text the target does not produce after that prompt. None for
+        a row the generate step did not write, or whose answer came back in parts (reasoning, tool
+        calls), which only the template joins."""
+        last = messages[-1]
+        if not isinstance(row.get("generation"), dict) or last["role"] != "assistant" or not isinstance(last.get("content"), str):
+            return None
+        if last.get("reasoning_content") or last.get("tool_calls"):
+            return None
+        return last["content"] + (self.turn_end if row["generation"].get("finish_reason") == "stop" else "")
 
     def _apply(self, messages: list[dict[str, Any]], tools: Any, *, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -226,27 +242,34 @@ class ChatEncoder:
         return start, end
 
     def encode(self, rendered: list[RenderedChat]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Tokenizes rendered conversations in one batch: (input_ids, loss_mask) each."""
-        encodings = self.backend.encode_batch([chat.text for chat in rendered], add_special_tokens=False)
+        """Tokenizes rendered conversations in one batch: (input_ids, loss_mask) each.
+
+        Each assistant turn is tokenized apart from what comes before it, as serving makes it: an
+        engine tokenizes the prompt (up to the end of the generation prompt) alone, and the model
+        generates the turn token by token after it, so no token spans the generation prompt's end.
+        Tokenized whole, text merges across it ("<think>\n" then "\n</think>" is one "\n\n"
+        token in Qwen's vocabulary): regeneration would answer one prompt, training and evaluation
+        see another, and the drafter learn tokens the target never produces there."""
+        pieces: list[tuple[int, int]] = []  # (conversation, character where the piece starts)
+        texts: list[str] = []
+        for index, chat in enumerate(rendered):
+            cuts = sorted({0, *(start for start, _ in chat.spans)})
+            for begin, end in zip(cuts, [*cuts[1:], len(chat.text)]):
+                pieces.append((index, begin))
+                texts.append(chat.text[begin:end])
+        ids: list[list[int]] = [[] for _ in rendered]
+        starts: list[list[int]] = [[] for _ in rendered]
+        for (index, begin), encoding in zip(pieces, self.backend.encode_batch(texts, add_special_tokens=False)):
+            ids[index].extend(encoding.ids)
+            starts[index].extend(begin + first for first, _ in encoding.offsets)
         result = []
-        for encoding, chat in zip(encodings, rendered):
-            mask = np.zeros(len(encoding.ids), dtype=np.uint8)
+        for chat, chat_ids, chat_starts in zip(rendered, ids, starts):
+            token_starts = np.asarray(chat_starts, dtype=np.int64)
+            mask = np.zeros(len(chat_ids), dtype=np.uint8)
             for start, end in chat.spans:
-                # A token that straddles a span edge (one "\n\n" across the generation prompt's end) counts.
-                first, last = _token_at(encoding, start, end, step=1), _token_at(encoding, end - 1, start - 1, step=-1)
-                if first is not None and last is not None:
-                    mask[first : last + 1] = 1
-            result.append((np.asarray(encoding.ids, dtype=np.int32), mask))
+                mask[(token_starts >= start) & (token_starts < end)] = 1
+            result.append((np.asarray(chat_ids, dtype=np.int32), mask))
         return result
-
-
-def _token_at(encoding, char: int, stop: int, *, step: int) -> int | None:
-    """The token holding character `char`, or the nearest one towards `stop` (some whitespace maps to none)."""
-    for position in range(char, stop, step):
-        token = encoding.char_to_token(position)
-        if token is not None:
-            return token
-    return None
 
 
 def json_row(line: bytes) -> dict[str, Any]:
