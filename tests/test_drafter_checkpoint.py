@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from dflash_jobs.drafter.checkpoint import TargetCheckpoint, drafter_config_for_target, resolve_mask_token_id
 from dflash_jobs.drafter.export import export_drafter, load_drafter
 from dflash_jobs.drafter.model import Drafter, RMSNorm
-from dflash_jobs.errors import SpecError
+from dflash_jobs.errors import InputError, SpecError
 from dflash_jobs.spec import TrainSpec
 from dflash_jobs.storage import open_storage
 from train_fixtures import LAYERS, tiny_target
@@ -20,7 +20,7 @@ ZLAB_KEYS = {
     "architectures", "attention_bias", "attention_dropout", "auto_map", "block_size", "dflash_config", "dtype",
     "head_dim", "hidden_act", "hidden_size", "initializer_range", "intermediate_size", "layer_types",
     "max_position_embeddings", "model_type", "num_attention_heads", "num_hidden_layers", "num_key_value_heads",
-    "num_target_layers", "rms_norm_eps", "rope_scaling", "rope_theta", "sliding_window", "tie_word_embeddings",
+    "num_target_layers", "rms_norm_eps", "rope_parameters", "rope_scaling", "rope_theta", "sliding_window", "tie_word_embeddings",
     "use_cache", "use_sliding_window", "vocab_size",
 }
 
@@ -63,6 +63,18 @@ def test_text_only_sharded_checkpoint_with_tied_embeddings(tmp_path):
     tensors = TargetCheckpoint(open_storage(str(tmp_path))).read_target_tensors()
     assert torch.equal(tensors.embed_tokens, embed) and torch.equal(tensors.lm_head, embed)
     assert torch.equal(tensors.final_norm, norm)  # Qwen3 norms are already x * w
+
+
+@pytest.mark.parametrize("rope", [{"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e7, "factor": 4.0}},
+                                  {"rope_theta": 1e6, "rope_scaling": {"type": "linear", "factor": 2.0}}])
+def test_a_target_with_scaled_rope_is_refused_naming_the_scaling(tmp_path, rope):
+    """The drafter takes the target's RoPE base over, and has no scaling: exported without the
+    target's, it would draft at other positions than the target verifies."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "hidden_size": 8, **rope}))
+    save_file({"model.norm.weight": torch.ones(8)}, tmp_path / "model.safetensors")
+    with pytest.raises(InputError, match="scales its RoPE") as refused:
+        TargetCheckpoint(open_storage(str(tmp_path))).rope_theta
+    assert refused.value.fix.startswith("Train the drafter for a target with plain RoPE")
 
 
 def test_mask_token_is_the_first_row_past_the_tokenizer(target_dir):

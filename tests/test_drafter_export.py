@@ -136,6 +136,7 @@ def test_the_drafter_rotates_with_the_targets_rope_base_stated_in_both_config_fo
     export_drafter(trained, open_storage(str(tmp_path)), prefix="")
     raw = json.loads((tmp_path / "config.json").read_text())
     assert raw["rope_theta"] == 1e7 and raw["rope_scaling"] is None
+    assert raw["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e7}  # and as Transformers 5 states it
     hf = AutoConfig.from_pretrained(tmp_path)  # what vLLM and AutoModel read: the Transformers 5 form
     assert hf.rope_parameters["rope_theta"] == 1e7 and hf.rope_parameters["rope_type"] == "default"
     assert DFlashDraftModel(hf).rope.theta == 1e7

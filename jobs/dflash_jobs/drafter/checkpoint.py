@@ -111,7 +111,17 @@ class TargetCheckpoint:
 
     @property
     def rope_theta(self) -> float:
+        """The RoPE base the drafter takes over. A scaled RoPE (YaRN, linear, dynamic) is refused: the
+        drafter's RoPE has none, and a drafter exported without the target's scaling would place its
+        positions otherwise than the target does, past the original context most."""
         rope = self.text.get("rope_parameters") or {}
+        scaling = self.text.get("rope_scaling") or {}
+        kind = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+        if kind != "default":
+            raise InputError(
+                f"the target {self.storage.url} scales its RoPE ({kind!r}), which the DFlash drafter does not implement",
+                "Train the drafter for a target with plain RoPE (rope_type 'default'), or drop the scaling from its config.json if it serves without it",
+            )
         return float(rope.get("rope_theta", self.text.get("rope_theta", 1e6)))
 
     def tokenizer_size(self) -> int | None:

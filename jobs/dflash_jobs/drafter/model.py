@@ -101,6 +101,9 @@ class DrafterConfig:
             "num_key_value_heads": self.num_key_value_heads,
             "num_target_layers": self.num_target_layers,
             "rms_norm_eps": self.rms_norm_eps,
+            # The RoPE base in both forms: rope_theta/rope_scaling (vLLM, Transformers 4) and
+            # rope_parameters (Transformers 5): a reader that finds only the other falls back to its default base.
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
             "rope_scaling": None,
             "rope_theta": self.rope_theta,
             "sliding_window": self.sliding_window if self.sliding_layers else None,
