@@ -15,7 +15,6 @@ stack) from its log. It is written when the run ends or is cut at --deadline.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
@@ -28,9 +27,13 @@ import numpy as np
 import torch
 import yaml
 
-from dflash_jobs.formats import MANIFEST_KEY, DoneMarker, Manifest, TokenChunk, done_key, encode_hidden_chunk, hidden_chunk_key, token_chunk_key
-from dflash_jobs.storage import open_storage
-from dflash_jobs.tiny import write_tiny_target
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))  # train_fixtures: chunks, markers and manifest as extraction writes them
+
+from dflash_jobs.formats import MANIFEST_KEY, TokenChunk  # noqa: E402
+from dflash_jobs.storage import open_storage  # noqa: E402
+from dflash_jobs.tiny import write_tiny_target  # noqa: E402
+from train_fixtures import write_extract  # noqa: E402
 
 STEP_LINE = re.compile(r"step (\d+)/(\d+)")
 
@@ -40,30 +43,21 @@ def synthetic_extract(output: Path, target: Path, *, documents: int, prompt: tup
     """Chunks of documents (a prompt of random length, then `answer` supervised tokens) with random states."""
     rng = np.random.default_rng(seed)
     lengths = rng.integers(prompt[0], prompt[1], documents) + answer
-    storage = open_storage(str(output))
-    markers, start = [], 0
-    while start < documents:
-        end = start + max(1, int(np.searchsorted(np.cumsum(lengths[start:]), chunk_tokens)))
-        chunk = len(markers)
-        ids = [rng.integers(0, vocab, n).astype(np.int32) for n in lengths[start:end]]
-        masks = [np.r_[np.zeros(n - answer, np.uint8), np.ones(answer, np.uint8)] for n in lengths[start:end]]
-        tokens = TokenChunk(
-            input_ids=np.concatenate(ids), loss_mask=np.concatenate(masks),
-            cu_seqlens=np.r_[0, np.cumsum(lengths[start:end])].astype(np.int64), sample_ids=np.arange(start, end, dtype=np.int64),
-        ).validate(f"synthetic {chunk}")
-        hidden = torch.randn(tokens.num_tokens, len(layers), hidden_size, dtype=torch.bfloat16)
-        data = encode_hidden_chunk(tokens, hidden, layers=layers, model=str(target), config_hash="synthetic")
-        storage.put_bytes(token_chunk_key(chunk), tokens.encode())
-        put = storage.put_bytes(hidden_chunk_key(chunk), data)
-        marker = DoneMarker(chunk=chunk, samples=end - start, tokens=tokens.num_tokens, bytes=put.size, sha256=hashlib.sha256(data).hexdigest(),
-                            etag=None, dtype="bfloat16", layers=layers, hidden_size=hidden_size)
-        storage.put_bytes(done_key(chunk), marker.to_json().encode())
-        markers.append(marker)
-        start = end
-    manifest = Manifest(model=str(target), layers=layers, dtype="bfloat16", hidden_size=hidden_size,
-                        samples=documents, tokens=int(lengths.sum()), bytes=sum(m.bytes for m in markers), chunks=markers)
-    storage.put_bytes(MANIFEST_KEY, manifest.to_json().encode())
-    return {"documents": documents, "tokens": int(lengths.sum()), "chunks": len(markers), "bytes": manifest.bytes}
+    ends = np.searchsorted(np.cumsum(lengths), np.arange(chunk_tokens, lengths.sum() + chunk_tokens, chunk_tokens))
+    bounds = sorted({0, *np.minimum(ends, documents).tolist()})
+
+    def chunks():
+        for begin, end in zip(bounds, bounds[1:]):
+            ids = [rng.integers(0, vocab, n).astype(np.int32) for n in lengths[begin:end]]
+            masks = [np.r_[np.zeros(n - answer, np.uint8), np.ones(answer, np.uint8)] for n in lengths[begin:end]]
+            tokens = TokenChunk(
+                input_ids=np.concatenate(ids), loss_mask=np.concatenate(masks),
+                cu_seqlens=np.r_[0, np.cumsum(lengths[begin:end])].astype(np.int64), sample_ids=np.arange(begin, end, dtype=np.int64),
+            ).validate(f"synthetic {begin}")
+            yield tokens, torch.randn(tokens.num_tokens, len(layers), hidden_size)
+
+    manifest = write_extract(open_storage(str(output)), chunks(), model=str(target), layers=layers, dtype="bfloat16")
+    return {"documents": documents, "tokens": manifest.tokens, "chunks": len(manifest.chunks), "bytes": manifest.bytes}
 
 
 def watch(command: list[str], log_path: Path, env: dict[str, str], deadline: float) -> dict:
