@@ -412,6 +412,7 @@ class ChunkCache:
             if path.name not in wanted and not path.is_dir():
                 path.unlink(missing_ok=True)
         self._lock = threading.Lock()
+        self._storing = {chunk: threading.Lock() for chunk in self.resident}
         self.bytes_fetched = 0
         """Bytes read from storage since the cache opened (what the object store had to deliver)."""
         self._closed = threading.Event()
@@ -427,10 +428,14 @@ class ChunkCache:
     def open(self, chunk: int) -> ChunkData:
         """The chunk, from local disk if it is resident and stored there, else from storage (a
         resident one is then stored for the next epochs)."""
-        if chunk in self._on_disk:
-            return ChunkData.from_file(self.path(chunk))
-        data = self._download(chunk)
-        if chunk in self.resident:
+        if chunk not in self.resident:
+            return ChunkData.from_bytes(self._download(chunk), hidden_chunk_key(chunk))
+        # One opener at a time per resident chunk: two at once (the prefetcher reaching a chunk again
+        # while it is still being stored) would both download and write it, and the disk hold it twice.
+        with self._storing[chunk]:
+            if chunk in self._on_disk:
+                return ChunkData.from_file(self.path(chunk))
+            data = self._download(chunk)
             path = self.path(chunk)
             temp = path.with_name(f"{TEMP_PREFIX}{path.name}")
             try:
