@@ -57,7 +57,7 @@ import yaml
 
 from dflash_jobs.formats import DATASET_KEY, EVAL_REPORT_KEY, TRAIN_METRICS_KEY, TokenChunk
 from dflash_jobs.generation import generated_lines, read_manifest
-from dflash_jobs.prepare import HOLDOUT_KEY, prompt_length
+from dflash_jobs.prepare import HOLDOUT_KEY, ChatEncoder, prompt_length
 from dflash_jobs.storage import open_storage
 from dflash_jobs.tiny import teach_tiny_target, write_tiny_target
 
@@ -263,15 +263,19 @@ def make_target(directory: Path, documents: list[str], size: Size, device: torch
     training, held_out = split_documents(documents)
     write_tiny_target(directory, num_layers=size.target_layers, hidden_size=size.target_hidden, vocab_size=size.vocab_size,
                       heads=size.target_heads, head_dim=size.target_head_dim, corpus=training)
-    tokenizer = AutoTokenizer.from_pretrained(directory)
+    encoder = ChatEncoder(AutoTokenizer.from_pretrained(directory))
 
-    def rendered(docs: list[str], count: int, seed: int) -> list[str]:
-        return [tokenizer.apply_chat_template(conversation(p, a), tokenize=False) for p, a in continuation_chats(docs, count, size, random.Random(seed))]
+    def rendered(docs: list[str], count: int, seed: int) -> list[list[int]]:
+        """Chats tokenized as prepare tokenizes them, which is as serving does (the prompt apart from
+        the answer): a target taught on whole conversations tokenized at once would be served a
+        generation prompt whose last token it never saw there."""
+        chats = [encoder.render({"messages": conversation(p, a)}) for p, a in continuation_chats(docs, count, size, random.Random(seed))]
+        return [ids.tolist() for ids, _ in encoder.encode(chats)]
 
     texts = rendered(training, size.train_steps * size.train_batch // 4, 1)
     taught = teach_tiny_target(directory, texts, steps=size.train_steps, batch=size.train_batch, length=size.train_length,
                                lr=size.lr, seconds=size.train_seconds, device=device.type, held_out=rendered(held_out, 2000, 2))
-    return {**taught, "tokenizer_tokens": len(tokenizer), "documents": {"training": len(training), "held_out": len(held_out)}}
+    return {**taught, "tokenizer_tokens": len(encoder.tokenizer), "documents": {"training": len(training), "held_out": len(held_out)}}
 
 
 # ---- 3. the chats -----------------------------------------------------------------------------------

@@ -332,7 +332,7 @@ def reference_delta_rule() -> Iterator[None]:
 
 def teach_tiny_target(
     directory: str | Path,
-    texts: list[str],
+    texts: list[str] | list[list[int]],
     *,
     steps: int,
     batch: int,
@@ -340,9 +340,10 @@ def teach_tiny_target(
     lr: float,
     seconds: float = math.inf,
     device: str = "cpu",
-    held_out: list[str] | None = None,
+    held_out: list[str] | list[list[int]] | None = None,
 ) -> dict[str, Any]:
-    """Trains the checkpoint in `directory` in place, next-token prediction on `texts` concatenated.
+    """Trains the checkpoint in `directory` in place, next-token prediction on `texts` concatenated
+    (strings, or token ids where the caller tokenizes them as the target will be served).
 
     Stops after `steps` or `seconds`, whichever comes first; returns how far it got, the loss at
     both ends and, given `held_out` texts, the mean loss over windows of them after training. Only
@@ -354,8 +355,9 @@ def teach_tiny_target(
 
     tokenizer = AutoTokenizer.from_pretrained(directory)
 
-    def token_stream(texts: list[str]) -> torch.Tensor:
-        stream = torch.tensor([t for ids in tokenizer(texts, add_special_tokens=False)["input_ids"] for t in ids])
+    def token_stream(texts: list[str] | list[list[int]]) -> torch.Tensor:
+        tokenized = texts if isinstance(texts[0], list) else tokenizer(texts, add_special_tokens=False)["input_ids"]
+        stream = torch.tensor([t for ids in tokenized for t in ids])
         if len(stream) <= length + 1:
             raise ValueError(f"{len(stream)} tokens of text are too few to train on windows of {length}")
         return stream
