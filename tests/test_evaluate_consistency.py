@@ -108,8 +108,8 @@ def drafter(target_dir, target_model, prompts, documents) -> Drafter:
     return model.to(torch.bfloat16).eval().requires_grad_(False)
 
 
-def simulated_anchors(drafter, target_model, prompts, documents) -> list[int]:
-    return [a for p, d in zip(prompts, documents) for a in anchors_accepted(drafter, document_batch(d, len(p), captured(target_model, d), drafter))]
+def simulated_anchors(drafter, target_model, prompts, documents) -> list[list[int]]:
+    return [anchors_accepted(drafter, document_batch(d, len(p), captured(target_model, d), drafter)) for p, d in zip(prompts, documents)]
 
 
 class ContextOffByOne(DFlashDrafter):
@@ -125,19 +125,24 @@ def test_the_training_forward_accepts_what_speculative_decoding_accepts_and_an_o
     assert drafter.config.layer_types == ["sliding_attention", "full_attention"] and all(len(d) > WINDOW for d in documents)
     simulated = simulated_anchors(drafter, target_model, prompts, documents)
     # One anchor at every answer position with a successor: the training rule (both supervised).
-    assert len(simulated) == PROMPTS * (NEW_TOKENS - 1)
+    assert [len(anchors) for anchors in simulated] == [NEW_TOKENS - 1] * PROMPTS
     target = Target(target_model, LAYERS)
     served = [speculative_decode(target, DFlashDrafter(drafter, drafter.config), p, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP) for p in prompts]
     assert [d.tokens for d in served] == [d[len(p):].tolist() for p, d in zip(prompts, documents)]
-    report = summarize_simulated(simulated, served, BLOCK)
+    greedy = [d[len(p):].tolist() for p, d in zip(prompts, documents)]
+    report = summarize_simulated(simulated, served, greedy, BLOCK)
     # A drafter that drafts: far past one token per step, and past the first position.
     assert acceptance_length(served) > 3 and acceptance_per_position(served, BLOCK)[2] > 0.5
     assert report["disagreeing_positions"] == []
+    # At the anchors decoding drafted from, the two are the same computation: equal but for rounding.
+    matched = report["at_decoded_anchors"]
+    assert matched["steps"] > 0.8 * sum(len(d.accepted) for d in served)
+    torch.testing.assert_close(matched["simulated_per_position"], matched["decoded_per_position"], atol=0.05, rtol=0)
     assert abs(report["acceptance_length"] - acceptance_length(served)) < 0.15 * acceptance_length(served)
 
     broken = [speculative_decode(target, ContextOffByOne(drafter, drafter.config), p, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP) for p in prompts]
     assert [d.tokens for d in broken] == [d.tokens for d in served]  # still lossless: only the drafts suffer
-    verdict = summarize_simulated(simulated, broken, BLOCK)
+    verdict = summarize_simulated(simulated, broken, greedy, BLOCK)
     assert verdict["disagreeing_positions"][:3] == [1, 2, 3]
     assert verdict["relative_gap"][0] < -0.3
 
@@ -258,7 +263,7 @@ def test_worker_processes_give_the_one_process_report(tmp_path, target_dir, draf
             assert one["drafters"][name][key] == two["drafters"][name][key], (name, key)
     simulated = one["drafters"]["dflash"]["simulated"]
     assert simulated == two["drafters"]["dflash"]["simulated"]
-    assert set(simulated) == {"acceptance_length", "acceptance_per_position", "anchors", "relative_gap", "tolerance", "disagreeing_positions"}
+    assert set(simulated) == {"acceptance_length", "acceptance_per_position", "anchors", "at_decoded_anchors", "relative_gap", "tolerance", "disagreeing_positions"}
     assert len(simulated["acceptance_per_position"]) == len(simulated["relative_gap"]) == BLOCK - 1
     assert simulated["anchors"] == 4 * (16 - 1) and simulated["disagreeing_positions"] == []
     assert "simulated" not in one["drafters"]["prompt_lookup"]

@@ -212,7 +212,7 @@ def evaluate(spec: RunSpec, storage: Storage, *, device: torch.device) -> dict[s
     report = build_report(
         greedy=[r.greedy for r in results],
         drafters={name: [r.drafted[name] for r in results] for name in results[0].drafted},
-        simulated={"dflash": [anchor for r in results for anchor in r.simulated]},
+        simulated={"dflash": [r.simulated for r in results]},
         block_size=config.block_size, dtype=eval_dtype(device), tie_ulps=settings.tie_ulps,
         target=spec.target.model, drafter=drafter_url(spec), prompts=len(prompts),
         max_new_tokens=settings.max_new_tokens, processes=min(settings.processes, len(prompts)), device=str(device),

@@ -128,14 +128,41 @@ def simulated_consistency(decoded_rates: Sequence[float], simulated_rates: Seque
     return {"relative_gap": gaps, "tolerance": CONSISTENCY_TOLERANCE, "disagreeing_positions": disagreeing}
 
 
-def summarize_simulated(anchors_accepted: Sequence[int], decoded: Sequence[Decoded], block_size: int) -> dict[str, Any]:
-    """The teacher-forced acceptance of a drafter beside its decoded acceptance on the same prompts."""
-    rates = rates_per_position(anchors_accepted, block_size)
+def same_anchor_pairs(simulated: Sequence[int], decoded: Decoded, greedy_tokens: Sequence[int], block_size: int) -> list[tuple[int, int]]:
+    """(simulated, decoded) accepted drafts at each verify step whose anchor the simulation drafted
+    from too: the same anchor, context and labels. simulated[i] is the anchor at greedy's i-th new
+    token; the first block anchors at token 0, each next one `accepted + 1` tokens later. Only steps
+    while the decoded output is still greedy's (a tie broken otherwise moves every later anchor) and
+    that drafted all B - 1 slots (the last block drafts fewer) are compared."""
+    pairs, anchor = [], 0
+    for accepted, drafted in zip(decoded.accepted, decoded.drafted):
+        end = anchor + accepted + 1
+        if list(decoded.tokens[:end]) != list(greedy_tokens[:end]):
+            break
+        if drafted == block_size - 1 and anchor < len(simulated):
+            pairs.append((simulated[anchor], accepted))
+        anchor = end
+    return pairs
+
+
+def summarize_simulated(
+    simulated: Sequence[Sequence[int]], decoded: Sequence[Decoded], greedy_tokens: Sequence[Sequence[int]], block_size: int,
+) -> dict[str, Any]:
+    """The teacher-forced acceptance of a drafter beside its decoded acceptance on the same prompts;
+    `simulated` holds each prompt's per-anchor accepted drafts. Over every anchor it is SpecForge's
+    figure; the per-position check compares the two at the same anchors (decoding anchors only where
+    a block starts, after a rejection: harder places than the average position, so its rates run
+    lower than every-anchor ones even where nothing is wrong)."""
+    every = [accepted for prompt in simulated for accepted in prompt]
+    pairs = [pair for prompt, d, g in zip(simulated, decoded, greedy_tokens, strict=True) for pair in same_anchor_pairs(prompt, d, g, block_size)]
+    simulated_rates = rates_per_position([sim for sim, _ in pairs], block_size)
+    decoded_rates = rates_per_position([dec for _, dec in pairs], block_size)
     return {
-        "acceptance_length": mean_committed(anchors_accepted),
-        "acceptance_per_position": rates,
-        "anchors": len(anchors_accepted),
-        **simulated_consistency(acceptance_per_position(decoded, block_size), rates, len(verify_steps(decoded))),
+        "acceptance_length": mean_committed(every),
+        "acceptance_per_position": rates_per_position(every, block_size),
+        "anchors": len(every),
+        "at_decoded_anchors": {"steps": len(pairs), "simulated_per_position": simulated_rates, "decoded_per_position": decoded_rates},
+        **simulated_consistency(decoded_rates, simulated_rates, len(pairs)),
     }
 
 

@@ -33,13 +33,13 @@ REPORT_FORMAT = "dflash.eval/v1"
 
 def build_report(
     *, greedy: Sequence[Decoded], drafters: Mapping[str, Sequence[Decoded]], block_size: int, dtype: torch.dtype, tie_ulps: int,
-    simulated: Mapping[str, Sequence[int]] | None = None, **about: Any,
+    simulated: Mapping[str, Sequence[Sequence[int]]] | None = None, **about: Any,
 ) -> dict[str, Any]:
-    """The report of one evaluation: `simulated` maps a drafter to its per-anchor teacher-forced
-    accepted lengths; `about` holds what was evaluated (target, drafter, prompts, ...)."""
+    """The report of one evaluation: `simulated` maps a drafter to its teacher-forced accepted
+    drafts, per prompt and anchor; `about` holds what was evaluated (target, drafter, prompts, ...)."""
     summaries = {name: summarize(decoded, greedy, block_size, dtype=dtype, tie_ulps=tie_ulps) for name, decoded in drafters.items()}
     for name, anchors in (simulated or {}).items():
-        summaries[name]["simulated"] = summarize_simulated(anchors, drafters[name], block_size)
+        summaries[name]["simulated"] = summarize_simulated(anchors, drafters[name], [d.tokens for d in greedy], block_size)
     return {
         "format": REPORT_FORMAT,
         **about,
