@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import socket
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -57,3 +58,17 @@ def s3_bucket(s3_server) -> str:
     name = f"test-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=name)
     return name
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """Where the tiny target and extract of the training tests live, built once per session (train_fixtures)."""
+    return tmp_path_factory.getbasetemp() / "train-fixtures"
+
+
+@pytest.fixture(scope="module")
+def extract(root) -> Path:
+    """The tiny target's real hidden states as extraction and verify leave them; copy it before writing (copy_extract)."""
+    from train_fixtures import tiny_extract
+
+    return tiny_extract(root)

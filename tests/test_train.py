@@ -26,29 +26,12 @@ from dflash_jobs.train.checkpointer import step_prefix
 from dflash_jobs.train.data import BatchBuilder, BatchStream, Budget, ChunkCache, ChunkData, assign_chunks, plan_epoch, read_document_index
 from dflash_jobs.formats import TRAIN_METRICS_KEY as METRICS_KEY, TRAIN_PLOT_KEY as PLOT_KEY
 from dflash_jobs.train.trainer import Runtime, Trainer
-from train_fixtures import LAYERS, tiny_extract, tiny_target, train_spec_dict, write_spec
+from train_fixtures import LAYERS, copy_extract, tiny_target, train_spec_dict, write_spec
 
 from conftest import free_port
 
 EPOCHS = 6
 STEPS = 30  # 5 micro-batches of <= 1024 tokens per epoch on one rank
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.getbasetemp() / "train-fixtures"
-
-
-@pytest.fixture(scope="module")
-def extract(root) -> Path:
-    return tiny_extract(root)
-
-
-def copy_extract(extract: Path, output: Path) -> Path:
-    import shutil
-
-    shutil.copytree(extract, output)
-    return output
 
 
 def spec_for(root: Path, output: Path, **train) -> dict:

@@ -5,7 +5,6 @@ that fails while its batch producer runs, and data larger than the cache."""
 from __future__ import annotations
 
 import hashlib
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -20,24 +19,11 @@ from dflash_jobs.formats import MANIFEST_KEY, HiddenChunk, Manifest, encode_hidd
 from dflash_jobs.spec import parse_spec
 from dflash_jobs.storage import TEMP_PREFIX, open_storage
 from dflash_jobs.train.trainer import Runtime, Trainer
-from train_fixtures import LAYERS, tiny_extract, tiny_target, train_spec_dict
+from train_fixtures import LAYERS, copy_extract, tiny_target, train_spec_dict
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.getbasetemp() / "train-fixtures"
-
-
-@pytest.fixture(scope="module")
-def extract(root) -> Path:
-    return tiny_extract(root)
-
-
-def run_copy(extract: Path, output: Path) -> Path:
-    shutil.copytree(extract, output)
-    return output
 
 
 def build(root: Path, output: Path, cache: Path, **train) -> Trainer:
@@ -70,7 +56,7 @@ def reextract_negated(output: Path) -> None:
 
 
 def test_a_reextracted_run_is_never_served_the_old_states_from_its_cache(root, extract, tmp_path):
-    output = run_copy(extract, tmp_path / "run")
+    output = copy_extract(extract, tmp_path / "run")
     before = first_batch(root, output, tmp_path / "cache")
     reextract_negated(output)
     after = first_batch(root, output, tmp_path / "cache")  # the same cache directory, the same plan

@@ -30,6 +30,14 @@ def tiny_target(root: Path) -> Path:
     return directory
 
 
+def copy_extract(extract: Path, output: Path) -> Path:
+    """A run directory of its own holding a copy of the shared tiny extract (tests train in it)."""
+    import shutil
+
+    shutil.copytree(extract, output)
+    return output
+
+
 def tiny_extract(root: Path, *, dtype: str = "bfloat16") -> Path:
     """An output directory holding extract/chunks, extract/done and extract/manifest.json."""
     output = root / f"extract-{dtype}"

@@ -5,6 +5,7 @@ without a line (the metric line comes every few steps), one says how far the loo
 steps completed since the last line and how long the current one has run. The lines are this
 rank's own: a metric line reduces across ranks, and ranks must not decide by their own clocks to
 enter a collective.
+
 Once no step has completed for `stall_seconds`, faulthandler writes every thread's stack to
 stderr, again each time as long again passes. faulthandler's own C thread does this without the
 GIL, so a loop stuck inside a C call that holds it still gets its dump.
