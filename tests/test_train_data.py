@@ -100,7 +100,7 @@ class DiskWatchingStorage:
 
 @pytest.mark.parametrize("cache_chunks", [0.5, 2.5])
 def test_the_cache_never_holds_more_than_its_bound_even_with_downloads_in_flight(extract, tmp_path, cache_chunks):
-    from dflash_jobs.train.data import BatchBuilder, BatchStream, Budget, ChunkCache, assign_chunks, plan_epoch, read_document_index
+    from dflash_jobs.train.data import BatchBuilder, BatchStream, Budget, ChunkCache, plan_epoch, read_document_index
 
     storage = open_storage(str(extract))
     manifest = Manifest.from_json(storage.get_bytes(MANIFEST_KEY))
