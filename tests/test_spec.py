@@ -36,6 +36,27 @@ def test_minimal_spec_gets_the_documented_defaults():
 
 
 @pytest.mark.parametrize(
+    "drafter, block_size, gamma, drafts, final_hidden",
+    [("dflash", 16, 7.0, 15, False), ("dflash2", 8, 7.0, 7, False), ("dspark", 7, 4.0, 7, True)],
+)
+def test_each_drafter_gets_its_own_layout_defaults_and_settings(drafter, block_size, gamma, drafts, final_hidden):
+    spec = parse_spec(minimal(train={"drafter": drafter}))
+    assert (spec.train.block_size, spec.train.gamma, spec.train.layout.drafts) == (block_size, gamma, drafts)
+    assert spec.train.reads_final_hidden is spec.stores_final_hidden is final_hidden
+    resolved = spec.to_dict()["train"]
+    # Only the chosen drafter's own section is resolved into run.yaml; the others are left out.
+    assert {name for name in ("dflash2", "dspark") if name in resolved} == ({drafter} - {"dflash"})
+    assert parse_spec(spec.to_dict()) == spec
+
+
+def test_a_chosen_block_size_and_the_stored_final_state_are_the_spec_s_to_set():
+    spec = parse_spec(minimal(train={"drafter": "dspark", "block_size": 5, "dspark": {"ce_only": True}}, extract={"final_hidden": True}))
+    assert (spec.train.block_size, spec.train.layout.drafts, spec.train.dspark.markov_rank) == (5, 5, 256)
+    assert not spec.train.reads_final_hidden and spec.stores_final_hidden  # CE-only reads none; extraction still keeps it
+    assert not parse_spec(minimal(train={"drafter": "dspark"}, extract={"final_hidden": False})).stores_final_hidden
+
+
+@pytest.mark.parametrize(
     "settings, device, compiled, checkpointing",
     [
         ({}, "cuda", True, "none"),  # 66.7 GiB at the default micro-batch on an H200, the fastest that fits 96 GB
@@ -83,6 +104,11 @@ def test_unset_compile_means_on_a_gpu_and_auto_checkpointing_follows_it(settings
         ({"train": {"activation_checkpointing": "some"}}, "train.activation_checkpointing", "'auto' | 'none' | 'mlp' | 'layers'"),
         ({"extract": {"compile": "yes"}}, "extract.compile", "true or false or null"),
         ({"train": {"stall_seconds": 0}}, "train.stall_seconds", "a number > 0"),
+        ({"train": {"drafter": "eagle3"}}, "train.drafter", "'dflash' | 'dflash2' | 'dspark'"),
+        ({"train": {"dspark": {"markov_rank": 64}}}, "train.dspark", "set train.drafter: dspark, or remove train.dspark"),
+        ({"train": {"drafter": "dspark", "dflash2": {}}}, "train.dflash2", "while train.drafter is dspark"),
+        ({"train": {"drafter": "dflash2", "dflash2": {"selector_top_k": 1}}}, "train.dflash2.selector_top_k", "an integer >= 2"),
+        ({"train": {"drafter": "dspark", "dspark": {"l1_weight": -1}}}, "train.dspark.l1_weight", "a number >= 0"),
     ],
 )
 def test_bad_field_is_named_with_value_and_allowed(overrides, field, allowed):

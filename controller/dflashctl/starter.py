@@ -64,7 +64,7 @@ def starter_spec(values: dict[str, Any] = STARTER_VALUES) -> str:
     return text
 
 
-def _render(cls: type, values: dict[str, Any], *, indent: int, lines: list[str]) -> None:
+def _render(cls: type, values: dict[str, Any], *, indent: int, lines: list[str], path: str = "") -> None:
     pad = " " * indent
     docs = field_docs(cls)
     hints = typing.get_type_hints(cls)
@@ -80,10 +80,10 @@ def _render(cls: type, values: dict[str, Any], *, indent: int, lines: list[str])
         if section and value is not None:
             lines.append(f"{pad}{f.name}:")
             nested = value if isinstance(value, dict) else {}
-            _render(section, nested, indent=indent + 2, lines=lines)
+            _render(section, nested, indent=indent + 2, lines=lines, path=f"{path}{f.name}.")
         else:
             lines.append(f"{pad}{f.name}: {_scalar(value)}")
-        if cls is RunSpec and f.name in OPTIONAL_SECTIONS and value is None:
+        if f"{path}{f.name}" in OPTIONAL_SECTIONS and value is None:
             # A section that is off while absent: its fields at their defaults, commented out, ready to turn on.
             block = [f"{pad}{f.name}:"]
             _render(section, {}, indent=indent + 2, lines=block)

@@ -10,6 +10,7 @@ neither torch nor transformers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 import types
@@ -33,8 +34,8 @@ CHUNK_CACHE_ENV = "DFLASH_CACHE_DIR"
 MAX_RUN_NAME = 40
 UNPRIVILEGED_PORTS = (1024, 65535)
 DEFAULT_SPEC_FILE = "dflash.yaml"
-OPTIONAL_SECTIONS = ("generate",)
-"""Sections that are off while absent: a resolved spec without them does not mention them."""
+OPTIONAL_SECTIONS = ("generate", "train.dflash2", "train.dspark")
+"""Sections that are off while absent (dotted paths): a resolved spec without them does not mention them."""
 
 
 def is_s3(url: str) -> bool:
@@ -135,6 +136,11 @@ class ExtractSpec:
     """Padded batch lengths are multiples of this, so only a few shapes need Triton warm-up."""
     sort_window: int = 4
     """Chunks sorted together by length to cut padding (bounded host memory)."""
+    final_hidden: bool | None = None
+    """Also store the target's final hidden state at every token (the last decoder layer's output,
+    before the final norm, [T, d], in extract.dtype): DSpark's objective reads the target's
+    next-token distribution from it. null: stored when the drafter needs it (train.drafter: dspark).
+    It costs d x 2 bytes a token in bf16: +10,240 B, +20% at the 27B shape."""
 
     def __post_init__(self) -> None:
         _positive("extract.shards", self.shards, minimum=1)
@@ -217,8 +223,95 @@ class GenerateSpec:
             )
 
 
+DRAFTERS = ("dflash", "dflash2", "dspark")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLayout:
+    """How a drafter variant lays out a block of B slots (reference/dflash2-dspark.md 4.5); torch-free,
+    so that the spec, the controller and the data plane agree on it."""
+
+    sample_from_anchor: bool
+    """False: slot k predicts the token at anchor + k (slot 0 is the anchor, untrained; B - 1 drafts).
+    True: slot k predicts anchor + k + 1 (the anchor is a prediction slot; B drafts)."""
+    block_size: int
+    """The variant's default block size (z-lab DFlash 16, the DFlash2 checkpoints 8, DeepSpec's DSpark 7)."""
+    gamma: float
+    """The variant's default loss decay over slots."""
+
+    @property
+    def drafts(self) -> int:
+        """Drafted tokens per block of `block_size`: what vLLM's num_speculative_tokens must be."""
+        return self.block_size if self.sample_from_anchor else self.block_size - 1
+
+
+BLOCK_LAYOUTS = {
+    "dflash": BlockLayout(sample_from_anchor=False, block_size=16, gamma=7.0),
+    "dflash2": BlockLayout(sample_from_anchor=False, block_size=8, gamma=7.0),
+    "dspark": BlockLayout(sample_from_anchor=True, block_size=7, gamma=4.0),
+}
+
+
+@dataclass(kw_only=True, slots=True)
+class DFlash2Spec:
+    """DFlash2's additions to the DFlash backbone (reference/dflash2-dspark.md section 3)."""
+
+    conv_kernel_size: int = 2
+    """Taps of the in-block dynamic causal convolution around every attention and MLP sublayer."""
+    conv_group_size: int = 16
+    """Channels sharing one input-dependent kernel offset (the target's hidden size must be a multiple)."""
+    selector_rank: int = 256
+    """Rank of the candidate selector's predecessor/successor codebooks."""
+    selector_top_k: int = 16
+    """Candidates per slot re-ranked by the selector: the strict top-k of the drafter's own logits."""
+    selector_alpha: float = 1.0
+    """Weight of the selector's cross-entropy beside the DFlash loss."""
+
+    def __post_init__(self) -> None:
+        _positive("train.dflash2.conv_kernel_size", self.conv_kernel_size, minimum=1)
+        _positive("train.dflash2.conv_group_size", self.conv_group_size, minimum=1)
+        _positive("train.dflash2.selector_rank", self.selector_rank, minimum=1)
+        _positive("train.dflash2.selector_top_k", self.selector_top_k, minimum=2)
+        if self.selector_alpha < 0:
+            raise SpecError("train.dflash2.selector_alpha", self.selector_alpha, "a number >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class DSparkSpec:
+    """DSpark's additions to the DFlash backbone (reference/dflash2-dspark.md section 4)."""
+
+    markov_rank: int = 256
+    """Rank of the Markov head's low-rank bigram bias W2 W1[previous token]."""
+    ce_weight: float = 0.1
+    """Weight of the cross-entropy to the data token."""
+    l1_weight: float = 0.9
+    """Weight of the L1 distance between the drafter's and the target's next-token distributions."""
+    confidence_weight: float = 1.0
+    """Weight of the confidence head's BCE toward 1 - L1/2 (the slot's acceptance probability)."""
+    ce_only: bool = False
+    """Train without the target's final hidden state: cross-entropy and the Markov head only, no L1
+    term and no confidence head. Only for a store extracted without it; reported as such."""
+
+    def __post_init__(self) -> None:
+        _positive("train.dspark.markov_rank", self.markov_rank, minimum=1)
+        for name in ("ce_weight", "l1_weight", "confidence_weight"):
+            if getattr(self, name) < 0:
+                raise SpecError(f"train.dspark.{name}", getattr(self, name), "a number >= 0")
+
+
+VARIANT_SETTINGS = {"dflash2": DFlash2Spec, "dspark": DSparkSpec}
+"""The drafters with a settings section of their own (train.<name>)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class TrainSpec:
+    drafter: Literal["dflash", "dflash2", "dspark"] = "dflash"
+    """dflash (z-lab), dflash2 (in-block convolutions and a candidate selector) or dspark (the anchor
+    as a prediction slot, a Markov head and a confidence head), all trained from the same stored states."""
+    dflash2: DFlash2Spec | None = None
+    """DFlash2's settings (train.drafter: dflash2; its defaults when left out)."""
+    dspark: DSparkSpec | None = None
+    """DSpark's settings (train.drafter: dspark; its defaults when left out)."""
     nodes: int = 1
     """Training nodes; more than one renders an Indexed Job plus a headless Service for rendezvous."""
     gpus_per_node: int = 8
@@ -229,8 +322,9 @@ class TrainSpec:
     """How many of the first draft layers use causal sliding-window attention (z-lab's Qwen3.6 drafter: 4)."""
     sliding_window: int = 2048
     """Window of the sliding-window layers."""
-    block_size: int = 16
-    """Tokens per drafted block: the anchor plus block_size - 1 predicted tokens."""
+    block_size: int | None = None
+    """Tokens per drafted block, the anchor included; served with exactly this block. null: the
+    drafter's default (dflash 16, dflash2 8, dspark 7)."""
     anchors: int = 512
     """Blocks sampled per document each epoch."""
     epochs: int = 6
@@ -238,8 +332,9 @@ class TrainSpec:
     warmup_ratio: float = 0.04
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    gamma: float = 7.0
-    """Loss weight of slot k is exp(-(k - 1) / gamma)."""
+    gamma: float | None = None
+    """Loss decay over block slots: slot k weighs exp(-(k - 1) / gamma) (dflash, dflash2: slots
+    1..B-1) or exp(-k / gamma) (dspark: slots 0..B-1). null: the drafter's default (7; dspark 4)."""
     micro_batch_tokens: int = 16384
     """Target tokens per micro-batch on one rank."""
     micro_batch_blocks: int = 2048
@@ -273,6 +368,7 @@ class TrainSpec:
     (a minute or two on a GPU), so keep it well above that."""
 
     def __post_init__(self) -> None:
+        self._resolve_drafter()
         _positive("train.nodes", self.nodes, minimum=1)
         _positive("train.gpus_per_node", self.gpus_per_node, minimum=1)
         _positive("train.draft_layers", self.draft_layers, minimum=1)
@@ -298,6 +394,30 @@ class TrainSpec:
             _dns_label("train.cache_storage_class", self.cache_storage_class, limit=63)
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise SpecError("train.mask_token_id", self.mask_token_id, "a token id >= 0, or null for the first unused embedding row")
+
+    def _resolve_drafter(self) -> None:
+        """The drafter's own settings section and its layout's defaults, filled in once, here."""
+        for name, settings in VARIANT_SETTINGS.items():
+            if name == self.drafter and getattr(self, name) is None:
+                setattr(self, name, settings())
+            elif name != self.drafter and getattr(self, name) is not None:
+                raise SpecError(f"train.{name}", dataclasses.asdict(getattr(self, name)),
+                                f"no train.{name} section while train.drafter is {self.drafter}: set train.drafter: {name}, or remove train.{name}")
+        layout = BLOCK_LAYOUTS[self.drafter]
+        if self.block_size is None:
+            self.block_size = layout.block_size
+        if self.gamma is None:
+            self.gamma = layout.gamma
+
+    @property
+    def layout(self) -> BlockLayout:
+        """The block layout of train.drafter, at train.block_size."""
+        return dataclasses.replace(BLOCK_LAYOUTS[self.drafter], block_size=self.block_size, gamma=self.gamma)
+
+    @property
+    def reads_final_hidden(self) -> bool:
+        """Whether the objective reads the target's final hidden state (DSpark, unless trained CE-only)."""
+        return self.dspark is not None and not self.dspark.ce_only
 
     @property
     def world_size(self) -> int:
@@ -433,9 +553,20 @@ class RunSpec:
         _dns_label("name", self.name, limit=MAX_RUN_NAME)
         _check_location("output", self.output, what="where the run writes everything")
 
+    @property
+    def stores_final_hidden(self) -> bool:
+        """Whether extraction stores the target's final hidden state beside the captured layers."""
+        return self.extract.final_hidden if self.extract.final_hidden is not None else self.train.reads_final_hidden
+
     def to_dict(self) -> dict[str, Any]:
         # An optional section left off is left out, so a spec that never used it keeps its hash and run.yaml.
-        return {key: value for key, value in dataclasses.asdict(self).items() if not (key in OPTIONAL_SECTIONS and value is None)}
+        resolved = dataclasses.asdict(self)
+        for path in OPTIONAL_SECTIONS:
+            *parents, key = path.split(".")
+            section = functools.reduce(lambda mapping, name: mapping[name], parents, resolved)
+            if section.get(key, ...) is None:
+                del section[key]
+        return resolved
 
     def fingerprint(self) -> str:
         """A stable hash of the resolved spec: submit refuses a different spec under the same name."""
