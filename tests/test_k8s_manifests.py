@@ -18,7 +18,8 @@ import pytest
 import yaml
 
 from dflash_jobs.spec import ClusterSpec, parse_spec
-from dflashctl.render import controller_role_rules, render_all, render_selection, write_manifests
+from dflashctl.render import controller_role_rules, render_all, render_selection
+from dflashctl.run_directory import write_manifests
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
@@ -331,7 +332,7 @@ def expand_braces(pattern: str) -> list[str]:
 def run_directory(tmp_path_factory, run_spec) -> tuple[Path, list[str]]:
     """A repository-like tree with one run rendered the documented way; returns (runs dir, file paths)."""
     runs = tmp_path_factory.mktemp("repo") / "k8s" / "runs"
-    written = write_manifests(render_selection(run_spec, "controller"), runs / run_spec.name)
+    written = write_manifests(render_selection(run_spec, "controller"), runs / run_spec.name).written
     return runs, [path.relative_to(runs).as_posix() for path in written]
 
 
