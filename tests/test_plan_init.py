@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import re
 import typing
+from pathlib import Path
 
 import pytest
 import yaml
@@ -21,6 +23,7 @@ from dflashctl.errors import EXIT_USAGE, exit_code
 from dflashctl.starter import STARTER_VALUES, field_docs, starter_spec
 
 runner = CliRunner()
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _sections(cls: type, raw: dict, path: str = "") -> list[str]:
@@ -67,15 +70,52 @@ def test_init_explains_each_field_with_its_docstring():
             assert doc in comments, f"{cls.__name__}.{name}"
     assert lines[lines.index("  chunk_tokens: 65536") - 1] == "  # Target size of one work unit (a token chunk and its hidden-state chunk)."
     assert lines[lines.index("backend: kubernetes") - 1] == "# One of: kubernetes, local."
-    # Generation is off, and its section is there to turn on: uncommented, it parses with every default.
-    block = lines[lines.index("generate: null") + 1:]
-    block = [line[2:] for line in block[: next(i for i, line in enumerate(block) if not line.startswith("#"))]]
-    assert block[0] == "generate:"
-    turned_on = parse_spec({**STARTER_VALUES, **yaml.safe_load("\n".join(block))})
-    assert turned_on.generate == parse_spec({**STARTER_VALUES, "generate": {}}).generate
+    # An optional section left off is there to turn on: uncommented, it parses with every default.
+    first = lines.index("  dflash2: null") + 1
+    block = lines[first:first + 1] + list(itertools.takewhile(lambda line: line.startswith("  #   "), lines[first + 1:]))
+    block = [line.replace("# ", "", 1) for line in block]
+    assert block[0] == "  dflash2:" and len(block) > 2
+    turned_on = parse_spec({**STARTER_VALUES, "train": {"drafter": "dflash2", **yaml.safe_load("\n".join(block))}})
+    assert turned_on.train.dflash2 == parse_spec({**STARTER_VALUES, "train": {"drafter": "dflash2"}}).train.dflash2
     # Only such sections: an optional nested one left off (no model volume) stays a plain null.
     without_volume = starter_spec({**STARTER_VALUES, "cluster": {}})
     assert "  model_volume: null" in without_volume.splitlines() and "#   claim" not in without_volume
+
+
+def test_the_starter_regenerates_answers_cites_only_what_exists_and_flags_the_images():
+    text = starter_spec()
+    spec = parse_spec(yaml.safe_load(text))
+    # Every real run regenerates the answers with the target (README): generation is on, with vLLM.
+    assert spec.generate is not None and spec.generate.engine == "vllm"
+    assert "generate: null" not in text.splitlines()
+    # The header points at files of this repository only.
+    header = text[: text.index("\nname:")]
+    cited = re.findall(r"\b(?:[\w-]+/)*[\w-]+\.md\b|\b(?:[\w-]+/)+[\w.-]+\.yaml\b", header)  # not dflash.yaml itself
+    assert cited and all((REPO / path).is_file() for path in cited), cited
+    assert "DESIGN" not in header
+    # The images are the user's to build and push: the starter says so where it sets them.
+    cluster = text[text.index("\ncluster:") - 300: text.index("\ncluster:")]
+    assert "placeholders, not published images" in cluster and "images/README.md" in cluster
+    assert (REPO / "images" / "README.md").is_file()
+
+
+def test_a_number_in_yaml_1_2_spelling_is_read_as_the_number_it_is(tmp_path):
+    """PyYAML reads YAML 1.1, where `6e-4` (no dot) is a string: a float field takes it as the number
+    the user wrote; a value that is no number is still refused, and an integer field says how to write it."""
+    spec_file = tmp_path / "dflash.yaml"
+    starter = starter_spec().replace("  lr: 0.0006\n", "  lr: 6e-4\n")
+    assert "  lr: 6e-4" in starter and yaml.safe_load(starter)["train"]["lr"] == "6e-4"
+    spec_file.write_text(starter)
+    assert runner.invoke(app, ["plan", "-f", str(spec_file), "-o", "json"]).exit_code == 0
+    assert parse_spec(yaml.safe_load(starter)).train.lr == 6e-4
+    assert parse_spec({**STARTER_VALUES, "train": {"lr": "1E-3", "warmup_ratio": ".05"}}).train.warmup_ratio == 0.05
+    for bad in ("fast", "1_000", ".inf", "6e-4 "):
+        with pytest.raises(SpecError, match=r"train\.lr .*Expected a number"):
+            parse_spec({**STARTER_VALUES, "train": {"lr": bad}})
+    with pytest.raises(SpecError, match=r"Expected an integer \(YAML read 1e6 as a string: write 1000000\)"):
+        parse_spec({**STARTER_VALUES, "train": {"anchors": yaml.safe_load("anchors: 1e6")["anchors"]}})
+    with pytest.raises(SpecError, match=r"Expected an integer \(write 512\)"):
+        parse_spec({**STARTER_VALUES, "train": {"anchors": 512.0}})
 
 
 def test_init_refuses_to_overwrite_without_force(tmp_path):

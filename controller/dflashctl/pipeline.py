@@ -40,7 +40,7 @@ from dflash_jobs.errors import StorageError, StorageUnavailable
 from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, RUN_KEY, Manifest
 from dflash_jobs.generation import ChunkMarker, GenerationProgress, current_manifest, write_manifest_if_complete
 from dflash_jobs.generation import read_progress as read_generation_progress
-from dflash_jobs.spec import RunSpec, dump_spec
+from dflash_jobs.spec import RunSpec, dump_spec, run_identity
 from dflash_jobs.storage import ObjectNotFound, Patience, Storage, storage_for
 
 from dflashctl.backend import (
@@ -232,7 +232,9 @@ class Pipeline:
         if self.storage.put_if_absent(RUN_KEY, text.encode()):
             return
         existing = self.storage.get_bytes(RUN_KEY).decode()
-        if existing == text:
+        old = yaml.safe_load(existing) or {}
+        ours, theirs = run_identity(self.spec.to_dict()), run_identity(old)
+        if ours == theirs:  # the same run, perhaps in another namespace or serving metrics on another port
             return
         if self.force:
             self.storage.put_bytes(RUN_KEY, text.encode())
@@ -241,8 +243,7 @@ class Pipeline:
                 "delete them to redo their steps"
             )
             return
-        old = yaml.safe_load(existing) or {}
-        changed = sorted(key for key, value in self.spec.to_dict().items() if old.get(key) != value)
+        changed = sorted(key for key, value in ours.items() if theirs.get(key) != value)
         raise Conflict(
             f"{self.storage.url} already holds run {old.get('name')!r} with another spec (differs in: {', '.join(changed)})",
             "Use another `output` (or `name`) for a new run, restore the spec it was started with, or pass --force",

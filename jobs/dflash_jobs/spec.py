@@ -9,6 +9,7 @@ neither torch nor transformers.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
@@ -36,6 +37,11 @@ UNPRIVILEGED_PORTS = (1024, 65535)
 DEFAULT_SPEC_FILE = "dflash.yaml"
 OPTIONAL_SECTIONS = ("generate", "train.dflash2", "train.dspark")
 """Sections that are off while absent (dotted paths): a resolved spec without them does not mention them."""
+OUTSIDE_RUN_IDENTITY = ("cluster.namespace", "cluster.metrics_port")
+"""Settings of where a run is placed and watched from, not of what it makes (dotted paths): changing
+one keeps the run's identity, its spec hash and <output>/run.yaml. The namespace is where the Jobs
+live (`dflashctl -n` moves them; storage is shared); the metrics port is where `dflashctl run`
+serves its progress, a laptop's free port or the controller pod's."""
 
 
 def is_s3(url: str) -> bool:
@@ -500,7 +506,9 @@ class ClusterSpec:
     """Left unset by default: Git-managed Jobs must not delete themselves."""
     metrics_port: int | None = None
     """Port on which `dflashctl run` (the in-cluster controller) serves its progress as Prometheus
-    metrics at /metrics; rendered as the controller Job's "metrics" port. null: no metrics."""
+    metrics at /metrics; rendered as the controller Job's "metrics" port. Run from a laptop where it
+    is taken, `dflashctl run` picks a free one and says which. Not part of the run's identity: a
+    change keeps the run. null: no metrics."""
 
     def __post_init__(self) -> None:
         _dns_label("cluster.namespace", self.namespace, limit=63)
@@ -569,10 +577,22 @@ class RunSpec:
         return resolved
 
     def fingerprint(self) -> str:
-        """A stable hash of the resolved spec: submit refuses a different spec under the same name."""
+        """A stable hash of what the run makes (`run_identity`): submit refuses a different one under the same name."""
         import hashlib
 
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+        return hashlib.sha256(json.dumps(run_identity(self.to_dict()), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def run_identity(resolved: dict[str, Any]) -> dict[str, Any]:
+    """A resolved spec (`RunSpec.to_dict()`, or a run.yaml read back) without the settings in
+    OUTSIDE_RUN_IDENTITY: two specs are the same run when these are equal."""
+    identity = copy.deepcopy(resolved)
+    for path in OUTSIDE_RUN_IDENTITY:
+        *parents, key = path.split(".")
+        section = functools.reduce(lambda mapping, name: mapping.get(name) if isinstance(mapping, dict) else None, parents, identity)
+        if isinstance(section, dict):
+            section.pop(key, None)
+    return identity
 
 
 def _positive(path: str, value: Any, *, minimum: int) -> None:
@@ -614,6 +634,22 @@ def _type_name(tp: Any) -> str:
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
 
 
+YAML12_FLOAT = re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$")
+"""A number as YAML 1.2 (and kubectl, Go, JSON) reads it. PyYAML reads YAML 1.1, where a float needs a
+dot: `lr: 6e-4` arrives as the string "6e-4". A float field takes such a string as the number the
+user wrote; anything else that is not a number (`lr: fast`, `.inf`, `1_000`) is still refused."""
+
+
+def _as_integer_hint(value: Any) -> str:
+    """For an integer field given `1e6` (a string to YAML 1.1) or `1.0e+6`: how to write it."""
+    text = value if isinstance(value, str) and YAML12_FLOAT.match(value) else None
+    number = float(text) if text is not None else value if isinstance(value, float) else None
+    if number is None or not number.is_integer():
+        return ""
+    read = f"YAML read {text} as a string: " if text is not None else ""
+    return f" ({read}write {int(number)})"
+
+
 def _convert(path: str, value: Any, tp: Any) -> Any:
     """Checks `value` against the annotation `tp`, building nested dataclasses."""
     origin = typing.get_origin(tp)
@@ -648,12 +684,14 @@ def _convert(path: str, value: Any, tp: Any) -> Any:
     if dataclasses.is_dataclass(tp):
         return _build(path, value, tp)
     if tp is float:
+        if isinstance(value, str) and YAML12_FLOAT.match(value):
+            return float(value)  # 6e-4: a number in YAML 1.2, a string to PyYAML's YAML 1.1 (see YAML12_FLOAT)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise SpecError(path, value, "a number")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise SpecError(path, value, "an integer")
+            raise SpecError(path, value, "an integer" + _as_integer_hint(value))
         return value
     if tp is str:
         if not isinstance(value, str):

@@ -16,7 +16,7 @@ from dflash_jobs.speculators import DEFAULT_WORKERS, default_destination, export
 from dflash_jobs.storage import open_storage, storage_for
 
 from dflashctl.cli import output
-from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt
+from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt, Targets
 from dflashctl.cli.reporting import reporter_for
 from dflashctl.pipeline import StepUpdate
 
@@ -51,7 +51,8 @@ def export_states(
 
       dflashctl export-states --format speculators
 
-      dflashctl export-states --format speculators --to s3://bucket/speculators/qwen36/hidden_states --workers 32
+      dflashctl export-states --format speculators --workers 32 \\
+        --to s3://bucket/speculators/qwen36/hidden_states
     """
     spec = load_spec(spec_file)
     source = storage_for(spec)
@@ -82,4 +83,4 @@ def export_states(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("export-states")(export_states)
+    app.command("export-states", targets=Targets.none)(export_states)

@@ -11,7 +11,7 @@ from dflash_jobs.spec import load_spec
 
 from dflashctl import plan as planning
 from dflashctl.cli import output
-from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt
+from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt, Targets
 
 
 def plan(
@@ -129,4 +129,4 @@ def _amount(value: float | int | None, suffix: str = "") -> str:
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(plan)
+    app.command(targets=Targets.none)(plan)

@@ -12,7 +12,7 @@ from dflash_jobs.spec import load_spec
 from dflash_jobs.storage import storage_for
 
 from dflashctl.cli import output
-from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt
+from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt, Targets
 from dflashctl.cli.reporting import reporter_for
 from dflashctl.pipeline import StepUpdate
 from dflashctl.verify import Expected, verify_run
@@ -37,7 +37,7 @@ def verify(
 
       dflashctl verify
 
-      dflashctl verify --deep              # before a long training run, on suspect storage
+      dflashctl verify --deep   # before a long training run, on suspect storage
 
       dflashctl verify --delete-bad; dflashctl run
     """
@@ -67,4 +67,4 @@ def verify(
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(verify)
+    app.command(targets=Targets.none)(verify)
