@@ -98,7 +98,8 @@ def drafter(target_dir, target_model, prompts, documents) -> Drafter:
     model = Drafter(drafter_config_for_target(checkpoint, train, LAYERS, mask))
     tensors = checkpoint.read_target_tensors()
     model.load_target_tensors(tensors.embed_tokens, tensors.lm_head, tensors.final_norm)
-    batches = [document_batch(d, len(p), captured(target_model, d), model, train.layout) for p, d in zip(prompts, documents)]
+    teaching = anchor_layout(block_size=BLOCK, gamma=1.0)  # every later slot weighs e^-1 of the one before: a drafter strong up front
+    batches = [document_batch(d, len(p), captured(target_model, d), model, teaching) for p, d in zip(prompts, documents)]
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     config = model.config
     for step in range(150):

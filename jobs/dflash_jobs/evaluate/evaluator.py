@@ -35,7 +35,7 @@ from dflash_jobs.evaluate.simulated import anchors_accepted, document_batch
 from dflash_jobs.extract.target import local_checkpoint
 from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk
 from dflash_jobs.prepare import prompt_length
-from dflash_jobs.spec import AnchorLayout, EvalSpec, RunSpec
+from dflash_jobs.spec import AnchorLayout, EvalSpec, RunSpec, anchor_layout
 from dflash_jobs.storage import Storage, open_storage, storage_for
 from dflash_jobs.variants import DrafterVariant, drafter_variant
 
@@ -130,11 +130,16 @@ def load_decoder(spec: RunSpec, *, device: torch.device) -> PromptDecoder:
     """The run's target and exported drafter on `device`, as a PromptDecoder."""
     model = load_target(spec, device=device, dtype=eval_dtype(device))
     variant = drafter_variant(spec.train.drafter)
-    drafter, _ = load_drafter(
+    drafter, config = load_drafter(
         drafter_url(spec), target=spec.target.model, variant=variant, device=device,
         endpoint_url=spec.storage.endpoint_url, region=spec.storage.region,
     )
-    return PromptDecoder(model, drafter, variant, spec.train.layout, spec.eval)
+    return PromptDecoder(model, drafter, variant, served_layout(spec, config), spec.eval)
+
+
+def served_layout(spec: RunSpec, config: DrafterConfig) -> AnchorLayout:
+    """The anchor layout of the exported drafter: its variant's, at the block size it was exported with (what a server runs)."""
+    return anchor_layout(spec.train.drafter, block_size=config.block_size, gamma=spec.train.gamma)
 
 
 def eval_dtype(device: torch.device) -> torch.dtype:
@@ -201,10 +206,11 @@ def progress_line(results: list[PromptResult]) -> str:
 def evaluate(spec: RunSpec, storage: Storage, *, device: torch.device) -> dict[str, Any]:
     """Evaluates the exported drafter of the run; writes eval/report.json and eval/acceptance.png; returns the report."""
     prompts = held_out_prompts(storage, spec.eval.prompts)
-    settings, layout = spec.eval, spec.train.layout
+    settings = spec.eval
     variant = drafter_variant(spec.train.drafter)
     exported = exported_config(drafter_url(spec), endpoint_url=spec.storage.endpoint_url, region=spec.storage.region)
     config = variant.config_from_export(exported)
+    layout = served_layout(spec, config)
     describe(spec, config, device, len(prompts))
     if settings.processes > 1:
         results = decode_in_processes(spec, prompts, device=device)  # the workers load their own copies
