@@ -74,7 +74,7 @@ class OracleDrafter:
 
     def __init__(self, continuation: torch.Tensor, right: int, layers=LAYERS) -> None:
         self.continuation, self.right = continuation, right
-        self.block_size, self.target_layers = BLOCK, list(layers)
+        self.block_size, self.drafts, self.target_layers = BLOCK, BLOCK - 1, list(layers)
         self.contexts: list[torch.Tensor] = []
 
     def propose(self, tokens, context):
@@ -86,7 +86,7 @@ class OracleDrafter:
 
 
 class RandomDrafter:
-    block_size, target_layers = BLOCK, []
+    block_size, drafts, target_layers = BLOCK, BLOCK - 1, []
 
     def __init__(self) -> None:
         self.generator = torch.Generator().manual_seed(2)

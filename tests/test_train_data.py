@@ -16,7 +16,7 @@ import torch
 
 from dflash_jobs.errors import EXIT_BAD_INPUT
 from dflash_jobs.formats import MANIFEST_KEY, HiddenChunk, Manifest, encode_hidden_chunk, hidden_chunk_key
-from dflash_jobs.spec import parse_spec
+from dflash_jobs.spec import anchor_layout, parse_spec
 from dflash_jobs.storage import TEMP_PREFIX, open_storage
 from dflash_jobs.train.trainer import Runtime, Trainer
 from train_fixtures import LAYERS, copy_extract, tiny_target, train_spec_dict
@@ -109,7 +109,7 @@ def test_the_cache_never_holds_more_than_its_bound_even_with_downloads_in_flight
     bound = int(cache_chunks * max(c.bytes for c in manifest.chunks))
     watched = DiskWatchingStorage(storage, tmp_path / "cache")
     cache = ChunkCache(watched, tmp_path / "cache", bound, manifest.chunks)
-    builder = BatchBuilder(block_size=4, anchors=8, gamma=7.0, mask_token_id=999, seed=0, layers=LAYERS)
+    builder = BatchBuilder(layout=anchor_layout(block_size=4, gamma=7.0), anchors=8, mask_token_id=999, seed=0, layers=LAYERS)
     stream = BatchStream(plans, cache, builder, prefetch_chunks=3)
     assert sum(1 for _ in stream) == sum(len(plan) for plan in plans)
     watched.note()  # the resident chunks, stored by now (the downloads may all have returned before they were)
@@ -171,7 +171,7 @@ def test_a_cache_smaller_than_the_share_keeps_a_fixed_part_on_disk_and_streams_t
     epochs = 4
     plans = [plan_epoch(index, world_size=1, seed=0, epoch=e, budget=Budget(tokens=100, blocks=10**9, anchors=8))[0] for e in range(epochs)]
     cache = ChunkCache(storage, tmp_path / "cache", int(fraction * share), manifest.chunks)
-    builder = BatchBuilder(block_size=4, anchors=8, gamma=7.0, mask_token_id=99, seed=0, layers=[1, 2])
+    builder = BatchBuilder(layout=anchor_layout(block_size=4, gamma=7.0), anchors=8, mask_token_id=99, seed=0, layers=[1, 2])
     read_by_epoch = {}
     for epoch, _, _ in BatchStream(plans, cache, builder):
         read_by_epoch[epoch] = cache.bytes_fetched

@@ -122,6 +122,7 @@ class CachedDrafter:
     def __init__(self, model: DFlashDraftModel, target: torch.nn.Module) -> None:
         self.model = model
         self.block_size = model.block_size
+        self.drafts = model.block_size - 1
         self.target_layers = list(model.target_layer_ids)
         self.embed = target.get_input_embeddings()
         self.head = target.get_output_embeddings()

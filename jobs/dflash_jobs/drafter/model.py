@@ -25,6 +25,8 @@ from torch import nn
 from .masks import AttentionFn, one_block_attention
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+GREEDY_LOGITS = 2**26
+"""Logits materialised at once by greedy_tokens (rows x vocabulary)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -317,6 +319,13 @@ class Drafter(DraftTrunk, nn.Module):
         """hidden [..., d] -> logits [..., V]: for small inputs only (at vocab 248K they are large)."""
         return hidden @ self.lm_head.T.to(hidden.dtype)
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., d] -> the argmax token [...] through the frozen LM head, a bounded slice of
+        logits at a time (at vocab 248K a few hundred rows of logits are a GB)."""
+        rows = max(1, GREEDY_LOGITS // self.config.vocab_size)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        return torch.cat([self.logits(part).argmax(-1) for part in flat.split(rows)]).view(hidden.shape[:-1])
+
     @torch.no_grad()
     def draft_block(
         self, context_hidden: torch.Tensor, context_positions: torch.Tensor, anchor_token: int, anchor_position: int
@@ -342,4 +351,4 @@ class Drafter(DraftTrunk, nn.Module):
             return one_block_attention(positions, B, self.config.window(kind))
 
         hidden = self.run_trunk(context_hidden.to(device), h, positions, attention)
-        return self.logits(hidden[0, 1:]).argmax(-1)  # [B-1, V] -> [B-1]
+        return self.greedy_tokens(hidden[0, 1:])  # [B-1, d] -> [B-1]

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         # Mismatches beyond a numerical tie: a bug (rollback, positions), never bf16 rounding.
         log.warning("speculative output differs from plain greedy beyond a tie: %s",
                     {n: [m for m in s["mismatches"] if not m["tie"]] for n, s in report["drafters"].items()})
-    simulated = report["drafters"]["dflash"]["simulated"]
+    simulated = report["drafters"][report["drafter_variant"]]["simulated"]
     if simulated["disagreeing_positions"]:
         log.warning("decoded acceptance differs from the training forward's by more than %d%% at positions %s "
                     "(relative gaps %s): training and serving disagree about what the drafter sees",

@@ -23,10 +23,10 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
-from dflash_jobs.drafter.export import DRAFTER_PREFIX, load_drafter, load_drafter_config
+from dflash_jobs.drafter.export import DRAFTER_PREFIX, exported_config, load_drafter
 from dflash_jobs.drafter.model import Drafter, DrafterConfig
 from dflash_jobs.drafter.serving import run_serve_command
-from dflash_jobs.drafter.speculative import BlockDrafter, Decoded, DFlashDrafter, Target, greedy_decode, speculative_decode
+from dflash_jobs.drafter.speculative import BlockDrafter, Decoded, ModelDrafter, Target, greedy_decode, speculative_decode
 from dflash_jobs.errors import InputError
 from dflash_jobs.evaluate.baselines import PromptLookupDrafter
 from dflash_jobs.evaluate.metrics import acceptance_length
@@ -35,8 +35,9 @@ from dflash_jobs.evaluate.simulated import anchors_accepted, document_batch
 from dflash_jobs.extract.target import local_checkpoint
 from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk
 from dflash_jobs.prepare import prompt_length
-from dflash_jobs.spec import EvalSpec, RunSpec
+from dflash_jobs.spec import AnchorLayout, EvalSpec, RunSpec, anchor_layout
 from dflash_jobs.storage import Storage, open_storage, storage_for
+from dflash_jobs.variants import DrafterVariant, drafter_variant
 
 log = logging.getLogger("dflash.eval")
 
@@ -87,11 +88,14 @@ class PromptResult:
 
 
 class PromptDecoder:
-    """The target and the drafters, ready to decode one prompt at a time (in this process or in a worker)."""
+    """The target and the drafters, ready to decode one prompt at a time (in this process or in a worker):
+    the trained drafter, under its variant's name, and prompt lookup drafting as many tokens a block."""
 
-    def __init__(self, model, drafter: Drafter, config: DrafterConfig, settings: EvalSpec) -> None:
-        self.drafter = drafter
-        self.drafters: dict[str, BlockDrafter] = {"dflash": DFlashDrafter(drafter, config), "prompt_lookup": PromptLookupDrafter(config.block_size)}
+    def __init__(self, model, drafter: Drafter, variant: DrafterVariant, layout: AnchorLayout, settings: EvalSpec) -> None:
+        self.drafter, self.variant, self.layout = drafter, variant, layout
+        self.drafters: dict[str, BlockDrafter] = {
+            variant.name: ModelDrafter(drafter, drafts=layout.drafts), "prompt_lookup": PromptLookupDrafter(layout.drafts + 1),
+        }
         self.settings = settings
         self.stop = stop_ids(model)
         self.plain = Target(model)
@@ -108,13 +112,14 @@ class PromptDecoder:
 
     def simulate(self, prompt: torch.Tensor, reference: Decoded) -> list[int]:
         """The training forward on prompt + greedy's output, with the target's layers captured over it in one forward."""
-        target = self.targets["dflash"]
+        target = self.targets[self.variant.name]
         document = torch.cat([prompt, torch.tensor(reference.tokens, dtype=prompt.dtype)]).to(target.device)
         with torch.inference_mode():
             target.reset()
             target.forward(document, last_only=True)
             hidden = target.features().view(len(document), len(target.layers), -1)  # [T, L*d] -> [T, L, d]
-        return anchors_accepted(self.drafter, document_batch(document, len(prompt), hidden, self.drafter))
+        batch = document_batch(document, len(prompt), hidden, self.drafter, self.layout)
+        return anchors_accepted(self.drafter, batch, self.variant.predict, self.layout)
 
     def close(self) -> None:
         for target in (self.plain, *self.targets.values()):
@@ -124,11 +129,17 @@ class PromptDecoder:
 def load_decoder(spec: RunSpec, *, device: torch.device) -> PromptDecoder:
     """The run's target and exported drafter on `device`, as a PromptDecoder."""
     model = load_target(spec, device=device, dtype=eval_dtype(device))
+    variant = drafter_variant(spec.train.drafter)
     drafter, config = load_drafter(
-        drafter_url(spec), target=spec.target.model, device=device,
+        drafter_url(spec), target=spec.target.model, variant=variant, device=device,
         endpoint_url=spec.storage.endpoint_url, region=spec.storage.region,
     )
-    return PromptDecoder(model, drafter, config, spec.eval)
+    return PromptDecoder(model, drafter, variant, served_layout(spec, config), spec.eval)
+
+
+def served_layout(spec: RunSpec, config: DrafterConfig) -> AnchorLayout:
+    """The anchor layout of the exported drafter: its variant's, at the block size it was exported with (what a server runs)."""
+    return anchor_layout(spec.train.drafter, block_size=config.block_size, gamma=spec.train.gamma)
 
 
 def eval_dtype(device: torch.device) -> torch.dtype:
@@ -196,15 +207,15 @@ def evaluate(spec: RunSpec, storage: Storage, *, device: torch.device) -> dict[s
     """Evaluates the exported drafter of the run; writes eval/report.json and eval/acceptance.png; returns the report."""
     prompts = held_out_prompts(storage, spec.eval.prompts)
     settings = spec.eval
+    variant = drafter_variant(spec.train.drafter)
+    exported = exported_config(drafter_url(spec), endpoint_url=spec.storage.endpoint_url, region=spec.storage.region)
+    config = variant.config_from_export(exported)
+    layout = served_layout(spec, config)
+    describe(spec, config, device, len(prompts))
     if settings.processes > 1:
-        # The workers load their own copies; this process reads the drafter's config only.
-        config = load_drafter_config(drafter_url(spec), endpoint_url=spec.storage.endpoint_url, region=spec.storage.region)
-        describe(spec, config, device, len(prompts))
-        results = decode_in_processes(spec, prompts, device=device)
+        results = decode_in_processes(spec, prompts, device=device)  # the workers load their own copies
     else:
         decoder = load_decoder(spec, device=device)
-        config = decoder.drafter.config
-        describe(spec, config, device, len(prompts))
         try:
             results = decode_prompts(decoder, prompts)
         finally:
@@ -212,11 +223,12 @@ def evaluate(spec: RunSpec, storage: Storage, *, device: torch.device) -> dict[s
     report = build_report(
         greedy=[r.greedy for r in results],
         drafters={name: [r.drafted[name] for r in results] for name in results[0].drafted},
-        simulated={"dflash": [r.simulated for r in results]},
-        block_size=config.block_size, dtype=eval_dtype(device), tie_ulps=settings.tie_ulps,
-        target=spec.target.model, drafter=drafter_url(spec), prompts=len(prompts),
+        simulated={variant.name: [r.simulated for r in results]},
+        # The verify block: the anchor and its drafts (a drafter that samples from the anchor drafts block_size of them).
+        block_size=layout.drafts + 1, dtype=eval_dtype(device), tie_ulps=settings.tie_ulps,
+        target=spec.target.model, drafter=drafter_url(spec), drafter_variant=variant.name, prompts=len(prompts),
         max_new_tokens=settings.max_new_tokens, processes=min(settings.processes, len(prompts)), device=str(device),
-        vllm_serve=run_serve_command(spec, config.to_zlab()),
+        vllm_serve=run_serve_command(spec, exported),
     )
     store_report(storage, report)
     log.info("serve it with vLLM:\n%s", report["vllm_serve"])
@@ -224,6 +236,6 @@ def evaluate(spec: RunSpec, storage: Storage, *, device: torch.device) -> dict[s
 
 
 def describe(spec: RunSpec, config: DrafterConfig, device: torch.device, prompts: int) -> None:
-    log.info("target %s (%s, %s), drafter: %d layers, block %d, target layers %s; %d prompts, %d new tokens each, %d process(es)",
-             spec.target.model, device, eval_dtype(device), config.num_layers, config.block_size, config.target_layer_ids,
+    log.info("target %s (%s, %s), drafter: %s, %d layers, block %d, target layers %s; %d prompts, %d new tokens each, %d process(es)",
+             spec.target.model, device, eval_dtype(device), spec.train.drafter, config.num_layers, config.block_size, config.target_layer_ids,
              prompts, spec.eval.max_new_tokens, min(spec.eval.processes, prompts))

@@ -1,14 +1,17 @@
 """eval/report.json and eval/acceptance.png: the evaluation's figures, stored beside the run.
 
 report.json (format dflash.eval/v1):
-    target, drafter, prompts, max_new_tokens, block_size, device, dtype, processes
+    target, drafter, drafter_variant, prompts, max_new_tokens, device, dtype, processes
+    block_size: the verify block, the anchor and its drafts (train.block_size, or one more for a
+              drafter that samples from the anchor, DSpark); acceptance per position covers 1..block_size-1
     tie_ulps: a mismatch where greedy's top two logits were within this many units in the last
               place of its top logit (in dtype) is a numerical tie, not a bug (metrics.py)
     greedy:   {tokens, tokens_per_second}             plain greedy decoding, the reference
-    drafters: {name: metrics.summarize(...)}          "dflash", and "prompt_lookup" as the training-free baseline;
+    drafters: {name: metrics.summarize(...)}          the trained drafter under its variant's name (drafter_variant:
+              dflash, dflash2, dspark), and "prompt_lookup" as the training-free baseline;
               lossless (no mismatch but ties), ties (how many), mismatches [{prompt, position,
               greedy_margin, greedy_top_logit, tie_tolerance, tie}]
-    drafters.dflash.simulated: metrics.summarize_simulated(...)   the training forward's acceptance on
+    drafters.<variant>.simulated: metrics.summarize_simulated(...)   the training forward's acceptance on
               the same prompts (evaluate/simulated.py): acceptance_length, acceptance_per_position,
               anchors, relative_gap per position ((decoded - simulated) / simulated), tolerance,
               disagreeing_positions (1-based; empty when training and serving agree)

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import queue
@@ -33,9 +34,9 @@ from dflash_jobs.errors import FormatError, InputError
 from dflash_jobs.formats import (
     DoneMarker, TokenChunk, check_hidden_header, dequantize_fp8, fetch_header_bytes, hidden_chunk_key, object_range, read_header,
 )
+from dflash_jobs.spec import AnchorLayout
 from dflash_jobs.storage import TEMP_PREFIX, Storage
 from dflash_jobs.train.anchors import anchor_candidates, sample_anchors
-from dflash_jobs.train.loss import slot_weights
 from dflash_jobs.drafter.masks import BlockLayout
 
 # ---- the document index: which documents each chunk holds ----------------------------------
@@ -256,8 +257,8 @@ class Batch:
     context_positions: torch.Tensor  # int64 [C], positions inside each document
     block_ids: torch.Tensor  # int64 [N, B]: the anchor token, then mask tokens
     block_positions: torch.Tensor  # int64 [N, B]: anchor position + slot
-    labels: torch.Tensor  # int64 [N, B]: the token at anchor + slot (0 past the document's end)
-    loss_weights: torch.Tensor  # float32 [N, B]: slot decay x loss_mask of the label; 0 for slot 0
+    labels: torch.Tensor  # int64 [N, B]: the token slot k predicts, at anchor + k (+ 1 when sampling from the anchor); 0 past the document's end
+    loss_weights: torch.Tensor  # float32 [N, B]: slot decay x loss_mask of the label (its leading run only, by the layout); 0 for an untrained anchor slot
     layout: BlockLayout
     documents: int
     context_scale: torch.Tensor | None = None  # float32 [C, L] for fp8 states: dequantized by to(), on the device
@@ -268,6 +269,18 @@ class Batch:
 
     def pin_memory(self) -> Batch:
         return self._map(lambda t: t if t.is_pinned() else t.pin_memory())
+
+    def select(self, blocks: slice) -> Batch:
+        """The same context with only the blocks `blocks` (the evaluation's training forward runs a long document's blocks a group at a time)."""
+        layout = self.layout
+        return dataclasses.replace(
+            self, block_ids=self.block_ids[blocks], block_positions=self.block_positions[blocks],
+            labels=self.labels[blocks], loss_weights=self.loss_weights[blocks],
+            layout=BlockLayout(
+                layout.num_context, layout.block_size, layout.context_start[blocks], layout.anchor[blocks],
+                torch.cat([self.context_positions, self.block_positions[blocks].flatten()]),
+            ),
+        )
 
     def to(self, device: torch.device) -> Batch:
         """On `device`, the states in bf16: fp8 crosses PCIe at half the bytes of bf16 and is
@@ -294,13 +307,14 @@ class BatchBuilder:
     """Turns a micro-batch plan entry into tensors: samples anchors, lays out the blocks, and reads
     the documents' states straight into the batch (several documents at once with `readers`)."""
 
-    def __init__(self, *, block_size: int, anchors: int, gamma: float, mask_token_id: int, seed: int, layers: list[int]) -> None:
-        self.block_size = block_size
+    def __init__(self, *, layout: AnchorLayout, anchors: int, mask_token_id: int, seed: int, layers: list[int]) -> None:
+        self.layout = layout
+        self.block_size = layout.block_size
         self.anchors = anchors
         self.mask_token_id = mask_token_id
         self.seed = seed
         self.layers = layers
-        self.decay = slot_weights(block_size, gamma).numpy()
+        self.decay = np.array(layout.slot_decay())
 
     def build(self, documents: MicroBatch, chunks: Mapping[int, ChunkData], epoch: int, *,
               pin_memory: bool = False, readers: ThreadPoolExecutor | None = None) -> Batch:
@@ -320,15 +334,19 @@ class BatchBuilder:
             spans.append((chunk, begin, end, offset))
             positions.append(np.arange(T))
             a = sample_anchors(loss_mask, self.anchors, seed=self.seed, epoch=epoch, sample_id=doc.sample_id)
-            target = a[:, None] + slots[None, :]  # [n, B] positions of each slot
-            inside = target < T
-            clipped = np.minimum(target, T - 1)
+            slot_positions = a[:, None] + slots[None, :]  # [n, B]
+            label_positions = slot_positions + self.layout.label_offset
+            inside = label_positions < T
+            clipped = np.minimum(label_positions, T - 1)
             block = np.full((len(a), B), self.mask_token_id, dtype=np.int64)
             block[:, 0] = input_ids[a]
             ids.append(block)
-            block_pos.append(target)
+            block_pos.append(slot_positions)
             labels.append(np.where(inside, input_ids[clipped], 0))
-            weights.append(np.where(inside, loss_mask[clipped], 0) * self.decay[None, :])
+            supervised = np.where(inside, loss_mask[clipped], 0)
+            if self.layout.contiguous_prefix:  # a slot counts only while every drafted slot before it is supervised
+                supervised[:, self.layout.first_draft :] = np.cumprod(supervised[:, self.layout.first_draft :], axis=1)
+            weights.append(supervised * self.decay[None, :])
             starts.append(np.full(len(a), offset))
             anchors.append(offset + a)
             offset += T

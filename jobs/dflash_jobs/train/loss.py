@@ -19,18 +19,12 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 DEFAULT_CHUNK_ROWS = 1024
 """Rows per logits chunk: 1024 x 248,320 logits are 0.5 GB in bf16 (1 GB where eager upcasts them)."""
-
-
-def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
-    """float32 [B]: 0 for the anchor slot, exp(-(k-1)/gamma) for slot k >= 1."""
-    k = torch.arange(block_size, dtype=torch.float32)
-    return torch.where(k >= 1, torch.exp(-(k - 1) / gamma), torch.zeros(()))
 
 
 def _chunk_terms(
@@ -102,18 +96,22 @@ class DraftLoss:
     loss: torch.Tensor  # scalar
     correct_per_slot: torch.Tensor  # int64 [B]: supervised slots predicted right
     supervised_per_slot: torch.Tensor  # int64 [B]: supervised slots
-    accepted: torch.Tensor  # int64 scalar: sum over blocks of the longest correct prefix of slots 1..B-1
+    accepted: torch.Tensor  # int64 scalar: sum over blocks of the longest correct prefix of the drafted slots
     blocks: int
+    ratios: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """A variant's own figures as (numerator, denominator) sums, e.g. a head's accuracy: the trainer
+    adds them up between log lines and across ranks, and logs numerator / denominator."""
 
 
 def draft_loss(
     hidden: torch.Tensor, lm_head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-    *, chunk_rows: int = DEFAULT_CHUNK_ROWS, normalizer: torch.Tensor | None = None, fused: bool = False,
+    *, chunk_rows: int = DEFAULT_CHUNK_ROWS, normalizer: torch.Tensor | None = None, fused: bool = False, first_draft: int = 1,
 ) -> DraftLoss:
     """hidden [N, B, d] (after the final norm), labels [N, B], weights [N, B] (0 where unsupervised).
 
     normalizer: what the weighted sum is divided by (default: this batch's sum of weights).
-    fused: the chunks' elementwise work compiled (the trainer asks for it where train.compile resolves on)."""
+    fused: the chunks' elementwise work compiled (the trainer asks for it where train.compile resolves on).
+    first_draft: the first drafted slot (1 when slot 0 is the anchor, 0 when the anchor is a prediction slot)."""
     N, B, d = hidden.shape
     rows = weights.flatten().nonzero().squeeze(1)  # only supervised slots need logits
     flat_labels = labels.flatten()[rows]
@@ -123,10 +121,19 @@ def draft_loss(
     correct = torch.zeros(N * B, dtype=torch.bool, device=hidden.device)
     correct[rows] = predictions == flat_labels
     correct = correct.view(N, B)
-    # A slot counts towards acceptance only if it and every slot before it are right; an
-    # unsupervised slot counts as wrong, so the estimate errs low.
-    accepted = correct[:, 1:].long().cumprod(dim=1).sum()
-    return DraftLoss(loss, correct.sum(0), (weights > 0).sum(0), accepted, N)
+    return DraftLoss(loss, correct.sum(0), (weights > 0).sum(0), accepted_prefix(correct, first_draft).sum(), N)
+
+
+def accepted_prefix(correct: torch.Tensor, first_draft: int) -> torch.Tensor:
+    """int64 [N]: per block, the drafted slots a verifier would accept, the longest run of right
+    ones from `first_draft`. An unsupervised slot counts as wrong (correct is False there), so the
+    estimate errs low."""
+    return correct[:, first_draft:].long().cumprod(dim=1).sum(dim=1)
+
+
+def dflash_objective(drafter, hidden: torch.Tensor, batch, *, normalizer: torch.Tensor | None, fused: bool) -> DraftLoss:
+    """DFlash's objective (the module docstring) on a batch's block hidden states [N, B, d]."""
+    return draft_loss(hidden, drafter.lm_head, batch.labels, batch.loss_weights, normalizer=normalizer, fused=fused)
 
 
 def expected_acceptance_length(accepted: float, blocks: float) -> float:
