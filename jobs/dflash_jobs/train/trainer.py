@@ -26,7 +26,7 @@ from dflash_jobs.drafter.export import export_drafter
 from dflash_jobs.drafter.masks import build_attention
 from dflash_jobs.drafter.model import Drafter
 from dflash_jobs.errors import InputError
-from dflash_jobs.formats import MANIFEST_KEY, Manifest
+from dflash_jobs.formats import MANIFEST_KEY, Manifest, check_final_hidden
 from dflash_jobs.spec import RunSpec, resolve_layers
 from dflash_jobs.storage import Storage, open_storage, storage_for
 from dflash_jobs.train.checkpointer import Checkpointer
@@ -181,6 +181,10 @@ class Trainer:
         train = spec.train
         storage = storage_for(spec)
         manifest = load_manifest(storage)
+        check_final_hidden(manifest, train, f"{storage.url}/{MANIFEST_KEY}")
+        if train.dspark is not None and train.dspark.ce_only:
+            log.warning("train.dspark.ce_only: DSpark trains on cross-entropy only, without the target's final hidden state "
+                        "(no L1 term, no confidence head)")
         drafter = build_drafter(spec, runtime, manifest)
         config, layers = drafter.config, drafter.config.target_layer_ids
         model = parallelize(drafter, train, device=runtime.device, world_size=runtime.world_size)
@@ -205,7 +209,7 @@ class Trainer:
         scheduler = build_scheduler(optimizer, train, total_steps)
         builder = BatchBuilder(
             block_size=train.block_size, anchors=train.anchors, gamma=train.gamma,
-            mask_token_id=config.mask_token_id, seed=train.seed, layers=layers,
+            mask_token_id=config.mask_token_id, seed=train.seed, layers=layers, final_hidden=train.reads_final_hidden,
         )
         cache = ChunkCache(storage, cache_dir, int(train.cache_gb * (1 << 30) / runtime.local_world_size), planned_chunks(manifest.chunks, plans))
         stream = BatchStream(plans, cache, builder, pin_memory=runtime.device.type == "cuda")
