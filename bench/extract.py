@@ -16,6 +16,10 @@ Stages (one JSON document, rewritten after every stage, so a run cut short keeps
             the first finds the Triton cache of warm-up but compiles its graphs, the second finds
             both; each: warm-up, time to its first forward (ready_s) and to its first stored chunk
             (first_chunk_s), from its own start;
+  final     the extractor storing the target's final hidden state too (extract.final_hidden, for
+            DSpark) against the plain extractor and bare forward, the same batches, all warm: one more
+            [T, d] state per token through the same copies. It hooks the last layer of the model as
+            built (61 of the cut 27B standing in for 63: the cost does not depend on which layer);
   fp8       --compute float8: the states' relative error per layer against bf16, then bare forward
             (bf16 and FP8) and the FP8 extractor on disk and tmpfs.
   compile   extract.compile (the target's norms and MLPs compiled) against eager on the target as
@@ -27,6 +31,7 @@ Every stage but warm-pod and compile runs the target eager, as extract.compile: 
 Throughput counts real (unpadded) tokens; MFU is against the H200's 989 TFLOP/s dense bf16 peak.
 
     python bench/extract.py --shape 27b --stages setup,warmup,syncs,bf16,profile,exact,warm-pod --out $OUT/extract.json
+    python bench/extract.py --shape 27b --stages setup,warmup,final --out $OUT/extract-final.json
     python bench/extract.py --shape 27b --stages setup,warmup,fp8 --out $OUT/extract-fp8.json
     python bench/extract.py --shape 27b --stages setup,warmup,compile --out $OUT/extract-compile.json
     python bench/extract.py --shape tiny --device cpu --samples 24 --chunk-tokens 1024 --out /tmp/x.json   # CPU check
@@ -74,9 +79,9 @@ REAL_27B = dict(
     linear_value_head_dim=128, vocab_size=248320,
     rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
 )
-STAGES = ("setup", "warmup", "syncs", "bf16", "profile", "exact", "warm-pod", "fp8", "compile")
-OPT_IN_STAGES = ("fp8", "compile")
-"""Each changes the target in place for the stages after it: run them last, and only when asked."""
+STAGES = ("setup", "warmup", "syncs", "bf16", "profile", "exact", "warm-pod", "final", "fp8", "compile")
+OPT_IN_STAGES = ("final", "fp8", "compile")
+"""Run only when asked; fp8 and compile change the target in place for the stages after them: run them last."""
 
 
 def sync(device: torch.device) -> None:
@@ -509,6 +514,24 @@ def main() -> int:
         out["warm_pod"] = pod("pod-2")
         return out
 
+    def final_hidden() -> dict:
+        with_final = dataclasses.replace(target, final_hidden=True)
+        out: dict = {"final_layer": with_final.final_layer, "bare_1": bare()}
+        save_partial("final", out)
+        out["extractor_disk"] = extractor(target, disk, chunks, spec, args, packed=packed)
+        save_partial("final", out)
+        out["extractor_final_disk"] = extractor(with_final, disk, chunks, spec, args, packed=packed)
+        save_partial("final", out)
+        out["bare_2"] = bare()
+        bare_mean = statistics.mean([out["bare_1"]["tokens_per_s"], out["bare_2"]["tokens_per_s"]])
+        plain, final = out["extractor_disk"], out["extractor_final_disk"]
+        out["ratio_vs_bare_mean"] = {"extractor": round(plain["tokens_per_s"] / bare_mean, 4),
+                                     "extractor_final": round(final["tokens_per_s"] / bare_mean, 4)}
+        out["ratio_final_vs_extractor"] = {"end_to_end": round(final["tokens_per_s"] / plain["tokens_per_s"], 4),
+                                           "before_drain": round(final["tokens_per_s_before_drain"] / plain["tokens_per_s_before_drain"], 4)}
+        out["bytes_ratio"] = round(final["bytes_written"] / plain["bytes_written"], 4)
+        return out
+
     def sample_states() -> torch.Tensor:
         """The captured states of chunk 0's first 8 samples, one packed (or padded) batch, as the target computes them now."""
         refs = window_samples([chunks[0]])[:8]
@@ -588,6 +611,7 @@ def main() -> int:
     stage("profile", profiled)
     stage("exact", exact)
     stage("warm-pod", pods)
+    stage("final", final_hidden)
     stage("fp8", float8)
     stage("compile", compiled)
     result["total_s"] = round(time.perf_counter() - started, 1)
