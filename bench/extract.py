@@ -463,13 +463,10 @@ def main() -> int:
         return count_syncs(target, chunks[0], planner) if device.type == "cuda" else None
 
     def bf16() -> dict:
-        out = {"bare_1": bare()}
-        save_partial("bf16", out)
-        out["extractor_disk"] = extractor(target, disk, chunks, spec, args, packed=packed)
-        save_partial("bf16", out)
-        out["extractor_tmpfs"] = extractor(target, tmpfs, chunks, spec, args, packed=packed)
-        save_partial("bf16", out)
-        out["bare_2"] = bare()
+        out = passes("bf16", {
+            "bare_1": bare, "extractor_disk": lambda: extractor(target, disk, chunks, spec, args, packed=packed),
+            "extractor_tmpfs": lambda: extractor(target, tmpfs, chunks, spec, args, packed=packed), "bare_2": bare,
+        })
         bare_rates = [out["bare_1"]["tokens_per_s"], out["bare_2"]["tokens_per_s"]]
         out["bare_mean_tokens_per_s"] = round(statistics.mean(bare_rates), 1)
         for where in ("disk", "tmpfs"):
@@ -483,6 +480,14 @@ def main() -> int:
     def save_partial(name: str, value: dict) -> None:
         result[name] = value
         save()
+
+    def passes(name: str, runs: dict) -> dict:
+        """Each of `runs` in order into result[name], saved after each (a run cut short keeps what it measured)."""
+        out: dict = {}
+        for key, run in runs.items():
+            out[key] = run()
+            save_partial(name, out)
+        return out
 
     def profiled() -> dict:
         return profile(target, tmpfs, chunks[:2], spec, args, packed=packed)
@@ -516,13 +521,11 @@ def main() -> int:
 
     def final_hidden() -> dict:
         with_final = dataclasses.replace(target, final_hidden=True)
-        out: dict = {"final_layer": with_final.final_layer, "bare_1": bare()}
-        save_partial("final", out)
-        out["extractor_disk"] = extractor(target, disk, chunks, spec, args, packed=packed)
-        save_partial("final", out)
-        out["extractor_final_disk"] = extractor(with_final, disk, chunks, spec, args, packed=packed)
-        save_partial("final", out)
-        out["bare_2"] = bare()
+        out = passes("final", {
+            "bare_1": bare, "extractor_disk": lambda: extractor(target, disk, chunks, spec, args, packed=packed),
+            "extractor_final_disk": lambda: extractor(with_final, disk, chunks, spec, args, packed=packed), "bare_2": bare,
+        })
+        out["final_layer"] = with_final.final_layer
         bare_mean = statistics.mean([out["bare_1"]["tokens_per_s"], out["bare_2"]["tokens_per_s"]])
         plain, final = out["extractor_disk"], out["extractor_final_disk"]
         out["ratio_vs_bare_mean"] = {"extractor": round(plain["tokens_per_s"] / bare_mean, 4),
