@@ -247,7 +247,7 @@ class Trainer:
         """Forward, backward, clip, optimizer and schedule step on one micro-batch."""
         batch = batch.to(self.runtime.device)
         config = self.drafter.config
-        attention = build_attention(batch.layout, config.layer_types, config.sliding_window, backend=self.attention_backend)
+        attention = build_attention(batch.layout, config.layer_types, config.sliding_window, backend=self.attention_backend, is_causal=config.is_causal)
         with self.autocast():
             hidden = self.model(batch.context_hidden, batch.context_positions, batch.block_ids, batch.block_positions, attention)
             out = self.variant.objective(
