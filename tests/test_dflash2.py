@@ -13,11 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from dflash_jobs.drafter.dflash2_model import CandidateSelector, DFlash2Config, DFlash2Drafter, GroupedDynamicCausalConv
-from dflash_jobs.drafter.masks import BlockLayout, build_attention
+from dflash_jobs.drafter.masks import build_attention
 from dflash_jobs.drafter.model import Drafter, DrafterConfig
 from dflash_jobs.train.dflash2_loss import dflash2_objective, teacher_forced_predecessors
 from dflash_jobs.train.loss import draft_loss
 from dflash_jobs.variants import drafter_variant
+from test_drafter import packed_inputs
 
 DFLASH2_MODULES = ("attention_conv", "mlp_conv", "candidate_selector")
 
@@ -49,23 +50,6 @@ def trained_like(drafter: DFlash2Drafter, seed: int = 1) -> DFlash2Drafter:
             if name.endswith("base_kernel"):
                 parameter[:, 0] += 1.0
     return drafter
-
-
-# Two documents packed in one row (as test_drafter's): blocks at anchors 3 and 5 of the first, 4 of the second.
-DOC_STARTS, ANCHORS = [0, 0, 10], [3, 5, 4]
-
-
-def packed_inputs(config: DrafterConfig, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    B = config.block_size
-    context_hidden = torch.randn(18, config.context_features, generator=g)
-    context_positions = torch.cat([torch.arange(10), torch.arange(8)])
-    block_ids = torch.full((3, B), config.mask_token_id)
-    block_ids[:, 0] = torch.randint(0, 40, (3,), generator=g)
-    block_positions = torch.tensor(ANCHORS)[:, None] + torch.arange(B)
-    layout = BlockLayout(18, B, torch.tensor(DOC_STARTS), torch.tensor(DOC_STARTS) + torch.tensor(ANCHORS),
-                         torch.cat([context_positions, block_positions.flatten()]))
-    return context_hidden, context_positions, block_ids, block_positions, layout
 
 
 def block_hidden(drafter, inputs) -> torch.Tensor:

@@ -2,71 +2,28 @@
 greedy answers drafts far past one token per step, its decoding (the selector's walk after the
 tokens it chose) is lossless, and its training forward (the selector's teacher-forced choice after
 the data tokens) accepts what decoding accepts at the same anchors. The drafter has a sliding layer
-whose window cuts into the context and a full one, both bidirectional, as DFlash2 exports them."""
+whose window cuts into the context and a full one, both bidirectional, as DFlash2 exports them.
+The prompts, answers and captured states are DFlash's check's (test_evaluate_consistency)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_jobs.drafter.checkpoint import TargetCheckpoint, drafter_config_for_target, resolve_mask_token_id
 from dflash_jobs.drafter.masks import build_attention
-from dflash_jobs.drafter.speculative import ModelDrafter, Target, greedy_decode, speculative_decode
+from dflash_jobs.drafter.speculative import ModelDrafter, Target, speculative_decode
 from dflash_jobs.evaluate.metrics import acceptance_length, summarize_simulated
 from dflash_jobs.evaluate.simulated import anchors_accepted, document_batch
-from dflash_jobs.prepare import ChatEncoder, prompt_length
 from dflash_jobs.spec import DFlash2Spec, TrainSpec, anchor_layout
 from dflash_jobs.storage import open_storage
-from dflash_jobs.tiny import tiny_chat_rows
 from dflash_jobs.variants import drafter_variant
-from train_fixtures import LAYERS, tiny_target
+from test_evaluate_consistency import BLOCK, NEW_TOKENS, NO_STOP, PROMPTS, WINDOW, captured
+from test_evaluate_consistency import documents, one_thread, prompts, target_dir, target_model  # noqa: F401 (fixtures)
+from train_fixtures import LAYERS
 
-BLOCK, WINDOW, NEW_TOKENS, PROMPTS = 8, 16, 32, 6
 DFLASH2 = drafter_variant("dflash2")
 LAYOUT = anchor_layout("dflash2", block_size=BLOCK)
-NO_STOP = frozenset()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return tiny_target(tmp_path_factory.getbasetemp() / "train-fixtures")
-
-
-@pytest.fixture(scope="module")
-def target_model(target_dir):
-    return AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def prompts(target_dir) -> list[torch.Tensor]:
-    encoder = ChatEncoder(AutoTokenizer.from_pretrained(target_dir))
-    encoded = encoder.encode([encoder.render(row) for row in tiny_chat_rows(PROMPTS, seed=5)])
-    return [torch.from_numpy(ids[: prompt_length(mask)].astype(np.int64)) for ids, mask in encoded]
-
-
-@pytest.fixture(scope="module")
-def documents(target_model, prompts) -> list[torch.Tensor]:
-    """Each prompt followed by the target's greedy answer."""
-    answers = [greedy_decode(Target(target_model), p, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP).tokens for p in prompts]
-    return [torch.cat([p, torch.tensor(a)]) for p, a in zip(prompts, answers)]
-
-
-def captured(target_model, document: torch.Tensor) -> torch.Tensor:
-    target = Target(target_model, LAYERS)
-    with torch.inference_mode():
-        target.reset()
-        target.forward(document, last_only=True)
-        return target.features().view(len(document), len(LAYERS), -1).clone()
 
 
 @pytest.fixture(scope="module")
