@@ -84,6 +84,7 @@ def run(root, extract, tmp_path_factory) -> tuple[Path, Path]:
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "drafter: dflash2" in result.stdout
+    assert " | loss " in result.stdout and " selector_accuracy " in result.stdout and " top_k_recall " in result.stdout  # in the pod's log line
     return spec, output
 
 
