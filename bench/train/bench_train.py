@@ -19,9 +19,9 @@ FLOPs counted: every matmul of the trainable layers x3 (forward, input and weigh
 x3 on the context, attention over the visible (query, key) pairs only x3 (4 * head_dim per pair
 forward), the frozen LM head x2 on supervised slots (logits, and the hidden-state gradient; no
 weight gradient), and the variant's own modules (DrafterVariant.extra_flops: DFlash2's
-convolutions and candidate selector). `--shape tiny` runs the same on CPU in about a minute, with 512-token documents
-and 64 anchors by default: the CPU's dense attention mask grows with tokens x anchors (4 documents
-of 4,096 tokens need over 24 GB).
+convolutions and candidate selector). `--shape tiny` runs the same on CPU in about a minute, with
+512-token documents and 64 anchors by default: the CPU's dense attention mask grows with tokens x
+anchors (4 documents of 4,096 tokens need over 24 GB).
 """
 
 from __future__ import annotations
