@@ -100,6 +100,7 @@ def test_a_fresh_process_loads_the_export_with_automodel_and_gets_the_training_l
     torch.testing.assert_close(outputs["cached_logits"], expected, rtol=1e-5, atol=1e-5)
     # And the training model's own inference entry point drafts the same tokens.
     assert torch.equal(trained.draft_block(context, torch.arange(CONTEXT), 17, CONTEXT), expected.argmax(-1))
+    assert torch.equal(outputs["drafted"], expected.argmax(-1))
     # spec_generate is lossless: plain greedy decoding's tokens, whatever the (random) drafter proposed.
     reference = target_model.generate(prompt[None], max_new_tokens=20, do_sample=False)
     assert outputs["generated"].tolist() == reference.tolist()

@@ -18,9 +18,10 @@ operators of one steady step of that case.
 FLOPs counted: every matmul of the trainable layers x3 (forward, input and weight gradients), fc
 x3 on the context, attention over the visible (query, key) pairs only x3 (4 * head_dim per pair
 forward), the frozen LM head x2 on supervised slots (logits, and the hidden-state gradient; no
-weight gradient). `--shape tiny` runs the same on CPU in about a minute, with 512-token documents
-and 64 anchors by default: the CPU's dense attention mask grows with tokens x anchors (4 documents
-of 4,096 tokens need over 24 GB).
+weight gradient), and the variant's own modules (DrafterVariant.extra_flops: DFlash2's
+convolutions and candidate selector). `--shape tiny` runs the same on CPU in about a minute, with
+512-token documents and 64 anchors by default: the CPU's dense attention mask grows with tokens x
+anchors (4 documents of 4,096 tokens need over 24 GB).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from dflash_jobs.train.metrics import NullSink
 from dflash_jobs.train.optim import build_optimizer, build_scheduler
 from dflash_jobs.train.parallelize import parallelize
 from dflash_jobs.train.trainer import LoopState, Runtime, Trainer
-from dflash_jobs.variants import drafter_variant
+from dflash_jobs.variants import DrafterVariant, drafter_variant
 
 PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16 datasheet
 DOCUMENT_TOKENS = {"27b": 4096, "tiny": 512}
@@ -85,7 +86,7 @@ def visible_pairs(layout, window: int | None) -> int:
     return int((context + slot + 1).sum().item())
 
 
-def step_flops(config: DrafterConfig, batch) -> float:
+def step_flops(config: DrafterConfig, batch, variant: DrafterVariant) -> float:
     d, hd, I = config.hidden_size, config.head_dim, config.intermediate_size
     q_width, kv_width = config.num_attention_heads * hd, config.num_key_value_heads * hd
     C, Q = batch.tokens, batch.block_ids.numel()
@@ -96,7 +97,8 @@ def step_flops(config: DrafterConfig, batch) -> float:
         for kind in config.layer_types
     )
     fc = 2 * C * config.context_features * d
-    return 3 * (config.num_layers * per_layer + attention + fc) + 2 * 2 * supervised * d * config.vocab_size
+    backbone = 3 * (config.num_layers * per_layer + attention + fc) + 2 * 2 * supervised * d * config.vocab_size
+    return backbone + variant.extra_flops(config, Q, supervised)
 
 
 def progress(line: str) -> None:
@@ -170,7 +172,7 @@ def run_case(shape: str, case: Case, tokens: int, anchors: int, steps: int, warm
     batches = [builder.build(documents, {0: chunk}, epoch) for epoch in range(2)]
     if device.type == "cuda":  # as the training stream hands them over: pinned, so the copy to the GPU is async
         batches = [batch.pin_memory() for batch in batches]
-    flops = step_flops(config, batches[0])
+    flops = step_flops(config, batches[0], trainer.variant)
     setup_s = time.perf_counter() - started
     progress(f"case {case}: model and batches ready in {setup_s:.1f}s")
 

@@ -285,10 +285,15 @@ def anchor_layout(drafter: str = "dflash", *, block_size: int | None = None, gam
 
 @dataclass(kw_only=True, slots=True)
 class DFlash2Spec:
-    """DFlash2's additions to the DFlash backbone (reference/dflash2-dspark.md section 3)."""
+    """DFlash2's additions to the DFlash backbone (reference/dflash2-dspark.md section 3), trained
+    with SpecForge's objective. Every draft layer is bidirectional inside the block (exported as
+    is_causal: false, as z-lab's checkpoint), sliding or not, so any train.sliding_window_layers
+    serves as trained (z-lab's layout: all 5 sliding). SpecForge's selector warm-up and ramp are left
+    out: their defaults there are 0, a constant selector_alpha from the first step."""
 
     conv_kernel_size: int = 2
-    """Taps of the in-block dynamic causal convolution around every attention and MLP sublayer."""
+    """Taps of the in-block dynamic causal convolution around every attention and MLP sublayer
+    (at most train.block_size: the convolution resets at every block)."""
     conv_group_size: int = 16
     """Channels sharing one input-dependent kernel offset (the target's hidden size must be a multiple)."""
     selector_rank: int = 256
@@ -297,6 +302,9 @@ class DFlash2Spec:
     """Candidates per slot re-ranked by the selector: the strict top-k of the drafter's own logits."""
     selector_alpha: float = 1.0
     """Weight of the selector's cross-entropy beside the DFlash loss."""
+    selector_stop_gradient: bool = False
+    """The selector's loss trains only the selector (verl-SpeCo, SpecForge's switch); by default it
+    also reaches the backbone through the drafter's logits and hidden states (SpecForge's default)."""
 
     def __post_init__(self) -> None:
         _positive("train.dflash2.conv_kernel_size", self.conv_kernel_size, minimum=1)
@@ -350,7 +358,8 @@ class TrainSpec:
     draft_layers: int = 5
     """Decoder layers of the drafter."""
     sliding_window_layers: int = 0
-    """How many of the first draft layers use causal sliding-window attention (z-lab's Qwen3.6 drafter: 4)."""
+    """How many of the first draft layers use sliding-window attention (z-lab's Qwen3.6 drafter: 4),
+    causal inside the block for dflash; dflash2 keeps every layer bidirectional."""
     sliding_window: int = 2048
     """Window of the sliding-window layers."""
     block_size: int | None = None
@@ -407,6 +416,9 @@ class TrainSpec:
             raise SpecError("train.sliding_window_layers", self.sliding_window_layers, f"0..train.draft_layers ({self.draft_layers})")
         _positive("train.sliding_window", self.sliding_window, minimum=1)
         _positive("train.block_size", self.block_size, minimum=2)
+        if self.dflash2 is not None and self.dflash2.conv_kernel_size > self.block_size:
+            raise SpecError("train.dflash2.conv_kernel_size", self.dflash2.conv_kernel_size,
+                            f"at most train.block_size ({self.block_size}): the convolution resets at every block, so a tap past it never reaches a slot")
         _positive("train.anchors", self.anchors, minimum=1)
         _positive("train.epochs", self.epochs, minimum=1)
         _positive("train.micro_batch_tokens", self.micro_batch_tokens, minimum=1)

@@ -70,7 +70,7 @@ def anchors_accepted(drafter: Drafter, batch: Batch, predict: Predict, anchor_la
     accepted = []
     for first in range(0, N, step):
         group = batch.select(slice(first, first + step))
-        attention = build_attention(group.layout, config.layer_types, config.sliding_window, backend="dense")
+        attention = build_attention(group.layout, config.layer_types, config.sliding_window, backend="dense", is_causal=config.is_causal)
         hidden = drafter(group.context_hidden, group.context_positions, group.block_ids, group.block_positions, attention)
         right = (predict(drafter, hidden, group) == group.labels) & (group.loss_weights > 0)  # [n, B]
         accepted += accepted_prefix(right, anchor_layout.first_draft).tolist()

@@ -64,10 +64,14 @@ class DrafterVariant:
     """Writes the drafter under a storage prefix in the layout its serving engines load (config.json last)."""
     metrics: tuple[str, ...] = ()
     """The objective's own figures (DraftLoss.ratios keys), logged beside loss and acceptance."""
+    extra_flops: Callable[[DrafterConfig, int, int], float] = lambda config, slots, supervised: 0.0
+    """Training FLOPs of one step spent by the variant's own modules, beyond the DFlash backbone and
+    its loss, from (config, block slots, supervised slots): what bench/train adds to its MFU count."""
 
 
 VARIANT_MODULES = {
     "dflash": "dflash_jobs.variants.dflash",
+    "dflash2": "dflash_jobs.variants.dflash2",
 }
 """Where each variant is assembled (each module holds a VARIANT): imported on demand, so a run loads only its own."""
 
