@@ -407,3 +407,113 @@ def test_rows_with_only_text_are_counted_and_a_split_answer_is_never_rejoined(ta
     assert "answers: 0 as the target's token ids (0 of them tokenize otherwise from their text), 3 from text (1 of them changed" in caplog.text
     rejected = [json.loads(line) for line in open_storage(str(tmp_path / "out")).get_bytes(REJECTED_KEY).splitlines()]
     assert [(r["line"], r["reason"]) for r in rejected] == [(3, SPLIT_ANSWER)] and "without a reasoning parser" in rejected[0]["detail"]
+
+
+def test_an_earlier_reply_opening_with_a_tag_is_kept_whole(target, tokenizer, tmp_path):
+    """Qwen's template renders a turn before the last user message without the <think> block the
+    generation prompt opens; a reply opening with "<" (HTML, a Hermes-style <tool_call> in the text)
+    agrees with "<think>" for a character or two, and must not start the supervised span there."""
+    html = "<b>Paris</b> is the capital of France."
+    hermes = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    rows = [{"messages": [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": reply},
+                          {"role": "user", "content": "Thanks."}, {"role": "assistant", "content": "You are welcome."}]}
+            for reply in (html, hermes)]
+    index = prepare(make_spec(target, write_jsonl(tmp_path / "tags.jsonl", rows), tmp_path / "out"), workers=1)
+    assert index.dropped == {} and index.samples == 2
+    for (_, ids, mask), row in zip(all_samples(read_output(tmp_path / "out")[1]), rows):
+        assert tokenizer.decode(ids.tolist()) == tokenizer.apply_chat_template(row["messages"], tokenize=False)
+        reply = row["messages"][1]["content"]
+        assert supervised_runs(tokenizer, ids, mask) == [f"{reply}<|im_end|>", "\n</think>\n\nYou are welcome.<|im_end|>"]
+
+
+# Qwen3.5/3.6's way with tools (its chat template, reduced to what renders text): the tools in the
+# system turn, an assistant turn's calls after its content as <tool_call><function=...> blocks, tool
+# results as a user turn of <tool_response> blocks, a <think> block on turns after the last user message.
+TOOL_TEMPLATE = """\
+{%- if tools %}
+    {{- '<|im_start|>system\\n# Tools\\n\\n<tools>' }}
+    {%- for tool in tools %}{{- '\\n' + tool | tojson }}{%- endfor %}
+    {{- '\\n</tools><|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(last_query_index=-1) %}
+{%- for message in messages %}
+    {%- if message.role == 'user' %}{%- set ns.last_query_index = loop.index0 %}{%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- set content = message.content if message.content is string else '' %}
+    {%- if message.role == 'user' or message.role == 'system' %}
+        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
+    {%- elif message.role == 'assistant' %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + content | trim }}
+        {%- else %}
+            {{- '<|im_start|>assistant\\n' + content | trim }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls or [] %}
+            {%- set call = tool_call.function if tool_call.function is defined else tool_call %}
+            {%- if not loop.first %}{{- '\\n' }}{%- elif content | trim %}{{- '\\n\\n' }}{%- endif %}
+            {{- '<tool_call>\\n<function=' + call.name + '>\\n' }}
+            {%- for name, value in call.arguments | items %}
+                {{- '<parameter=' + name + '>\\n' + (value if value is string else value | tojson) + '\\n</parameter>\\n' }}
+            {%- endfor %}
+            {{- '</function>\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.first or loop.previtem.role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+        {{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}
+        {%- if loop.last or loop.nextitem.role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {{- '<think>\\n\\n</think>\\n\\n' if enable_thinking is defined and enable_thinking is false else '<think>\\n' }}
+{%- endif %}
+"""
+
+
+def tool_call(city: str) -> dict:
+    return {"type": "function", "function": {"name": "get_weather", "arguments": {"city": city}}}
+
+
+def test_structured_tool_calls_are_rendered_and_learned_whole(target, tmp_path):
+    """A target whose template renders tool calls (Qwen3.5/3.6's, whose vocabulary holds <tool_call>
+    and </tool_call> as tokens): with generation off, every assistant turn is learned, the calls
+    included, from their first token. An earlier call opening with <tool_call> is not cut inside it;
+    a turn after a tool's result, which the template renders before that call with a <think> block
+    it drops once a user message follows, starts where its content does."""
+    tools_target = tmp_path / "tools-target"
+    tools_tokenizer = AutoTokenizer.from_pretrained(target)
+    tools_tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+    tools_tokenizer.chat_template = TOOL_TEMPLATE
+    tools_tokenizer.save_pretrained(tools_target)
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    with_result = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [tool_call("Paris")]},
+        {"role": "tool", "content": "sunny, 24 C"},
+        {"role": "assistant", "content": "It is sunny in Paris."},
+        {"role": "user", "content": "And in Rome?"},
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [tool_call("Rome")]},
+    ]
+    call_only = [
+        {"role": "user", "content": "Check Paris."},
+        {"role": "assistant", "content": "", "tool_calls": [tool_call("Paris")]},
+        {"role": "user", "content": "Never mind."},
+        {"role": "assistant", "content": "Fine."},
+    ]
+    rows = [{"messages": messages, "tools": tools} for messages in (with_result, call_only)]
+    index = prepare(make_spec(tools_target, write_jsonl(tmp_path / "tools.jsonl", rows), tmp_path / "out", max_length=1024), workers=1)
+    assert index.dropped == {} and index.samples == 2 and index.truncated == 0
+    tokenizer = AutoTokenizer.from_pretrained(tools_target)
+    call = "<tool_call>\n<function=get_weather>\n<parameter=city>\n{}\n</parameter>\n</function>\n</tool_call>"
+    expected = [
+        [call.format("Paris") + "<|im_end|>", "It is sunny in Paris.<|im_end|>", "\n</think>\n\nLet me look.\n\n" + call.format("Rome") + "<|im_end|>"],
+        [call.format("Paris") + "<|im_end|>", "\n</think>\n\nFine.<|im_end|>"],
+    ]
+    opening = tokenizer.convert_tokens_to_ids("<tool_call>")
+    for (_, ids, mask), row, runs in zip(all_samples(read_output(tmp_path / "out")[1]), rows, expected):
+        assert tokenizer.decode(ids.tolist()) == tokenizer.apply_chat_template(row["messages"], tools=tools, tokenize=False)
+        assert supervised_runs(tokenizer, ids, mask) == runs
+        assert ids[int(np.flatnonzero(mask)[0])] == opening  # the first supervised token is <tool_call>, whole

@@ -189,6 +189,11 @@ def embedding_rows(model: str, *, endpoint_url: str | None = None, region: str |
     return rows if isinstance(rows, int) else None
 
 
+CONTENT_PROBE = "\x00"
+"""A reply's content no template renders otherwise and no text holds: where a conversation rendered
+with it parts from the real one, the reply's content starts."""
+
+
 class ChatEncoder:
     """Renders conversations with the target's chat template and marks the assistant's tokens.
 
@@ -296,9 +301,20 @@ class ChatEncoder:
         )
 
     def _generation_start(self, text: str, messages: list[dict[str, Any]], i: int, tools: Any) -> int:
-        """Where the assistant's generation of turn i starts in `text`: where it parts from the generation prompt."""
+        """Where the assistant's generation of turn i starts in `text`: after the generation prompt
+        where the text holds it; else where the two part, but not past where the turn's content
+        starts. That is an earlier turn, which Qwen's templates render without the <think> block
+        the generation prompt opens: the texts part at a character, and a reply opening with "<"
+        (a "<tool_call>", HTML) agrees with "<think>" for a character or two, which would cut its
+        first token in two. Where they part in an earlier turn still (the template renders it by
+        what follows it: Qwen's gives a turn a <think> block while no user message follows it,
+        as before a tool's result), the turn starts with its content."""
         prompt = self._apply(messages[:i], tools, add_generation_prompt=True)
-        return len(prompt) if text.startswith(prompt) else len(os.path.commonprefix([text, prompt]))
+        if text.startswith(prompt):
+            return len(prompt)
+        probe = self._apply([*messages[:i], {**messages[i], "content": CONTENT_PROBE}, *messages[i + 1:]], tools, add_generation_prompt=False)
+        parted, content_at = (len(os.path.commonprefix([text, other])) for other in (prompt, probe))
+        return content_at if self.turn_end in text[parted:content_at] else min(parted, content_at)
 
     def _assistant_span(self, text: str, start: int, message: dict[str, Any], previous_end: int) -> tuple[int, int]:
         if start < previous_end:
