@@ -253,6 +253,10 @@ class DatasetIndex:
     holdout: dict[str, Any] = field(default_factory=dict)
     generation: dict[str, Any] | None = None
     """With generation on: the generate/manifest.json the rows came from (settings, counts, drops)."""
+    answers: dict[str, int] = field(default_factory=dict)
+    """Chat samples (held-out ones included) by how their supervised tokens were made: the target's
+    own ids ("target_ids") or text tokenized here ("text"), and of each how many tokenizing text
+    changes (prepare.RETOKENIZED)."""
 
     def to_json(self) -> str:
         return dump_json_document(TOKENS_FORMAT, asdict(self))

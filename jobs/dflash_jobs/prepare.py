@@ -4,13 +4,17 @@
 
 Each line of the source is one sample, detected by its keys:
 - chat: `{"messages": [...], "tools": [...]?}`, rendered with the target's tokenizer and chat template;
-  the loss mask covers what the assistant generates (see `ChatEncoder`);
+  the loss mask covers what the assistant generates (see `ChatEncoder`); a row the generate step
+  wrote is its generation prompt and the answer's token ids as the target sampled them
+  (`"generation": {"token_ids": [...]}`), or its text where it holds none;
 - pre-tokenized: `{"input_ids": [...], "loss_mask": [...]}`, ids checked against the tokenizer.
 
 A sample's id is its 0-based line number in the source. Messages name lines 1-based, as editors do.
 Bad rows are dropped, counted by reason in tokens/dataset.json, listed in tokens/rejected.jsonl, and
 the first few are logged; over-long samples are cut to `data.max_length` and counted; `--strict`
-turns any of them into an error (InputError, exit code 2) naming the line.
+turns any of them into an error (InputError, exit code 2) naming the line. tokens/dataset.json also
+counts the chat samples by how their answers became tokens (`answers`): the target's own ids, or
+text tokenized here, and of each how many tokenizing text changes.
 
 Samples fill chunks of at most `data.chunk_tokens` tokens in source order, never split. The last
 `data.holdout` valid samples go to tokens/holdout.safetensors (evaluation prompts), not into the
@@ -43,7 +47,7 @@ from dflash_jobs.errors import EXIT_BAD_SPEC, EXIT_OK, DflashError, InputError, 
 from dflash_jobs.formats import DATASET_KEY, DONE_MARKERS, TOKEN_CHUNKS, ChunkInfo, DatasetIndex, TokenChunk, token_chunk_key
 from dflash_jobs.generation import MANIFEST_KEY as GENERATION_MANIFEST_KEY
 from dflash_jobs.generation import GenerationManifest, current_manifest, generated_lines
-from dflash_jobs.spec import DEFAULT_SPEC_FILE, DataSpec, RunSpec, is_s3, load_spec
+from dflash_jobs.spec import DEFAULT_SPEC_FILE, DataSpec, RunSpec, is_s3, load_spec, text_config
 from dflash_jobs.storage import ObjectNotFound, Storage, open_storage, open_url, storage_for
 
 log = logging.getLogger("dflash.prepare")
@@ -60,7 +64,8 @@ MALFORMED_JSON = "malformed_json"  # not JSON, or not a JSON object
 MISSING_FIELDS = "missing_fields"  # neither "messages" nor "input_ids" + "loss_mask"
 INVALID_FIELDS = "invalid_fields"  # wrong types, lengths that differ, a loss mask other than 0/1
 TEMPLATE_ERROR = "template_error"  # the chat template refused the messages
-OUT_OF_VOCAB = "out_of_vocab"  # a token id outside the target tokenizer's vocabulary
+SPLIT_ANSWER = "split_answer"  # a generated answer a parser split (reasoning, tool calls), stored without its token ids
+OUT_OF_VOCAB = "out_of_vocab"  # a token id outside the tokenizer's vocabulary (a generated answer's: the target's embedding)
 EMPTY = "empty"  # a blank line, no messages, no tokens
 NO_SUPERVISED_TOKENS = "no_supervised_tokens"  # no assistant token (left after truncation)
 
@@ -87,6 +92,31 @@ class BadRow(Exception):
 class RenderedChat:
     text: str
     spans: list[tuple[int, int]]  # character spans the assistant generates
+    answer_ids: list[int] | None = None
+    """A regenerated answer as the target sampled it, after `text` (its generation prompt): supervised whole."""
+
+
+# How a sample's supervised tokens were made: the keys of `answers` in tokens/dataset.json.
+TARGET_IDS = "target_ids"  # the target's own token ids, stored by the generate step
+TEXT = "text"  # text tokenized here (generation off, or generated rows stored without ids)
+RETOKENIZED = {
+    TARGET_IDS: "target_ids_retokenized_differently",  # their text would tokenize into other ids (a sampled split, normalised text)
+    TEXT: "text_changed_by_tokenizer",  # their tokens do not decode back to the text (the tokenizer normalised it: non-NFC text)
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Tokenized:
+    """One row's tokens before truncation, and how its supervised tokens were made."""
+
+    input_ids: np.ndarray  # int32 [T]
+    loss_mask: np.ndarray  # uint8 [T]
+    answer: str | None = None
+    """TARGET_IDS, TEXT, or None for a pre-tokenized row."""
+    retokenized_differently: bool = False
+    """TARGET_IDS: tokenizing their decoded text gives other ids, which is what training on the text
+    would have lost. TEXT: the tokens do not give the text back; which ids its writer produced is
+    not known from text, so this is the part of the loss that can be measured."""
 
 
 @dataclass(slots=True)
@@ -149,6 +179,21 @@ def load_tokenizer(model: str, *, endpoint_url: str | None = None, region: str |
         return AutoTokenizer.from_pretrained(directory, local_files_only=True)
 
 
+def embedding_rows(model: str, *, endpoint_url: str | None = None, region: str | None = None) -> int | None:
+    """The token ids the target can produce: its embedding's rows (config.json's vocab_size), more
+    than its tokenizer names (Qwen3.6: 248,320 rows for ~248K tokens); None without a config."""
+    storage = open_storage(model, endpoint_url=endpoint_url, region=region)
+    if not storage.exists("config.json"):
+        return None
+    rows = text_config(json.loads(storage.get_bytes("config.json"))).get("vocab_size")
+    return rows if isinstance(rows, int) else None
+
+
+CONTENT_PROBE = "\x00"
+"""A reply's content no template renders otherwise and no text holds: where a conversation rendered
+with it parts from the real one, the reply's content starts."""
+
+
 class ChatEncoder:
     """Renders conversations with the target's chat template and marks the assistant's tokens.
 
@@ -161,9 +206,14 @@ class ChatEncoder:
     assistant's generation starts. This needs no `{% generation %}` markers and holds for Qwen3.5/3.6,
     whose template renders a turn differently depending on what follows it (a <think> block only
     after the last user message), so that rendering prefix by prefix does not give prefixes.
+
+    A row the generate step wrote is its generation prompt followed by the answer as the target
+    produced it: its token ids where the row holds them (`generation.token_ids`), else its text.
     """
 
-    def __init__(self, tokenizer, template_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(self, tokenizer, template_kwargs: dict[str, Any] | None = None, *, answer_vocab_size: int | None = None) -> None:
+        """`answer_vocab_size`: the token ids a regenerated answer may hold, the target's embedding
+        rows (default: the tokenizer's vocabulary)."""
         if not tokenizer.chat_template:
             raise InputError("the target's tokenizer has no chat template, so chat rows cannot be rendered", "Use pre-tokenized rows, or a checkpoint with a chat template")
         if not getattr(tokenizer, "is_fast", False):
@@ -171,6 +221,7 @@ class ChatEncoder:
         self.tokenizer = tokenizer
         self.template_kwargs = dict(template_kwargs or {})
         self.backend = tokenizer.backend_tokenizer
+        self.answer_vocab_size = answer_vocab_size or len(tokenizer)
         self.turn_end = self._find_turn_end()
 
     def _find_turn_end(self) -> str:
@@ -187,7 +238,8 @@ class ChatEncoder:
         raise InputError("cannot tell how the chat template ends an assistant turn (no special token after the reply)", "Use pre-tokenized rows")
 
     def render(self, row: dict[str, Any]) -> RenderedChat:
-        """The conversation as text, with the character spans of what the assistant generates."""
+        """The conversation as text, with the character spans of what the assistant generates; a
+        regenerated answer stored with its token ids: the generation prompt, and those ids."""
         messages = chat_messages(row)
         if any(m.get("weight", 1) not in (0, 1) for m in messages):
             raise BadRow(INVALID_FIELDS, '"weight" of a message must be 0 (context only) or 1')
@@ -195,42 +247,76 @@ class ChatEncoder:
         if not any(trained):
             raise BadRow(NO_SUPERVISED_TOKENS, "no assistant message" + (" of weight 1" if any(m["role"] == "assistant" for m in messages) else ""))
         tools = row.get("tools")
+        generation = row.get("generation")
         try:
-            text = self._apply(messages, tools, add_generation_prompt=False)
-            if (generated := self._generated_text(row, messages)) is not None:
-                text = self._apply(messages[:-1], tools, add_generation_prompt=True) + generated
+            if isinstance(generation, dict) and messages[-1]["role"] == "assistant":  # the target's answer, from the generate step
+                prompt = self._apply(messages[:-1], tools, add_generation_prompt=True)
+                answer_ids = self._answer_ids(generation)
+                if answer_ids is not None:
+                    return RenderedChat(prompt, [], answer_ids)
+                text = prompt + self._answer_text(generation, messages[-1])
+            else:
+                text = self._apply(messages, tools, add_generation_prompt=False)
             spans: list[tuple[int, int]] = []
             for i, message in enumerate(messages):
                 if trained[i]:
-                    prompt = self._apply(messages[:i], tools, add_generation_prompt=True)
-                    spans.append(self._assistant_span(text, prompt, message, spans[-1][1] if spans else 0))
+                    start = self._generation_start(text, messages, i, tools)
+                    spans.append(self._assistant_span(text, start, message, spans[-1][1] if spans else 0))
         except BadRow:
             raise
         except Exception as exc:  # noqa: BLE001 - jinja raises anything: the row's message says what
             raise BadRow(TEMPLATE_ERROR, f"the chat template failed: {type(exc).__name__}: {exc}") from None
         return RenderedChat(text, spans)
 
-    def _generated_text(self, row: dict[str, Any], messages: list[dict[str, Any]]) -> str | None:
-        """The target's answer of a regenerated row as it generated it, after the generation prompt:
-        its text, and the turn's end where it stopped. The template would render it otherwise (Qwen's
-        trims the reply and opens it with the rest of an empty <think> block the target did not
-        write), and the drafter learn text the target does not produce after that prompt. None for
-        a row the generate step did not write, or whose answer came back in parts (reasoning, tool
-        calls), which only the template joins."""
-        last = messages[-1]
-        if not isinstance(row.get("generation"), dict) or last["role"] != "assistant" or not isinstance(last.get("content"), str):
+    def _answer_ids(self, generation: dict[str, Any]) -> list[int] | None:
+        """The answer's token ids as the target sampled them (its end token included, none where it
+        was cut at the limit); None for a row generated without them."""
+        ids = generation.get("token_ids")
+        if ids is None:
             return None
-        if last.get("reasoning_content") or last.get("tool_calls"):
-            return None
-        return last["content"] + (self.turn_end if row["generation"].get("finish_reason") == "stop" else "")
+        if not isinstance(ids, list) or not all(type(token) is int for token in ids):
+            raise BadRow(INVALID_FIELDS, '"generation"."token_ids" must be a list of integers')
+        outside = [token for token in ids if not 0 <= token < self.answer_vocab_size]
+        if outside:
+            raise BadRow(OUT_OF_VOCAB, f"the answer holds token id {outside[0]}, outside the target's vocabulary 0..{self.answer_vocab_size - 1}")
+        return ids
+
+    def _answer_text(self, generation: dict[str, Any], answer: dict[str, Any]) -> str:
+        """A regenerated answer stored as text alone (generated before the token ids were stored), as
+        the target generated it after the generation prompt: its text, and the turn's end where it
+        stopped. The template would render it otherwise (Qwen's trims the reply and opens it with
+        the rest of an empty <think> block the target did not write). An answer a parser split
+        (reasoning, tool calls) has no such text: the template would rejoin it, adding a </think>
+        and a turn's end the target may not have written (one cut at the limit wrote neither)."""
+        if answer.get("reasoning_content") or answer.get("tool_calls"):
+            raise BadRow(SPLIT_ANSWER, "the answer came back split by a parser (reasoning_content or tool_calls) and was stored "
+                                       "without its token ids: what the target wrote is lost; generate it again without a reasoning parser")
+        if not isinstance(answer.get("content"), str):
+            raise BadRow(INVALID_FIELDS, "the generated answer has no text content")
+        return answer["content"] + (self.turn_end if generation.get("finish_reason") == "stop" else "")
 
     def _apply(self, messages: list[dict[str, Any]], tools: Any, *, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
             messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **self.template_kwargs,
         )
 
-    def _assistant_span(self, text: str, prompt: str, message: dict[str, Any], previous_end: int) -> tuple[int, int]:
-        start = len(prompt) if text.startswith(prompt) else len(os.path.commonprefix([text, prompt]))
+    def _generation_start(self, text: str, messages: list[dict[str, Any]], i: int, tools: Any) -> int:
+        """Where the assistant's generation of turn i starts in `text`: after the generation prompt
+        where the text holds it; else where the two part, but not past where the turn's content
+        starts. That is an earlier turn, which Qwen's templates render without the <think> block
+        the generation prompt opens: the texts part at a character, and a reply opening with "<"
+        (a "<tool_call>", HTML) agrees with "<think>" for a character or two, which would cut its
+        first token in two. Where they part in an earlier turn still (the template renders it by
+        what follows it: Qwen's gives a turn a <think> block while no user message follows it,
+        as before a tool's result), the turn starts with its content."""
+        prompt = self._apply(messages[:i], tools, add_generation_prompt=True)
+        if text.startswith(prompt):
+            return len(prompt)
+        probe = self._apply([*messages[:i], {**messages[i], "content": CONTENT_PROBE}, *messages[i + 1:]], tools, add_generation_prompt=False)
+        parted, content_at = (len(os.path.commonprefix([text, other])) for other in (prompt, probe))
+        return content_at if self.turn_end in text[parted:content_at] else min(parted, content_at)
+
+    def _assistant_span(self, text: str, start: int, message: dict[str, Any], previous_end: int) -> tuple[int, int]:
         if start < previous_end:
             raise BadRow(TEMPLATE_ERROR, "the chat template renders an earlier turn differently once a later one follows")
         end = text.find(self.turn_end, start)
@@ -241,15 +327,16 @@ class ChatEncoder:
             raise BadRow(TEMPLATE_ERROR, "an assistant reply does not appear where the chat template puts the turn")
         return start, end
 
-    def encode(self, rendered: list[RenderedChat]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Tokenizes rendered conversations in one batch: (input_ids, loss_mask) each.
+    def tokenize(self, rendered: list[RenderedChat]) -> list[Tokenized]:
+        """Tokenizes rendered conversations in one batch.
 
         Each assistant turn is tokenized apart from what comes before it, as serving makes it: an
         engine tokenizes the prompt (up to the end of the generation prompt) alone, and the model
         generates the turn token by token after it, so no token spans the generation prompt's end.
         Tokenized whole, text merges across it ("<think>\n" then "\n</think>" is one "\n\n"
         token in Qwen's vocabulary): regeneration would answer one prompt, training and evaluation
-        see another, and the drafter learn tokens the target never produces there."""
+        see another, and the drafter learn tokens the target never produces there. A regenerated
+        answer's token ids follow its prompt as they are."""
         pieces: list[tuple[int, int]] = []  # (conversation, character where the piece starts)
         texts: list[str] = []
         for index, chat in enumerate(rendered):
@@ -262,14 +349,42 @@ class ChatEncoder:
         for (index, begin), encoding in zip(pieces, self.backend.encode_batch(texts, add_special_tokens=False)):
             ids[index].extend(encoding.ids)
             starts[index].extend(begin + first for first, _ in encoding.offsets)
-        result = []
-        for chat, chat_ids, chat_starts in zip(rendered, ids, starts):
+        masks: list[np.ndarray] = []
+        spans: list[tuple[int, str, list[int]]] = []  # (conversation, a supervised span's text, its tokens)
+        for index, (chat, chat_ids, chat_starts) in enumerate(zip(rendered, ids, starts)):
             token_starts = np.asarray(chat_starts, dtype=np.int64)
+            tokens = np.asarray(chat_ids, dtype=np.int64)
             mask = np.zeros(len(chat_ids), dtype=np.uint8)
             for start, end in chat.spans:
-                mask[(token_starts >= start) & (token_starts < end)] = 1
-            result.append((np.asarray(chat_ids, dtype=np.int32), mask))
+                inside = (token_starts >= start) & (token_starts < end)
+                mask[inside] = 1
+                spans.append((index, chat.text[start:end], tokens[inside].tolist()))
+            masks.append(mask)
+        result = []
+        for chat, chat_ids, mask, differs in zip(rendered, ids, masks, self._retokenized_differently(rendered, spans)):
+            if chat.answer_ids is not None:
+                chat_ids = chat_ids + chat.answer_ids
+                mask = np.concatenate([mask, np.ones(len(chat.answer_ids), dtype=np.uint8)])
+            result.append(Tokenized(np.asarray(chat_ids, dtype=np.int32), mask, TEXT if chat.answer_ids is None else TARGET_IDS, differs))
         return result
+
+    def encode(self, rendered: list[RenderedChat]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(input_ids, loss_mask) of each rendered conversation (see `tokenize`)."""
+        return [(tokenized.input_ids, tokenized.loss_mask) for tokenized in self.tokenize(rendered)]
+
+    def _retokenized_differently(self, rendered: list[RenderedChat], spans: list[tuple[int, str, list[int]]]) -> list[bool]:
+        """Tokenized.retokenized_differently of each conversation: the target's ids against the
+        tokens of their decoded text; a supervised span's text against the decoding of its tokens."""
+        differs = [False] * len(rendered)
+        decoded = self.backend.decode_batch([tokens for _, _, tokens in spans], skip_special_tokens=False) if spans else []
+        for (index, text, _), back in zip(spans, decoded):
+            differs[index] |= back != text
+        target = [(index, chat.answer_ids) for index, chat in enumerate(rendered) if chat.answer_ids is not None]
+        if target:
+            texts = self.backend.decode_batch([answer for _, answer in target], skip_special_tokens=False)
+            for (index, answer), encoding in zip(target, self.backend.encode_batch(texts, add_special_tokens=False)):
+                differs[index] = encoding.ids != answer
+        return differs
 
 
 def json_row(line: bytes) -> dict[str, Any]:
@@ -295,7 +410,7 @@ def chat_messages(row: dict[str, Any]) -> list[dict[str, Any]]:
     return messages
 
 
-def parse_pretokenized(row: dict[str, Any], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+def parse_pretokenized(row: dict[str, Any], vocab_size: int) -> Tokenized:
     if "loss_mask" not in row:
         raise BadRow(MISSING_FIELDS, 'a pre-tokenized row needs "loss_mask" next to "input_ids"')
     ids, mask = row["input_ids"], row["loss_mask"]
@@ -309,7 +424,7 @@ def parse_pretokenized(row: dict[str, Any], vocab_size: int) -> tuple[np.ndarray
     outside = input_ids[(input_ids < 0) | (input_ids >= vocab_size)]
     if outside.size:
         raise BadRow(OUT_OF_VOCAB, f"token id {int(outside[0])} is outside the tokenizer's vocabulary 0..{vocab_size - 1}")
-    return input_ids.astype(np.int32), np.asarray(mask, dtype=np.uint8)
+    return Tokenized(input_ids.astype(np.int32), np.asarray(mask, dtype=np.uint8))
 
 
 # ---- writing -------------------------------------------------------------------------------------
@@ -364,25 +479,26 @@ def prompt_length(loss_mask: np.ndarray) -> int:
 
 # ---- the job -------------------------------------------------------------------------------------
 
-Encoded = BadRow | tuple[np.ndarray, np.ndarray]
-"""One row's outcome: why it is bad, or its (input_ids, loss_mask) before truncation."""
+Encoded = BadRow | Tokenized
+"""One row's outcome: why it is bad, or its tokens before truncation."""
 
 
 class RowEncoder:
     """Turns a batch of raw lines into samples or reasons, independently of any other batch."""
 
-    def __init__(self, tokenizer, template_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(self, tokenizer, template_kwargs: dict[str, Any] | None = None, *, answer_vocab_size: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.template_kwargs = template_kwargs
+        self.answer_vocab_size = answer_vocab_size
         self.vocab_size = len(tokenizer)
 
     @functools.cached_property
     def chat(self) -> ChatEncoder:
         """Built at the first chat row: a pre-tokenized data set needs no chat template."""
-        return ChatEncoder(self.tokenizer, self.template_kwargs)
+        return ChatEncoder(self.tokenizer, self.template_kwargs, answer_vocab_size=self.answer_vocab_size)
 
     def encode(self, batch: list[tuple[int, bytes]]) -> list[tuple[int, Encoded]]:
-        parsed: list[tuple[int, BadRow | RenderedChat | tuple[np.ndarray, np.ndarray]]] = []
+        parsed: list[tuple[int, BadRow | RenderedChat | Tokenized]] = []
         for number, line in batch:
             try:
                 parsed.append((number, self.parse(line)))
@@ -390,11 +506,11 @@ class RowEncoder:
                 parsed.append((number, bad))
         # Chat rows are tokenized together: one call, parallel in the Rust tokenizer.
         chats = [item for _, item in parsed if isinstance(item, RenderedChat)]
-        encoded = iter(self.chat.encode(chats) if chats else ())
+        encoded = iter(self.chat.tokenize(chats) if chats else ())
         return [(number, next(encoded) if isinstance(item, RenderedChat) else item) for number, item in parsed]
 
-    def parse(self, line: bytes) -> RenderedChat | tuple[np.ndarray, np.ndarray]:
-        """A chat row rendered (tokenized later, with its batch), or a pre-tokenized row's (ids, mask)."""
+    def parse(self, line: bytes) -> RenderedChat | Tokenized:
+        """A chat row rendered (tokenized later, with its batch), or a pre-tokenized row's tokens."""
         row = json_row(line)
         if "messages" in row:
             return self.chat.render(row)
@@ -454,6 +570,9 @@ class PrepareStats:
     tokens: int = 0
     truncated: int = 0
     dropped: collections.Counter = field(default_factory=collections.Counter)
+    answers: collections.Counter = field(default_factory=collections.Counter)
+    """Chat samples (held-out ones included) by how their supervised tokens were made (TARGET_IDS,
+    TEXT), and of each how many tokenizing text changes (RETOKENIZED)."""
 
 
 class Preparer:
@@ -518,6 +637,7 @@ class Preparer:
         log.info("wrote %d chunks, %d samples, %d tokens (%d supervised); %d held out; dropped %s; truncated %d",
                  len(index.chunks), index.samples, index.tokens, index.supervised_tokens, len(holdout),
                  dict(sorted(index.dropped.items())) or "none", index.truncated)
+        self.log_answers()
         return index
 
     def sample(self, number: int, outcome: Encoded) -> Sample | None:
@@ -525,7 +645,7 @@ class Preparer:
         if isinstance(outcome, BadRow):
             self.reject(number, outcome)
             return None
-        ids, mask = outcome
+        ids, mask = outcome.input_ids, outcome.loss_mask
         truncated = len(ids) > self.data.max_length
         ids, mask = ids[: self.data.max_length], mask[: self.data.max_length]
         if not mask.any():
@@ -537,6 +657,9 @@ class Preparer:
             self.stats.truncated += 1
         self.stats.samples += 1
         self.stats.tokens += len(ids)
+        if outcome.answer is not None:
+            self.stats.answers[outcome.answer] += 1
+            self.stats.answers[RETOKENIZED[outcome.answer]] += outcome.retokenized_differently
         return Sample(number, ids, mask)
 
     def reject(self, number: int, bad: BadRow) -> None:
@@ -576,9 +699,21 @@ class Preparer:
             supervised_tokens=writer.supervised_tokens,
             holdout=holdout,
             generation=self.generation,
+            answers={key: self.stats.answers[key] for key in sorted([*RETOKENIZED, *RETOKENIZED.values()])},
         )
         self.storage.put_bytes(DATASET_KEY, index.to_json().encode())
         return index
+
+    def log_answers(self) -> None:
+        """How the supervised tokens were made: the target's own ids, or text tokenized here."""
+        answers = self.stats.answers
+        log.info("answers: %d as the target's token ids (%d of them tokenize otherwise from their text), %d from text "
+                 "(%d of them changed by the tokenizer, e.g. non-NFC text; which tokens their writer produced is unknown)",
+                 answers[TARGET_IDS], answers[RETOKENIZED[TARGET_IDS]], answers[TEXT], answers[RETOKENIZED[TEXT]])
+        if self.generation is not None and answers[TEXT]:
+            log.warning("%d generated rows hold no token ids (generated before prepare trained on them): trained on their text "
+                        "tokenized here, which may split it otherwise than the target did; delete %s and run again to train "
+                        "on the target's own tokens", answers[TEXT], f"{self.storage.url}/generate")
 
     def log_progress(self, started: float, chunks: int) -> None:
         elapsed = max(time.monotonic() - started, 1e-9)
@@ -595,7 +730,10 @@ def prepare(spec: RunSpec, *, strict: bool = False, workers: int | None = None) 
     location = {"endpoint_url": spec.storage.endpoint_url, "region": spec.storage.region}
     # Answers generated with the thinking switch set start where that generation prompt ends.
     thinking = None if spec.generate is None else spec.generate.thinking
-    encoder = RowEncoder(load_tokenizer(spec.target.model, **location), None if thinking is None else {"enable_thinking": thinking})
+    # A regenerated answer may hold any id the target can produce, beyond those its tokenizer names
+    # (a random target samples them; the text path lost them without a word).
+    encoder = RowEncoder(load_tokenizer(spec.target.model, **location), None if thinking is None else {"enable_thinking": thinking},
+                         answer_vocab_size=embedding_rows(spec.target.model, **location))
     storage = storage_for(spec)
     generation = None if spec.generate is None else require_manifest(storage, spec)
     preparer = Preparer(

@@ -204,7 +204,9 @@ class GenerateSpec:
     vllm_image: str = VLLM_IMAGE
     """The image of the vllm engine's pods: the official vLLM image (CUDA 13), or one built on it."""
     vllm_args: list[str] = field(default_factory=list)
-    """More `vllm run-batch` arguments, e.g. [--gpu-memory-utilization, "0.92", --max-num-seqs, "256"]."""
+    """More `vllm run-batch` arguments, e.g. [--gpu-memory-utilization, "0.92", --max-num-seqs, "256"].
+    No reasoning parser: the answer is stored as the target wrote it (its token ids), which a parser
+    would only split into reasoning and content."""
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -227,6 +229,16 @@ class GenerateSpec:
             raise SpecError(
                 "generate.vllm_args", self.vllm_args,
                 f"arguments other than {', '.join(VLLM_OWN_ARGS)}: the job sets those from target.model and the generate section ({own[0]})",
+            )
+        # A reasoning parser returns the answer's text in two parts, </think> cut out: rejoined, it is
+        # what the target wrote only approximately, and not at all for an answer cut before </think>.
+        parsing = [arg for arg in self.vllm_args
+                   if "reasoning-parser" in arg.replace("_", "-") or arg.replace("_", "-").split("=", 1)[0] == "--enable-reasoning"]
+        if parsing:
+            raise SpecError(
+                "generate.vllm_args", self.vllm_args,
+                f"no reasoning parser (remove {parsing[0]}): generation keeps the target's answer whole, as the token ids it "
+                "sampled, and trains on those; the parser would only split its text into reasoning and content",
             )
 
 
