@@ -23,7 +23,7 @@ from dflash_jobs.drafter.export import load_drafter
 from dflash_jobs.errors import EXIT_BAD_SPEC, EXIT_OK
 from dflash_jobs.evaluate.__main__ import main as evaluate_main
 from dflash_jobs.formats import DATASET_KEY, EVAL_REPORT_KEY, TRAIN_METRICS_KEY, DatasetIndex, TokenChunk
-from dflash_jobs.prepare import ChatEncoder
+from dflash_jobs.rows import ChatEncoder
 from dflash_jobs.storage import open_storage
 from dflash_jobs.tiny import tiny_chat_rows
 from dflash_jobs.train.__main__ import main as train_main

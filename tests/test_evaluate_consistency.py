@@ -29,7 +29,7 @@ from dflash_jobs.evaluate.metrics import (
 from dflash_jobs.evaluate.report import build_report
 from dflash_jobs.evaluate.simulated import anchors_accepted, blocks_per_call, document_batch
 from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk
-from dflash_jobs.prepare import ChatEncoder, prompt_length
+from dflash_jobs.rows import ChatEncoder, prompt_length
 from dflash_jobs.spec import EvalSpec, TrainSpec, anchor_layout, parse_spec
 from dflash_jobs.storage import open_storage
 from dflash_jobs.tiny import tiny_chat_rows

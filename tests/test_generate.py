@@ -33,7 +33,8 @@ from dflash_jobs.generate.progress import Summary
 from dflash_jobs.generate.source import NO_USER_TURN, NOT_CHAT, Source, make_plan, parse_prompt
 from dflash_jobs.generate.stage import stage
 from dflash_jobs.generate.worker import GenerateWorker, assign_chunks, build_worker, prompt_seed
-from dflash_jobs.prepare import TARGET_IDS, TEMPLATE_ERROR, BadRow, Preparer, Tokenized, prepare, prompt_length
+from dflash_jobs.prepare import Preparer, prepare
+from dflash_jobs.rows import TARGET_IDS, TEMPLATE_ERROR, BadRow, Tokenized, prompt_length
 from dflash_jobs.spec import parse_spec
 from dflash_jobs.storage import TEMP_PREFIX, open_storage
 from dflash_jobs.tiny import tiny_chat_rows, write_tiny_target

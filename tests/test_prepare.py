@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from dflash_jobs.errors import EXIT_BAD_SPEC, InputError, SpecError
 from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk, done_key
-from dflash_jobs.prepare import BATCH_ROWS, HOLDOUT_KEY, REJECTED_KEY, SPLIT_ANSWER, main, prepare, prompt_length
+from dflash_jobs.prepare import BATCH_ROWS, HOLDOUT_KEY, REJECTED_KEY, main, prepare
+from dflash_jobs.rows import SPLIT_ANSWER, prompt_length
 from dflash_jobs.spec import parse_spec
 from dflash_jobs.storage import open_storage
 from dflash_jobs.tiny import tiny_chat_rows, write_tiny_target

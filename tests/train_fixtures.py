@@ -13,7 +13,7 @@ from dflash_jobs.formats import (
     MANIFEST_KEY, DoneMarker, Manifest, TokenChunk, done_key, hidden_chunk_key, hidden_metadata, hidden_tensors, quantize_fp8,
     safetensors_parts, token_chunk_key,
 )
-from dflash_jobs.prepare import ChatEncoder
+from dflash_jobs.rows import ChatEncoder
 from dflash_jobs.spec import default_layers, parse_spec
 from dflash_jobs.storage import open_storage
 from dflash_jobs.tiny import DEBUGMODEL, tiny_chat_rows, write_tiny_target

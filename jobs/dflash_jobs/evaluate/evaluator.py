@@ -34,7 +34,7 @@ from dflash_jobs.evaluate.report import build_report, store_report
 from dflash_jobs.evaluate.simulated import anchors_accepted, document_batch
 from dflash_jobs.extract.target import local_checkpoint
 from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk
-from dflash_jobs.prepare import prompt_length
+from dflash_jobs.rows import prompt_length
 from dflash_jobs.spec import AnchorLayout, EvalSpec, RunSpec, anchor_layout
 from dflash_jobs.storage import Storage, open_storage, storage_for
 from dflash_jobs.variants import DrafterVariant, drafter_variant

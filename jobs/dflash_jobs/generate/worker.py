@@ -32,7 +32,7 @@ from dflash_jobs.generation import (
 )
 from dflash_jobs.generate.progress import Progress, Summary
 from dflash_jobs.generate.source import Prompt, Source, load_plan, prompts_of
-from dflash_jobs.prepare import TEMPLATE_ERROR, BadRow
+from dflash_jobs.rows import TEMPLATE_ERROR, BadRow
 from dflash_jobs.errors import SpecError
 from dflash_jobs.spec import VLLM_IMAGE, RunSpec
 from dflash_jobs.storage import Storage, open_storage, storage_for
@@ -280,7 +280,7 @@ def build_worker(spec: RunSpec, shard: int, *, summary: Summary) -> GenerateWork
     """Everything shard `shard` needs: the plan, the tokenizer, the engine, the output storage."""
     from dflash_jobs.extract.target import local_checkpoint  # torch: the pods have it (the vLLM image too)
     from dflash_jobs.generate.engines import TransformersEngine, VllmEngine
-    from dflash_jobs.prepare import ChatEncoder, load_tokenizer
+    from dflash_jobs.rows import ChatEncoder, load_tokenizer
 
     settings = spec.generate
     assert settings is not None
