@@ -43,7 +43,8 @@ def run(tmp_path, fake_k8s):  # noqa: F811 - the fixture above
     """A spec file on the fake cluster, storage in a local directory with 4 prepared chunks, 2 landed."""
     output = tmp_path / "out"
     spec_file = tmp_path / "dflash.yaml"
-    spec_file.write_text(yaml.safe_dump({**RUN, "output": str(output)}))
+    # The output on a claim the pods mount at the same path as this test sees it.
+    spec_file.write_text(yaml.safe_dump({**RUN, "output": str(output), "cluster": {"output_volume": {"claim": "runs", "mount": str(tmp_path)}}}))
     storage = open_storage(str(output))
     chunks = [ChunkInfo(id=i, path=f"tokens/chunks/{i:06d}.safetensors", samples=10, tokens=CHUNK_TOKENS) for i in range(4)]
     storage.put_bytes(DATASET_KEY, DatasetIndex(samples=40, tokens=4 * CHUNK_TOKENS, vocab_size=100, chunks=chunks).to_json().encode())

@@ -58,6 +58,7 @@ def test_the_controller_survives_dropped_watches_500s_and_its_own_restart(fake_k
         "name": "chaos", "target": {"model": "/models/tiny", "layers": LAYERS},
         "data": {"source": "s3://bucket/chats.jsonl", "max_length": 64, "chunk_tokens": 1024},
         "output": str(output), "extract": {"shards": SHARDS, "backoff_limit_per_index": 1},
+        "cluster": {"output_volume": {"claim": "runs", "mount": str(tmp_path)}},
     }))
     env = {**os.environ, "KUBECONFIG": os.environ["KUBECONFIG"], "PYTHONUNBUFFERED": "1"}
     logs = open(tmp_path / "controllers.log", "w")

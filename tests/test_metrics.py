@@ -140,7 +140,7 @@ def test_dflashctl_run_serves_the_pipeline_s_progress_while_it_runs(tmp_path, mo
 
 
 def test_metrics_port_is_checked_with_the_spec():
-    raw = {"name": "pipe", "target": {"model": "/m"}, "data": {"source": "/d.jsonl"}, "output": "/o"}
+    raw = {"name": "pipe", "backend": "local", "target": {"model": "/m"}, "data": {"source": "/d.jsonl"}, "output": "/o"}
     assert parse_spec(raw).cluster.metrics_port is None
     for bad in (80, 70000, "9090"):
         with pytest.raises(SpecError, match="cluster.metrics_port"):

@@ -75,7 +75,7 @@ def test_init_explains_each_field_with_its_docstring():
     assert turned_on.generate == parse_spec({**STARTER_VALUES, "generate": {}}).generate
     # Only such sections: an optional nested one left off (no model volume) stays a plain null.
     without_volume = starter_spec({**STARTER_VALUES, "cluster": {}})
-    assert "  model_volume: null" in without_volume.splitlines() and "#   claim" not in without_volume
+    assert "  model_volume: null" in without_volume.splitlines() and "  # model_volume:" not in without_volume.splitlines()
 
 
 def test_init_refuses_to_overwrite_without_force(tmp_path):
@@ -103,7 +103,7 @@ def write_run(tmp_path, *, tokens: int | None, samples: int = 1000, layers=None,
         index = DatasetIndex(samples=samples, tokens=tokens, vocab_size=248077, chunks=[ChunkInfo(0, "tokens/chunks/000000.safetensors", samples, tokens)])
         open_storage(str(output)).put_bytes(DATASET_KEY, index.to_json().encode())
     spec = {
-        "name": "bill", "target": {"model": str(model), "layers": layers}, "data": {"source": str(source)},
+        "name": "bill", "backend": "local", "target": {"model": str(model), "layers": layers}, "data": {"source": str(source)},
         "output": str(output), "extract": {"shards": shards, "dtype": dtype},
     }
     spec_file = tmp_path / "dflash.yaml"
@@ -223,7 +223,7 @@ def test_plan_table_states_its_basis(tmp_path):
 
 def test_plan_without_a_readable_checkpoint_assumes_the_27b_and_says_so(tmp_path):
     spec_file = tmp_path / "dflash.yaml"
-    spec_file.write_text(starter_spec({**STARTER_VALUES, "data": {"source": str(tmp_path / "absent.jsonl")}, "output": str(tmp_path / "out")}))
+    spec_file.write_text(starter_spec({**STARTER_VALUES, "backend": "local", "data": {"source": str(tmp_path / "absent.jsonl")}, "output": str(tmp_path / "out")}))
     plan = plan_json("-f", str(spec_file))
     assert plan["target"]["hidden_size"] == 5120 and plan["target"]["layers"] == [1, 16, 31, 46, 61]
     assert plan["target"]["basis"].startswith("assumed Qwen3.6-27B")
