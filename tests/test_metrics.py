@@ -13,7 +13,7 @@ import yaml
 from conftest import free_port
 from extracted_chunks import CHUNKS, hidden_chunk, mark_done, token_chunk, write_dataset
 from prometheus_client.parser import text_string_to_metric_families
-from test_pipeline import SHARDS, FakeBackend, Recorder, make_job, pipeline_work
+from test_pipeline import SHARDS, FakeBackend, Recorder, make_job, pipeline_work, write_inputs
 
 from dflash_jobs.errors import SpecError
 from dflash_jobs.spec import parse_spec
@@ -98,6 +98,7 @@ def test_dflashctl_run_serves_the_pipeline_s_progress_while_it_runs(tmp_path, mo
     from dflash_jobs.storage import open_storage
 
     port = free_port()
+    write_inputs(tmp_path)
     raw = {
         "name": "pipe", "backend": "local", "target": {"model": str(tmp_path / "model"), "layers": [1, 3]},
         "data": {"source": str(tmp_path / "chats.jsonl"), "max_length": 64, "chunk_tokens": 256},

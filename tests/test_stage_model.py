@@ -19,6 +19,8 @@ from boto3.s3.transfer import TransferConfig
 from dflash_jobs.errors import EXIT_BAD_INPUT, EXIT_FAILED
 from dflash_jobs.stage_model import RECORD_FILE, describe_checkpoint, git_blob_sha1, s3_etag_matches
 from hub_server import HubServer, Repo, git_blob_id
+from k8s_fake_api import fake_k8s, make_pvc, make_secret  # noqa: F401 - the fixture
+from test_cli_controller import cli, when_job_exists
 
 CONFIG = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
           "text_config": {"model_type": "qwen3_5_text", "num_hidden_layers": 64, "hidden_size": 5120}}
@@ -160,3 +162,68 @@ def test_etag_and_blob_checks_against_known_values(tmp_path):
     assert git_blob_sha1(path) == "ce013625030ba8dba906f756967f9e9ca394464a"
     assert s3_etag_matches(path, '"b1946ac92492d2347c6235b4d2611184"') is True
     assert s3_etag_matches(path, '"00000000000000000000000000000000"') is False
+
+
+# ---- the control plane: `dflashctl stage-model` -------------------------------------------------
+
+
+def cluster_spec(tmp_path: Path, **cluster) -> Path:
+    spec = tmp_path / "dflash.yaml"
+    spec.write_text(yaml.safe_dump({
+        "name": "staged", "target": {"model": "/models/Qwen3.6-27B"}, "data": {"source": "s3://dflash-data/chats.jsonl"},
+        "output": "s3://dflash-runs/staged", "cluster": {"model_volume": {"claim": "models"}, "hf_secret": "hf-token", **cluster},
+    }))
+    return spec
+
+
+def test_stage_model_submits_a_job_that_writes_the_model_volume(tmp_path, fake_k8s, monkeypatch, capsys):
+    api = fake_k8s.api
+    api.add(make_pvc("models", modes=("ReadWriteMany",)))
+    api.add(make_secret("hf-token", {"HF_TOKEN": "hf_x"}))
+    spec = cluster_spec(tmp_path)
+    job = "staged-stage-model"
+    when_job_exists(api, job, lambda: api.start(job), lambda: api.finish(job, 0))
+    code, _, err = cli(monkeypatch, capsys, "stage-model", "--from", "hf://Qwen/Qwen3.6-27B@main", "-f", str(spec), "--wait")
+    assert code == 0, err
+    assert "submitted Job staged-stage-model: hf://Qwen/Qwen3.6-27B@main into /models/Qwen3.6-27B on claim models" in err
+    assert "stage-model Complete: 1/1 done" in err and "next: dflashctl check" in err
+    pod = api.get("Job", job)["spec"]["template"]["spec"]
+    (worker,) = pod["containers"]
+    assert worker["command"] == ["python", "-m", "dflash_jobs.stage_model", "-f", "/etc/dflash/dflash.yaml", "--from", "hf://Qwen/Qwen3.6-27B@main"]
+    assert {"name": "model", "mountPath": "/models"} in worker["volumeMounts"]  # read-write, in this pod only
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "models"}} in pod["volumes"]
+    assert {"secretRef": {"name": "hf-token", "optional": True}} in worker["envFrom"]
+    assert {"name": "HF_HUB_OFFLINE", "value": "0"} in worker["env"]
+    assert api.get("ConfigMap", "staged-spec") is not None
+    # The same source again attaches; another one is refused without --force.
+    assert cli(monkeypatch, capsys, "stage-model", "--from", "hf://Qwen/Qwen3.6-27B@main", "-f", str(spec))[0] == 0
+    code, _, err = cli(monkeypatch, capsys, "stage-model", "--from", "hf://Qwen/Qwen3.6-27B@v2", "-f", str(spec))
+    assert code == 2 and "already exists from a different spec" in err and "--force" in err
+
+
+def test_stage_model_refuses_what_cannot_work_before_any_job(tmp_path, fake_k8s, monkeypatch, capsys):
+    api = fake_k8s.api
+    api.add(make_pvc("models"))
+    code, _, err = cli(monkeypatch, capsys, "stage-model", "--from", "huggingface.co/Qwen/Qwen3.6-27B", "-f", str(cluster_spec(tmp_path)))
+    assert code == 2 and "is not a checkpoint source" in err and "hf://<org>/<repo>[@<revision>]" in err
+    code, _, err = cli(monkeypatch, capsys, "stage-model", "--from", "hf://Qwen/Qwen3.6-27B", "-f",
+                       str(cluster_spec(tmp_path, model_volume={"claim": "models", "mount": "/weights"})))
+    assert code == 2 and "target.model" in err and "under cluster.model_volume.mount (/weights)" in err
+    code, _, err = cli(monkeypatch, capsys, "stage-model", "--from", "hf://Qwen/Qwen3.6-27B", "-f", str(cluster_spec(tmp_path)))
+    assert code == 2 and "hf secret: Secret hf-token does not exist in dflash" in err
+    assert api.all("Job") == []
+
+
+def test_stage_model_on_the_local_backend_and_check_sees_it(tmp_path, hub, monkeypatch, capsys):
+    spec = write_spec(tmp_path)
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    code, _, err = cli(monkeypatch, capsys, "stage-model", "--from", "hf://Qwen/Qwen3.6-27B@v1", "-f", str(spec))
+    assert code == 0, err
+    (tmp_path / "chats.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    code, out, err = cli(monkeypatch, capsys, "check", "-f", str(spec), "-o", "json")
+    checks = {check["name"]: check for check in json.loads(out)["checks"]}
+    assert code == 0, err
+    assert checks["target"]["detail"] == (f"{tmp_path}/models/Qwen3.6-27B: qwen3_5_text, 64 layers, hidden 5120, capturing [1, 16, 31, 46, 61]; "
+                                          f"staged from hf://Qwen/Qwen3.6-27B@v1 at {COMMIT[:12]}")

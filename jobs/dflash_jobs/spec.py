@@ -903,6 +903,14 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     return config.get("text_config") or config
 
 
+def rope_kind(config: dict[str, Any]) -> str:
+    """The target's RoPE scaling, "default" for none (Transformers 5's rope_parameters or the older rope_scaling)."""
+    text = text_config(config)
+    rope = text.get("rope_parameters") or {}
+    scaling = text.get("rope_scaling") or {}
+    return rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+
+
 def resolve_layers(spec: RunSpec, checkpoint_config: dict[str, Any]) -> list[int]:
     """The captured layers, checked against the checkpoint's depth."""
     depth = text_config(checkpoint_config).get("num_hidden_layers")

@@ -1,0 +1,61 @@
+"""Which run an output belongs to: <output>/run.yaml, the resolved spec of the first command that started
+work there. Two runs never write into one output: every command that starts work (`run` and so the
+in-cluster controller, every `submit`, `stage-model`) claims the output first, and `check` looks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+
+from dflash_jobs.formats import RUN_KEY
+from dflash_jobs.spec import RunSpec, dump_spec
+from dflash_jobs.storage import ObjectNotFound, Storage
+
+from dflashctl.errors import Conflict
+
+
+def output_elsewhere(spec: RunSpec) -> str | None:
+    """Why this machine cannot see a local output of a Kubernetes run (its claim is not mounted here), or None.
+    Such an output is claimed where it is seen: by `dflashctl run` in the cluster (the controller)."""
+    volume = spec.cluster.output_volume
+    if spec.backend != "kubernetes" or volume is None or Path(volume.mount).is_dir():
+        return None
+    return f"{spec.output} lies on claim {volume.claim}, which is not mounted here at {volume.mount}"
+
+
+def identity_conflict(storage: Storage, spec: RunSpec) -> Conflict | None:
+    """The Conflict that claiming the output for `spec` would raise; None when the output is free or holds this run."""
+    try:
+        existing = storage.get_bytes(RUN_KEY).decode()
+    except ObjectNotFound:
+        return None
+    return _conflict(storage, spec, existing)
+
+
+def claim_output(storage: Storage, spec: RunSpec, *, force: bool, say: Callable[[str], None]) -> None:
+    """Writes <output>/run.yaml for `spec`; the same spec there already passes, a different one raises
+    Conflict, unless `force`, which replaces it (outputs already in storage are kept)."""
+    text = dump_spec(spec)
+    if storage.put_if_absent(RUN_KEY, text.encode()):
+        return
+    conflict = _conflict(storage, spec, storage.get_bytes(RUN_KEY).decode())
+    if conflict is None:
+        return
+    if not force:
+        raise conflict
+    storage.put_bytes(RUN_KEY, text.encode())
+    say(f"replaced {storage.url}/{RUN_KEY} with this spec (--force); outputs already in storage are kept, delete them to redo their steps")
+
+
+def _conflict(storage: Storage, spec: RunSpec, existing: str) -> Conflict | None:
+    if existing == dump_spec(spec):
+        return None
+    old = yaml.safe_load(existing) or {}
+    changed = sorted(key for key, value in spec.to_dict().items() if old.get(key) != value)
+    return Conflict(
+        f"{storage.url} already holds run {old.get('name')!r} with another spec (differs in: {', '.join(changed)})",
+        "Use another `output` (or `name`) for a new run, restore the spec it was started with, or pass --force",
+    )
