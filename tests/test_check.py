@@ -123,7 +123,7 @@ def test_a_healthy_first_run_passes_every_check_and_the_probe_pod_is_gone(first,
     (lambda c: c.api.objects.pop(("PersistentVolumeClaim", "models")), "volume models", EXIT_USAGE,
      "cluster.model_volume names claim models, which does not exist in dflash"),
     (lambda c: c.api.add(make_node("gpu-1", labels=H200, memory="512Gi")), "nodes for train", EXIT_USAGE,
-     "no node can hold one pod (train: 8 GPU, 64 CPU, 768Gi): the largest of 1 candidate(s), gpu-1, has memory 512Gi < 768Gi"),
+     "train: 8 GPU, 64 CPU, 768Gi: no node can hold one: the largest of 1 candidate(s), gpu-1, has memory 512Gi < 768Gi"),
     (lambda c: c.api.add(make_node("gpu-1", labels=H200, gpus=4)), "nodes for train", EXIT_USAGE, "has nvidia.com/gpu 4 < 8"),
 ])
 def test_each_cluster_mistake_fails_its_own_check_with_the_fix(first, monkeypatch, capsys, mistake, name, code, detail):
@@ -143,7 +143,7 @@ def test_placement_is_judged_from_the_rendered_pods_labels_taints_and_cordon(fir
     _, checks = first.check(monkeypatch, capsys)
     extract = checks["nodes for extract"]
     # None takes it now: a warning (an autoscaler may add one), naming why for each node.
-    assert extract["status"] == "warn" and "no node takes the GPU pod now" in extract["detail"]
+    assert extract["status"] == "warn" and "extract: 1 GPU, 8 CPU, 96Gi: no node takes it now (" in extract["detail"]
     assert "gpu-1: taint dedicated=gpu:NoSchedule not tolerated" in extract["detail"] and "gpu-2: cordoned" in extract["detail"]
     assert "gpu-3: no label nvidia.com/gpu.product=NVIDIA-H200" in extract["detail"]
     first.write(cluster={"tolerations": [{"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}]})

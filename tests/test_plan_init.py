@@ -121,7 +121,8 @@ def test_plan_from_the_dataset_index_matches_hand_computed_figures(tmp_path):
     plan = plan_json("-f", write_run(tmp_path, tokens=1_000_000_000))
     # 5 default layers [1, 16, 31, 46, 61] of hidden 5120.
     assert plan["target"]["layers"] == [1, 16, 31, 46, 61] and plan["target"]["hidden_size"] == 5120
-    assert plan["data"] == {"samples": 1000, "tokens": 1_000_000_000, "estimated": False, "basis": f"{tmp_path / 'out'}/{DATASET_KEY}"}
+    assert plan["data"] == {"samples": 1000, "tokens": 1_000_000_000, "estimated": False, "basis": f"{tmp_path / 'out'}/{DATASET_KEY}",
+                            "tokens_upper_bound": None}
     # bf16: 5 x 5120 x 2 bytes + 4 (input_id) + 1 (loss_mask) = 51,205 bytes per token.
     # fp8:  5 x (5120 + 4 bytes of scale) + 5                  = 25,625 bytes per token.
     assert plan["bytes_per_token"] == {"bfloat16": 51_205, "float8_e4m3fn": 25_625}

@@ -33,6 +33,8 @@ class PodAsk:
     memory: Decimal
     """Bytes."""
     gpus: int
+    count: int
+    """Pods of the component that run at once (the Job's parallelism)."""
     pod_spec: dict[str, Any]
     """The rendered pod spec: its nodeSelector, affinity and tolerations decide where it may go."""
 
@@ -73,7 +75,7 @@ def pod_asks(spec: RunSpec) -> list[PodAsk]:
         pod = obj["spec"]["template"]["spec"]
         totals = {resource: _effective(pod, resource) for resource in RESOURCES}
         component = obj["metadata"]["labels"]["app.kubernetes.io/component"]
-        asks.append(PodAsk(component, totals["cpu"], totals["memory"], int(totals[GPU]), pod))
+        asks.append(PodAsk(component, totals["cpu"], totals["memory"], int(totals[GPU]), obj["spec"].get("parallelism") or 1, pod))
     return asks
 
 
@@ -86,6 +88,37 @@ def _effective(pod: dict[str, Any], resource: str) -> Decimal:
 
     containers = sum((asked(c) for c in pod.get("containers") or []), Decimal(0))
     return max([containers, *(asked(c) for c in pod.get("initContainers") or [])])
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """One component's pod against the nodes: where it may go and which of those can hold it."""
+
+    ask: PodAsk
+    refusals: dict[str, str]
+    """Node -> why the pod may not go there."""
+    candidates: list[Node]
+    fitting: list[Node]
+
+    @property
+    def largest(self) -> Node | None:
+        return max(self.candidates, key=lambda node: tuple(node.allocatable.get(r, Decimal(0)) for r in (GPU, "memory", "cpu")), default=None)
+
+    def describe(self) -> str:
+        """Where it fits, or why it cannot (the largest candidate's shortfall, or each node's refusal)."""
+        if self.fitting:
+            names = ", ".join(node.name for node in self.fitting[:3]) + (f" and {len(self.fitting) - 3} more" if len(self.fitting) > 3 else "")
+            return f"fits {names} (of {len(self.candidates)} candidate(s))"
+        if self.candidates:
+            largest = self.largest
+            return f"no node can hold one: the largest of {len(self.candidates)} candidate(s), {largest.name}, has {', '.join(shortfalls(largest, self.ask))}"
+        return "no node takes it now (" + ("; ".join(f"{name}: {why}" for name, why in list(self.refusals.items())[:4]) or "no nodes") + ")"
+
+
+def place(ask: PodAsk, nodes: list[Node]) -> Placement:
+    refusals = {node.name: why for node in nodes if (why := why_not_placed(node, ask.pod_spec)) is not None}
+    candidates = [node for node in nodes if node.name not in refusals]
+    return Placement(ask, refusals, candidates, [node for node in candidates if not shortfalls(node, ask)])
 
 
 def why_not_placed(node: Node, pod: dict[str, Any]) -> str | None:

@@ -9,7 +9,7 @@ from dflash_jobs.spec import is_s3
 from dflashctl.check import CheckResult, Preflight, fail, ok, skipped, warn
 from dflashctl.check.inputs import source_needed
 from dflashctl.errors import EXIT_CLUSTER, ClusterUnreachable, Forbidden
-from dflashctl.pod_fit import Node, PodAsk, pod_asks, shortfalls, why_not_placed
+from dflashctl.pod_fit import Node, PodAsk, place, pod_asks
 from dflashctl.render import controller_role_rules
 
 S3_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
@@ -219,19 +219,11 @@ def nodes(pf: Preflight) -> CheckResult | list[CheckResult]:
 
 def _placement(ask: PodAsk, found: list[Node]) -> CheckResult:
     name = f"nodes for {ask.component}"
-    kind = "GPU" if ask.gpus else "CPU"
     settings = "cluster.node_selector, cluster.tolerations, cluster.affinity" if ask.gpus else "cluster.cpu_placement"
-    candidates = [node for node in found if why_not_placed(node, ask.pod_spec) is None]
-    if not candidates:
-        reasons = "; ".join(f"{node.name}: {why_not_placed(node, ask.pod_spec)}" for node in found[:4]) or "the cluster lists no node"
-        return warn(name, f"no node takes the {kind} pod now ({reasons})",
-                    f"Fix {settings}; a cluster autoscaler may still add a node for it")
-    fitting = [node for node in candidates if not shortfalls(node, ask)]
-    if not fitting:
-        largest = max(candidates, key=lambda node: tuple(node.allocatable.get(r, 0) for r in ("nvidia.com/gpu", "memory", "cpu")))
-        return fail(name, f"no node can hold one pod ({ask.describe()}): the largest of {len(candidates)} candidate(s), "
-                          f"{largest.name}, has {', '.join(shortfalls(largest, ask))}",
+    placement = place(ask, found)
+    if not placement.candidates:
+        return warn(name, f"{ask.describe()}: {placement.describe()}", f"Fix {settings}; a cluster autoscaler may still add a node for it")
+    if not placement.fitting:
+        return fail(name, f"{ask.describe()}: {placement.describe()}",
                     "Lower what the pod asks (cluster.cpu_per_gpu, cluster.memory_per_gpu, train.gpus_per_node) or place it on larger nodes")
-    names = ", ".join(node.name for node in fitting[:3]) + (f" and {len(fitting) - 3} more" if len(fitting) > 3 else "")
-    return ok(name, f"{ask.describe()} fits {names} (of {len(candidates)} candidate(s); allocatable, not free now)")
-
+    return ok(name, f"{ask.describe()} {placement.describe()}; allocatable, not free now")
