@@ -151,13 +151,18 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         return repo
 
-    def _info(self, name: str, revision: str) -> None:
+    def _at(self, name: str, revision: str) -> tuple[Repo, str] | None:
+        """The repository and the commit the revision names; None once the error is answered."""
         repo = self._repo(name)
-        if repo is None:
+        commit = None if repo is None else repo.commit_of(revision)
+        if repo is not None and commit is None:
+            self._error(404, "RevisionNotFound")
+        return None if commit is None else (repo, commit)
+
+    def _info(self, name: str, revision: str) -> None:
+        if (found := self._at(name, revision)) is None:
             return
-        commit = repo.commit_of(revision)
-        if commit is None:
-            return self._error(404, "RevisionNotFound")
+        repo, commit = found
         siblings = []
         for file, data in sorted(repo.files.items()):
             sibling = {"rfilename": file, "size": len(data), "blobId": git_blob_id(data)}
@@ -169,12 +174,9 @@ class _Handler(BaseHTTPRequestHandler):
                          "siblings": siblings})
 
     def _resolve(self, name: str, revision: str, file: str, *, body: bool) -> None:
-        repo = self._repo(name)
-        if repo is None:
+        if (found := self._at(name, revision)) is None:
             return
-        commit = repo.commit_of(revision)
-        if commit is None:
-            return self._error(404, "RevisionNotFound")
+        repo, commit = found
         if file not in repo.files:
             return self._error(404, "EntryNotFound", commit=commit)
         data = repo.files[file]

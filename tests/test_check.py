@@ -37,6 +37,15 @@ def write_checkpoint(directory: Path, config: dict = CONFIG, *, complete: bool =
     return directory
 
 
+def forget_s3_credentials(monkeypatch) -> None:
+    """No S3 credentials anywhere boto3 looks: the environment, the shared files, the instance metadata."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    for name in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
+        monkeypatch.setenv(name, "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
 class Cluster:
     """A first run's setting: the spec file, the fake API, the bucket, and the checkpoint the probe pod finds."""
 
@@ -200,11 +209,7 @@ def test_data_source_unreadable_for_each_reason_a_distinct_message(first, monkey
     code, unreachable = source_check()
     assert code == EXIT_STORAGE_UNAVAILABLE and "cannot reach the S3 endpoint" in unreachable["detail"]
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-        monkeypatch.delenv(name)
-    for name in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
-        monkeypatch.setenv(name, "/nonexistent")
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    forget_s3_credentials(monkeypatch)
     code, anonymous = source_check()
     assert code == EXIT_USAGE and anonymous["detail"].startswith("cannot read it: no S3 credentials")
     assert len({missing["detail"], bucket["detail"], denied["detail"], unreachable["detail"], anonymous["detail"]}) == 5

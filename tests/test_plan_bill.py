@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from dflashctl.cli.app import app
 from dflashctl.starter import STARTER_VALUES, starter_spec
 from k8s_fake_api import fake_k8s, make_node  # noqa: F401 - the fixture
+from test_check import forget_s3_credentials
 from test_plan_init import write_run
 
 runner = CliRunner()
@@ -84,11 +85,7 @@ def test_an_unreadable_source_says_why_each_reason_its_own(tmp_path, s3_server, 
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     assert "(endpoint unreachable): cannot reach the S3 endpoint" in basis(f"s3://{s3_bucket}/chats.jsonl")
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-        monkeypatch.delenv(name)
-    for name in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
-        monkeypatch.setenv(name, "/nonexistent")
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    forget_s3_credentials(monkeypatch)
     assert "(no credentials): no S3 credentials" in basis(f"s3://{s3_bucket}/chats.jsonl")
     local = basis(str(tmp_path / "absent.jsonl"))
     assert f"{tmp_path / 'absent.jsonl'} cannot be read (no such object)" in local

@@ -285,6 +285,8 @@ def _waiting(pod: dict[str, Any]) -> tuple[str, str] | None:
 
 def image(pf: Preflight) -> CheckResult:
     cluster = pf.spec.cluster
+    if pf.spec.backend != "kubernetes":
+        return skipped("image", "backend: local")
     if pf.image_pulled:
         return ok("image", f"{cluster.image} was pulled by the probe pod")
     if pf.image_pulled is False:
@@ -293,7 +295,7 @@ def image(pf: Preflight) -> CheckResult:
     left = [f"cluster.{name} {value}" for name, value, default in (("image", cluster.image, defaults.image),
                                                                   ("controller_image", cluster.controller_image, defaults.controller_image))
             if value == default and (name == "image" or pf.whole_run)]
-    if left and pf.spec.backend == "kubernetes":
+    if left:
         return warn("image", f"the project's default image names, which nothing here says exist: {', '.join(left)}",
                     "Build and push yours (images/README.md), then set them; `dflashctl check` pulls cluster.image through a probe pod")
     return skipped("image", "pulled by the first pod (`dflashctl check` pulls cluster.image through a probe pod)")
