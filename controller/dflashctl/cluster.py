@@ -237,11 +237,11 @@ class Cluster:
         except _NotFound:
             return None
 
-    def list_cluster_objects(self, kind: str, *, label_selector: str | None = None) -> list[Obj]:
-        return self._call(kind, "list_{}", **_selectors(label_selector=label_selector)).get("items") or []
+    def list_cluster_objects(self, kind: str) -> list[Obj]:
+        return self._call(kind, "list_{}").get("items") or []
 
-    def can_i(self, verb: str, resource: str, *, group: str = "", subresource: str = "") -> tuple[bool, str]:
-        """Whether this client may `verb` the resource in the namespace (`kubectl auth can-i`), and the API's reason."""
+    def can_i(self, verb: str, resource: str, *, group: str = "", subresource: str = "") -> bool:
+        """Whether this client may `verb` the resource in the namespace, as `kubectl auth can-i` asks it."""
         review = {
             "apiVersion": "authorization.k8s.io/v1",
             "kind": "SelfSubjectAccessReview",
@@ -249,8 +249,7 @@ class Cluster:
                 "namespace": self.namespace, "verb": verb, "group": group, "resource": resource, "subresource": subresource,
             }},
         }
-        status = self._call("SelfSubjectAccessReview", "create_{}", review).get("status") or {}
-        return bool(status.get("allowed")), status.get("reason") or status.get("evaluationError") or ""
+        return bool((self._call("SelfSubjectAccessReview", "create_{}", review).get("status") or {}).get("allowed"))
 
     def secret_keys(self, name: str) -> tuple[str, dict[str, bool]] | None:
         """A Secret's type and, for each key, whether its value is non-empty; None if absent. The values

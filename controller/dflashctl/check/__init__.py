@@ -107,7 +107,7 @@ class Preflight:
     stage_source: str | None = None
     """For stage-model: where the checkpoint comes from (hf://... or s3://...)."""
     cluster_error: DflashError | None = None
-    """Set by the first check that could not reach the cluster: the others then skip."""
+    """Why the cluster cannot be looked at (unreachable, no such namespace), set by the namespace check: the others then skip."""
     image_pulled: bool | None = None
     """Whether the probe pod pulled cluster.image (None: no probe ran)."""
     _storages: dict[str, Storage] = field(default_factory=dict)

@@ -8,7 +8,7 @@ from dflash_jobs.spec import is_s3
 
 from dflashctl.check import CheckResult, Preflight, fail, ok, skipped, warn
 from dflashctl.check.inputs import source_needed
-from dflashctl.errors import EXIT_CLUSTER, ClusterUnreachable, Forbidden
+from dflashctl.errors import EXIT_CLUSTER, ClusterUnreachable, DflashError, Forbidden
 from dflashctl.pod_fit import Node, PodAsk, place, pod_asks
 from dflashctl.render import controller_role_rules
 
@@ -23,7 +23,7 @@ def _unavailable(pf: Preflight, name: str) -> CheckResult | None:
     if not pf.kubernetes:
         return skipped(name, "backend: local")
     if pf.cluster_error is not None:
-        return skipped(name, "the cluster could not be asked (see above)")
+        return skipped(name, "not checked: see namespace")
     return None
 
 
@@ -41,7 +41,9 @@ def namespace(pf: Preflight) -> CheckResult:
         pf.cluster_error = error
         return fail("namespace", error.what, error.fix, EXIT_CLUSTER)
     if found is None:
-        return fail("namespace", f"namespace {name} does not exist", f"{SETUP_FIX}, or set cluster.namespace")
+        missing = fail("namespace", f"namespace {name} does not exist", f"{SETUP_FIX}, or set cluster.namespace")
+        pf.cluster_error = DflashError(missing.detail, missing.fix)  # nothing in it to check
+        return missing
     return ok("namespace", f"{name} exists")
 
 
@@ -56,8 +58,7 @@ def permissions(pf: Preflight) -> CheckResult:
     denied = []
     for verb, group, resource in wanted:
         base, _, sub = resource.partition("/")
-        allowed, _ = pf.cluster.can_i(verb, base, group=group, subresource=sub)
-        if not allowed:
+        if not pf.cluster.can_i(verb, base, group=group, subresource=sub):
             denied.append(f"{verb} {resource}")
     if denied:
         return fail("permissions", f"this client may not {', '.join(denied)} in {pf.spec.cluster.namespace}",
@@ -79,7 +80,7 @@ def service_account(pf: Preflight) -> CheckResult:
     except Forbidden:
         return warn("service account", f"cannot read ServiceAccount/Role/RoleBinding {account} here: not verified")
     if missing:
-        creatable = all(pf.cluster.can_i("create", resource, group=group)[0]
+        creatable = all(pf.cluster.can_i("create", resource, group=group)
                         for resource, group in (("serviceaccounts", ""), ("roles", RBAC_GROUP), ("rolebindings", RBAC_GROUP)))
         if creatable:
             return ok("service account", f"{account}: {', '.join(missing)} missing; `dflashctl submit controller` creates them")

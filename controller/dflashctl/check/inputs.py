@@ -16,9 +16,9 @@ from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, MANIFEST_KEY, R
 from dflash_jobs.generation import current_manifest
 from dflash_jobs.spec import ClusterSpec, RunSpec, is_s3, local_path, resolve_layers, rope_kind, text_config, under
 from dflash_jobs.stage_model import describe_checkpoint
-from dflash_jobs.storage import read_head
+from dflash_jobs.storage import Storage, read_head
 
-from dflashctl.check import CheckResult, Preflight, fail, from_error, ok, skipped, warn
+from dflashctl.check import STORAGE_ATTEMPTS, CheckResult, Preflight, fail, from_error, ok, skipped, warn
 from dflashctl.identity import identity_conflict, output_elsewhere
 from dflashctl.kube import exit_reason
 from dflashctl.render import WORKER
@@ -70,7 +70,7 @@ def output(pf: Preflight) -> CheckResult:
     return ok("output", f"{storage.url}: no run there yet")
 
 
-def next_step(storage, spec: RunSpec) -> str:
+def next_step(storage: Storage, spec: RunSpec) -> str:
     """The first step whose output is not in storage: what `dflashctl run` would start."""
     if not storage.exists(DATASET_KEY):
         return "generate" if spec.generate is not None and current_manifest(storage, spec) is None else "prepare"
@@ -132,7 +132,8 @@ def data_source(pf: Preflight) -> CheckResult:
         if not Path(path).exists() and not any(Path(mount).is_dir() for mount in mounts):
             return skipped("data.source", f"{source} lies on a claim not mounted here: the pods read it")
     try:
-        size, head = read_head(source, SOURCE_HEAD_BYTES, endpoint_url=spec.storage.endpoint_url, region=spec.storage.region, max_attempts=2)
+        size, head = read_head(source, SOURCE_HEAD_BYTES, endpoint_url=spec.storage.endpoint_url, region=spec.storage.region,
+                               max_attempts=STORAGE_ATTEMPTS)
     except StorageError as error:
         return from_error("data.source", error, what="cannot read it: ")
     problem, rows = first_rows_problem(head, whole=len(head) >= size)
@@ -188,7 +189,7 @@ def target(pf: Preflight) -> CheckResult:
             if not pf.probe:
                 return skipped("target", f"{model} lies on claim {volume.claim}: `dflashctl check` reads it through a pod")
             if pf.cluster_error is not None:
-                return skipped("target", "the cluster could not be asked (see above)")
+                return skipped("target", "not checked: see namespace")
             description, where = _read_through_pod(pf), f" (read by pod {probe_pod_name(spec)} on claim {volume.claim})"
         else:
             return warn("target", f"{model} is neither here nor on cluster.model_volume: not checked, and the pods must see it there",
@@ -200,7 +201,7 @@ def target(pf: Preflight) -> CheckResult:
 
 def _describe_s3(pf: Preflight, model: str) -> dict[str, Any]:
     _, config = read_head(f"{model.rstrip('/')}/config.json", 1 << 20, endpoint_url=pf.spec.storage.endpoint_url,
-                          region=pf.spec.storage.region, max_attempts=2)
+                          region=pf.spec.storage.region, max_attempts=STORAGE_ATTEMPTS)
     files = pf.storage(model).list("")
     description = {"exists": True, "staged": None, "tokenizer": "tokenizer_config.json" in files,
                    "safetensors": {"files": sum(key.endswith(".safetensors") for key in files)}}
