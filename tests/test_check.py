@@ -301,7 +301,7 @@ def test_nothing_is_submitted_for_a_missing_source_or_a_step_out_of_order(first,
 def test_another_run_in_the_output_is_refused_by_every_command_that_starts_work(first, monkeypatch, capsys):
     other = parse_spec({**first.raw, "name": "someone-else"})
     open_storage(first.raw["output"]).put_bytes(RUN_KEY, dump_spec(other).encode())
-    for command in (["submit", "controller"], ["submit", "generate"], ["submit", "prepare"], ["run"]):
+    for command in (["submit", "controller"], ["submit", "generate"], ["submit", "prepare"], ["run"], ["eval"], ["verify"], ["prepare"]):
         code, _, err = cli(monkeypatch, capsys, *command, "-f", str(first.spec_file))
         assert code == EXIT_USAGE and "already holds run 'someone-else' with another spec (differs in: name)" in err, (command, err)
     assert first.api.all("Job") == []

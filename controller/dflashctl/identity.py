@@ -1,6 +1,7 @@
 """Which run an output belongs to: <output>/run.yaml, the resolved spec of the first command that started
-work there. Two runs never write into one output: every command that starts work (`run` and so the
-in-cluster controller, every `submit`, `stage-model`) claims the output first, and `check` looks.
+work there. Two runs never write into one output: every command that starts work there (`run` and so
+the in-cluster controller, every `submit`, `retry`, `eval`, `prepare`, `verify`) claims the output
+first, and `check` looks.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import yaml
 
 from dflash_jobs.formats import RUN_KEY
 from dflash_jobs.spec import RunSpec, dump_spec
-from dflash_jobs.storage import ObjectNotFound, Storage
+from dflash_jobs.storage import ObjectNotFound, Storage, storage_for
 
 from dflashctl.errors import Conflict
 
@@ -48,6 +49,12 @@ def claim_output(storage: Storage, spec: RunSpec, *, force: bool, say: Callable[
         raise conflict
     storage.put_bytes(RUN_KEY, text.encode())
     say(f"replaced {storage.url}/{RUN_KEY} with this spec (--force); outputs already in storage are kept, delete them to redo their steps")
+
+
+def claim_here(spec: RunSpec, *, force: bool, say: Callable[[str], None]) -> None:
+    """claim_output on the run's output, where this machine sees it (else its pods' controller claims it)."""
+    if output_elsewhere(spec) is None:
+        claim_output(storage_for(spec), spec, force=force, say=say)
 
 
 def _conflict(storage: Storage, spec: RunSpec, existing: str) -> Conflict | None:

@@ -8,7 +8,6 @@ from typing import Annotated
 import typer
 
 from dflash_jobs.spec import RunSpec, load_spec
-from dflash_jobs.storage import storage_for
 
 from dflashctl.backend import Backend, JobStatus
 from dflashctl.backends import open_backend
@@ -17,7 +16,7 @@ from dflashctl.cli import output
 from dflashctl.cli.options import DEFAULT_SPEC, ForceOpt, SpecOpt, TimeoutOpt
 from dflashctl.cli.status import summarize
 from dflashctl.errors import RunFailed
-from dflashctl.identity import claim_output, output_elsewhere
+from dflashctl.identity import claim_here
 from dflashctl.render import COMPONENTS, job_name, render_selection
 
 
@@ -65,8 +64,8 @@ def clear_to_start(spec: RunSpec, backend: Backend, step: str, *, force: bool, s
     """Before a command creates a step's Job: the step's cheap preflight checks, then the output
     claimed for this spec (run.yaml; stage-model writes no output)."""
     preflight(spec, step, cluster_of(backend), force=force, say=output.info, stage_source=stage_source)
-    if step != "stage-model" and output_elsewhere(spec) is None:
-        claim_output(storage_for(spec), spec, force=force, say=output.info)
+    if step != "stage-model":
+        claim_here(spec, force=force, say=output.info)
 
 
 def wait_for_job(backend: Backend, step: str, name: str, *, timeout: float | None) -> None:
