@@ -185,6 +185,15 @@ def test_an_unreachable_cluster_fails_once_with_exit_4_and_the_rest_skip(first, 
         assert checks[name]["status"] == "skipped", name
 
 
+def test_without_a_kubeconfig_the_cluster_fails_once_and_storage_is_still_checked(first, monkeypatch, capsys):
+    monkeypatch.setenv("KUBECONFIG", str(first.tmp_path / "none"))
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "")
+    code, checks = first.check(monkeypatch, capsys)
+    assert code == EXIT_CLUSTER and checks["namespace"]["detail"].startswith("no Kubernetes configuration")
+    assert checks["volumes"]["status"] == checks["target"]["status"] == "skipped"
+    assert checks["data.source"]["status"] == checks["output"]["status"] == "ok"
+
+
 # ---- storage: why an input cannot be read, told apart --------------------------------------------
 
 

@@ -120,10 +120,6 @@ class Preflight:
     def whole_run(self) -> bool:
         return self.step is None or self.step in WHOLE_RUN
 
-    @property
-    def kubernetes(self) -> bool:
-        return self.spec.backend == "kubernetes" and self.cluster is not None
-
     def storage(self, url: str) -> Storage:
         """Storage rooted at `url`, failing fast (no patience for outages: a check reports them)."""
         if url not in self._storages:

@@ -20,14 +20,16 @@ SETUP_FIX = "Apply the namespace's objects first: `kubectl apply -k k8s/overlays
 
 
 def _unavailable(pf: Preflight, name: str) -> CheckResult | None:
-    if not pf.kubernetes:
+    if pf.spec.backend != "kubernetes":
         return skipped(name, "backend: local")
-    if pf.cluster_error is not None:
+    if pf.cluster_error is not None or pf.cluster is None:
         return skipped(name, "not checked: see namespace")
     return None
 
 
 def namespace(pf: Preflight) -> CheckResult:
+    if pf.spec.backend == "kubernetes" and pf.cluster is None and pf.cluster_error is not None:
+        return fail("namespace", pf.cluster_error.what, pf.cluster_error.fix, EXIT_CLUSTER)  # no client at all
     if (early := _unavailable(pf, "namespace")) is not None:
         return early
     name = pf.spec.cluster.namespace

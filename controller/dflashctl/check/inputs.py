@@ -185,10 +185,10 @@ def target(pf: Preflight) -> CheckResult:
             where = ""
         elif Path(local_path(model)).is_dir() or spec.backend == "local":
             description, where = describe_checkpoint(local_path(model)), ""
-        elif pf.kubernetes and volume is not None and under(local_path(model), volume.mount):
+        elif volume is not None and under(local_path(model), volume.mount):
             if not pf.probe:
                 return skipped("target", f"{model} lies on claim {volume.claim}: `dflashctl check` reads it through a pod")
-            if pf.cluster_error is not None:
+            if pf.cluster is None or pf.cluster_error is not None:
                 return skipped("target", "not checked: see namespace")
             description, where = _read_through_pod(pf), f" (read by pod {probe_pod_name(spec)} on claim {volume.claim})"
         else:

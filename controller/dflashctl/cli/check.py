@@ -14,6 +14,7 @@ from dflashctl.backends import open_backend
 from dflashctl.check import CheckResult, Preflight, cluster_of, exit_code_of, run_checks
 from dflashctl.cli import output
 from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt
+from dflashctl.errors import ClusterUnreachable
 
 STYLES = {"ok": "green", "warn": "yellow", "fail": "bold red", "skipped": "dim"}
 
@@ -38,8 +39,11 @@ def check(
       dflashctl check --no-probe      # start no pod: the target is checked only if readable here
     """
     spec = load_spec(spec_file)
-    cluster = cluster_of(open_backend(spec))
-    results = run_checks(Preflight(spec, cluster=cluster, probe=probe))
+    try:
+        preflight = Preflight(spec, cluster=cluster_of(open_backend(spec)), probe=probe)
+    except ClusterUnreachable as error:  # no kubeconfig: the storage and spec checks still run
+        preflight = Preflight(spec, probe=probe, cluster_error=error)
+    results = run_checks(preflight)
     code = exit_code_of(results)
     if fmt is OutputFormat.json:
         output.result_json({"run": spec.name, "checks": [result.to_dict() for result in results], "exit_code": code})
