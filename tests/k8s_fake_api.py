@@ -13,6 +13,11 @@ with Ignore/FailIndex/FailJob, DisruptionTarget), on the test's command:
     api.fail_requests(2, status=500)             # the next two requests fail
     api.compact()                                # watches from older versions get 410 Gone
     api.drop_watches()                           # open watch streams are cut mid-stream
+
+The rest of a cluster a first run meets: namespaces (`namespaces`), nodes with labels, taints and
+allocatable resources, Secrets, PersistentVolumeClaims with their phase (`api.add(obj)`), what this
+client may do (SelfSubjectAccessReview, answered from `api.deny(verb, resource)`), and pods created
+on their own, which a scripted kubelet runs (`api.kubelet = lambda pod: PodRun(exit_code, logs)`).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ Obj = dict[str, Any]
 
 RESOURCES = {
     ("batch/v1", "jobs"): "Job",
+    ("v1", "secrets"): "Secret",
+    ("v1", "persistentvolumeclaims"): "PersistentVolumeClaim",
     ("v1", "pods"): "Pod",
     ("v1", "configmaps"): "ConfigMap",
     ("v1", "services"): "Service",
@@ -48,11 +55,29 @@ RESOURCES = {
     ("rbac.authorization.k8s.io/v1", "roles"): "Role",
     ("rbac.authorization.k8s.io/v1", "rolebindings"): "RoleBinding",
 }
+CLUSTER_RESOURCES = {
+    ("v1", "namespaces"): "Namespace",
+    ("v1", "nodes"): "Node",
+    ("authorization.k8s.io/v1", "selfsubjectaccessreviews"): "SelfSubjectAccessReview",
+}
 _PATH = re.compile(
     r"^/(?:api/(?P<core>v1)|apis/(?P<group>[^/]+/[^/]+))/namespaces/(?P<ns>[^/]+)/(?P<resource>[a-z]+)"
     r"(?:/(?P<name>[^/]+)(?:/(?P<sub>log|status))?)?$"
 )
+_CLUSTER_PATH = re.compile(r"^/(?:api/(?P<core>v1)|apis/(?P<group>[^/]+/[^/]+))/(?P<resource>[a-z]+)(?:/(?P<name>[^/]+))?$")
 _EPOCH = datetime(2026, 12, 2, 12, 0, 0, tzinfo=timezone.utc)
+
+
+@dataclass
+class PodRun:
+    """What the scripted kubelet makes of a pod: it runs and exits with `exit_code`, having logged
+    `logs` (its termination message the log's tail when it fails); or it cannot start, waiting with
+    `waiting` (e.g. ErrImagePull) and `message`."""
+
+    exit_code: int = 0
+    logs: list[str] = field(default_factory=list)
+    waiting: str | None = None
+    message: str = ""
 
 
 @dataclass
@@ -85,6 +110,10 @@ class FakeKubernetes:
     """Job uid -> index -> failed pods counted against backoffLimitPerIndex."""
     namespaces: set[str] | None = None
     """The namespaces that exist; None: every one does."""
+    denied: set[tuple[str, str, str, str]] = field(default_factory=set)
+    """(verb, group, resource, subresource) this client may not do: SelfSubjectAccessReviews answer from it."""
+    kubelet: Any = None
+    """A function pod -> PodRun for pods created on their own (not by a Job); None: they stay Pending."""
     lock: threading.Condition = field(default_factory=threading.Condition)
     _clock: itertools.count = field(default_factory=itertools.count)
 
@@ -97,13 +126,13 @@ class FakeKubernetes:
                 if pod["status"]["phase"] == "Pending":
                     pod["spec"]["nodeName"] = node
                     pod["status"]["phase"] = "Running"
-                    pod["status"]["containerStatuses"] = [{"name": "worker", "state": {"running": {}}, "ready": True, "restartCount": 0}]
+                    pod["status"]["containerStatuses"] = [container_status(pod, "worker", {"running": {}}, ready=True)]
                     self._changed("MODIFIED", pod)
             self._sync_job(job)
 
-    def finish(self, job: str, index: int, *, exit_code: int = 0) -> None:
-        """The running pod of `index` exits; the job controller reacts."""
-        self._terminate(job, index, exit_code=exit_code, conditions=[])
+    def finish(self, job: str, index: int, *, exit_code: int = 0, message: str | None = None) -> None:
+        """The running pod of `index` exits (with `message` as its termination message); the job controller reacts."""
+        self._terminate(job, index, exit_code=exit_code, conditions=[], message=message)
 
     def preempt(self, job: str, index: int) -> None:
         """The pod of `index` is evicted (preemption): DisruptionTarget, then killed by SIGTERM."""
@@ -148,6 +177,26 @@ class FakeKubernetes:
             self.watch_generation += 1
             self.lock.notify_all()
 
+    def add(self, obj: Obj) -> None:
+        """An object that exists in the cluster (a node, a Secret, a PVC), as the API returns it."""
+        with self.lock:
+            obj = copy.deepcopy(obj)
+            obj.setdefault("metadata", {}).setdefault("uid", str(uuid.uuid4()))
+            self.objects[(obj["kind"], obj["metadata"]["name"])] = obj
+            self._changed("ADDED", obj)
+
+    def deny(self, verb: str, resource: str, *, group: str = "", subresource: str = "") -> None:
+        with self.lock:
+            self.denied.add((verb, group, resource, subresource))
+
+    def review(self, body: Obj) -> tuple[int, Obj]:
+        """A SelfSubjectAccessReview: allowed unless denied, with the reason RBAC gives."""
+        attributes = body["spec"]["resourceAttributes"]
+        key = (attributes.get("verb", ""), attributes.get("group", ""), attributes.get("resource", ""), attributes.get("subresource", ""))
+        allowed = key not in self.denied
+        reason = "" if not allowed else f'RBAC: allowed by RoleBinding "dflash-controller/{attributes.get("namespace")}"'
+        return 201, {**body, "status": {"allowed": allowed, "reason": reason}}
+
     def get(self, kind: str, name: str) -> Obj | None:
         with self.lock:
             obj = self.objects.get((kind, name))
@@ -179,12 +228,33 @@ class FakeKubernetes:
         obj["apiVersion"], obj["kind"] = _api_version(kind), kind
         if kind == "Job":
             obj["status"] = {"startTime": meta["creationTimestamp"]}
+        if kind == "Pod":
+            obj["status"] = {"phase": "Pending"}
         self.objects[(kind, name)] = obj
         self._changed("ADDED", obj)
         if kind == "Job":
             self._create_pods(obj)
             self._sync_job(name)
+        if kind == "Pod" and self.kubelet is not None:
+            self._run_pod(obj, self.kubelet(copy.deepcopy(obj)))
         return 201, obj
+
+    def _run_pod(self, pod: Obj, run: PodRun) -> None:
+        """The kubelet's story of a pod on its own: scheduled, then ended (or stuck waiting)."""
+        name = pod["spec"]["containers"][0]["name"]
+        pod["spec"]["nodeName"] = "cpu-node-1"
+        pod["status"] = {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True"}]}
+        if run.waiting is not None:
+            pod["status"]["containerStatuses"] = [container_status(pod, name, {"waiting": {"reason": run.waiting, "message": run.message}})]
+            self._changed("MODIFIED", pod)
+            return
+        self.logs[pod["metadata"]["name"]] = list(run.logs)
+        terminated = {"exitCode": run.exit_code, "reason": "Completed" if run.exit_code == 0 else "Error"}
+        if run.exit_code:
+            terminated["message"] = "\n".join(run.logs[-80:])  # terminationMessagePolicy FallbackToLogsOnError
+        pod["status"].update({"phase": "Succeeded" if run.exit_code == 0 else "Failed",
+                              "containerStatuses": [container_status(pod, name, {"terminated": terminated})]})
+        self._changed("MODIFIED", pod)
 
     def patch(self, kind: str, name: str, patch: Obj) -> tuple[int, Obj]:
         with self.lock:
@@ -239,16 +309,14 @@ class FakeKubernetes:
             self.objects[("Pod", pod_name)] = pod
             self._changed("ADDED", pod)
 
-    def _terminate(self, job: str, index: int, *, exit_code: int, conditions: list[Obj]) -> None:
+    def _terminate(self, job: str, index: int, *, exit_code: int, conditions: list[Obj], message: str | None = None) -> None:
         with self.lock:
             pod = self._live_pod(job, index)
+            terminated = {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error", **({"message": message} if message else {})}
             pod["status"].update({
                 "phase": "Succeeded" if exit_code == 0 else "Failed",
                 "conditions": conditions,
-                "containerStatuses": [{
-                    "name": "worker", "ready": False, "restartCount": 0,
-                    "state": {"terminated": {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error"}},
-                }],
+                "containerStatuses": [container_status(pod, "worker", {"terminated": terminated})],
             })
             self._changed("MODIFIED", pod)
             self._pod_ended(job, index, pod)
@@ -338,6 +406,7 @@ class FakeKubernetes:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body go out in two writes: no 40 ms delayed-ACK stall per request
     server: _Server
 
     def log_message(self, *args: Any) -> None:  # quiet
@@ -374,7 +443,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(fault, _status(fault, "InternalError" if fault >= 500 else "Forbidden", f"injected {fault}"))
         match = _PATH.match(url.path)
         if not match:
-            return self._send(404, _status(404, "NotFound", f"no route {url.path}"))
+            return self._serve_cluster_scoped(method, url.path, query, body)
         kind = RESOURCES.get((match["core"] or match["group"], match["resource"]))
         if kind is None:
             return self._send(404, _status(404, "NotFound", f"unknown resource {match['resource']}"))
@@ -397,6 +466,32 @@ class _Handler(BaseHTTPRequestHandler):
                 code, obj = api.patch(kind, name, body)
             else:
                 code, obj = api.delete(kind, name)
+            payload = json.dumps(obj)
+        self._send(code, payload)
+
+    def _serve_cluster_scoped(self, method: str, path: str, query: dict[str, str], body: Obj | None) -> None:
+        """Namespaces and nodes (get, list) and SelfSubjectAccessReviews (create)."""
+        api = self.server.api
+        match = _CLUSTER_PATH.match(path)
+        kind = match and CLUSTER_RESOURCES.get((match["core"] or match["group"], match["resource"]))
+        if not kind:
+            return self._send(404, _status(404, "NotFound", f"no route {path}"))
+        name = match["name"]
+        with api.lock:
+            if kind == "SelfSubjectAccessReview" and method == "POST":
+                code, obj = api.review(body)
+            elif kind == "Namespace" and method == "GET" and name is not None:
+                exists = api.namespaces is None or name in api.namespaces
+                code, obj = (200, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}, "status": {"phase": "Active"}}) if exists \
+                    else (404, _status(404, "NotFound", f'namespaces "{name}" not found'))
+            elif method == "GET" and name is None:
+                code, obj = 200, {"kind": f"{kind}List", "apiVersion": "v1", "metadata": {"resourceVersion": str(api.version)},
+                                  "items": api.matching(kind, query)}
+            elif method == "GET":
+                found = api.objects.get((kind, name))
+                code, obj = (200, found) if found else (404, _status(404, "NotFound", f'{kind.lower()}s "{name}" not found'))
+            else:
+                code, obj = 405, _status(405, "MethodNotAllowed", f"{method} {path}")
             payload = json.dumps(obj)
         self._send(code, payload)
 
@@ -522,6 +617,30 @@ class FakeApiServer:
         return path
 
 
+def make_pvc(name: str, *, phase: str = "Bound", modes: tuple[str, ...] = ("ReadWriteMany",), size: str = "1Ti") -> Obj:
+    """A PersistentVolumeClaim as the API returns it."""
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
+            "spec": {"accessModes": list(modes), "resources": {"requests": {"storage": size}}},
+            "status": {"phase": phase, **({"accessModes": list(modes), "capacity": {"storage": size}} if phase == "Bound" else {})}}
+
+
+def make_node(name: str, *, gpus: int = 8, cpu: str = "128", memory: str = "2Ti", labels: dict | None = None,
+              taints: list | None = None, unschedulable: bool = False) -> Obj:
+    """A node with its allocatable resources (GPUs from the device plugin), labels and taints."""
+    allocatable = {"cpu": cpu, "memory": memory, "pods": "110", **({"nvidia.com/gpu": str(gpus)} if gpus else {})}
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **(labels or {})}},
+            "spec": {**({"taints": taints} if taints else {}), **({"unschedulable": True} if unschedulable else {})},
+            "status": {"allocatable": allocatable, "capacity": allocatable}}
+
+
+def make_secret(name: str, data: dict[str, str], *, type: str = "Opaque") -> Obj:
+    """A Secret; `data` values are base64-encoded as the API returns them."""
+    import base64
+
+    return {"apiVersion": "v1", "kind": "Secret", "type": type, "metadata": {"name": name},
+            "data": {key: base64.b64encode(value.encode()).decode() for key, value in data.items()}}
+
+
 def _api_version(kind: str) -> str:
     return next(group for (group, _), k in RESOURCES.items() if k == kind)
 
@@ -589,3 +708,10 @@ def fake_k8s(tmp_path, monkeypatch):
         yield server
     finally:
         server.stop()
+
+
+def container_status(pod: Obj, name: str, state: Obj, *, ready: bool = False) -> Obj:
+    """A container's status as the kubelet reports it: image and imageID are required fields of the API
+    (the typed client refuses a status without them)."""
+    image = next((c["image"] for c in pod["spec"].get("containers", []) if c["name"] == name), "unknown")
+    return {"name": name, "image": image, "imageID": f"{image}@sha256:{'0' * 64}", "ready": ready, "restartCount": 0, "state": state}

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from rich.console import Console
 from conftest import free_port
-from k8s_fake_api import fake_k8s  # noqa: F401 - the fixture
+from k8s_fake_api import fake_k8s, make_pvc  # noqa: F401 - the fixture
 
 from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, MANIFEST_KEY, ChunkInfo, DatasetIndex, DoneMarker, done_key
 from dflash_jobs.spec import load_spec, parse_spec
@@ -46,12 +46,14 @@ def run(tmp_path, fake_k8s):  # noqa: F811 - the fixture above
     """A spec file on the fake cluster, storage in a local directory with 4 prepared chunks, 2 landed."""
     output = tmp_path / "out"
     spec_file = tmp_path / "dflash.yaml"
-    spec_file.write_text(yaml.safe_dump({**RUN, "output": str(output)}))
+    # The output on a claim the pods mount at the same path as this test sees it.
+    spec_file.write_text(yaml.safe_dump({**RUN, "output": str(output), "cluster": {"output_volume": {"claim": "runs", "mount": str(tmp_path)}}}))
     storage = open_storage(str(output))
     chunks = [ChunkInfo(id=i, path=f"tokens/chunks/{i:06d}.safetensors", samples=10, tokens=CHUNK_TOKENS) for i in range(4)]
     storage.put_bytes(DATASET_KEY, DatasetIndex(samples=40, tokens=4 * CHUNK_TOKENS, vocab_size=100, chunks=chunks).to_json().encode())
     for chunk in (0, 2):
         land(storage, chunk, at=time.time() - 3600)  # by an earlier extraction Job
+    fake_k8s.api.add(make_pvc("runs"))  # the output's claim, which the preflight checks
     return spec_file, storage, fake_k8s.api
 
 
@@ -98,7 +100,7 @@ def when_job_exists(api, name, *steps):
 def test_submit_status_logs_cancel_on_the_cluster(run, monkeypatch, capsys):
     spec_file, _, api = run
     code, _, err = cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec_file))
-    assert code == 0 and "submitted Job demo-run-extract" in err
+    assert code == 0 and "submitted Job demo-run-extract" in err, err
     assert cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec_file))[0] == 0  # attaches
     api.start("demo-run-extract")
     started(api, "demo-run-extract", seconds_ago=60)
@@ -158,11 +160,20 @@ def test_submit_wait_exit_codes_done_failed_timeout(run, monkeypatch, capsys):
 
 
 def test_a_different_spec_is_refused_without_force(run, monkeypatch, capsys):
-    spec_file, _, api = run
+    spec_file, storage, api = run
     assert cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec_file))[0] == 0
     uid = api.get("Job", "demo-run-extract")["metadata"]["uid"]
     changed = yaml.safe_load(spec_file.read_text())
     changed["extract"]["shards"] = 4
+    spec_file.write_text(yaml.safe_dump(changed))
+    # Its output holds the first spec's run (run.yaml): refused there first, nothing touched.
+    code, _, err = cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec_file))
+    assert code == 2 and "already holds run 'demo-run' with another spec (differs in: extract)" in err and "--force" in err
+    assert api.get("Job", "demo-run-extract")["metadata"]["uid"] == uid
+    # With an output of its own, the Job of the same name refuses it.
+    other = open_storage(changed["output"] + "-b")
+    other.put_bytes(DATASET_KEY, storage.get_bytes(DATASET_KEY))
+    changed["output"] = other.url
     spec_file.write_text(yaml.safe_dump(changed))
     code, _, err = cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec_file))
     assert code == 2 and "already exists from a different spec" in err and "--force" in err
@@ -453,7 +464,7 @@ def test_the_logs_of_a_pod_that_has_not_started_say_why_it_waits(run, monkeypatc
 
     when_job_exists(api, job, lambda: time.sleep(0.3), run_shards)
     code, out, err = cli(monkeypatch, capsys, "logs", "extract", "-f", "--spec", str(spec_file))
-    assert code == 0 and "FailedScheduling" in err
+    assert code == 0 and "FailedScheduling" in err, (out, err)
     assert sorted(out.splitlines()) == [f"[shard {index}] shard {index} loading target" for index in range(3)]
 
 

@@ -84,9 +84,9 @@ def test_fp8_states_stay_close_to_bf16_per_layer_and_the_chunks_say_how_they_wer
 def test_float8_compute_is_refused_where_there_are_no_fp8_tensor_cores():
     with pytest.raises(SpecError, match=r"extract.compute_dtype.*float8.*FP8 tensor cores"):
         require_fp8(torch.device("cpu"))
-    spec = parse_spec({"name": "x", "target": {"model": "/m"}, "data": {"source": "/d"}, "output": "/o",
+    spec = parse_spec({"name": "x", "backend": "local", "target": {"model": "/m"}, "data": {"source": "/d"}, "output": "/o",
                        "extract": {"compute_dtype": "float8"}})
     assert spec.extract.compute_dtype == "float8"
     with pytest.raises(SpecError, match=r"extract.compute_dtype.*'bfloat16' \| 'float8'"):
-        parse_spec({"name": "x", "target": {"model": "/m"}, "data": {"source": "/d"}, "output": "/o",
+        parse_spec({"name": "x", "backend": "local", "target": {"model": "/m"}, "data": {"source": "/d"}, "output": "/o",
                     "extract": {"compute_dtype": "fp8"}})

@@ -16,7 +16,7 @@ import time
 
 import yaml
 from extracted_chunks import CHUNKS, LAYERS, hidden_chunk, mark_done, write_dataset
-from k8s_fake_api import fake_k8s  # noqa: F401 - the fixture
+from k8s_fake_api import fake_k8s, make_pvc  # noqa: F401 - the fixture
 
 from dflash_jobs.formats import DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, MANIFEST_KEY
 from dflash_jobs.storage import open_storage
@@ -54,10 +54,14 @@ def test_the_controller_survives_dropped_watches_500s_and_its_own_restart(fake_k
     output = tmp_path / "out"
     storage = open_storage(str(output))
     spec = tmp_path / "dflash.yaml"
+    # What the controller's preflight looks at: the output's claim, a readable source on it.
+    api.add(make_pvc("runs"))
+    (tmp_path / "chats.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     spec.write_text(yaml.safe_dump({
         "name": "chaos", "target": {"model": "/models/tiny", "layers": LAYERS},
-        "data": {"source": "s3://bucket/chats.jsonl", "max_length": 64, "chunk_tokens": 1024},
+        "data": {"source": str(tmp_path / "chats.jsonl"), "max_length": 64, "chunk_tokens": 1024},
         "output": str(output), "extract": {"shards": SHARDS, "backoff_limit_per_index": 1},
+        "cluster": {"output_volume": {"claim": "runs", "mount": str(tmp_path)}},
     }))
     env = {**os.environ, "KUBECONFIG": os.environ["KUBECONFIG"], "PYTHONUNBUFFERED": "1"}
     logs = open(tmp_path / "controllers.log", "w")
@@ -84,12 +88,14 @@ def test_the_controller_survives_dropped_watches_500s_and_its_own_restart(fake_k
     api.finish("chaos-extract", 0)
 
     # The second controller attaches to the same Job and finishes the run through more faults.
+    # (Its own requests are those after the first one's: it starts with its preflight checks.)
+    looked, watched = len(api.requests_matching("GET", "chaos-extract")), len(api.requests_matching("GET", "watch=true"))
     second = start_controller(spec, env, logs)
 
     def cluster():
-        wait_for(lambda: len(api.requests_matching("GET", "chaos-extract")) > 0, "the second controller to look")
+        wait_for(lambda: len(api.requests_matching("GET", "chaos-extract")) > looked, "the second controller to look")
         api.fail_requests(2, status=503)
-        wait_for(lambda: api.requests_matching("GET", "watch=true"), "the second controller to watch")
+        wait_for(lambda: len(api.requests_matching("GET", "watch=true")) > watched, "the second controller to watch")
         api.compact()  # its watch resumes from a compacted version: 410 Gone, then a relist
         api.drop_watches()
         for chunk in (1, 3):

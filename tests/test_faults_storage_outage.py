@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 from extracted_chunks import CHUNKS, LAYERS
 from faults.s3_fault_proxy import ERROR_500, INVALID_KEY, RESET, S3FaultProxy
-from test_pipeline import REPORT, FakeBackend, Recorder, pipeline_work
+from test_pipeline import REPORT, FakeBackend, Recorder, pipeline_work, write_inputs
 
 from dflash_jobs import storage as storage_module
 from dflash_jobs.errors import StorageError, StorageUnavailable
 from dflash_jobs.formats import MANIFEST_KEY
 from dflash_jobs.spec import dump_spec, parse_spec
-from dflash_jobs.storage import ObjectNotFound, Patience, open_storage
+from dflash_jobs.storage import AccessDenied, BucketNotFound, ObjectNotFound, Patience, open_storage
 
 from dflashctl import pipeline as pipeline_module
 from dflashctl.backend import EVENT_CHUNKS_VERIFIED, EVENT_EXTRACTION_FINISHED, EVENT_TRAINING_LAUNCHED, EVENT_VERIFY_FAILED
@@ -41,6 +41,7 @@ def quick_retries(monkeypatch):
 def run_on_s3(s3_server, s3_bucket, tmp_path, monkeypatch, quick_retries):
     """(spec, the pods' storage, the proxy the controller reaches S3 through, a backend whose Jobs
     write what their pods would; the outage starts once extraction is finished, i.e. at verify)."""
+    write_inputs(tmp_path)
     spec = parse_spec({
         "name": "outage", "backend": "local",
         "target": {"model": str(tmp_path / "model"), "layers": LAYERS},
@@ -137,7 +138,7 @@ def test_unavailable_is_told_apart_from_refused_and_missing(s3_server, s3_bucket
     """Resets and 5xx are transient (exit 5: try again); refused credentials are a setup error
     (exit 2: fix it) and never waited for; a missing object is an answer, not an outage."""
     open_storage(f"s3://{s3_bucket}/run").put_bytes("there", b"x")
-    for kind, expected in ((RESET, StorageUnavailable), (ERROR_500, StorageUnavailable), (INVALID_KEY, StorageError)):
+    for kind, expected in ((RESET, StorageUnavailable), (ERROR_500, StorageUnavailable), (INVALID_KEY, AccessDenied)):
         with S3FaultProxy(s3_server, seed=0, rate=0.0) as proxy:
             proxy.outage(kind)
             monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
@@ -159,7 +160,7 @@ def test_unavailable_is_told_apart_from_refused_and_missing(s3_server, s3_bucket
 @pytest.mark.parametrize("code, status, expected", [
     ("SlowDown", 503, StorageUnavailable), ("ServiceUnavailable", 503, StorageUnavailable), ("503", 503, StorageUnavailable),
     ("InternalError", 500, StorageUnavailable), ("RequestTimeout", 400, StorageUnavailable),
-    ("AccessDenied", 403, StorageError), ("NoSuchBucket", 404, StorageError), ("404", 404, ObjectNotFound),
+    ("AccessDenied", 403, AccessDenied), ("NoSuchBucket", 404, BucketNotFound), ("404", 404, ObjectNotFound),
 ])
 def test_s3_answers_are_classified_by_code_and_status(code, status, expected):
     from botocore.exceptions import ClientError

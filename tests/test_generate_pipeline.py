@@ -13,7 +13,7 @@ import yaml
 from typer.testing import CliRunner
 from extracted_chunks import LAYERS
 from test_bad_input import cli
-from test_pipeline import FakeBackend, Recorder, make_job, pipeline_work
+from test_pipeline import FakeBackend, Recorder, make_job, pipeline_work, write_inputs
 
 from dflash_jobs.generation import (
     MANIFEST_KEY, PLAN_KEY, TRUNCATED, ChunkMarker, GenerationPlan, SourceChunk, chunk_key, done_key, generation_settings,
@@ -36,6 +36,7 @@ TOKENS_PER_ANSWER = 40
 
 @pytest.fixture
 def spec(tmp_path):
+    write_inputs(tmp_path)
     return parse_spec({
         "name": "pipe",
         "backend": "local",

@@ -14,7 +14,7 @@ import yaml
 from conftest import free_port
 from extracted_chunks import CHUNKS, hidden_chunk, mark_done, token_chunk, write_dataset
 from prometheus_client.parser import text_string_to_metric_families
-from test_pipeline import SHARDS, FakeBackend, Recorder, make_job, pipeline_work
+from test_pipeline import SHARDS, FakeBackend, Recorder, make_job, pipeline_work, write_inputs
 
 from dflash_jobs.errors import SpecError
 from dflash_jobs.spec import parse_spec
@@ -73,7 +73,7 @@ def test_a_port_in_use_is_a_spec_error_naming_the_field():
 
 
 def busy_spec(port: int):
-    return parse_spec({"name": "pipe", "target": {"model": "/m"}, "data": {"source": "/d.jsonl"}, "output": "/o", "cluster": {"metrics_port": port}})
+    return parse_spec({"name": "pipe", "target": {"model": "/m"}, "data": {"source": "/d.jsonl"}, "output": "s3://bucket/o", "cluster": {"metrics_port": port}})
 
 
 def test_a_port_in_use_on_a_laptop_gives_way_to_a_free_one_and_the_reporter_says_which(monkeypatch):
@@ -154,6 +154,7 @@ def test_dflashctl_run_serves_the_pipeline_s_progress_while_it_runs(tmp_path, mo
     from dflash_jobs.storage import open_storage
 
     port = free_port()
+    write_inputs(tmp_path)
     raw = {
         "name": "pipe", "backend": "local", "target": {"model": str(tmp_path / "model"), "layers": [1, 3]},
         "data": {"source": str(tmp_path / "chats.jsonl"), "max_length": 64, "chunk_tokens": 256},
@@ -196,7 +197,7 @@ def test_dflashctl_run_serves_the_pipeline_s_progress_while_it_runs(tmp_path, mo
 
 
 def test_metrics_port_is_checked_with_the_spec():
-    raw = {"name": "pipe", "target": {"model": "/m"}, "data": {"source": "/d.jsonl"}, "output": "/o"}
+    raw = {"name": "pipe", "backend": "local", "target": {"model": "/m"}, "data": {"source": "/d.jsonl"}, "output": "/o"}
     assert parse_spec(raw).cluster.metrics_port is None
     for bad in (80, 70000, "9090"):
         with pytest.raises(SpecError, match="cluster.metrics_port"):

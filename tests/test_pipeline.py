@@ -127,8 +127,21 @@ class Recorder:
         self.updates.append(update)
 
 
+def write_inputs(directory) -> None:
+    """What `dflashctl run` checks before it starts anything (its preflight): data.source readable, its
+    rows parsing, and the target's checkpoint (config.json deep enough for LAYERS, weights, tokenizer)
+    in `directory`. The fake backend's Jobs never read them."""
+    (directory / "chats.jsonl").write_text('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n')
+    model = directory / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen3_5_text", "num_hidden_layers": max(LAYERS) + 1, "hidden_size": 8}))
+    (model / "model.safetensors").write_bytes(b"\0" * 8)
+    (model / "tokenizer_config.json").write_text("{}")
+
+
 @pytest.fixture
 def spec(tmp_path):
+    write_inputs(tmp_path)
     return parse_spec({
         "name": "pipe",
         "backend": "local",

@@ -79,7 +79,7 @@ def test_init_explains_each_field_with_its_docstring():
     assert turned_on.train.dflash2 == parse_spec({**STARTER_VALUES, "train": {"drafter": "dflash2"}}).train.dflash2
     # Only such sections: an optional nested one left off (no model volume) stays a plain null.
     without_volume = starter_spec({**STARTER_VALUES, "cluster": {}})
-    assert "  model_volume: null" in without_volume.splitlines() and "#   claim" not in without_volume
+    assert "  model_volume: null" in without_volume.splitlines() and "  # model_volume:" not in without_volume.splitlines()
 
 
 def test_the_starter_regenerates_answers_cites_only_what_exists_and_flags_the_images():
@@ -143,7 +143,7 @@ def write_run(tmp_path, *, tokens: int | None, samples: int = 1000, layers=None,
         index = DatasetIndex(samples=samples, tokens=tokens, vocab_size=248077, chunks=[ChunkInfo(0, "tokens/chunks/000000.safetensors", samples, tokens)])
         open_storage(str(output)).put_bytes(DATASET_KEY, index.to_json().encode())
     spec = {
-        "name": "bill", "target": {"model": str(model), "layers": layers}, "data": {"source": str(source)},
+        "name": "bill", "backend": "local", "target": {"model": str(model), "layers": layers}, "data": {"source": str(source)},
         "output": str(output), "extract": {"shards": shards, "dtype": dtype},
     }
     spec_file = tmp_path / "dflash.yaml"
@@ -161,7 +161,8 @@ def test_plan_from_the_dataset_index_matches_hand_computed_figures(tmp_path):
     plan = plan_json("-f", write_run(tmp_path, tokens=1_000_000_000))
     # 5 default layers [1, 16, 31, 46, 61] of hidden 5120.
     assert plan["target"]["layers"] == [1, 16, 31, 46, 61] and plan["target"]["hidden_size"] == 5120
-    assert plan["data"] == {"samples": 1000, "tokens": 1_000_000_000, "estimated": False, "basis": f"{tmp_path / 'out'}/{DATASET_KEY}"}
+    assert plan["data"] == {"samples": 1000, "tokens": 1_000_000_000, "estimated": False, "basis": f"{tmp_path / 'out'}/{DATASET_KEY}",
+                            "tokens_upper_bound": None}
     # bf16: 5 x 5120 x 2 bytes + 4 (input_id) + 1 (loss_mask) = 51,205 bytes per token.
     # fp8:  5 x (5120 + 4 bytes of scale) + 5                  = 25,625 bytes per token.
     assert plan["bytes_per_token"] == {"bfloat16": 51_205, "float8_e4m3fn": 25_625}
@@ -263,7 +264,7 @@ def test_plan_table_states_its_basis(tmp_path):
 
 def test_plan_without_a_readable_checkpoint_assumes_the_27b_and_says_so(tmp_path):
     spec_file = tmp_path / "dflash.yaml"
-    spec_file.write_text(starter_spec({**STARTER_VALUES, "data": {"source": str(tmp_path / "absent.jsonl")}, "output": str(tmp_path / "out")}))
+    spec_file.write_text(starter_spec({**STARTER_VALUES, "backend": "local", "data": {"source": str(tmp_path / "absent.jsonl")}, "output": str(tmp_path / "out")}))
     plan = plan_json("-f", str(spec_file))
     assert plan["target"]["hidden_size"] == 5120 and plan["target"]["layers"] == [1, 16, 31, 46, 61]
     assert plan["target"]["basis"].startswith("assumed Qwen3.6-27B")

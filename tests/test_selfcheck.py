@@ -154,7 +154,9 @@ def test_empty_credentials_from_the_secret_template_name_the_secret(run, tmp_pat
 
 
 def gpu_spec(run: dict):
-    return parse_spec(run | {"backend": "kubernetes"})
+    # The output on a claim mounted where this test sees it, as a pod would.
+    volume = {"claim": "runs", "mount": str(Path(run["output"]).parent)}
+    return parse_spec(run | {"backend": "kubernetes", "cluster": {"output_volume": volume}})
 
 
 def test_a_healthy_gpu_pod_without_fast_paths_fails_extract_and_warns_eval(run):

@@ -16,7 +16,7 @@ from dflash_jobs.spec import default_layers, dump_spec, load_spec, parse_spec, r
 
 
 def minimal(**overrides):
-    raw = {"name": "qwen36-27b-v1", "target": {"model": "/models/Qwen3.6-27B"}, "data": {"source": "s3://b/chats.jsonl"}, "output": "s3://b/dflash/v1"}
+    raw = {"name": "qwen36-27b-v1", "target": {"model": "/models/Qwen3.6-27B"}, "data": {"source": "s3://bucket/chats.jsonl"}, "output": "s3://bucket/dflash/v1"}
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(raw.get(key), dict):
             raw[key] = {**raw[key], **value}

@@ -120,7 +120,7 @@ def test_the_pod_exits_with_the_workers_final_verdict():
     assert pod_code([EXIT_BAD_INPUT, EXIT_BAD_SPEC]) == EXIT_BAD_SPEC
     assert pod_code([1, -9]) == EXIT_FAILED  # a crash or a kill: retried
     with pytest.raises(Exception, match="micro_batch_blocks"):
-        parse_spec({"name": "x", "target": {"model": "/m"}, "data": {"source": "/d"}, "output": "/o",
+        parse_spec({"name": "x", "backend": "local", "target": {"model": "/m"}, "data": {"source": "/d"}, "output": "/o",
                     "train": {"anchors": 512, "micro_batch_blocks": 256}})
 
 

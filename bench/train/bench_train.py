@@ -131,7 +131,7 @@ class Case:
 def build_trainer(shape: str, case: Case, tokens: int, anchors: int, device: torch.device) -> tuple[Trainer, DrafterConfig]:
     """The drafter of `shape` with random weights and random frozen tables, set up as training sets it up."""
     spec = parse_spec({
-        "name": "bench", "target": {"model": "/unused"}, "data": {"source": "/unused"}, "output": "/unused",
+        "name": "bench", "backend": "local", "target": {"model": "/unused"}, "data": {"source": "/unused"}, "output": "/unused",
         "train": {"anchors": anchors, "sliding_window_layers": case.sliding, "micro_batch_tokens": case.docs * tokens,
                   "micro_batch_blocks": max(anchors, case.docs * anchors), "activation_checkpointing": case.checkpointing,
                   "compile": case.compile, "drafter": case.drafter, "block_size": case.block},

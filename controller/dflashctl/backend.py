@@ -41,6 +41,9 @@ class ShardStatus:
     """Pods started for this index so far (preempted ones included)."""
     exit_reason: str | None
     """Why the last attempt ended, e.g. "exit 42 (Error)", "OOMKilled", "preempted (DisruptionTarget)"."""
+    message: str | None = None
+    """The last attempt's own last words when it failed: its worker's termination message (the log's
+    tail, e.g. the `Error: ...` line of a failed `dflashctl run` in the controller's pod)."""
 
 
 @dataclass(slots=True)

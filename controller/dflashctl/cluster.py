@@ -42,6 +42,12 @@ _KINDS: dict[str, tuple[type, str]] = {
     "Event": (client.CoreV1Api, "event"),
     "Role": (client.RbacAuthorizationV1Api, "role"),
     "RoleBinding": (client.RbacAuthorizationV1Api, "role_binding"),
+    "Secret": (client.CoreV1Api, "secret"),
+    "PersistentVolumeClaim": (client.CoreV1Api, "persistent_volume_claim"),
+    # Cluster-scoped: read with get_cluster_object / list_cluster_objects.
+    "Namespace": (client.CoreV1Api, "namespace"),
+    "Node": (client.CoreV1Api, "node"),
+    "SelfSubjectAccessReview": (client.AuthorizationV1Api, "self_subject_access_review"),
 }
 
 # Network errors after which a call is repeated: the API server restarting, a dropped stream.
@@ -232,6 +238,36 @@ class Cluster:
             return
         response = self._call("Pod", "read_namespaced_pod_log", pod, self.namespace, container=container, raw=True)
         yield from response.decode("utf-8", errors="replace").splitlines()
+
+    def get_cluster_object(self, kind: str, name: str) -> Obj | None:
+        """A cluster-scoped object (Namespace, Node), None if absent."""
+        try:
+            return self._call(kind, "read_{}", name)
+        except _NotFound:
+            return None
+
+    def list_cluster_objects(self, kind: str) -> list[Obj]:
+        return self._call(kind, "list_{}").get("items") or []
+
+    def can_i(self, verb: str, resource: str, *, group: str = "", subresource: str = "") -> bool:
+        """Whether this client may `verb` the resource in the namespace, as `kubectl auth can-i` asks it."""
+        review = {
+            "apiVersion": "authorization.k8s.io/v1",
+            "kind": "SelfSubjectAccessReview",
+            "spec": {"resourceAttributes": {
+                "namespace": self.namespace, "verb": verb, "group": group, "resource": resource, "subresource": subresource,
+            }},
+        }
+        return bool((self._call("SelfSubjectAccessReview", "create_{}", review).get("status") or {}).get("allowed"))
+
+    def secret_keys(self, name: str) -> tuple[str, dict[str, bool]] | None:
+        """A Secret's type and, for each key, whether its value is non-empty; None if absent. The values
+        themselves are dropped here, never returned or logged."""
+        secret = self.get("Secret", name)
+        if secret is None:
+            return None
+        data = {**(secret.get("stringData") or {}), **(secret.get("data") or {})}
+        return secret.get("type") or "Opaque", {key: bool(value) for key, value in sorted(data.items())}
 
     def record_event(self, involved: Obj, *, reason: str, message: str, warning: bool) -> None:
         """A core/v1 Event about `involved`: `kubectl describe` lists it under the object."""

@@ -37,10 +37,20 @@ class Conflict(DflashError):
     """A different spec already runs under this name."""
 
 
+class ChecksFailed(DflashError):
+    """Preflight checks failed (check/): nothing was started. `code` is the exit code their failures call for."""
+
+    def __init__(self, what: str, fix: str, code: int) -> None:
+        super().__init__(what, fix)
+        self.code = code
+
+
 def exit_code(error: BaseException) -> int:
     """The exit code for an error, from the table in DESIGN section 9."""
     if isinstance(error, KeyboardInterrupt):
         return EXIT_INTERRUPTED
+    if isinstance(error, ChecksFailed):
+        return error.code
     if isinstance(error, (ClusterUnreachable, Forbidden)):
         return EXIT_CLUSTER
     if isinstance(error, WaitTimeout):
@@ -56,6 +66,6 @@ def exit_code(error: BaseException) -> int:
 
 
 __all__ = [
-    "ClusterUnreachable", "Conflict", "DflashError", "Forbidden", "RunFailed", "WaitTimeout", "exit_code",
+    "ChecksFailed", "ClusterUnreachable", "Conflict", "DflashError", "Forbidden", "RunFailed", "WaitTimeout", "exit_code",
     "EXIT_RUN_FAILED", "EXIT_USAGE", "EXIT_TIMEOUT", "EXIT_CLUSTER", "EXIT_STORAGE_UNAVAILABLE", "EXIT_INTERRUPTED",
 ]

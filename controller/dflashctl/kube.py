@@ -221,7 +221,19 @@ def _shard_from_pod(index: int, attempts: list[dict[str, Any]]) -> ShardStatus:
         phase=phase,
         attempts=len(attempts),
         exit_reason=reason,
+        message=last_words(pod) if phase == "Failed" else None,
     )
+
+
+def last_words(pod: dict[str, Any]) -> str | None:
+    """The worker's termination message, down to its `Error: ...` line when it has one."""
+    for container in (pod.get("status") or {}).get("containerStatuses") or []:
+        terminated = (container.get("state") or {}).get("terminated") or {}
+        if container.get("name") == WORKER and terminated.get("message"):
+            lines = [line.strip() for line in terminated["message"].strip().splitlines() if line.strip()]
+            errors = [line for line in lines if line.startswith("Error:")]
+            return (errors or lines)[-1]
+    return None
 
 
 def exit_reason(pod: dict[str, Any]) -> str | None:

@@ -36,13 +36,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import yaml
-
 from dflash_jobs.errors import StorageError, StorageUnavailable
-from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, MANIFEST_KEY, RUN_KEY, Manifest, check_final_hidden
+from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, MANIFEST_KEY, Manifest, check_final_hidden
 from dflash_jobs.generation import ChunkMarker, GenerationProgress, current_manifest, write_manifest_if_complete
 from dflash_jobs.generation import read_progress as read_generation_progress
-from dflash_jobs.spec import RunSpec, dump_spec, run_identity
+from dflash_jobs.spec import RunSpec
 from dflash_jobs.storage import ObjectNotFound, Patience, Storage, storage_for
 
 from dflashctl.backend import (
@@ -60,7 +58,8 @@ from dflashctl.backend import (
     JobStatus,
     format_indexes,
 )
-from dflashctl.errors import Conflict, RunFailed, WaitTimeout
+from dflashctl.errors import RunFailed, WaitTimeout
+from dflashctl.identity import claim_output
 from dflashctl.progress import generation_rates, generation_time_left, landing_rate, read_progress, time_left
 from dflashctl.render import job_name, render_selection
 from dflashctl.verify import Expected, VerificationFailed, read_manifest, verify_run
@@ -230,26 +229,7 @@ class Pipeline:
 
     def record_spec(self) -> None:
         """<output>/run.yaml: the first run writes it; a different spec later is refused (or --force)."""
-        text = dump_spec(self.spec)
-        if self.storage.put_if_absent(RUN_KEY, text.encode()):
-            return
-        existing = self.storage.get_bytes(RUN_KEY).decode()
-        old = yaml.safe_load(existing) or {}
-        ours, theirs = run_identity(self.spec.to_dict()), run_identity(old)
-        if ours == theirs:  # the same run, perhaps in another namespace or serving metrics on another port
-            return
-        if self.force:
-            self.storage.put_bytes(RUN_KEY, text.encode())
-            self.reporter.say(
-                f"replaced {self.storage.url}/{RUN_KEY} with this spec (--force); outputs already in storage are kept, "
-                "delete them to redo their steps"
-            )
-            return
-        changed = sorted(key for key, value in ours.items() if theirs.get(key) != value)
-        raise Conflict(
-            f"{self.storage.url} already holds run {old.get('name')!r} with another spec (differs in: {', '.join(changed)})",
-            "Use another `output` (or `name`) for a new run, restore the spec it was started with, or pass --force",
-        )
+        claim_output(self.storage, self.spec, force=self.force, say=self.reporter.say)
 
     def step_unless_stored(self, step: str, output_key: str) -> bool:
         if self.storage.exists(output_key):

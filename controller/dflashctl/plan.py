@@ -13,16 +13,23 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dflash_jobs.errors import DflashError, FormatError, SpecError, StorageError
 from dflash_jobs.formats import DATASET_KEY, HIDDEN_DTYPES, MANIFEST_KEY, DatasetIndex, Manifest, check_final_hidden
 from dflash_jobs.generation import PLAN_KEY, GenerationProgress, read_plan
 from dflash_jobs.generation import read_progress as read_generation_progress
+from dflash_jobs.generate.source import parse_prompt
+from dflash_jobs.prepare import BadRow
 from dflash_jobs.spec import RunSpec, default_layers, is_s3, resolve_layers, text_config
-from dflash_jobs.storage import Storage, open_storage
+from dflash_jobs.storage import (
+    AccessDenied, BucketNotFound, CredentialsMissing, EndpointUnreachable, ObjectNotFound, Storage, open_storage, read_head,
+)
+
+from dflashctl.backends import open_backend
+from dflashctl.check import cluster_of
+from dflashctl.pod_fit import Node, place, pod_asks
 
 EXTRACT_TOKENS_PER_SECOND = {
     ("bfloat16", True): 11973.0,
@@ -71,6 +78,8 @@ class DataSize:
     estimated: bool
     basis: str
     """Where the numbers come from, for the user to judge them."""
+    tokens_upper_bound: int | None = None
+    """With regenerated answers, before prepare: the tokens if every answer reached generate.max_new_tokens."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +141,33 @@ class TrainingReads:
 
 
 @dataclass(frozen=True, slots=True)
+class PodBill:
+    """What one pod of a component asks, and whether a node of the cluster can hold it."""
+
+    component: str
+    count: int
+    """Pods of it at once."""
+    gpus: int
+    cpu: float
+    memory_gib: float
+    fits: bool | None
+    """None where the nodes were not read."""
+    detail: str
+
+
+def pod_bills(spec: RunSpec, nodes: list[Node] | None) -> list[PodBill]:
+    """Each Job's pod as rendered (placement and patch included) against the nodes, when they were read."""
+    bills = []
+    for ask in pod_asks(spec):
+        placement = None if nodes is None else place(ask, nodes)
+        bills.append(PodBill(
+            ask.component, ask.count, ask.gpus, float(ask.cpu), float(ask.memory) / GIB,
+            fits=None if placement is None else bool(placement.fitting), detail="" if placement is None else placement.describe(),
+        ))
+    return bills
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     name: str
     data: DataSize
@@ -157,6 +193,11 @@ class Plan:
     """The target's final hidden state: what it adds to the figures above when stored, what it would add when not."""
     generation: GenerationCost | None = None
     """With a generate section: the generation step's bill, before prepare's tokens exist."""
+    pods: list[PodBill] = field(default_factory=list)
+    nodes_basis: str = ""
+    """Where the nodes the pods were held against come from, or why they were not read."""
+    warnings: list[str] = field(default_factory=list)
+    """What the spec still holds of the starter's placeholders."""
 
     def to_dict(self) -> dict[str, Any]:
         plan = asdict(self)
@@ -228,7 +269,8 @@ def training_reads(spec: RunSpec, tokens: int | None, per_token: int, *, tokens_
 def make_plan(
     spec: RunSpec, data: DataSize, target: TargetShape, *, tokens_per_second: float | None = None,
     train_tokens_per_second: float | None = None, generation: GenerationCost | None = None,
-    store_mb_per_s: float = STORE_READ_MB_PER_S_PER_NODE,
+    store_mb_per_s: float = STORE_READ_MB_PER_S_PER_NODE, nodes: list[Node] | None = None, nodes_basis: str = "",
+    warnings: list[str] = (),
 ) -> Plan:
     tokens_per_second = extraction_rate(spec) if tokens_per_second is None else tokens_per_second
     train_tokens_per_second = training_rate(spec) if train_tokens_per_second is None else train_tokens_per_second
@@ -262,6 +304,9 @@ def make_plan(
         final_hidden=final_hidden_cost(spec, data, target, tokens_per_second=tokens_per_second,
                                        train_tokens_per_second=train_tokens_per_second, gpus_per_node=gpus_per_node),
         generation=generation,
+        pods=pod_bills(spec, nodes),
+        nodes_basis=nodes_basis,
+        warnings=list(warnings),
     )
 
 
@@ -345,7 +390,59 @@ def check_stored_states(spec: RunSpec) -> None:
         check_final_hidden(manifest, spec.train, f"{storage.url}/{MANIFEST_KEY}")
 
 
-def read_data_size(spec: RunSpec) -> DataSize:
+UNREADABLE = ((CredentialsMissing, "no credentials"), (EndpointUnreachable, "endpoint unreachable"), (AccessDenied, "access denied"),
+              (BucketNotFound, "no such bucket"), (ObjectNotFound, "no such object"))
+"""Why an input cannot be read, told apart (`dflashctl check` says the same with its exit code)."""
+
+
+def unreadable(url: str, error: StorageError) -> str:
+    """`url cannot be read (no credentials): <what>. <fix>`, the reason first."""
+    reason = next((label for kind, label in UNREADABLE if isinstance(error, kind)), "unreadable")
+    return f"{url} cannot be read ({reason}): {error}"
+
+
+@dataclass(frozen=True, slots=True)
+class SourceSample:
+    """data.source's size and its first SAMPLE_BYTES, parsed as generation reads its rows."""
+
+    url: str
+    size: int
+    head: bytes
+
+    @property
+    def whole(self) -> bool:
+        return len(self.head) >= self.size
+
+    @property
+    def lines(self) -> int:
+        """Lines in the head (the last one, maybe cut, counted)."""
+        return self.head.count(b"\n") + (not self.head.endswith(b"\n"))
+
+    def conversations(self) -> list[tuple[float, float]]:
+        """(prompt, answer) tokens of each chat row in the head, at SOURCE_BYTES_PER_TOKEN: the prompt as
+        generation asks it (the conversation without its last assistant turn), the answer that turn."""
+        rows = self.head.split(b"\n") if self.whole else self.head.split(b"\n")[:-1]
+        measured = []
+        for number, line in enumerate(rows):
+            if not line.strip():
+                continue
+            try:
+                prompt = parse_prompt(number, line)
+            except (BadRow, DflashError):
+                continue
+            answer = json.loads(line)["messages"][len(prompt.messages):]
+            measured.append((len(json.dumps(prompt.messages)) / SOURCE_BYTES_PER_TOKEN, len(json.dumps(answer)) / SOURCE_BYTES_PER_TOKEN))
+        return measured
+
+
+def read_source(spec: RunSpec) -> SourceSample:
+    """data.source's size and head; a StorageError of the type that says why it cannot be read."""
+    size, head = read_head(spec.data.source, SAMPLE_BYTES, endpoint_url=spec.storage.endpoint_url, region=spec.storage.region,
+                           max_attempts=S3_ATTEMPTS)
+    return SourceSample(spec.data.source, size, head)
+
+
+def read_data_size(spec: RunSpec, source: SourceSample | StorageError) -> DataSize:
     """Exact from tokens/dataset.json once prepare ran; else estimated from the size of data.source."""
     try:
         storage = _open(spec, spec.output)
@@ -354,18 +451,39 @@ def read_data_size(spec: RunSpec) -> DataSize:
             return DataSize(index.samples, index.tokens, estimated=False, basis=f"{storage.url}/{DATASET_KEY}")
     except StorageError:
         pass  # unreachable output or no credentials here: estimate from the source instead
-    size = _source_bytes(spec)
-    if size is None:
-        return DataSize(None, None, estimated=True, basis=f"unknown: neither tokens/dataset.json nor {spec.data.source} is readable")
-    tokens = round(size / SOURCE_BYTES_PER_TOKEN)
-    return DataSize(None, tokens, estimated=True, basis=f"estimate: {size:,} bytes of {spec.data.source} at {SOURCE_BYTES_PER_TOKEN:g} bytes/token")
+    if isinstance(source, StorageError):
+        return DataSize(None, None, estimated=True, basis=f"unknown: no tokens/dataset.json, and {unreadable(spec.data.source, source)}")
+    tokens = round(source.size / SOURCE_BYTES_PER_TOKEN)
+    return DataSize(None, tokens, estimated=True, basis=f"estimate: {source.size:,} bytes of {source.url} at {SOURCE_BYTES_PER_TOKEN:g} bytes/token")
+
+
+def generated_data_size(spec: RunSpec, cost: GenerationCost, source: SourceSample | StorageError) -> DataSize:
+    """What extraction will read once the answers are regenerated: each prompt plus its new answer, cut
+    at data.max_length. The answer is the measured mean once chunks are done, before that the source's
+    own answer capped at generate.max_new_tokens; the bound has every answer reach max_new_tokens."""
+    assert spec.generate is not None
+    limit, longest = spec.data.max_length, spec.generate.max_new_tokens
+    rows = [] if isinstance(source, StorageError) else source.conversations()
+    if cost.prompts is None or not rows:
+        why = unreadable(spec.data.source, source) if isinstance(source, StorageError) else f"no chat row in the first {SAMPLE_BYTES:,} bytes of {spec.data.source}"
+        return DataSize(cost.prompts, None, estimated=True, basis=f"unknown: the regenerated answers' tokens need the prompts' lengths; {why}")
+    answer = (lambda own: cost.tokens_per_prompt) if cost.tokens_per_prompt is not None else (lambda own: min(own, longest))
+    estimate = cost.prompts * sum(min(prompt + answer(own), limit) for prompt, own in rows) / len(rows)
+    bound = cost.prompts * sum(min(prompt + longest, limit) for prompt, _ in rows) / len(rows)
+    length = (f"the measured {cost.tokens_per_prompt:,.0f} tokens per answer" if cost.tokens_per_prompt is not None
+              else f"the source's own answers capped at generate.max_new_tokens = {longest:,}")
+    return DataSize(
+        cost.prompts, round(estimate), estimated=True, tokens_upper_bound=round(bound),
+        basis=(f"estimate: {cost.prompts:,} prompts x (their tokens, from {len(rows):,} sampled rows, + {length}), each cut at "
+               f"data.max_length = {limit:,}; at most {round(bound):,} if every answer reaches {longest:,} tokens"),
+    )
 
 
 SAMPLE_BYTES = 1 << 20
-"""Of data.source read to count its lines per byte when generation has not planned it yet."""
+"""Of data.source read to count its lines per byte and sample its rows when generation has not planned it yet."""
 
 
-def read_generation(spec: RunSpec) -> tuple[DataSize, GenerationProgress | None]:
+def read_generation(spec: RunSpec, source: SourceSample | StorageError) -> tuple[DataSize, GenerationProgress | None]:
     """The prompts to answer (exact from generate/plan.json, else from data.source's first MiB) and
     what the done chunks measured (None before generation started)."""
     try:
@@ -376,59 +494,44 @@ def read_generation(spec: RunSpec) -> tuple[DataSize, GenerationProgress | None]
             return prompts, read_generation_progress(storage, spec)
     except (StorageError, FormatError):
         pass  # unreachable output here: estimate from the source instead
-    return _source_lines(spec), None
-
-
-def _source_lines(spec: RunSpec) -> DataSize:
-    source = spec.data.source
-    size = _source_bytes(spec)
-    try:
-        if is_s3(source):
-            parent, _, key = source.rpartition("/")
-            head = _open(spec, parent).get_bytes(key, 0, SAMPLE_BYTES)
-        else:
-            with open(source.removeprefix("file://"), "rb") as f:
-                head = f.read(SAMPLE_BYTES)
-    except (DflashError, OSError):
-        head = b""
-    if size is None or not head:
-        return DataSize(None, None, estimated=True, basis=f"unknown: {source} is not readable here")
-    lines = head.count(b"\n") + (not head.endswith(b"\n"))
-    if len(head) >= size:
-        return DataSize(lines, None, estimated=False, basis=f"{lines:,} lines of {source}")
-    estimate = round(size * lines / len(head))
-    return DataSize(estimate, None, estimated=True, basis=f"estimate: {lines:,} lines in the first {len(head):,} of {size:,} bytes of {source}")
-
-
-def _source_bytes(spec: RunSpec) -> int | None:
-    source = spec.data.source
-    if not is_s3(source):
-        path = Path(source.removeprefix("file://"))
-        return path.stat().st_size if path.is_file() else None
-    parent, _, key = source.rpartition("/")
-    try:
-        info = _open(spec, parent).stat(key)
-    except DflashError:
-        return None
-    return None if info is None else info.size
+    if isinstance(source, StorageError):
+        return DataSize(None, None, estimated=True, basis=f"unknown: {unreadable(spec.data.source, source)}"), None
+    if source.whole:
+        return DataSize(source.lines, None, estimated=False, basis=f"{source.lines:,} lines of {source.url}"), None
+    estimate = round(source.size * source.lines / len(source.head))
+    return DataSize(estimate, None, estimated=True, basis=f"estimate: {source.lines:,} lines in the first {len(source.head):,} of {source.size:,} bytes of {source.url}"), None
 
 
 def read_target_shape(spec: RunSpec) -> TargetShape:
     """Hidden size and captured layers from the checkpoint's config.json; else the 27B's, stated as assumed."""
-    config = _checkpoint_config(spec)
-    hidden_size = None if config is None else text_config(config).get("hidden_size")
+    try:
+        _, raw = read_head(f"{spec.target.model.rstrip('/')}/config.json", 1 << 20, endpoint_url=spec.storage.endpoint_url,
+                           region=spec.storage.region, max_attempts=S3_ATTEMPTS)
+        config = json.loads(raw)
+        why = "" if isinstance(config, dict) else "config.json is not a JSON object"
+    except StorageError as error:
+        config, why = None, unreadable(f"{spec.target.model}/config.json", error)
+        if spec.cluster.model_volume is not None and not is_s3(spec.target.model):
+            why += f" (on claim {spec.cluster.model_volume.claim}: `dflashctl check` reads it through a pod)"
+    except ValueError as error:
+        config, why = None, f"{spec.target.model}/config.json is not valid JSON ({error})"
+    hidden_size = text_config(config).get("hidden_size") if isinstance(config, dict) else None
     if not isinstance(hidden_size, int):
         layers = spec.target.layers or default_layers(ASSUMED_TARGET["num_hidden_layers"])
-        return TargetShape(ASSUMED_TARGET["hidden_size"], list(layers), basis=f"assumed {ASSUMED_TARGET['name']}: {spec.target.model}/config.json is not readable here")
+        return TargetShape(ASSUMED_TARGET["hidden_size"], list(layers), basis=f"assumed {ASSUMED_TARGET['name']}: {why or 'config.json has no hidden_size'}")
     return TargetShape(hidden_size, resolve_layers(spec, config), basis=f"{spec.target.model}/config.json")
 
 
-def _checkpoint_config(spec: RunSpec) -> dict[str, Any] | None:
+def read_nodes(spec: RunSpec) -> tuple[list[Node] | None, str]:
+    """The cluster's nodes (None where they cannot be read), and where they come from or why not."""
+    if spec.backend != "kubernetes":
+        return None, "backend: local"
     try:
-        config = json.loads(_open(spec, spec.target.model).get_bytes("config.json"))
-    except (DflashError, ValueError):
-        return None
-    return config if isinstance(config, dict) else None
+        cluster = cluster_of(open_backend(spec))
+        cluster.retry_delays = ()  # a plan answers in seconds
+        return [Node.of(obj) for obj in cluster.list_cluster_objects("Node")], "the cluster's nodes (allocatable, not free now)"
+    except DflashError as error:
+        return None, f"not read: {error.what}"
 
 
 def _open(spec: RunSpec, url: str) -> Storage:

@@ -6,6 +6,9 @@ The same spec always gives the same objects and byte-identical YAML, so the outp
 Every pod of the data plane is built by `_pod_template`: the spec mounted from a ConfigMap, a
 selfcheck init container, non-root with a read-only root filesystem and writable emptyDirs, S3
 credentials only by Secret reference. The Jobs differ only in command, resources and retry policy.
+Where the pods are placed, and what cluster.pod_template_patch changes last, is placement.py's;
+the public building blocks (make_container, pod_security, spec_mount, failure_policy, job_object, ...)
+also build the helper pods of tool_pods.py.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dflash_jobs.errors import EXIT_BAD_INPUT, EXIT_BAD_SPEC, SpecError
 from dflash_jobs.spec import BINARY_QUANTITY, CHUNK_CACHE_ENV, MODEL_CACHE_ENV, RunSpec, dump_spec
 
 from dflashctl.errors import EXIT_RUN_FAILED
+from dflashctl.placement import GPU, extra_labels, finish_pod_template, placement_fields
 
 Manifest = dict[str, Any]
 
@@ -39,7 +43,6 @@ MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGED_BY = "dflashctl"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
-GPU = "nvidia.com/gpu"
 
 WORKER = "worker"
 RUN_AS_USER = 10001  # the images' user (UID 1000 is ubuntu in Ubuntu 24.04 images)
@@ -50,6 +53,8 @@ MODEL_CACHE_DIR = "/var/cache/dflash-models"
 """Where cluster.model_cache is mounted."""
 KERNEL_CACHE_DIR = "/var/cache/dflash-kernels"
 """Where cluster.kernel_cache is mounted."""
+OUTPUT_VOLUME = "output"
+"""The volume of cluster.output_volume, mounted read-write at its mount path."""
 STAGE_DIR = "/var/lib/dflash-stage"
 """The emptyDir through which the dflash image hands the generation job's code to the vLLM container."""
 STAGED_PYTHON = f"{STAGE_DIR}/python"
@@ -120,7 +125,7 @@ def render_configmap(spec: RunSpec) -> Manifest:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(spec, configmap_name(spec), "spec"),
+        "metadata": object_metadata(spec, configmap_name(spec), "spec"),
         "data": {SPEC_FILE: dump_spec(spec)},
     }
 
@@ -133,7 +138,7 @@ def render_prepare_job(spec: RunSpec) -> Manifest:
         resources=PREPARE_RESOURCES,
         gpus=0,
     )
-    return _job(spec, "prepare", pod, {"backoffLimit": SHORT_JOB_BACKOFF_LIMIT, "podFailurePolicy": _failure_policy(index=False)})
+    return _job(spec, "prepare", pod, {"backoffLimit": SHORT_JOB_BACKOFF_LIMIT, "podFailurePolicy": failure_policy(index=False)})
 
 
 def render_generate_job(spec: RunSpec) -> Manifest:
@@ -186,7 +191,7 @@ def render_train_objects(spec: RunSpec) -> list[Manifest]:
         cache=_train_cache_volume(spec),
         env=[{"name": CHUNK_CACHE_ENV, "value": CHUNK_CACHE_DIR}],
     )
-    job_spec: dict[str, Any] = {"backoffLimit": TRAIN_BACKOFF_LIMIT, "podFailurePolicy": _failure_policy(index=False)}
+    job_spec: dict[str, Any] = {"backoffLimit": TRAIN_BACKOFF_LIMIT, "podFailurePolicy": failure_policy(index=False)}
     if train.nodes == 1:
         return [_job(spec, "train", pod, job_spec)]
     pod["spec"]["subdomain"] = name
@@ -201,7 +206,7 @@ def render_train_objects(spec: RunSpec) -> list[Manifest]:
     service = {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(spec, name, "train"),
+        "metadata": object_metadata(spec, name, "train"),
         "spec": {
             "clusterIP": "None",
             # Ranks resolve pod 0 before it is Ready: rendezvous happens before readiness.
@@ -236,7 +241,7 @@ def render_eval_job(spec: RunSpec) -> Manifest:
         resources=_gpu_resources(spec, gpus=1),
         gpus=1,
     )
-    return _job(spec, "eval", pod, {"backoffLimit": SHORT_JOB_BACKOFF_LIMIT, "podFailurePolicy": _failure_policy(index=False)})
+    return _job(spec, "eval", pod, {"backoffLimit": SHORT_JOB_BACKOFF_LIMIT, "podFailurePolicy": failure_policy(index=False)})
 
 
 def render_controller_objects(spec: RunSpec) -> list[Manifest]:
@@ -263,13 +268,13 @@ def render_controller_objects(spec: RunSpec) -> list[Manifest]:
             "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": spec.cluster.namespace}],
         },
     ]
-    container = _container(
+    container = make_container(
         spec,
         name=WORKER,
         image=spec.cluster.controller_image,
         command=["dflashctl", "run", "-f", SPEC_PATH],
         resources=CONTROLLER_RESOURCES,
-        mounts=[_spec_mount(), {"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_DIR}],
+        mounts=[spec_mount(), {"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_DIR}, *_output_mounts(spec)],
     )
     if spec.cluster.metrics_port is not None:
         # By name: the Service of k8s/components/metrics targets "metrics", whatever the number.
@@ -277,18 +282,19 @@ def render_controller_objects(spec: RunSpec) -> list[Manifest]:
     pod_spec = {
         "serviceAccountName": account,
         "restartPolicy": "Never",
-        "securityContext": _pod_security(),
+        "securityContext": pod_security(),
+        **placement_fields(spec, gpu=False),
         "containers": [container],
-        "volumes": [_spec_volume(spec), {"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}],
+        "volumes": [spec_volume(spec), {"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}, *_output_volumes(spec)],
     }
-    pod = {"metadata": _pod_metadata(spec, "controller"), "spec": pod_spec}
+    pod = {"metadata": pod_metadata(spec, "controller"), "spec": pod_spec}
     job = _job(spec, "controller", pod, {
         "backoffLimit": CONTROLLER_BACKOFF_LIMIT,
         # A failed run (exit 1) or a bad spec (exit 2) fails the same way again; anything else
         # (storage or API server unavailable for long: 5, 4; OOM; node drain) is retried, and the
         # new pod attaches to the run.
         "podFailurePolicy": {"rules": [
-            _ignore_disruptions(),
+            ignore_disruptions(),
             {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [EXIT_RUN_FAILED, EXIT_BAD_SPEC]}},
         ]},
     }, queue=False)
@@ -364,7 +370,7 @@ def to_json(objects: list[Manifest]) -> str:
 # ---- building blocks ---------------------------------------------------------------------------
 
 
-def _metadata(spec: RunSpec, name: str, component: str) -> dict[str, Any]:
+def object_metadata(spec: RunSpec, name: str, component: str) -> dict[str, Any]:
     return {
         "name": name,
         "namespace": spec.cluster.namespace,
@@ -373,7 +379,7 @@ def _metadata(spec: RunSpec, name: str, component: str) -> dict[str, Any]:
     }
 
 
-def _pod_metadata(spec: RunSpec, component: str) -> dict[str, Any]:
+def pod_metadata(spec: RunSpec, component: str) -> dict[str, Any]:
     return {"labels": run_labels(spec, component), "annotations": {SPEC_HASH: spec.fingerprint()}}
 
 
@@ -387,26 +393,32 @@ def _shared_labels() -> dict[str, str]:
 
 
 def _job(spec: RunSpec, component: str, pod: dict[str, Any], job_spec: dict[str, Any], *, queue: bool = True) -> Manifest:
-    metadata = _metadata(spec, job_name(spec, component), component)
+    metadata = object_metadata(spec, job_name(spec, component), component)
+    return job_object(spec, metadata, pod, job_spec, queue=queue)
+
+
+def job_object(spec: RunSpec, metadata: dict[str, Any], pod: dict[str, Any], job_spec: dict[str, Any], *, queue: bool = True) -> Manifest:
+    """A Job of the run: the queue and extra labels on it, its pod template finished (placement.py)."""
+    metadata["labels"].update(extra_labels(spec))
     if queue and spec.cluster.queue:
         metadata["labels"][QUEUE_LABEL] = spec.cluster.queue
     body = dict(job_spec)
     if spec.cluster.ttl_seconds_after_finished is not None:
         body["ttlSecondsAfterFinished"] = spec.cluster.ttl_seconds_after_finished
-    body["template"] = pod
+    body["template"] = finish_pod_template(spec, pod)
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": body}
 
 
-def _ignore_disruptions() -> dict[str, Any]:
+def ignore_disruptions() -> dict[str, Any]:
     """Preemption, eviction and node drains do not count against the retries."""
     # status "True" is required by the 1.33/1.34 schemas (optional from 1.35).
     return {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
 
 
-def _failure_policy(*, index: bool) -> dict[str, Any]:
+def failure_policy(*, index: bool) -> dict[str, Any]:
     """Disruptions are free; a bad spec fails the Job; bad input fails the shard (or the Job), no retry."""
     return {"rules": [
-        _ignore_disruptions(),
+        ignore_disruptions(),
         {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [EXIT_BAD_SPEC]}},
         {"action": "FailIndex" if index else "FailJob", "onExitCodes": {"operator": "In", "values": [EXIT_BAD_INPUT]}},
     ]}
@@ -419,7 +431,7 @@ def _indexed(shards: int, backoff_limit_per_index: int) -> dict[str, Any]:
         "completions": shards,
         "parallelism": shards,
         "backoffLimitPerIndex": backoff_limit_per_index,
-        "podFailurePolicy": _failure_policy(index=True),
+        "podFailurePolicy": failure_policy(index=True),
         # Never two pods for one index: a replacement starts only once the old pod is gone.
         "podReplacementPolicy": "Failed",
     }
@@ -432,7 +444,7 @@ def _run_in_vllm_image(spec: RunSpec, pod: dict[str, Any]) -> None:
     pod_spec = pod["spec"]
     worker = pod_spec["containers"][0]
     stage = {"name": "stage", "mountPath": STAGE_DIR}
-    stager = _container(
+    stager = make_container(
         spec, name="stage", image=spec.cluster.image,
         command=["python", "-m", "dflash_jobs.generate.stage", STAGED_PYTHON],
         resources=STAGE_RESOURCES, mounts=[*pod_spec["initContainers"][0]["volumeMounts"], stage],
@@ -469,13 +481,13 @@ def _pod_template(
     """`cache`: the source of the cache volume (an unlimited emptyDir by default); `env`: added to the containers' environment."""
     cluster = spec.cluster
     mounts = [
-        _spec_mount(),
+        spec_mount(),
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "cache", "mountPath": CACHE_DIR},
         {"name": "dshm", "mountPath": "/dev/shm"},
     ]
     volumes: list[dict[str, Any]] = [
-        _spec_volume(spec),
+        spec_volume(spec),
         {"name": "tmp", "emptyDir": {}},
         {"name": "cache", **(cache or {"emptyDir": {}})},
         # NCCL and DataLoader workers need more shared memory than the runtime's 64 MiB default.
@@ -490,30 +502,28 @@ def _pod_template(
     if cluster.kernel_cache is not None:
         mounts.append({"name": "kernel-cache", "mountPath": KERNEL_CACHE_DIR})
         volumes.append({"name": "kernel-cache", "persistentVolumeClaim": {"claimName": cluster.kernel_cache}})
+    mounts += _output_mounts(spec)
+    volumes += _output_volumes(spec)
 
-    selfcheck = _container(
+    selfcheck = make_container(
         spec, name="selfcheck", image=cluster.image,
         command=["python", "-m", "dflash_jobs.selfcheck", "-f", SPEC_PATH, "--component", component],
         # The same resources as the worker, so the check sees the GPUs the worker will get.
         resources=resources, mounts=mounts, env=env,
     )
-    worker = _container(spec, name=WORKER, image=cluster.image, command=command, resources=resources, mounts=mounts, env=env)
+    worker = make_container(spec, name=WORKER, image=cluster.image, command=command, resources=resources, mounts=mounts, env=env)
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         # Workers talk to S3, not to the Kubernetes API.
         "automountServiceAccountToken": False,
-        "securityContext": _pod_security(),
+        "securityContext": pod_security(),
+        **placement_fields(spec, gpu=gpus > 0),
     }
-    if gpus:
-        if cluster.node_selector:
-            pod_spec["nodeSelector"] = dict(sorted(cluster.node_selector.items()))
-        # Not every cluster runs the ExtendedResourceToleration admission plugin.
-        pod_spec["tolerations"] = [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}]
     pod_spec.update({"initContainers": [selfcheck], "containers": [worker], "volumes": volumes})
-    return {"metadata": _pod_metadata(spec, component), "spec": pod_spec}
+    return {"metadata": pod_metadata(spec, component), "spec": pod_spec}
 
 
-def _container(
+def make_container(
     spec: RunSpec,
     *,
     name: str,
@@ -576,7 +586,7 @@ def _env(spec: RunSpec) -> list[dict[str, str]]:
     ]
 
 
-def _pod_security() -> dict[str, Any]:
+def pod_security() -> dict[str, Any]:
     return {
         "runAsNonRoot": True,
         "runAsUser": RUN_AS_USER,
@@ -586,11 +596,21 @@ def _pod_security() -> dict[str, Any]:
     }
 
 
-def _spec_mount() -> dict[str, Any]:
+def _output_mounts(spec: RunSpec) -> list[dict[str, Any]]:
+    volume = spec.cluster.output_volume
+    return [] if volume is None else [{"name": OUTPUT_VOLUME, "mountPath": volume.mount}]
+
+
+def _output_volumes(spec: RunSpec) -> list[dict[str, Any]]:
+    volume = spec.cluster.output_volume
+    return [] if volume is None else [{"name": OUTPUT_VOLUME, "persistentVolumeClaim": {"claimName": volume.claim}}]
+
+
+def spec_mount() -> dict[str, Any]:
     return {"name": "spec", "mountPath": SPEC_DIR, "readOnly": True}
 
 
-def _spec_volume(spec: RunSpec) -> dict[str, Any]:
+def spec_volume(spec: RunSpec) -> dict[str, Any]:
     return {"name": "spec", "configMap": {"name": configmap_name(spec)}}
 
 

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import json
 import math
+import posixpath
 import re
 import types
 import typing
@@ -36,7 +37,7 @@ CHUNK_CACHE_ENV = "DFLASH_CACHE_DIR"
 MAX_RUN_NAME = 40
 UNPRIVILEGED_PORTS = (1024, 65535)
 DEFAULT_SPEC_FILE = "dflash.yaml"
-OPTIONAL_SECTIONS = ("generate", "train.dflash2", "train.dspark")
+OPTIONAL_SECTIONS = ("generate", "train.dflash2", "train.dspark", "cluster.output_volume")
 """Sections that are off while absent (dotted paths): a resolved spec without them does not mention them."""
 OUTSIDE_RUN_IDENTITY = ("cluster.namespace", "cluster.metrics_port")
 """Settings of where a run is placed and watched from, not of what it makes (dotted paths): changing
@@ -54,8 +55,47 @@ def _check_location(path: str, value: str, *, what: str) -> None:
         raise SpecError(path, value, f"an s3://bucket/prefix URL or a local path ({what})")
     if "://" in value and not (value.startswith("s3://") or value.startswith("file://")):
         raise SpecError(path, value, f"an s3://bucket/prefix URL, a file:// URL or a local path ({what})")
-    if is_s3(value) and len(value) <= len("s3://"):
-        raise SpecError(path, value, "s3://<bucket>[/<prefix>] with a bucket name")
+    scheme = value.split(":", 1)[0]
+    if ":" in value and scheme.lower() in ("s3", "file") and "://" not in value:
+        # `s3:/bucket/x` would otherwise be a relative local path named "s3:".
+        raise SpecError(path, value, f"{scheme.lower()}:// with two slashes, e.g. {scheme.lower()}://{value.split(':', 1)[1].lstrip('/')}")
+    if is_s3(value):
+        bucket = value[len("s3://"):].split("/", 1)[0]
+        if not bucket:
+            raise SpecError(path, value, "s3://<bucket>[/<prefix>] with a bucket name")
+        problem = s3_bucket_problem(bucket)
+        if problem:
+            raise SpecError(path, value, f"an S3 bucket name S3 accepts: {bucket!r} {problem}")
+
+
+S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]*[a-z0-9]$")
+IPV4 = re.compile(r"^\d+\.\d+\.\d+\.\d+$")
+
+
+def s3_bucket_problem(bucket: str) -> str | None:
+    """Why S3 refuses a bucket name (its naming rules for general purpose buckets), or None."""
+    if not 3 <= len(bucket) <= 63:
+        return f"has {len(bucket)} characters (3 to 63)"
+    if not S3_BUCKET.match(bucket):
+        return "has characters other than lower-case letters, digits, '.' and '-', or does not start and end with a letter or digit"
+    if ".." in bucket:
+        return "has two adjacent periods"
+    if IPV4.match(bucket):
+        return "is formatted as an IP address"
+    if bucket.startswith(("xn--", "sthree-")) or bucket.endswith(("-s3alias", "--ol-s3")):
+        return "uses a prefix or suffix S3 reserves (xn--, sthree-, -s3alias, --ol-s3)"
+    return None
+
+
+def local_path(location: str) -> str | None:
+    """The filesystem path of a local location (a path or a file:// URL); None for s3://."""
+    return None if is_s3(location) else location.removeprefix("file://")
+
+
+def under(path: str, directory: str) -> bool:
+    """Whether `path` is `directory` or inside it (lexically: both absolute, normalized)."""
+    path, directory = posixpath.normpath(path), posixpath.normpath(directory)
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -526,6 +566,35 @@ class VolumeSpec:
 
 
 @dataclass(kw_only=True, slots=True)
+class OutputVolumeSpec:
+    claim: str = "dflash-runs"
+    """PersistentVolumeClaim that holds a local `output` (ReadWriteMany: the pods of several nodes write to it)."""
+    mount: str = "/runs"
+    """Where it is mounted, read-write, in every pod: `output` is this path or lies under it. `dflashctl`
+    itself reads the output at the same path, so run it where the same filesystem is mounted there too
+    (the in-cluster controller, `dflashctl submit controller`, mounts the claim)."""
+
+    def __post_init__(self) -> None:
+        _dns_label("cluster.output_volume.claim", self.claim, limit=253)
+        if not self.mount.startswith("/") or posixpath.normpath(self.mount) == "/":
+            raise SpecError("cluster.output_volume.mount", self.mount, "an absolute path other than / such as /data/runs")
+
+
+@dataclass(kw_only=True, slots=True)
+class CpuPlacementSpec:
+    node_selector: dict[str, str] = field(default_factory=dict)
+    """Node labels the CPU pods (prepare, the controller, stage-model, the target-config probe) must carry."""
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    """Taints the CPU pods tolerate, in Kubernetes' spelling (key, operator, value, effect, tolerationSeconds)."""
+    affinity: dict[str, Any] | None = None
+    """The CPU pods' affinity, in Kubernetes' spelling (nodeAffinity, podAffinity, podAntiAffinity)."""
+
+    def __post_init__(self) -> None:
+        _check_tolerations("cluster.cpu_placement.tolerations", self.tolerations)
+        _check_affinity("cluster.cpu_placement.affinity", self.affinity)
+
+
+@dataclass(kw_only=True, slots=True)
 class ClusterSpec:
     namespace: str = "dflash"
     image: str = "ghcr.io/dflash-k8s/dflash:0.1.0-cuda13.0"
@@ -533,7 +602,32 @@ class ClusterSpec:
     controller_image: str = "ghcr.io/dflash-k8s/dflashctl:0.1.0"
     """Small CPU image running `dflashctl run` in the cluster."""
     node_selector: dict[str, str] = field(default_factory=dict)
+    """Node labels the GPU pods (generate, extract, train, eval) must carry, e.g. nvidia.com/gpu.product."""
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    """Taints the GPU pods tolerate besides nvidia.com/gpu (which they always tolerate), in Kubernetes'
+    spelling: key, operator (Exists | Equal), value, effect, tolerationSeconds."""
+    affinity: dict[str, Any] | None = None
+    """The GPU pods' affinity, in Kubernetes' spelling (nodeAffinity, podAffinity, podAntiAffinity)."""
+    cpu_placement: CpuPlacementSpec = field(default_factory=CpuPlacementSpec)
+    """Where the CPU pods run: the GPU pods' node_selector, tolerations and affinity do not apply to them."""
+    image_pull_secrets: list[str] = field(default_factory=list)
+    """Secrets (type kubernetes.io/dockerconfigjson) every pod pulls its images with: images pushed to a private registry."""
+    priority_class: str | None = None
+    """PriorityClass of every pod (priorityClassName); null: the cluster's default."""
+    labels: dict[str, str] = field(default_factory=dict)
+    """Extra labels on every Job and pod (cost allocation, policies). The run's own labels
+    (app.kubernetes.io/*, dflash.dev/*, batch.kubernetes.io/*) and Kueue's queue label (cluster.queue) are
+    refused here."""
+    annotations: dict[str, str] = field(default_factory=dict)
+    """Extra annotations on every pod, e.g. sidecar.istio.io/inject: "false"."""
+    pod_template_patch: dict[str, Any] | None = None
+    """Anything else: a strategic merge patch applied last to every pod template ({metadata, spec}), as
+    kubectl patch applies one. Maps merge; null deletes a key; the lists containers, initContainers,
+    volumes, env, imagePullSecrets (by name), volumeMounts (by mountPath) and ports (by containerPort)
+    merge item by item, an item with `$patch: delete` removes its match; other lists are replaced."""
     model_volume: VolumeSpec | None = None
+    output_volume: OutputVolumeSpec | None = None
+    """The claim a local `output` lives on (backend: kubernetes); null: `output` must be s3://."""
     model_cache: str | None = None
     """PersistentVolumeClaim for an s3:// target.model: fetched into it once per node (ReadWriteOnce
     serves the pods of one node, ReadWriteMany every node) instead of once per pod."""
@@ -544,6 +638,9 @@ class ClusterSpec:
     every pod compiles anew."""
     s3_secret: str | None = "dflash-s3"
     """Secret with AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and optionally AWS_ENDPOINT_URL."""
+    hf_secret: str | None = None
+    """Secret with HF_TOKEN (and optionally HF_ENDPOINT, a hub mirror) for `dflashctl stage-model --from hf://...`:
+    gated or private repositories."""
     queue: str | None = None
     """Kueue LocalQueue name (adds the kueue.x-k8s.io/queue-name label)."""
     service_account: str = "dflash-controller"
@@ -563,20 +660,76 @@ class ClusterSpec:
         _dns_label("cluster.namespace", self.namespace, limit=63)
         if not self.image or any(c.isspace() for c in self.image):
             raise SpecError("cluster.image", self.image, "an image reference such as registry/dflash:0.1.0-cuda13.0")
-        if self.s3_secret is not None:
-            _dns_label("cluster.s3_secret", self.s3_secret, limit=253)
-        if self.model_cache is not None:
-            _dns_label("cluster.model_cache", self.model_cache, limit=253)
-        if self.kernel_cache is not None:
-            _dns_label("cluster.kernel_cache", self.kernel_cache, limit=253)
+        for name, secret in (("s3_secret", self.s3_secret), ("hf_secret", self.hf_secret), ("model_cache", self.model_cache),
+                             ("kernel_cache", self.kernel_cache), ("priority_class", self.priority_class)):
+            if secret is not None:
+                _dns_label(f"cluster.{name}", secret, limit=253)
+        for i, secret in enumerate(self.image_pull_secrets):
+            _dns_label(f"cluster.image_pull_secrets[{i}]", secret, limit=253)
         if self.queue is not None:
             _dns_label("cluster.queue", self.queue, limit=63)
         _dns_label("cluster.service_account", self.service_account, limit=253)
+        _check_tolerations("cluster.tolerations", self.tolerations)
+        _check_affinity("cluster.affinity", self.affinity)
+        _check_metadata("cluster.labels", self.labels, label_values=True)
+        _check_metadata("cluster.annotations", self.annotations, label_values=False)
+        if self.pod_template_patch is not None and (not self.pod_template_patch or set(self.pod_template_patch) - {"metadata", "spec"}):
+            raise SpecError("cluster.pod_template_patch", self.pod_template_patch, "a pod template patch with the keys metadata and/or spec")
         _positive("cluster.cpu_per_gpu", self.cpu_per_gpu, minimum=1)
         _binary_quantity("cluster.memory_per_gpu", self.memory_per_gpu)
         _binary_quantity("cluster.shm_size", self.shm_size)
         if self.metrics_port is not None and not UNPRIVILEGED_PORTS[0] <= self.metrics_port <= UNPRIVILEGED_PORTS[1]:
             raise SpecError("cluster.metrics_port", self.metrics_port, f"a port in {UNPRIVILEGED_PORTS[0]}..{UNPRIVILEGED_PORTS[1]} (the controller runs as non-root), or null")
+
+
+TOLERATION_KEYS = ("key", "operator", "value", "effect", "tolerationSeconds")
+TAINT_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
+AFFINITY_KINDS = ("nodeAffinity", "podAffinity", "podAntiAffinity")
+RESERVED_LABEL_PREFIXES = ("app.kubernetes.io/", "dflash.dev/", "batch.kubernetes.io/", "kueue.x-k8s.io/queue-name")
+LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def _check_tolerations(path: str, tolerations: list[dict[str, Any]]) -> None:
+    for i, toleration in enumerate(tolerations):
+        where = f"{path}[{i}]"
+        unknown = sorted(set(toleration) - set(TOLERATION_KEYS))
+        if unknown:
+            raise SpecError(f"{where}.{unknown[0]}", toleration[unknown[0]], f"one of the toleration keys {', '.join(TOLERATION_KEYS)}")
+        operator = toleration.get("operator", "Equal")
+        if operator not in ("Exists", "Equal"):
+            raise SpecError(f"{where}.operator", operator, "Exists | Equal")
+        if operator == "Exists" and toleration.get("value"):
+            raise SpecError(f"{where}.value", toleration["value"], "no value with operator Exists")
+        if operator == "Equal" and not toleration.get("key"):
+            raise SpecError(f"{where}.key", toleration.get("key"), "a taint key (an empty key needs operator Exists)")
+        if toleration.get("effect", "") not in TAINT_EFFECTS:
+            raise SpecError(f"{where}.effect", toleration["effect"], " | ".join(effect or '""' for effect in TAINT_EFFECTS))
+        seconds = toleration.get("tolerationSeconds")
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, int) or toleration.get("effect") != "NoExecute"):
+            raise SpecError(f"{where}.tolerationSeconds", seconds, "whole seconds, with effect NoExecute only")
+
+
+def _check_affinity(path: str, affinity: dict[str, Any] | None) -> None:
+    if affinity is None:
+        return
+    for kind, value in affinity.items():
+        if kind not in AFFINITY_KINDS:
+            raise SpecError(f"{path}.{kind}", value, f"one of {', '.join(AFFINITY_KINDS)}")
+        if not isinstance(value, dict):
+            raise SpecError(f"{path}.{kind}", value, "a mapping, as in a pod's spec.affinity")
+
+
+def _check_metadata(path: str, mapping: dict[str, str], *, label_values: bool) -> None:
+    """Label or annotation keys ([prefix/]name) and, for labels, values, as the API server checks them."""
+    for key, value in mapping.items():
+        prefix, _, name = key.rpartition("/")
+        if not LABEL_NAME.match(name) or (prefix and (len(prefix) > 253 or not DNS1123_SUBDOMAIN.match(prefix))):
+            raise SpecError(path, key, "keys of the form [prefix/]name: a DNS subdomain prefix, a name of at most 63 letters, digits, '-', '_' or '.'")
+        if key.startswith(RESERVED_LABEL_PREFIXES):
+            raise SpecError(path, key, f"a key outside {', '.join(RESERVED_LABEL_PREFIXES)}, which the run sets itself (the queue: cluster.queue)")
+        if label_values and value and not LABEL_NAME.match(value):
+            raise SpecError(f"{path}.{key}", value, "a label value: at most 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -609,6 +762,22 @@ class RunSpec:
     def __post_init__(self) -> None:
         _dns_label("name", self.name, limit=MAX_RUN_NAME)
         _check_location("output", self.output, what="where the run writes everything")
+        self._check_output_reachable_by_pods()
+
+    def _check_output_reachable_by_pods(self) -> None:
+        """On Kubernetes every pod writes `output`: an s3:// prefix, or a path on the declared output volume."""
+        path = local_path(self.output)
+        if self.backend != "kubernetes" or path is None:
+            return
+        volume = self.cluster.output_volume
+        if volume is None:
+            raise SpecError(
+                "output", self.output,
+                "an s3://bucket/prefix URL with backend: kubernetes (the pods have no such path), or a path on a "
+                "ReadWriteMany claim declared as cluster.output_volume {claim, mount}, or backend: local",
+            )
+        if not posixpath.isabs(path) or not under(path, volume.mount):
+            raise SpecError("output", self.output, f"an absolute path under cluster.output_volume.mount ({volume.mount}), where the pods see the claim")
 
     @property
     def stores_final_hidden(self) -> bool:
@@ -727,6 +896,10 @@ def _convert(path: str, value: Any, tp: Any) -> Any:
         (item,) = typing.get_args(tp)
         return [_convert(f"{path}[{i}]", v, item) for i, v in enumerate(value)]
     if origin is dict:
+        if typing.get_args(tp)[1] is Any:  # Kubernetes objects in their own spelling (affinity, a patch)
+            if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+                raise SpecError(path, value, "a mapping with string keys")
+            return copy.deepcopy(value)
         if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
             raise SpecError(path, value, "a mapping of strings to strings")
         return dict(value)
@@ -814,6 +987,14 @@ def default_layers(num_hidden_layers: int, count: int = 5) -> list[int]:
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
     """The language model's config of a checkpoint config.json (multimodal ones nest it)."""
     return config.get("text_config") or config
+
+
+def rope_kind(config: dict[str, Any]) -> str:
+    """The target's RoPE scaling, "default" for none (Transformers 5's rope_parameters or the older rope_scaling)."""
+    text = text_config(config)
+    rope = text.get("rope_parameters") or {}
+    scaling = text.get("rope_scaling") or {}
+    return rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
 
 
 def resolve_layers(spec: RunSpec, checkpoint_config: dict[str, Any]) -> list[int]:

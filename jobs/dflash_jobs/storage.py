@@ -63,6 +63,26 @@ class ObjectNotFound(StorageError):
     """The object does not exist."""
 
 
+# Why S3 cannot be read, told apart for the checks and the plan (`dflashctl check`, `dflashctl plan`).
+# Each is a StorageError or StorageUnavailable as before, so every existing handler still applies.
+
+
+class CredentialsMissing(StorageError):
+    """No S3 credentials were found (environment, shared files, instance or workload identity)."""
+
+
+class AccessDenied(StorageError):
+    """S3 refused the credentials (unknown key, bad signature) or the call (a policy)."""
+
+
+class BucketNotFound(StorageError):
+    """The bucket does not exist."""
+
+
+class EndpointUnreachable(StorageUnavailable):
+    """The endpoint did not answer: a wrong AWS_ENDPOINT_URL, DNS, a firewall, or a store that is down."""
+
+
 def check_key(key: str) -> str:
     """Refuses keys that could escape the storage root or alias another key."""
     if not key or key.startswith("/") or "\\" in key or "\x00" in key:
@@ -270,12 +290,14 @@ class LocalStorage:
 
 def _s3_error(exc: Exception, url: str) -> StorageError:
     """Turns boto errors into messages that say what to fix."""
-    from botocore.exceptions import ClientError, ConnectionError, HTTPClientError, NoCredentialsError
+    from botocore.exceptions import ClientError, ConnectionError, HTTPClientError, NoCredentialsError, PartialCredentialsError
 
+    if isinstance(exc, PartialCredentialsError):
+        return CredentialsMissing(f"incomplete S3 credentials for {url} ({exc})", "Set both AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (in pods: the cluster.s3_secret Secret)")
     if isinstance(exc, NoCredentialsError):
-        return StorageError(f"no S3 credentials for {url}", "Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (in pods: the cluster.s3_secret Secret)")
+        return CredentialsMissing(f"no S3 credentials for {url}", "Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (in pods: the cluster.s3_secret Secret)")
     if isinstance(exc, ConnectionError):
-        return StorageUnavailable(f"cannot reach the S3 endpoint for {url} ({exc})", "Check AWS_ENDPOINT_URL or storage.endpoint_url, and the network")
+        return EndpointUnreachable(f"cannot reach the S3 endpoint for {url} ({exc})", "Check AWS_ENDPOINT_URL or storage.endpoint_url, and the network")
     if isinstance(exc, HTTPClientError):  # reset or timed out mid-request
         return StorageUnavailable(f"S3 call on {url} failed: {exc}", "Check the endpoint and the network; the call was retried")
     if isinstance(exc, ClientError):
@@ -284,9 +306,9 @@ def _s3_error(exc: Exception, url: str) -> StorageError:
         if code in _UNAVAILABLE_CODES or status >= 500:
             return StorageUnavailable(f"S3 call on {url} failed: {code or status} (the store is down or overloaded)", "Retried with backoff; check the store's health")
         if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403", "Forbidden"):
-            return StorageError(f"S3 refused access to {url} ({code})", "Check the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) and the bucket policy")
+            return AccessDenied(f"S3 refused access to {url} ({code})", "Check the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) and the bucket policy")
         if code in ("NoSuchBucket",):
-            return StorageError(f"the S3 bucket of {url} does not exist", "Create the bucket or fix the URL")
+            return BucketNotFound(f"the S3 bucket of {url} does not exist", "Create the bucket or fix the URL")
         if code in ("NoSuchKey", "404", "NotFound"):
             return ObjectNotFound(f"{url} does not exist")
         return StorageError(f"S3 call on {url} failed: {code or exc}", "See the message above; retried calls exhausted their attempts")
@@ -565,12 +587,27 @@ def open_storage(
     return LocalStorage(url)
 
 
-def open_url(url: str, *, endpoint_url: str | None = None, region: str | None = None) -> tuple[Storage, str]:
+def open_url(url: str, *, endpoint_url: str | None = None, region: str | None = None, max_attempts: int = 10) -> tuple[Storage, str]:
     """A single object's URL, as (storage of its parent, its key)."""
     parent, _, name = url.rstrip("/").rpartition("/")
     if not name or not parent or parent in ("s3:", "s3:/"):
         raise StorageError(f"{url!r} does not name an object", "Use s3://bucket/path/file or a file path")
-    return open_storage(parent, endpoint_url=endpoint_url, region=region), name
+    return open_storage(parent, endpoint_url=endpoint_url, region=region, max_attempts=max_attempts), name
+
+
+def read_head(url: str, size: int, *, endpoint_url: str | None = None, region: str | None = None, max_attempts: int = 10) -> tuple[int, bytes]:
+    """The size of the object at `url` and its first `size` bytes. Why it cannot be read is the
+    error's type: CredentialsMissing, EndpointUnreachable, AccessDenied, BucketNotFound, ObjectNotFound."""
+    storage, key = open_url(url, endpoint_url=endpoint_url, region=region, max_attempts=max_attempts)
+    try:
+        info = storage.stat(key)
+        if info is None:
+            # A HEAD answers 404 for a missing bucket as for a missing object: a listing tells them apart.
+            storage.list_modified(key)
+            raise ObjectNotFound(f"{url} does not exist", "Upload it there, or fix the URL")
+        return info.size, storage.get_bytes(key, 0, min(size, info.size)) if info.size else b""
+    except PermissionError as exc:  # a local file this user may not read
+        raise AccessDenied(f"{url} is not readable ({exc.strerror})", "Fix its permissions, or run where it is readable") from None
 
 
 def storage_for(spec, *, patience: Patience | None = None) -> Storage:

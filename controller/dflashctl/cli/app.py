@@ -104,6 +104,8 @@ def global_options(
 
 # Commands register below, one line per verb family (keep this list sorted by pipeline order).
 from dflashctl.cli import init; init.register(app)  # noqa: E402,E702
+from dflashctl.cli import check; check.register(app)  # noqa: E402,E702
+from dflashctl.cli import stage_model; stage_model.register(app)  # noqa: E402,E702
 from dflashctl.cli import plan; plan.register(app)  # noqa: E402,E702
 from dflashctl.cli import prepare; prepare.register(app)  # noqa: E402,E702
 from dflashctl.cli import render; render.register(app)  # noqa: E402,E702

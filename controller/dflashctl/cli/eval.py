@@ -10,6 +10,7 @@ from dflashctl.backends import open_backend
 from dflashctl.cli import output
 from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt, TimeoutOpt, read_spec
 from dflashctl.cli.reporting import print_report, reporter_for
+from dflashctl.cli.submit import clear_to_start
 from dflashctl.pipeline import run_eval
 
 
@@ -31,8 +32,10 @@ def evaluate(
       dflashctl eval -o json | jq '.drafters.dflash.acceptance_length'
     """
     spec = read_spec(spec_file)
+    backend = open_backend(spec)
+    clear_to_start(spec, backend, "eval", force=False)
     with reporter_for(output.stderr) as reporter:
-        report = run_eval(spec, open_backend(spec), reporter=reporter, timeout=timeout)
+        report = run_eval(spec, backend, reporter=reporter, timeout=timeout)
     print_report(report, fmt)
     output.hint(f"the full report: {spec.output}/{EVAL_REPORT_KEY} (and the plot eval/acceptance.png beside it)")
 

@@ -15,7 +15,7 @@ from dflashctl.backends import open_backend
 from dflashctl.cli import output
 from dflashctl.cli.options import DEFAULT_SPEC, SpecOpt, read_spec
 from dflashctl.cli.status import job_statuses
-from dflashctl.cli.submit import Step
+from dflashctl.cli.submit import Step, clear_to_start
 from dflashctl.render import COMPONENTS, STEPS, job_name, render_selection
 
 
@@ -66,6 +66,7 @@ def retry(
         if not status.failed_terminally:
             output.info(f"{name}: {'not submitted' if not status.exists else 'has not failed'}, nothing to retry")
             continue
+        clear_to_start(spec, backend, name, force=False)
         backend.delete(job_name(spec, name))
         backend.submit(render_selection(spec, name))
         failed = f" (failed shards: {format_indexes(status.failed_indexes)})" if status.failed_indexes else ""

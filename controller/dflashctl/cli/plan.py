@@ -5,13 +5,17 @@ from __future__ import annotations
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
-from dflash_jobs.spec import load_spec
+from dflash_jobs.errors import StorageError
+from dflash_jobs.units import format_duration
 
 from dflashctl import plan as planning
+from dflashctl.check import Preflight
+from dflashctl.check.inputs import image, placeholders
 from dflashctl.cli import output
-from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt, Targets
+from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt, Targets, read_spec
 
 
 def plan(
@@ -50,16 +54,26 @@ def plan(
 
       dflashctl plan --store-mb-per-s 5000
     """
-    spec = load_spec(spec_file)
+    spec = read_spec(spec_file)
     planning.check_stored_states(spec)
+    try:
+        source: planning.SourceSample | StorageError = planning.read_source(spec)
+    except StorageError as error:
+        source = error
+    data = planning.read_data_size(spec, source)
     generation = None
     if spec.generate is not None:
-        prompts, measured = planning.read_generation(spec)
+        prompts, measured = planning.read_generation(spec, source)
         generation = planning.generation_cost(spec, prompts, measured, tokens_per_second=generate_tokens_per_second)
+        if data.estimated:  # extraction reads the regenerated answers, not the source's
+            data = planning.generated_data_size(spec, generation, source)
+    nodes, nodes_basis = planning.read_nodes(spec)
+    offline = Preflight(spec)
+    warnings = [result.line() for result in (placeholders(offline), image(offline)) if result.status in ("warn", "fail")]
     result = planning.make_plan(
-        spec, planning.read_data_size(spec), planning.read_target_shape(spec), tokens_per_second=tokens_per_second,
+        spec, data, planning.read_target_shape(spec), tokens_per_second=tokens_per_second,
         train_tokens_per_second=train_tokens_per_second, store_mb_per_s=store_mb_per_s,
-        generation=generation,
+        generation=generation, nodes=nodes, nodes_basis=nodes_basis, warnings=warnings,
     )
     if output_format is OutputFormat.json:
         output.result_json(result.to_dict())
@@ -72,7 +86,20 @@ def plan(
         output.info(f"warning: {warning}")
     output.info(f"data: {result.data.basis}")
     output.info(f"target: {result.target.basis}")
-    output.hint("dflashctl run" if not result.data.estimated else "dflashctl prepare   (exact token counts)")
+    output.info(f"nodes: {result.nodes_basis}")
+    for warning in result.warnings:
+        output.info(f"warning: {escape(warning)}")
+    output.hint(next_command(spec, result))
+
+
+def next_command(spec, result: planning.Plan) -> str:
+    """What to run after the plan: generation comes first when the spec regenerates the answers
+    (prepare waits for it), prepare alone gives exact figures, else the run."""
+    if not result.data.estimated:
+        return "dflashctl run"
+    if spec.generate is not None:
+        return "dflashctl run   (it generates the answers first, then prepares them; `dflashctl submit generate --wait` runs generation alone)"
+    return "dflashctl prepare   (exact token counts), or dflashctl run"
 
 
 def plan_table(result: planning.Plan) -> Table:
@@ -83,19 +110,24 @@ def plan_table(result: planning.Plan) -> Table:
     if result.generation is not None:
         _generation_rows(table, result.generation)
     table.add_row("samples", _amount(result.data.samples, estimated))
-    table.add_row("tokens", _amount(result.data.tokens, estimated))
+    bound = result.data.tokens_upper_bound
+    table.add_row("tokens", _amount(result.data.tokens, estimated) + (f", at most {bound:,} (every answer at generate.max_new_tokens)" if bound else ""))
     table.add_row("captured states", f"{len(result.target.layers)} layers {result.target.layers} x hidden {result.target.hidden_size}")
     _final_hidden_row(table, result.final_hidden)
     for dtype, size in result.bytes_per_token.items():
         chosen = "  <- extract.dtype" if dtype == result.dtype else ""
         table.add_row(f"storage {dtype}", _amount(result.storage_tb[dtype], f" TB ({size:,} bytes/token){chosen}"))
     table.add_row("extraction", _amount(result.gpu_hours, f" GPU-hours at {result.tokens_per_second_per_gpu:,.0f} tokens/s per GPU"))
-    table.add_row("wall clock", _amount(result.wall_clock_hours, f" hours on {result.shards} shards"))
+    table.add_row("wall clock", f"{_duration(result.wall_clock_hours)} on {result.shards} shards")
     for dtype, rate in result.upload_mb_per_s_per_node.items():
         table.add_row(f"upload per node {dtype}", _amount(rate, f" MB/s ({result.gpus_per_node} GPUs per node)"))
     table.add_row("training", _amount(result.train_gpu_hours, f" GPU-hours at {result.train_tokens_per_second_per_gpu:,.0f} tokens/s per GPU"))
-    table.add_row("training wall clock", _amount(result.train_wall_clock_hours, " hours"))
+    table.add_row("training wall clock", _duration(result.train_wall_clock_hours))
     _training_read_rows(table, result.training_reads)
+    for pod in result.pods:
+        gpus = f"{pod.gpus} GPU, " if pod.gpus else ""
+        where = f": {pod.detail}" if pod.detail else ""
+        table.add_row(f"pod {pod.component}", f"{pod.count} x ({gpus}{pod.cpu:g} CPU, {pod.memory_gib:,.4g} GiB){where}")
     return table
 
 
@@ -127,7 +159,12 @@ def _generation_rows(table: Table, cost: planning.GenerationCost) -> None:
     table.add_row("tokens to generate", _amount(cost.tokens, " (upper bound)" if cost.upper_bound else ""))
     rate = "" if cost.tokens_per_second_per_gpu is None else f" at {cost.tokens_per_second_per_gpu:,.0f} tokens/s per GPU"
     table.add_row("generation", _amount(cost.gpu_hours, f" GPU-hours{rate}"))
-    table.add_row("generation wall clock", _amount(cost.wall_clock_hours, f" hours on {cost.shards} shards x {cost.gpus_per_shard} GPU(s)"))
+    table.add_row("generation wall clock", f"{_duration(cost.wall_clock_hours)} on {cost.shards} shards x {cost.gpus_per_shard} GPU(s)")
+
+
+def _duration(hours: float | None) -> str:
+    """Hours as a reader says them: 2h54m, 14m05s; "unknown" when not known."""
+    return "unknown" if hours is None else format_duration(hours * 3600)
 
 
 def _amount(value: float | int | None, suffix: str = "") -> str:

@@ -18,6 +18,7 @@ from dflash_jobs.spec import load_spec
 from dflashctl.cli import output
 from dflashctl.cli.options import DEFAULT_SPEC, SpecOpt, Targets
 from dflashctl.errors import EXIT_RUN_FAILED, EXIT_USAGE
+from dflashctl.identity import claim_here
 
 
 def prepare(
@@ -35,7 +36,8 @@ def prepare(
 
       dflashctl prepare --strict && dflashctl plan
     """
-    load_spec(spec_file)  # a bad spec fails here, with the usual message, before any import of torch
+    spec = load_spec(spec_file)  # a bad spec fails here, with the usual message, before any import of torch
+    claim_here(spec, force=False, say=output.info)  # it writes <output>/tokens
     command = [sys.executable, "-m", "dflash_jobs.prepare", "-f", str(spec_file)] + (["--strict"] if strict else [])
     code = subprocess.run(command).returncode  # its log lines stream through to this terminal
     if code == EXIT_OK:

@@ -11,6 +11,7 @@ import typer
 from rich.markup import escape
 
 from dflashctl.backends import open_backend
+from dflashctl.check import cluster_of, preflight
 from dflashctl.cli import output
 from dflashctl.cli.options import DEFAULT_SPEC, ForceOpt, OutputFormat, OutputOpt, SpecOpt, TimeoutOpt, read_spec
 from dflashctl.cli.reporting import print_report, reporter_for
@@ -28,6 +29,7 @@ def run(
 
     Run it again after a crash or Ctrl-C: it attaches to the Jobs that exist, skips every step
     whose output is in storage, and goes on. Training starts only once every chunk is verified.
+    The cheap preflight checks run first (`dflashctl check` runs them all): a failure starts nothing.
 
     Examples:
 
@@ -42,6 +44,7 @@ def run(
     """
     spec = read_spec(spec_file)
     backend = open_backend(spec)
+    preflight(spec, "run", cluster_of(backend), force=force, say=output.info)
     with reporter_for(output.stderr) as reporter:
         result = run_pipeline(spec, backend, reporter=with_metrics(spec, reporter), force=force, timeout=timeout)
     if fmt is OutputFormat.json:

@@ -202,8 +202,11 @@ def serve_command(spec: RunSpec, storage: Storage) -> str:
 def next_step(spec: RunSpec, report: RunReport) -> str:
     """What happens next, or the command that makes it happen."""
     jobs, progress = report.jobs, report.progress
-    driven = jobs["controller"].exists and not jobs["controller"].finished
-    by = " (the in-cluster controller does it)" if driven else ""
+    controller = jobs["controller"]
+    by = " (the in-cluster controller does it)" if controller.exists and not controller.finished else ""
+    if controller.failed_terminally and not report.evaluated:
+        words = next((shard.message for shard in controller.shards if shard.message), None) or controller.failure_message
+        return f"the in-cluster controller failed: {words}; fix that, then `dflashctl retry controller`"
     if report.storage_error:
         return "fix storage access first (see the error above), then `dflashctl status` again"
     if report.evaluated:

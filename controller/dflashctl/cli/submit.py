@@ -7,16 +7,16 @@ from typing import Annotated
 
 import typer
 
-from dflash_jobs.errors import InputError
-from dflash_jobs.formats import MANIFEST_KEY
-from dflash_jobs.storage import storage_for
+from dflash_jobs.spec import RunSpec
 
-from dflashctl.backend import JobStatus
+from dflashctl.backend import Backend, JobStatus
 from dflashctl.backends import open_backend
+from dflashctl.check import cluster_of, preflight
 from dflashctl.cli import output
 from dflashctl.cli.options import DEFAULT_SPEC, ForceOpt, SpecOpt, TimeoutOpt, read_spec
 from dflashctl.cli.status import summarize
 from dflashctl.errors import RunFailed
+from dflashctl.identity import claim_here
 from dflashctl.render import COMPONENTS, job_name, render_selection
 
 
@@ -35,6 +35,10 @@ def submit(
 ) -> None:
     """Create the Job of one step. The same spec again attaches to it; a different one is refused without --force.
 
+    The step's cheap checks run first (`dflashctl check` runs them all): a failure starts nothing
+    and exits 2 (4: the cluster, 5: storage). The output is claimed for this spec (run.yaml): one
+    holding another run is refused.
+
     Examples:
 
       dflashctl submit extract --wait
@@ -44,30 +48,39 @@ def submit(
       dflashctl submit train        # needs extract/manifest.json (verify)
     """
     spec = read_spec(spec_file)
-    if step is Step.train and not storage_for(spec).exists(MANIFEST_KEY):
-        raise InputError(
-            f"{spec.output}/{MANIFEST_KEY} does not exist: training starts only from verified chunks",
-            "Run `dflashctl verify` once every chunk has landed (`dflashctl status` shows how many have)",
-        )
     backend = open_backend(spec)
+    clear_to_start(spec, backend, step.value, force=force)
     backend.submit(render_selection(spec, step.value), force=force)
     name = job_name(spec, step.value)
     output.info(f"submitted Job {name} ({spec.backend}, spec hash {spec.fingerprint()})")
     if not wait:
         output.hint("dflashctl status --watch")
         return
+    wait_for_job(backend, step.value, name, timeout=timeout)
+    output.hint("dflashctl status")
+
+
+def clear_to_start(spec: RunSpec, backend: Backend, step: str, *, force: bool, stage_source: str | None = None) -> None:
+    """Before a command creates a step's Job: the step's cheap preflight checks, then the output
+    claimed for this spec (run.yaml; stage-model writes no output)."""
+    preflight(spec, step, cluster_of(backend), force=force, say=output.info, stage_source=stage_source)
+    if step != "stage-model":
+        claim_here(spec, force=force, say=output.info)
+
+
+def wait_for_job(backend: Backend, step: str, name: str, *, timeout: float | None) -> None:
+    """Blocks until the Job ends, a line each time its summary changes; RunFailed if it failed."""
     last: list[str] = []
 
     def report(status: JobStatus) -> None:
-        line = summarize(step.value, status)
+        line = summarize(step, status)
         if line != (last[-1] if last else None):
             output.info(line)
             last.append(line)
 
     final = backend.wait(name, timeout=timeout, on_update=report)
     if final.failed_terminally:
-        raise RunFailed(f"Job {name} failed: {final.failure_message}", "`dflashctl status` shows the shards; `dflashctl logs --shard N` why")
-    output.hint("dflashctl status")
+        raise RunFailed(f"Job {name} failed: {final.failure_message}", f"`dflashctl status` shows the shards; `dflashctl logs {step}` why")
 
 
 def register(app: typer.Typer) -> None:

@@ -14,6 +14,7 @@ from dflash_jobs.storage import storage_for
 from dflashctl.cli import output
 from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt, Targets
 from dflashctl.cli.reporting import reporter_for
+from dflashctl.identity import claim_here
 from dflashctl.pipeline import StepUpdate
 from dflashctl.verify import Expected, verify_run
 
@@ -43,6 +44,7 @@ def verify(
     """
     spec = load_spec(spec_file)
     storage = storage_for(spec)
+    claim_here(spec, force=False, say=output.info)  # it writes extract/manifest.json
     with reporter_for(output.stderr) as reporter:
         manifest = verify_run(
             storage, Expected.of(spec), deep=deep, delete_bad=delete_bad,

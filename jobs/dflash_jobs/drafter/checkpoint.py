@@ -20,7 +20,7 @@ import torch
 
 from dflash_jobs.errors import InputError, SpecError
 from dflash_jobs.formats import fetch_header_bytes, read_header
-from dflash_jobs.spec import TrainSpec, text_config
+from dflash_jobs.spec import TrainSpec, rope_kind, text_config
 from dflash_jobs.storage import Storage
 
 EMBED_KEYS = ("model.language_model.embed_tokens.weight", "model.embed_tokens.weight")
@@ -114,15 +114,13 @@ class TargetCheckpoint:
         """The RoPE base the drafter takes over. A scaled RoPE (YaRN, linear, dynamic) is refused: the
         drafter's RoPE has none, and a drafter exported without the target's scaling would place its
         positions otherwise than the target does, past the original context most."""
-        rope = self.text.get("rope_parameters") or {}
-        scaling = self.text.get("rope_scaling") or {}
-        kind = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+        kind = rope_kind(self.config)
         if kind != "default":
             raise InputError(
                 f"the target {self.storage.url} scales its RoPE ({kind!r}), which the DFlash drafter does not implement",
                 "Train the drafter for a target with plain RoPE (rope_type 'default'), or drop the scaling from its config.json if it serves without it",
             )
-        return float(rope.get("rope_theta", self.text.get("rope_theta", 1e6)))
+        return float((self.text.get("rope_parameters") or {}).get("rope_theta", self.text.get("rope_theta", 1e6)))
 
     def tokenizer_size(self) -> int | None:
         """len(tokenizer) of the tokenizer.json beside the weights (added tokens included), or None."""

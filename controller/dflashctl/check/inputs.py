@@ -1,0 +1,306 @@
+"""The run's inputs and outputs in the preflight: placeholders left in the spec, the output (reachable,
+and free or holding this same run), the order of the steps, data.source (readable, its first rows
+parse), the target checkpoint (its config read here, or through a probe pod on the model volume),
+and the image. Storage answers through the real S3 client, its failures told apart by their type
+(no credentials, unreachable endpoint, access denied, missing bucket, missing object)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from dflash_jobs.errors import DflashError, InputError, SpecError, StorageError
+from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, MANIFEST_KEY, RUN_KEY, Manifest, check_final_hidden
+from dflash_jobs.generation import current_manifest
+from dflash_jobs.spec import ClusterSpec, RunSpec, is_s3, local_path, resolve_layers, rope_kind, text_config, under
+from dflash_jobs.stage_model import describe_checkpoint
+from dflash_jobs.storage import Storage, read_head
+
+from dflashctl.check import STORAGE_ATTEMPTS, CheckResult, Preflight, fail, from_error, ok, skipped, warn
+from dflashctl.identity import identity_conflict, output_elsewhere
+from dflashctl.kube import exit_reason
+from dflashctl.render import WORKER
+from dflashctl.starter import STARTER_VALUES
+from dflashctl.tool_pods import probe_pod_name, render_probe_pod
+
+SOURCE_HEAD_BYTES = 1 << 20
+"""Of data.source read to parse its first rows."""
+ROWS_CHECKED = 3
+KNOWN_TARGETS = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+"""Model types dflash-k8s is built and tested for (Qwen3.5/3.6: Gated DeltaNet + gated attention)."""
+PULL_FAILURES = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
+PLACEHOLDER_BUCKETS = {url[len("s3://"):].split("/", 1)[0] for url in (STARTER_VALUES["output"], STARTER_VALUES["data"]["source"]) if is_s3(url)}
+"""The bucket `dflashctl init` writes for the user to replace."""
+STAGE_FIX = "Stage it: `dflashctl stage-model --from hf://Qwen/Qwen3.6-27B` (or --from s3://...)"
+STEP_INPUTS = {"extract": DATASET_KEY, "train": MANIFEST_KEY, "eval": DRAFTER_CONFIG_KEY}
+"""What a step's Job reads from the output and an earlier step writes."""
+STEP_BEFORE = {DATASET_KEY: "prepare (`dflashctl run`, or `dflashctl prepare` here)", MANIFEST_KEY: "extraction, then `dflashctl verify`",
+               DRAFTER_CONFIG_KEY: "training (`dflashctl submit train`)"}
+
+
+def placeholders(pf: Preflight) -> CheckResult:
+    spec = pf.spec
+    left = [f"{name} {url}" for name, url in (("output", spec.output), ("data.source", spec.data.source), ("target.model", spec.target.model))
+            if is_s3(url) and url[len("s3://"):].split("/", 1)[0] in PLACEHOLDER_BUCKETS]
+    if left:
+        return fail("placeholders", f"the starter's placeholder bucket is still there: {', '.join(left)}", "Set them to your bucket")
+    return ok("placeholders", "none of the starter's placeholder values is left")
+
+
+def output(pf: Preflight) -> CheckResult:
+    spec = pf.spec
+    if pf.step == "stage-model":
+        return skipped("output", "stage-model writes the model volume only")
+    if (elsewhere := output_elsewhere(spec)) is not None:
+        return skipped("output", f"{elsewhere}: the pods (the in-cluster controller) check it")
+    storage = pf.storage(spec.output)
+    try:
+        conflict = identity_conflict(storage, spec)
+        if conflict is not None and pf.force:
+            return warn("output", f"{conflict.what}; --force replaces its run.yaml (what it holds is kept)")
+        if conflict is not None:
+            return fail("output", conflict.what, conflict.fix)
+        if storage.exists(RUN_KEY):
+            return ok("output", f"{storage.url} holds this run (the steps done are skipped)")
+        storage.list_modified(RUN_KEY)  # a missing bucket answers a read of run.yaml as a missing object does
+    except StorageError as error:
+        return from_error("output", error, what="cannot use it: ")
+    return ok("output", f"{storage.url}: no run there yet")
+
+
+def next_step(storage: Storage, spec: RunSpec) -> str:
+    """The first step whose output is not in storage: what `dflashctl run` would start."""
+    if not storage.exists(DATASET_KEY):
+        return "generate" if spec.generate is not None and current_manifest(storage, spec) is None else "prepare"
+    if not storage.exists(MANIFEST_KEY):
+        return "extract"
+    return "train" if not storage.exists(DRAFTER_CONFIG_KEY) else "eval"
+
+
+def step_order(pf: Preflight) -> CheckResult:
+    """A step's Job needs what the step before it wrote: `submit extract` before prepare is refused."""
+    spec, step = pf.spec, pf.step
+    if step not in (*STEP_INPUTS, "prepare", None) or (step == "prepare" and spec.generate is None) or output_elsewhere(spec):
+        return skipped("step order", "nothing to wait for")
+    storage = pf.storage(spec.output)
+    try:
+        if step is None:
+            return ok("step order", f"the run starts at {next_step(storage, spec)}")
+        if step == "prepare":
+            if current_manifest(storage, spec) is None:
+                return fail("step order", "prepare reads the regenerated answers, and generate/manifest.json of these settings does not exist",
+                            "Generate them first: `dflashctl submit generate --wait` (or `dflashctl run`, which does every step in turn)")
+            return ok("step order", "the answers are generated")
+        needed = STEP_INPUTS[step]
+        if not storage.exists(needed):
+            return fail("step order", f"{storage.url}/{needed} does not exist, and {step} reads it",
+                        f"Run {STEP_BEFORE[needed]} first, or `dflashctl run`, which does every step in turn")
+        if step == "train":  # the states are there: do they hold what this drafter reads?
+            check_final_hidden(Manifest.from_json(storage.get_bytes(MANIFEST_KEY)), spec.train, f"{storage.url}/{MANIFEST_KEY}")
+    except InputError as error:
+        return fail("step order", error.what, error.fix)
+    except StorageError as error:
+        return from_error("step order", error, what="cannot read the output: ")
+    return ok("step order", f"{needed} exists")
+
+
+def source_needed(pf: Preflight) -> bool:
+    """Whether the step about to start reads data.source (generation, or prepare before any answers exist)."""
+    spec = pf.spec
+    if pf.step in ("generate", "prepare"):
+        return pf.step == "generate" or spec.generate is None
+    if not pf.whole_run:
+        return False
+    if output_elsewhere(spec):
+        return True
+    try:
+        storage = pf.storage(spec.output)
+        return not storage.exists(DATASET_KEY) and (spec.generate is None or current_manifest(storage, spec) is None)
+    except StorageError:
+        return True  # the output check says why; the source is checked anyway
+
+
+def data_source(pf: Preflight) -> CheckResult:
+    spec = pf.spec
+    source = spec.data.source
+    if not source_needed(pf):
+        return skipped("data.source", "the step about to start does not read it (prepared or generated already)")
+    path = local_path(source)
+    if path is not None and spec.backend == "kubernetes":
+        mounts = [volume.mount for volume in (spec.cluster.output_volume, spec.cluster.model_volume) if volume is not None]
+        if not any(under(path, mount) for mount in mounts):
+            return fail("data.source", f"{source} is a path on this machine, which the pods that read it cannot see",
+                        f"Upload it (e.g. to s3://<bucket>/chats.jsonl) and set data.source, or tokenize here first: `dflashctl prepare` (it writes {DATASET_KEY})")
+        if not Path(path).exists() and not any(Path(mount).is_dir() for mount in mounts):
+            return skipped("data.source", f"{source} lies on a claim not mounted here: the pods read it")
+    try:
+        size, head = read_head(source, SOURCE_HEAD_BYTES, endpoint_url=spec.storage.endpoint_url, region=spec.storage.region,
+                               max_attempts=STORAGE_ATTEMPTS)
+    except StorageError as error:
+        return from_error("data.source", error, what="cannot read it: ")
+    problem, rows = first_rows_problem(head, whole=len(head) >= size)
+    if problem is not None:
+        return fail("data.source", f"{source}: {problem}", 'Each line must be a JSON object: {"messages": [{"role": ..., "content": ...}, ...]} '
+                    'or {"input_ids": [...], "loss_mask": [...]}')
+    return ok("data.source", f"{source}: {size:,} bytes; the first {len(rows)} row(s) are {' and '.join(sorted(set(rows)))}")
+
+
+def first_rows_problem(head: bytes, *, whole: bool) -> tuple[str | None, list[str]]:
+    """What is wrong with the first complete rows of a JSONL head, or None; and each row's kind."""
+    lines = head.split(b"\n")
+    if not whole:
+        lines = lines[:-1]  # the last one may be cut
+    kinds = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            return f"line {number} is not JSON ({exc})", kinds
+        if isinstance(row, dict) and isinstance(row.get("messages"), list) and all(isinstance(m, dict) and "role" in m for m in row["messages"]):
+            kinds.append("chat conversations")
+        elif isinstance(row, dict) and isinstance(row.get("input_ids"), list) and isinstance(row.get("loss_mask"), list):
+            kinds.append("pre-tokenized")
+        else:
+            keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+            return f"line {number} is neither a chat row (messages with roles) nor a pre-tokenized one (input_ids, loss_mask): it has {keys}", kinds
+        if len(kinds) == ROWS_CHECKED:
+            break
+    if not kinds:
+        return "no complete row in its first MiB", kinds
+    return None, kinds
+
+
+# ---- the target ------------------------------------------------------------------------------
+
+
+def target(pf: Preflight) -> CheckResult:
+    spec = pf.spec
+    model = spec.target.model
+    volume = spec.cluster.model_volume
+    if pf.step == "stage-model":
+        return skipped("target", "about to be staged")
+    try:
+        if is_s3(model):
+            description = _describe_s3(pf, model)
+            where = ""
+        elif Path(local_path(model)).is_dir() or spec.backend == "local":
+            description, where = describe_checkpoint(local_path(model)), ""
+        elif volume is not None and under(local_path(model), volume.mount):
+            if not pf.probe:
+                return skipped("target", f"{model} lies on claim {volume.claim}: `dflashctl check` reads it through a pod")
+            if pf.cluster is None or pf.cluster_error is not None:
+                return skipped("target", "not checked: see namespace")
+            description, where = _read_through_pod(pf), f" (read by pod {probe_pod_name(spec)} on claim {volume.claim})"
+        else:
+            return warn("target", f"{model} is neither here nor on cluster.model_volume: not checked, and the pods must see it there",
+                        "Set cluster.model_volume {claim, mount} with target.model under its mount (or mount it with cluster.pod_template_patch)")
+    except StorageError as error:
+        return from_error("target", error, what="cannot read its config.json: ")
+    return judge_target(spec, description, where)
+
+
+def _describe_s3(pf: Preflight, model: str) -> dict[str, Any]:
+    _, config = read_head(f"{model.rstrip('/')}/config.json", 1 << 20, endpoint_url=pf.spec.storage.endpoint_url,
+                          region=pf.spec.storage.region, max_attempts=STORAGE_ATTEMPTS)
+    files = pf.storage(model).list("")
+    description = {"exists": True, "staged": None, "tokenizer": "tokenizer_config.json" in files,
+                   "safetensors": {"files": sum(key.endswith(".safetensors") for key in files)}}
+    try:
+        return description | {"config": json.loads(config)}
+    except ValueError as exc:
+        return description | {"config": None, "config_error": f"config.json is not valid JSON ({exc})"}
+
+
+def judge_target(spec: RunSpec, description: dict[str, Any], where: str = "") -> CheckResult:
+    """The checkpoint against the spec: there and complete, layers in range, a known architecture, plain RoPE."""
+    model = spec.target.model
+    if not description.get("exists"):
+        return fail("target", f"{model} does not exist{where}", STAGE_FIX)
+    staged = description.get("staged")
+    if staged is not None and not staged.get("complete"):
+        return fail("target", f"{model} is staged only in part ({staged['files']} file(s) from {staged['source']}){where}",
+                    "Run `dflashctl stage-model` again with the same --from: it fetches what is missing")
+    config = description.get("config")
+    if config is None:
+        return fail("target", f"{model}: {description.get('config_error', 'no config.json')}{where}", STAGE_FIX)
+    if not description["safetensors"]["files"]:
+        return fail("target", f"{model} has a config.json but no *.safetensors{where}", STAGE_FIX)
+    try:
+        layers = resolve_layers(spec, config)
+    except SpecError as error:
+        return fail("target", f"{error.field} = {error.value} does not fit the checkpoint: expected {error.allowed}{where}",
+                    f"Set {error.field} within it (null: the default for its depth)")
+    if rope_kind(config) != "default":
+        return fail("target", f"{model} scales its RoPE ({rope_kind(config)!r}){where}, which the DFlash drafter does not implement",
+                    "Use a target with plain RoPE (training would run and its export refuse it)")
+    text = text_config(config)
+    model_type = text.get("model_type") or config.get("model_type") or "?"
+    origin = f"; staged from {staged['source']} at {(staged.get('commit') or '')[:12] or 'its listing'}" if staged else ""
+    detail = f"{model}: {model_type}, {text['num_hidden_layers']} layers, hidden {text.get('hidden_size', '?')}, capturing {layers}{origin}{where}"
+    if not description.get("tokenizer"):
+        return warn("target", f"{detail}; no tokenizer_config.json", "prepare needs the target's tokenizer and chat template beside the weights")
+    if model_type not in KNOWN_TARGETS:
+        return warn("target", f"{detail}; {model_type} is not an architecture dflash-k8s is tested with ({', '.join(KNOWN_TARGETS)})")
+    return ok("target", detail)
+
+
+def _read_through_pod(pf: Preflight) -> dict[str, Any]:
+    """Starts the probe pod, waits for it, reads the JSON line it logs, and deletes it."""
+    cluster, spec = pf.cluster, pf.spec
+    pod = render_probe_pod(spec)
+    name = pod["metadata"]["name"]
+    cluster.delete("Pod", name, wait=60)  # one an interrupted check left
+    cluster.create(pod)
+    try:
+        current = None
+        for current in cluster.watch_object("Pod", name, deadline=time.monotonic() + pf.probe_timeout):
+            if current is None:
+                raise DflashError(f"the probe pod {name} was deleted before it ended", "Run `dflashctl check` again")
+            waiting = _waiting(current)
+            if waiting is not None and waiting[0] in PULL_FAILURES:
+                pf.image_pulled = False
+                raise DflashError(f"the probe pod cannot pull {spec.cluster.image}: {waiting[0]} {waiting[1]}".strip(),
+                                  "Push the image there, or give the nodes access: cluster.image_pull_secrets")
+            if (current.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+                break
+        else:
+            why = exit_reason(current) if current is not None else None
+            raise DflashError(f"the probe pod {name} did not finish within {pf.probe_timeout:.0f} s{f' ({why})' if why else ''}",
+                              f"`kubectl -n {spec.cluster.namespace} describe pod {name}` says what it waits for (the volume, the node)")
+        pf.image_pulled = True
+        lines = list(cluster.logs(name, container=WORKER, follow=False))
+        if current["status"]["phase"] == "Failed":
+            raise DflashError(f"the probe pod failed ({exit_reason(current)}): {' '.join(lines[-3:])}", "The image may predate stage-model: rebuild it (images/)")
+        return json.loads(next(line for line in reversed(lines) if line.startswith("{")))
+    finally:
+        cluster.delete("Pod", name)
+
+
+def _waiting(pod: dict[str, Any]) -> tuple[str, str] | None:
+    for container in (pod.get("status") or {}).get("containerStatuses") or []:
+        waiting = (container.get("state") or {}).get("waiting")
+        if waiting:
+            return waiting.get("reason") or "", waiting.get("message") or ""
+    return None
+
+
+def image(pf: Preflight) -> CheckResult:
+    cluster = pf.spec.cluster
+    if pf.spec.backend != "kubernetes":
+        return skipped("image", "backend: local")
+    if pf.image_pulled:
+        return ok("image", f"{cluster.image} was pulled by the probe pod")
+    if pf.image_pulled is False:
+        return fail("image", f"{cluster.image} cannot be pulled (see target)", "Push it, or set cluster.image_pull_secrets")
+    defaults = ClusterSpec()
+    left = [f"cluster.{name} {value}" for name, value, default in (("image", cluster.image, defaults.image),
+                                                                  ("controller_image", cluster.controller_image, defaults.controller_image))
+            if value == default and (name == "image" or pf.whole_run)]
+    if left:
+        return warn("image", f"the project's default image names, which nothing here says exist: {', '.join(left)}",
+                    "Build and push yours (images/README.md), then set them; `dflashctl check` pulls cluster.image through a probe pod")
+    return skipped("image", "pulled by the first pod (`dflashctl check` pulls cluster.image through a probe pod)")

@@ -1,0 +1,357 @@
+"""`dflashctl check`, and the cheap checks `run` and every `submit` make first (issue 31, item 1): the real
+kubernetes client against the API double (tests/k8s_fake_api.py), S3 through boto3 against moto on
+loopback. Each first-run mistake of the issue is found before a Job exists, with the fix."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import boto3
+import pytest
+import yaml
+
+from dflash_jobs.formats import DATASET_KEY, MANIFEST_KEY, RUN_KEY, ChunkInfo, DatasetIndex, Manifest
+from dflash_jobs.spec import dump_spec, load_spec, parse_spec
+from dflash_jobs.stage_model import RECORD_FILE, describe_checkpoint
+from dflash_jobs.storage import open_storage
+from dflashctl.errors import EXIT_CLUSTER, EXIT_STORAGE_UNAVAILABLE, EXIT_USAGE
+from dflashctl.starter import STARTER_VALUES, starter_spec
+from faults.s3_fault_proxy import INVALID_KEY, S3FaultProxy
+from k8s_fake_api import PodRun, fake_k8s, make_node, make_pvc, make_secret  # noqa: F401 - the fixture
+from test_cli_controller import cli
+
+CONFIG = {"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text", "num_hidden_layers": 64, "hidden_size": 5120}}
+H200 = {"nvidia.com/gpu.product": "NVIDIA-H200"}
+
+
+def write_checkpoint(directory: Path, config: dict = CONFIG, *, complete: bool = True) -> Path:
+    """A checkpoint as stage-model leaves it (the weights are placeholders: only their names and sizes matter here)."""
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "model-00001-of-00001.safetensors").write_bytes(b"\0" * 64)
+    (directory / "tokenizer_config.json").write_text("{}")
+    (directory / RECORD_FILE).write_text(json.dumps({"source": "hf://Qwen/Qwen3.6-27B@main", "revision": "main", "commit": "c" * 40,
+                                                     "files": {"config.json": {}}, "complete": complete, "staged_at": None}))
+    return directory
+
+
+def forget_s3_credentials(monkeypatch) -> None:
+    """No S3 credentials anywhere boto3 looks: the environment, the shared files, the instance metadata."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    for name in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
+        monkeypatch.setenv(name, "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+class Cluster:
+    """A first run's setting: the spec file, the fake API, the bucket, and the checkpoint the probe pod finds."""
+
+    def __init__(self, tmp_path: Path, api, bucket: str) -> None:
+        self.tmp_path, self.api, self.bucket = tmp_path, api, bucket
+        self.spec_file = tmp_path / "dflash.yaml"
+        self.checkpoint = tmp_path / "pvc" / "Qwen3.6-27B"  # what the probe pod sees on the claim
+        self.s3 = boto3.client("s3")
+        self.raw = {
+            "name": "first", "target": {"model": "/models/Qwen3.6-27B"},
+            "data": {"source": f"s3://{bucket}/data/chats.jsonl"}, "output": f"s3://{bucket}/runs/first",
+            "cluster": {"model_volume": {"claim": "models"}, "node_selector": H200, "image_pull_secrets": ["registry-creds"],
+                        "image": "registry.example.com/dflash:0.1.0", "controller_image": "registry.example.com/dflashctl:0.1.0"},
+        }
+        self.write()
+        self.s3.put_object(Bucket=bucket, Key="data/chats.jsonl", Body=b'{"messages": [{"role": "user", "content": "hi"}, '
+                                                                           b'{"role": "assistant", "content": "hello"}]}\n' * 3)
+        for obj in (make_pvc("models", modes=("ReadOnlyMany",)), make_secret("dflash-s3", {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}),
+                    make_secret("registry-creds", {".dockerconfigjson": "{}"}, type="kubernetes.io/dockerconfigjson"),
+                    make_node("gpu-1", labels=H200), make_node("cpu-1", gpus=0, cpu="16", memory="64Gi")):
+            api.add(obj)
+        write_checkpoint(self.checkpoint)
+        api.kubelet = self.kubelet
+        self.probes: list[dict] = []
+
+    def write(self, **changes) -> Path:
+        for key, value in changes.items():
+            self.raw[key] = {**self.raw[key], **value} if isinstance(value, dict) and isinstance(self.raw.get(key), dict) else value
+        self.spec_file.write_text(yaml.safe_dump(self.raw))
+        return self.spec_file
+
+    def kubelet(self, pod: dict) -> PodRun:
+        """The probe pod runs its command (`--describe PATH`) on the claim, here tmp_path/pvc mounted at /models."""
+        self.probes.append(pod)
+        command = pod["spec"]["containers"][0]["command"]
+        assert command[:4] == ["python", "-m", "dflash_jobs.stage_model", "--describe"] and command[4].startswith("/models/")
+        on_claim = self.checkpoint.parent / command[4].removeprefix("/models/")
+        return PodRun(0, ["starting", json.dumps(describe_checkpoint(str(on_claim)))])
+
+    def check(self, monkeypatch, capsys, *args) -> tuple[int, dict[str, dict]]:
+        code, out, err = cli(monkeypatch, capsys, "check", "-f", str(self.spec_file), "-o", "json", *args)
+        report = json.loads(out)
+        assert report["exit_code"] == code, err
+        return code, {result["name"]: result for result in report["checks"]}
+
+
+@pytest.fixture
+def first(tmp_path, fake_k8s, s3_bucket):  # noqa: F811 - the fixture above
+    return Cluster(tmp_path, fake_k8s.api, s3_bucket)
+
+
+def test_a_healthy_first_run_passes_every_check_and_the_probe_pod_is_gone(first, monkeypatch, capsys):
+    code, checks = first.check(monkeypatch, capsys)
+    assert code == 0, {name: check["detail"] for name, check in checks.items() if check["status"] != "ok"}
+    assert {name: check["status"] for name, check in checks.items() if check["status"] not in ("ok", "skipped")} == {}
+    assert checks["target"]["detail"] == ("/models/Qwen3.6-27B: qwen3_5_text, 64 layers, hidden 5120, capturing [1, 16, 31, 46, 61]; "
+                                          f"staged from hf://Qwen/Qwen3.6-27B@main at {'c' * 12} (read by pod first-probe on claim models)")
+    assert checks["image"]["detail"] == "registry.example.com/dflash:0.1.0 was pulled by the probe pod"
+    assert checks["data.source"]["detail"].endswith("the first 3 row(s) are chat conversations")
+    assert checks["output"]["detail"] == f"s3://{first.bucket}/runs/first: no run there yet"
+    assert checks["nodes for train"]["detail"].startswith("train: 8 GPU, 64 CPU, 768Gi fits gpu-1")
+    assert checks["nodes for prepare"]["detail"].startswith("prepare: 4 CPU, 16Gi fits cpu-1, gpu-1")
+    assert checks["s3 secret"]["detail"] == "dflash-s3 holds AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY"
+    assert "permissions" in checks and checks["permissions"]["status"] == "ok"
+    # The probe pod: placed as a CPU pod, the claim read-only, and deleted once read.
+    (probe,) = first.probes
+    assert probe["spec"]["imagePullSecrets"] == [{"name": "registry-creds"}]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in probe["spec"]["volumes"]
+    assert first.api.all("Pod") == []
+    # Nothing is created by a check, and no Secret value leaves the cluster.
+    assert first.api.all("Job") == [] and "AWS_SECRET_ACCESS_KEY\": \"s\"" not in json.dumps(checks)
+    table = cli(monkeypatch, capsys, "check", "-f", str(first.spec_file))
+    assert table[0] == 0 and "checks for first" in table[1] and "next: dflashctl plan" in table[2]
+
+
+@pytest.mark.parametrize("mistake, name, code, detail", [
+    (lambda c: setattr(c.api, "namespaces", {"default"}), "namespace", EXIT_USAGE, "namespace dflash does not exist"),
+    (lambda c: c.api.deny("create", "jobs", group="batch"), "permissions", EXIT_CLUSTER, "this client may not create jobs"),
+    (lambda c: c.api.deny("get", "pods", subresource="log"), "permissions", EXIT_CLUSTER, "may not get pods/log"),
+    (lambda c: c.api.add(make_secret("dflash-s3", {"AWS_ACCESS_KEY_ID": "k"})), "s3 secret", EXIT_USAGE,
+     "Secret dflash-s3 has no AWS_SECRET_ACCESS_KEY (or an empty one); it holds AWS_ACCESS_KEY_ID"),
+    (lambda c: c.api.add(make_secret("registry-creds", {"token": "x"})), "image pull secret registry-creds", EXIT_USAGE,
+     "Secret registry-creds is of type Opaque, not a registry credential"),
+    (lambda c: c.api.objects.pop(("PersistentVolumeClaim", "models")), "volume models", EXIT_USAGE,
+     "cluster.model_volume names claim models, which does not exist in dflash"),
+    (lambda c: c.api.add(make_node("gpu-1", labels=H200, memory="512Gi")), "nodes for train", EXIT_USAGE,
+     "train: 8 GPU, 64 CPU, 768Gi: no node can hold one: the largest of 1 candidate(s), gpu-1, has memory 512Gi < 768Gi"),
+    (lambda c: c.api.add(make_node("gpu-1", labels=H200, gpus=4)), "nodes for train", EXIT_USAGE, "has nvidia.com/gpu 4 < 8"),
+])
+def test_each_cluster_mistake_fails_its_own_check_with_the_fix(first, monkeypatch, capsys, mistake, name, code, detail):
+    mistake(first)
+    got, checks = first.check(monkeypatch, capsys)
+    assert got == code and checks[name]["status"] == "fail" and detail in checks[name]["detail"], checks[name]
+    assert checks[name]["fix"]
+    failed = [n for n, check in checks.items() if check["status"] == "fail"]
+    assert failed == [name], failed  # the others pass, or are skipped when there is no namespace to look in
+
+
+def test_placement_is_judged_from_the_rendered_pods_labels_taints_and_cordon(first, monkeypatch, capsys):
+    dedicated = {"key": "dedicated", "value": "gpu", "effect": "NoSchedule"}
+    first.api.add(make_node("gpu-1", labels=H200, taints=[dedicated]))
+    first.api.add(make_node("gpu-2", labels=H200, unschedulable=True))
+    first.api.add(make_node("gpu-3", labels={"nvidia.com/gpu.product": "NVIDIA-A100"}))
+    _, checks = first.check(monkeypatch, capsys)
+    extract = checks["nodes for extract"]
+    # None takes it now: a warning (an autoscaler may add one), naming why for each node.
+    assert extract["status"] == "warn" and "extract: 1 GPU, 8 CPU, 96Gi: no node takes it now (" in extract["detail"]
+    assert "gpu-1: taint dedicated=gpu:NoSchedule not tolerated" in extract["detail"] and "gpu-2: cordoned" in extract["detail"]
+    assert "gpu-3: no label nvidia.com/gpu.product=NVIDIA-H200" in extract["detail"]
+    first.write(cluster={"tolerations": [{"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}]})
+    _, checks = first.check(monkeypatch, capsys)
+    assert checks["nodes for extract"]["status"] == "ok" and "fits gpu-1" in checks["nodes for extract"]["detail"]
+    # The CPU pods go by cluster.cpu_placement, which the GPU taint does not concern.
+    assert checks["nodes for prepare"]["detail"].startswith("prepare: 4 CPU, 16Gi fits cpu-1")
+
+
+def test_no_permission_to_read_nodes_or_secrets_is_a_warning_not_a_failure(first, monkeypatch, capsys):
+    first.api.fail_requests(100, status=403, method="GET", path="/api/v1/nodes")
+    first.api.fail_requests(100, status=403, method="GET", path="/secrets/")
+    code, checks = first.check(monkeypatch, capsys)
+    assert code == 0
+    assert checks["nodes"]["status"] == "warn" and "cannot list nodes here" in checks["nodes"]["detail"]
+    assert checks["s3 secret"]["status"] == "warn" and "dflash-s3 not verified" in checks["s3 secret"]["detail"]
+
+
+def test_an_unreachable_cluster_fails_once_with_exit_4_and_the_rest_skip(first, monkeypatch, capsys):
+    config = first.tmp_path / "unreachable"
+    config.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "gone",
+        "clusters": [{"name": "gone", "cluster": {"server": "http://127.0.0.1:9"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}], "contexts": [{"name": "gone", "context": {"cluster": "gone", "user": "u"}}],
+    }))
+    monkeypatch.setenv("KUBECONFIG", str(config))
+    code, checks = first.check(monkeypatch, capsys)
+    assert code == EXIT_CLUSTER and checks["namespace"]["status"] == "fail" and "unreachable" in checks["namespace"]["detail"]
+    for name in ("permissions", "s3 secret", "volumes", "nodes"):
+        assert checks[name]["status"] == "skipped", name
+
+
+def test_without_a_kubeconfig_the_cluster_fails_once_and_storage_is_still_checked(first, monkeypatch, capsys):
+    monkeypatch.setenv("KUBECONFIG", str(first.tmp_path / "none"))
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "")
+    code, checks = first.check(monkeypatch, capsys)
+    assert code == EXIT_CLUSTER and checks["namespace"]["detail"].startswith("no Kubernetes configuration")
+    assert checks["volumes"]["status"] == checks["target"]["status"] == "skipped"
+    assert checks["data.source"]["status"] == checks["output"]["status"] == "ok"
+
+
+# ---- storage: why an input cannot be read, told apart --------------------------------------------
+
+
+def test_data_source_unreadable_for_each_reason_a_distinct_message(first, monkeypatch, capsys, s3_server):
+    def source_check() -> tuple[int, dict]:
+        code, checks = first.check(monkeypatch, capsys, "--no-probe")
+        return code, checks["data.source"]
+
+    first.write(data={"source": f"s3://{first.bucket}/data/absent.jsonl"})
+    code, missing = source_check()
+    assert code == EXIT_USAGE and missing["detail"] == f"cannot read it: s3://{first.bucket}/data/absent.jsonl does not exist"
+    first.write(data={"source": "s3://no-such-bucket-dflash/data/chats.jsonl"})
+    code, bucket = source_check()
+    assert code == EXIT_USAGE and "the S3 bucket of s3://no-such-bucket-dflash/data" in bucket["detail"] and "does not exist" in bucket["detail"]
+    first.write(data={"source": f"s3://{first.bucket}/data/chats.jsonl"})
+    with S3FaultProxy(s3_server, seed=0) as proxy:
+        proxy.outage(INVALID_KEY)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        code, denied = source_check()
+    assert code == EXIT_USAGE and "S3 refused access" in denied["detail"] and "AWS_SECRET_ACCESS_KEY" in denied["fix"]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    code, unreachable = source_check()
+    assert code == EXIT_STORAGE_UNAVAILABLE and "cannot reach the S3 endpoint" in unreachable["detail"]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
+    forget_s3_credentials(monkeypatch)
+    code, anonymous = source_check()
+    assert code == EXIT_USAGE and anonymous["detail"].startswith("cannot read it: no S3 credentials")
+    assert len({missing["detail"], bucket["detail"], denied["detail"], unreachable["detail"], anonymous["detail"]}) == 5
+
+
+def test_the_first_rows_of_data_source_must_parse(first, monkeypatch, capsys):
+    first.s3.put_object(Bucket=first.bucket, Key="data/chats.jsonl", Body=b'{"messages": []}\n{"text": "a plain corpus"}\n')
+    code, checks = first.check(monkeypatch, capsys, "--no-probe")
+    assert code == EXIT_USAGE
+    assert checks["data.source"]["detail"].endswith("line 2 is neither a chat row (messages with roles) nor a pre-tokenized one "
+                                                    "(input_ids, loss_mask): it has ['text']")
+
+
+def test_a_local_source_the_pods_cannot_see_is_refused_with_both_ways_out(first, monkeypatch, capsys):
+    source = first.tmp_path / "chats.jsonl"
+    source.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    first.write(data={"source": str(source)})
+    code, checks = first.check(monkeypatch, capsys, "--no-probe")
+    assert code == EXIT_USAGE and "which the pods that read it cannot see" in checks["data.source"]["detail"]
+    assert "`dflashctl prepare`" in checks["data.source"]["fix"]
+    # Prepared here already: no pod reads it, and nothing is checked.
+    prepared = DatasetIndex(samples=1, tokens=10, vocab_size=10, chunks=[ChunkInfo(0, "tokens/chunks/000000.safetensors", 1, 10)])
+    open_storage(first.raw["output"]).put_bytes(DATASET_KEY, prepared.to_json().encode())
+    code, checks = first.check(monkeypatch, capsys, "--no-probe")
+    assert code == 0 and checks["data.source"]["status"] == "skipped"
+
+
+def test_the_unedited_starter_is_refused_for_its_placeholders(first, monkeypatch, capsys):
+    first.spec_file.write_text(starter_spec(STARTER_VALUES))
+    code, checks = first.check(monkeypatch, capsys, "--no-probe")
+    assert code == EXIT_USAGE and checks["placeholders"]["status"] == "fail"
+    assert "output s3://my-bucket/dflash/qwen36-27b-v1" in checks["placeholders"]["detail"]
+    assert checks["image"]["status"] == "warn" and "ghcr.io/dflash-k8s/dflash:0.1.0-cuda13.0" in checks["image"]["detail"]
+
+
+# ---- the target, through the probe pod -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("change, status, detail", [
+    ({"target": {"layers": [1, 16, 31, 46, 70]}}, "fail", "layer indices 0..63: the checkpoint has 64 decoder layers"),
+    ({"target": {"model": "/models/Other"}}, "fail", "/models/Other does not exist (read by pod first-probe on claim models)"),
+])
+def test_target_mistakes_on_the_volume_are_found_through_the_probe_pod(first, monkeypatch, capsys, change, status, detail):
+    first.write(**change)
+    code, checks = first.check(monkeypatch, capsys)
+    assert code == EXIT_USAGE and checks["target"]["status"] == status and detail in checks["target"]["detail"], checks["target"]
+    assert first.api.all("Pod") == []
+
+
+@pytest.mark.parametrize("config, complete, status, detail", [
+    ({**CONFIG, "text_config": {**CONFIG["text_config"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}}, True, "fail", "scales its RoPE ('yarn')"),
+    ({"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096}, True, "warn", "llama is not an architecture dflash-k8s is tested with"),
+    (CONFIG, False, "fail", "is staged only in part"),
+])
+def test_the_checkpoint_config_is_judged(first, monkeypatch, capsys, config, complete, status, detail):
+    shutil.rmtree(first.checkpoint)
+    write_checkpoint(first.checkpoint, config, complete=complete)
+    _, checks = first.check(monkeypatch, capsys)
+    assert checks["target"]["status"] == status and detail in checks["target"]["detail"], checks["target"]
+
+
+def test_an_image_that_cannot_be_pulled_fails_target_and_image(first, monkeypatch, capsys):
+    first.api.kubelet = lambda pod: PodRun(waiting="ErrImagePull", message='failed to pull "registry.example.com/dflash:0.1.0": 401 Unauthorized')
+    code, checks = first.check(monkeypatch, capsys)
+    assert code == EXIT_USAGE
+    assert "the probe pod cannot pull registry.example.com/dflash:0.1.0: ErrImagePull" in checks["target"]["detail"]
+    assert checks["image"]["status"] == "fail" and "cluster.image_pull_secrets" in checks["image"]["fix"]
+    assert first.api.all("Pod") == []
+
+
+# ---- run and every submit: the cheap checks first, the output claimed --------------------------
+
+
+def test_nothing_is_submitted_for_a_missing_source_or_a_step_out_of_order(first, monkeypatch, capsys):
+    first.write(data={"source": f"s3://{first.bucket}/data/absent.jsonl"}, generate={"shards": 8})
+    for step in ("generate", "controller"):
+        code, _, err = cli(monkeypatch, capsys, "submit", step, "-f", str(first.spec_file))
+        assert code == EXIT_USAGE and "data.source: cannot read it" in err and "nothing was started" in err, (step, err)
+    code, _, err = cli(monkeypatch, capsys, "run", "-f", str(first.spec_file))
+    assert code == EXIT_USAGE and "data.source: cannot read it" in err
+    code, _, err = cli(monkeypatch, capsys, "submit", "prepare", "-f", str(first.spec_file))
+    assert code == EXIT_USAGE and "generate/manifest.json of these settings does not exist" in err
+    code, _, err = cli(monkeypatch, capsys, "submit", "extract", "-f", str(first.spec_file))
+    assert code == EXIT_USAGE and f"s3://{first.bucket}/runs/first/{DATASET_KEY} does not exist, and extract reads it" in err
+    assert first.api.all("Job") == [] and first.api.all("ConfigMap") == []
+    assert not open_storage(first.raw["output"]).exists(RUN_KEY)  # nothing claimed either
+
+
+def test_submit_train_refuses_a_drafter_that_reads_the_final_hidden_state_on_states_without_it(first, monkeypatch, capsys):
+    output = open_storage(first.raw["output"])
+    stored = Manifest(model="m", layers=[1, 16, 31, 46, 61], dtype="bfloat16", hidden_size=5120, samples=1, tokens=1, bytes=1, chunks=[])
+    output.put_bytes(MANIFEST_KEY, stored.to_json().encode())
+    first.write(train={"drafter": "dspark"})
+    code, _, err = cli(monkeypatch, capsys, "submit", "train", "-f", str(first.spec_file))
+    assert code == EXIT_USAGE and "hold no final hidden state of the target" in err and "train.dspark.ce_only: true" in err
+    assert first.api.all("Job") == []
+    first.write(train={"drafter": "dspark", "dspark": {"ce_only": True}})  # asked for: trained on cross-entropy only
+    assert cli(monkeypatch, capsys, "submit", "train", "-f", str(first.spec_file))[0] == 0
+    assert [job["metadata"]["name"] for job in first.api.all("Job")] == ["first-train"]
+
+
+def test_another_run_in_the_output_is_refused_by_every_command_that_starts_work(first, monkeypatch, capsys):
+    other = parse_spec({**first.raw, "name": "someone-else"})
+    open_storage(first.raw["output"]).put_bytes(RUN_KEY, dump_spec(other).encode())
+    for command in (["submit", "controller"], ["submit", "generate"], ["submit", "prepare"], ["run"], ["eval"], ["verify"], ["prepare"]):
+        code, _, err = cli(monkeypatch, capsys, *command, "-f", str(first.spec_file))
+        assert code == EXIT_USAGE and "already holds run 'someone-else' with another spec (differs in: name)" in err, (command, err)
+    assert first.api.all("Job") == []
+    code, checks = first.check(monkeypatch, capsys, "--no-probe")
+    assert code == EXIT_USAGE and "already holds run 'someone-else'" in checks["output"]["detail"]
+    # --force takes the output over: said, then claimed for this spec.
+    code, _, err = cli(monkeypatch, capsys, "submit", "prepare", "--force", "-f", str(first.spec_file))
+    assert code == 0 and "--force replaces its run.yaml" in err
+    assert open_storage(first.raw["output"]).get_bytes(RUN_KEY).decode() == dump_spec(load_spec(first.spec_file))
+
+
+def test_a_submit_claims_the_output_so_that_a_second_run_there_is_refused(first, monkeypatch, capsys):
+    assert cli(monkeypatch, capsys, "submit", "prepare", "-f", str(first.spec_file))[0] == 0
+    assert open_storage(first.raw["output"]).get_bytes(RUN_KEY).decode() == dump_spec(load_spec(first.spec_file))
+    first.write(name="second")
+    code, _, err = cli(monkeypatch, capsys, "submit", "prepare", "-f", str(first.spec_file))
+    assert code == EXIT_USAGE and "already holds run 'first'" in err
+    assert [job["metadata"]["name"] for job in first.api.all("Job")] == ["first-prepare"]
+
+
+def test_a_failed_in_cluster_controller_says_why_in_status(first, monkeypatch, capsys):
+    assert cli(monkeypatch, capsys, "submit", "controller", "-f", str(first.spec_file))[0] == 0
+    first.api.start("first-controller")
+    last_words = ("check fail    output: s3://b/runs/first already holds run 'someone-else' with another spec (differs in: name)\n"
+                  "Error: 1 preflight check(s) failed, nothing was started: output: s3://b/runs/first already holds run 'someone-else'")
+    first.api.finish("first-controller", 0, exit_code=EXIT_USAGE, message=last_words)
+    code, out, _ = cli(monkeypatch, capsys, "status", "-f", str(first.spec_file), "-o", "json")
+    report = json.loads(out)
+    assert code == 0 and report["jobs"]["controller"]["state"] == "Failed"
+    assert report["next"] == ("the in-cluster controller failed: Error: 1 preflight check(s) failed, nothing was started: "
+                              "output: s3://b/runs/first already holds run 'someone-else'; fix that, then `dflashctl retry controller`")
