@@ -339,6 +339,15 @@ class Drafter(DraftTrunk, nn.Module):
         anchor_position (> every context position). Token k of the result is the guess for position
         anchor_position + 1 + k. The context K/V are recomputed on every call (no drafter cache).
         """
+        hidden = self.block_hidden(context_hidden, context_positions, anchor_token, anchor_position)
+        return self.greedy_tokens(hidden[1:])  # [B-1, d] -> [B-1]
+
+    @torch.no_grad()
+    def block_hidden(
+        self, context_hidden: torch.Tensor, context_positions: torch.Tensor, anchor_token: int, anchor_position: int
+    ) -> torch.Tensor:
+        """The final-normed hidden states [B, d] of the block [anchor, mask x (B-1)] drafted after the
+        context (draft_block's arguments), slot k at position anchor_position + k."""
         device = self.fc.weight.device
         B = self.config.block_size
         block_ids = torch.full((1, B), self.config.mask_token_id, dtype=torch.long, device=device)
@@ -350,5 +359,4 @@ class Drafter(DraftTrunk, nn.Module):
         def attention(index: int, kind: str) -> AttentionFn:
             return one_block_attention(positions, B, self.config.window(kind))
 
-        hidden = self.run_trunk(context_hidden.to(device), h, positions, attention)
-        return self.greedy_tokens(hidden[0, 1:])  # [B-1, d] -> [B-1]
+        return self.run_trunk(context_hidden.to(device), h, positions, attention)[0]

@@ -1,11 +1,20 @@
 """How to serve a run's drafter with vLLM: the exact `vllm serve` command, from the exported config.json.
 
-- `num_speculative_tokens = block_size - 1`. vLLM never reads block_size: it drafts the bonus token
-  plus num_speculative_tokens masks per step, so a drafter trained on blocks of B serves B - 1.
+- Each exported architecture has its row in SERVING: the speculative method, how many tokens a
+  block drafts (vLLM's num_speculative_tokens; vLLM never reads block_size) and whether only vLLM's
+  V2 model runner serves it.
+  - DFlashDraftModel (z-lab): `method: dflash`, num_speculative_tokens = block_size - 1: vLLM
+    drafts the bonus token plus num_speculative_tokens masks per step, so a drafter trained on
+    blocks of B serves B - 1.
+  - Qwen3DSparkModel (DeepSpec's layout): `method: dspark`, num_speculative_tokens = block_size:
+    the anchor is a prediction slot (sample_from_anchor, written in the config), and the served
+    block must be the trained one (reference/dflash2-dspark.md section 6, pitfall 2). vLLM runs
+    DSpark in its V2 model runner only, and has it since #46995 (2026-06; RedHat's Qwen3.8 DSpark
+    card asks for vLLM >= 0.29).
 - `--attention-backend flash_attn` when a draft layer is full attention: those layers are
   bidirectional inside the block, and vLLM refuses a backend without non-causal attention.
-- `VLLM_USE_V2_MODEL_RUNNER=1` when sliding-window and full layers mix: vLLM needs two KV groups
-  for the drafter, which only its V2 model runner has.
+- `VLLM_USE_V2_MODEL_RUNNER=1` when sliding-window and full layers mix (vLLM needs two KV groups
+  for the drafter, which only its V2 model runner has), or when the architecture needs that runner.
 - vLLM reads local directories: an s3:// drafter or target is synced to one first.
 
 No torch here: `dflashctl status` formats the command in the control plane, the evaluation in its report.
@@ -15,6 +24,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from dflash_jobs.errors import FormatError
@@ -22,9 +32,39 @@ from dflash_jobs.formats import DRAFTER_CONFIG_KEY, DRAFTER_DIR
 from dflash_jobs.spec import RunSpec, is_s3
 
 
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """How vLLM serves one exported architecture."""
+
+    method: str
+    """--speculative-config's method."""
+    drafts_from_anchor: bool
+    """The anchor is a prediction slot: a block drafts block_size tokens, else block_size - 1."""
+    v2_runner: bool
+    """Only vLLM's V2 model runner serves it (VLLM_USE_V2_MODEL_RUNNER=1 whatever the layers)."""
+
+
+SERVING = {
+    "DFlashDraftModel": Serving(method="dflash", drafts_from_anchor=False, v2_runner=False),
+    "Qwen3DSparkModel": Serving(method="dspark", drafts_from_anchor=True, v2_runner=True),
+}
+"""Keyed by the exported config.json's architectures[0]."""
+
+
+def serving_of(exported: Mapping[str, Any]) -> Serving:
+    """The SERVING row of an exported config.json."""
+    architecture = (exported.get("architectures") or [None])[0]
+    if architecture not in SERVING:
+        raise FormatError(f"{DRAFTER_CONFIG_KEY} names architecture {architecture!r}, which has no vLLM serving entry here (known: {', '.join(SERVING)})",
+                          "Export the drafter again (`dflashctl submit train`)")
+    return SERVING[architecture]
+
+
 def speculative_config(drafter: str, exported: Mapping[str, Any]) -> dict[str, Any]:
     """vLLM's --speculative-config for the drafter at `drafter` whose config.json is `exported`."""
-    return {"method": "dflash", "model": drafter, "num_speculative_tokens": _block_size(exported) - 1}
+    serving = serving_of(exported)
+    block_size = _block_size(exported)
+    return {"method": serving.method, "model": drafter, "num_speculative_tokens": block_size if serving.drafts_from_anchor else block_size - 1}
 
 
 def vllm_serve_command(*, target: str, drafter: str, exported: Mapping[str, Any], endpoint_url: str | None = None) -> str:
@@ -37,7 +77,7 @@ def vllm_serve_command(*, target: str, drafter: str, exported: Mapping[str, Any]
         if is_s3(url):
             endpoint = f" --endpoint-url {shlex.quote(endpoint_url)}" if endpoint_url else ""
             lines.append(f"aws s3 sync{endpoint} {shlex.quote(url.rstrip('/'))} {shlex.quote(local[url])}")
-    env = "VLLM_USE_V2_MODEL_RUNNER=1 " if len(set(layer_types)) > 1 else ""
+    env = "VLLM_USE_V2_MODEL_RUNNER=1 " if len(set(layer_types)) > 1 or serving_of(exported).v2_runner else ""
     config = json.dumps(speculative_config(local[drafter], exported))
     serve = f"{env}vllm serve {shlex.quote(local[target])} \\\n  --speculative-config {shlex.quote(config)}"
     if "full_attention" in layer_types:
