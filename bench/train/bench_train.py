@@ -18,9 +18,11 @@ operators of one steady step of that case.
 FLOPs counted: every matmul of the trainable layers x3 (forward, input and weight gradients), fc
 x3 on the context, attention over the visible (query, key) pairs only x3 (4 * head_dim per pair
 forward), the frozen LM head x2 on supervised slots (logits, and the hidden-state gradient; no
-weight gradient). `--shape tiny` runs the same on CPU in about a minute, with 512-token documents
-and 64 anchors by default: the CPU's dense attention mask grows with tokens x anchors (4 documents
-of 4,096 tokens need over 24 GB).
+weight gradient), and a variant's heads (HEAD_FLOPS): DSpark's Markov projection W2 x3 and its
+confidence head x3 on supervised slots, and the target's logits x1 there (the LM head on the
+target's final state, which its L1 term and confidence labels read). `--shape tiny` runs the same
+on CPU in about a minute, with 512-token documents and 64 anchors by default: the CPU's dense
+attention mask grows with tokens x anchors (4 documents of 4,096 tokens need over 24 GB).
 """
 
 from __future__ import annotations
@@ -85,7 +87,20 @@ def visible_pairs(layout, window: int | None) -> int:
     return int((context + slot + 1).sum().item())
 
 
-def step_flops(config: DrafterConfig, batch) -> float:
+def dspark_head_flops(config, batch) -> float:
+    """DSpark beyond the backbone, per supervised slot: the Markov bias W2 W1[prev] (r x V) x3, the
+    confidence head ((d + r) x 1) x3, and the target's logits (d x V) once, where the objective reads them."""
+    supervised = int((batch.loss_weights > 0).sum())
+    d, r, V = config.hidden_size, config.markov_rank, config.vocab_size
+    confidence = 3 * 2 * (d + r) if config.enable_confidence_head else 0
+    return supervised * (3 * 2 * r * V + confidence + (2 * d * V if config.reads_target else 0))
+
+
+HEAD_FLOPS = {"dspark": dspark_head_flops}
+"""A variant's FLOPs beyond the backbone and the LM head on supervised slots, by train.drafter."""
+
+
+def step_flops(config: DrafterConfig, batch, drafter: str = "dflash") -> float:
     d, hd, I = config.hidden_size, config.head_dim, config.intermediate_size
     q_width, kv_width = config.num_attention_heads * hd, config.num_key_value_heads * hd
     C, Q = batch.tokens, batch.block_ids.numel()
@@ -96,7 +111,8 @@ def step_flops(config: DrafterConfig, batch) -> float:
         for kind in config.layer_types
     )
     fc = 2 * C * config.context_features * d
-    return 3 * (config.num_layers * per_layer + attention + fc) + 2 * 2 * supervised * d * config.vocab_size
+    heads = HEAD_FLOPS[drafter](config, batch) if drafter in HEAD_FLOPS else 0.0
+    return 3 * (config.num_layers * per_layer + attention + fc) + 2 * 2 * supervised * d * config.vocab_size + heads
 
 
 def progress(line: str) -> None:
@@ -170,7 +186,7 @@ def run_case(shape: str, case: Case, tokens: int, anchors: int, steps: int, warm
     batches = [builder.build(documents, {0: chunk}, epoch) for epoch in range(2)]
     if device.type == "cuda":  # as the training stream hands them over: pinned, so the copy to the GPU is async
         batches = [batch.pin_memory() for batch in batches]
-    flops = step_flops(config, batches[0])
+    flops = step_flops(config, batches[0], case.drafter)
     setup_s = time.perf_counter() - started
     progress(f"case {case}: model and batches ready in {setup_s:.1f}s")
 
