@@ -532,3 +532,14 @@ def test_calibration_compares_the_product_of_confidences_with_what_verification_
     assert summary["predicted_acceptance_length"] == pytest.approx(1 + sum(p["predicted_survival"] for p in (one, two, three)))
     empty = summarize_calibration([[]], [Decoded(tokens=[], seconds=1.0)], 2)
     assert empty["per_position"][0]["predicted_survival"] is None and empty["realized_acceptance_length"] == 1
+
+
+def test_the_console_line_shows_a_variants_own_figures(caplog):
+    from dflash_jobs.train.metrics import ConsoleSink, plot_png
+
+    record = {"total_steps": 10, "epoch": 0, "loss": 1.5, "accuracy": [0.5, 0.25, math.nan, math.nan], "acceptance_length": 1.6,
+              "lr": 1e-3, "tokens_per_s": 100.0, "eta_s": 5, "l1": 0.8125, "confidence": 0.4}
+    with caplog.at_level("INFO"):
+        ConsoleSink(("l1", "confidence")).log(record, 1)
+    assert "tau 1.60 | l1 0.8125 confidence 0.4 | lr" in caplog.text
+    assert plot_png([{"step": 1, **record}])[:4] == b"\x89PNG"  # slots never supervised (NaN) are left out of the plot
