@@ -234,3 +234,61 @@ def test_plan_rejects_layers_deeper_than_the_checkpoint(tmp_path):
     result = runner.invoke(app, ["plan", "-f", write_run(tmp_path, tokens=10, layers=[1, 64])])
     assert isinstance(result.exception, SpecError) and exit_code(result.exception) == EXIT_USAGE
     assert "0..63" in str(result.exception)
+
+
+def with_settings(spec_file: str, *, extract: dict | None = None, train: dict | None = None) -> str:
+    spec = yaml.safe_load(open(spec_file))
+    spec["extract"].update(extract or {})
+    spec["train"] = train or {}
+    open(spec_file, "w").write(yaml.safe_dump(spec))
+    return spec_file
+
+
+def test_plan_bills_the_final_hidden_state_where_the_drafter_reads_it(tmp_path):
+    plan = plan_json("-f", with_settings(write_run(tmp_path, tokens=1_000_000_000), train={"drafter": "dspark"}))
+    # 5 layers + the final hidden state: 6 x 5120 x 2 + 5 = 61,445 bytes a token; fp8: 6 x (5120 + 4) + 5 = 30,749.
+    assert plan["bytes_per_token"] == {"bfloat16": 61_445, "float8_e4m3fn": 30_749}
+    assert plan["storage_tb"] == pytest.approx({"bfloat16": 61.445, "float8_e4m3fn": 30.749})
+    final = plan["final_hidden"]
+    # Its own line: 5120 x 2 = 10,240 bytes a token, +20.0% over the 51,205 without it; 1e9 tokens: 10.24 TB.
+    assert final["stored"] is True and final["dtype"] == "bfloat16" and final["bytes_per_token"] == 10_240
+    assert final["fraction"] == pytest.approx(10_240 / 51_205) and final["storage_tb"] == pytest.approx(10.24)
+    # Uploaded by 8 GPUs at 11,973 tokens/s: 980.8 MB/s a node; read by training at 14,288 tokens/s: 146.3 MB/s a GPU, 1,170.5 a node.
+    assert final["upload_mb_per_s_per_node"] == pytest.approx(11_973 * 10_240 * 8 / 1e6)
+    assert final["train_read_mb_per_s_per_gpu"] == pytest.approx(146.30912)
+    assert final["train_read_mb_per_s_per_node"] == pytest.approx(1170.47296)
+    # ...and in the training read bill: 14,288 x 61,445 = 877.9 MB/s a GPU.
+    assert plan["training_reads"]["consumed_mb_per_s_per_gpu"] == pytest.approx(877.92616)
+    assert plan["upload_mb_per_s_per_node"]["bfloat16"] == pytest.approx(11_973 * 61_445 * 8 / 1e6)
+    table = runner.invoke(app, ["plan", "-f", str(tmp_path / "dflash.yaml")], env={"COLUMNS": "400"})  # one line a row
+    assert "final hidden state" in table.stdout and "stored, in the figures below: +10,240 bytes/token (+20%, bfloat16), 10.2 TB, +981 MB/s upload per node, +146 MB/s training reads per GPU (1,170 per node)" in table.stdout
+
+
+def test_plan_says_what_the_final_hidden_state_would_add_when_not_stored(tmp_path):
+    plan = plan_json("-f", with_settings(write_run(tmp_path, tokens=1_000_000_000), extract={"dtype": "float8_e4m3fn"}))
+    assert plan["bytes_per_token"]["float8_e4m3fn"] == 25_625  # without it
+    final = plan["final_hidden"]
+    assert final["stored"] is False and final["bytes_per_token"] == 5_124 and final["fraction"] == pytest.approx(5_124 / 25_625)
+    table = runner.invoke(app, ["plan", "-f", str(tmp_path / "dflash.yaml")], env={"COLUMNS": "400"})  # one line a row
+    assert "not stored (extract.final_hidden); it would add +5,124 bytes/token (+20%, float8_e4m3fn), 5.12 TB" in table.stdout
+
+    stored = plan_json("-f", with_settings(str(tmp_path / "dflash.yaml"), extract={"final_hidden": True}, train={"drafter": "dflash2"}))
+    assert stored["final_hidden"]["stored"] is True and stored["bytes_per_token"]["float8_e4m3fn"] == 25_625 + 5_124
+
+
+def test_plan_refuses_a_drafter_that_reads_the_final_hidden_state_on_verified_states_without_it(tmp_path):
+    from dflash_jobs.errors import InputError
+    from dflash_jobs.formats import MANIFEST_KEY, DoneMarker, Manifest
+
+    spec_file = with_settings(write_run(tmp_path, tokens=1000), train={"drafter": "dspark"})
+    plan_json("-f", spec_file)  # no manifest yet: nothing to check against
+    marker = DoneMarker(chunk=0, samples=1000, tokens=1000, bytes=1, sha256="0", etag=None, dtype="bfloat16", layers=[1, 16, 31, 46, 61], hidden_size=5120)
+    manifest = Manifest(model="m", layers=marker.layers, dtype="bfloat16", hidden_size=5120, samples=1000, tokens=1000, bytes=1, chunks=[marker])
+    output = open_storage(str(tmp_path / "out"))
+    output.put_bytes(MANIFEST_KEY, manifest.to_json().encode())
+    refused = runner.invoke(app, ["plan", "-f", spec_file])
+    assert isinstance(refused.exception, InputError) and exit_code(refused.exception) == EXIT_USAGE
+    assert "hold no final hidden state of the target" in str(refused.exception) and "train.dspark.ce_only: true" in str(refused.exception)
+    plan_json("-f", with_settings(spec_file, train={"drafter": "dspark", "dspark": {"ce_only": True}}))
+    output.put_bytes(MANIFEST_KEY, Manifest(**{**manifest.__dict__, "final_hidden": "bfloat16"}).to_json().encode())
+    plan_json("-f", with_settings(spec_file, train={"drafter": "dspark"}))

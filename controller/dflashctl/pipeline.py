@@ -13,7 +13,9 @@ Each step first looks at what exists, in storage and on the backend, and does on
                                                      that ended with chunks missing is replaced once
                                                      (shards skip the chunks that landed)
     verify   extract/manifest.json exists            every chunk against its marker -> the manifest
-    train    train/drafter/config.json exists        the train Job, only once the manifest exists
+    train    train/drafter/config.json exists        the train Job, only once the manifest exists (and
+                                                     holds the target's final hidden state if the drafter
+                                                     reads it: else bad input, 2)
     eval     eval/report.json exists                 the eval Job
 
 Storage decides, never a Job's Complete: with backoffLimitPerIndex one failed index fails the
@@ -37,7 +39,7 @@ from typing import Any, Protocol
 import yaml
 
 from dflash_jobs.errors import StorageError, StorageUnavailable
-from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, RUN_KEY, Manifest
+from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, MANIFEST_KEY, RUN_KEY, Manifest, check_final_hidden
 from dflash_jobs.generation import ChunkMarker, GenerationProgress, current_manifest, write_manifest_if_complete
 from dflash_jobs.generation import read_progress as read_generation_progress
 from dflash_jobs.spec import RunSpec, dump_spec
@@ -363,6 +365,7 @@ class Pipeline:
         manifest = read_manifest(self.storage)
         if manifest is None:  # the order of the steps guarantees it; this guards the invariant itself
             raise RunFailed("training needs extract/manifest.json, which does not exist", "Run `dflashctl verify` first")
+        check_final_hidden(manifest, self.spec.train, f"{self.storage.url}/{MANIFEST_KEY}")  # here, not minutes later in the pod
         self.job_step(
             "train", DRAFTER_CONFIG_KEY,
             launched=(EVENT_TRAINING_LAUNCHED, f"from {len(manifest.chunks)} verified chunks, {manifest.tokens} tokens"),

@@ -43,9 +43,10 @@ def export_states(
 
     speculators: one hs_<i>.safetensors per sample (hidden_states bf16 [T, L, d], token_ids, and
     loss_mask, which it ignores), fp8 runs dequantized with their scales. speculators reads the last
-    layer of each file as the target's final one, so the run must have captured the target's last
-    decoder layer (the last of target.layers). Streams chunk by chunk, a sample per ranged read;
-    run it again after an interruption: complete files are kept.
+    layer of each file as the target's final one: the run's stored final hidden state
+    (extract.final_hidden), appended after target.layers, or else the target's last decoder layer,
+    which the run must then have captured as the last of target.layers. Streams chunk by chunk, a
+    sample per ranged read; run it again after an interruption: complete files are kept.
 
     Examples:
 
@@ -70,7 +71,8 @@ def export_states(
             ("files", f"{summary.samples:,} ({summary.files:,} written, {summary.kept:,} already there)"),
             ("tokens", f"{summary.tokens:,}"), ("size", f"{summary.bytes / 2**30:.2f} GiB"),
             ("layers (ours)", summary.layers),
-            ("speculators ids", f"--target-layer-ids {' '.join(map(str, summary.aux_hidden_state_layer_ids))}, last layer {summary.last_layer} appended"),
+            ("speculators ids", f"--target-layer-ids {' '.join(map(str, summary.aux_hidden_state_layer_ids))}, last layer {summary.last_layer} appended"
+                                + (" (the stored final hidden state)" if summary.final_hidden else "")),
         ):
             table.add_row(name, str(value))
         output.stdout.print(table)

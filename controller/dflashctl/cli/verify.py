@@ -29,7 +29,7 @@ def verify(
 ) -> None:
     """Check every hidden-state chunk against its done marker and write extract/manifest.json.
 
-    Size, etag, the safetensors header (tokens, layers, dtype, width) and, where the storage has no
+    Size, etag, the safetensors header (tokens, layers, dtype, width, final hidden state) and, where the storage has no
     etag or with --deep, the sha256. Training starts only from the manifest. Exit 1 lists each bad
     chunk and how to redo it.
 
@@ -52,7 +52,7 @@ def verify(
         output.result_json({
             "manifest": f"{storage.url}/{MANIFEST_KEY}", "chunks": len(manifest.chunks), "samples": manifest.samples,
             "tokens": manifest.tokens, "bytes": manifest.bytes, "layers": manifest.layers, "dtype": manifest.dtype,
-            "hidden_size": manifest.hidden_size, "model": manifest.model,
+            "hidden_size": manifest.hidden_size, "model": manifest.model, "final_hidden": manifest.final_hidden,
         })
     else:
         table = Table(title=f"verified: {storage.url}/{MANIFEST_KEY}", show_header=False, title_justify="left")
@@ -60,6 +60,7 @@ def verify(
             ("chunks", len(manifest.chunks)), ("samples", f"{manifest.samples:,}"), ("tokens", f"{manifest.tokens:,}"),
             ("size", f"{manifest.bytes / 2**30:.2f} GiB"), ("layers", manifest.layers), ("dtype", manifest.dtype),
             ("hidden size", manifest.hidden_size), ("target", manifest.model),
+            ("final hidden state", manifest.final_hidden or "not stored (extract.final_hidden)"),
         ):
             table.add_row(name, str(value))
         output.stdout.print(table)

@@ -26,7 +26,7 @@ from dflash_jobs.drafter.export import DRAFTER_PREFIX
 from dflash_jobs.drafter.masks import build_attention
 from dflash_jobs.drafter.model import Drafter
 from dflash_jobs.errors import InputError
-from dflash_jobs.formats import MANIFEST_KEY, Manifest
+from dflash_jobs.formats import MANIFEST_KEY, Manifest, check_final_hidden
 from dflash_jobs.spec import RunSpec, resolve_layers
 from dflash_jobs.storage import Storage, open_storage, storage_for
 from dflash_jobs.train.checkpointer import Checkpointer
@@ -189,6 +189,10 @@ class Trainer:
         train = spec.train
         storage = storage_for(spec)
         manifest = load_manifest(storage)
+        check_final_hidden(manifest, train, f"{storage.url}/{MANIFEST_KEY}")
+        if train.dspark is not None and train.dspark.ce_only:
+            log.warning("train.dspark.ce_only: DSpark trains on cross-entropy only, without the target's final hidden state "
+                        "(no L1 term, no confidence head)")
         variant = drafter_variant(train.drafter)
         drafter = build_drafter(spec, runtime, manifest, variant)
         config, layers = drafter.config, drafter.config.target_layer_ids
@@ -212,7 +216,10 @@ class Trainer:
             raise InputError(f"no trainable documents in {len(index)} chunks (none has two consecutive supervised tokens)", "Check the data's loss masks (assistant turns)")
         optimizer = build_optimizer(drafter, train, device=runtime.device)
         scheduler = build_scheduler(optimizer, train, total_steps)
-        builder = BatchBuilder(layout=train.layout, anchors=train.anchors, mask_token_id=config.mask_token_id, seed=train.seed, layers=layers)
+        builder = BatchBuilder(
+            layout=train.layout, anchors=train.anchors, mask_token_id=config.mask_token_id, seed=train.seed, layers=layers,
+            final_hidden=train.reads_final_hidden,
+        )
         cache = ChunkCache(storage, cache_dir, int(train.cache_gb * (1 << 30) / runtime.local_world_size), planned_chunks(manifest.chunks, plans))
         stream = BatchStream(plans, cache, builder, pin_memory=runtime.device.type == "cuda")
         state = LoopState()
