@@ -31,7 +31,7 @@ NEW_TOKENS = 24
 
 
 def dspark_spec(root: Path, output: Path, **dspark) -> dict:
-    spec = train_spec_dict(tiny_target(root), output, drafter="dspark", block_size=BLOCK, epochs=2, dspark={"markov_rank": 16, **dspark})
+    spec = train_spec_dict(tiny_target(root), output, drafter="dspark", block_size=BLOCK, epochs=4, lr=1e-2, dspark={"markov_rank": 16, **dspark})
     spec["eval"] = {"prompts": HOLDOUT, "max_new_tokens": NEW_TOKENS}
     return spec
 
@@ -94,3 +94,43 @@ def test_a_ce_only_dspark_trains_on_states_without_the_final_hidden_state_and_de
     assert records[-1]["ce"] < records[0]["ce"]
     assert all(math.isnan(records[-1][name]) for name in ("l1", "confidence", "confidence_target", "confidence_error"))  # nothing read them
     check_exported_and_evaluated(output, confidence_head=False)
+
+
+@pytest.fixture(scope="module")
+def extract_with_final(root) -> Path:
+    """The tiny extract with the target's final hidden state (pre-norm, the last decoder layer's output) in every chunk."""
+    from train_fixtures import tiny_extract
+
+    return tiny_extract(root, final_hidden=True)
+
+
+@pytest.mark.slow
+def test_a_dspark_run_trains_toward_the_targets_distribution_and_decodes_lossless_with_its_calibration(root, extract_with_final, tmp_path):
+    output, trained = trained_and_evaluated(root, extract_with_final, tmp_path)
+    assert "| ce " in trained.stdout and " l1 " in trained.stdout  # the console line shows the heads' figures
+    records = [json.loads(line) for line in (output / TRAIN_METRICS_KEY).read_text().splitlines()]
+    first, last = records[0], records[-1]
+    assert all(math.isfinite(last[name]) for name in RATIOS)
+    assert last["loss"] < first["loss"] and 0 < last["l1"] < 2
+    assert last["confidence_target"] == pytest.approx(1 - last["l1"] / 2, abs=1e-4)  # c* = 1 - L1/2 (L1 <= 2: the clamp never binds)
+    assert last["confidence_error"] < first["confidence_error"] / 2  # the head learns to predict it
+    report = check_exported_and_evaluated(output, confidence_head=True)
+    calibration = report["drafters"]["dspark"]["calibration"]
+    positions = calibration["per_position"]
+    assert [p["position"] for p in positions] == list(range(1, BLOCK + 1))
+    assert 0 < positions[0]["steps"] <= report["drafters"]["dspark"]["verify_steps"]
+    for position in positions:
+        if position["steps"]:
+            assert 0 <= position["predicted_survival"] <= 1 and 0 <= position["realized_survival"] <= 1
+            assert 0 <= position["brier"] <= 1 and 0 <= position["ece"] <= 1
+
+@pytest.mark.slow
+def test_a_dspark_spec_on_states_without_the_final_hidden_state_is_refused_naming_both_fixes(root, extract, tmp_path):
+    from dflash_jobs.errors import EXIT_BAD_INPUT
+
+    output = copy_extract(extract, tmp_path / "run")
+    spec = write_spec(tmp_path / "dflash.yaml", dspark_spec(root, output))
+    refused = job("dflash_jobs.train", spec, tmp_path / "cache")
+    assert refused.returncode == EXIT_BAD_INPUT
+    assert "extract.final_hidden: true" in refused.stdout and "train.dspark.ce_only: true" in refused.stdout
+    assert not (output / "train").exists()
