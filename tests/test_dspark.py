@@ -362,12 +362,10 @@ def target_dir(tmp_path_factory):
     return tiny_target(tmp_path_factory.getbasetemp() / "train-fixtures")
 
 
-@pytest.fixture(scope="module")
-def trained(target_dir):
-    """A DSpark drafter for the tiny target (sliding and full layers, a Markov head that matters),
-    its weights already bf16-exact as the export stores them."""
+def tiny_dspark(target_dir: Path, **train):
+    """A fresh DSpark drafter for the tiny target, built as training builds it (train: the spec's train section), on the CPU."""
     checkpoint = TargetCheckpoint(open_storage(str(target_dir)))
-    spec = parse_spec(minimal_spec(draft_layers=2, sliding_window_layers=1, sliding_window=16, block_size=5, dspark={"markov_rank": 32}))
+    spec = parse_spec(minimal_spec(**train))
     variant = drafter_variant("dspark")
     mask = resolve_mask_token_id(None, checkpoint.tokenizer_size(), checkpoint.text["vocab_size"])
     config = variant.build_config(drafter_config_for_target(checkpoint, spec.train, LAYERS, mask), spec.train)
@@ -375,6 +373,14 @@ def trained(target_dir):
     drafter = variant.build_model(config)
     tensors = checkpoint.read_target_tensors()
     drafter.load_target_tensors(tensors.embed_tokens, tensors.lm_head, tensors.final_norm)
+    return drafter
+
+
+@pytest.fixture(scope="module")
+def trained(target_dir):
+    """A DSpark drafter for the tiny target (sliding and full layers, a Markov head that matters),
+    its weights already bf16-exact as the export stores them."""
+    drafter = tiny_dspark(target_dir, draft_layers=2, sliding_window_layers=1, sliding_window=16, block_size=5, dspark={"markov_rank": 32})
     with torch.no_grad():
         drafter.markov_head.markov_w2.weight.normal_(std=1.0)
         drafter.confidence_head.proj.weight.normal_(std=0.3)

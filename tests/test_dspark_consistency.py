@@ -12,61 +12,23 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_jobs.drafter.checkpoint import TargetCheckpoint, drafter_config_for_target, resolve_mask_token_id
 from dflash_jobs.drafter.masks import build_attention
-from dflash_jobs.drafter.speculative import ModelDrafter, Target, greedy_decode, speculative_decode
+from dflash_jobs.drafter.speculative import ModelDrafter, Target, speculative_decode
 from dflash_jobs.evaluate.metrics import acceptance_length, acceptance_per_position, summarize_simulated
 from dflash_jobs.evaluate.simulated import anchors_accepted, document_batch
-from dflash_jobs.prepare import ChatEncoder, prompt_length
-from dflash_jobs.spec import anchor_layout, parse_spec
-from dflash_jobs.storage import open_storage
-from dflash_jobs.tiny import tiny_chat_rows
+from dflash_jobs.spec import anchor_layout
 from dflash_jobs.variants import drafter_variant
-from train_fixtures import LAYERS, tiny_target
+from test_dspark import tiny_dspark
+# The DFlash consistency test's prompts, and the target's greedy answers to them (one thread, as there).
+from test_evaluate_consistency import NEW_TOKENS, NO_STOP, documents, one_thread, prompts, target_dir, target_model  # noqa: F401
+from train_fixtures import LAYERS
 
 BLOCK = 6
 LAYOUT = anchor_layout("dspark", block_size=BLOCK)
 DSPARK = drafter_variant("dspark")
-NEW_TOKENS = 32
-PROMPTS = 6
-NO_STOP = frozenset()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return tiny_target(tmp_path_factory.getbasetemp() / "train-fixtures")
-
-
-@pytest.fixture(scope="module")
-def target_model(target_dir):
-    return AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def prompts(target_dir) -> list[torch.Tensor]:
-    encoder = ChatEncoder(AutoTokenizer.from_pretrained(target_dir))
-    encoded = encoder.encode([encoder.render(row) for row in tiny_chat_rows(PROMPTS, seed=5)])
-    return [torch.from_numpy(ids[: prompt_length(mask)].astype(np.int64)) for ids, mask in encoded]
-
-
-@pytest.fixture(scope="module")
-def documents(target_model, prompts) -> list[torch.Tensor]:
-    """Each prompt followed by the target's greedy answer."""
-    answers = [greedy_decode(Target(target_model), p, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP).tokens for p in prompts]
-    return [torch.cat([p, torch.tensor(a)]) for p, a in zip(prompts, answers)]
 
 
 def captured(target_model, document: torch.Tensor, layers: list[int]) -> torch.Tensor:
@@ -84,17 +46,9 @@ def captured(target_model, document: torch.Tensor, layers: list[int]) -> torch.T
 @pytest.fixture(scope="module")
 def drafter(target_dir, target_model, prompts, documents):
     """A DSpark drafter (one sliding-window layer, one full) trained by its own objective on these documents, in bf16 as exported."""
-    checkpoint = TargetCheckpoint(open_storage(str(target_dir)))
-    spec = parse_spec({"name": "c", "target": {"model": str(target_dir)}, "data": {"source": "/d"}, "output": "/o", "train": {
-        "drafter": "dspark", "draft_layers": 2, "sliding_window_layers": 1, "sliding_window": 16, "block_size": BLOCK,
-        "dspark": {"markov_rank": 32}}})
-    mask = resolve_mask_token_id(None, checkpoint.tokenizer_size(), checkpoint.text["vocab_size"])
-    config = DSPARK.build_config(drafter_config_for_target(checkpoint, spec.train, LAYERS, mask), spec.train)
-    torch.manual_seed(0)
-    model = DSPARK.build_model(config)
-    tensors = checkpoint.read_target_tensors()
-    model.load_target_tensors(tensors.embed_tokens, tensors.lm_head, tensors.final_norm)
-    last_layer = checkpoint.text["num_hidden_layers"] - 1
+    model = tiny_dspark(target_dir, draft_layers=2, sliding_window_layers=1, sliding_window=16, block_size=BLOCK, dspark={"markov_rank": 32})
+    config = model.config
+    last_layer = target_model.config.get_text_config().num_hidden_layers - 1
     teaching = anchor_layout("dspark", block_size=BLOCK, gamma=1.0)  # each later slot weighs e^-1 of the one before: strong up front
     batches = []
     for prompt, document in zip(prompts, documents):
