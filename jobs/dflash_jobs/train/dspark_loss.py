@@ -63,8 +63,8 @@ def _markov_chunk_terms(
         l1 = torch.zeros_like(ce)
         work = probs.mul(ce_weight) if with_grad else None
     else:
-        work = target_logits.float().softmax(-1).neg_().add_(probs)  # p_d - p_t
-        l1 = work.abs().sum(-1)
+        work = torch.softmax(target_logits, -1, dtype=torch.float32).neg_().add_(probs)  # p_d - p_t
+        l1 = torch.linalg.vector_norm(work, ord=1, dim=-1)  # a reduction: no [r, V] temporary of |p_d - p_t|
         if with_grad:
             work.sign_()
             inner = torch.einsum("rv,rv->r", work, probs)[:, None]  # <s, p>
