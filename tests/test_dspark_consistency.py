@@ -17,6 +17,7 @@ import torch
 
 from dflash_jobs.drafter.masks import build_attention
 from dflash_jobs.drafter.speculative import ModelDrafter, Target, speculative_decode
+from dflash_jobs.evaluate.calibration import ConfidenceRecorder, summarize_calibration
 from dflash_jobs.evaluate.metrics import acceptance_length, acceptance_per_position, summarize_simulated
 from dflash_jobs.evaluate.simulated import anchors_accepted, document_batch
 from dflash_jobs.spec import anchor_layout
@@ -78,7 +79,11 @@ def test_the_training_forward_accepts_what_dspark_decoding_accepts_and_a_fill_in
         for p, d in zip(prompts, documents)
     ]
     target = Target(target_model, LAYERS)
-    served = [speculative_decode(target, ModelDrafter(drafter, drafts=BLOCK), p, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP) for p in prompts]
+    recorder = ConfidenceRecorder(drafter, drafts=BLOCK)  # the ModelDrafter the evaluation serves a confidence head through
+    served, confidences = [], []
+    for prompt in prompts:
+        served.append(speculative_decode(target, recorder, prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP))
+        confidences.append(recorder.take())
     greedy = [d[len(p):].tolist() for p, d in zip(prompts, documents)]
     assert [d.tokens for d in served] == greedy
     verify_block = BLOCK + 1  # the anchor and its B drafts
@@ -89,6 +94,12 @@ def test_the_training_forward_accepts_what_dspark_decoding_accepts_and_a_fill_in
     matched = report["at_decoded_anchors"]
     assert matched["steps"] > 0.8 * sum(len(d.accepted) for d in served)
     torch.testing.assert_close(matched["simulated_per_position"], matched["decoded_per_position"], atol=0.05, rtol=0)
+
+    # The confidence head, trained toward 1 - L1/2, predicts the first draft's survival within 0.05;
+    # later positions read high under greedy verification (README, DSpark).
+    first = summarize_calibration(confidences, served, BLOCK)["per_position"][0]
+    assert first["steps"] >= 0.9 * sum(len(d.accepted) for d in served)
+    assert abs(first["predicted_survival"] - first["realized_survival"]) < 0.05
 
     broken = [speculative_decode(target, FillInServing(drafter, drafts=BLOCK - 1), p, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP) for p in prompts]
     assert [d.tokens for d in broken] == greedy  # still lossless: only the drafts suffer
