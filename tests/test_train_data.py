@@ -218,16 +218,14 @@ class ReadRecorder:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 def test_a_builder_asked_for_the_final_hidden_state_delivers_the_stored_rows_beside_the_context(tmp_path, dtype):
-    from dflash_jobs.train.data import BatchBuilder, ChunkData, read_document_index
     from dflash_jobs.formats import dequantize_fp8
+    from dflash_jobs.train.data import BatchBuilder, ChunkData, DocumentRef, read_document_index
 
     storage = open_storage(str(tmp_path / "run"))
     manifest = final_extract(storage, dtype)
     assert manifest.final_hidden == dtype
     index = read_document_index(storage, [c.chunk for c in manifest.chunks])
     chunks = {c.chunk: ChunkData.from_bytes(storage.get_bytes(hidden_chunk_key(c.chunk)), hidden_chunk_key(c.chunk)) for c in manifest.chunks}
-    from dflash_jobs.train.data import DocumentRef
-
     documents = [DocumentRef(chunk, i, doc.sample_ids[i], doc.lengths[i]) for doc in index for chunk in [doc.chunk] for i in (2, 0)]
     builder = BatchBuilder(layout=anchor_layout(block_size=4, gamma=7.0), anchors=8, mask_token_id=99, seed=0, layers=[1, 2], final_hidden=True)
     batch = builder.build(documents, chunks, epoch=0)
@@ -259,7 +257,7 @@ def test_a_builder_not_asked_reads_and_holds_none_of_it(tmp_path):
     from dflash_jobs.train.data import BatchBuilder, ChunkData, DocumentRef
 
     storage = open_storage(str(tmp_path / "run"))
-    manifest = final_extract(storage, "float8_e4m3fn", chunks=1)
+    final_extract(storage, "float8_e4m3fn", chunks=1)
     key = hidden_chunk_key(0)
     data = ChunkData.from_bytes(storage.get_bytes(key), key)
     data.source = recorder = ReadRecorder(data.source)
@@ -271,10 +269,10 @@ def test_a_builder_not_asked_reads_and_holds_none_of_it(tmp_path):
     final = [[length + offset for offset in header[name]["data_offsets"]] for name in ("final_hidden_states", "final_hidden_states_scale")]
     assert recorder.reads and not any(offset < end and begin < offset + size for offset, size in recorder.reads for begin, end in final)
 
-    builder = BatchBuilder(layout=anchor_layout(block_size=4, gamma=7.0), anchors=8, mask_token_id=99, seed=0, layers=[1, 2], final_hidden=True)
-    without = open_storage(str(tmp_path / "without"))
     from train_fixtures import synthetic_chunk, write_extract
 
+    builder = BatchBuilder(layout=anchor_layout(block_size=4, gamma=7.0), anchors=8, mask_token_id=99, seed=0, layers=[1, 2], final_hidden=True)
+    without = open_storage(str(tmp_path / "without"))
     write_extract(without, [synthetic_chunk(0, documents=3, document_tokens=40, layers=2, hidden_size=16, vocab_size=100)],
                   model="synthetic", layers=[1, 2], dtype="float8_e4m3fn")
     plain = ChunkData.from_bytes(without.get_bytes(key), key)
@@ -282,13 +280,21 @@ def test_a_builder_not_asked_reads_and_holds_none_of_it(tmp_path):
         builder.build(documents, {0: plain}, epoch=0)
 
 
-def test_training_a_drafter_that_reads_it_is_refused_a_store_without_it_and_fed_from_one_with_it(root, extract, tmp_path):
+def test_training_a_drafter_that_reads_it_is_refused_a_store_without_it_and_fed_from_one_with_it(root, extract, tmp_path, caplog):
     from train_fixtures import tiny_extract
 
+    without = copy_extract(extract, tmp_path / "without")
     with pytest.raises(InputError) as refused:
-        build(root, copy_extract(extract, tmp_path / "without"), tmp_path / "cache", drafter="dspark")
-    assert f"{tmp_path / 'without'}/{MANIFEST_KEY}: the hidden states hold no final hidden state of the target" in str(refused.value)
+        build(root, without, tmp_path / "cache", drafter="dspark")
+    assert f"{without}/{MANIFEST_KEY}: the hidden states hold no final hidden state of the target" in str(refused.value)
     assert "extract.final_hidden: true" in refused.value.fix and "train.dspark.ce_only: true" in refused.value.fix
+    # Asked for explicitly, cross-entropy only: it trains on them, and says so.
+    trainer = build(root, without, tmp_path / "cache", drafter="dspark", dspark={"ce_only": True})
+    try:
+        assert "DSpark trains on cross-entropy only, without the target's final hidden state" in caplog.text
+        assert next(iter(trainer.stream))[2].final_hidden is None
+    finally:
+        trainer.close()
 
     output = copy_extract(tiny_extract(root, final_hidden=True), tmp_path / "with")
     trainer = build(root, output, tmp_path / "cache-with", drafter="dspark")

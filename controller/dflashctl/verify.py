@@ -225,7 +225,8 @@ def check_all(
 
 
 def build_manifest(passed: list[ChunkCheck]) -> Manifest:
-    """The manifest of chunks that all passed (and so share one target, layers, dtype and width)."""
+    """The manifest of chunks that all passed (and so share one target, layers, dtype and width),
+    with the final hidden state's dtype when every one of them holds it."""
     markers = sorted((c.marker for c in passed), key=lambda m: m.chunk)
     final_hidden = {m.final_hidden for m in markers}
     return Manifest(
