@@ -160,3 +160,36 @@ def test_the_readme_shows_the_command_of_the_example_spec():
     spec = load_spec(root / "examples/qwen36-27b/dflash.yaml")
     assert (spec.train.draft_layers, spec.train.sliding_window_layers, spec.train.block_size) == (5, 4, 16)
     assert textwrap.dedent(shown).strip() == run_serve_command(spec, exported(sliding=4))
+
+
+def exported_dspark(*, block_size=7, sliding=0) -> dict:
+    """The config.json of a Qwen3.6-27B-shaped DSpark drafter (DSparkConfig.to_deepspec)."""
+    from dflash_jobs.drafter.dspark_model import DSparkConfig
+
+    config = DSparkConfig(
+        hidden_size=5120, num_layers=5, num_attention_heads=24, num_key_value_heads=4, head_dim=256, intermediate_size=17408,
+        vocab_size=248320, target_layer_ids=[1, 16, 31, 46, 61], num_target_layers=64, block_size=block_size, mask_token_id=248070,
+        layer_types=["sliding_attention"] * sliding + ["full_attention"] * (5 - sliding),
+    )
+    return json.loads(json.dumps(config.to_deepspec()))
+
+
+@pytest.mark.parametrize("block_size", [5, 7, 8])
+def test_dspark_serves_every_slot_of_its_block_with_method_dspark_on_the_v2_runner(block_size):
+    """The anchor is a prediction slot: num_speculative_tokens is the trained block size itself, and
+    vLLM runs DSpark only in its V2 model runner, whatever the layers."""
+    command = vllm_serve_command(target="/t", drafter="/d", exported=exported_dspark(block_size=block_size))
+    assert command == (
+        "VLLM_USE_V2_MODEL_RUNNER=1 vllm serve /t \\\n"
+        f"""  --speculative-config '{{"method": "dspark", "model": "/d", "num_speculative_tokens": {block_size}}}' \\\n"""
+        "  --attention-backend flash_attn"
+    )
+    causal = vllm_serve_command(target="/t", drafter="/d", exported=exported_dspark(sliding=5))
+    assert causal.startswith("VLLM_USE_V2_MODEL_RUNNER=1 vllm serve /t") and "--attention-backend" not in causal
+
+
+def test_an_architecture_without_a_serving_entry_is_refused_naming_it():
+    """SpecForge's DSpark export name, which vLLM maps to its DeepSeek-V4 drafter, is never served as a Qwen3 drafter."""
+    config = {**exported_dspark(), "architectures": ["DSparkDraftModel"]}
+    with pytest.raises(FormatError, match="names architecture 'DSparkDraftModel', which has no vLLM serving entry"):
+        vllm_serve_command(target="/t", drafter="/d", exported=config)

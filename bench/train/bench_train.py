@@ -19,7 +19,8 @@ FLOPs counted: every matmul of the trainable layers x3 (forward, input and weigh
 x3 on the context, attention over the visible (query, key) pairs only x3 (4 * head_dim per pair
 forward), the frozen LM head x2 on supervised slots (logits, and the hidden-state gradient; no
 weight gradient), and the variant's own modules (DrafterVariant.extra_flops: DFlash2's
-convolutions and candidate selector). `--shape tiny` runs the same on CPU in about a minute, with
+convolutions and candidate selector; DSpark's Markov projection and confidence head, and the
+target's logits its objective reads). `--shape tiny` runs the same on CPU in about a minute, with
 512-token documents and 64 anchors by default: the CPU's dense attention mask grows with tokens x
 anchors (4 documents of 4,096 tokens need over 24 GB).
 """
@@ -60,7 +61,9 @@ SHAPES = {
 }
 
 
-def synthetic_chunk(docs: int, tokens: int, config: DrafterConfig, seed: int = 0) -> ChunkData:
+def synthetic_chunk(docs: int, tokens: int, config: DrafterConfig, seed: int = 0, *, final_hidden: bool = False) -> ChunkData:
+    """`docs` documents of `tokens` random tokens and states, 10% of each a prompt; with the target's
+    final hidden state too (`final_hidden`: a drafter that reads it, DSpark)."""
     g = torch.Generator().manual_seed(seed)
     loss_mask = np.ones(tokens, dtype=np.uint8)
     loss_mask[: tokens // 10] = 0
@@ -71,7 +74,8 @@ def synthetic_chunk(docs: int, tokens: int, config: DrafterConfig, seed: int = 0
         sample_ids=np.arange(docs, dtype=np.int64),
     )
     hidden = torch.randn(docs * tokens, len(config.target_layer_ids), config.hidden_size, generator=g).to(torch.bfloat16)
-    encoded = encode_hidden_chunk(token_chunk, hidden, layers=config.target_layer_ids, model="synthetic", config_hash="synthetic")
+    final = torch.randn(docs * tokens, config.hidden_size, generator=g).to(torch.bfloat16) if final_hidden else None
+    encoded = encode_hidden_chunk(token_chunk, hidden, layers=config.target_layer_ids, model="synthetic", config_hash="synthetic", final_hidden=final)
     return ChunkData.from_bytes(encoded, "synthetic")
 
 
@@ -165,9 +169,10 @@ def build_trainer(shape: str, case: Case, tokens: int, anchors: int, device: tor
 def run_case(shape: str, case: Case, tokens: int, anchors: int, steps: int, warmup: int, device: torch.device, *, profile: bool) -> dict:
     started = time.perf_counter()
     trainer, config = build_trainer(shape, case, tokens, anchors, device)
-    builder = BatchBuilder(layout=trainer.spec.train.layout, anchors=anchors, mask_token_id=config.mask_token_id, seed=0,
-                           layers=config.target_layer_ids)
-    chunk = synthetic_chunk(case.docs, tokens, config)
+    train = trainer.spec.train
+    builder = BatchBuilder(layout=train.layout, anchors=anchors, mask_token_id=config.mask_token_id, seed=0,
+                           layers=config.target_layer_ids, final_hidden=train.reads_final_hidden)
+    chunk = synthetic_chunk(case.docs, tokens, config, final_hidden=train.reads_final_hidden)
     documents = [DocumentRef(0, i, i, tokens) for i in range(case.docs)]
     batches = [builder.build(documents, {0: chunk}, epoch) for epoch in range(2)]
     if device.type == "cuda":  # as the training stream hands them over: pinned, so the copy to the GPU is async

@@ -52,6 +52,7 @@ HIDDEN_CHUNKS = "extract/chunks/"
 DONE_MARKERS = "extract/done/"
 DRAFTER_DIR = "train/drafter"  # the exported drafter, z-lab layout
 DRAFTER_CONFIG_KEY = f"{DRAFTER_DIR}/config.json"  # written last by the export: the drafter is complete
+SPECULATORS_DRAFTER_DIR = "train/drafter-speculators"  # the same drafter in speculators' format, where its variant has one (DSpark)
 TRAIN_METRICS_KEY = "train/metrics.jsonl"
 TRAIN_PLOT_KEY = "train/metrics.png"
 EVAL_REPORT_KEY = "eval/report.json"

@@ -369,25 +369,49 @@ class DFlash2Spec:
 
 @dataclass(kw_only=True, slots=True)
 class DSparkSpec:
-    """DSpark's additions to the DFlash backbone (reference/dflash2-dspark.md section 4)."""
+    """DSpark's additions to the DFlash backbone (reference/dflash2-dspark.md section 4), and the
+    weights of its objective (DeepSpec's: 0.1 CE + 0.9 L1 + 1.0 confidence BCE)."""
 
     markov_rank: int = 256
-    """Rank of the Markov head's low-rank bigram bias W2 W1[previous token]."""
-    ce_weight: float = 0.1
-    """Weight of the cross-entropy to the data token."""
-    l1_weight: float = 0.9
-    """Weight of the L1 distance between the drafter's and the target's next-token distributions."""
-    confidence_weight: float = 1.0
-    """Weight of the confidence head's BCE toward 1 - L1/2 (the slot's acceptance probability)."""
+    """Rank of the Markov head's low-rank bigram bias W2 W1[previous token] (two vocabulary x rank tables)."""
     ce_only: bool = False
-    """Train without the target's final hidden state: cross-entropy and the Markov head only, no L1
-    term and no confidence head. Only for a store extracted without it; reported as such."""
+    """Train without the target's final hidden state: cross-entropy to the data token and the Markov
+    head only, no L1 term and no confidence head (exported with enable_confidence_head false). Only
+    for a store extracted without it (extract.final_hidden false); no reference measures this setting."""
+    ce_weight: float | None = None
+    """Weight of the cross-entropy to the data token. null: 0.1, or 1.0 CE-only."""
+    l1_weight: float | None = None
+    """Weight of the L1 distance between the drafter's and the target's next-token distributions.
+    null: 0.9, or 0 CE-only."""
+    confidence_weight: float | None = None
+    """Weight of the confidence head's BCE toward 1 - L1/2 (the slot's acceptance probability given
+    its prefix). null: 1.0, or 0 CE-only. 0 trains and exports no confidence head (as DeepSpec does)."""
 
     def __post_init__(self) -> None:
         _positive("train.dspark.markov_rank", self.markov_rank, minimum=1)
-        for name in ("ce_weight", "l1_weight", "confidence_weight"):
-            if getattr(self, name) < 0:
-                raise SpecError(f"train.dspark.{name}", getattr(self, name), "a number >= 0")
+        if self.ce_only:
+            for name in ("l1_weight", "confidence_weight"):
+                if getattr(self, name):
+                    raise SpecError(f"train.dspark.{name}", getattr(self, name),
+                                    "0 or null with train.dspark.ce_only (CE-only reads no target distribution), or ce_only: false")
+        defaults = (1.0, 0.0, 0.0) if self.ce_only else (0.1, 0.9, 1.0)
+        for name, default in zip(("ce_weight", "l1_weight", "confidence_weight"), defaults):
+            value = getattr(self, name)
+            if value is None:
+                setattr(self, name, default)
+            elif isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise SpecError(f"train.dspark.{name}", value, "a number >= 0, or null for the default")
+        if not self.ce_weight and not self.l1_weight:
+            raise SpecError("train.dspark.ce_weight/l1_weight", (self.ce_weight, self.l1_weight),
+                            "a positive weight on at least one of them: nothing else trains the drafted tokens")
+        if not self.ce_only and not self.l1_weight and not self.confidence_weight:
+            raise SpecError("train.dspark.l1_weight/confidence_weight", (self.l1_weight, self.confidence_weight),
+                            "a positive weight on one of them, or train.dspark.ce_only: true (neither reads the target's final hidden state then)")
+
+    @property
+    def confidence_head(self) -> bool:
+        """Whether the drafter has a confidence head: trained only with a positive weight, as in DeepSpec."""
+        return self.confidence_weight > 0
 
 
 VARIANT_SETTINGS = {"dflash2": DFlash2Spec, "dspark": DSparkSpec}

@@ -53,7 +53,7 @@ def run(
         print_report(result.report or {}, fmt)
     for warning in result.warnings:  # last, where a run of many hours does not scroll it away
         output.info(f"[yellow]warning:[/] {escape(warning)}")
-    output.hint(f"the drafter: {spec.output}/train/drafter (z-lab layout, loads in vLLM with method dflash)")
+    output.hint(f"the drafter: {spec.output}/train/drafter (the vLLM command above serves it)")
 
 
 def result_json(result: PipelineResult) -> dict[str, Any]:

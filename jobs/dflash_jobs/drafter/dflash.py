@@ -112,12 +112,16 @@ class DFlashDraftModel(DraftTrunk, PreTrainedModel):
         verifier = Target(target, self.target_layer_ids)
         try:
             decoded = speculative_decode(
-                verifier, CachedDrafter(self, target), prompt,
+                verifier, self.cached_drafter(target), prompt,
                 max_new_tokens=max_new_tokens, stop_ids=frozenset(stop_token_ids or ()),
             )
         finally:
             verifier.close()
         return torch.cat([prompt, torch.tensor(decoded.tokens, dtype=prompt.dtype, device=prompt.device)])[None]
+
+    def cached_drafter(self, target: torch.nn.Module) -> CachedDrafter:
+        """This model as spec_generate's drafter."""
+        return CachedDrafter(self, target)
 
 
 class CachedDrafter:
@@ -136,6 +140,11 @@ class CachedDrafter:
         self.cached = 0  # context positions whose K/V are in the cache
 
     def propose(self, tokens: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
+        return self.model.draft_tokens(self.block_hidden(tokens, context), tokens[-1], self.head)
+
+    def block_hidden(self, tokens: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """The hidden states [B, d] of the block anchored at tokens[-1], after the newly committed
+        context (context[self.cached:]) went into the cache."""
         anchor = len(tokens) - 1  # context covers positions 0..anchor-1
         device = self.model.fc.weight.device
         block = torch.full((1, self.block_size), self.model.mask_token_id, dtype=torch.long, device=self.embed.weight.device)
@@ -149,5 +158,4 @@ class CachedDrafter:
         )
         self.cache.crop(anchor - self.cache.get_seq_length())  # keep the context's K/V, drop the block's
         self.cached = anchor
-        return self.model.draft_tokens(hidden[0], tokens[-1], self.head)
-
+        return hidden[0]

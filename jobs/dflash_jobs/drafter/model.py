@@ -344,6 +344,14 @@ class Drafter(DraftTrunk, nn.Module):
         anchor_position (> every context position). Token k of the result is the guess for position
         anchor_position + 1 + k. The context K/V are recomputed on every call (no drafter cache).
         """
+        return self.block_drafts(self.block_hidden(context_hidden, context_positions, anchor_token, anchor_position), anchor_token)
+
+    @torch.no_grad()
+    def block_hidden(
+        self, context_hidden: torch.Tensor, context_positions: torch.Tensor, anchor_token: int, anchor_position: int
+    ) -> torch.Tensor:
+        """The final-normed hidden states [B, d] of the block [anchor, mask x (B-1)] drafted after the
+        context (draft_block's arguments), slot k at position anchor_position + k."""
         device = self.fc.weight.device
         B = self.config.block_size
         block_ids = torch.full((1, B), self.config.mask_token_id, dtype=torch.long, device=device)
@@ -355,8 +363,7 @@ class Drafter(DraftTrunk, nn.Module):
         def attention(index: int, kind: str) -> AttentionFn:
             return one_block_attention(positions, B, self.config.window(kind), self.config.is_causal)
 
-        hidden = self.run_trunk(context_hidden.to(device), h, positions, attention)
-        return self.block_drafts(hidden[0], anchor_token)
+        return self.run_trunk(context_hidden.to(device), h, positions, attention)[0]
 
     def block_drafts(self, hidden: torch.Tensor, anchor_token: int) -> torch.Tensor:
         """The drafts of one block from its final-normed hidden states [B, d]: DFlash's are the

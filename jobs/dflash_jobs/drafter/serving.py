@@ -2,16 +2,21 @@
 
 - What vLLM runs is chosen by the exported `architectures` (SERVED): the speculative method, the
   runner and the oldest vLLM that has it.
-- `num_speculative_tokens` is the drafts per block of the drafter's anchor layout: block_size - 1
-  where the anchor is not a prediction slot (DFlash, DFlash2). vLLM never reads block_size: it drafts
-  the bonus token plus num_speculative_tokens masks per step, so a drafter trained on blocks of B
-  serves B - 1; DFlash2's convolution even resets at 1 + num_speculative_tokens.
+- `num_speculative_tokens` is the drafts per block of the drafter's anchor layout. vLLM never reads
+  block_size, and the served block must be the trained one (reference/dflash2-dspark.md section 6,
+  pitfall 2):
+  - where the anchor is not a prediction slot (DFlash, DFlash2), block_size - 1: vLLM drafts the
+    bonus token plus num_speculative_tokens masks per step (DFlash2's convolution even resets at
+    1 + num_speculative_tokens);
+  - DSpark (DeepSpec's Qwen3DSparkModel layout, `method: dspark`): block_size, the anchor being a
+    prediction slot (sample_from_anchor, written in its config).
 - `--attention-backend flash_attn` when a draft layer is bidirectional inside the block (full
   attention, or any layer under an explicit `is_causal: false`, which vLLM resolves first): vLLM
   refuses a backend without non-causal attention.
 - `VLLM_USE_V2_MODEL_RUNNER=1` when sliding-window and full layers mix (vLLM needs two KV groups
   for the drafter, which only its V2 model runner has), and always for DFlash2, whose selector only
-  the V2 runner has (V1 would draft it as DFlash, without a word).
+  the V2 runner has (V1 would draft it as DFlash, without a word), and DSpark, which only the V2
+  runner serves (vLLM #46995; RedHat's Qwen3.8 DSpark card asks for vLLM >= 0.29).
 - vLLM reads local directories: an s3:// drafter or target is synced to one first.
 
 No torch here: `dflashctl status` formats the command in the control plane, the evaluation in its report.
@@ -46,8 +51,9 @@ class ServedArchitecture:
 SERVED = {
     "DFlashDraftModel": ServedArchitecture("dflash", method="dflash"),
     "DFlash2DraftModel": ServedArchitecture("dflash2", method="dflash", v2_runner=True, min_vllm="0.28.0"),
+    "Qwen3DSparkModel": ServedArchitecture("dspark", method="dspark", v2_runner=True, min_vllm="0.29.0"),
 }
-"""Exported `architectures` -> how vLLM serves it (reference/dflash2-dspark.md 3.7)."""
+"""Exported `architectures` -> how vLLM serves it (reference/dflash2-dspark.md 3.7, 4.7)."""
 
 
 def served_architecture(exported: Mapping[str, Any]) -> ServedArchitecture:

@@ -29,6 +29,7 @@ from dflash_jobs.drafter.serving import run_serve_command
 from dflash_jobs.drafter.speculative import BlockDrafter, Decoded, ModelDrafter, Target, greedy_decode, speculative_decode
 from dflash_jobs.errors import InputError
 from dflash_jobs.evaluate.baselines import PromptLookupDrafter
+from dflash_jobs.evaluate.calibration import recorder_for
 from dflash_jobs.evaluate.metrics import acceptance_length
 from dflash_jobs.evaluate.report import build_report, store_report
 from dflash_jobs.evaluate.simulated import anchors_accepted, document_batch
@@ -85,6 +86,8 @@ class PromptResult:
     drafted: dict[str, Decoded]
     simulated: list[int]
     """Per anchor of the simulation (evaluate/simulated.py), the drafts the training forward gets right in a row."""
+    confidences: list[list[float]] | None = None
+    """A drafter with a confidence head (DSpark): per verify step, its survival probability of each draft (evaluate/calibration.py)."""
 
 
 class PromptDecoder:
@@ -93,8 +96,9 @@ class PromptDecoder:
 
     def __init__(self, model, drafter: Drafter, variant: DrafterVariant, layout: AnchorLayout, settings: EvalSpec) -> None:
         self.drafter, self.variant, self.layout = drafter, variant, layout
+        self.recorder = recorder_for(drafter, drafts=layout.drafts)
         self.drafters: dict[str, BlockDrafter] = {
-            variant.name: ModelDrafter(drafter, drafts=layout.drafts), "prompt_lookup": PromptLookupDrafter(layout.drafts + 1),
+            variant.name: self.recorder or ModelDrafter(drafter, drafts=layout.drafts), "prompt_lookup": PromptLookupDrafter(layout.drafts + 1),
         }
         self.settings = settings
         self.stop = stop_ids(model)
@@ -108,7 +112,8 @@ class PromptDecoder:
             name: speculative_decode(self.targets[name], drafter, prompt, max_new_tokens=new_tokens, stop_ids=self.stop)
             for name, drafter in self.drafters.items()
         }
-        return PromptResult(reference, drafted, self.simulate(prompt, reference))
+        confidences = self.recorder.take() if self.recorder is not None else None
+        return PromptResult(reference, drafted, self.simulate(prompt, reference), confidences)
 
     def simulate(self, prompt: torch.Tensor, reference: Decoded) -> list[int]:
         """The training forward on prompt + greedy's output, with the target's layers captured over it in one forward."""
@@ -224,6 +229,7 @@ def evaluate(spec: RunSpec, storage: Storage, *, device: torch.device) -> dict[s
         greedy=[r.greedy for r in results],
         drafters={name: [r.drafted[name] for r in results] for name in results[0].drafted},
         simulated={variant.name: [r.simulated for r in results]},
+        calibration={variant.name: [r.confidences for r in results]} if results[0].confidences is not None else None,
         # The verify block: the anchor and its drafts (a drafter that samples from the anchor drafts block_size of them).
         block_size=layout.drafts + 1, dtype=eval_dtype(device), tie_ulps=settings.tie_ulps,
         target=spec.target.model, drafter=drafter_url(spec), drafter_variant=variant.name, prompts=len(prompts),

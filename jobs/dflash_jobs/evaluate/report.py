@@ -15,6 +15,9 @@ report.json (format dflash.eval/v1):
               the same prompts (evaluate/simulated.py): acceptance_length, acceptance_per_position,
               anchors, relative_gap per position ((decoded - simulated) / simulated), tolerance,
               disagreeing_positions (1-based; empty when training and serving agree)
+    drafters.<variant>.calibration: calibration.summarize_calibration(...)   a drafter with a confidence head
+              (DSpark): per draft position, its predicted survival (the product of the confidences up to
+              it) against the realized one over the decoded verify steps, with Brier score and ECE
     lossless: true when every drafter's output equals plain greedy on every prompt, ties aside
     vllm_serve: the shell commands that serve this drafter with its target in vLLM (drafter/serving.py)
 """
@@ -27,6 +30,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from dflash_jobs.evaluate.calibration import summarize_calibration
 from dflash_jobs.evaluate.metrics import summarize, summarize_simulated, tokens_per_second
 from dflash_jobs.drafter.speculative import Decoded
 from dflash_jobs.formats import EVAL_PLOT_KEY, EVAL_REPORT_KEY
@@ -36,13 +40,17 @@ REPORT_FORMAT = "dflash.eval/v1"
 
 def build_report(
     *, greedy: Sequence[Decoded], drafters: Mapping[str, Sequence[Decoded]], block_size: int, dtype: torch.dtype, tie_ulps: int,
-    simulated: Mapping[str, Sequence[Sequence[int]]] | None = None, **about: Any,
+    simulated: Mapping[str, Sequence[Sequence[int]]] | None = None,
+    calibration: Mapping[str, Sequence[Sequence[Sequence[float]]]] | None = None, **about: Any,
 ) -> dict[str, Any]:
     """The report of one evaluation: `simulated` maps a drafter to its teacher-forced accepted
-    drafts, per prompt and anchor; `about` holds what was evaluated (target, drafter, prompts, ...)."""
+    drafts, per prompt and anchor; `calibration` a drafter with a confidence head to its survival
+    probabilities, per prompt, verify step and draft; `about` holds what was evaluated (target, drafter, prompts, ...)."""
     summaries = {name: summarize(decoded, greedy, block_size, dtype=dtype, tie_ulps=tie_ulps) for name, decoded in drafters.items()}
     for name, anchors in (simulated or {}).items():
         summaries[name]["simulated"] = summarize_simulated(anchors, drafters[name], [d.tokens for d in greedy], block_size)
+    for name, steps in (calibration or {}).items():
+        summaries[name]["calibration"] = summarize_calibration(steps, drafters[name], block_size - 1)
     return {
         "format": REPORT_FORMAT,
         **about,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 from typing import Any, Protocol
 
 from dflash_jobs.formats import TRAIN_METRICS_KEY, TRAIN_PLOT_KEY
@@ -34,17 +35,17 @@ class NullSink:
 
 
 class ConsoleSink:
-    """One line per interval: step, loss, acceptance, the drafter variant's own figures (`extra`), throughput, ETA."""
+    """One line per interval: step, loss, acceptance, a variant's own figures (`extra`), throughput, ETA."""
 
     def __init__(self, extra: tuple[str, ...] = ()) -> None:
         self.extra = extra
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        figures = "".join(f" {name} {metrics[name]:.3f}" for name in self.extra)
+        own = "".join(f" {name} {metrics[name]:.4g}" for name in self.extra)
         log.info(
             "step %d/%d epoch %d | loss %.4f acc@1 %.3f tau %.2f%s | lr %.2e | %.0f tok/s | eta %s",
             step, metrics["total_steps"], metrics["epoch"], metrics["loss"], metrics["accuracy"][1],
-            metrics["acceptance_length"], figures, metrics["lr"], metrics["tokens_per_s"], format_duration(metrics.get("eta_s")),
+            metrics["acceptance_length"], f" |{own}" if own else "", metrics["lr"], metrics["tokens_per_s"], format_duration(metrics.get("eta_s")),
         )
 
     def close(self) -> None:
@@ -101,11 +102,12 @@ def plot_png(records: list[dict[str, Any]]) -> bytes:
     steps = [r["step"] for r in records]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     axes[0].plot(steps, [r["loss"] for r in records])
-    axes[0].set(title="loss (weighted CE, slots 1..B-1)", xlabel="step")
+    axes[0].set(title="loss (weighted over the drafted slots)", xlabel="step")
     axes[1].plot(steps, [r["acceptance_length"] for r in records])
     axes[1].set(title="estimated acceptance length", xlabel="step")
     accuracy = records[-1]["accuracy"]
-    axes[2].bar(range(1, len(accuracy)), accuracy[1:])
+    drafted = [slot for slot, value in enumerate(accuracy) if not math.isnan(value)]  # DFlash's anchor slot is never trained
+    axes[2].bar(drafted, [accuracy[slot] for slot in drafted])
     axes[2].set(title=f"accuracy per slot at step {steps[-1]}", xlabel="slot", ylim=(0, 1))
     fig.tight_layout()
     buffer = io.BytesIO()

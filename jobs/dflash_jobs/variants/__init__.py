@@ -72,6 +72,7 @@ class DrafterVariant:
 VARIANT_MODULES = {
     "dflash": "dflash_jobs.variants.dflash",
     "dflash2": "dflash_jobs.variants.dflash2",
+    "dspark": "dflash_jobs.variants.dspark",
 }
 """Where each variant is assembled (each module holds a VARIANT): imported on demand, so a run loads only its own."""
 
