@@ -42,7 +42,7 @@ V, D, RANK = 37, 16, 5
 
 
 def minimal_spec(**train) -> dict:
-    return {"name": "dspark", "target": {"model": "/m"}, "data": {"source": "/d.jsonl"}, "output": "/o", "train": {"drafter": "dspark", **train}}
+    return {"name": "dspark", "backend": "local", "target": {"model": "/m"}, "data": {"source": "/d.jsonl"}, "output": "/o", "train": {"drafter": "dspark", **train}}
 
 
 # ---- the spec ----------------------------------------------------------------------------------

@@ -141,7 +141,7 @@ def test_a_final_hidden_state_that_disagrees_with_its_chunk_is_rejected():
 
 def test_a_drafter_that_reads_the_final_hidden_state_is_refused_states_without_it():
     def train(**section):
-        return parse_spec({"name": "x", "target": {"model": "/m"}, "data": {"source": "/d"}, "output": "/o", "train": section}).train
+        return parse_spec({"name": "x", "target": {"model": "/m"}, "data": {"source": "/d"}, "output": "/o", "backend": "local", "train": section}).train
 
     marker = DoneMarker(chunk=0, samples=1, tokens=9, bytes=100, sha256="ab", etag=None, dtype="bfloat16", layers=[1], hidden_size=8)
     without = Manifest(model="m", layers=[1], dtype="bfloat16", hidden_size=8, samples=1, tokens=9, bytes=100, chunks=[marker])

@@ -51,7 +51,7 @@ class ServedArchitecture:
 SERVED = {
     "DFlashDraftModel": ServedArchitecture("dflash", method="dflash"),
     "DFlash2DraftModel": ServedArchitecture("dflash2", method="dflash", v2_runner=True, min_vllm="0.28.0"),
-    "Qwen3DSparkModel": ServedArchitecture("dspark", method="dspark", v2_runner=True, min_vllm="0.29.0"),
+    "Qwen3DSparkModel": ServedArchitecture("dspark", method="dspark", v2_runner=True),
 }
 """Exported `architectures` -> how vLLM serves it (reference/dflash2-dspark.md 3.7, 4.7)."""
 
