@@ -546,6 +546,7 @@ def test_the_console_line_shows_a_variants_own_figures(caplog):
     record = {"total_steps": 10, "epoch": 0, "loss": 1.5, "accuracy": [0.5, 0.25, math.nan, math.nan], "acceptance_length": 1.6,
               "lr": 1e-3, "tokens_per_s": 100.0, "eta_s": 5, "l1": 0.8125, "confidence": 0.4}
     with caplog.at_level("INFO"):
-        ConsoleSink(("l1", "confidence")).log(record, 1)
-    assert "tau 1.60 | l1 0.8125 confidence 0.4 | lr" in caplog.text
+        ConsoleSink(("l1", "confidence"), first_draft=0).log(record, 1)
+    # DSpark's first draft is slot 0: its accuracy is the acc@1 shown.
+    assert "acc@1 0.500 tau 1.60 | l1 0.8125 confidence 0.4 | lr" in caplog.text
     assert plot_png([{"step": 1, **record}])[:4] == b"\x89PNG"  # slots never supervised (NaN) are left out of the plot

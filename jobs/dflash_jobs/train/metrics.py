@@ -35,16 +35,18 @@ class NullSink:
 
 
 class ConsoleSink:
-    """One line per interval: step, loss, acceptance, a variant's own figures (`extra`), throughput, ETA."""
+    """One line per interval: step, loss, the first draft's accuracy and the acceptance, a variant's own
+    figures (`extra`), throughput, ETA. `first_draft`: the slot of the first drafted token (1 when slot
+    0 is the anchor; 0 for a drafter whose anchor is a prediction slot, DSpark)."""
 
-    def __init__(self, extra: tuple[str, ...] = ()) -> None:
-        self.extra = extra
+    def __init__(self, extra: tuple[str, ...] = (), *, first_draft: int = 1) -> None:
+        self.extra, self.first_draft = extra, first_draft
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         own = "".join(f" {name} {metrics[name]:.4g}" for name in self.extra)
         log.info(
             "step %d/%d epoch %d | loss %.4f acc@1 %.3f tau %.2f%s | lr %.2e | %.0f tok/s | eta %s",
-            step, metrics["total_steps"], metrics["epoch"], metrics["loss"], metrics["accuracy"][1],
+            step, metrics["total_steps"], metrics["epoch"], metrics["loss"], metrics["accuracy"][self.first_draft],
             metrics["acceptance_length"], f" |{own}" if own else "", metrics["lr"], metrics["tokens_per_s"], format_duration(metrics.get("eta_s")),
         )
 

@@ -232,7 +232,8 @@ class Trainer:
             every=train.checkpoint_every, meta=meta, rank=runtime.rank,
         )
         resumed = checkpointer.load_latest() or 0
-        sink = MultiSink(ConsoleSink(variant.metrics), StorageSink(storage, resume_step=resumed)) if runtime.rank == 0 else NullSink()
+        console = ConsoleSink(variant.metrics, first_draft=train.layout.first_draft)
+        sink = MultiSink(console, StorageSink(storage, resume_step=resumed)) if runtime.rank == 0 else NullSink()
         log.info(
             "drafter: %s, %d layers, %.1fM trainable parameters, mask token %d; %d chunks, %d steps over %d epochs on %d ranks%s",
             variant.name, config.num_layers, sum(p.numel() for p in drafter.parameters() if p.requires_grad) / 1e6, config.mask_token_id,
