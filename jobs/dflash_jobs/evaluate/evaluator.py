@@ -5,7 +5,9 @@ its last supervised run: what the target was asked, never what it answered. For 
 target decodes three ways, on the same device and in the same loop style: plain greedy (the
 reference output and speed), DFlash speculative decoding, and prompt lookup (the training-free
 baseline); then the DFlash drafter's training forward runs on the prompt and greedy's output
-(evaluate/simulated.py), the teacher-forced acceptance the decoded one should match. One untimed
+(evaluate/simulated.py), the teacher-forced acceptance the decoded one should match, and, untimed,
+the lossless check's figures (evaluate/lossless.py): the target's own verify-against-decode
+rounding, and greedy along each output that differs from greedy's. One untimed
 warm-up prompt comes first (kernel selection and compilation). With eval.processes > 1, worker
 processes on the same device take the prompts one at a time, each with its own target and
 drafter, and the results are merged in prompt order.
@@ -29,6 +31,7 @@ from dflash_jobs.drafter.serving import run_serve_command
 from dflash_jobs.drafter.speculative import BlockDrafter, Decoded, DFlashDrafter, Target, greedy_decode, speculative_decode
 from dflash_jobs.errors import InputError
 from dflash_jobs.evaluate.baselines import PromptLookupDrafter
+from dflash_jobs.evaluate.lossless import Divergence, divergences, verify_noise
 from dflash_jobs.evaluate.metrics import acceptance_length
 from dflash_jobs.evaluate.report import build_report, store_report
 from dflash_jobs.evaluate.simulated import anchors_accepted, document_batch
@@ -84,6 +87,10 @@ class PromptResult:
     drafted: dict[str, Decoded]
     simulated: list[int]
     """Per anchor of the simulation (evaluate/simulated.py), the drafts the training forward gets right in a row."""
+    divergences: dict[str, list[Divergence]]
+    """Per drafter, where its output leaves greedy's (evaluate/lossless.py; empty when it is greedy's)."""
+    verify_noise: list[float]
+    """The target's verify-against-decode rounding of greedy's decision margin, per position (evaluate/lossless.py)."""
 
 
 class PromptDecoder:
@@ -91,6 +98,7 @@ class PromptDecoder:
 
     def __init__(self, model, drafter: Drafter, config: DrafterConfig, settings: EvalSpec) -> None:
         self.drafter = drafter
+        self.block_size = config.block_size
         self.drafters: dict[str, BlockDrafter] = {"dflash": DFlashDrafter(drafter, config), "prompt_lookup": PromptLookupDrafter(config.block_size)}
         self.settings = settings
         self.stop = stop_ids(model)
@@ -104,7 +112,13 @@ class PromptDecoder:
             name: speculative_decode(self.targets[name], drafter, prompt, max_new_tokens=new_tokens, stop_ids=self.stop)
             for name, drafter in self.drafters.items()
         }
-        return PromptResult(reference, drafted, self.simulate(prompt, reference))
+        # Untimed: the lossless check's figures (the decodings above are what tokens/s measure).
+        found = {
+            name: divergences(self.plain, prompt, d.tokens, reference, max_new_tokens=new_tokens, stop_ids=self.stop)
+            for name, d in drafted.items()
+        }
+        noise = verify_noise(self.plain, prompt, reference, self.block_size)
+        return PromptResult(reference, drafted, self.simulate(prompt, reference), found, noise)
 
     def simulate(self, prompt: torch.Tensor, reference: Decoded) -> list[int]:
         """The training forward on prompt + greedy's output, with the target's layers captured over it in one forward."""
@@ -209,11 +223,14 @@ def evaluate(spec: RunSpec, storage: Storage, *, device: torch.device) -> dict[s
             results = decode_prompts(decoder, prompts)
         finally:
             decoder.close()
+    names = list(results[0].drafted)
     report = build_report(
         greedy=[r.greedy for r in results],
-        drafters={name: [r.drafted[name] for r in results] for name in results[0].drafted},
+        drafters={name: [r.drafted[name] for r in results] for name in names},
+        divergences={name: [r.divergences[name] for r in results] for name in names},
+        verify_noise=[r.verify_noise for r in results],
         simulated={"dflash": [r.simulated for r in results]},
-        block_size=config.block_size, dtype=eval_dtype(device), tie_ulps=settings.tie_ulps,
+        block_size=config.block_size, dtype=eval_dtype(device),
         target=spec.target.model, drafter=drafter_url(spec), prompts=len(prompts),
         max_new_tokens=settings.max_new_tokens, processes=min(settings.processes, len(prompts)), device=str(device),
         vllm_serve=run_serve_command(spec, config.to_zlab()),
