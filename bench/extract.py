@@ -16,6 +16,10 @@ Stages (one JSON document, rewritten after every stage, so a run cut short keeps
             the first finds the Triton cache of warm-up but compiles its graphs, the second finds
             both; each: warm-up, time to its first forward (ready_s) and to its first stored chunk
             (first_chunk_s), from its own start;
+  final     the extractor storing the target's final hidden state too (extract.final_hidden, for
+            DSpark) against the plain extractor and bare forward, the same batches, all warm: one more
+            [T, d] state per token through the same copies. It hooks the last layer of the model as
+            built (61 of the cut 27B standing in for 63: the cost does not depend on which layer);
   fp8       --compute float8: the states' relative error per layer against bf16, then bare forward
             (bf16 and FP8) and the FP8 extractor on disk and tmpfs.
   compile   extract.compile (the target's norms and MLPs compiled) against eager on the target as
@@ -27,6 +31,7 @@ Every stage but warm-pod and compile runs the target eager, as extract.compile: 
 Throughput counts real (unpadded) tokens; MFU is against the H200's 989 TFLOP/s dense bf16 peak.
 
     python bench/extract.py --shape 27b --stages setup,warmup,syncs,bf16,profile,exact,warm-pod --out $OUT/extract.json
+    python bench/extract.py --shape 27b --stages setup,warmup,final --out $OUT/extract-final.json
     python bench/extract.py --shape 27b --stages setup,warmup,fp8 --out $OUT/extract-fp8.json
     python bench/extract.py --shape 27b --stages setup,warmup,compile --out $OUT/extract-compile.json
     python bench/extract.py --shape tiny --device cpu --samples 24 --chunk-tokens 1024 --out /tmp/x.json   # CPU check
@@ -74,9 +79,9 @@ REAL_27B = dict(
     linear_value_head_dim=128, vocab_size=248320,
     rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
 )
-STAGES = ("setup", "warmup", "syncs", "bf16", "profile", "exact", "warm-pod", "fp8", "compile")
-OPT_IN_STAGES = ("fp8", "compile")
-"""Each changes the target in place for the stages after it: run them last, and only when asked."""
+STAGES = ("setup", "warmup", "syncs", "bf16", "profile", "exact", "warm-pod", "final", "fp8", "compile")
+OPT_IN_STAGES = ("final", "fp8", "compile")
+"""Run only when asked; fp8 and compile change the target in place for the stages after them: run them last."""
 
 
 def sync(device: torch.device) -> None:
@@ -458,13 +463,10 @@ def main() -> int:
         return count_syncs(target, chunks[0], planner) if device.type == "cuda" else None
 
     def bf16() -> dict:
-        out = {"bare_1": bare()}
-        save_partial("bf16", out)
-        out["extractor_disk"] = extractor(target, disk, chunks, spec, args, packed=packed)
-        save_partial("bf16", out)
-        out["extractor_tmpfs"] = extractor(target, tmpfs, chunks, spec, args, packed=packed)
-        save_partial("bf16", out)
-        out["bare_2"] = bare()
+        out = passes("bf16", {
+            "bare_1": bare, "extractor_disk": lambda: extractor(target, disk, chunks, spec, args, packed=packed),
+            "extractor_tmpfs": lambda: extractor(target, tmpfs, chunks, spec, args, packed=packed), "bare_2": bare,
+        })
         bare_rates = [out["bare_1"]["tokens_per_s"], out["bare_2"]["tokens_per_s"]]
         out["bare_mean_tokens_per_s"] = round(statistics.mean(bare_rates), 1)
         for where in ("disk", "tmpfs"):
@@ -478,6 +480,14 @@ def main() -> int:
     def save_partial(name: str, value: dict) -> None:
         result[name] = value
         save()
+
+    def passes(name: str, runs: dict) -> dict:
+        """Each of `runs` in order into result[name], saved after each (a run cut short keeps what it measured)."""
+        out: dict = {}
+        for key, run in runs.items():
+            out[key] = run()
+            save_partial(name, out)
+        return out
 
     def profiled() -> dict:
         return profile(target, tmpfs, chunks[:2], spec, args, packed=packed)
@@ -507,6 +517,22 @@ def main() -> int:
         out = {"first_pod": pod("pod-1")}
         save_partial("warm-pod", out)
         out["warm_pod"] = pod("pod-2")
+        return out
+
+    def final_hidden() -> dict:
+        with_final = dataclasses.replace(target, final_hidden=True)
+        out = passes("final", {
+            "bare_1": bare, "extractor_disk": lambda: extractor(target, disk, chunks, spec, args, packed=packed),
+            "extractor_final_disk": lambda: extractor(with_final, disk, chunks, spec, args, packed=packed), "bare_2": bare,
+        })
+        out["final_layer"] = with_final.final_layer
+        bare_mean = statistics.mean([out["bare_1"]["tokens_per_s"], out["bare_2"]["tokens_per_s"]])
+        plain, final = out["extractor_disk"], out["extractor_final_disk"]
+        out["ratio_vs_bare_mean"] = {"extractor": round(plain["tokens_per_s"] / bare_mean, 4),
+                                     "extractor_final": round(final["tokens_per_s"] / bare_mean, 4)}
+        out["ratio_final_vs_extractor"] = {"end_to_end": round(final["tokens_per_s"] / plain["tokens_per_s"], 4),
+                                           "before_drain": round(final["tokens_per_s_before_drain"] / plain["tokens_per_s_before_drain"], 4)}
+        out["bytes_ratio"] = round(final["bytes_written"] / plain["bytes_written"], 4)
         return out
 
     def sample_states() -> torch.Tensor:
@@ -588,6 +614,7 @@ def main() -> int:
     stage("profile", profiled)
     stage("exact", exact)
     stage("warm-pod", pods)
+    stage("final", final_hidden)
     stage("fp8", float8)
     stage("compile", compiled)
     result["total_s"] = round(time.perf_counter() - started, 1)

@@ -38,7 +38,7 @@ cache with use_cache: attention K/V of C tokens, GDN conv and recurrent states),
   n new context tokens through fc, hidden_norm and every layer's k/v, the block of 16 over
   [context ; block], the 15 drafted slots through the LM head and argmax; its cache cropped back
   after each rep, untimed. speed-up(tau) interpolates cached[n] at n = tau;
-- drafter `full_recompute`: speculative.DFlashDrafter.propose -> Drafter.draft_block, what our
+- drafter `full_recompute`: speculative.ModelDrafter.propose -> Drafter.draft_block, what our
   evaluation (jobs/dflash_jobs/evaluate) drafts with: all C context tokens through fc and every
   layer's k/v on every call (no drafter cache), then the block and the head as above.
 Each is warmed up (`--warmup` reps: Triton compiles there) and timed `--reps` times; reported: the
@@ -88,7 +88,7 @@ from bench_train import SHAPES as DRAFTER_SHAPES  # noqa: E402  (bench/train/ben
 from extract import REAL_27B  # noqa: E402  (bench/extract.py)
 
 from dflash_jobs.drafter.model import Drafter, DrafterConfig  # noqa: E402
-from dflash_jobs.drafter.speculative import DFlashDrafter, Target  # noqa: E402
+from dflash_jobs.drafter.speculative import ModelDrafter, Target  # noqa: E402
 from dflash_jobs.extract.target import FastPaths  # noqa: E402
 
 log = logging.getLogger("bench.speedup")
@@ -324,7 +324,7 @@ def main() -> int:
     from dflash_jobs.drafter.dflash import CachedDrafter
 
     target = Target(model, drafter_config.target_layer_ids)
-    full = DFlashDrafter(drafter, drafter_config)
+    full = ModelDrafter(drafter, drafts=drafter_config.block_size - 1)
     generator = torch.Generator().manual_seed(0)
     V = model.config.vocab_size
 

@@ -53,7 +53,7 @@ def write_prepared(storage: Storage, chunks: list[TokenChunk]) -> list[ChunkInfo
     return infos
 
 
-def write_spec(path: Path, *, target: Path, output: Path, **extract) -> Path:
+def write_spec(path: Path, *, target: Path, output: Path, train: dict | None = None, **extract) -> Path:
     spec = {
         "name": "extract-test",
         "backend": "local",
@@ -61,6 +61,7 @@ def write_spec(path: Path, *, target: Path, output: Path, **extract) -> Path:
         "data": {"source": str(output / "chats.jsonl"), "max_length": 48, "chunk_tokens": 512},
         "output": str(output),
         "extract": {"shards": 1, "token_budget": 96, "pad_multiple": 16, "sort_window": 1, **extract},
+        **({"train": train} if train is not None else {}),
     }
     path.write_text(yaml.safe_dump(spec))
     return path

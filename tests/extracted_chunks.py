@@ -35,20 +35,23 @@ def token_chunk(chunk: int) -> TokenChunk:
     )
 
 
-def hidden_chunk(chunk: int, *, seed: int = 0, model: str = "tiny", config_hash: str = "cfg1", dtype: str = "bfloat16") -> bytes:
+def hidden_chunk(
+    chunk: int, *, seed: int = 0, model: str = "tiny", config_hash: str = "cfg1", dtype: str = "bfloat16", final_hidden: bool = False,
+) -> bytes:
     tokens = token_chunk(chunk)
     generator = torch.Generator().manual_seed(seed * 1000 + chunk)
     hidden = torch.randn(tokens.num_tokens, len(LAYERS), HIDDEN, generator=generator).to(torch.bfloat16)
-    return encode_hidden_chunk(tokens, hidden, layers=LAYERS, model=model, config_hash=config_hash, dtype=dtype)
+    final = torch.randn(tokens.num_tokens, HIDDEN, generator=generator).to(torch.bfloat16) if final_hidden else None
+    return encode_hidden_chunk(tokens, hidden, layers=LAYERS, model=model, config_hash=config_hash, dtype=dtype, final_hidden=final)
 
 
-def mark_done(storage, chunk: int, data: bytes, *, dtype: str = "bfloat16") -> DoneMarker:
+def mark_done(storage, chunk: int, data: bytes, *, dtype: str = "bfloat16", final_hidden: str | None = None) -> DoneMarker:
     """What an extract worker does: the object first, then its marker."""
     put = storage.put_bytes(hidden_chunk_key(chunk), data)
     tokens = token_chunk(chunk)
     marker = DoneMarker(
         chunk=chunk, samples=tokens.num_samples, tokens=tokens.num_tokens, bytes=put.size, sha256=put.sha256,
-        etag=put.etag, dtype=dtype, layers=LAYERS, hidden_size=HIDDEN, shard=chunk % 2,
+        etag=put.etag, dtype=dtype, layers=LAYERS, hidden_size=HIDDEN, shard=chunk % 2, final_hidden=final_hidden,
     )
     storage.put_bytes(done_key(chunk), marker.to_json().encode())
     return marker
@@ -63,7 +66,8 @@ def write_dataset(storage, *, chunks: int = CHUNKS) -> None:
     storage.put_bytes(DATASET_KEY, index.to_json().encode())
 
 
-def extracted_run(storage, *, chunks: int = CHUNKS) -> list[DoneMarker]:
-    """A prepared and fully extracted run."""
+def extracted_run(storage, *, chunks: int = CHUNKS, final_hidden: bool = False) -> list[DoneMarker]:
+    """A prepared and fully extracted run (with the target's final hidden state in every chunk: `final_hidden`)."""
     write_dataset(storage, chunks=chunks)
-    return [mark_done(storage, c, hidden_chunk(c)) for c in range(chunks)]
+    final = "bfloat16" if final_hidden else None
+    return [mark_done(storage, c, hidden_chunk(c, final_hidden=final_hidden), final_hidden=final) for c in range(chunks)]

@@ -9,6 +9,7 @@ with Ignore/FailIndex/FailJob, DisruptionTarget), on the test's command:
     api.start("run-extract")                     # pending pods get a node and run
     api.finish("run-extract", 1, exit_code=42)   # index 1 ends; the controller reacts
     api.preempt("run-extract", 2)                # evicted with a DisruptionTarget condition
+    api.unschedulable("run-extract", 0, "0/4 nodes are available: ...")  # FailedScheduling event
     api.fail_requests(2, status=500)             # the next two requests fail
     api.compact()                                # watches from older versions get 410 Gone
     api.drop_watches()                           # open watch streams are cut mid-stream
@@ -108,6 +109,22 @@ class FakeKubernetes:
         """The pod of `index` is evicted (preemption): DisruptionTarget, then killed by SIGTERM."""
         disruption = {"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}
         self._terminate(job, index, exit_code=143, conditions=[disruption])
+
+    def unschedulable(self, job: str, index: int, message: str, *, times: int = 1) -> None:
+        """The scheduler finds no node for the pending pod of `index`: PodScheduled False, and a
+        FailedScheduling event about the pod, as kube-scheduler records it (counted `times`)."""
+        with self.lock:
+            pod = self._live_pod(job, index)
+            pod["status"]["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}]
+            self._changed("MODIFIED", pod)
+            meta = pod["metadata"]
+            now = self._now()
+            self._create("Event", meta["namespace"], {
+                "metadata": {"name": f"{meta['name']}.{next(self._clock):x}"},
+                "involvedObject": {"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "namespace": meta["namespace"], "uid": meta["uid"]},
+                "reason": "FailedScheduling", "message": message, "type": "Warning", "count": times,
+                "source": {"component": "default-scheduler"}, "firstTimestamp": now, "lastTimestamp": now,
+            })
 
     def write_log(self, job: str, index: int, *lines: str) -> None:
         with self.lock:
@@ -444,6 +461,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _logs(self, pod: str, *, follow: bool) -> None:
         api = self.server.api
+        with api.lock:
+            obj = api.objects.get(("Pod", pod))
+            if obj is not None and obj["status"]["phase"] == "Pending":
+                # As the kubelet answers for a container that has not started.
+                message = f'container "worker" in pod "{pod}" is waiting to start: ContainerCreating'
+                return self._send(400, _status(400, "BadRequest", message))
         self._start_stream("text/plain")
         sent = 0
         while True:
@@ -510,8 +533,11 @@ def _status(code: int, reason: str, message: str) -> Obj:
 
 def _selected(obj: Obj, query: dict[str, str]) -> bool:
     for term in filter(None, query.get("fieldSelector", "").split(",")):
-        path, _, value = term.partition("=")
-        if path == "metadata.name" and obj["metadata"]["name"] != value:
+        path, _, value = term.partition("=")  # metadata.name, involvedObject.name (events), ...
+        found: Any = obj
+        for key in path.split("."):
+            found = found.get(key) if isinstance(found, dict) else None
+        if found != value:
             return False
     labels = obj["metadata"].get("labels") or {}
     for term in filter(None, query.get("labelSelector", "").split(",")):

@@ -8,9 +8,11 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
-from importlib.metadata import entry_points
+from importlib.metadata import entry_points, version
 
 import pytest
 import yaml
@@ -28,6 +30,7 @@ from dflashctl.cli.main import main
 from dflash_jobs.units import format_duration
 from dflashctl.progress import Progress, landing_rate, read_progress, time_left
 from dflashctl.render import render_selection
+from dflashctl.target import Target, current_target
 
 CHUNK_TOKENS = 1000
 RUN = {
@@ -382,3 +385,144 @@ def test_a_resumed_extraction_is_rated_by_what_landed_since_it_started(run, monk
     assert progress["eta_s"] == pytest.approx(100, rel=0.05)  # the last chunk's 1,000 tokens at that rate
     code, out, _ = cli(monkeypatch, capsys, "status", "-f", str(spec_file))
     assert "chunks: 3/4 (75% of tokens), 10 tok/s, ETA 1m" in out
+
+
+# ---- kubectl's habits: logs -f, --context, -n, exit codes -----------------------------------------
+
+
+def test_logs_f_follows_as_in_kubectl_and_the_spec_comes_from_spec_env_or_the_old_f_file(run, monkeypatch, capsys):
+    spec_file, _, api = run
+    job = "demo-run-extract"
+    cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec_file))
+    api.start(job)
+    api.write_log(job, 0, "loading target")
+    when_job_exists(api, job, lambda: time.sleep(0.3), lambda: api.write_log(job, 0, "chunk 0 landed"), lambda: api.finish(job, 0))
+    code, out, _ = cli(monkeypatch, capsys, "logs", "extract", "--shard", "0", "-f", "--spec", str(spec_file))
+    assert code == 0 and out == "loading target\nchunk 0 landed\n"  # it waited for the pod to end
+
+    # The spelling before -f followed: `-f FILE.yaml` is the spec (and does not follow).
+    code, out, err = cli(monkeypatch, capsys, "logs", "-f", str(spec_file), "--shard", "0")
+    assert code == 0 and out == "loading target\nchunk 0 landed\n"
+    assert f"read `-f {spec_file}` as `--spec {spec_file}`" in err
+    # So is DFLASH_SPEC; -F, the old follow, still follows.
+    monkeypatch.setenv("DFLASH_SPEC", str(spec_file))
+    assert cli(monkeypatch, capsys, "logs", "extract", "--shard", "0", "-F")[:2] == (0, "loading target\nchunk 0 landed\n")
+    # -f before something that is not a spec file is --follow; a positional that is not a step is bad usage.
+    code, _, err = cli(monkeypatch, capsys, "logs", "-f", "no-such-file.yaml")
+    assert code == 2 and "no-such-file.yaml" in err
+
+
+def test_a_bad_shard_or_a_step_without_a_job_exits_2_naming_what_exists(run, monkeypatch, capsys):
+    spec_file, _, _ = run
+    cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec_file))
+    code, out, err = cli(monkeypatch, capsys, "logs", "extract", "--shard", "11", "--spec", str(spec_file))
+    assert code == 2 and out == "" and "--shard 11 is not a shard of Job demo-run-extract: its shards are 0..2" in err
+    code, _, err = cli(monkeypatch, capsys, "logs", "--shard", "-1", "--spec", str(spec_file))
+    assert code == 2 and "--shard" in err and "greater than or equal to 0" in err
+    code, _, err = cli(monkeypatch, capsys, "logs", "train", "--spec", str(spec_file))
+    assert code == 2 and "run demo-run has no train Job (demo-run-train)" in err and "dflashctl status" in err
+
+
+def test_the_logs_of_a_pod_that_has_not_started_say_why_it_waits(run, monkeypatch, capsys):
+    """Pending: the scheduler's FailedScheduling event, on stderr; exit 0, stdout empty. With -f,
+    logs waits for the pod to start and follows it."""
+    spec_file, _, api = run
+    job = "demo-run-extract"
+    cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec_file))  # every pod Pending
+    message = "0/4 nodes are available: 4 Insufficient nvidia.com/gpu. preemption: 0/4 nodes are available"
+    api.unschedulable(job, 1, message, times=3)
+    code, out, err = cli(monkeypatch, capsys, "logs", "extract", "--spec", str(spec_file))
+    assert code == 0 and out == ""
+    notes = err.splitlines()
+    assert len(notes) == 3 and all(" is Pending, no log yet: " in note for note in notes)
+    assert notes[1].startswith(f"shard 1: pod {job}-1-") and notes[1].endswith(f"Warning FailedScheduling: {message} (x3)")
+    assert notes[0].startswith("shard 0: pod ") and notes[0].endswith("no events yet")
+    code, out, err = cli(monkeypatch, capsys, "logs", "extract", "--shard", "1", "--spec", str(spec_file))
+    assert code == 0 and out == "" and err.startswith("shard 1: pod ") and "FailedScheduling" in err and "shard 0" not in err
+    # Who may not list events still learns why, from the pod's PodScheduled condition.
+    api.fail_requests(1, status=403, path="/events")
+    code, _, err = cli(monkeypatch, capsys, "logs", "extract", "--shard", "1", "--spec", str(spec_file))
+    assert code == 0 and err.strip().endswith(f"is Pending, no log yet: unschedulable: {message}")
+
+    # Followed, every shard is waited for, then streamed as it runs.
+    def run_shards():
+        api.start(job)
+        for index in range(3):
+            api.write_log(job, index, f"shard {index} loading target")
+            api.finish(job, index)
+
+    when_job_exists(api, job, lambda: time.sleep(0.3), run_shards)
+    code, out, err = cli(monkeypatch, capsys, "logs", "extract", "-f", "--spec", str(spec_file))
+    assert code == 0 and "FailedScheduling" in err
+    assert sorted(out.splitlines()) == [f"[shard {index}] shard {index} loading target" for index in range(3)]
+
+
+def two_contexts(tmp_path, fake_k8s) -> str:  # noqa: F811 - the fixture
+    """A kubeconfig whose current context "dead" reaches nothing; "fake" reaches the fake API server."""
+    kubeconfig = tmp_path / "two-contexts.yaml"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "dead",
+        "clusters": [{"name": "dead", "cluster": {"server": f"http://127.0.0.1:{free_port()}"}}, {"name": "fake", "cluster": {"server": fake_k8s.url}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": name, "context": {"cluster": name, "user": "u"}} for name in ("dead", "fake")],
+    }))
+    return str(kubeconfig)
+
+
+def test_context_and_namespace_override_the_kubeconfig_and_the_spec_before_or_after_the_command(run, monkeypatch, capsys, tmp_path, fake_k8s):  # noqa: F811
+    spec_file, _, api = run
+    monkeypatch.setenv("KUBECONFIG", two_contexts(tmp_path, fake_k8s))
+    monkeypatch.setattr("dflashctl.cluster.Cluster.retry_delays", ())
+    assert cli(monkeypatch, capsys, "status", "-f", str(spec_file))[0] == 4  # the current context: unreachable
+    assert cli(monkeypatch, capsys, "status", "-f", str(spec_file), "--context", "fake")[0] == 0
+    assert cli(monkeypatch, capsys, "--context", "fake", "status", "-f", str(spec_file))[0] == 0
+    code, _, err = cli(monkeypatch, capsys, "status", "-f", str(spec_file), "--context", "prod")
+    assert code == 2 and "--context prod is not a context of the kubeconfig" in err and "contexts: dead, fake" in err
+
+    # -n over the spec's cluster.namespace (dflash), which does not exist here.
+    api.namespaces = {"team-a"}
+    code, _, err = cli(monkeypatch, capsys, "--context", "fake", "submit", "extract", "-f", str(spec_file))
+    assert code == 2 and "namespace dflash does not exist" in err
+    code, _, err = cli(monkeypatch, capsys, "--context", "fake", "submit", "extract", "-f", str(spec_file), "-n", "team-a")
+    assert code == 0, err
+    assert api.requests_matching("POST", "/namespaces/team-a/jobs") and not api.requests_matching("POST", "/namespaces/dflash/jobs")
+    job, configmap = api.get("Job", "demo-run-extract"), api.get("ConfigMap", "demo-run-spec")
+    assert job["metadata"]["namespace"] == "team-a"
+    assert yaml.safe_load(configmap["data"]["dflash.yaml"])["cluster"]["namespace"] == "team-a"  # what its pods read
+    assert job["metadata"]["annotations"]["dflash.dev/spec-hash"] == load_spec(spec_file).fingerprint()  # the same run
+    code, out, _ = cli(monkeypatch, capsys, "-n", "team-a", "--context", "fake", "status", "-f", str(spec_file), "-o", "json")
+    assert code == 0 and json.loads(out)["jobs"]["extract"]["exists"]
+    assert api.requests_matching("GET", "/namespaces/team-a/jobs/demo-run-extract")
+    # After a command, the process talks where it did before (tests and callers in one process).
+    assert current_target() == Target()
+    code, _, err = cli(monkeypatch, capsys, "status", "-f", str(spec_file), "-n", "Team_A")
+    assert code == 2 and "not a namespace name" in err
+
+
+def test_version():
+    result = subprocess.run([sys.executable, "-m", "dflashctl.cli.main", "--version"], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout == f"dflashctl {version('dflash-k8s')}\n"
+
+
+@pytest.mark.parametrize("args", [
+    ["status", "-o", "yaml"],
+    ["submit", "everything"],
+    ["logs", "--shard", "-1"],
+    ["run", "--timeout", "-5"],
+    ["eval", "--timeout", "-5"],
+    ["render", "train", "-o", "k8s/runs/x"],
+    ["render", "train", "-o", "json", "-d", "k8s/runs/x"],
+    ["status", "-n", "Not_A_Namespace"],
+    ["export-states"],
+    ["export-states", "--format", "speculators", "--workers", "0"],
+    ["plan", "--tokens-per-second", "0"],
+    ["retry", "nothing"],
+    ["init"],  # the spec file exists: --force
+    ["frobnicate"],
+])
+def test_every_bad_argument_exits_2(run, monkeypatch, capsys, args):
+    spec_file, _, _ = run
+    monkeypatch.chdir(spec_file.parent)  # dflash.yaml, the default spec, is there
+    code, _, err = cli(monkeypatch, capsys, *args)
+    assert code == 2, err
+    assert err.strip()

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from dflash_jobs.drafter.model import Drafter, DrafterConfig
-from dflash_jobs.train.loss import ChunkedLinearCrossEntropy, draft_loss, slot_weights
+from dflash_jobs.spec import anchor_layout
+from dflash_jobs.train.loss import ChunkedLinearCrossEntropy, draft_loss
 from dflash_jobs.drafter.masks import BlockLayout, build_attention, dense_attention, flex_attention_fn
 
 WINDOW = 6
@@ -176,9 +177,11 @@ def test_sliding_layers_are_causal_inside_the_block():
     assert not torch.allclose(after[2:], base[2:])
 
 
-def test_slot_weights_decay_from_slot_one():
-    weights = slot_weights(4, gamma=7.0)
-    torch.testing.assert_close(weights, torch.tensor([0.0, 1.0, math.exp(-1 / 7), math.exp(-2 / 7)]))
+def test_slot_weights_decay_from_the_first_drafted_slot():
+    fill_in = anchor_layout("dflash", block_size=4, gamma=7.0).slot_decay()
+    assert fill_in == pytest.approx([0.0, 1.0, math.exp(-1 / 7), math.exp(-2 / 7)])
+    from_anchor = anchor_layout("dspark", block_size=4, gamma=4.0).slot_decay()  # the anchor is a prediction slot
+    assert from_anchor == pytest.approx([1.0, math.exp(-1 / 4), math.exp(-2 / 4), math.exp(-3 / 4)])
 
 
 def test_chunked_loss_and_gradient_equal_the_unchunked_computation():
@@ -189,7 +192,7 @@ def test_chunked_loss_and_gradient_equal_the_unchunked_computation():
     labels = torch.randint(0, V, (N, B), generator=g)
     mask = torch.ones(N, B)
     mask[1, 3] = mask[4, 2:] = 0  # unsupervised labels
-    weights = mask * slot_weights(B, 7.0)
+    weights = mask * torch.tensor(anchor_layout(block_size=B, gamma=7.0).slot_decay())
 
     out = draft_loss(hidden, lm_head, labels, weights, chunk_rows=3)
     out.loss.backward()

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_jobs.drafter.checkpoint import TargetCheckpoint, drafter_config_for_target, resolve_mask_token_id
-from dflash_jobs.drafter.export import export_drafter, load_drafter
+from dflash_jobs.drafter.export import export_dflash, load_drafter
 from dflash_jobs.drafter.model import Drafter, RMSNorm
 from dflash_jobs.errors import InputError, SpecError
 from dflash_jobs.spec import TrainSpec
@@ -99,7 +99,7 @@ def test_export_is_the_zlab_layout_and_loads_back(tmp_path, target_dir):
     drafter = Drafter(config)
     tensors = checkpoint.read_target_tensors()
     drafter.load_target_tensors(tensors.embed_tokens, tensors.lm_head, tensors.final_norm)
-    export_drafter(drafter, open_storage(str(tmp_path)), prefix="drafter/")
+    export_dflash(drafter, open_storage(str(tmp_path)), prefix="drafter/")
 
     raw = json.loads((tmp_path / "drafter/config.json").read_text())
     assert set(raw) == ZLAB_KEYS

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dflash_jobs.drafter.checkpoint import TargetCheckpoint, drafter_config_for_target, resolve_mask_token_id
-from dflash_jobs.drafter.export import MODELING_FILES, export_drafter
+from dflash_jobs.drafter.export import MODELING_FILES, export_dflash
 from dflash_jobs.drafter.masks import one_block_attention
 from dflash_jobs.drafter.model import Drafter, DrafterConfig
 from dflash_jobs.spec import TrainSpec
@@ -73,7 +73,7 @@ def stop_ids(model) -> list[int]:
 
 
 def test_a_fresh_process_loads_the_export_with_automodel_and_gets_the_training_logits(tmp_path, target_dir, target_model, trained):
-    export_drafter(trained, open_storage(str(tmp_path / "export")), prefix="")
+    export_dflash(trained, open_storage(str(tmp_path / "export")), prefix="")
     export = tmp_path / "export"
     assert {path.name for path in export.iterdir()} == {"config.json", "model.safetensors", *MODELING_FILES}
     assert json.loads((export / "config.json").read_text())["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"}
@@ -100,6 +100,7 @@ def test_a_fresh_process_loads_the_export_with_automodel_and_gets_the_training_l
     torch.testing.assert_close(outputs["cached_logits"], expected, rtol=1e-5, atol=1e-5)
     # And the training model's own inference entry point drafts the same tokens.
     assert torch.equal(trained.draft_block(context, torch.arange(CONTEXT), 17, CONTEXT), expected.argmax(-1))
+    assert torch.equal(outputs["drafted"], expected.argmax(-1))
     # spec_generate is lossless: plain greedy decoding's tokens, whatever the (random) drafter proposed.
     reference = target_model.generate(prompt[None], max_new_tokens=20, do_sample=False)
     assert outputs["generated"].tolist() == reference.tolist()
@@ -133,7 +134,7 @@ def test_the_drafter_rotates_with_the_targets_rope_base_stated_in_both_config_fo
     target_rope = json.loads((target_dir / "config.json").read_text())["text_config"]["rope_parameters"]
     assert target_rope["rope_type"] == "default" and target_rope["rope_theta"] == 1e7  # no scaling to carry over
     assert trained.config.rope_theta == 1e7 and trained.rope.theta == 1e7
-    export_drafter(trained, open_storage(str(tmp_path)), prefix="")
+    export_dflash(trained, open_storage(str(tmp_path)), prefix="")
     raw = json.loads((tmp_path / "config.json").read_text())
     assert raw["rope_theta"] == 1e7 and raw["rope_scaling"] is None
     assert raw["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e7}  # and as Transformers 5 states it
@@ -155,7 +156,7 @@ def test_the_mask_token_is_read_from_dflash_config(tmp_path, target_dir, trained
     from dflash_jobs.drafter.export import load_drafter, load_drafter_config
 
     mask = trained.config.mask_token_id
-    export_drafter(trained, open_storage(str(tmp_path)), prefix="")
+    export_dflash(trained, open_storage(str(tmp_path)), prefix="")
     raw = json.loads((tmp_path / "config.json").read_text())
     assert raw["dflash_config"]["mask_token_id"] == mask and "mask_token_id" not in raw
     raw["mask_token_id"] = mask + 1  # a decoy where a careless reader would look

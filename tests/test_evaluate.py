@@ -75,19 +75,19 @@ class OracleDrafter:
 
     def __init__(self, continuation: torch.Tensor, right: int, layers=LAYERS, block_size: int = BLOCK) -> None:
         self.continuation, self.right = continuation, right
-        self.block_size, self.target_layers = block_size, list(layers)
+        self.block_size, self.drafts, self.target_layers = block_size, block_size - 1, list(layers)
         self.contexts: list[torch.Tensor] = []
 
     def propose(self, tokens, context):
         self.contexts.append(context)
         assert torch.equal(tokens, self.continuation[: len(tokens)]), "committed tokens diverged from greedy"
-        draft = self.continuation[len(tokens) : len(tokens) + self.block_size - 1].clone()
+        draft = self.continuation[len(tokens) : len(tokens) + self.drafts].clone()
         draft[self.right :] = (draft[self.right :] + 1) % VOCAB
         return draft
 
 
 class RandomDrafter:
-    block_size, target_layers = BLOCK, []
+    block_size, drafts, target_layers = BLOCK, BLOCK - 1, []
 
     def __init__(self) -> None:
         self.generator = torch.Generator().manual_seed(2)

@@ -18,10 +18,10 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_jobs.drafter.checkpoint import TargetCheckpoint, drafter_config_for_target, resolve_mask_token_id
-from dflash_jobs.drafter.export import export_drafter
+from dflash_jobs.drafter.export import export_dflash
 from dflash_jobs.drafter.masks import build_attention
 from dflash_jobs.drafter.model import Drafter
-from dflash_jobs.drafter.speculative import Decoded, DFlashDrafter, Target, greedy_decode, speculative_decode
+from dflash_jobs.drafter.speculative import Decoded, ModelDrafter, Target, greedy_decode, speculative_decode
 from dflash_jobs.errors import SpecError
 from dflash_jobs.evaluate.__main__ import main as evaluate_main
 from dflash_jobs.evaluate.evaluator import evaluate
@@ -31,14 +31,17 @@ from dflash_jobs.evaluate.metrics import (
 )
 from dflash_jobs.evaluate.simulated import anchors_accepted, blocks_per_call, document_batch
 from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk
-from dflash_jobs.prepare import ChatEncoder, prompt_length
-from dflash_jobs.spec import EvalSpec, TrainSpec, parse_spec
+from dflash_jobs.rows import ChatEncoder, prompt_length
+from dflash_jobs.spec import EvalSpec, TrainSpec, anchor_layout, parse_spec
 from dflash_jobs.storage import open_storage
 from dflash_jobs.tiny import tiny_chat_rows
 from dflash_jobs.train.loss import draft_loss
+from dflash_jobs.variants import drafter_variant
 from train_fixtures import LAYERS, tiny_target
 
 BLOCK = 8
+LAYOUT = anchor_layout(block_size=BLOCK)
+DFLASH = drafter_variant("dflash")
 WINDOW = 16  # shorter than every document: the sliding layer's window cuts into the context
 NEW_TOKENS = 32
 PROMPTS = 8
@@ -98,7 +101,8 @@ def drafter(target_dir, target_model, prompts, documents) -> Drafter:
     model = Drafter(drafter_config_for_target(checkpoint, train, LAYERS, mask))
     tensors = checkpoint.read_target_tensors()
     model.load_target_tensors(tensors.embed_tokens, tensors.lm_head, tensors.final_norm)
-    batches = [document_batch(d, len(p), captured(target_model, d), model) for p, d in zip(prompts, documents)]
+    teaching = anchor_layout(block_size=BLOCK, gamma=1.0)  # every later slot weighs e^-1 of the one before: a drafter strong up front
+    batches = [document_batch(d, len(p), captured(target_model, d), model, teaching) for p, d in zip(prompts, documents)]
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     config = model.config
     for step in range(150):
@@ -111,11 +115,16 @@ def drafter(target_dir, target_model, prompts, documents) -> Drafter:
     return model.to(torch.bfloat16).eval().requires_grad_(False)
 
 
+def simulated(drafter, target_model, prompt, document) -> list[int]:
+    batch = document_batch(document, len(prompt), captured(target_model, document), drafter, LAYOUT)
+    return anchors_accepted(drafter, batch, DFLASH.predict, LAYOUT)
+
+
 def simulated_anchors(drafter, target_model, prompts, documents) -> list[list[int]]:
-    return [anchors_accepted(drafter, document_batch(d, len(p), captured(target_model, d), drafter)) for p, d in zip(prompts, documents)]
+    return [simulated(drafter, target_model, p, d) for p, d in zip(prompts, documents)]
 
 
-class ContextOffByOne(DFlashDrafter):
+class ContextOffByOne(ModelDrafter):
     """A serving path with the classic bug: the context one position late (position i gets the target's state of i - 1)."""
 
     def propose(self, tokens, context):
@@ -130,7 +139,7 @@ def test_the_training_forward_accepts_what_speculative_decoding_accepts_and_an_o
     # One anchor at every answer position with a successor: the training rule (both supervised).
     assert [len(anchors) for anchors in simulated] == [NEW_TOKENS - 1] * PROMPTS
     target = Target(target_model, LAYERS)
-    served = [speculative_decode(target, DFlashDrafter(drafter, drafter.config), p, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP) for p in prompts]
+    served = [speculative_decode(target, ModelDrafter(drafter, drafts=BLOCK - 1), p, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP) for p in prompts]
     assert [d.tokens for d in served] == [d[len(p):].tolist() for p, d in zip(prompts, documents)]
     greedy = [d[len(p):].tolist() for p, d in zip(prompts, documents)]
     report = summarize_simulated(simulated, served, greedy, BLOCK)
@@ -144,7 +153,7 @@ def test_the_training_forward_accepts_what_speculative_decoding_accepts_and_an_o
     torch.testing.assert_close(matched["simulated_per_position"], matched["decoded_per_position"], atol=0.05, rtol=0)
     assert abs(report["acceptance_length"] - acceptance_length(served)) < 0.15 * acceptance_length(served)
 
-    broken = [speculative_decode(target, ContextOffByOne(drafter, drafter.config), p, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP) for p in prompts]
+    broken = [speculative_decode(target, ContextOffByOne(drafter, drafts=BLOCK - 1), p, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP) for p in prompts]
     assert [d.tokens for d in broken] == [d.tokens for d in served]  # still lossless: only the drafts suffer
     verdict = summarize_simulated(simulated, broken, greedy, BLOCK)
     assert verdict["disagreeing_positions"][:3] == [1, 2, 3] and verdict["at_decoded_anchors"]["verdict"] == "disagree"
@@ -153,10 +162,10 @@ def test_the_training_forward_accepts_what_speculative_decoding_accepts_and_an_o
 
 def test_long_documents_are_simulated_a_group_of_blocks_at_a_time_with_the_same_result(drafter, target_model, prompts, documents, monkeypatch):
     prompt, document = prompts[0], documents[0]
-    whole = anchors_accepted(drafter, document_batch(document, len(prompt), captured(target_model, document), drafter))
+    whole = simulated(drafter, target_model, prompt, document)
     monkeypatch.setattr("dflash_jobs.evaluate.simulated.ATTENTION_PAIRS", 3 * BLOCK * (len(document) + 3 * BLOCK))
     assert blocks_per_call(len(document), BLOCK, NEW_TOKENS - 1) <= 3
-    assert anchors_accepted(drafter, document_batch(document, len(prompt), captured(target_model, document), drafter)) == whole
+    assert simulated(drafter, target_model, prompt, document) == whole
 
 
 # ---- ties --------------------------------------------------------------------------------------
@@ -269,7 +278,7 @@ def finished_training(tmp_path, target_dir, drafter, documents, prompts, **eval_
     """A run's storage as training leaves it: the held-out samples and the exported drafter; and its spec."""
     output = tmp_path / "run"
     storage = open_storage(str(output))
-    export_drafter(drafter, storage)
+    export_dflash(drafter, storage)
     masks = [np.concatenate([np.zeros(len(p), np.uint8), np.ones(len(d) - len(p), np.uint8)]) for p, d in zip(prompts, documents)]
     holdout = TokenChunk(
         input_ids=np.concatenate([d.numpy() for d in documents]).astype(np.int32), loss_mask=np.concatenate(masks),

@@ -41,37 +41,43 @@ def make_chunk(rng: np.random.Generator, first_sample: int, lengths: list[int]) 
     return tokens, hidden
 
 
-def write_run(output: str, *, dtype: str = "bfloat16", layers: list[int] = LAYERS, seed: int = 0) -> list[tuple[TokenChunk, torch.Tensor]]:
-    """What extraction and verify leave: chunks, done markers, the manifest (a directory or s3://)."""
+def write_run(
+    output: str, *, dtype: str = "bfloat16", layers: list[int] = LAYERS, seed: int = 0, final_hidden: bool = False,
+) -> list[tuple[TokenChunk, torch.Tensor]]:
+    """What extraction and verify leave: chunks, done markers, the manifest (a directory or s3://).
+    With `final_hidden` every chunk also holds the target's final hidden state, returned as the
+    last layer of its states ([T, L + 1, d])."""
     storage = open_storage(output)
     rng = np.random.default_rng(seed)
     chunks, markers, first = [], [], 0
+    final_dtype = dtype if final_hidden else None
     for chunk, lengths in enumerate([[5, 9, 3], [7, 2, 11, 4]]):
         tokens, hidden = make_chunk(rng, first, lengths)
         first += len(lengths)
-        data = encode_hidden_chunk(tokens, hidden, layers=layers, model="tiny", config_hash="h", dtype=dtype)
+        final = torch.from_numpy(rng.standard_normal((tokens.num_tokens, HIDDEN)).astype(np.float32) * 8).to(torch.bfloat16) if final_hidden else None
+        data = encode_hidden_chunk(tokens, hidden, layers=layers, model="tiny", config_hash="h", dtype=dtype, final_hidden=final)
         put = storage.put_bytes(hidden_chunk_key(chunk), data)
         marker = DoneMarker(
             chunk=chunk, samples=tokens.num_samples, tokens=tokens.num_tokens, bytes=put.size,
-            sha256=hashlib.sha256(data).hexdigest(), etag=put.etag, dtype=dtype, layers=layers, hidden_size=HIDDEN,
+            sha256=hashlib.sha256(data).hexdigest(), etag=put.etag, dtype=dtype, layers=layers, hidden_size=HIDDEN, final_hidden=final_dtype,
         )
         storage.put_bytes(done_key(chunk), marker.to_json().encode())
         markers.append(marker)
-        chunks.append((tokens, hidden))
+        chunks.append((tokens, hidden if final is None else torch.cat([hidden, final[:, None]], dim=1)))
     manifest = Manifest(
         model="tiny", layers=layers, dtype=dtype, hidden_size=HIDDEN, samples=sum(m.samples for m in markers),
-        tokens=sum(m.tokens for m in markers), bytes=sum(m.bytes for m in markers), chunks=markers,
+        tokens=sum(m.tokens for m in markers), bytes=sum(m.bytes for m in markers), chunks=markers, final_hidden=final_dtype,
     )
     storage.put_bytes(MANIFEST_KEY, manifest.to_json().encode())
     return chunks
 
 
-def write_spec(tmp_path: Path, output: str, *, depth: int | None = DEPTH) -> Path:
+def write_spec(tmp_path: Path, output: str, *, depth: int | None = DEPTH, layers: list[int] = LAYERS) -> Path:
     target = tmp_path / "target"
     target.mkdir(exist_ok=True)
     if depth is not None:
         (target / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": {"num_hidden_layers": depth}}))
-    spec = {"name": "states", "backend": "local", "target": {"model": str(target), "layers": LAYERS}, "data": {"source": "/d.jsonl"}, "output": output}
+    spec = {"name": "states", "backend": "local", "target": {"model": str(target), "layers": layers}, "data": {"source": "/d.jsonl"}, "output": output}
     path = tmp_path / "dflash.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
@@ -89,7 +95,7 @@ def expected_samples(chunks, dtype: str):
     """(token_ids, loss_mask, states as bf16 [T, L, d]) per sample, in export order."""
     for tokens, hidden in chunks:
         states = hidden
-        if dtype == "float8_e4m3fn":  # as stored (quantized), then dequantized the torch way
+        if dtype == "float8_e4m3fn":  # as stored (quantized: a scale per token and layer, or per token), then dequantized the torch way
             states = dequantize_fp8(*quantize_fp8(hidden))
         for i in range(tokens.num_samples):
             begin, end = tokens.cu_seqlens[i], tokens.cu_seqlens[i + 1]
@@ -136,6 +142,40 @@ def test_a_local_run_exports_as_speculators_reads_it(tmp_path, monkeypatch, caps
     assert [(s["index"], s["sample_id"], s["chunk"], s["tokens"]) for s in lines][:4] == [(0, 0, 0, 5), (1, 3, 0, 9), (2, 6, 0, 3), (3, 9, 1, 7)]
     record = json.loads((destination / SUMMARY_KEY).read_text())
     assert record["format"] == "speculators" and record["layers"] == LAYERS and record["run_dtype"] == dtype
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_the_stored_final_hidden_state_goes_last_as_speculators_verifier_last_hidden_states(tmp_path, monkeypatch, capsys, dtype):
+    """The layers need not include the target's last one: the stored final hidden state (its output,
+    before the final norm, like vLLM's aux state num_hidden_layers) is appended after all of them,
+    row t beside token t, and every captured layer is a drafter input."""
+    output = str(tmp_path / "run")
+    layers = [1, 4, 6]  # not the last decoder layer (7)
+    chunks = write_run(output, dtype=dtype, layers=layers, final_hidden=True)
+    spec_file = write_spec(tmp_path, output, layers=layers)
+
+    code, out, err = dflashctl(monkeypatch, capsys, "export-states", "--format", "speculators", "-f", str(spec_file), "-o", "json")
+
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["final_hidden"] is True and summary["samples"] == summary["files"] == 7
+    assert summary["aux_hidden_state_layer_ids"] == [2, 5, 7] and summary["last_layer"] == DEPTH  # all three layers feed the drafter
+    assert "--target-layer-ids 2 5 7" in err
+    destination = tmp_path / "run/export/speculators/hidden_states"
+    for index, (input_ids, _, states) in enumerate(expected_samples(chunks, dtype)):
+        read = read_as_speculators(destination, index, input_ids)
+        assert read["raw"].shape == (len(input_ids), len(layers) + 1, HIDDEN)
+        assert torch.equal(read["verifier_last_hidden_states"], states[:, -1])  # the stored final hidden state, bit for bit
+        assert torch.equal(read["hidden_states"], states[:, :-1].flatten(1))  # the captured layers
+    metadata = json.loads(load_metadata(destination / "hs_0.safetensors")["aux_hidden_state_layer_ids"])
+    assert metadata == [2, 5, 7, DEPTH]
+
+
+def load_metadata(path: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return f.metadata()
 
 
 def test_numpy_fp8_and_bf16_conversions_equal_torch_bit_for_bit():
@@ -207,8 +247,8 @@ def test_a_run_without_the_targets_last_layer_is_refused_naming_the_fix(tmp_path
     spec_file = write_spec(tmp_path, output)
     code, _, err = dflashctl(monkeypatch, capsys, "export-states", "--format", "speculators", "-f", str(spec_file))
     assert code == 2
-    assert "the run captured layers [1, 4, 6] of a 8-layer target, not its last decoder layer 7" in err
-    assert "target.layers [1, 4, 6, 7]" in err
+    assert "the run captured layers [1, 4, 6] of a 8-layer target, not its last decoder layer 7, and stored no final hidden state" in err
+    assert "extract.final_hidden: true" in err and "target.layers [1, 4, 6, 7]" in err
     assert not (tmp_path / "run/export").exists()
 
 
@@ -226,9 +266,10 @@ def test_unverified_runs_and_an_unreadable_target_are_refused(tmp_path, monkeypa
         export_speculators(open_storage(output), open_storage(str(tmp_path / "out")), depth=DEPTH)
 
 
-def test_the_export_runs_in_a_process_where_torch_cannot_be_imported(tmp_path):
+@pytest.mark.parametrize("final_hidden", [False, True])
+def test_the_export_runs_in_a_process_where_torch_cannot_be_imported(tmp_path, final_hidden):
     output = str(tmp_path / "run")
-    write_run(output, dtype="float8_e4m3fn")
+    write_run(output, dtype="float8_e4m3fn", final_hidden=final_hidden)
     spec_file = write_spec(tmp_path, output)
     code = (
         "import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"

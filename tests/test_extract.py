@@ -144,6 +144,24 @@ def test_integrity_checks_name_the_chunk_and_sample():
         check_assembled(7, chunk, ids, absmax, missing)
 
 
+def test_integrity_checks_the_final_hidden_state_like_the_layers():
+    chunk = random_chunks(seed=5, count=1)[0]
+    ids, absmax, written = assembled(chunk)
+    final = torch.rand(chunk.num_tokens) + 0.5
+    stats = check_assembled(3, chunk, ids, absmax, written, final)
+    assert stats["final_absmax_max"] == pytest.approx(float(final.max())) and stats["absmax_max"] == pytest.approx(float(absmax.max()))
+    assert "final_absmax_max" not in check_assembled(3, chunk, ids, absmax, written)
+
+    bad = final.clone()
+    bad[chunk.cu_seqlens[1]] = float("inf")
+    with pytest.raises(IntegrityError, match=f"chunk 000003: non-finite final hidden states in sample {chunk.sample_ids[1]}"):
+        check_assembled(3, chunk, ids, absmax, written, bad)
+    zero = final.clone()
+    zero[chunk.cu_seqlens[2]:chunk.cu_seqlens[3]] = 0
+    with pytest.raises(IntegrityError, match=f"all-zero final hidden states for sample {chunk.sample_ids[2]}"):
+        check_assembled(3, chunk, ids, absmax, written, zero)
+
+
 def test_exit_codes_and_shard_index(monkeypatch):
     assert exit_code(IntegrityError("x")) == EXIT_BAD_INPUT == 42
     assert exit_code(FormatError("x")) == EXIT_BAD_INPUT

@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_jobs.errors import FormatError
+from dflash_jobs.errors import FormatError, InputError
 from dflash_jobs.formats import (
-    HEADER_PROBE, DatasetIndex, ChunkInfo, DoneMarker, HiddenChunk, Manifest, TokenChunk, chunk_of_key, done_key,
-    encode_hidden_chunk, fetch_header_bytes, file_range, header_size, hidden_metadata, hidden_tensors, hidden_chunk_key,
-    object_range, read_header, safetensors_parts, token_chunk_key,
+    HEADER_PROBE, DatasetIndex, ChunkInfo, DoneMarker, HiddenChunk, Manifest, TokenChunk, check_final_hidden, chunk_of_key,
+    done_key, encode_hidden_chunk, fetch_header_bytes, file_range, header_size, hidden_metadata, hidden_tensors, hidden_chunk_key,
+    object_range, quantize_fp8, read_header, safetensors_parts, token_chunk_key,
 )
+from dflash_jobs.spec import parse_spec
 from dflash_jobs.storage import open_storage
 
 
@@ -91,6 +92,70 @@ def test_hidden_chunk_round_trip(dtype):
     assert total == len(data) and header["__metadata__"]["dtype"] == dtype
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_the_final_hidden_state_rides_in_the_chunk_in_its_dtype_and_older_chunks_read_without_it(dtype):
+    tokens = make_tokens()
+    hidden = torch.randn(15, 2, 64).to(torch.bfloat16)
+    final = (torch.randn(15, 64) * torch.logspace(-2, 2, 15)[:, None]).to(torch.bfloat16)
+    data = encode_hidden_chunk(tokens, hidden, layers=[1, 3], model="tiny", config_hash="abc", dtype=dtype, final_hidden=final)
+    header, _ = read_header(data[: header_size(data[:8])], "x")
+    assert header["__metadata__"]["final_hidden"] == dtype
+    assert header["final_hidden_states"]["shape"] == [15, 64]
+    assert ("final_hidden_states_scale" in header) == (dtype == "float8_e4m3fn")
+    chunk = HiddenChunk.decode(data, "x")
+    assert chunk.final_hidden == dtype and chunk.final_hidden_states.shape == (15, 64)
+    if dtype == "bfloat16":
+        assert torch.equal(chunk.dequantized_final(), final)
+    else:  # one scale per token, as the layers' per token and layer
+        assert chunk.final_scale.shape == (15,) and chunk.final_hidden_states.dtype == torch.float8_e4m3fn
+        q, scale = quantize_fp8(final)
+        assert torch.equal(chunk.final_scale, scale) and torch.equal(chunk.final_hidden_states.view(torch.uint8), q.view(torch.uint8))
+        assert torch.allclose(chunk.dequantized_final().float(), final.float(), rtol=2**-3, atol=0)
+    assert torch.equal(chunk.dequantized().float(), HiddenChunk.decode(
+        encode_hidden_chunk(tokens, hidden, layers=[1, 3], model="tiny", config_hash="abc", dtype=dtype), "y").dequantized().float())
+
+    older = HiddenChunk.decode(encode_hidden_chunk(tokens, hidden, layers=[1, 3], model="tiny", config_hash="abc", dtype=dtype), "old")
+    assert older.final_hidden is None and older.final_hidden_states is None and older.dequantized_final() is None
+
+
+def test_a_final_hidden_state_that_disagrees_with_its_chunk_is_rejected():
+    from safetensors.torch import save
+
+    tokens, hidden = make_tokens(), torch.randn(15, 2, 8, dtype=torch.bfloat16)
+    metadata = hidden_metadata(layers=[1, 3], model="m", config_hash="h", dtype="bfloat16")
+    labeled = hidden_metadata(layers=[1, 3], model="m", config_hash="h", dtype="bfloat16", final_hidden="bfloat16")
+    cases = {
+        "without its label": (hidden_tensors(tokens, hidden, None, torch.randn(15, 8, dtype=torch.bfloat16)), metadata, "come together"),
+        "a label without it": (hidden_tensors(tokens, hidden, None), labeled, "come together"),
+        "too few tokens": (hidden_tensors(tokens, hidden, None, torch.randn(14, 8, dtype=torch.bfloat16)), labeled, r"\[14, 8\] do not match 15 tokens"),
+        "narrower": (hidden_tensors(tokens, hidden, None, torch.randn(15, 4, dtype=torch.bfloat16)), labeled, "not 8 wide"),
+        "mislabeled": (hidden_tensors(tokens, hidden, None, torch.randn(15, 8).to(torch.float8_e4m3fn), torch.ones(15)),
+                       labeled, "labeled bfloat16 but its final_hidden_states are F8_E4M3"),
+        "fp8 without scales": (hidden_tensors(tokens, hidden, None, torch.randn(15, 8).to(torch.float8_e4m3fn)),
+                               {**labeled, "final_hidden": "float8_e4m3fn"}, r"without a \[15\] final_hidden_states_scale"),
+    }
+    for case, (tensors, meta, message) in cases.items():
+        with pytest.raises(FormatError, match=message):
+            HiddenChunk.decode(save(tensors, metadata=meta), case)
+
+
+def test_a_drafter_that_reads_the_final_hidden_state_is_refused_states_without_it():
+    def train(**section):
+        return parse_spec({"name": "x", "target": {"model": "/m"}, "data": {"source": "/d"}, "output": "/o", "train": section}).train
+
+    marker = DoneMarker(chunk=0, samples=1, tokens=9, bytes=100, sha256="ab", etag=None, dtype="bfloat16", layers=[1], hidden_size=8)
+    without = Manifest(model="m", layers=[1], dtype="bfloat16", hidden_size=8, samples=1, tokens=9, bytes=100, chunks=[marker])
+    with pytest.raises(InputError) as refused:
+        check_final_hidden(without, train(drafter="dspark"), "s3://b/run/extract/manifest.json")
+    assert "s3://b/run/extract/manifest.json: the hidden states hold no final hidden state of the target" in refused.value.what
+    assert "train.drafter dspark reads it" in refused.value.what
+    assert "extract.final_hidden: true" in refused.value.fix and "train.dspark.ce_only: true" in refused.value.fix
+    check_final_hidden(without, train(drafter="dspark", dspark={"ce_only": True}), "m")  # explicitly without it
+    check_final_hidden(without, train(drafter="dflash"), "m")
+    check_final_hidden(without, train(drafter="dflash2"), "m")
+    check_final_hidden(Manifest(**{**without.__dict__, "final_hidden": "float8_e4m3fn"}), train(drafter="dspark"), "m")
+
+
 def test_chunk_bytes_do_not_depend_on_metadata_order_and_load_with_safetensors():
     from safetensors.torch import load
 
@@ -128,6 +193,14 @@ def test_json_documents_round_trip_and_reject_garbage():
     assert DoneMarker.from_json(marker.to_json(), "m") == marker
     manifest = Manifest(model="m", layers=[1], dtype="bfloat16", hidden_size=8, samples=2, tokens=9, bytes=100, chunks=[marker])
     assert Manifest.from_json(manifest.to_json()) == manifest
+    # The final hidden state's dtype, recorded in both; documents written before it read as without it.
+    final = DoneMarker(**{**marker.__dict__, "final_hidden": "bfloat16"})
+    assert DoneMarker.from_json(final.to_json(), "m").final_hidden == "bfloat16"
+    stored = Manifest(**{**manifest.__dict__, "chunks": [final], "final_hidden": "bfloat16"})
+    assert Manifest.from_json(stored.to_json()) == stored
+    older = json.loads(stored.to_json())
+    del older["final_hidden"], older["chunks"][0]["final_hidden"]
+    assert Manifest.from_json(json.dumps(older)) == manifest
     index = DatasetIndex(samples=3, tokens=15, vocab_size=1000, chunks=[ChunkInfo(0, token_chunk_key(0), 3, 15)], dropped={"empty": 1})
     assert DatasetIndex.from_json(index.to_json()) == index
     with pytest.raises(FormatError, match="not valid JSON"):

@@ -33,7 +33,8 @@ from dflash_jobs.generate.progress import Summary
 from dflash_jobs.generate.source import NO_USER_TURN, NOT_CHAT, Source, make_plan, parse_prompt
 from dflash_jobs.generate.stage import stage
 from dflash_jobs.generate.worker import GenerateWorker, assign_chunks, build_worker, prompt_seed
-from dflash_jobs.prepare import TEMPLATE_ERROR, BadRow, Preparer, prepare, prompt_length
+from dflash_jobs.prepare import Preparer, prepare
+from dflash_jobs.rows import TARGET_IDS, TEMPLATE_ERROR, BadRow, Tokenized, prompt_length
 from dflash_jobs.spec import parse_spec
 from dflash_jobs.storage import TEMP_PREFIX, open_storage
 from dflash_jobs.tiny import tiny_chat_rows, write_tiny_target
@@ -55,6 +56,11 @@ VLLM_OK = (
     '"system_fingerprint":null,"usage":{"prompt_tokens":25,"total_tokens":33,"completion_tokens":8,"prompt_tokens_details":null},'
     '"prompt_logprobs":null,"prompt_token_ids":null,"kv_transfer_params":null}},"error":null}'
 )
+# The same answer to a request with "return_token_ids": true (vLLM 0.10.2 and later): the answer's
+# ids, its end token last (which the text leaves out), and the prompt's (the ids are illustrative).
+VLLM_OK_WITH_TOKEN_IDS = VLLM_OK.replace(
+    '"stop_reason":null,"token_ids":null', '"stop_reason":null,"token_ids":[18,220,10,220,19,284,220,22,13,151645]'
+).replace('"prompt_token_ids":null', '"prompt_token_ids":[151644,872,198,3838,374,220,18,5519,220,19,30,151645,198,151644,77091,198]')
 VLLM_LENGTH_WITH_REASONING = (
     '{"id":"vllm-1","custom_id":"line-3","response":{"status_code":200,"request_id":"vllm-batch-1","body":{"id":"chatcmpl-1",'
     '"object":"chat.completion","created":1767225600,"model":"target","choices":[{"index":0,"message":{"role":"assistant",'
@@ -84,7 +90,9 @@ VLLM_ERROR_RESPONSE_OLD = (  # vLLM 0.4: response null, error an ErrorResponse {
 def test_vllm_output_lines_of_every_shape_parse():
     ok = batch.parse_output(VLLM_OK)
     assert ok == batch.Answer(17, "3 + 4 = 7.", None, None, "stop", 25, 8)
-    assert not ok.truncated and not ok.empty
+    assert not ok.truncated and not ok.empty and ok.token_ids is None
+    with_ids = batch.parse_output(VLLM_OK_WITH_TOKEN_IDS)
+    assert with_ids.token_ids == [18, 220, 10, 220, 19, 284, 220, 22, 13, 151645] and with_ids.content == ok.content
     cut = batch.parse_output(VLLM_LENGTH_WITH_REASONING.encode())
     assert (cut.sample_id, cut.content, cut.reasoning, cut.completion_tokens, cut.truncated) == (3, "The answer", "Let me think.", 32, True)
     new_reasoning = json.loads(VLLM_LENGTH_WITH_REASONING)
@@ -103,6 +111,7 @@ def test_vllm_output_lines_of_every_shape_parse():
     ('{"id": "x", "response": null}', "no custom_id"),
     ('{"custom_id": "request-1", "response": null, "error": "x"}', "not one of this job's requests"),
     ('{"custom_id": "line-1", "response": {"status_code": 200, "body": {"choices": []}}, "error": null}', "not a chat completion"),
+    (VLLM_OK.replace('"token_ids":null', '"token_ids":["18"]'), "token_ids is not a list of integers"),
 ])
 def test_an_unreadable_output_line_fails_the_chunk_naming_it(line, message):
     with pytest.raises(batch.EngineError, match=message):
@@ -117,6 +126,7 @@ def test_request_lines_carry_the_settings_and_never_our_own_keys():
     assert line["custom_id"] == "line-41" and line["method"] == "POST" and line["url"] == "/v1/chat/completions"
     body = line["body"]
     assert body["model"] == "target" and body["max_completion_tokens"] == 100 and body["seed"] == 7
+    assert body["return_token_ids"] is True  # the answer's ids, which training learns
     assert (body["temperature"], body["top_p"]) == (0.6, 0.95)
     assert body["chat_template_kwargs"] == {"enable_thinking": False}
     assert body["tool_choice"] == "none" and body["tools"][0]["function"]["name"] == "f"
@@ -126,14 +136,17 @@ def test_request_lines_carry_the_settings_and_never_our_own_keys():
 
 
 def test_the_transformers_engines_lines_parse_as_vllms_do():
-    line = batch.completion_line("line-9", model="target", content="hi", finish_reason="length", prompt_tokens=4, completion_tokens=2)
-    assert batch.parse_output(json.dumps(line)) == batch.Answer(9, "hi", None, None, "length", 4, 2)
+    line = batch.completion_line("line-9", model="target", content="hi", finish_reason="length", prompt_ids=[1, 2, 3, 4],
+                                 token_ids=[7, 8], completion_tokens=2)
+    assert batch.parse_output(json.dumps(line)) == batch.Answer(9, "hi", None, None, "length", 4, 2, [7, 8])
+    assert line["response"]["body"]["prompt_token_ids"] == [1, 2, 3, 4]
     error = batch.error_line("line-9", status=400, message="chat template: boom")
     assert batch.parse_output(json.dumps(error)) == batch.Failure(9, 400, "chat template: boom")
     # The shape is vLLM's: the same keys at every level as the line vLLM wrote above.
     ours, theirs = line, json.loads(VLLM_OK)
     assert ours.keys() == theirs.keys() and ours["response"].keys() == theirs["response"].keys()
     assert set(ours["response"]["body"]) <= set(theirs["response"]["body"])
+    assert set(ours["response"]["body"]["choices"][0]) <= set(theirs["response"]["body"]["choices"][0])
 
 
 # ---- the source ---------------------------------------------------------------------------------
@@ -280,6 +293,11 @@ def test_transformers_engine_batches_answer_as_each_prompt_alone(target, tmp_pat
         # A random target rarely ends a turn: most answers run to their own limit, and say so.
         assert answer.completion_tokens <= limits[i]
         assert answer.finish_reason == ("length" if answer.completion_tokens == limits[i] else "stop")
+        # The ids as vLLM returns them: the end token last where the answer stopped, left out of the text.
+        assert len(answer.token_ids) == answer.completion_tokens
+        stopped = answer.finish_reason == "stop"
+        assert [token in engine.stop_ids for token in answer.token_ids] == [False] * (len(answer.token_ids) - stopped) + [True] * stopped
+        assert answer.content == tokenizer.decode(answer.token_ids[: len(answer.token_ids) - stopped], skip_special_tokens=True)
     if temperature:  # the answers are sampled: other seeds, other answers
         reseeded = answers(seed=2, batch_prompts=16)
         assert sum(together[i].content != reseeded[i].content for i in together) >= 6
@@ -313,6 +331,7 @@ def test_shards_generate_their_chunks_and_the_last_writes_the_manifest(target, t
         assert all(m.get("weight") == 0 for m in row["messages"][:-1] if m["role"] == "assistant")
         assert row["messages"][-1]["role"] == "assistant" and "weight" not in row["messages"][-1]
         assert row["generation"]["finish_reason"] in ("stop", "length") and row["generation"]["completion_tokens"] <= 12
+        assert len(row["generation"]["token_ids"]) == row["generation"]["completion_tokens"]
     assert manifest.truncated_kept == sum(row["generation"]["finish_reason"] == "length" for row in stored)
     assert json.loads((output / PLAN_KEY).read_text())["chunk_prompts"] == 8
 
@@ -393,6 +412,8 @@ class ScriptedEngine:
                     continue
                 record = json.loads(VLLM_LENGTH_WITH_REASONING if kind == "length" else VLLM_OK)
                 record["custom_id"] = request["custom_id"]
+                body = record["response"]["body"]
+                body["choices"][0]["token_ids"] = list(range(10, 10 + body["usage"]["completion_tokens"]))  # return_token_ids
                 if kind == "empty":
                     record["response"]["body"]["choices"][0]["message"]["content"] = "  "
                 out.write(json.dumps(record) + "\n")
@@ -477,7 +498,7 @@ def test_prepare_names_the_generated_rows_when_too_few_of_them_are_usable(tmp_pa
     """Generation kept more rows than data.holdout, but prepare dropped some: its message is about
     the generated rows it read, not about data.source."""
     spec = parse_spec(minimal_spec(data={"holdout": 2}, output=str(tmp_path / "out"), generate={}))
-    usable = (np.arange(4, dtype=np.int32), np.ones(4, dtype=np.uint8))
+    usable = Tokenized(np.arange(4, dtype=np.int32), np.ones(4, dtype=np.uint8), TARGET_IDS)
     preparer = Preparer(spec.data, storage=open_storage(spec.output), vocab_size=16, generation={"rows": 3, "lines": 6})
     try:
         with pytest.raises(InputError) as caught:
@@ -495,18 +516,47 @@ def test_prepare_names_the_generated_rows_when_too_few_of_them_are_usable(tmp_pa
 
 FAKE_VLLM = textwrap.dedent('''\
     #!{python}
-    """Stands in for `vllm run-batch`: records its arguments and environment, answers every request."""
+    """Stands in for `vllm run-batch`: records its arguments, environment and first output line, and
+    answers every request with FAKE_VLLM_LINE's completion, as vLLM writes it: for a request with
+    return_token_ids (vLLM 0.10.2 and later) the prompt's ids (the chat template rendered, then
+    tokenized without special tokens, as vLLM does) and the answer's (its text's tokens and the end
+    token, or FAKE_VLLM_TOKEN_IDS), usage counting them. FAKE_VLLM_BEFORE_TOKEN_IDS: an older vLLM,
+    which ignores return_token_ids and whose response has neither field."""
     import json, os, sys
     args = sys.argv[1:]
-    json.dump({{"argv": args, "pythonpath": os.environ.get("PYTHONPATH")}}, open(os.environ["FAKE_VLLM_RECORD"], "w"))
+    record = {{"argv": args, "pythonpath": os.environ.get("PYTHONPATH")}}
     if os.environ.get("FAKE_VLLM_FAIL"):
+        json.dump(record, open(os.environ["FAKE_VLLM_RECORD"], "w"))
         sys.exit(3)
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(args[args.index("--model") + 1])
     requests, outputs = args[args.index("-i") + 1], args[args.index("-o") + 1]
-    template = json.loads(os.environ["FAKE_VLLM_LINE"])
+    line = json.loads(os.environ["FAKE_VLLM_LINE"])
+    completion = line["response"]["body"]
+    choice = completion["choices"][0]
+    answer_ids = json.loads(os.environ.get("FAKE_VLLM_TOKEN_IDS", "null")) or (
+        tokenizer(choice["message"]["content"], add_special_tokens=False)["input_ids"]
+        + ([tokenizer.eos_token_id] if choice["finish_reason"] == "stop" else []))
     with open(requests) as source, open(outputs, "w") as sink:
-        for line in source:
-            template["custom_id"] = json.loads(line)["custom_id"]
-            sink.write(json.dumps(template) + "\\n")
+        for raw in source:
+            request = json.loads(raw)
+            body = request["body"]
+            prompt = tokenizer.apply_chat_template(body["messages"], tools=body.get("tools"), tokenize=False, add_generation_prompt=True,
+                                                   **body.get("chat_template_kwargs", {{}}))
+            prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            line["custom_id"] = request["custom_id"]
+            completion["usage"].update(prompt_tokens=len(prompt_ids), completion_tokens=len(answer_ids),
+                                       total_tokens=len(prompt_ids) + len(answer_ids))
+            if os.environ.get("FAKE_VLLM_BEFORE_TOKEN_IDS"):
+                choice.pop("token_ids", None)
+                completion.pop("prompt_token_ids", None)
+            else:
+                returned = bool(body.get("return_token_ids"))
+                choice["token_ids"] = answer_ids if returned else None
+                completion["prompt_token_ids"] = prompt_ids if returned else None
+            sink.write(json.dumps(line) + "\\n")
+            record.setdefault("first_output", json.loads(json.dumps(line)))
+    json.dump(record, open(os.environ["FAKE_VLLM_RECORD"], "w"))
 ''')
 
 
@@ -525,6 +575,23 @@ def fake_vllm(tmp_path, monkeypatch):
     return record
 
 
+def stored_rows(output: Path) -> dict[int, dict]:
+    """The generated rows of every stored chunk, by sample id."""
+    return {row["sample_id"]: row for path in stored(output / "generate" / "chunks") for row in map(json.loads, path.read_text().splitlines())}
+
+
+def assert_keys_alike(ours, theirs, where: str = "line") -> None:
+    """The same keys at every level of two JSON values (lists: their first items)."""
+    if isinstance(theirs, dict):
+        assert isinstance(ours, dict) and ours.keys() == theirs.keys(), where
+        for key in theirs:
+            if theirs[key] is not None and ours[key] is not None:
+                assert_keys_alike(ours[key], theirs[key], f"{where}.{key}")
+    elif isinstance(theirs, list) and theirs:
+        assert isinstance(ours, list) and ours, where
+        assert_keys_alike(ours[0], theirs[0], f"{where}[0]")
+
+
 def test_vllm_engine_runs_run_batch_with_the_spec_and_without_the_staged_path(target, tmp_path, fake_vllm):
     spec_file = write_run(tmp_path, target, list(tiny_chat_rows(6, seed=6)), shards=1, engine="vllm", gpus_per_shard=2,
                           seed=9, vllm_args=["--gpu-memory-utilization", "0.9"])
@@ -535,9 +602,53 @@ def test_vllm_engine_runs_run_batch_with_the_spec_and_without_the_staged_path(ta
     flags = dict(zip(argv[5::2], argv[6::2]))
     assert flags == {"--model": str(target), "--served-model-name": "target", "--tensor-parallel-size": "2", "--seed": "9",
                      "--generation-config": "vllm", "--gpu-memory-utilization": "0.9"}
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    answer = tokenizer("3 + 4 = 7.", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     manifest = GenerationManifest.from_json((tmp_path / "out" / MANIFEST_KEY).read_text())
-    assert manifest.rows == 6 and manifest.completion_tokens == 6 * 8
+    assert manifest.rows == 6 and manifest.completion_tokens == 6 * len(answer)
     assert manifest.engine_options == {"gpus_per_shard": 2, "vllm_image": "vllm/vllm-openai:v0.21.0", "vllm_args": ["--gpu-memory-utilization", "0.9"]}
+    # The stand-in answers in vLLM's schema (the keys of the line vLLM wrote above), with the ids asked for.
+    output = call["first_output"]
+    assert_keys_alike(output, json.loads(VLLM_OK_WITH_TOKEN_IDS))
+    body = output["response"]["body"]
+    assert body["choices"][0]["token_ids"] == answer and len(body["prompt_token_ids"]) == body["usage"]["prompt_tokens"]
+    assert all(row["generation"]["token_ids"] == answer for row in stored_rows(tmp_path / "out").values())
+
+
+def test_prepare_trains_on_the_ids_vllm_returned_and_an_older_vllm_is_refused(target, tmp_path, fake_vllm, monkeypatch, caplog):
+    """What vLLM sampled is what is learned, after the prompt vLLM tokenized: a split the tokenizer
+    would not make, text its NFC would change and a stop on <|endoftext|> survive, byte for byte.
+    A vLLM that returns text alone (before return_token_ids) fails the spec, naming the image: its
+    answers would train as the tokenizer cuts their text, not as the target wrote them."""
+    from test_prepare import byte_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    text = "Cafe\u0301 au lait"  # e + combining acute: NFC makes it one character
+    answer = byte_ids(tokenizer, text) + [tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    monkeypatch.setenv("FAKE_VLLM_LINE", VLLM_OK.replace("3 + 4 = 7.", text))
+    monkeypatch.setenv("FAKE_VLLM_TOKEN_IDS", json.dumps(answer))
+    spec_file = write_run(tmp_path, target, list(tiny_chat_rows(6, seed=7)), shards=1, engine="vllm", temperature=0.7)
+    run_shards(spec_file, shards=1)
+    index = prepare(parse_spec(yaml.safe_load(spec_file.read_text())), workers=1)
+    rows = stored_rows(tmp_path / "out")
+    storage = open_storage(str(tmp_path / "out"))
+    samples = [(sample_id, *chunk.sample(i)) for path in [info.path for info in index.chunks] + [index.holdout["path"]]
+               for chunk in [TokenChunk.decode(storage.get_bytes(path), path)] for i, sample_id in enumerate(chunk.sample_ids.tolist())]
+    assert sorted(sample_id for sample_id, _, _ in samples) == list(range(6))
+    for sample_id, ids, mask in samples:
+        start = prompt_length(mask)
+        assert start == rows[sample_id]["generation"]["prompt_tokens"]  # the prompt as vLLM tokenized it
+        assert ids[start:].tolist() == answer and mask[start:].all()
+        assert tokenizer.backend_tokenizer.decode(ids[start:].tolist(), skip_special_tokens=False) == text + "<|endoftext|>"
+    assert index.answers == {"target_ids": 6, "target_ids_retokenized_differently": 6, "text": 0, "text_changed_by_tokenizer": 0}
+
+    monkeypatch.setenv("FAKE_VLLM_BEFORE_TOKEN_IDS", "1")
+    older = tmp_path / "older"
+    older.mkdir()
+    spec_file = write_run(older, target, list(tiny_chat_rows(6, seed=7)), shards=1, engine="vllm")
+    assert main(["-f", str(spec_file), "--shard", "0"]) == EXIT_BAD_SPEC
+    assert "generate.vllm_image = 'vllm/vllm-openai:v0.21.0' is invalid. Expected an image whose vLLM returns the answers' token ids" in caplog.text
+    assert stored(older / "out" / "generate" / "chunks") == [] and stored(older / "out" / "generate" / "done") == []
 
 
 def test_a_crashed_vllm_is_retried_and_a_missing_one_is_a_spec_error(target, tmp_path, fake_vllm, monkeypatch):
@@ -581,12 +692,11 @@ def test_the_staged_job_imports_in_a_python_that_has_only_what_a_vllm_image_has(
 @pytest.mark.parametrize("thinking", [False, None])
 def test_prepare_trains_on_the_tokens_the_target_generated_after_the_prompt_it_was_sent(target, tmp_path, thinking):
     """Only the last turn, which the target wrote, is learned, and as the target wrote it: the
-    prompt is the engine's token for token (what evaluation then asks), and the supervised text is
-    the target's own greedy decoding of that prompt, the turn's end where it stopped. The template
-    would trim the answer and open it with an empty <think> block, and tokenizing the whole
-    conversation at once merges text across the generation prompt's end. (The answer is stored as
-    text: where a target emits a word in other pieces than its tokenizer would cut it, as this
-    random one does, training sees the tokenizer's pieces.)"""
+    prompt is the engine's token for token (what evaluation then asks), and the supervised tokens
+    are the target's own greedy decoding of that prompt, token for token, the end token where it
+    stopped. The template would trim the answer and open it with an empty <think> block, tokenizing
+    the whole conversation at once merges text across the generation prompt's end, and tokenizing
+    the answer's text cuts it into the tokenizer's pieces where this random target emits others."""
     import torch
 
     from dflash_jobs.drafter.speculative import Target, greedy_decode
@@ -603,6 +713,12 @@ def test_prepare_trains_on_the_tokens_the_target_generated_after_the_prompt_it_w
     tokenizer = AutoTokenizer.from_pretrained(target)
     engine = TransformersEngine.load(spec.generate, target, tokenizer=tokenizer, device=torch.device("cpu"), attn_implementation="sdpa")
     reference = Target(engine.model)
+    switch = {} if thinking is None else {"chat_template_kwargs": {"enable_thinking": thinking}}  # as the request carries it
+    greedy = {}
+    for sample_id, row in enumerate(rows, 1):
+        prompt = engine.encode({"messages": row["messages"][:-1], **switch})
+        greedy[sample_id] = (prompt, greedy_decode(reference, torch.tensor(prompt), max_new_tokens=spec.generate.max_new_tokens,
+                                                   stop_ids=frozenset(engine.stop_ids)).tokens)
     storage = open_storage(spec.output)
     seen = []
     dataset = DatasetIndex.from_json(storage.get_bytes(DATASET_KEY))
@@ -610,14 +726,61 @@ def test_prepare_trains_on_the_tokens_the_target_generated_after_the_prompt_it_w
         chunk = TokenChunk.decode(storage.get_bytes(path), path)
         for i, sample_id in enumerate(chunk.sample_ids.tolist()):
             ids, mask = chunk.sample(i)
-            prompt = ids[: prompt_length(mask)].tolist()
-            messages = rows[sample_id - 1]["messages"][:-1]
-            switch = {} if thinking is None else {"chat_template_kwargs": {"enable_thinking": thinking}}  # as the request carries it
-            assert prompt == engine.encode({"messages": messages, **switch}), sample_id
-            greedy = greedy_decode(reference, torch.tensor(prompt), max_new_tokens=spec.generate.max_new_tokens, stop_ids=frozenset(engine.stop_ids))
-            assert tokenizer.decode(ids[mask == 1]) == tokenizer.decode(greedy.tokens), sample_id
+            prompt, tokens = greedy[sample_id]
+            assert ids[: prompt_length(mask)].tolist() == prompt, sample_id
+            assert ids[mask == 1].tolist() == tokens, sample_id
             seen.append(sample_id)
     assert sorted(seen) == list(range(1, 15))
+    # A random target also samples embedding rows past its tokenizer, which name no text: the text
+    # of its answers lost them without a word; its ids keep them.
+    assert any(max(tokens) >= len(tokenizer) for _, tokens in greedy.values())
+    # Trained on the target's ids, some of which its text would not have given back.
+    assert index.answers["target_ids"] == 14 and index.answers["text"] == 0
+    assert index.answers["target_ids_retokenized_differently"] > 0
+
+
+def test_an_answer_that_stops_on_another_end_token_is_trained_with_that_token(target, tmp_path):
+    """Qwen3.6 ends a turn with <|im_end|> or <|endoftext|> (both in its generation_config): the
+    transformers engine stops on either and returns the one the target emitted among the answer's
+    ids, as vLLM does, and prepare trains that one, not the template's <|im_end|>. The target here
+    emits <|endoftext|> where the tiny one emits some token t: their rows of its LM head swapped."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    endoftext, im_end = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    rows = list(tiny_chat_rows(6, seed=11))
+    settings = parse_spec(minimal_spec(generate={"engine": "transformers", "temperature": 0, "thinking": False})).generate
+    requests, outputs = tmp_path / "requests.jsonl", tmp_path / "outputs.jsonl"
+    requests.write_text(json.dumps(batch.request(0, rows[0]["messages"][:-1], tools=None, model=SERVED_MODEL, settings=settings,
+                                                 max_tokens=12, seed=1)) + "\n")
+    TransformersEngine.load(settings, target, tokenizer=tokenizer, device=torch.device("cpu"), attn_implementation="sdpa").run(requests, outputs)
+    before = batch.parse_output(outputs.read_text()).token_ids
+    # The first place the target emits a token it has not emitted before, <|endoftext|> not among them.
+    cut = next(k for k in range(1, len(before)) if before[k] not in before[:k] and endoftext not in before[: k + 1])
+    swapped = tmp_path / "swapped"
+    shutil.copytree(target, swapped)
+    weights = load_file(swapped / "model.safetensors")
+    head = weights["lm_head.weight"]
+    head[[before[cut], endoftext]] = head[[endoftext, before[cut]]]
+    save_file(weights, swapped / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((swapped / "generation_config.json").read_text())
+    (swapped / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [im_end, endoftext]}))
+
+    (tmp_path / "run").mkdir()
+    spec_file = write_run(tmp_path / "run", swapped, rows, shards=1)
+    run_shards(spec_file, shards=1)
+    index = prepare(parse_spec(yaml.safe_load(spec_file.read_text())), workers=1)
+    answer = before[:cut] + [endoftext]
+    generated = stored_rows(tmp_path / "run" / "out")[0]
+    assert generated["generation"]["token_ids"] == answer and generated["generation"]["finish_reason"] == "stop"
+    assert generated["messages"][-1]["content"] == tokenizer.decode(before[:cut], skip_special_tokens=True)
+    chunk = TokenChunk.decode((tmp_path / "run" / "out" / index.chunks[0].path).read_bytes(), index.chunks[0].path)
+    assert chunk.sample_ids[0] == 0
+    ids, mask = chunk.sample(0)
+    assert ids[mask == 1].tolist() == answer
 
 
 def test_prepare_refuses_other_settings_and_a_chunk_changed_after_the_manifest(target, tmp_path):
@@ -652,6 +815,20 @@ def test_prepare_refuses_other_settings_and_a_chunk_changed_after_the_manifest(t
 def test_a_bad_generate_section_names_the_field(generate, field):
     with pytest.raises(SpecError, match=field):
         parse_spec(minimal_spec(generate=generate))
+
+
+@pytest.mark.parametrize("vllm_args, named", [
+    (["--reasoning-parser", "qwen3"], "--reasoning-parser"), (["--reasoning_parser=qwen3"], "--reasoning_parser=qwen3"),
+    (["--enable-reasoning"], "--enable-reasoning"),
+    (["--structured-outputs-config", '{"reasoning_parser": "qwen3"}'], '{"reasoning_parser": "qwen3"}'),
+])
+def test_a_reasoning_parser_is_refused_naming_the_fix(vllm_args, named):
+    """A parser splits the answer's text into reasoning and content around </think>: generation keeps
+    it whole (its token ids), and the split could be rejoined only approximately (an answer cut
+    before its </think> not at all)."""
+    with pytest.raises(SpecError, match="generate.vllm_args") as refused:
+        parse_spec(minimal_spec(generate={"vllm_args": ["--max-num-seqs", "64", *vllm_args]}))
+    assert refused.value.fix.startswith(f"Expected no reasoning parser (remove {named})")
 
 
 def test_generation_is_off_without_the_section_and_leaves_the_resolved_spec_as_it_was():

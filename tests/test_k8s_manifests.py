@@ -4,11 +4,14 @@ examples point at what exists and leave the shared objects to the base."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import fnmatch
 import functools
 import json
+import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -18,7 +21,8 @@ import pytest
 import yaml
 
 from dflash_jobs.spec import ClusterSpec, parse_spec
-from dflashctl.render import controller_role_rules, render_all, render_selection, write_manifests
+from dflashctl.render import controller_role_rules, render_all, render_selection
+from dflashctl.run_directory import write_manifests
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
@@ -26,7 +30,7 @@ KUBECTL = "/usr/bin/kubectl"
 OVERLAYS = ("rtx-pro-6000", "dev", "metrics")
 KUBERNETES_VERSIONS = ("1.33.0", "1.34.0", "1.35.0", "1.36.0", "1.37.0")
 DEFAULTS = ClusterSpec()
-CUSTOM_RESOURCE_GROUPS = {"monitoring.coreos.com"}
+CUSTOM_RESOURCE_GROUPS = {"monitoring.coreos.com", "external-secrets.io"}
 
 # The ServiceMonitor is the Prometheus Operator's custom resource (monitoring.coreos.com/v1): no
 # schema of it ships with Kubernetes. This is the part of its structure the metrics component uses,
@@ -34,46 +38,104 @@ CUSTOM_RESOURCE_GROUPS = {"monitoring.coreos.com"}
 # silently prune it), the required ones are there, durations have the CRD's pattern.
 DURATION = r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"
 STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
-SERVICE_MONITOR_SCHEMA = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "additionalProperties": False,
-    "properties": {
-        "apiVersion": {"const": "monitoring.coreos.com/v1"},
-        "kind": {"const": "ServiceMonitor"},
-        "metadata": {
-            "type": "object", "required": ["name"], "additionalProperties": False,
-            "properties": {"name": {"type": "string"}, "namespace": {"type": "string"}, "labels": STRING_MAP, "annotations": STRING_MAP},
+
+
+def custom_resource_schema(api_version: str, kind: str, spec: dict) -> dict:
+    """A custom resource's object: apiVersion, kind, metadata and the `spec` schema given, nothing else."""
+    return {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "additionalProperties": False,
+        "properties": {
+            "apiVersion": {"const": api_version},
+            "kind": {"const": kind},
+            "metadata": {
+                "type": "object", "required": ["name"], "additionalProperties": False,
+                "properties": {"name": {"type": "string"}, "namespace": {"type": "string"}, "labels": STRING_MAP, "annotations": STRING_MAP},
+            },
+            "spec": spec,
         },
-        "spec": {
-            "type": "object", "required": ["selector", "endpoints"], "additionalProperties": False,
-            "properties": {
-                "selector": {"type": "object", "additionalProperties": False, "properties": {"matchLabels": STRING_MAP}},
-                "namespaceSelector": {
-                    "type": "object", "additionalProperties": False,
-                    "properties": {"any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}},
-                },
-                "jobLabel": {"type": "string"},
-                "podTargetLabels": {"type": "array", "items": {"type": "string"}},
-                "targetLabels": {"type": "array", "items": {"type": "string"}},
-                "endpoints": {
-                    "type": "array", "minItems": 1,
-                    "items": {
-                        "type": "object", "additionalProperties": False,
-                        "properties": {
-                            "port": {"type": "string"},
-                            "path": {"type": "string", "pattern": "^/"},
-                            "scheme": {"enum": ["http", "https"]},
-                            "interval": {"type": "string", "pattern": DURATION},
-                            "scrapeTimeout": {"type": "string", "pattern": DURATION},
-                            "honorLabels": {"type": "boolean"},
-                        },
-                    },
+    }
+
+
+SERVICE_MONITOR_SCHEMA = custom_resource_schema("monitoring.coreos.com/v1", "ServiceMonitor", {
+    "type": "object", "required": ["selector", "endpoints"], "additionalProperties": False,
+    "properties": {
+        "selector": {"type": "object", "additionalProperties": False, "properties": {"matchLabels": STRING_MAP}},
+        "namespaceSelector": {
+            "type": "object", "additionalProperties": False,
+            "properties": {"any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}},
+        },
+        "jobLabel": {"type": "string"},
+        "podTargetLabels": {"type": "array", "items": {"type": "string"}},
+        "targetLabels": {"type": "array", "items": {"type": "string"}},
+        "endpoints": {
+            "type": "array", "minItems": 1,
+            "items": {
+                "type": "object", "additionalProperties": False,
+                "properties": {
+                    "port": {"type": "string"},
+                    "path": {"type": "string", "pattern": "^/"},
+                    "scheme": {"enum": ["http", "https"]},
+                    "interval": {"type": "string", "pattern": DURATION},
+                    "scrapeTimeout": {"type": "string", "pattern": DURATION},
+                    "honorLabels": {"type": "boolean"},
                 },
             },
         },
     },
+})
+
+# The ExternalSecret is the External Secrets Operator's custom resource (external-secrets.io/v1):
+# likewise written after the operator's CRD (config/crds/bases/external-secrets.io_externalsecrets.yaml),
+# the part of it the s3-external-secret component uses, strict where the API server would prune.
+DNS_SUBDOMAIN = {"type": "string", "maxLength": 253, "minLength": 1, "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"}
+GO_DURATION = r"^(0|([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+)$"
+REMOTE_REF = {
+    "type": "object", "required": ["key"], "additionalProperties": False,
+    "properties": {
+        "key": {"type": "string"}, "property": {"type": "string"}, "version": {"type": "string"},
+        "conversionStrategy": {"enum": ["Default", "Unicode"]},
+        "decodingStrategy": {"enum": ["Auto", "Base64", "Base64URL", "None"]},
+        "metadataPolicy": {"enum": ["None", "Fetch"]},
+    },
 }
+EXTERNAL_SECRET_SCHEMA = custom_resource_schema("external-secrets.io/v1", "ExternalSecret", {
+    "type": "object", "required": ["secretStoreRef", "target"], "additionalProperties": False,
+    "properties": {
+        "refreshInterval": {"type": "string", "pattern": GO_DURATION},
+        "secretStoreRef": {
+            "type": "object", "required": ["name"], "additionalProperties": False,
+            "properties": {"kind": {"enum": ["SecretStore", "ClusterSecretStore"]}, "name": DNS_SUBDOMAIN},
+        },
+        "target": {
+            "type": "object", "additionalProperties": False,
+            "properties": {
+                "name": DNS_SUBDOMAIN,
+                "creationPolicy": {"enum": ["Owner", "Orphan", "Merge", "None"]},
+                "deletionPolicy": {"enum": ["Delete", "Merge", "Retain"]},
+                "immutable": {"type": "boolean"},
+                "template": {
+                    "type": "object", "additionalProperties": False,
+                    "properties": {
+                        "type": {"type": "string"}, "engineVersion": {"enum": ["v1", "v2"]}, "mergePolicy": {"enum": ["Replace", "Merge"]},
+                        "metadata": {"type": "object", "additionalProperties": False, "properties": {"labels": STRING_MAP, "annotations": STRING_MAP}},
+                        "data": STRING_MAP,
+                    },
+                },
+            },
+        },
+        "data": {"type": "array", "items": {
+            "type": "object", "required": ["secretKey", "remoteRef"], "additionalProperties": False,
+            "properties": {"secretKey": {"type": "string", "pattern": r"^[-._a-zA-Z0-9]+$", "maxLength": 253, "minLength": 1}, "remoteRef": REMOTE_REF},
+        }},
+        "dataFrom": {"type": "array", "items": {
+            "type": "object", "additionalProperties": False,
+            "properties": {"extract": REMOTE_REF, "find": {"type": "object"}, "rewrite": {"type": "array"}, "sourceRef": {"type": "object"}},
+        }},
+    },
+})
+PLACEHOLDER = re.compile(r"^(|\.\.\.|<.*>|changeme|change-me|replace-?me|todo|xxx+|placeholder)$", re.IGNORECASE)
 
 
 def kustomize(path: Path) -> list[dict]:
@@ -156,9 +218,10 @@ def test_every_object_lives_in_the_spec_default_namespace_with_dflash_labels(bui
 def test_static_objects_have_the_names_the_spec_defaults_refer_to(builds):
     for objects in builds.values():
         one(objects, "ServiceAccount", DEFAULTS.service_account)
-        one(objects, "Secret", DEFAULTS.s3_secret)
         one(objects, "PersistentVolumeClaim", "models")
         one(objects, "PersistentVolumeClaim", "dflash-kernels")
+    # Only the dev overlay brings the S3 Secret (its own MinIO's): see the GitOps tests below.
+    assert {name for name, objects in builds.items() if by_kind(objects, "Secret")} == {"dev"}
 
 
 # ---- metrics (an optional component) ---------------------------------------------------------
@@ -242,14 +305,6 @@ def test_rendered_controller_rbac_is_the_same_objects_as_the_base(builds, run_sp
 # ---- secrets, volumes, pods -------------------------------------------------------------------
 
 
-def test_s3_secret_template_carries_no_values(builds):
-    secret = one(builds["default"], "Secret", DEFAULTS.s3_secret)
-    assert "data" not in secret
-    assert set(secret["stringData"]) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
-    assert all(value == "" for value in secret["stringData"].values())
-    assert one(builds["rtx-pro-6000"], "Secret", DEFAULTS.s3_secret)["stringData"] == secret["stringData"]
-
-
 def test_single_node_overlay_makes_the_model_pvc_read_write_once(builds):
     base = one(builds["default"], "PersistentVolumeClaim", "models")
     assert base["spec"]["accessModes"] == ["ReadWriteMany"]
@@ -331,7 +386,7 @@ def expand_braces(pattern: str) -> list[str]:
 def run_directory(tmp_path_factory, run_spec) -> tuple[Path, list[str]]:
     """A repository-like tree with one run rendered the documented way; returns (runs dir, file paths)."""
     runs = tmp_path_factory.mktemp("repo") / "k8s" / "runs"
-    written = write_manifests(render_selection(run_spec, "controller"), runs / run_spec.name)
+    written = write_manifests(render_selection(run_spec, "controller"), runs / run_spec.name).written
     return runs, [path.relative_to(runs).as_posix() for path in written]
 
 
@@ -383,3 +438,85 @@ def test_gitops_rendered_jobs_carry_no_ttl(run_spec):
     for obj in render_all(run_spec):
         if obj["kind"] == "Job":
             assert "ttlSecondsAfterFinished" not in obj["spec"], obj["metadata"]["name"]
+
+
+# ---- the S3 credentials under GitOps ------------------------------------------------------------
+
+
+def secrets_with_placeholders(objects: list[dict]) -> list[str]:
+    """Secrets in `objects` with a value that is empty or a placeholder: a sync would apply them over the real one."""
+    found = []
+    for obj in by_kind(objects, "Secret"):
+        values = {**{k: base64.b64decode(v).decode() for k, v in (obj.get("data") or {}).items()}, **(obj.get("stringData") or {})}
+        if not values or any(PLACEHOLDER.match(value.strip()) for value in values.values()):
+            found.append(obj["metadata"]["name"])
+    return found
+
+
+def synced_by_the_examples(run_directory) -> dict[str, list[dict]]:
+    """What each Argo CD Application and Flux Kustomization of k8s/gitops applies: its overlay built
+    with kustomize, or the run directories (one rendered the documented way, as a repository would hold)."""
+    runs, files = run_directory
+    rendered = [yaml.safe_load((runs / path).read_text()) for path in files]
+    applications = list(yaml.safe_load_all((K8S / "gitops" / "argocd-application.yaml").read_text()))
+    flux = [doc for doc in yaml.safe_load_all((K8S / "gitops" / "flux-kustomization.yaml").read_text()) if doc["kind"] == "Kustomization"]
+    paths = {f"argocd/{app['metadata']['name']}": app["spec"]["source"]["path"] for app in applications}
+    paths |= {f"flux/{kustomization['metadata']['name']}": kustomization["spec"]["path"] for kustomization in flux}
+    assert len(paths) == 4
+    synced = {}
+    for name, path in paths.items():
+        path = path.removeprefix("./")
+        synced[name] = rendered if path == "k8s/runs" else kustomize(REPO / path)
+    return synced
+
+
+def test_no_secret_with_placeholder_values_is_in_what_a_gitops_example_syncs(run_directory, cached_schemas):
+    """A Secret with empty values in a synced overlay is put back over the real one by every sync
+    (Argo CD selfHeal, Flux reconciliation) and every `kubectl apply -k`: none may be there."""
+    for name, objects in synced_by_the_examples(run_directory).items():
+        assert objects, name
+        assert secrets_with_placeholders(objects) == [], f"{name} syncs a Secret with placeholder values"
+        assert not by_kind(objects, "Secret"), f"{name} syncs a Secret: the S3 credentials come from outside Git (docs/gitops.md)"
+        for obj in objects:
+            if obj["apiVersion"].split("/")[0] not in CUSTOM_RESOURCE_GROUPS:
+                kubernetes_validate.validate(obj, KUBERNETES_VERSIONS[0], strict=True)
+    # The check has teeth: the template this repository used to ship, and the dev overlay's throwaway values, are caught.
+    template = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "dflash-s3"}, "stringData": {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": ""}}
+    assert secrets_with_placeholders([template]) == ["dflash-s3"]
+    assert secrets_with_placeholders([{**template, "stringData": {"AWS_ACCESS_KEY_ID": "<key id>", "AWS_SECRET_ACCESS_KEY": "s3cr3t"}}]) == ["dflash-s3"]
+    assert secrets_with_placeholders([{**template, "stringData": None, "data": {"AWS_ACCESS_KEY_ID": base64.b64encode(b"AKIA1").decode()}}]) == []
+
+
+def overlay_with_component(tmp_path: Path, overlay: str, component: str) -> list[dict]:
+    """`overlay` with `component` added to its kustomization.yaml, as its comment says to: a copy
+    of it, its paths pointing back into k8s/."""
+    source, root = K8S / "overlays" / overlay, tmp_path / overlay
+    shutil.copytree(source, root)
+    kustomization = yaml.safe_load((root / "kustomization.yaml").read_text())
+    relative = lambda path: os.path.relpath((source / path).resolve(), root)  # noqa: E731
+    kustomization["resources"] = [relative(path) if (source / path).is_dir() else path for path in kustomization["resources"]]
+    kustomization["components"] = [*map(relative, kustomization.get("components", [])), relative(f"../../components/{component}")]
+    (root / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    return kustomize(root)
+
+
+def test_the_external_secret_component_gives_the_pods_their_secret_from_a_secret_manager(tmp_path, run_spec):
+    objects = overlay_with_component(tmp_path, "rtx-pro-6000", "s3-external-secret")
+    external = one(objects, "ExternalSecret")
+    jsonschema.validate(external, EXTERNAL_SECRET_SCHEMA)
+    assert external["metadata"]["namespace"] == DEFAULTS.namespace
+    assert external["metadata"]["labels"]["app.kubernetes.io/part-of"] == "dflash-k8s"
+    # The Secret it makes is the one every rendered pod reads; no Secret object itself is in Git.
+    assert external["spec"]["target"]["name"] == DEFAULTS.s3_secret and not by_kind(objects, "Secret")
+    for _, pod in pod_specs(render_all(run_spec)):
+        for container in pod["containers"]:
+            assert {"secretRef": {"name": external["spec"]["target"]["name"], "optional": True}} in container.get("envFrom", [])
+    # The rest of the overlay is unchanged.
+    assert [o for o in objects if o["kind"] != "ExternalSecret"] == kustomize(K8S / "overlays" / "rtx-pro-6000")
+    # The check has teeth: a misspelled field or a store kind the operator does not know fails it.
+    for broken in (
+        {**external, "spec": {**external["spec"], "dataFrom": [{"extrakt": {"key": "dflash/s3"}}]}},
+        {**external, "spec": {**external["spec"], "secretStoreRef": {"kind": "Vault", "name": "dflash"}}},
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(broken, EXTERNAL_SECRET_SCHEMA)

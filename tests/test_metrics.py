@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 import urllib.request
 
@@ -21,7 +22,7 @@ from dflash_jobs.spec import parse_spec
 from dflashctl.cli import run as run_command
 from dflashctl.cli.main import main
 from dflashctl.errors import WaitTimeout
-from dflashctl.metrics import MetricsReporter, RunMetrics
+from dflashctl.metrics import MetricsReporter, RunMetrics, with_metrics
 from dflashctl.pipeline import StepUpdate
 
 
@@ -69,6 +70,61 @@ def test_a_port_in_use_is_a_spec_error_naming_the_field():
     metrics.serve(port)
     with pytest.raises(SpecError, match="cluster.metrics_port"):
         RunMetrics("pipe").serve(port)
+
+
+def busy_spec(port: int):
+    return parse_spec({"name": "pipe", "target": {"model": "/m"}, "data": {"source": "/d.jsonl"}, "output": "/o", "cluster": {"metrics_port": port}})
+
+
+def test_a_port_in_use_on_a_laptop_gives_way_to_a_free_one_and_the_reporter_says_which(monkeypatch):
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    port = free_port()
+    RunMetrics("other program").serve(port)
+    recorder = Recorder()
+    reporter = with_metrics(busy_spec(port), recorder)
+    (line,) = recorder.lines
+    served = int(re.search(r"Prometheus text on port (\d+)", line).group(1))
+    assert served != port and f"port {port} (cluster.metrics_port) is taken here" in line
+    reporter.update(StepUpdate("verify", done=1, total=2))
+    assert value(scrape(served), "dflash_chunks_verified") == 1
+
+
+def test_in_a_pod_the_port_is_the_spec_s_the_one_the_controller_job_declares(monkeypatch):
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    port = free_port()
+    RunMetrics("other program").serve(port)
+    with pytest.raises(SpecError, match="cluster.metrics_port"):
+        with_metrics(busy_spec(port), Recorder())
+    free = free_port()
+    recorder = Recorder()
+    with_metrics(busy_spec(free), recorder)
+    assert recorder.lines == [f"metrics: Prometheus text on port {free} at /metrics"]
+
+
+def test_a_run_with_another_metrics_port_or_namespace_is_the_same_run(tmp_path, monkeypatch):
+    """Changing where the metrics are served (a busy laptop port) or where the Jobs live keeps the
+    run: the same spec hash, and <output>/run.yaml accepts it; anything it makes is another run."""
+    from dflash_jobs.storage import open_storage
+    from test_pipeline import backend_for
+
+    from dflashctl.errors import Conflict
+    from dflashctl.pipeline import run_pipeline
+
+    raw = {
+        "name": "pipe", "backend": "local", "target": {"model": str(tmp_path / "model"), "layers": [1, 3]},
+        "data": {"source": str(tmp_path / "chats.jsonl"), "max_length": 64, "chunk_tokens": 256},
+        "output": str(tmp_path / "out"), "extract": {"shards": SHARDS}, "cluster": {"metrics_port": 8000},
+    }
+    spec = parse_spec(raw)
+    storage = open_storage(spec.output)
+    run_pipeline(spec, backend_for(pipeline_work(storage)), storage=storage, refresh_s=0.01)
+    moved = parse_spec({**raw, "cluster": {"metrics_port": 8001, "namespace": "team-b"}})
+    assert moved.fingerprint() == spec.fingerprint()
+    result = run_pipeline(moved, backend_for(pipeline_work(storage)), storage=storage, refresh_s=0.01)
+    assert result.ran == []  # attached to the finished run: every step found done
+    changed = parse_spec({**raw, "extract": {"shards": SHARDS + 1}})
+    with pytest.raises(Conflict, match="differs in: extract"):
+        run_pipeline(changed, backend_for(pipeline_work(storage)), storage=storage, refresh_s=0.01)
 
 
 class SlowExtraction(FakeBackend):

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import re
 import typing
+from pathlib import Path
 
 import pytest
 import yaml
@@ -21,6 +23,7 @@ from dflashctl.errors import EXIT_USAGE, exit_code
 from dflashctl.starter import STARTER_VALUES, field_docs, starter_spec
 
 runner = CliRunner()
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _sections(cls: type, raw: dict, path: str = "") -> list[str]:
@@ -67,15 +70,52 @@ def test_init_explains_each_field_with_its_docstring():
             assert doc in comments, f"{cls.__name__}.{name}"
     assert lines[lines.index("  chunk_tokens: 65536") - 1] == "  # Target size of one work unit (a token chunk and its hidden-state chunk)."
     assert lines[lines.index("backend: kubernetes") - 1] == "# One of: kubernetes, local."
-    # Generation is off, and its section is there to turn on: uncommented, it parses with every default.
-    block = lines[lines.index("generate: null") + 1:]
-    block = [line[2:] for line in block[: next(i for i, line in enumerate(block) if not line.startswith("#"))]]
-    assert block[0] == "generate:"
-    turned_on = parse_spec({**STARTER_VALUES, **yaml.safe_load("\n".join(block))})
-    assert turned_on.generate == parse_spec({**STARTER_VALUES, "generate": {}}).generate
+    # An optional section left off is there to turn on: uncommented, it parses with every default.
+    first = lines.index("  dflash2: null") + 1
+    block = lines[first:first + 1] + list(itertools.takewhile(lambda line: line.startswith("  #   "), lines[first + 1:]))
+    block = [line.replace("# ", "", 1) for line in block]
+    assert block[0] == "  dflash2:" and len(block) > 2
+    turned_on = parse_spec({**STARTER_VALUES, "train": {"drafter": "dflash2", **yaml.safe_load("\n".join(block))}})
+    assert turned_on.train.dflash2 == parse_spec({**STARTER_VALUES, "train": {"drafter": "dflash2"}}).train.dflash2
     # Only such sections: an optional nested one left off (no model volume) stays a plain null.
     without_volume = starter_spec({**STARTER_VALUES, "cluster": {}})
     assert "  model_volume: null" in without_volume.splitlines() and "#   claim" not in without_volume
+
+
+def test_the_starter_regenerates_answers_cites_only_what_exists_and_flags_the_images():
+    text = starter_spec()
+    spec = parse_spec(yaml.safe_load(text))
+    # Every real run regenerates the answers with the target (README): generation is on, with vLLM.
+    assert spec.generate is not None and spec.generate.engine == "vllm"
+    assert "generate: null" not in text.splitlines()
+    # The header points at files of this repository only.
+    header = text[: text.index("\nname:")]
+    cited = re.findall(r"\b(?:[\w-]+/)*[\w-]+\.md\b|\b(?:[\w-]+/)+[\w.-]+\.yaml\b", header)  # not dflash.yaml itself
+    assert cited and all((REPO / path).is_file() for path in cited), cited
+    assert "DESIGN" not in header
+    # The images are the user's to build and push: the starter says so where it sets them.
+    cluster = text[text.index("\ncluster:") - 300: text.index("\ncluster:")]
+    assert "placeholders, not published images" in cluster and "images/README.md" in cluster
+    assert (REPO / "images" / "README.md").is_file()
+
+
+def test_a_number_in_yaml_1_2_spelling_is_read_as_the_number_it_is(tmp_path):
+    """PyYAML reads YAML 1.1, where `6e-4` (no dot) is a string: a float field takes it as the number
+    the user wrote; a value that is no number is still refused, and an integer field says how to write it."""
+    spec_file = tmp_path / "dflash.yaml"
+    starter = starter_spec().replace("  lr: 0.0006\n", "  lr: 6e-4\n")
+    assert "  lr: 6e-4" in starter and yaml.safe_load(starter)["train"]["lr"] == "6e-4"
+    spec_file.write_text(starter)
+    assert runner.invoke(app, ["plan", "-f", str(spec_file), "-o", "json"]).exit_code == 0
+    assert parse_spec(yaml.safe_load(starter)).train.lr == 6e-4
+    assert parse_spec({**STARTER_VALUES, "train": {"lr": "1E-3", "warmup_ratio": ".05"}}).train.warmup_ratio == 0.05
+    for bad in ("fast", "1_000", ".inf", "6e-4 "):
+        with pytest.raises(SpecError, match=r"train\.lr .*Expected a number"):
+            parse_spec({**STARTER_VALUES, "train": {"lr": bad}})
+    with pytest.raises(SpecError, match=r"Expected an integer \(YAML read 1e6 as a string: write 1000000\)"):
+        parse_spec({**STARTER_VALUES, "train": {"anchors": yaml.safe_load("anchors: 1e6")["anchors"]}})
+    with pytest.raises(SpecError, match=r"Expected an integer \(write 512\)"):
+        parse_spec({**STARTER_VALUES, "train": {"anchors": 512.0}})
 
 
 def test_init_refuses_to_overwrite_without_force(tmp_path):
@@ -234,3 +274,61 @@ def test_plan_rejects_layers_deeper_than_the_checkpoint(tmp_path):
     result = runner.invoke(app, ["plan", "-f", write_run(tmp_path, tokens=10, layers=[1, 64])])
     assert isinstance(result.exception, SpecError) and exit_code(result.exception) == EXIT_USAGE
     assert "0..63" in str(result.exception)
+
+
+def with_settings(spec_file: str, *, extract: dict | None = None, train: dict | None = None) -> str:
+    spec = yaml.safe_load(open(spec_file))
+    spec["extract"].update(extract or {})
+    spec["train"] = train or {}
+    open(spec_file, "w").write(yaml.safe_dump(spec))
+    return spec_file
+
+
+def test_plan_bills_the_final_hidden_state_where_the_drafter_reads_it(tmp_path):
+    plan = plan_json("-f", with_settings(write_run(tmp_path, tokens=1_000_000_000), train={"drafter": "dspark"}))
+    # 5 layers + the final hidden state: 6 x 5120 x 2 + 5 = 61,445 bytes a token; fp8: 6 x (5120 + 4) + 5 = 30,749.
+    assert plan["bytes_per_token"] == {"bfloat16": 61_445, "float8_e4m3fn": 30_749}
+    assert plan["storage_tb"] == pytest.approx({"bfloat16": 61.445, "float8_e4m3fn": 30.749})
+    final = plan["final_hidden"]
+    # Its own line: 5120 x 2 = 10,240 bytes a token, +20.0% over the 51,205 without it; 1e9 tokens: 10.24 TB.
+    assert final["stored"] is True and final["dtype"] == "bfloat16" and final["bytes_per_token"] == 10_240
+    assert final["fraction"] == pytest.approx(10_240 / 51_205) and final["storage_tb"] == pytest.approx(10.24)
+    # Uploaded by 8 GPUs at 11,973 tokens/s: 980.8 MB/s a node; read by training at 14,288 tokens/s: 146.3 MB/s a GPU, 1,170.5 a node.
+    assert final["upload_mb_per_s_per_node"] == pytest.approx(11_973 * 10_240 * 8 / 1e6)
+    assert final["train_read_mb_per_s_per_gpu"] == pytest.approx(146.30912)
+    assert final["train_read_mb_per_s_per_node"] == pytest.approx(1170.47296)
+    # ...and in the training read bill: 14,288 x 61,445 = 877.9 MB/s a GPU.
+    assert plan["training_reads"]["consumed_mb_per_s_per_gpu"] == pytest.approx(877.92616)
+    assert plan["upload_mb_per_s_per_node"]["bfloat16"] == pytest.approx(11_973 * 61_445 * 8 / 1e6)
+    table = runner.invoke(app, ["plan", "-f", str(tmp_path / "dflash.yaml")], env={"COLUMNS": "400"})  # one line a row
+    assert "final hidden state" in table.stdout and "stored, in the figures below: +10,240 bytes/token (+20%, bfloat16), 10.2 TB, +981 MB/s upload per node, +146 MB/s training reads per GPU (1,170 per node)" in table.stdout
+
+
+def test_plan_says_what_the_final_hidden_state_would_add_when_not_stored(tmp_path):
+    plan = plan_json("-f", with_settings(write_run(tmp_path, tokens=1_000_000_000), extract={"dtype": "float8_e4m3fn"}))
+    assert plan["bytes_per_token"]["float8_e4m3fn"] == 25_625  # without it
+    final = plan["final_hidden"]
+    assert final["stored"] is False and final["bytes_per_token"] == 5_124 and final["fraction"] == pytest.approx(5_124 / 25_625)
+    table = runner.invoke(app, ["plan", "-f", str(tmp_path / "dflash.yaml")], env={"COLUMNS": "400"})  # one line a row
+    assert "not stored (extract.final_hidden); it would add +5,124 bytes/token (+20%, float8_e4m3fn), 5.12 TB" in table.stdout
+
+    stored = plan_json("-f", with_settings(str(tmp_path / "dflash.yaml"), extract={"final_hidden": True}, train={"drafter": "dflash2"}))
+    assert stored["final_hidden"]["stored"] is True and stored["bytes_per_token"]["float8_e4m3fn"] == 25_625 + 5_124
+
+
+def test_plan_refuses_a_drafter_that_reads_the_final_hidden_state_on_verified_states_without_it(tmp_path):
+    from dflash_jobs.errors import InputError
+    from dflash_jobs.formats import MANIFEST_KEY, DoneMarker, Manifest
+
+    spec_file = with_settings(write_run(tmp_path, tokens=1000), train={"drafter": "dspark"})
+    plan_json("-f", spec_file)  # no manifest yet: nothing to check against
+    marker = DoneMarker(chunk=0, samples=1000, tokens=1000, bytes=1, sha256="0", etag=None, dtype="bfloat16", layers=[1, 16, 31, 46, 61], hidden_size=5120)
+    manifest = Manifest(model="m", layers=marker.layers, dtype="bfloat16", hidden_size=5120, samples=1000, tokens=1000, bytes=1, chunks=[marker])
+    output = open_storage(str(tmp_path / "out"))
+    output.put_bytes(MANIFEST_KEY, manifest.to_json().encode())
+    refused = runner.invoke(app, ["plan", "-f", spec_file])
+    assert isinstance(refused.exception, InputError) and exit_code(refused.exception) == EXIT_USAGE
+    assert "hold no final hidden state of the target" in str(refused.exception) and "train.dspark.ce_only: true" in str(refused.exception)
+    plan_json("-f", with_settings(spec_file, train={"drafter": "dspark", "dspark": {"ce_only": True}}))
+    output.put_bytes(MANIFEST_KEY, Manifest(**{**manifest.__dict__, "final_hidden": "bfloat16"}).to_json().encode())
+    plan_json("-f", with_settings(spec_file, train={"drafter": "dspark"}))

@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from dflash_jobs.errors import EXIT_BAD_SPEC, InputError, SpecError
 from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk, done_key
-from dflash_jobs.prepare import BATCH_ROWS, HOLDOUT_KEY, REJECTED_KEY, main, prepare, prompt_length
+from dflash_jobs.prepare import BATCH_ROWS, HOLDOUT_KEY, REJECTED_KEY, main, prepare
+from dflash_jobs.rows import SPLIT_ANSWER, prompt_length
 from dflash_jobs.spec import parse_spec
 from dflash_jobs.storage import open_storage
 from dflash_jobs.tiny import tiny_chat_rows, write_tiny_target
@@ -154,6 +155,11 @@ BAD_ROWS = {
     14: ({"messages": [{"role": "user", "content": "hi"}]}, "no_supervised_tokens"),
     15: ({"input_ids": [1, 2, 3], "loss_mask": [0, 0, 0]}, "no_supervised_tokens"),
     16: ({"messages": [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]}, "template_error"),
+    # Rows as the generate step writes them: their answer's token ids, or text alone.
+    17: ({"messages": TWO_TURNS[:3], "generation": {"finish_reason": "stop", "token_ids": ["7"]}}, "invalid_fields"),
+    18: ({"messages": TWO_TURNS[:3], "generation": {"finish_reason": "stop", "token_ids": [5, 10**6]}}, "out_of_vocab"),
+    19: ({"messages": [*TWO_TURNS[:2], {"role": "assistant", "content": "7.", "reasoning_content": "3 plus 4"}],
+          "generation": {"finish_reason": "length"}}, SPLIT_ANSWER),
 }
 
 
@@ -331,3 +337,184 @@ def test_a_target_without_a_tokenizer_is_a_spec_error(tmp_path):
     source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": TWO_TURNS}])
     with pytest.raises(SpecError, match="target.model"):
         prepare(make_spec(tmp_path / "no-model", source, tmp_path / "out"), workers=1)
+
+
+# ---- answers as their writer wrote them ------------------------------------------------------------
+
+
+def byte_ids(tokenizer, text: str) -> list[int]:
+    """`text` as one byte-level token per UTF-8 byte: a split the tokenizer never makes, as a
+    sampling target can produce it (and the only way to write text its normaliser would change)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_tokens = bytes_to_unicode()
+    return tokenizer.convert_tokens_to_ids([byte_tokens[b] for b in text.encode()])
+
+
+def generated(question: str, content: str, finish_reason: str, token_ids: list[int] | None = None, **answer) -> dict:
+    """A row as the generate step stores it (with the answer's token ids, or, written before it stored them, without)."""
+    generation = {"finish_reason": finish_reason, "prompt_tokens": 0, "completion_tokens": len(token_ids or [])}
+    if token_ids is not None:
+        generation["token_ids"] = token_ids
+    return {"messages": [SYSTEM, {"role": "user", "content": question}, {"role": "assistant", "content": content, **answer}],
+            "generation": generation}
+
+
+def test_a_regenerated_answer_is_trained_on_the_token_ids_the_target_produced(target, tokenizer, tmp_path):
+    """After the generation prompt, the answer's ids as they are: a split the tokenizer would not
+    make, text it would normalise (a decomposed accent, not NFC) and the end token the target
+    stopped on (<|endoftext|>, not the template's <|im_end|>) survive byte for byte; an answer cut
+    at the limit has no end token."""
+    endoftext, im_end = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    decomposed = "Cafe\u0301 au lait"  # e + combining acute: the tokenizer's NFC would make it one character
+    answers = [
+        (byte_ids(tokenizer, decomposed) + [endoftext], "stop"),
+        (tokenizer("Paris.", add_special_tokens=False)["input_ids"] + [im_end], "stop"),
+        (byte_ids(tokenizer, "the quick brown"), "length"),
+    ]
+    rows = [generated(f"Question {i}?", tokenizer.decode(ids, skip_special_tokens=True), reason, ids) for i, (ids, reason) in enumerate(answers)]
+    index = prepare(make_spec(target, write_jsonl(tmp_path / "generated.jsonl", rows), tmp_path / "out"), workers=1)
+    samples = all_samples(read_output(tmp_path / "out")[1])
+    assert [sample_id for sample_id, _, _ in samples] == [0, 1, 2]
+    for (_, ids, mask), row, (answer, _) in zip(samples, rows, answers):
+        start = prompt_length(mask)
+        assert tokenizer.decode(ids[:start].tolist()) == tokenizer.apply_chat_template(row["messages"][:-1], tokenize=False, add_generation_prompt=True)
+        assert ids[start:].tolist() == answer and mask[start:].all() and not mask[:start].any()
+    first = samples[0][1][prompt_length(samples[0][2]):].tolist()
+    assert tokenizer.backend_tokenizer.decode(first, skip_special_tokens=False) == decomposed + "<|endoftext|>"
+    # Two of the three would have been trained as other tokens from their text.
+    assert index.answers == {"target_ids": 3, "target_ids_retokenized_differently": 2, "text": 0, "text_changed_by_tokenizer": 0}
+
+
+def test_rows_with_only_text_are_counted_and_a_split_answer_is_never_rejoined(target, tokenizer, tmp_path, caplog):
+    """Text alone (a source's answers, or rows generated before their ids were stored) is tokenized
+    here: what can be measured is whether the tokens give the text back (non-NFC text does not).
+    An answer a reasoning parser split, stored without ids, is dropped with its reason: the template
+    would rejoin it with a </think> and an <|im_end|> the target, cut at the limit, never wrote."""
+    rows = [
+        generated("Spell it.", "Cafe\u0301", "stop"),  # not NFC: the tokenizer composes the accent
+        generated("Count.", "1, 2, 3", "length"),
+        generated("Why?", "Because", "length", reasoning_content="Let me think about"),
+        {"messages": TWO_TURNS},  # the source's own answers: two turns, tokens that give the text back
+    ]
+    with caplog.at_level(logging.INFO, logger="dflash.prepare"):
+        index = prepare(make_spec(target, write_jsonl(tmp_path / "old.jsonl", rows), tmp_path / "out"), workers=1)
+    samples = all_samples(read_output(tmp_path / "out")[1])
+    assert [sample_id for sample_id, _, _ in samples] == [0, 1, 3]
+    assert supervised_runs(tokenizer, samples[0][1], samples[0][2]) == ["Caf\u00e9<|im_end|>"]
+    assert supervised_runs(tokenizer, samples[1][1], samples[1][2]) == ["1, 2, 3"]
+    assert index.dropped == {SPLIT_ANSWER: 1}
+    assert index.answers == {"target_ids": 0, "target_ids_retokenized_differently": 0, "text": 3, "text_changed_by_tokenizer": 1}
+    assert "answers: 0 as the target's token ids (0 of them tokenize otherwise from their text), 3 from text (1 of them changed" in caplog.text
+    rejected = [json.loads(line) for line in open_storage(str(tmp_path / "out")).get_bytes(REJECTED_KEY).splitlines()]
+    assert [(r["line"], r["reason"]) for r in rejected] == [(3, SPLIT_ANSWER)] and "without a reasoning parser" in rejected[0]["detail"]
+
+
+def test_an_earlier_reply_opening_with_a_tag_is_kept_whole(target, tokenizer, tmp_path):
+    """Qwen's template renders a turn before the last user message without the <think> block the
+    generation prompt opens; a reply opening with "<" (HTML, a Hermes-style <tool_call> in the text)
+    agrees with "<think>" for a character or two, and must not start the supervised span there."""
+    html = "<b>Paris</b> is the capital of France."
+    hermes = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    rows = [{"messages": [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": reply},
+                          {"role": "user", "content": "Thanks."}, {"role": "assistant", "content": "You are welcome."}]}
+            for reply in (html, hermes)]
+    index = prepare(make_spec(target, write_jsonl(tmp_path / "tags.jsonl", rows), tmp_path / "out"), workers=1)
+    assert index.dropped == {} and index.samples == 2
+    for (_, ids, mask), row in zip(all_samples(read_output(tmp_path / "out")[1]), rows):
+        assert tokenizer.decode(ids.tolist()) == tokenizer.apply_chat_template(row["messages"], tokenize=False)
+        reply = row["messages"][1]["content"]
+        assert supervised_runs(tokenizer, ids, mask) == [f"{reply}<|im_end|>", "\n</think>\n\nYou are welcome.<|im_end|>"]
+
+
+# Qwen3.5/3.6's way with tools (its chat template, reduced to what renders text): the tools in the
+# system turn, an assistant turn's calls after its content as <tool_call><function=...> blocks, tool
+# results as a user turn of <tool_response> blocks, a <think> block on turns after the last user message.
+TOOL_TEMPLATE = """\
+{%- if tools %}
+    {{- '<|im_start|>system\\n# Tools\\n\\n<tools>' }}
+    {%- for tool in tools %}{{- '\\n' + tool | tojson }}{%- endfor %}
+    {{- '\\n</tools><|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(last_query_index=-1) %}
+{%- for message in messages %}
+    {%- if message.role == 'user' %}{%- set ns.last_query_index = loop.index0 %}{%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- set content = message.content if message.content is string else '' %}
+    {%- if message.role == 'user' or message.role == 'system' %}
+        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
+    {%- elif message.role == 'assistant' %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + content | trim }}
+        {%- else %}
+            {{- '<|im_start|>assistant\\n' + content | trim }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls or [] %}
+            {%- set call = tool_call.function if tool_call.function is defined else tool_call %}
+            {%- if not loop.first %}{{- '\\n' }}{%- elif content | trim %}{{- '\\n\\n' }}{%- endif %}
+            {{- '<tool_call>\\n<function=' + call.name + '>\\n' }}
+            {%- for name, value in call.arguments | items %}
+                {{- '<parameter=' + name + '>\\n' + (value if value is string else value | tojson) + '\\n</parameter>\\n' }}
+            {%- endfor %}
+            {{- '</function>\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.first or loop.previtem.role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+        {{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}
+        {%- if loop.last or loop.nextitem.role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {{- '<think>\\n\\n</think>\\n\\n' if enable_thinking is defined and enable_thinking is false else '<think>\\n' }}
+{%- endif %}
+"""
+
+
+def tool_call(city: str) -> dict:
+    return {"type": "function", "function": {"name": "get_weather", "arguments": {"city": city}}}
+
+
+def test_structured_tool_calls_are_rendered_and_learned_whole(target, tmp_path):
+    """A target whose template renders tool calls (Qwen3.5/3.6's, whose vocabulary holds <tool_call>
+    and </tool_call> as tokens): with generation off, every assistant turn is learned, the calls
+    included, from their first token. An earlier call opening with <tool_call> is not cut inside it;
+    a turn after a tool's result, which the template renders before that call with a <think> block
+    it drops once a user message follows, starts where its content does."""
+    tools_target = tmp_path / "tools-target"
+    tools_tokenizer = AutoTokenizer.from_pretrained(target)
+    tools_tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+    tools_tokenizer.chat_template = TOOL_TEMPLATE
+    tools_tokenizer.save_pretrained(tools_target)
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    with_result = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [tool_call("Paris")]},
+        {"role": "tool", "content": "sunny, 24 C"},
+        {"role": "assistant", "content": "It is sunny in Paris."},
+        {"role": "user", "content": "And in Rome?"},
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [tool_call("Rome")]},
+    ]
+    call_only = [
+        {"role": "user", "content": "Check Paris."},
+        {"role": "assistant", "content": "", "tool_calls": [tool_call("Paris")]},
+        {"role": "user", "content": "Never mind."},
+        {"role": "assistant", "content": "Fine."},
+    ]
+    rows = [{"messages": messages, "tools": tools} for messages in (with_result, call_only)]
+    index = prepare(make_spec(tools_target, write_jsonl(tmp_path / "tools.jsonl", rows), tmp_path / "out", max_length=1024), workers=1)
+    assert index.dropped == {} and index.samples == 2 and index.truncated == 0
+    tokenizer = AutoTokenizer.from_pretrained(tools_target)
+    call = "<tool_call>\n<function=get_weather>\n<parameter=city>\n{}\n</parameter>\n</function>\n</tool_call>"
+    expected = [
+        [call.format("Paris") + "<|im_end|>", "It is sunny in Paris.<|im_end|>", "\n</think>\n\nLet me look.\n\n" + call.format("Rome") + "<|im_end|>"],
+        [call.format("Paris") + "<|im_end|>", "\n</think>\n\nFine.<|im_end|>"],
+    ]
+    opening = tokenizer.convert_tokens_to_ids("<tool_call>")
+    for (_, ids, mask), row, runs in zip(all_samples(read_output(tmp_path / "out")[1]), rows, expected):
+        assert tokenizer.decode(ids.tolist()) == tokenizer.apply_chat_template(row["messages"], tools=tools, tokenize=False)
+        assert supervised_runs(tokenizer, ids, mask) == runs
+        assert ids[int(np.flatnonzero(mask)[0])] == opening  # the first supervised token is <tool_call>, whole

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 import kubernetes_validate
@@ -355,22 +356,123 @@ def test_committed_example_still_renders_byte_identically():
         assert (EXAMPLE / "rendered" / render.manifest_filename(obj)).read_text() == render.to_yaml([obj]), render.manifest_filename(obj)
 
 
-def test_cli_render_prints_yaml_or_writes_one_file_per_object(tmp_path, monkeypatch, capsys):
-    spec_file = EXAMPLE / "dflash.yaml"
-    monkeypatch.setattr("sys.argv", ["dflashctl", "render", "extract", "-f", str(spec_file)])
+def cli(monkeypatch, capsys, *args):
+    """Runs `dflashctl ARGS` through main(); returns (exit code, stdout, stderr)."""
+    monkeypatch.setattr("sys.argv", ["dflashctl", *args])
     with pytest.raises(SystemExit) as exit_info:
         main()
-    assert exit_info.value.code == 0
-    assert capsys.readouterr().out == render.to_yaml(render.render_selection(load_spec(spec_file), "extract"))
-    monkeypatch.setattr("sys.argv", ["dflashctl", "render", "controller", "-f", str(spec_file), "-o", str(tmp_path / "out")])
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    assert exit_info.value.code == 0
+    captured = capsys.readouterr()
+    return exit_info.value.code, captured.out, captured.err
+
+
+def test_cli_render_prints_yaml_or_json_and_writes_a_directory_only_with_d(tmp_path, monkeypatch, capsys):
+    spec_file = str(EXAMPLE / "dflash.yaml")
+    objects = render.render_selection(load_spec(spec_file), "extract")
+    code, out, _ = cli(monkeypatch, capsys, "render", "extract", "-f", spec_file)
+    assert code == 0 and out == render.to_yaml(objects)
+    code, out, _ = cli(monkeypatch, capsys, "render", "extract", "-f", spec_file, "-o", "json")
+    assert code == 0 and json.loads(out) == {"apiVersion": "v1", "kind": "List", "items": objects}  # what kubectl apply -f reads
+    code, _, err = cli(monkeypatch, capsys, "render", "controller", "-f", spec_file, "-d", str(tmp_path / "out"))
+    assert code == 0 and f"next: kubectl apply -f {tmp_path / 'out'}" in err
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "configmap-qwen36-27b-v1-spec.yaml", "job-qwen36-27b-v1-controller.yaml", "role-dflash-controller.yaml",
         "rolebinding-dflash-controller.yaml", "serviceaccount-dflash-controller.yaml",
     ]
-    monkeypatch.setattr("sys.argv", ["dflashctl", "render", "everything", "-f", str(spec_file)])
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    assert exit_info.value.code == 2
+    # -o is a format, never a directory: the old spelling is refused with the new one, nothing written.
+    code, out, err = cli(monkeypatch, capsys, "render", "train", "-f", spec_file, "-o", str(tmp_path / "json"))
+    assert code == 2 and out == "" and "-o takes yaml or json" in err and "use -d" in err
+    assert not (tmp_path / "json").exists()
+    code, _, err = cli(monkeypatch, capsys, "render", "train", "-f", spec_file, "-o", "json", "-d", str(tmp_path / "both"))
+    assert code == 2 and "give one of them" in err and not (tmp_path / "both").exists()
+    assert cli(monkeypatch, capsys, "render", "everything", "-f", spec_file)[0] == 2
+
+
+def write_spec(path: Path, **sections) -> Path:
+    spec = make_spec(**sections)
+    path.write_text(yaml.safe_dump(spec.to_dict()))
+    return path
+
+
+def test_a_run_directory_holds_exactly_one_render_of_one_spec(tmp_path, monkeypatch, capsys):
+    """`render controller -d` over `render all -d` leaves no step Job behind (kubectl apply -f or a
+    sync would start them all at once), keeps what dflashctl did not write, and says what it removed."""
+    spec_file = write_spec(tmp_path / "dflash.yaml", generate={})
+    run_dir = tmp_path / "runs" / "demo-run"
+    assert cli(monkeypatch, capsys, "render", "all", "-f", str(spec_file), "-d", str(run_dir))[0] == 0
+    assert len(list(run_dir.glob("job-*.yaml"))) == 6
+    users = {
+        "kustomization.yaml": "resources: [configmap-demo-run-spec.yaml]\n",
+        "notes.yaml": "# a Job of my own, not dflashctl's\n" + render.to_yaml([{
+            "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "mine", "labels": {"dflash.dev/run": "demo-run"}}, "spec": {}}]),
+        "README.md": "why this run\n",
+        "draft.yaml": "key: [not closed\n",
+    }
+    for name, text in users.items():
+        (run_dir / name).write_text(text)
+
+    code, _, err = cli(monkeypatch, capsys, "render", "controller", "-f", str(spec_file), "-d", str(run_dir))
+    assert code == 0, err
+    expected = render.render_selection(load_spec(spec_file), "controller")
+    ours = {render.manifest_filename(obj): render.to_yaml([obj]) for obj in expected}
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted([*ours, *users])
+    assert all((run_dir / name).read_text() == text for name, text in {**ours, **users}.items())
+    for step in ("generate", "prepare", "extract", "train", "eval"):
+        assert f"removed {run_dir / f'job-demo-run-{step}.yaml'}" in err
+    assert f"next: kubectl apply -f {run_dir}" in err  # which now starts only the controller
+
+    # Rendering the same spec again changes nothing.
+    before = {p.name: p.read_text() for p in run_dir.iterdir()}
+    assert cli(monkeypatch, capsys, "render", "controller", "-f", str(spec_file), "-d", str(run_dir))[0] == 0
+    assert {p.name: p.read_text() for p in run_dir.iterdir()} == before
+
+
+def test_a_changed_spec_under_the_same_run_name_is_refused_with_the_fix_unless_forced(tmp_path, monkeypatch, capsys):
+    spec_file = write_spec(tmp_path / "dflash.yaml")
+    run_dir = tmp_path / "runs" / "demo-run"
+    assert cli(monkeypatch, capsys, "render", "controller", "-f", str(spec_file), "-d", str(run_dir))[0] == 0
+    before = {p.name: p.read_text() for p in run_dir.iterdir()}
+    old_hash, new_hash = make_spec().fingerprint(), make_spec(extract={"shards": 4}).fingerprint()
+
+    changed = write_spec(tmp_path / "changed.yaml", extract={"shards": 4})
+    code, _, err = cli(monkeypatch, capsys, "render", "controller", "-f", str(changed), "-d", str(run_dir))
+    assert code == 2 and f"spec hash {old_hash}, this spec {new_hash}" in err and "new `name:`" in err and "--force" in err
+    assert {p.name: p.read_text() for p in run_dir.iterdir()} == before  # nothing touched
+
+    # Another run into this run's directory: refused too (it would prune run demo-run from Git).
+    other = write_spec(tmp_path / "other.yaml", name="other-run", output="s3://bucket/runs/other-run")
+    code, _, err = cli(monkeypatch, capsys, "render", "controller", "-f", str(other), "-d", str(run_dir))
+    assert code == 2 and "holds run demo-run" in err and "k8s/runs/other-run/" in err
+
+    # A setting outside the spec hash that changes a Job (the metrics port): the hash agrees, the Job would not.
+    ported = write_spec(tmp_path / "ported.yaml", cluster={"metrics_port": 9100})
+    assert load_spec(ported).fingerprint() == old_hash
+    code, _, err = cli(monkeypatch, capsys, "render", "controller", "-f", str(ported), "-d", str(run_dir))
+    assert code == 2 and "job-demo-run-controller.yaml would change" in err
+
+    code, _, err = cli(monkeypatch, capsys, "render", "controller", "-f", str(changed), "-d", str(run_dir), "--force")
+    assert code == 0
+    (configmap,) = [yaml.safe_load(p.read_text()) for p in run_dir.glob("configmap-*.yaml")]
+    assert configmap["metadata"]["annotations"]["dflash.dev/spec-hash"] == new_hash
+
+
+def test_render_n_places_the_run_in_another_namespace_under_the_same_spec_hash(tmp_path, monkeypatch, capsys):
+    spec_file = write_spec(tmp_path / "dflash.yaml")
+    code, out, _ = cli(monkeypatch, capsys, "render", "controller", "-f", str(spec_file), "-n", "team-b")
+    assert code == 0
+    objects = list(yaml.safe_load_all(out))
+    assert {obj["metadata"]["namespace"] for obj in objects} == {"team-b"}
+    (binding,) = [obj for obj in objects if obj["kind"] == "RoleBinding"]
+    assert binding["subjects"][0]["namespace"] == "team-b"
+    (configmap,) = [obj for obj in objects if obj["kind"] == "ConfigMap"]
+    in_cluster = parse_spec(yaml.safe_load(configmap["data"]["dflash.yaml"]))  # what the controller pod reads
+    assert in_cluster.cluster.namespace == "team-b"
+    assert {obj["metadata"].get("annotations", {}).get("dflash.dev/spec-hash") for obj in objects} - {None} == {make_spec().fingerprint()}
+    code, _, err = cli(monkeypatch, capsys, "render", "controller", "-f", str(spec_file), "-n", "Team_B")
+    assert code == 2 and "not a namespace name" in err
+
+
+def test_the_spec_hash_is_what_the_run_makes_not_where_it_runs_or_serves_metrics():
+    base = make_spec()
+    assert make_spec(cluster={"namespace": "team-b", "metrics_port": 9100}).fingerprint() == base.fingerprint()
+    for changed in ({"extract": {"shards": 9}}, {"cluster": {"image": "registry/dflash:2"}}, {"train": {"epochs": 2}}):
+        assert make_spec(**changed).fingerprint() != base.fingerprint(), changed

@@ -79,7 +79,7 @@ def test_no_secret_value_in_any_rendered_manifest_or_cli_output(secret_env, tmp_
 
     spec_file = tmp_path / "dflash.yaml"
     spec_file.write_text(yaml.safe_dump(spec.to_dict()))
-    code, out, err = cli(monkeypatch, capsys, "render", "all", "-f", str(spec_file), "-o", str(tmp_path / "rendered"))
+    code, out, err = cli(monkeypatch, capsys, "render", "all", "-f", str(spec_file), "-d", str(tmp_path / "rendered"))
     assert code == 0
     assert_no_secret(out + err, "dflashctl render output")
     for path in (tmp_path / "rendered").rglob("*"):

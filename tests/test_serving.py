@@ -63,6 +63,37 @@ def test_mixed_layers_need_the_v2_runner_and_all_sliding_layers_no_non_causal_ba
     assert causal.startswith("vllm serve /t") and "--attention-backend" not in causal
 
 
+def exported_dflash2(*, block_size=8, sliding=5, layers=5) -> dict:
+    """The config.json of a DFlash2 export (DFlash2Config.to_zlab), Qwen3.6-27B-shaped, z-lab's layout by default."""
+    from dflash_jobs.drafter.dflash2_model import DFlash2Config
+
+    config = DFlash2Config(**DrafterConfig.from_zlab(exported(block_size=block_size, sliding=sliding, layers=layers)).to_dict() | {"is_causal": False})
+    return json.loads(json.dumps(config.to_zlab()))
+
+
+def test_dflash2_serves_block_size_minus_one_on_the_v2_runner_of_vllm_0_28_with_a_non_causal_backend():
+    command = vllm_serve_command(target="/models/Qwen3.6-27B", drafter="/runs/v1/train/drafter", exported=exported_dflash2())
+    assert command == (
+        "# a dflash2 drafter needs vLLM >= 0.28.0\n"
+        "VLLM_USE_V2_MODEL_RUNNER=1 vllm serve /models/Qwen3.6-27B \\\n"
+        """  --speculative-config '{"method": "dflash", "model": "/runs/v1/train/drafter", "num_speculative_tokens": 7}' \\\n"""
+        "  --attention-backend flash_attn"
+    )
+    assert shlex.split(command, comments=True)[:4] == ["VLLM_USE_V2_MODEL_RUNNER=1", "vllm", "serve", "/models/Qwen3.6-27B"]  # the note is a comment
+    # The V2 runner whatever the layers (V1 would draft it as DFlash); all-sliding layers still need
+    # the non-causal backend, since is_causal false makes them bidirectional (DFlash's would be causal).
+    for block_size, sliding in ((4, 0), (16, 2)):
+        command = vllm_serve_command(target="/t", drafter="/d", exported=exported_dflash2(block_size=block_size, sliding=sliding))
+        assert "VLLM_USE_V2_MODEL_RUNNER=1 vllm serve" in command and command.endswith("--attention-backend flash_attn")
+        assert speculative_config_of(command)["num_speculative_tokens"] == block_size - 1
+
+
+def test_an_architecture_vllm_is_not_told_how_to_serve_is_refused_naming_the_file():
+    unknown = exported() | {"architectures": ["Eagle3DraftModel"]}
+    with pytest.raises(FormatError, match=r"train/drafter/config.json names architectures \['Eagle3DraftModel'\], none of which"):
+        vllm_serve_command(target="/t", drafter="/d", exported=unknown)
+
+
 def test_s3_locations_are_synced_to_local_directories_first():
     command = vllm_serve_command(
         target="s3://models/Qwen3.6-27B/", drafter="s3://bucket/dflash/v1/train/drafter", exported=exported(),

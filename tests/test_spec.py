@@ -49,6 +49,16 @@ def test_each_drafter_gets_its_own_layout_defaults_and_settings(drafter, block_s
     assert parse_spec(spec.to_dict()) == spec
 
 
+def test_dflash2_settings_default_to_the_published_checkpoint_and_its_kernel_may_span_the_block():
+    spec = parse_spec(minimal(train={"drafter": "dflash2"}))
+    settings = spec.train.dflash2
+    assert (settings.conv_kernel_size, settings.conv_group_size, settings.selector_rank, settings.selector_top_k) == (2, 16, 256, 16)
+    assert (settings.selector_alpha, settings.selector_stop_gradient) == (1.0, False)
+    assert not spec.train.layout.sample_from_anchor and not spec.stores_final_hidden  # the stored DFlash states suffice
+    spanning = parse_spec(minimal(train={"drafter": "dflash2", "block_size": 4, "dflash2": {"conv_kernel_size": 4, "selector_stop_gradient": True}}))
+    assert spanning.train.dflash2.conv_kernel_size == 4 and spanning.train.dflash2.selector_stop_gradient
+
+
 def test_a_chosen_block_size_and_the_stored_final_state_are_the_spec_s_to_set():
     spec = parse_spec(minimal(train={"drafter": "dspark", "block_size": 5, "dspark": {"ce_only": True}}, extract={"final_hidden": True}))
     assert (spec.train.block_size, spec.train.layout.drafts, spec.train.dspark.markov_rank) == (5, 5, 256)
@@ -109,6 +119,9 @@ def test_unset_compile_means_on_a_gpu_and_auto_checkpointing_follows_it(settings
         ({"train": {"drafter": "dspark", "dflash2": {}}}, "train.dflash2", "while train.drafter is dspark"),
         ({"train": {"drafter": "dflash2", "dflash2": {"selector_top_k": 1}}}, "train.dflash2.selector_top_k", "an integer >= 2"),
         ({"train": {"drafter": "dspark", "dspark": {"l1_weight": -1}}}, "train.dspark.l1_weight", "a number >= 0"),
+        ({"train": {"drafter": "dflash2", "block_size": 4, "dflash2": {"conv_kernel_size": 5}}}, "train.dflash2.conv_kernel_size",
+         "at most train.block_size (4): the convolution resets at every block"),
+        ({"train": {"drafter": "dflash2", "dflash2": {"selector_stop_gradient": "yes"}}}, "train.dflash2.selector_stop_gradient", "true or false"),
     ],
 )
 def test_bad_field_is_named_with_value_and_allowed(overrides, field, allowed):

@@ -17,13 +17,15 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_jobs.errors import EXIT_BAD_INPUT, InputError
-from dflash_jobs.formats import MANIFEST_KEY, HiddenChunk, Manifest, encode_hidden_chunk, hidden_chunk_key
-from dflash_jobs.spec import parse_spec
+from dflash_jobs.formats import MANIFEST_KEY, HiddenChunk, Manifest, TokenChunk, encode_hidden_chunk, hidden_chunk_key
+from dflash_jobs.spec import anchor_layout, parse_spec
 from dflash_jobs.storage import open_storage
 from dflash_jobs.train.__main__ import main
 from dflash_jobs.train.anchors import anchor_candidates, sample_anchors
 from dflash_jobs.train.checkpointer import step_prefix
-from dflash_jobs.train.data import BatchBuilder, BatchStream, Budget, ChunkCache, ChunkData, assign_chunks, plan_epoch, read_document_index
+from dflash_jobs.train.data import (
+    BatchBuilder, BatchStream, Budget, ChunkCache, ChunkData, DocumentRef, assign_chunks, plan_epoch, read_document_index,
+)
 from dflash_jobs.formats import TRAIN_METRICS_KEY as METRICS_KEY, TRAIN_PLOT_KEY as PLOT_KEY
 from dflash_jobs.train.trainer import Runtime, Trainer
 from train_fixtures import LAYERS, copy_extract, tiny_target, train_spec_dict, write_spec
@@ -104,7 +106,7 @@ def test_batches_hold_one_block_per_anchor_with_in_place_labels(extract):
     chunk = HiddenChunk.decode(storage.get_bytes(hidden_chunk_key(0)), "0")
     index = read_document_index(storage, [0])
     docs = plan_epoch(index, world_size=1, seed=0, epoch=0, budget=tokens_only(10**6))[0][0]
-    builder = BatchBuilder(block_size=4, anchors=8, gamma=7.0, mask_token_id=999, seed=0, layers=LAYERS)
+    builder = BatchBuilder(layout=anchor_layout(block_size=4, gamma=7.0), anchors=8, mask_token_id=999, seed=0, layers=LAYERS)
     batch = builder.build(docs, {0: ChunkData.from_bytes(storage.get_bytes(hidden_chunk_key(0)), "0")}, epoch=0)
     assert batch.context_hidden.shape == (chunk.tokens.num_tokens, len(LAYERS) * chunk.hidden_states.shape[-1])
     assert (batch.block_ids[:, 1:] == 999).all() and (batch.loss_weights[:, 0] == 0).all()
@@ -126,12 +128,41 @@ def test_batches_hold_one_block_per_anchor_with_in_place_labels(extract):
         offset += len(ids)
 
 
+@pytest.mark.parametrize("drafter", ["dflash", "dspark"])
+def test_each_anchor_layout_labels_its_slots_and_weighs_only_what_it_trains(drafter):
+    # One document, two supervised runs: [prompt x3][answer x5][user turn x2][answer x4].
+    ids = np.arange(100, 114, dtype=np.int32)
+    mask = np.array([0, 0, 0, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1], dtype=np.uint8)
+    tokens = TokenChunk(input_ids=ids, loss_mask=mask, cu_seqlens=np.array([0, 14]), sample_ids=np.array([0])).validate("hand-made")
+    encoded = encode_hidden_chunk(tokens, torch.randn(14, 2, 4).to(torch.bfloat16), layers=[1, 2], model="m", config_hash="h")
+    layout = anchor_layout(drafter, block_size=4)
+    builder = BatchBuilder(layout=layout, anchors=64, mask_token_id=999, seed=0, layers=[1, 2])
+    batch = builder.build([DocumentRef(0, 0, 0, 14)], {0: ChunkData.from_bytes(encoded, "hand-made")}, epoch=0)
+    decay = np.array(layout.slot_decay())
+    assert batch.layout.anchor.tolist() == anchor_candidates(mask).tolist() == [3, 4, 5, 6, 10, 11, 12]
+    for n, a in enumerate(batch.layout.anchor.tolist()):
+        assert batch.block_positions[n].tolist() == [a, a + 1, a + 2, a + 3]  # slots sit at anchor + k either way
+        for k in range(4):
+            label = a + k + layout.label_offset
+            inside = label < len(ids)
+            assert batch.labels[n, k] == (ids[label] if inside else 0)
+            supervised = k >= layout.first_draft and inside and bool(mask[label])
+            if layout.contiguous_prefix:  # DSpark trains a block only up to its first unsupervised label
+                supervised = supervised and all(mask[j] for j in range(a + layout.label_offset, label + 1))
+            assert batch.loss_weights[n, k].item() == pytest.approx(decay[k] if supervised else 0.0)
+    if drafter == "dspark":
+        # Anchor 6: labels 7, then 8 and 9 (the user turn) unsupervised, 10 supervised again but past the gap.
+        assert batch.loss_weights[3].tolist() == pytest.approx([1.0, 0.0, 0.0, 0.0])
+    else:
+        assert batch.loss_weights[3].tolist() == pytest.approx([0.0, 1.0, 0.0, 0.0])
+
+
 def test_fp8_chunks_are_dequantized_into_the_same_batch(extract):
     storage = open_storage(str(extract))
     chunk = HiddenChunk.decode(storage.get_bytes(hidden_chunk_key(1)), "1")
     fp8 = encode_hidden_chunk(chunk.tokens, chunk.hidden_states, layers=LAYERS, model="tiny", config_hash="tiny", dtype="float8_e4m3fn")
     docs = plan_epoch(read_document_index(storage, [1]), world_size=1, seed=0, epoch=0, budget=tokens_only(10**6))[0][0]
-    builder = BatchBuilder(block_size=4, anchors=8, gamma=7.0, mask_token_id=999, seed=0, layers=LAYERS)
+    builder = BatchBuilder(layout=anchor_layout(block_size=4, gamma=7.0), anchors=8, mask_token_id=999, seed=0, layers=LAYERS)
     exact = builder.build(docs, {1: ChunkData.from_bytes(storage.get_bytes(hidden_chunk_key(1)), "1")}, 0)
     quantized = builder.build(docs, {1: ChunkData.from_bytes(fp8, "1-fp8")}, 0)
     # fp8 stays fp8 on the host (half the bytes over PCIe) and is dequantized where the batch goes.
@@ -152,7 +183,7 @@ def test_the_data_order_survives_a_restart_from_the_cursor(extract, tmp_path):
     plans = [plan_epoch(index, world_size=1, seed=0, epoch=e, budget=tokens_only(700))[0] for e in range(2)]
 
     def stream() -> BatchStream:
-        builder = BatchBuilder(block_size=4, anchors=8, gamma=7.0, mask_token_id=999, seed=0, layers=LAYERS)
+        builder = BatchBuilder(layout=anchor_layout(block_size=4, gamma=7.0), anchors=8, mask_token_id=999, seed=0, layers=LAYERS)
         return BatchStream(plans, rank_cache(storage, tmp_path, 1 << 30), builder)
 
     def fingerprint(item) -> tuple:
@@ -178,7 +209,7 @@ def test_a_cache_smaller_than_a_batch_still_streams_every_epoch_exactly(extract,
     chunk_bytes = storage.stat(hidden_chunk_key(0)).size
 
     def batches(cache_bytes: int, directory: Path) -> list[tuple]:
-        builder = BatchBuilder(block_size=4, anchors=8, gamma=7.0, mask_token_id=999, seed=0, layers=LAYERS)
+        builder = BatchBuilder(layout=anchor_layout(block_size=4, gamma=7.0), anchors=8, mask_token_id=999, seed=0, layers=LAYERS)
         return [(epoch, step, batch.block_ids.tolist(), float(batch.context_hidden.float().sum()))
                 for epoch, step, batch in BatchStream(plans, rank_cache(storage, directory, cache_bytes), builder)]
 

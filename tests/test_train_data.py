@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_jobs.errors import EXIT_BAD_INPUT
-from dflash_jobs.formats import MANIFEST_KEY, HiddenChunk, Manifest, encode_hidden_chunk, hidden_chunk_key
-from dflash_jobs.spec import parse_spec
+from dflash_jobs.errors import EXIT_BAD_INPUT, FormatError, InputError
+from dflash_jobs.formats import MANIFEST_KEY, HiddenChunk, Manifest, encode_hidden_chunk, header_size, hidden_chunk_key, read_header
+from dflash_jobs.spec import anchor_layout, parse_spec
 from dflash_jobs.storage import TEMP_PREFIX, open_storage
 from dflash_jobs.train.trainer import Runtime, Trainer
 from train_fixtures import LAYERS, copy_extract, tiny_target, train_spec_dict
@@ -109,7 +109,7 @@ def test_the_cache_never_holds_more_than_its_bound_even_with_downloads_in_flight
     bound = int(cache_chunks * max(c.bytes for c in manifest.chunks))
     watched = DiskWatchingStorage(storage, tmp_path / "cache")
     cache = ChunkCache(watched, tmp_path / "cache", bound, manifest.chunks)
-    builder = BatchBuilder(block_size=4, anchors=8, gamma=7.0, mask_token_id=999, seed=0, layers=LAYERS)
+    builder = BatchBuilder(layout=anchor_layout(block_size=4, gamma=7.0), anchors=8, mask_token_id=999, seed=0, layers=LAYERS)
     stream = BatchStream(plans, cache, builder, prefetch_chunks=3)
     assert sum(1 for _ in stream) == sum(len(plan) for plan in plans)
     watched.note()  # the resident chunks, stored by now (the downloads may all have returned before they were)
@@ -171,7 +171,7 @@ def test_a_cache_smaller_than_the_share_keeps_a_fixed_part_on_disk_and_streams_t
     epochs = 4
     plans = [plan_epoch(index, world_size=1, seed=0, epoch=e, budget=Budget(tokens=100, blocks=10**9, anchors=8))[0] for e in range(epochs)]
     cache = ChunkCache(storage, tmp_path / "cache", int(fraction * share), manifest.chunks)
-    builder = BatchBuilder(block_size=4, anchors=8, gamma=7.0, mask_token_id=99, seed=0, layers=[1, 2])
+    builder = BatchBuilder(layout=anchor_layout(block_size=4, gamma=7.0), anchors=8, mask_token_id=99, seed=0, layers=[1, 2])
     read_by_epoch = {}
     for epoch, _, _ in BatchStream(plans, cache, builder):
         read_by_epoch[epoch] = cache.bytes_fetched
@@ -182,3 +182,124 @@ def test_a_cache_smaller_than_the_share_keeps_a_fixed_part_on_disk_and_streams_t
     assert later <= share - kept
     assert later / share <= {0.25: 0.8, 0.5: 0.6, 1.0: 0.0}[fraction]
     assert sum(p.stat().st_size for p in (tmp_path / "cache").iterdir()) == kept
+
+
+def stored_final(storage, chunk: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A chunk's final_hidden_states as stored (bf16, or fp8 with its scales)."""
+    key = hidden_chunk_key(chunk)
+    stored = HiddenChunk.decode(storage.get_bytes(key), key)
+    return stored.final_hidden_states, stored.final_scale
+
+
+def final_extract(storage, dtype: str, *, chunks: int = 3) -> Manifest:
+    from train_fixtures import synthetic_chunk, write_extract
+
+    def with_final(c: int):
+        tokens, states = synthetic_chunk(c, documents=3, document_tokens=40, layers=2, hidden_size=16, vocab_size=100)
+        final = torch.randn(tokens.num_tokens, 16, generator=torch.Generator().manual_seed(100 + c)) * (1 + c)
+        return tokens, states, final
+
+    return write_extract(storage, (with_final(c) for c in range(chunks)), model="synthetic", layers=[1, 2], dtype=dtype)
+
+
+class ReadRecorder:
+    """A chunk source whose row reads are noted: (byte offset, bytes)."""
+
+    def __init__(self, source) -> None:
+        self.source, self.reads = source, []
+
+    def __getattr__(self, name):
+        return getattr(self.source, name)
+
+    def read_into(self, offset: int, out: torch.Tensor) -> None:
+        self.reads.append((offset, out.numel()))
+        self.source.read_into(offset, out)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_a_builder_asked_for_the_final_hidden_state_delivers_the_stored_rows_beside_the_context(tmp_path, dtype):
+    from dflash_jobs.formats import dequantize_fp8
+    from dflash_jobs.train.data import BatchBuilder, ChunkData, DocumentRef, read_document_index
+
+    storage = open_storage(str(tmp_path / "run"))
+    manifest = final_extract(storage, dtype)
+    assert manifest.final_hidden == dtype
+    index = read_document_index(storage, [c.chunk for c in manifest.chunks])
+    chunks = {c.chunk: ChunkData.from_bytes(storage.get_bytes(hidden_chunk_key(c.chunk)), hidden_chunk_key(c.chunk)) for c in manifest.chunks}
+    documents = [DocumentRef(chunk, i, doc.sample_ids[i], doc.lengths[i]) for doc in index for chunk in [doc.chunk] for i in (2, 0)]
+    builder = BatchBuilder(layout=anchor_layout(block_size=4, gamma=7.0), anchors=8, mask_token_id=99, seed=0, layers=[1, 2], final_hidden=True)
+    batch = builder.build(documents, chunks, epoch=0)
+    assert batch.final_hidden.shape == (batch.tokens, 16)
+    assert (batch.final_scale is not None) == (dtype == "float8_e4m3fn")
+    offset, expected_rows, expected_scales = 0, [], []
+    for doc in documents:
+        states, scale = stored_final(storage, doc.chunk)
+        begin = int(chunks[doc.chunk].tokens.cu_seqlens[doc.index])
+        rows = slice(begin, begin + doc.tokens)
+        # Row for row with the context: as stored, bit for bit.
+        assert torch.equal(batch.final_hidden[offset : offset + doc.tokens].view(torch.uint8), states[rows].view(torch.uint8))
+        expected_rows.append(states[rows])
+        if scale is not None:
+            assert torch.equal(batch.final_scale[offset : offset + doc.tokens], scale[rows])
+            expected_scales.append(scale[rows])
+        offset += doc.tokens
+    on_device = batch.to(torch.device("cpu"))
+    expected = torch.cat(expected_rows)
+    if dtype == "float8_e4m3fn":  # dequantized by to(), as the layers are
+        expected = dequantize_fp8(expected, torch.cat(expected_scales))
+    assert on_device.final_scale is None and on_device.final_hidden.dtype == torch.bfloat16
+    assert torch.equal(on_device.final_hidden, expected)
+    # What DSpark gathers: the target's state at each anchor (and slot k at anchor + k).
+    assert torch.equal(on_device.final_hidden[batch.layout.anchor], expected[batch.layout.anchor])
+
+
+def test_a_builder_not_asked_reads_and_holds_none_of_it(tmp_path):
+    from dflash_jobs.train.data import BatchBuilder, ChunkData, DocumentRef
+
+    storage = open_storage(str(tmp_path / "run"))
+    final_extract(storage, "float8_e4m3fn", chunks=1)
+    key = hidden_chunk_key(0)
+    data = ChunkData.from_bytes(storage.get_bytes(key), key)
+    data.source = recorder = ReadRecorder(data.source)
+    documents = [DocumentRef(0, i, int(data.tokens.sample_ids[i]), 40) for i in range(3)]
+    batch = BatchBuilder(layout=anchor_layout(block_size=4, gamma=7.0), anchors=8, mask_token_id=99, seed=0, layers=[1, 2]).build(documents, {0: data}, epoch=0)
+    assert batch.final_hidden is None and batch.final_scale is None
+    assert batch.to(torch.device("cpu")).final_hidden is None
+    header, length = read_header(storage.get_bytes(key), key)[0], header_size(storage.get_bytes(key, 0, 8))
+    final = [[length + offset for offset in header[name]["data_offsets"]] for name in ("final_hidden_states", "final_hidden_states_scale")]
+    assert recorder.reads and not any(offset < end and begin < offset + size for offset, size in recorder.reads for begin, end in final)
+
+    from train_fixtures import synthetic_chunk, write_extract
+
+    builder = BatchBuilder(layout=anchor_layout(block_size=4, gamma=7.0), anchors=8, mask_token_id=99, seed=0, layers=[1, 2], final_hidden=True)
+    without = open_storage(str(tmp_path / "without"))
+    write_extract(without, [synthetic_chunk(0, documents=3, document_tokens=40, layers=2, hidden_size=16, vocab_size=100)],
+                  model="synthetic", layers=[1, 2], dtype="float8_e4m3fn")
+    plain = ChunkData.from_bytes(without.get_bytes(key), key)
+    with pytest.raises(FormatError, match="holds no final hidden state of the target, which this drafter reads"):
+        builder.build(documents, {0: plain}, epoch=0)
+
+
+def test_training_a_drafter_that_reads_it_is_refused_a_store_without_it_and_fed_from_one_with_it(root, extract, tmp_path, caplog):
+    from train_fixtures import tiny_extract
+
+    without = copy_extract(extract, tmp_path / "without")
+    with pytest.raises(InputError) as refused:
+        build(root, without, tmp_path / "cache", drafter="dspark")
+    assert f"{without}/{MANIFEST_KEY}: the hidden states hold no final hidden state of the target" in str(refused.value)
+    assert "extract.final_hidden: true" in refused.value.fix and "train.dspark.ce_only: true" in refused.value.fix
+    # Asked for explicitly, cross-entropy only: it trains on them, and says so.
+    trainer = build(root, without, tmp_path / "cache", drafter="dspark", dspark={"ce_only": True})
+    try:
+        assert "DSpark trains on cross-entropy only, without the target's final hidden state" in caplog.text
+        assert next(iter(trainer.stream))[2].final_hidden is None
+    finally:
+        trainer.close()
+
+    output = copy_extract(tiny_extract(root, final_hidden=True), tmp_path / "with")
+    trainer = build(root, output, tmp_path / "cache-with", drafter="dspark")
+    try:
+        _, _, batch = next(iter(trainer.stream))
+        assert batch.final_hidden is not None and batch.final_hidden.shape == (batch.tokens, batch.context_hidden.shape[1] // len(LAYERS))
+    finally:
+        trainer.close()

@@ -9,6 +9,7 @@ import torch
 from extracted_chunks import CHUNKS, HIDDEN, LAYERS, extracted_run, hidden_chunk, mark_done, token_chunk
 
 from dflash_jobs.formats import DATASET_KEY, MANIFEST_KEY, DatasetIndex, done_key, hidden_chunk_key, hidden_metadata, hidden_tensors
+from dflash_jobs.spec import parse_spec
 from dflash_jobs.storage import open_storage
 
 from dflashctl.errors import RunFailed
@@ -106,7 +107,63 @@ def test_chunks_of_another_target_or_other_layers_are_caught(tmp_path):
     assert verify_run(storage, Expected(dtype="bfloat16", layers=None)).layers == LAYERS
 
 
-def test_a_marker_that_disagrees_with_the_dataset_is_caught(tmp_path):
+def test_the_manifest_records_the_final_hidden_state_when_every_chunk_holds_it(storage):
+    markers = extracted_run(storage, final_hidden=True)
+    for expected in (EXPECTED, Expected(dtype="bfloat16", layers=LAYERS, final_hidden=True)):
+        manifest = verify_run(storage, expected)
+        assert manifest.final_hidden == "bfloat16" and manifest.chunks == markers
+        assert read_manifest(storage).final_hidden == "bfloat16"
+
+
+def test_a_spec_that_stores_the_final_hidden_state_fails_every_chunk_without_it(local):
+    extracted_run(local)
+    assert verify_run(local, EXPECTED).final_hidden is None  # a spec that does not store it passes them
+    with pytest.raises(VerificationFailed) as caught:
+        verify_run(local, Expected(dtype="bfloat16", layers=LAYERS, final_hidden=True), delete_bad=True)
+    error = caught.value
+    assert not local.exists(MANIFEST_KEY)
+    for chunk in range(CHUNKS):
+        assert f"chunk {chunk:06d}: {hidden_chunk_key(chunk)} holds no final hidden state of the target, the spec stores it" in str(error)
+    assert error.bad_markers == [done_key(c) for c in range(CHUNKS)] and not any(local.exists(done_key(c)) for c in range(CHUNKS))
+
+
+def test_a_store_where_only_some_chunks_hold_it_passes_without_recording_it(local):
+    extracted_run(local, final_hidden=True)
+    mark_done(local, 2, hidden_chunk(2))  # extracted again by a run that did not store it
+    assert verify_run(local, EXPECTED).final_hidden is None
+    with pytest.raises(VerificationFailed, match="chunk 000002: .* holds no final hidden state"):
+        verify_run(local, Expected(dtype="bfloat16", layers=LAYERS, final_hidden=True))
+
+
+def test_a_final_hidden_state_that_disagrees_with_its_marker_or_the_spec_is_caught(local):
+    extracted_run(local, final_hidden=True)
+    mark_done(local, 1, hidden_chunk(1))  # a chunk without it, under a marker...
+    marker = local.get_bytes(done_key(1)).replace(b'"final_hidden": null', b'"final_hidden": "bfloat16"')
+    local.put_bytes(done_key(1), marker)  # ...that says it holds it
+    tokens = token_chunk(3)
+    tensors = hidden_tensors(tokens, torch.zeros(tokens.num_tokens, len(LAYERS), HIDDEN, dtype=torch.bfloat16), None,
+                             torch.zeros(tokens.num_tokens, HIDDEN).to(torch.float8_e4m3fn), torch.ones(tokens.num_tokens))
+    from safetensors.torch import save
+
+    metadata = hidden_metadata(layers=LAYERS, model="tiny", config_hash="cfg1", dtype="bfloat16", final_hidden="float8_e4m3fn")
+    mark_done(local, 3, save(tensors, metadata=metadata), final_hidden="float8_e4m3fn")
+    error = failure(local)
+    assert f"chunk 000001: {hidden_chunk_key(1)} holds final_hidden None, its marker says bfloat16" in str(error)
+    assert f"chunk 000003: {hidden_chunk_key(3)} holds its final hidden state in float8_e4m3fn, the spec asks for extract.dtype bfloat16" in str(error)
+
+
+@pytest.mark.parametrize("extract, train, stored", [
+    ({}, {}, False),
+    ({}, {"drafter": "dspark"}, True),
+    ({}, {"drafter": "dspark", "dspark": {"ce_only": True}}, False),
+    ({"final_hidden": False}, {"drafter": "dspark"}, False),  # then training refuses a store without it
+    ({"final_hidden": True}, {"drafter": "dflash2"}, True),
+])
+def test_the_spec_decides_whether_every_chunk_must_hold_it(tmp_path, extract, train, stored):
+    spec = parse_spec({"name": "v", "target": {"model": "/m", "layers": LAYERS}, "data": {"source": "/d"},
+                       "output": str(tmp_path), "extract": extract, "train": train})
+    assert Expected.of(spec) == Expected(dtype="bfloat16", layers=LAYERS, final_hidden=stored)
+
     storage = open_storage(str(tmp_path / "run"))
     extracted_run(storage, chunks=3)
     index = DatasetIndex.from_json(storage.get_bytes(DATASET_KEY))

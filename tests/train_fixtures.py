@@ -13,7 +13,7 @@ from dflash_jobs.formats import (
     MANIFEST_KEY, DoneMarker, Manifest, TokenChunk, done_key, hidden_chunk_key, hidden_metadata, hidden_tensors, quantize_fp8,
     safetensors_parts, token_chunk_key,
 )
-from dflash_jobs.prepare import ChatEncoder
+from dflash_jobs.rows import ChatEncoder
 from dflash_jobs.spec import default_layers, parse_spec
 from dflash_jobs.storage import open_storage
 from dflash_jobs.tiny import DEBUGMODEL, tiny_chat_rows, write_tiny_target
@@ -38,9 +38,10 @@ def copy_extract(extract: Path, output: Path) -> Path:
     return output
 
 
-def tiny_extract(root: Path, *, dtype: str = "bfloat16") -> Path:
-    """An output directory holding extract/chunks, extract/done and extract/manifest.json."""
-    output = root / f"extract-{dtype}"
+def tiny_extract(root: Path, *, dtype: str = "bfloat16", final_hidden: bool = False) -> Path:
+    """An output directory holding extract/chunks, extract/done and extract/manifest.json (with the
+    target's final hidden state in every chunk: `final_hidden`)."""
+    output = root / f"extract-{dtype}{'-final' if final_hidden else ''}"
     if (output / MANIFEST_KEY).exists():
         return output
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -51,7 +52,7 @@ def tiny_extract(root: Path, *, dtype: str = "bfloat16") -> Path:
     encoder = ChatEncoder(tokenizer)
     rows = list(tiny_chat_rows(DOCUMENTS, seed=1))
     samples = encoder.encode([encoder.render(row) for row in rows])
-    all_hidden = captured_layers(model, [ids for ids, _ in samples])
+    all_hidden, all_final = captured_layers(model, [ids for ids, _ in samples])
     chunks = []
     for chunk in range(CHUNKS):
         ids = list(range(chunk, DOCUMENTS, CHUNKS))
@@ -61,34 +62,44 @@ def tiny_extract(root: Path, *, dtype: str = "bfloat16") -> Path:
             cu_seqlens=np.concatenate([[0], np.cumsum([len(samples[i][0]) for i in ids])]).astype(np.int64),
             sample_ids=np.asarray(ids, dtype=np.int64),
         ).validate("tiny")
-        chunks.append((tokens, torch.cat([all_hidden[i] for i in ids])))  # [T, L, d]
+        final = torch.cat([all_final[i] for i in ids]) if final_hidden else None  # [T, d]
+        chunks.append((tokens, torch.cat([all_hidden[i] for i in ids]), final))  # [T, L, d]
     write_extract(open_storage(str(output)), chunks, model=str(target), layers=LAYERS, dtype=dtype)
     return output
 
 
 def write_extract(storage, chunks, *, model: str, layers: list[int], dtype: str) -> Manifest:
-    """Hidden-state chunks ((TokenChunk, states [T, L, d]) each, on any device: fp8 is quantized
-    there) with their token chunks, done markers and the manifest, as extraction and verify leave them."""
-    markers = []
-    for chunk, (tokens, hidden) in enumerate(chunks):  # a generator keeps one chunk in memory at a time
-        scale = None
+    """Hidden-state chunks ((TokenChunk, states [T, L, d]) each, or (TokenChunk, states, final
+    hidden state [T, d] or None), on any device: fp8 is quantized there) with their token chunks,
+    done markers and the manifest, as extraction and verify leave them."""
+
+    def stored(states):
         if dtype == "float8_e4m3fn":
-            hidden, scale = quantize_fp8(hidden)
-            scale = scale.cpu()
-        states = hidden.cpu() if dtype == "float8_e4m3fn" else hidden.to(torch.bfloat16).cpu()
-        metadata = hidden_metadata(layers=layers, model=model, config_hash="synthetic", dtype=dtype)
+            quantized, scale = quantize_fp8(states)
+            return quantized.cpu(), scale.cpu()
+        return states.to(torch.bfloat16).cpu(), None
+
+    markers = []
+    for chunk, (tokens, hidden, *final) in enumerate(chunks):  # a generator keeps one chunk in memory at a time
+        final = final[0] if final else None
+        states, scale = stored(hidden)
+        final_states, final_scale = stored(final) if final is not None else (None, None)
+        final_dtype = None if final is None else dtype
+        metadata = hidden_metadata(layers=layers, model=model, config_hash="synthetic", dtype=dtype, final_hidden=final_dtype)
         storage.put_bytes(token_chunk_key(chunk), tokens.encode())
-        put = storage.put_parts(hidden_chunk_key(chunk), safetensors_parts(hidden_tensors(tokens, states, scale), metadata))
+        tensors = hidden_tensors(tokens, states, scale, final_states, final_scale)
+        put = storage.put_parts(hidden_chunk_key(chunk), safetensors_parts(tensors, metadata))
         marker = DoneMarker(
             chunk=chunk, samples=tokens.num_samples, tokens=tokens.num_tokens, bytes=put.size, sha256=put.sha256,
-            etag=put.etag, dtype=dtype, layers=layers, hidden_size=hidden.shape[-1],
+            etag=put.etag, dtype=dtype, layers=layers, hidden_size=hidden.shape[-1], final_hidden=final_dtype,
         )
         storage.put_bytes(done_key(chunk), marker.to_json().encode())
         markers.append(marker)
+    final_hidden = {m.final_hidden for m in markers}
     manifest = Manifest(
         model=model, layers=layers, dtype=dtype, hidden_size=markers[0].hidden_size,
         samples=sum(m.samples for m in markers), tokens=sum(m.tokens for m in markers), bytes=sum(m.bytes for m in markers),
-        chunks=markers,
+        chunks=markers, final_hidden=final_hidden.pop() if len(final_hidden) == 1 else None,
     )
     storage.put_bytes(MANIFEST_KEY, manifest.to_json().encode())
     return manifest
@@ -111,16 +122,25 @@ def synthetic_chunk(chunk: int, *, documents: int, document_tokens: int, layers:
     return tokens, states.normal_(generator=torch.Generator(device).manual_seed(chunk))
 
 
-def captured_layers(model, documents: list[np.ndarray]) -> list[torch.Tensor]:
-    """[T, L, d] per document from one right-padded forward (exact for real tokens: qwen_gdn.md)."""
+def captured_layers(model, documents: list[np.ndarray]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """[T, L, d] per document from one right-padded forward (exact for real tokens: qwen_gdn.md),
+    and [T, d] of the final hidden state: the last decoder layer's output, before the final norm
+    (Transformers' last hidden state is after it)."""
     longest = max(len(ids) for ids in documents)
     batch = torch.zeros(len(documents), longest, dtype=torch.long)
     for row, ids in enumerate(documents):
         batch[row, : len(ids)] = torch.from_numpy(ids.astype(np.int64))
-    with torch.no_grad():
-        states = model(batch, output_hidden_states=True).hidden_states
+    last = {}
+    hook = model.model.layers[-1].register_forward_hook(lambda module, args, output: last.update(out=output))
+    try:
+        with torch.no_grad():
+            states = model(batch, output_hidden_states=True).hidden_states
+    finally:
+        hook.remove()
     stacked = torch.stack([states[layer + 1] for layer in LAYERS], dim=2)  # [n, T, L, d]
-    return [stacked[row, : len(ids)] for row, ids in enumerate(documents)]
+    final = last["out"][0] if isinstance(last["out"], tuple) else last["out"]  # [n, T, d]
+    return ([stacked[row, : len(ids)] for row, ids in enumerate(documents)],
+            [final[row, : len(ids)] for row, ids in enumerate(documents)])
 
 
 def train_spec_dict(target: Path, output: Path, **train) -> dict:

@@ -59,7 +59,8 @@ def peak_rss_mib() -> float:
 
 def run_child(args: argparse.Namespace) -> None:
     """One measured prepare run; prints its figures as JSON."""
-    from dflash_jobs.prepare import load_tokenizer, prepare
+    from dflash_jobs.prepare import prepare
+    from dflash_jobs.rows import load_tokenizer
     from dflash_jobs.spec import parse_spec
 
     # Importing transformers (and torch with it) takes seconds and most of the memory: not prepare's.

@@ -22,7 +22,7 @@ import torch
 
 from dflash_jobs.drafter.speculative import Target, greedy_decode
 from dflash_jobs.generate.engines import TransformersEngine
-from dflash_jobs.prepare import ChatEncoder
+from dflash_jobs.rows import ChatEncoder
 from dflash_jobs.spec import GenerateSpec
 
 

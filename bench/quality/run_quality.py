@@ -57,7 +57,8 @@ import yaml
 
 from dflash_jobs.formats import DATASET_KEY, EVAL_REPORT_KEY, TRAIN_METRICS_KEY, TokenChunk
 from dflash_jobs.generation import generated_lines, read_manifest
-from dflash_jobs.prepare import HOLDOUT_KEY, ChatEncoder, prompt_length
+from dflash_jobs.prepare import HOLDOUT_KEY
+from dflash_jobs.rows import ChatEncoder, prompt_length
 from dflash_jobs.storage import open_storage
 from dflash_jobs.tiny import teach_tiny_target, write_tiny_target
 

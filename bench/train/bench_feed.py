@@ -109,7 +109,7 @@ def main() -> None:
     started = time.perf_counter()
     trainer, config = bench_train.build_trainer(DRAFTER_SHAPE[args.shape], case, shape["document_tokens"], shape["anchors"], device)
     chunk = bench_train.synthetic_chunk(docs, shape["document_tokens"], config)
-    builder = bench_loader.BatchBuilder(block_size=config.block_size, anchors=shape["anchors"], gamma=7.0,
+    builder = bench_loader.BatchBuilder(layout=trainer.spec.train.layout, anchors=shape["anchors"],
                                         mask_token_id=config.mask_token_id, seed=0, layers=config.target_layer_ids)
     documents = [DocumentRef(0, i, i, shape["document_tokens"]) for i in range(docs)]
     synthetic = [builder.build(documents, {0: chunk}, epoch, pin_memory=device.type == "cuda") for epoch in range(2)]

@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))  # train_fixtures: chunks, markers and manifest as extraction writes them
 
 from dflash_jobs.formats import Manifest  # noqa: E402
+from dflash_jobs.spec import anchor_layout  # noqa: E402
 from dflash_jobs.storage import open_storage  # noqa: E402
 from dflash_jobs.train.data import BatchBuilder, BatchStream, Budget, ChunkCache, plan_epoch, read_document_index  # noqa: E402
 from train_fixtures import synthetic_chunk, write_extract  # noqa: E402
@@ -116,7 +117,7 @@ def make_stream(storage, manifest: Manifest, shape: dict, cache_dir: Path, cache
     plans = [plan_epoch(index, world_size=1, seed=0, epoch=e, budget=budget)[0] for e in range(epochs)]
     shutil.rmtree(cache_dir, ignore_errors=True)
     cache = ChunkCache(storage, cache_dir, cache_bytes, manifest.chunks)
-    builder = BatchBuilder(block_size=shape["block_size"], anchors=shape["anchors"], gamma=7.0, mask_token_id=shape["vocab_size"] - 1,
+    builder = BatchBuilder(layout=anchor_layout(block_size=shape["block_size"]), anchors=shape["anchors"], mask_token_id=shape["vocab_size"] - 1,
                            seed=0, layers=manifest.layers)
     return BatchStream(plans, cache, builder, pin_memory=pin_memory, read_threads=read_threads)
 

@@ -5,10 +5,11 @@
 
 The drafter has the shape z-lab uses for Qwen3.5/3.6-27B (hidden 5120, 24/4 heads of 256, FFN
 17408, vocab 248,320, 5 captured layers) with random weights; the frozen embedding and LM head are
-random bf16 tables. A case is DOCS:CHECKPOINTING[:compile][:sliding=N]: `docs` documents of `tokens`
+random bf16 tables. A case is DOCS:CHECKPOINTING[:compile][:sliding=N][:drafter=NAME][:block=B]: `docs` documents of `tokens`
 tokens (10% prompt, the rest supervised) packed into one micro-batch through the real
 BatchBuilder, the drafter set up by train/parallelize.py (activation checkpointing none, mlp or
-layers; compiled layers and loss or not), then train_step timed: flex attention, chunked loss,
+layers; compiled layers and loss or not; the drafter variant, dflash by default, at its default
+block size or B), then train_step timed: flex attention, the variant's objective,
 AdamW, bf16 autocast. GPU memory is capped at --memory-gib for every case (96: an RTX PRO 6000).
 Reported per case: step time (median after warm-up), context tokens/s, model TFLOP/s and MFU
 against the 989 TFLOP/s bf16 datasheet peak, peak memory; --profile adds torch.profiler's top
@@ -17,9 +18,10 @@ operators of one steady step of that case.
 FLOPs counted: every matmul of the trainable layers x3 (forward, input and weight gradients), fc
 x3 on the context, attention over the visible (query, key) pairs only x3 (4 * head_dim per pair
 forward), the frozen LM head x2 on supervised slots (logits, and the hidden-state gradient; no
-weight gradient). `--shape tiny` runs the same on CPU in about a minute, with 512-token documents
-and 64 anchors by default: the CPU's dense attention mask grows with tokens x anchors (4 documents
-of 4,096 tokens need over 24 GB).
+weight gradient), and the variant's own modules (DrafterVariant.extra_flops: DFlash2's
+convolutions and candidate selector). `--shape tiny` runs the same on CPU in about a minute, with
+512-token documents and 64 anchors by default: the CPU's dense attention mask grows with tokens x
+anchors (4 documents of 4,096 tokens need over 24 GB).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_jobs.drafter.model import Drafter, DrafterConfig
+from dflash_jobs.drafter.model import DrafterConfig
 from dflash_jobs.formats import TokenChunk, encode_hidden_chunk
 from dflash_jobs.spec import parse_spec
 from dflash_jobs.train.data import BatchBuilder, ChunkData, DocumentRef
@@ -45,6 +47,7 @@ from dflash_jobs.train.metrics import NullSink
 from dflash_jobs.train.optim import build_optimizer, build_scheduler
 from dflash_jobs.train.parallelize import parallelize
 from dflash_jobs.train.trainer import LoopState, Runtime, Trainer
+from dflash_jobs.variants import DrafterVariant, drafter_variant
 
 PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16 datasheet
 DOCUMENT_TOKENS = {"27b": 4096, "tiny": 512}
@@ -83,7 +86,7 @@ def visible_pairs(layout, window: int | None) -> int:
     return int((context + slot + 1).sum().item())
 
 
-def step_flops(config: DrafterConfig, batch) -> float:
+def step_flops(config: DrafterConfig, batch, variant: DrafterVariant) -> float:
     d, hd, I = config.hidden_size, config.head_dim, config.intermediate_size
     q_width, kv_width = config.num_attention_heads * hd, config.num_key_value_heads * hd
     C, Q = batch.tokens, batch.block_ids.numel()
@@ -94,7 +97,8 @@ def step_flops(config: DrafterConfig, batch) -> float:
         for kind in config.layer_types
     )
     fc = 2 * C * config.context_features * d
-    return 3 * (config.num_layers * per_layer + attention + fc) + 2 * 2 * supervised * d * config.vocab_size
+    backbone = 3 * (config.num_layers * per_layer + attention + fc) + 2 * 2 * supervised * d * config.vocab_size
+    return backbone + variant.extra_flops(config, Q, supervised)
 
 
 def progress(line: str) -> None:
@@ -107,16 +111,21 @@ class Case:
     checkpointing: str = "none"
     compile: bool = False
     sliding: int = 0
+    drafter: str = "dflash"
+    block: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> Case:
-        """DOCS:CHECKPOINTING[:compile][:sliding=N], e.g. 4:mlp or 4:none:compile:sliding=4."""
+        """DOCS:CHECKPOINTING[:compile][:sliding=N][:drafter=NAME][:block=B], e.g. 4:mlp or 4:none:compile:drafter=dspark:block=16."""
         docs, checkpointing, *flags = text.split(":") + ([] if ":" in text else ["none"])
-        sliding = next((int(f.split("=")[1]) for f in flags if f.startswith("sliding=")), 0)
-        return cls(int(docs), checkpointing, "compile" in flags, sliding)
+        values = dict(flag.split("=", 1) for flag in flags if "=" in flag)
+        block = values.get("block")
+        return cls(int(docs), checkpointing, "compile" in flags, int(values.get("sliding", 0)), values.get("drafter", "dflash"),
+                   None if block is None else int(block))
 
     def __str__(self) -> str:
-        return f"{self.docs}:{self.checkpointing}" + (":compile" if self.compile else "") + (f":sliding={self.sliding}" if self.sliding else "")
+        return (f"{self.docs}:{self.checkpointing}" + (":compile" if self.compile else "") + (f":sliding={self.sliding}" if self.sliding else "")
+                + (f":drafter={self.drafter}" if self.drafter != "dflash" else "") + (f":block={self.block}" if self.block else ""))
 
 
 def build_trainer(shape: str, case: Case, tokens: int, anchors: int, device: torch.device) -> tuple[Trainer, DrafterConfig]:
@@ -125,16 +134,17 @@ def build_trainer(shape: str, case: Case, tokens: int, anchors: int, device: tor
         "name": "bench", "target": {"model": "/unused"}, "data": {"source": "/unused"}, "output": "/unused",
         "train": {"anchors": anchors, "sliding_window_layers": case.sliding, "micro_batch_tokens": case.docs * tokens,
                   "micro_batch_blocks": max(anchors, case.docs * anchors), "activation_checkpointing": case.checkpointing,
-                  "compile": case.compile},
+                  "compile": case.compile, "drafter": case.drafter, "block_size": case.block},
     })
-    config = DrafterConfig(
+    variant = drafter_variant(spec.train.drafter)
+    config = variant.build_config(DrafterConfig(
         **SHAPES[shape], num_layers=spec.train.draft_layers, block_size=spec.train.block_size,
         mask_token_id=SHAPES[shape]["vocab_size"] - 1, sliding_window=spec.train.sliding_window,
         layer_types=["sliding_attention"] * case.sliding + ["full_attention"] * (spec.train.draft_layers - case.sliding),
-    )
+    ), spec.train)
     torch.manual_seed(0)
     with device:
-        drafter = Drafter(config)
+        drafter = variant.build_model(config)
     table_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     V, d = config.vocab_size, config.hidden_size
     drafter.load_target_tensors(
@@ -147,7 +157,7 @@ def build_trainer(shape: str, case: Case, tokens: int, anchors: int, device: tor
         spec=spec, runtime=Runtime(0, 1, device), drafter=drafter, model=model, optimizer=optimizer,
         scheduler=build_scheduler(optimizer, spec.train, 1000), stream=None, checkpointer=None, state=LoopState(),
         sink=NullSink(), storage=None, total_steps=1000, steps_per_epoch=[1000],
-        attention_backend="flex" if device.type == "cuda" else "dense",
+        attention_backend="flex" if device.type == "cuda" else "dense", variant=variant,
     )
     return trainer, config
 
@@ -155,14 +165,14 @@ def build_trainer(shape: str, case: Case, tokens: int, anchors: int, device: tor
 def run_case(shape: str, case: Case, tokens: int, anchors: int, steps: int, warmup: int, device: torch.device, *, profile: bool) -> dict:
     started = time.perf_counter()
     trainer, config = build_trainer(shape, case, tokens, anchors, device)
-    builder = BatchBuilder(block_size=config.block_size, anchors=anchors, gamma=trainer.spec.train.gamma,
-                           mask_token_id=config.mask_token_id, seed=0, layers=config.target_layer_ids)
+    builder = BatchBuilder(layout=trainer.spec.train.layout, anchors=anchors, mask_token_id=config.mask_token_id, seed=0,
+                           layers=config.target_layer_ids)
     chunk = synthetic_chunk(case.docs, tokens, config)
     documents = [DocumentRef(0, i, i, tokens) for i in range(case.docs)]
     batches = [builder.build(documents, {0: chunk}, epoch) for epoch in range(2)]
     if device.type == "cuda":  # as the training stream hands them over: pinned, so the copy to the GPU is async
         batches = [batch.pin_memory() for batch in batches]
-    flops = step_flops(config, batches[0])
+    flops = step_flops(config, batches[0], trainer.variant)
     setup_s = time.perf_counter() - started
     progress(f"case {case}: model and batches ready in {setup_s:.1f}s")
 
@@ -185,7 +195,7 @@ def run_case(shape: str, case: Case, tokens: int, anchors: int, steps: int, warm
             times.append(elapsed)
     step_time = statistics.median(times)
     result = {
-        "case": str(case), "shape": shape, "docs": case.docs, "activation_checkpointing": case.checkpointing,
+        "case": str(case), "shape": shape, "drafter": case.drafter, "docs": case.docs, "activation_checkpointing": case.checkpointing,
         "compile": case.compile, "tokens_per_doc": tokens, "anchors_per_doc": anchors, "block_size": config.block_size,
         "layer_types": config.layer_types, "context_tokens": batches[0].tokens, "blocks": batches[0].block_ids.shape[0],
         "trainable_params": sum(p.numel() for p in trainer.drafter.parameters() if p.requires_grad),
@@ -229,7 +239,7 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="27b")
     parser.add_argument("--tokens", type=int, help=f"tokens per document (default by shape: {DOCUMENT_TOKENS})")
     parser.add_argument("--cases", default="4:none,4:mlp,4:layers,4:mlp:compile,1:none",
-                        help="DOCS:CHECKPOINTING[:compile][:sliding=N], comma-separated")
+                        help="DOCS:CHECKPOINTING[:compile][:sliding=N][:drafter=NAME][:block=B], comma-separated")
     parser.add_argument("--anchors", type=int, help=f"anchors per document (default by shape: {ANCHORS})")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)

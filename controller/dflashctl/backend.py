@@ -114,7 +114,14 @@ class Backend(Protocol):
         """
 
     def logs(self, job_name: str, index: int | None, follow: bool) -> Iterator[str]:
-        """Log lines of one shard, or of every shard prefixed "[shard N] " when `index` is None."""
+        """Log lines of one shard, or of every shard prefixed "[shard N] " when `index` is None.
+
+        A shard not started yet has no lines; with `follow` it is waited for, then followed.
+        """
+
+    def waiting(self, job_name: str, index: int | None) -> list[str]:
+        """Why the shards that have not started (of one shard, with `index`) wait, a line each for
+        a person: "shard 2: pod ... is Pending: Warning FailedScheduling: 0/4 nodes are available: ..."."""
 
     def delete(self, job_name: str) -> None:
         """Delete the Job and its pods. Returns once the Job is gone, so a submit right after creates it anew."""

@@ -1,18 +1,25 @@
 """Which backend a spec gets: the factory above both backends, which import their types from
-backend.py (so backend.py never imports them back)."""
+backend.py (so backend.py never imports them back); and the spec placed where the command line
+says (`-n/--namespace`, target.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from dflashctl.backend import Backend
+from dflashctl.target import current_target
 
 if TYPE_CHECKING:
     from dflash_jobs.spec import RunSpec
 
 
 def open_backend(spec: RunSpec) -> Backend:
-    """The backend the spec asks for. Imported lazily: the local one must not need a kubeconfig."""
+    """The backend the spec asks for. Imported lazily: the local one must not need a kubeconfig.
+
+    The kubernetes one connects where the command line says (`Cluster.connect` reads the target),
+    so every command that opens a backend honours --context and -n without code of its own.
+    """
     if spec.backend == "local":
         from dflashctl.local.backend import LocalBackend
 
@@ -20,3 +27,14 @@ def open_backend(spec: RunSpec) -> Backend:
     from dflashctl.kube import KubernetesBackend
 
     return KubernetesBackend.connect(spec.cluster.namespace)
+
+
+def targeted(spec: RunSpec) -> RunSpec:
+    """The spec with the command line's -n/--namespace as its cluster.namespace, so that what is
+    rendered from it (metadata.namespace, the RoleBinding's subject, the spec in the ConfigMap
+    that the in-cluster controller reads) lands where the commands talk to. The namespace is
+    outside the run's identity: the spec hash stays the same."""
+    namespace = current_target().namespace
+    if namespace is None or namespace == spec.cluster.namespace:
+        return spec
+    return dataclasses.replace(spec, cluster=dataclasses.replace(spec.cluster, namespace=namespace))

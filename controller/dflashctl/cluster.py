@@ -26,6 +26,7 @@ from dflash_jobs.errors import InputError
 
 from dflashctl.errors import ClusterUnreachable, Conflict, DflashError, Forbidden
 from dflashctl.render import SPEC_HASH
+from dflashctl.target import current_target
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +85,20 @@ class Cluster:
 
     @classmethod
     def connect(cls, namespace: str) -> Cluster:
-        """The kubeconfig (KUBECONFIG, ~/.kube/config), else the pod's in-cluster service account."""
+        """The kubeconfig (KUBECONFIG, ~/.kube/config), else the pod's in-cluster service account.
+
+        `current_target()` has the last word, as kubectl's flags do: its context instead of the
+        kubeconfig's current one (which then must exist), its namespace instead of `namespace`.
+        """
+        target = current_target()
         configuration = client.Configuration()
+        # Read KUBECONFIG now: the client reads it once, at import.
+        kubeconfig = os.environ.get("KUBECONFIG")
         try:
-            # Read KUBECONFIG now: the client reads it once, at import.
-            config.load_kube_config(config_file=os.environ.get("KUBECONFIG"), client_configuration=configuration)
+            config.load_kube_config(config_file=kubeconfig, context=target.context, client_configuration=configuration)
         except (ConfigException, FileNotFoundError, TypeError):
+            if target.context is not None:
+                raise _unknown_context(target.context, kubeconfig) from None
             try:
                 config.load_incluster_config(client_configuration=configuration)
             except ConfigException:
@@ -97,7 +106,7 @@ class Cluster:
                     "no Kubernetes configuration: no kubeconfig and not running in a pod",
                     "Set KUBECONFIG or `kubectl config use-context <context>`, or use `backend: local` in the spec",
                 ) from None
-        return cls(client.ApiClient(configuration), namespace)
+        return cls(client.ApiClient(configuration), target.namespace or namespace)
 
     # ---- verbs ---------------------------------------------------------------------------------
 
@@ -320,6 +329,19 @@ class Cluster:
                 log.warning("%s: %s (attempt %d), retrying in %.1f s", what, type(error).__name__, attempt + 1, delay)
             time.sleep(delay)
         raise AssertionError("unreachable: the last attempt raises")
+
+
+def _unknown_context(context: str, kubeconfig: str | None) -> InputError:
+    """--context names a context that the kubeconfig does not have (or there is no kubeconfig)."""
+    try:
+        contexts, _ = config.list_kube_config_contexts(config_file=kubeconfig)
+        known = ", ".join(sorted(c["name"] for c in contexts)) or "none"
+    except (ConfigException, FileNotFoundError, TypeError):
+        known = "none: no kubeconfig"
+    return InputError(
+        f"--context {context} is not a context of the kubeconfig ({kubeconfig or '~/.kube/config'}; contexts: {known})",
+        "Pick one of them (`kubectl config get-contexts`), or leave --context off for the current one",
+    )
 
 
 def _selectors(**selectors: str | None) -> dict[str, str]:

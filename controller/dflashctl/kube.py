@@ -12,7 +12,7 @@ from typing import Any
 
 from dflashctl.backend import INDEX_ANNOTATION, JobStatus, ShardStatus, parse_indexes
 from dflashctl.cluster import Cluster
-from dflashctl.errors import RunFailed, WaitTimeout
+from dflashctl.errors import Forbidden, RunFailed, WaitTimeout
 from dflashctl.render import WORKER
 
 CONTROLLER_UID_LABEL = "batch.kubernetes.io/controller-uid"
@@ -71,15 +71,47 @@ class KubernetesBackend:
         if index is not None:
             if index not in pods:
                 raise RunFailed(f"shard {index} of Job {job_name} has no pod", "`dflashctl status` shows the shards that have one")
-            return self.cluster.logs(pods[index]["metadata"]["name"], container=WORKER, follow=follow)
-        streams = [
-            _prefixed(f"[shard {i}] ", self.cluster.logs(pod["metadata"]["name"], container=WORKER, follow=follow))
-            for i, pod in sorted(pods.items())
-            if (pod.get("status") or {}).get("phase") != "Pending"  # no log before the container starts
-        ]
+            return self._log_of(pods[index], follow)
+        streams = [_prefixed(f"[shard {i}] ", self._log_of(pod, follow)) for i, pod in sorted(pods.items())]
         if not follow:
             return (line for stream in streams for line in stream)
         return _interleave(streams)
+
+    def waiting(self, job_name: str, index: int | None) -> list[str]:
+        notes = []
+        for i, pod in sorted(_newest_pod_per_index(self._pods(job_name)).items()):
+            if (index is not None and i != index) or _phase(pod) != "Pending":
+                continue
+            name = pod["metadata"]["name"]
+            why = self._latest_events(name) or [exit_reason(pod) or "no events yet"]
+            shard = f"shard {i}: " if INDEX_ANNOTATION in (pod["metadata"].get("annotations") or {}) else ""
+            notes.append(f"{shard}pod {name} is Pending, no log yet: {'; '.join(why)}")
+        return notes
+
+    def _log_of(self, pod: dict[str, Any], follow: bool) -> Iterator[str]:
+        """The worker's log; a pod not started yet has none, or with `follow` is waited for first."""
+        name = pod["metadata"]["name"]
+        if _phase(pod) != "Pending":
+            return self.cluster.logs(name, container=WORKER, follow=follow)
+        return self._once_started(name) if follow else iter(())
+
+    def _once_started(self, pod_name: str) -> Iterator[str]:
+        for pod in self.cluster.watch_object("Pod", pod_name, deadline=None):
+            if pod is None:
+                return  # deleted before it started: no log to follow
+            if _phase(pod) != "Pending":
+                break
+        yield from self.cluster.logs(pod_name, container=WORKER, follow=True)
+
+    def _latest_events(self, pod_name: str, count: int = 3) -> list[str]:
+        """The pod's newest events, e.g. "Warning FailedScheduling: 0/4 nodes are available: ... (x3)";
+        [] where the caller may not list events (RBAC: the controller's Role does not need to)."""
+        try:
+            events, _ = self.cluster.list("Event", field_selector=f"involvedObject.kind=Pod,involvedObject.name={pod_name}")
+        except Forbidden:
+            return []
+        events.sort(key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or e["metadata"].get("creationTimestamp") or "")
+        return [_event_line(event) for event in events[-count:]]
 
     def delete(self, job_name: str) -> None:
         self.cluster.delete("Job", job_name, wait=DELETE_WAIT_S)
@@ -244,6 +276,19 @@ def _interleave(streams: list[Iterator[str]]) -> Iterator[str]:
             raise item
         else:
             yield item
+
+
+def _event_line(event: dict[str, Any]) -> str:
+    line = f"{event.get('type') or 'Normal'} {event.get('reason')}"
+    if event.get("message"):
+        line += f": {event['message']}"
+    if (event.get("count") or 1) > 1:
+        line += f" (x{event['count']})"
+    return line
+
+
+def _phase(pod: dict[str, Any]) -> str:
+    return (pod.get("status") or {}).get("phase") or "Pending"
 
 
 def _newest_pod_per_index(pods: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:

@@ -19,6 +19,7 @@ A value not known (yet) is NaN, never a stale number.
 
 from __future__ import annotations
 
+import os
 import time
 
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
@@ -77,12 +78,16 @@ class RunMetrics:
     def _set(self, gauge: Gauge, value: float | None) -> None:
         gauge.labels(run=self.run).set(UNKNOWN if value is None else value)
 
-    def serve(self, port: int) -> None:
-        """/metrics on every address of this host (the pod's), from a daemon thread."""
+    def serve(self, port: int, *, or_any_free: bool = False) -> int:
+        """/metrics on every address of this host (the pod's), from a daemon thread. Returns the port:
+        `port`, or with `or_any_free` a free one the system picks when `port` is taken."""
         try:
-            start_http_server(port, registry=self.registry)
+            server, _ = start_http_server(port, registry=self.registry)
         except OSError as error:
-            raise SpecError("cluster.metrics_port", port, f"a port free on this host ({error.strerror}), or null for no metrics") from None
+            if not or_any_free:
+                raise SpecError("cluster.metrics_port", port, f"a port free on this host ({error.strerror}), or null for no metrics") from None
+            server, _ = start_http_server(0, registry=self.registry)
+        return server.server_port
 
 
 class MetricsReporter:
@@ -102,11 +107,25 @@ class MetricsReporter:
 
 
 def with_metrics(spec: RunSpec, reporter: Reporter) -> Reporter:
-    """`reporter`, feeding metrics served on cluster.metrics_port when the spec sets one."""
+    """`reporter`, feeding metrics served on cluster.metrics_port when the spec sets one.
+
+    In a pod (the in-cluster controller) the port is the spec's, the one the controller Job declares
+    and the metrics Service targets: taken, it is an error. Anywhere else (`dflashctl run` on a
+    laptop, where another program may hold it) a port that is taken gives way to a free one, and
+    the reporter says which: the port is not part of the run's identity (spec.OUTSIDE_RUN_IDENTITY).
+    """
     port = spec.cluster.metrics_port
     if port is None:
         return reporter
     metrics = RunMetrics(spec.name)
-    metrics.serve(port)
-    reporter.say(f"metrics: Prometheus text on port {port} at /metrics")
+    served = metrics.serve(port, or_any_free=not in_pod())
+    if served == port:
+        reporter.say(f"metrics: Prometheus text on port {port} at /metrics")
+    else:
+        reporter.say(f"metrics: port {port} (cluster.metrics_port) is taken here: Prometheus text on port {served} at /metrics instead")
     return MetricsReporter(reporter, metrics)
+
+
+def in_pod() -> bool:
+    """Whether this process runs in a Kubernetes pod: the kubelet sets KUBERNETES_SERVICE_HOST in every container."""
+    return bool(os.environ.get("KUBERNETES_SERVICE_HOST"))

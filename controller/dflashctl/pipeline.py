@@ -13,7 +13,9 @@ Each step first looks at what exists, in storage and on the backend, and does on
                                                      that ended with chunks missing is replaced once
                                                      (shards skip the chunks that landed)
     verify   extract/manifest.json exists            every chunk against its marker -> the manifest
-    train    train/drafter/config.json exists        the train Job, only once the manifest exists
+    train    train/drafter/config.json exists        the train Job, only once the manifest exists (and
+                                                     holds the target's final hidden state if the drafter
+                                                     reads it: else bad input, 2)
     eval     eval/report.json exists                 the eval Job
 
 Storage decides, never a Job's Complete: with backoffLimitPerIndex one failed index fails the
@@ -37,10 +39,10 @@ from typing import Any, Protocol
 import yaml
 
 from dflash_jobs.errors import StorageError, StorageUnavailable
-from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, RUN_KEY, Manifest
+from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, MANIFEST_KEY, RUN_KEY, Manifest, check_final_hidden
 from dflash_jobs.generation import ChunkMarker, GenerationProgress, current_manifest, write_manifest_if_complete
 from dflash_jobs.generation import read_progress as read_generation_progress
-from dflash_jobs.spec import RunSpec, dump_spec
+from dflash_jobs.spec import RunSpec, dump_spec, run_identity
 from dflash_jobs.storage import ObjectNotFound, Patience, Storage, storage_for
 
 from dflashctl.backend import (
@@ -232,7 +234,9 @@ class Pipeline:
         if self.storage.put_if_absent(RUN_KEY, text.encode()):
             return
         existing = self.storage.get_bytes(RUN_KEY).decode()
-        if existing == text:
+        old = yaml.safe_load(existing) or {}
+        ours, theirs = run_identity(self.spec.to_dict()), run_identity(old)
+        if ours == theirs:  # the same run, perhaps in another namespace or serving metrics on another port
             return
         if self.force:
             self.storage.put_bytes(RUN_KEY, text.encode())
@@ -241,8 +245,7 @@ class Pipeline:
                 "delete them to redo their steps"
             )
             return
-        old = yaml.safe_load(existing) or {}
-        changed = sorted(key for key, value in self.spec.to_dict().items() if old.get(key) != value)
+        changed = sorted(key for key, value in ours.items() if theirs.get(key) != value)
         raise Conflict(
             f"{self.storage.url} already holds run {old.get('name')!r} with another spec (differs in: {', '.join(changed)})",
             "Use another `output` (or `name`) for a new run, restore the spec it was started with, or pass --force",
@@ -363,6 +366,7 @@ class Pipeline:
         manifest = read_manifest(self.storage)
         if manifest is None:  # the order of the steps guarantees it; this guards the invariant itself
             raise RunFailed("training needs extract/manifest.json, which does not exist", "Run `dflashctl verify` first")
+        check_final_hidden(manifest, self.spec.train, f"{self.storage.url}/{MANIFEST_KEY}")  # here, not minutes later in the pod
         self.job_step(
             "train", DRAFTER_CONFIG_KEY,
             launched=(EVENT_TRAINING_LAUNCHED, f"from {len(manifest.chunks)} verified chunks, {manifest.tokens} tokens"),

@@ -1,10 +1,10 @@
 """The bill of a run before it starts: tokens, storage, GPU-hours, the upload rate a node must sustain
-and what training reads from storage at what rate; with a generate section, the answers to generate
-first and their GPU-hours.
+and what training reads from storage at what rate, and the share of the target's final hidden state
+in them; with a generate section, the answers to generate first and their GPU-hours.
 
-Pure functions of the spec, the token dataset's size and the target's shape; the two readers at
-the bottom fetch those (tokens/dataset.json and the checkpoint's config.json) and fall back to
-stated estimates when they cannot.
+Pure functions of the spec, the token dataset's size and the target's shape; the readers at the
+bottom fetch those (tokens/dataset.json and the checkpoint's config.json) and fall back to stated
+estimates when they cannot, and check the spec against the run's verified states when readable.
 
 Units are decimal, as storage and network are billed: 1 TB = 1e12 bytes, 1 MB/s = 1e6 bytes/s.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_jobs.errors import DflashError, FormatError, SpecError, StorageError
-from dflash_jobs.formats import DATASET_KEY, HIDDEN_DTYPES, DatasetIndex
+from dflash_jobs.formats import DATASET_KEY, HIDDEN_DTYPES, MANIFEST_KEY, DatasetIndex, Manifest, check_final_hidden
 from dflash_jobs.generation import PLAN_KEY, GenerationProgress, read_plan
 from dflash_jobs.generation import read_progress as read_generation_progress
 from dflash_jobs.spec import RunSpec, default_layers, is_s3, resolve_layers, text_config
@@ -153,6 +153,8 @@ class Plan:
     """On train.nodes x train.gpus_per_node GPUs."""
     training_reads: TrainingReads
     """What training reads from storage, at what rate, and whether the store keeps up."""
+    final_hidden: FinalHiddenCost
+    """The target's final hidden state: what it adds to the figures above when stored, what it would add when not."""
     generation: GenerationCost | None = None
     """With a generate section: the generation step's bill, before prepare's tokens exist."""
 
@@ -162,12 +164,18 @@ class Plan:
         return plan
 
 
-def bytes_per_token(hidden_size: int, num_layers: int, dtype: str) -> int:
-    """Bytes one token takes in a hidden-state chunk: L captured states of `hidden_size`, plus its ids and mask."""
+def bytes_per_token(hidden_size: int, num_layers: int, dtype: str, *, final_hidden: bool = False) -> int:
+    """Bytes one token takes in a hidden-state chunk: L captured states of `hidden_size` (and the
+    final hidden state, one more), plus its ids and mask."""
+    return (num_layers + final_hidden) * state_bytes(hidden_size, dtype) + TOKEN_BYTES
+
+
+def state_bytes(hidden_size: int, dtype: str) -> int:
+    """Bytes of one stored state of `hidden_size` (one layer of one token), its fp8 scale included."""
     if dtype == "bfloat16":
-        return num_layers * hidden_size * 2 + TOKEN_BYTES
+        return hidden_size * 2
     if dtype == "float8_e4m3fn":
-        return num_layers * (hidden_size + FP8_SCALE_BYTES) + TOKEN_BYTES
+        return hidden_size + FP8_SCALE_BYTES
     raise SpecError("extract.dtype", dtype, " | ".join(HIDDEN_DTYPES))
 
 
@@ -228,7 +236,8 @@ def make_plan(
                          ("--store-mb-per-s", store_mb_per_s)):
         if rate <= 0:
             raise SpecError(option, rate, "a number > 0")
-    per_token = {dtype: bytes_per_token(target.hidden_size, len(target.layers), dtype) for dtype in HIDDEN_DTYPES}
+    final = spec.stores_final_hidden
+    per_token = {dtype: bytes_per_token(target.hidden_size, len(target.layers), dtype, final_hidden=final) for dtype in HIDDEN_DTYPES}
     gpus_per_node = min(EXTRACT_GPUS_PER_NODE, spec.extract.shards)
     gpu_hours = None if data.tokens is None else data.tokens / tokens_per_second / 3600
     train_gpu_hours = None if data.tokens is None else data.tokens * spec.train.epochs / train_tokens_per_second / 3600
@@ -250,7 +259,46 @@ def make_plan(
         train_wall_clock_hours=None if train_gpu_hours is None else train_gpu_hours / spec.train.world_size,
         training_reads=training_reads(spec, data.tokens, per_token[spec.extract.dtype], tokens_per_second=train_tokens_per_second,
                                       store_limit=store_mb_per_s),
+        final_hidden=final_hidden_cost(spec, data, target, tokens_per_second=tokens_per_second,
+                                       train_tokens_per_second=train_tokens_per_second, gpus_per_node=gpus_per_node),
         generation=generation,
+    )
+
+
+# ---- the target's final hidden state -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FinalHiddenCost:
+    """The target's final hidden state (DSpark's objective reads it): one more state of `hidden_size`
+    a token, in extract.dtype. When the run stores it (extract.final_hidden, or a drafter that reads
+    it: `stored`), the plan's storage, upload and training figures include this; when not, this is
+    what storing it would add."""
+
+    stored: bool
+    dtype: str
+    bytes_per_token: int
+    fraction: float
+    """Of a token's bytes without it: +20% over five captured layers."""
+    storage_tb: float | None
+    upload_mb_per_s_per_node: float
+    train_read_mb_per_s_per_gpu: float
+    """What one GPU's training steps read of it at the training rate, every epoch (DFlash's too: a chunk is read whole)."""
+    train_read_mb_per_s_per_node: float
+
+
+def final_hidden_cost(
+    spec: RunSpec, data: DataSize, target: TargetShape, *, tokens_per_second: float, train_tokens_per_second: float, gpus_per_node: int,
+) -> FinalHiddenCost:
+    dtype = spec.extract.dtype
+    size = state_bytes(target.hidden_size, dtype)
+    return FinalHiddenCost(
+        stored=spec.stores_final_hidden, dtype=dtype, bytes_per_token=size,
+        fraction=size / bytes_per_token(target.hidden_size, len(target.layers), dtype),
+        storage_tb=None if data.tokens is None else data.tokens * size / TB,
+        upload_mb_per_s_per_node=tokens_per_second * size * gpus_per_node / MB,
+        train_read_mb_per_s_per_gpu=train_tokens_per_second * size / MB,
+        train_read_mb_per_s_per_node=train_tokens_per_second * size * spec.train.gpus_per_node / MB,
     )
 
 
@@ -283,6 +331,18 @@ def generation_cost(spec: RunSpec, prompts: DataSize, measured: GenerationProgre
 
 
 # ---- readers -------------------------------------------------------------------------------------
+
+
+def check_stored_states(spec: RunSpec) -> None:
+    """Refuses (InputError) a spec whose drafter reads the target's final hidden state when the run's
+    verified states lack it; says nothing when extract/manifest.json is absent or not readable here."""
+    try:
+        storage = _open(spec, spec.output)
+        manifest = Manifest.from_json(storage.get_bytes(MANIFEST_KEY)) if storage.exists(MANIFEST_KEY) else None
+    except (StorageError, FormatError):
+        return
+    if manifest is not None:
+        check_final_hidden(manifest, spec.train, f"{storage.url}/{MANIFEST_KEY}")
 
 
 def read_data_size(spec: RunSpec) -> DataSize:

@@ -11,8 +11,8 @@ credentials only by Secret reference. The Jobs differ only in command, resources
 from __future__ import annotations
 
 import copy
+import json
 import math
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -35,6 +35,8 @@ SPEC_PATH = f"{SPEC_DIR}/{SPEC_FILE}"
 
 SPEC_HASH = "dflash.dev/spec-hash"
 RUN_LABEL = "dflash.dev/run"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+MANAGED_BY = "dflashctl"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 GPU = "nvidia.com/gpu"
@@ -90,7 +92,7 @@ def run_labels(spec: RunSpec, component: str) -> dict[str, str]:
         "app.kubernetes.io/instance": spec.name,
         "app.kubernetes.io/component": component,
         "app.kubernetes.io/part-of": "dflash-k8s",
-        "app.kubernetes.io/managed-by": "dflashctl",
+        MANAGED_BY_LABEL: MANAGED_BY,
         RUN_LABEL: spec.name,
     }
 
@@ -354,15 +356,9 @@ def manifest_filename(obj: Manifest) -> str:
     return f"{obj['kind'].lower()}-{obj['metadata']['name']}.yaml"
 
 
-def write_manifests(objects: list[Manifest], directory: Path) -> list[Path]:
-    """One file per object, for Git. Returns the paths written."""
-    directory.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for obj in objects:
-        path = directory / manifest_filename(obj)
-        path.write_text(to_yaml([obj]))
-        paths.append(path)
-    return paths
+def to_json(objects: list[Manifest]) -> str:
+    """The objects as one `v1 List`, as `kubectl get -o json` prints several (and `kubectl apply -f` reads)."""
+    return json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}, indent=2) + "\n"
 
 
 # ---- building blocks ---------------------------------------------------------------------------
@@ -386,7 +382,7 @@ def _shared_labels() -> dict[str, str]:
         "app.kubernetes.io/name": "dflash",
         "app.kubernetes.io/component": "controller",
         "app.kubernetes.io/part-of": "dflash-k8s",
-        "app.kubernetes.io/managed-by": "dflashctl",
+        MANAGED_BY_LABEL: MANAGED_BY,
     }
 
 

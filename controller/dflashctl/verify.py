@@ -6,14 +6,16 @@ of tokens/dataset.json:
 - its done marker exists, parses, names the chunk, and agrees with the dataset index (samples, tokens);
 - its object exists with the marker's size, and the marker's etag when both are known;
 - the object's safetensors header (read with a ranged get, no torch) is a consistent hidden-state
-  header that agrees with the marker (tokens, samples, layers, dtype, hidden size) and with the spec
-  (extract.dtype, target.layers), and its data ends exactly where the object ends;
+  header that agrees with the marker (tokens, samples, layers, dtype, hidden size, final hidden
+  state) and with the spec (extract.dtype, target.layers, and the target's final hidden state when
+  the spec stores it: extract.final_hidden, or a drafter that reads it), and its data ends exactly
+  where the object ends;
 - its sha256 equals the marker's, recomputed when the storage gives no etag (a local directory) or
   with `deep`.
 
 All chunks must come from one target (model name and config hash in the headers). The manifest is
 written only when every chunk passes; otherwise a stale one is removed, so training cannot start
-on data that no longer checks out.
+on data that no longer checks out. It records the final hidden state when every chunk holds it.
 """
 
 from __future__ import annotations
@@ -59,10 +61,12 @@ class Expected:
     dtype: str
     layers: list[int] | None
     """None: the default layers, resolved from the checkpoint by the extract pods; chunks must agree."""
+    final_hidden: bool = False
+    """Every chunk must hold the target's final hidden state (in `dtype`); chunks may hold it regardless."""
 
     @classmethod
     def of(cls, spec: RunSpec) -> Expected:
-        return cls(dtype=spec.extract.dtype, layers=spec.target.layers)
+        return cls(dtype=spec.extract.dtype, layers=spec.target.layers, final_hidden=spec.stores_final_hidden)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +135,7 @@ def _check_against_marker(storage: Storage, info: ChunkInfo, marker: DoneMarker,
         "layers": meta["layers"],
         "dtype": meta["dtype"],
         "hidden_size": hidden_shape[2],
+        "final_hidden": meta["final_hidden"],
     }
     for name, value in found.items():
         if value != getattr(marker, name):
@@ -139,6 +144,10 @@ def _check_against_marker(storage: Storage, info: ChunkInfo, marker: DoneMarker,
         return bad(f"{key} is {meta['dtype']}, the spec asks for extract.dtype {expected.dtype}")
     if expected.layers is not None and meta["layers"] != expected.layers:
         return bad(f"{key} holds layers {meta['layers']}, the spec asks for target.layers {expected.layers}")
+    if expected.final_hidden and meta["final_hidden"] is None:
+        return bad(f"{key} holds no final hidden state of the target, the spec stores it (extract.final_hidden, or a drafter that reads it)")
+    if meta["final_hidden"] not in (None, expected.dtype):
+        return bad(f"{key} holds its final hidden state in {meta['final_hidden']}, the spec asks for extract.dtype {expected.dtype}")
 
     if deep or not stat.etag:
         digest = _sha256(storage, key)
@@ -216,8 +225,10 @@ def check_all(
 
 
 def build_manifest(passed: list[ChunkCheck]) -> Manifest:
-    """The manifest of chunks that all passed (and so share one target, layers, dtype and width)."""
+    """The manifest of chunks that all passed (and so share one target, layers, dtype and width),
+    with the final hidden state's dtype when every one of them holds it."""
     markers = sorted((c.marker for c in passed), key=lambda m: m.chunk)
+    final_hidden = {m.final_hidden for m in markers}
     return Manifest(
         model=passed[0].model or "",
         layers=list(markers[0].layers),
@@ -227,6 +238,7 @@ def build_manifest(passed: list[ChunkCheck]) -> Manifest:
         tokens=sum(m.tokens for m in markers),
         bytes=sum(m.bytes for m in markers),
         chunks=markers,
+        final_hidden=final_hidden.pop() if len(final_hidden) == 1 else None,
     )
 
 

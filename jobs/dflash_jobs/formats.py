@@ -12,6 +12,12 @@ Transformers' output_hidden_states[layers[k] + 1], except for the target's last 
 Transformers' last entry is after the final norm, ours is before it, like vLLM's aux state
 num_hidden_layers (which speculators appends to its files). vLLM and speculators number every
 layer one higher (their 0 is the embeddings). tests/test_layer_convention.py pins the edge.
+
+A chunk may also hold the target's final hidden state, final_hidden_states [T, d] (extract.final_hidden:
+DSpark's objective reads the target's next-token distribution from it): the output of the target's
+last decoder layer, before the final norm, like a captured layer (so a consumer applies the final
+norm, then the LM head), row t beside the token that produced it. The header's metadata names its
+dtype ("final_hidden"); chunks, markers and manifests without it are read as before.
 """
 
 from __future__ import annotations
@@ -25,11 +31,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dflash_jobs.errors import FormatError
+from dflash_jobs.errors import FormatError, InputError
 
 if TYPE_CHECKING:
     import torch
 
+    from dflash_jobs.spec import TrainSpec
     from dflash_jobs.storage import Storage
 
 TOKENS_FORMAT = "dflash.tokens/v1"
@@ -246,6 +253,10 @@ class DatasetIndex:
     holdout: dict[str, Any] = field(default_factory=dict)
     generation: dict[str, Any] | None = None
     """With generation on: the generate/manifest.json the rows came from (settings, counts, drops)."""
+    answers: dict[str, int] = field(default_factory=dict)
+    """Chat samples (held-out ones included) by how their supervised tokens were made: the target's
+    own ids ("target_ids") or text tokenized here ("text"), and of each how many tokenizing text
+    changes (prepare.RETOKENIZED)."""
 
     def to_json(self) -> str:
         return dump_json_document(TOKENS_FORMAT, asdict(self))
@@ -283,7 +294,8 @@ def load_json_document(text: str | bytes, name: str, fmt: str, *, fix: str | Non
 
 
 def quantize_fp8(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float8_e4m3fn with one float32 scale per token and layer: hidden [T, L, d] -> (q, scale [T, L])."""
+    """float8_e4m3fn with one float32 scale per row of d: hidden [T, L, d] -> (q, scale [T, L]) for
+    the layers (a scale per token and layer), [T, d] -> (q, scale [T]) for the final hidden state."""
     import torch
 
     amax = hidden.abs().amax(dim=-1).float()
@@ -298,12 +310,19 @@ def dequantize_fp8(quantized: torch.Tensor, scale: torch.Tensor, dtype=None) -> 
     return (quantized.float() * scale.unsqueeze(-1)).to(dtype or torch.bfloat16)
 
 
-def hidden_metadata(*, layers: list[int], model: str, config_hash: str, dtype: str, compute_dtype: str = "bfloat16") -> dict[str, str]:
-    """The header metadata of a hidden-state chunk; compute_dtype: what the target's matmuls ran in."""
-    if dtype not in HIDDEN_DTYPES:
-        raise FormatError(f"hidden-state dtype {dtype!r} is not supported", f"Use one of {HIDDEN_DTYPES}")
-    return {"format": HIDDEN_FORMAT, "layers": json.dumps(list(layers)), "model": model, "config_hash": config_hash, "dtype": dtype,
-            "compute_dtype": compute_dtype}
+def hidden_metadata(
+    *, layers: list[int], model: str, config_hash: str, dtype: str, compute_dtype: str = "bfloat16", final_hidden: str | None = None,
+) -> dict[str, str]:
+    """The header metadata of a hidden-state chunk; compute_dtype: what the target's matmuls ran in;
+    final_hidden: the dtype of the final hidden state it holds (None: it holds none)."""
+    for label in (dtype, final_hidden or dtype):
+        if label not in HIDDEN_DTYPES:
+            raise FormatError(f"hidden-state dtype {label!r} is not supported", f"Use one of {HIDDEN_DTYPES}")
+    metadata = {"format": HIDDEN_FORMAT, "layers": json.dumps(list(layers)), "model": model, "config_hash": config_hash, "dtype": dtype,
+                "compute_dtype": compute_dtype}
+    if final_hidden is not None:
+        metadata["final_hidden"] = final_hidden
+    return metadata
 
 
 _SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float32": "F32", "int64": "I64", "int32": "I32", "uint8": "U8"}
@@ -358,30 +377,40 @@ def safetensors_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]
     return raw_safetensors_parts(raw, metadata)
 
 
-def hidden_tensors(tokens: TokenChunk, hidden: torch.Tensor, scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """The tensors of a hidden-state chunk: the token chunk's four, plus the states (and scales)."""
+def hidden_tensors(
+    tokens: TokenChunk, hidden: torch.Tensor, scale: torch.Tensor | None,
+    final: torch.Tensor | None = None, final_scale: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The tensors of a hidden-state chunk: the token chunk's four, plus the states (and scales), and
+    the final hidden state [T, d] (and its scales [T]) when given."""
     import torch
 
     tensors = {key: torch.from_numpy(np.ascontiguousarray(value)) for key, value in tokens.tensors().items()}
-    tensors["hidden_states"] = hidden.contiguous()
-    if scale is not None:
-        tensors["hidden_states_scale"] = scale.contiguous()
+    for name, tensor in (("hidden_states", hidden), ("hidden_states_scale", scale),
+                         ("final_hidden_states", final), ("final_hidden_states_scale", final_scale)):
+        if tensor is not None:
+            tensors[name] = tensor.contiguous()
     return tensors
 
 
 def encode_hidden_chunk(
-    tokens: TokenChunk, hidden: torch.Tensor, *, layers: list[int], model: str, config_hash: str, dtype: str = "bfloat16"
+    tokens: TokenChunk, hidden: torch.Tensor, *, layers: list[int], model: str, config_hash: str, dtype: str = "bfloat16",
+    final_hidden: torch.Tensor | None = None,
 ) -> bytes:
-    """Serialises one hidden-state chunk; `hidden` is [T, L, d] in bf16 (quantized here for fp8)."""
+    """Serialises one hidden-state chunk; `hidden` is [T, L, d] and `final_hidden` (optional) [T, d],
+    in bf16 (quantized here for fp8)."""
     import torch
 
-    scale = None
-    if dtype == "float8_e4m3fn" and hidden.dtype != torch.float8_e4m3fn:
-        hidden, scale = quantize_fp8(hidden)
-    elif dtype == "bfloat16":
-        hidden = hidden.to(torch.bfloat16)
-    metadata = hidden_metadata(layers=layers, model=model, config_hash=config_hash, dtype=dtype)
-    return b"".join(safetensors_parts(hidden_tensors(tokens, hidden, scale), metadata))
+    def stored(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if dtype == "float8_e4m3fn" and states.dtype != torch.float8_e4m3fn:
+            return quantize_fp8(states)
+        return (states.to(torch.bfloat16) if dtype == "bfloat16" else states), None
+
+    hidden, scale = stored(hidden)
+    final, final_scale = stored(final_hidden) if final_hidden is not None else (None, None)
+    metadata = hidden_metadata(layers=layers, model=model, config_hash=config_hash, dtype=dtype,
+                               final_hidden=None if final_hidden is None else dtype)
+    return b"".join(safetensors_parts(hidden_tensors(tokens, hidden, scale, final, final_scale), metadata))
 
 
 @dataclass
@@ -393,6 +422,9 @@ class HiddenChunk:
     model: str
     config_hash: str
     dtype: str
+    final_hidden_states: Any = None  # torch.Tensor [T, d] in `final_hidden`, when the chunk holds it
+    final_scale: Any = None  # torch.Tensor [T] float32, fp8 only
+    final_hidden: str | None = None  # the final hidden state's dtype; None: not stored
 
     def dequantized(self):
         """The states as bf16 [T, L, d], whatever the storage dtype."""
@@ -400,26 +432,34 @@ class HiddenChunk:
             return dequantize_fp8(self.hidden_states, self.scale)
         return self.hidden_states
 
+    def dequantized_final(self):
+        """The final hidden state as bf16 [T, d], whatever the storage dtype (None when not stored)."""
+        if self.final_hidden == "float8_e4m3fn":
+            return dequantize_fp8(self.final_hidden_states, self.final_scale)
+        return self.final_hidden_states
+
     @classmethod
     def decode(cls, data: bytes, name: str) -> HiddenChunk:
         header, total = read_header(data, name)
         if total != len(data):
             raise FormatError(f"{name} is truncated or has trailing bytes: {len(data)} bytes, header says {total}", "Delete its done marker and re-run extraction for it")
         meta = check_hidden_header(header, name)
-        import torch
         from safetensors.torch import load
 
         tensors = load(data)
         tokens = TokenChunk(**{k: tensors[k].numpy() for k in ("input_ids", "loss_mask", "cu_seqlens", "sample_ids")}).validate(name)
-        hidden = tensors["hidden_states"]
-        expected_dtype = torch.bfloat16 if meta["dtype"] == "bfloat16" else torch.float8_e4m3fn
-        if hidden.dtype != expected_dtype:
-            raise FormatError(f"{name} is labeled {meta['dtype']} but holds {hidden.dtype}", "Re-run extraction for this chunk")
-        return cls(tokens, hidden, tensors.get("hidden_states_scale"), meta["layers"], meta["model"], meta["config_hash"], meta["dtype"])
+        return cls(
+            tokens, tensors["hidden_states"], tensors.get("hidden_states_scale"), meta["layers"], meta["model"], meta["config_hash"],
+            meta["dtype"], tensors.get("final_hidden_states"), tensors.get("final_hidden_states_scale"), meta["final_hidden"],
+        )
+
+
+_ST_HIDDEN_DTYPES = {"bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3"}
 
 
 def check_hidden_header(header: dict[str, Any], name: str) -> dict[str, Any]:
-    """Checks a hidden-state chunk's header for consistency; returns its metadata (layers parsed)."""
+    """Checks a hidden-state chunk's header for consistency; returns its metadata (layers parsed,
+    final_hidden the final hidden state's dtype or None)."""
     meta = dict(header.get("__metadata__") or {})
     if meta.get("format") != HIDDEN_FORMAT:
         raise FormatError(f"{name} is not a hidden-state chunk (format {meta.get('format')!r}, expected {HIDDEN_FORMAT})", "Point at extract/chunks/ of a run")
@@ -430,20 +470,30 @@ def check_hidden_header(header: dict[str, Any], name: str) -> dict[str, Any]:
     for key in ("input_ids", "loss_mask", "cu_seqlens", "sample_ids", "hidden_states"):
         if key not in header:
             raise FormatError(f"{name} lacks tensor {key}", "Re-run extraction for this chunk")
-    dtype = meta.get("dtype")
-    if dtype not in HIDDEN_DTYPES:
-        raise FormatError(f"{name} has unknown dtype label {dtype!r}", f"Expected one of {HIDDEN_DTYPES}")
-    st_dtype = {"bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3"}[dtype]
-    hidden = header["hidden_states"]
-    if hidden["dtype"] != st_dtype:
-        raise FormatError(f"{name} is labeled {dtype} but its hidden_states are {hidden['dtype']}", "Re-run extraction for this chunk")
     tokens = header["input_ids"]["shape"][0]
-    shape = hidden["shape"]
-    if len(shape) != 3 or shape[0] != tokens or shape[1] != len(meta["layers"]):
-        raise FormatError(f"{name}: hidden_states {shape} do not match {tokens} tokens x {len(meta['layers'])} layers", "Re-run extraction for this chunk")
-    if dtype == "float8_e4m3fn" and header.get("hidden_states_scale", {}).get("shape") != shape[:2]:
-        raise FormatError(f"{name}: fp8 chunk without a [T, L] hidden_states_scale", "Re-run extraction for this chunk")
+    _check_states(header, name, "hidden_states", meta.get("dtype"), [tokens, len(meta["layers"])], f"{tokens} tokens x {len(meta['layers'])} layers")
+    meta["final_hidden"] = meta.get("final_hidden")
+    if meta["final_hidden"] is not None or "final_hidden_states" in header:
+        if meta["final_hidden"] is None or "final_hidden_states" not in header:
+            raise FormatError(f"{name}: final_hidden_states and its 'final_hidden' metadata come together, this chunk has one of them", "Re-run extraction for this chunk")
+        _check_states(header, name, "final_hidden_states", meta["final_hidden"], [tokens], f"{tokens} tokens")
+        width = header["hidden_states"]["shape"][-1]
+        if header["final_hidden_states"]["shape"][-1] != width:
+            raise FormatError(f"{name}: final_hidden_states {header['final_hidden_states']['shape']} are not {width} wide like hidden_states", "Re-run extraction for this chunk")
     return meta
+
+
+def _check_states(header: dict[str, Any], name: str, key: str, dtype: str | None, rows: list[int], described: str) -> None:
+    """`key` holds [*rows, d] states labeled `dtype`, with [*rows] float32 scales when fp8."""
+    if dtype not in HIDDEN_DTYPES:
+        raise FormatError(f"{name} has unknown dtype label {dtype!r} for {key}", f"Expected one of {HIDDEN_DTYPES}")
+    entry = header[key]
+    if entry["dtype"] != _ST_HIDDEN_DTYPES[dtype]:
+        raise FormatError(f"{name} is labeled {dtype} but its {key} are {entry['dtype']}", "Re-run extraction for this chunk")
+    if len(entry["shape"]) != len(rows) + 1 or entry["shape"][:-1] != rows:
+        raise FormatError(f"{name}: {key} {entry['shape']} do not match {described}", "Re-run extraction for this chunk")
+    if dtype == "float8_e4m3fn" and header.get(f"{key}_scale", {}).get("shape") != rows:
+        raise FormatError(f"{name}: fp8 {key} without a {rows} {key}_scale", "Re-run extraction for this chunk")
 
 
 # ---- markers and the manifest ------------------------------------------------------------------
@@ -465,6 +515,7 @@ class DoneMarker:
     shard: int = 0
     stats: dict[str, float] = field(default_factory=dict)
     compute_dtype: str = "bfloat16"  # the target's matmuls: bfloat16, or float8 (extract.compute_dtype)
+    final_hidden: str | None = None  # the dtype of the target's final hidden state in the chunk; None: not stored
 
     def to_json(self) -> str:
         return dump_json_document(DONE_FORMAT, asdict(self))
@@ -490,6 +541,8 @@ class Manifest:
     tokens: int
     bytes: int
     chunks: list[DoneMarker]
+    final_hidden: str | None = None
+    """The dtype of the target's final hidden state, which every chunk then holds; None: not every chunk has it."""
 
     def to_json(self) -> str:
         return dump_json_document(MANIFEST_FORMAT, asdict(self))  # asdict converts the markers too
@@ -502,3 +555,17 @@ class Manifest:
             return cls(**raw)
         except (KeyError, TypeError) as exc:
             raise FormatError(f"{name} is not a valid manifest ({exc})", "Run `dflashctl verify` again") from None
+
+
+def check_final_hidden(manifest: Manifest, train: TrainSpec, location: str) -> None:
+    """Refuses a drafter whose objective reads the target's final hidden state (train.reads_final_hidden)
+    on states extracted without it; `location` names the manifest."""
+    if not train.reads_final_hidden or manifest.final_hidden is not None:
+        return
+    raise InputError(
+        f"{location}: the hidden states hold no final hidden state of the target, and train.drafter {train.drafter} "
+        "reads it (the target's next-token distribution: its L1 term and confidence labels)",
+        "Extract it: extract.final_hidden: true (or unset), then `dflashctl verify --delete-bad` (it removes the markers "
+        "of the chunks without it) and `dflashctl run --force` (it extracts them again); "
+        "or train without it, reported as cross-entropy only (no L1 term, no confidence head): train.dspark.ce_only: true",
+    )

@@ -8,6 +8,13 @@ it, prepare reads the rows it lists, and the control plane shows progress and pl
     generate/manifest.json          written once every chunk is done; prepare reads the chunks it lists
     generate/rejected.jsonl         every dropped line with its reason, written with the manifest
 
+A row of a chunk: {"sample_id", "messages", "tools"?, "generation"}: the prompt's messages (earlier
+assistant turns marked "weight": 0) and the target's answer as text, then how it was generated,
+{"finish_reason", "prompt_tokens", "completion_tokens", "token_ids"}. `token_ids` is the answer as
+the target sampled it, the end token it stopped on included (none where cut at the limit): prepare
+trains on those ids, which the text does not give back. Rows written before generation stored them
+have none; prepare trains those on their text and counts them (an addition readers of v1 ignore).
+
 A chunk is the unit of work and of retry, as in extraction: it becomes visible only complete (its
 object, then its marker), a marker made with other settings or without its object is stale (the
 chunk is generated again), and chunks never depend on the shard count.

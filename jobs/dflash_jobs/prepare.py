@@ -4,13 +4,17 @@
 
 Each line of the source is one sample, detected by its keys:
 - chat: `{"messages": [...], "tools": [...]?}`, rendered with the target's tokenizer and chat template;
-  the loss mask covers what the assistant generates (see `ChatEncoder`);
+  the loss mask covers what the assistant generates (see `ChatEncoder`); a row the generate step
+  wrote is its generation prompt and the answer's token ids as the target sampled them
+  (`"generation": {"token_ids": [...]}`), or its text where it holds none;
 - pre-tokenized: `{"input_ids": [...], "loss_mask": [...]}`, ids checked against the tokenizer.
 
 A sample's id is its 0-based line number in the source. Messages name lines 1-based, as editors do.
 Bad rows are dropped, counted by reason in tokens/dataset.json, listed in tokens/rejected.jsonl, and
 the first few are logged; over-long samples are cut to `data.max_length` and counted; `--strict`
-turns any of them into an error (InputError, exit code 2) naming the line.
+turns any of them into an error (InputError, exit code 2) naming the line. tokens/dataset.json also
+counts the chat samples by how their answers became tokens (`answers`): the target's own ids, or
+text tokenized here, and of each how many tokenizing text changes.
 
 Samples fill chunks of at most `data.chunk_tokens` tokens in source order, never split. The last
 `data.holdout` valid samples go to tokens/holdout.safetensors (evaluation prompts), not into the
@@ -32,10 +36,10 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import ExitStack, closing, contextmanager
+from contextlib import ExitStack, closing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -43,8 +47,12 @@ from dflash_jobs.errors import EXIT_BAD_SPEC, EXIT_OK, DflashError, InputError, 
 from dflash_jobs.formats import DATASET_KEY, DONE_MARKERS, TOKEN_CHUNKS, ChunkInfo, DatasetIndex, TokenChunk, token_chunk_key
 from dflash_jobs.generation import MANIFEST_KEY as GENERATION_MANIFEST_KEY
 from dflash_jobs.generation import GenerationManifest, current_manifest, generated_lines
-from dflash_jobs.spec import DEFAULT_SPEC_FILE, DataSpec, RunSpec, is_s3, load_spec
-from dflash_jobs.storage import ObjectNotFound, Storage, open_storage, open_url, storage_for
+from dflash_jobs.rows import (
+    MISSING_FIELDS, NO_SUPERVISED_TOKENS, RETOKENIZED, TARGET_IDS, TEXT, BadRow, ChatEncoder, RenderedChat, Tokenized, batched,
+    embedding_rows, json_row, load_tokenizer, open_source, parse_pretokenized,
+)
+from dflash_jobs.spec import DEFAULT_SPEC_FILE, DataSpec, RunSpec, load_spec
+from dflash_jobs.storage import Storage, storage_for
 
 log = logging.getLogger("dflash.prepare")
 
@@ -55,261 +63,11 @@ LOGGED_BAD_ROWS = 20
 BATCH_ROWS = 512
 """Rows tokenized together: the Rust tokenizer parallelises a batch; memory stays bounded by it."""
 
-# Why a row is dropped: the keys of `dropped` in tokens/dataset.json.
-MALFORMED_JSON = "malformed_json"  # not JSON, or not a JSON object
-MISSING_FIELDS = "missing_fields"  # neither "messages" nor "input_ids" + "loss_mask"
-INVALID_FIELDS = "invalid_fields"  # wrong types, lengths that differ, a loss mask other than 0/1
-TEMPLATE_ERROR = "template_error"  # the chat template refused the messages
-OUT_OF_VOCAB = "out_of_vocab"  # a token id outside the target tokenizer's vocabulary
-EMPTY = "empty"  # a blank line, no messages, no tokens
-NO_SUPERVISED_TOKENS = "no_supervised_tokens"  # no assistant token (left after truncation)
-
-# What AutoTokenizer reads from a checkpoint; fetched alone when the target lives in S3.
-TOKENIZER_FILES = (
-    "config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",
-)
-
-
-class BadRow(Exception):
-    """A row that cannot become a sample; `reason` is one of the constants above."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
-        self.detail = detail
-
-    def __reduce__(self):  # crosses from worker processes as a value
-        return BadRow, (self.reason, self.detail)
-
-
-@dataclass(slots=True)
-class RenderedChat:
-    text: str
-    spans: list[tuple[int, int]]  # character spans the assistant generates
-
-
 @dataclass(slots=True)
 class Sample:
     sample_id: int  # 0-based line number in data.source
     input_ids: np.ndarray  # int32 [T]
     loss_mask: np.ndarray  # uint8 [T]
-
-
-# ---- reading the source --------------------------------------------------------------------------
-
-
-@contextmanager
-def open_source(source: str, *, endpoint_url: str | None = None, region: str | None = None) -> Iterator[BinaryIO]:
-    """data.source as a binary stream: an s3:// object is streamed, never downloaded whole."""
-    try:
-        if is_s3(source):
-            storage, key = open_url(source, endpoint_url=endpoint_url, region=region)
-            stream = storage.open_read(key)
-        else:
-            stream = open(source.removeprefix("file://"), "rb")
-    except (ObjectNotFound, FileNotFoundError):
-        raise SpecError("data.source", source, "an existing JSONL file (local path or s3:// object)") from None
-    with stream:
-        yield stream
-
-
-def batched(lines: Iterable[tuple[int, bytes]], size: int) -> Iterator[list[tuple[int, bytes]]]:
-    """(sample id, raw line) pairs in batches of `size`."""
-    batch: list[tuple[int, bytes]] = []
-    for number, line in lines:
-        batch.append((number, line))
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
-# ---- the tokenizer -------------------------------------------------------------------------------
-
-
-def load_tokenizer(model: str, *, endpoint_url: str | None = None, region: str | None = None):
-    """The target's tokenizer; for an s3:// checkpoint only the tokenizer files are fetched."""
-    from transformers import AutoTokenizer
-
-    if not is_s3(model):
-        directory = Path(model.removeprefix("file://"))
-        if not (directory / "tokenizer_config.json").is_file() and not (directory / "tokenizer.json").is_file():
-            raise SpecError("target.model", model, "a checkpoint directory holding the tokenizer (tokenizer.json, tokenizer_config.json)")
-        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    storage = open_storage(model, endpoint_url=endpoint_url, region=region)
-    present = set(storage.list(""))
-    if "tokenizer.json" not in present:
-        raise SpecError("target.model", model, "a checkpoint with tokenizer.json (a fast tokenizer) next to config.json")
-    with tempfile.TemporaryDirectory(prefix="dflash-tokenizer-") as directory:
-        for name in TOKENIZER_FILES:
-            if name in present:
-                storage.get_file(name, Path(directory) / name)
-        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
-
-
-class ChatEncoder:
-    """Renders conversations with the target's chat template and marks the assistant's tokens.
-
-    The loss covers what the model generates in each assistant turn: everything after the
-    generation prompt, up to and including the end-of-turn token (`<|im_end|>` for Qwen). An
-    assistant message with `"weight": 0` (OpenAI's fine-tuning convention) is context only: the
-    answers regenerated by the target mark the source's earlier turns so. It is
-    found by rendering, for assistant message i, the conversation before it with
-    `add_generation_prompt=True`: where that text stops agreeing with the full rendering, the
-    assistant's generation starts. This needs no `{% generation %}` markers and holds for Qwen3.5/3.6,
-    whose template renders a turn differently depending on what follows it (a <think> block only
-    after the last user message), so that rendering prefix by prefix does not give prefixes.
-    """
-
-    def __init__(self, tokenizer, template_kwargs: dict[str, Any] | None = None) -> None:
-        if not tokenizer.chat_template:
-            raise InputError("the target's tokenizer has no chat template, so chat rows cannot be rendered", "Use pre-tokenized rows, or a checkpoint with a chat template")
-        if not getattr(tokenizer, "is_fast", False):
-            raise InputError("the target's tokenizer is not a fast tokenizer", "Chat rows need tokenizer.json in the checkpoint (token offsets)")
-        self.tokenizer = tokenizer
-        self.template_kwargs = dict(template_kwargs or {})
-        self.backend = tokenizer.backend_tokenizer
-        self.turn_end = self._find_turn_end()
-
-    def _find_turn_end(self) -> str:
-        """The special token that closes an assistant turn, read off a rendered probe."""
-        sentinel = "dflash-probe-reply"
-        probe = [{"role": "user", "content": "dflash-probe"}, {"role": "assistant", "content": sentinel}]
-        text = self.tokenizer.apply_chat_template(probe, tokenize=False)
-        rest = text[text.rindex(sentinel) + len(sentinel):]
-        found = [(rest.find(token), token) for token in self.tokenizer.get_added_vocab() if token and token in rest]
-        if found:
-            return min(found)[1]
-        if self.tokenizer.eos_token:
-            return self.tokenizer.eos_token
-        raise InputError("cannot tell how the chat template ends an assistant turn (no special token after the reply)", "Use pre-tokenized rows")
-
-    def render(self, row: dict[str, Any]) -> RenderedChat:
-        """The conversation as text, with the character spans of what the assistant generates."""
-        messages = chat_messages(row)
-        if any(m.get("weight", 1) not in (0, 1) for m in messages):
-            raise BadRow(INVALID_FIELDS, '"weight" of a message must be 0 (context only) or 1')
-        trained = [m["role"] == "assistant" and m.get("weight", 1) == 1 for m in messages]
-        if not any(trained):
-            raise BadRow(NO_SUPERVISED_TOKENS, "no assistant message" + (" of weight 1" if any(m["role"] == "assistant" for m in messages) else ""))
-        tools = row.get("tools")
-        try:
-            text = self._apply(messages, tools, add_generation_prompt=False)
-            if (generated := self._generated_text(row, messages)) is not None:
-                text = self._apply(messages[:-1], tools, add_generation_prompt=True) + generated
-            spans: list[tuple[int, int]] = []
-            for i, message in enumerate(messages):
-                if trained[i]:
-                    prompt = self._apply(messages[:i], tools, add_generation_prompt=True)
-                    spans.append(self._assistant_span(text, prompt, message, spans[-1][1] if spans else 0))
-        except BadRow:
-            raise
-        except Exception as exc:  # noqa: BLE001 - jinja raises anything: the row's message says what
-            raise BadRow(TEMPLATE_ERROR, f"the chat template failed: {type(exc).__name__}: {exc}") from None
-        return RenderedChat(text, spans)
-
-    def _generated_text(self, row: dict[str, Any], messages: list[dict[str, Any]]) -> str | None:
-        """The target's answer of a regenerated row as it generated it, after the generation prompt:
-        its text, and the turn's end where it stopped. The template would render it otherwise (Qwen's
-        trims the reply and opens it with the rest of an empty <think> block the target did not
-        write), and the drafter learn text the target does not produce after that prompt. None for
-        a row the generate step did not write, or whose answer came back in parts (reasoning, tool
-        calls), which only the template joins."""
-        last = messages[-1]
-        if not isinstance(row.get("generation"), dict) or last["role"] != "assistant" or not isinstance(last.get("content"), str):
-            return None
-        if last.get("reasoning_content") or last.get("tool_calls"):
-            return None
-        return last["content"] + (self.turn_end if row["generation"].get("finish_reason") == "stop" else "")
-
-    def _apply(self, messages: list[dict[str, Any]], tools: Any, *, add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **self.template_kwargs,
-        )
-
-    def _assistant_span(self, text: str, prompt: str, message: dict[str, Any], previous_end: int) -> tuple[int, int]:
-        start = len(prompt) if text.startswith(prompt) else len(os.path.commonprefix([text, prompt]))
-        if start < previous_end:
-            raise BadRow(TEMPLATE_ERROR, "the chat template renders an earlier turn differently once a later one follows")
-        end = text.find(self.turn_end, start)
-        end = len(text) if end < 0 else end + len(self.turn_end)
-        content = message.get("content")
-        # The reply's final text must lie in the span (Qwen's templates drop an inline <think> block).
-        if isinstance(content, str) and content.rsplit("</think>", 1)[-1].strip() not in text[start:end]:
-            raise BadRow(TEMPLATE_ERROR, "an assistant reply does not appear where the chat template puts the turn")
-        return start, end
-
-    def encode(self, rendered: list[RenderedChat]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Tokenizes rendered conversations in one batch: (input_ids, loss_mask) each.
-
-        Each assistant turn is tokenized apart from what comes before it, as serving makes it: an
-        engine tokenizes the prompt (up to the end of the generation prompt) alone, and the model
-        generates the turn token by token after it, so no token spans the generation prompt's end.
-        Tokenized whole, text merges across it ("<think>\n" then "\n</think>" is one "\n\n"
-        token in Qwen's vocabulary): regeneration would answer one prompt, training and evaluation
-        see another, and the drafter learn tokens the target never produces there."""
-        pieces: list[tuple[int, int]] = []  # (conversation, character where the piece starts)
-        texts: list[str] = []
-        for index, chat in enumerate(rendered):
-            cuts = sorted({0, *(start for start, _ in chat.spans)})
-            for begin, end in zip(cuts, [*cuts[1:], len(chat.text)]):
-                pieces.append((index, begin))
-                texts.append(chat.text[begin:end])
-        ids: list[list[int]] = [[] for _ in rendered]
-        starts: list[list[int]] = [[] for _ in rendered]
-        for (index, begin), encoding in zip(pieces, self.backend.encode_batch(texts, add_special_tokens=False)):
-            ids[index].extend(encoding.ids)
-            starts[index].extend(begin + first for first, _ in encoding.offsets)
-        result = []
-        for chat, chat_ids, chat_starts in zip(rendered, ids, starts):
-            token_starts = np.asarray(chat_starts, dtype=np.int64)
-            mask = np.zeros(len(chat_ids), dtype=np.uint8)
-            for start, end in chat.spans:
-                mask[(token_starts >= start) & (token_starts < end)] = 1
-            result.append((np.asarray(chat_ids, dtype=np.int32), mask))
-        return result
-
-
-def json_row(line: bytes) -> dict[str, Any]:
-    """One line of a JSONL data set as an object; BadRow for a blank line or anything else."""
-    if not line.strip():
-        raise BadRow(EMPTY, "blank line")
-    try:
-        row = json.loads(line)
-    except ValueError as exc:
-        raise BadRow(MALFORMED_JSON, f"not valid JSON ({exc})") from None
-    if not isinstance(row, dict):
-        raise BadRow(MALFORMED_JSON, f"a JSON {type(row).__name__}, expected an object")
-    return row
-
-
-def chat_messages(row: dict[str, Any]) -> list[dict[str, Any]]:
-    """A chat row's "messages": a non-empty list of objects, each with a string "role"; else BadRow."""
-    messages = row["messages"]
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-        raise BadRow(INVALID_FIELDS, '"messages" must be a list of objects, each with a string "role"')
-    if not messages:
-        raise BadRow(EMPTY, '"messages" is empty')
-    return messages
-
-
-def parse_pretokenized(row: dict[str, Any], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    if "loss_mask" not in row:
-        raise BadRow(MISSING_FIELDS, 'a pre-tokenized row needs "loss_mask" next to "input_ids"')
-    ids, mask = row["input_ids"], row["loss_mask"]
-    if not isinstance(ids, list) or not isinstance(mask, list) or not all(type(v) is int for v in ids):
-        raise BadRow(INVALID_FIELDS, '"input_ids" must be a list of integers and "loss_mask" a list')
-    if not ids:
-        raise BadRow(EMPTY, '"input_ids" is empty')
-    if len(mask) != len(ids) or not all(v in (0, 1) for v in mask):
-        raise BadRow(INVALID_FIELDS, f'"loss_mask" must hold one 0 or 1 per token ({len(mask)} values for {len(ids)} tokens)')
-    input_ids = np.asarray(ids, dtype=np.int64)
-    outside = input_ids[(input_ids < 0) | (input_ids >= vocab_size)]
-    if outside.size:
-        raise BadRow(OUT_OF_VOCAB, f"token id {int(outside[0])} is outside the tokenizer's vocabulary 0..{vocab_size - 1}")
-    return input_ids.astype(np.int32), np.asarray(mask, dtype=np.uint8)
 
 
 # ---- writing -------------------------------------------------------------------------------------
@@ -353,36 +111,28 @@ def pack(samples: list[Sample]) -> TokenChunk:
     )
 
 
-def prompt_length(loss_mask: np.ndarray) -> int:
-    """Where the last supervised run of a sample starts: its tokens before it are the eval prompt."""
-    supervised = np.flatnonzero(loss_mask)
-    if not supervised.size:
-        return len(loss_mask)
-    gaps = np.flatnonzero(np.diff(supervised) > 1)
-    return int(supervised[gaps[-1] + 1] if gaps.size else supervised[0])
-
-
 # ---- the job -------------------------------------------------------------------------------------
 
-Encoded = BadRow | tuple[np.ndarray, np.ndarray]
-"""One row's outcome: why it is bad, or its (input_ids, loss_mask) before truncation."""
+Encoded = BadRow | Tokenized
+"""One row's outcome: why it is bad, or its tokens before truncation."""
 
 
 class RowEncoder:
     """Turns a batch of raw lines into samples or reasons, independently of any other batch."""
 
-    def __init__(self, tokenizer, template_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(self, tokenizer, template_kwargs: dict[str, Any] | None = None, *, answer_vocab_size: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.template_kwargs = template_kwargs
+        self.answer_vocab_size = answer_vocab_size
         self.vocab_size = len(tokenizer)
 
     @functools.cached_property
     def chat(self) -> ChatEncoder:
         """Built at the first chat row: a pre-tokenized data set needs no chat template."""
-        return ChatEncoder(self.tokenizer, self.template_kwargs)
+        return ChatEncoder(self.tokenizer, self.template_kwargs, answer_vocab_size=self.answer_vocab_size)
 
     def encode(self, batch: list[tuple[int, bytes]]) -> list[tuple[int, Encoded]]:
-        parsed: list[tuple[int, BadRow | RenderedChat | tuple[np.ndarray, np.ndarray]]] = []
+        parsed: list[tuple[int, BadRow | RenderedChat | Tokenized]] = []
         for number, line in batch:
             try:
                 parsed.append((number, self.parse(line)))
@@ -390,11 +140,11 @@ class RowEncoder:
                 parsed.append((number, bad))
         # Chat rows are tokenized together: one call, parallel in the Rust tokenizer.
         chats = [item for _, item in parsed if isinstance(item, RenderedChat)]
-        encoded = iter(self.chat.encode(chats) if chats else ())
+        encoded = iter(self.chat.tokenize(chats) if chats else ())
         return [(number, next(encoded) if isinstance(item, RenderedChat) else item) for number, item in parsed]
 
-    def parse(self, line: bytes) -> RenderedChat | tuple[np.ndarray, np.ndarray]:
-        """A chat row rendered (tokenized later, with its batch), or a pre-tokenized row's (ids, mask)."""
+    def parse(self, line: bytes) -> RenderedChat | Tokenized:
+        """A chat row rendered (tokenized later, with its batch), or a pre-tokenized row's tokens."""
         row = json_row(line)
         if "messages" in row:
             return self.chat.render(row)
@@ -454,6 +204,9 @@ class PrepareStats:
     tokens: int = 0
     truncated: int = 0
     dropped: collections.Counter = field(default_factory=collections.Counter)
+    answers: collections.Counter = field(default_factory=collections.Counter)
+    """Chat samples (held-out ones included) by how their supervised tokens were made (TARGET_IDS,
+    TEXT), and of each how many tokenizing text changes (RETOKENIZED)."""
 
 
 class Preparer:
@@ -518,6 +271,7 @@ class Preparer:
         log.info("wrote %d chunks, %d samples, %d tokens (%d supervised); %d held out; dropped %s; truncated %d",
                  len(index.chunks), index.samples, index.tokens, index.supervised_tokens, len(holdout),
                  dict(sorted(index.dropped.items())) or "none", index.truncated)
+        self.log_answers()
         return index
 
     def sample(self, number: int, outcome: Encoded) -> Sample | None:
@@ -525,7 +279,7 @@ class Preparer:
         if isinstance(outcome, BadRow):
             self.reject(number, outcome)
             return None
-        ids, mask = outcome
+        ids, mask = outcome.input_ids, outcome.loss_mask
         truncated = len(ids) > self.data.max_length
         ids, mask = ids[: self.data.max_length], mask[: self.data.max_length]
         if not mask.any():
@@ -537,6 +291,9 @@ class Preparer:
             self.stats.truncated += 1
         self.stats.samples += 1
         self.stats.tokens += len(ids)
+        if outcome.answer is not None:
+            self.stats.answers[outcome.answer] += 1
+            self.stats.answers[RETOKENIZED[outcome.answer]] += outcome.retokenized_differently
         return Sample(number, ids, mask)
 
     def reject(self, number: int, bad: BadRow) -> None:
@@ -576,9 +333,21 @@ class Preparer:
             supervised_tokens=writer.supervised_tokens,
             holdout=holdout,
             generation=self.generation,
+            answers={key: self.stats.answers[key] for key in sorted([*RETOKENIZED, *RETOKENIZED.values()])},
         )
         self.storage.put_bytes(DATASET_KEY, index.to_json().encode())
         return index
+
+    def log_answers(self) -> None:
+        """How the supervised tokens were made: the target's own ids, or text tokenized here."""
+        answers = self.stats.answers
+        log.info("answers: %d as the target's token ids (%d of them tokenize otherwise from their text), %d from text "
+                 "(%d of them changed by the tokenizer, e.g. non-NFC text; which tokens their writer produced is unknown)",
+                 answers[TARGET_IDS], answers[RETOKENIZED[TARGET_IDS]], answers[TEXT], answers[RETOKENIZED[TEXT]])
+        if self.generation is not None and answers[TEXT]:
+            log.warning("%d generated rows hold no token ids (generated before prepare trained on them): trained on their text "
+                        "tokenized here, which may split it otherwise than the target did; delete %s and run again to train "
+                        "on the target's own tokens", answers[TEXT], f"{self.storage.url}/generate")
 
     def log_progress(self, started: float, chunks: int) -> None:
         elapsed = max(time.monotonic() - started, 1e-9)
@@ -595,7 +364,10 @@ def prepare(spec: RunSpec, *, strict: bool = False, workers: int | None = None) 
     location = {"endpoint_url": spec.storage.endpoint_url, "region": spec.storage.region}
     # Answers generated with the thinking switch set start where that generation prompt ends.
     thinking = None if spec.generate is None else spec.generate.thinking
-    encoder = RowEncoder(load_tokenizer(spec.target.model, **location), None if thinking is None else {"enable_thinking": thinking})
+    # A regenerated answer may hold any id the target can produce, beyond those its tokenizer names
+    # (a random target samples them; the text path lost them without a word).
+    encoder = RowEncoder(load_tokenizer(spec.target.model, **location), None if thinking is None else {"enable_thinking": thinking},
+                         answer_vocab_size=embedding_rows(spec.target.model, **location))
     storage = storage_for(spec)
     generation = None if spec.generate is None else require_manifest(storage, spec)
     preparer = Preparer(

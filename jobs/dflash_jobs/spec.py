@@ -9,9 +9,11 @@ neither torch nor transformers.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
+import math
 import re
 import types
 import typing
@@ -36,6 +38,11 @@ UNPRIVILEGED_PORTS = (1024, 65535)
 DEFAULT_SPEC_FILE = "dflash.yaml"
 OPTIONAL_SECTIONS = ("generate", "train.dflash2", "train.dspark")
 """Sections that are off while absent (dotted paths): a resolved spec without them does not mention them."""
+OUTSIDE_RUN_IDENTITY = ("cluster.namespace", "cluster.metrics_port")
+"""Settings of where a run is placed and watched from, not of what it makes (dotted paths): changing
+one keeps the run's identity, its spec hash and <output>/run.yaml. The namespace is where the Jobs
+live (`dflashctl -n` moves them; storage is shared); the metrics port is where `dflashctl run`
+serves its progress, a laptop's free port or the controller pod's."""
 
 
 def is_s3(url: str) -> bool:
@@ -197,7 +204,9 @@ class GenerateSpec:
     vllm_image: str = VLLM_IMAGE
     """The image of the vllm engine's pods: the official vLLM image (CUDA 13), or one built on it."""
     vllm_args: list[str] = field(default_factory=list)
-    """More `vllm run-batch` arguments, e.g. [--gpu-memory-utilization, "0.92", --max-num-seqs, "256"]."""
+    """More `vllm run-batch` arguments, e.g. [--gpu-memory-utilization, "0.92", --max-num-seqs, "256"].
+    No reasoning parser: the answer is stored as the target wrote it (its token ids), which a parser
+    would only split into reasoning and content."""
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -221,43 +230,82 @@ class GenerateSpec:
                 "generate.vllm_args", self.vllm_args,
                 f"arguments other than {', '.join(VLLM_OWN_ARGS)}: the job sets those from target.model and the generate section ({own[0]})",
             )
+        # A reasoning parser returns the answer's text in two parts, </think> cut out: rejoined, it is
+        # what the target wrote only approximately, and not at all for an answer cut before </think>.
+        parsing = [arg for arg in self.vllm_args
+                   if "reasoning-parser" in arg.replace("_", "-") or arg.replace("_", "-").split("=", 1)[0] == "--enable-reasoning"]
+        if parsing:
+            raise SpecError(
+                "generate.vllm_args", self.vllm_args,
+                f"no reasoning parser (remove {parsing[0]}): generation keeps the target's answer whole, as the token ids it "
+                "sampled, and trains on those; the parser would only split its text into reasoning and content",
+            )
 
 
 DRAFTERS = ("dflash", "dflash2", "dspark")
 
 
 @dataclass(frozen=True, slots=True)
-class BlockLayout:
-    """How a drafter variant lays out a block of B slots (reference/dflash2-dspark.md 4.5); torch-free,
-    so that the spec, the controller and the data plane agree on it."""
+class AnchorLayout:
+    """What the slots of a block drafted after an anchor predict, and which are trained
+    (reference/dflash2-dspark.md 4.5); torch-free, so that the spec, the controller, the training
+    data and the evaluation agree on it."""
 
     sample_from_anchor: bool
-    """False: slot k predicts the token at anchor + k (slot 0 is the anchor, untrained; B - 1 drafts).
-    True: slot k predicts anchor + k + 1 (the anchor is a prediction slot; B drafts)."""
+    """False: slot k predicts the token at anchor + k (slot 0 is the anchor itself, untrained; B - 1
+    drafts). True: slot k predicts anchor + k + 1 (the anchor is a prediction slot; B drafts)."""
+    contiguous_prefix: bool
+    """Only a block's leading run of supervised labels is trained (DSpark); else every supervised slot."""
     block_size: int
-    """The variant's default block size (z-lab DFlash 16, the DFlash2 checkpoints 8, DeepSpec's DSpark 7)."""
+    """Slots per block, the anchor's included (the variant's default until the spec sets train.block_size)."""
     gamma: float
-    """The variant's default loss decay over slots."""
+    """Loss decay over the drafted slots: the j-th drafted slot (j = 0, 1, ...) weighs exp(-j / gamma)."""
 
     @property
     def drafts(self) -> int:
-        """Drafted tokens per block of `block_size`: what vLLM's num_speculative_tokens must be."""
+        """Drafted tokens per block: what vLLM's num_speculative_tokens must be."""
         return self.block_size if self.sample_from_anchor else self.block_size - 1
 
+    @property
+    def first_draft(self) -> int:
+        """The slot of the first drafted token: 0 when the anchor is a prediction slot, else 1."""
+        return 0 if self.sample_from_anchor else 1
 
-BLOCK_LAYOUTS = {
-    "dflash": BlockLayout(sample_from_anchor=False, block_size=16, gamma=7.0),
-    "dflash2": BlockLayout(sample_from_anchor=False, block_size=8, gamma=7.0),
-    "dspark": BlockLayout(sample_from_anchor=True, block_size=7, gamma=4.0),
+    @property
+    def label_offset(self) -> int:
+        """Slot k's label is the token at anchor + k + label_offset."""
+        return 1 if self.sample_from_anchor else 0
+
+    def slot_decay(self) -> list[float]:
+        """Per slot, its loss weight before the loss mask: 0 for the anchor slot of a fill-in block,
+        exp(-j / gamma) for the j-th drafted slot (z-lab's exp(-(k-1)/gamma), DeepSpec's exp(-k/gamma))."""
+        return [0.0 if k < self.first_draft else math.exp(-(k - self.first_draft) / self.gamma) for k in range(self.block_size)]
+
+
+ANCHOR_LAYOUTS = {
+    "dflash": AnchorLayout(sample_from_anchor=False, contiguous_prefix=False, block_size=16, gamma=7.0),
+    "dflash2": AnchorLayout(sample_from_anchor=False, contiguous_prefix=False, block_size=8, gamma=7.0),
+    "dspark": AnchorLayout(sample_from_anchor=True, contiguous_prefix=True, block_size=7, gamma=4.0),
 }
+
+
+def anchor_layout(drafter: str = "dflash", *, block_size: int | None = None, gamma: float | None = None) -> AnchorLayout:
+    """A drafter's anchor layout, at its defaults unless given."""
+    layout = ANCHOR_LAYOUTS[drafter]
+    return dataclasses.replace(layout, block_size=block_size or layout.block_size, gamma=gamma or layout.gamma)
 
 
 @dataclass(kw_only=True, slots=True)
 class DFlash2Spec:
-    """DFlash2's additions to the DFlash backbone (reference/dflash2-dspark.md section 3)."""
+    """DFlash2's additions to the DFlash backbone (reference/dflash2-dspark.md section 3), trained
+    with SpecForge's objective. Every draft layer is bidirectional inside the block (exported as
+    is_causal: false, as z-lab's checkpoint), sliding or not, so any train.sliding_window_layers
+    serves as trained (z-lab's layout: all 5 sliding). SpecForge's selector warm-up and ramp are left
+    out: their defaults there are 0, a constant selector_alpha from the first step."""
 
     conv_kernel_size: int = 2
-    """Taps of the in-block dynamic causal convolution around every attention and MLP sublayer."""
+    """Taps of the in-block dynamic causal convolution around every attention and MLP sublayer
+    (at most train.block_size: the convolution resets at every block)."""
     conv_group_size: int = 16
     """Channels sharing one input-dependent kernel offset (the target's hidden size must be a multiple)."""
     selector_rank: int = 256
@@ -266,6 +314,9 @@ class DFlash2Spec:
     """Candidates per slot re-ranked by the selector: the strict top-k of the drafter's own logits."""
     selector_alpha: float = 1.0
     """Weight of the selector's cross-entropy beside the DFlash loss."""
+    selector_stop_gradient: bool = False
+    """The selector's loss trains only the selector (verl-SpeCo, SpecForge's switch); by default it
+    also reaches the backbone through the drafter's logits and hidden states (SpecForge's default)."""
 
     def __post_init__(self) -> None:
         _positive("train.dflash2.conv_kernel_size", self.conv_kernel_size, minimum=1)
@@ -319,7 +370,8 @@ class TrainSpec:
     draft_layers: int = 5
     """Decoder layers of the drafter."""
     sliding_window_layers: int = 0
-    """How many of the first draft layers use causal sliding-window attention (z-lab's Qwen3.6 drafter: 4)."""
+    """How many of the first draft layers use sliding-window attention (z-lab's Qwen3.6 drafter: 4),
+    causal inside the block for dflash; dflash2 keeps every layer bidirectional."""
     sliding_window: int = 2048
     """Window of the sliding-window layers."""
     block_size: int | None = None
@@ -376,6 +428,9 @@ class TrainSpec:
             raise SpecError("train.sliding_window_layers", self.sliding_window_layers, f"0..train.draft_layers ({self.draft_layers})")
         _positive("train.sliding_window", self.sliding_window, minimum=1)
         _positive("train.block_size", self.block_size, minimum=2)
+        if self.dflash2 is not None and self.dflash2.conv_kernel_size > self.block_size:
+            raise SpecError("train.dflash2.conv_kernel_size", self.dflash2.conv_kernel_size,
+                            f"at most train.block_size ({self.block_size}): the convolution resets at every block, so a tap past it never reaches a slot")
         _positive("train.anchors", self.anchors, minimum=1)
         _positive("train.epochs", self.epochs, minimum=1)
         _positive("train.micro_batch_tokens", self.micro_batch_tokens, minimum=1)
@@ -403,16 +458,16 @@ class TrainSpec:
             elif name != self.drafter and getattr(self, name) is not None:
                 raise SpecError(f"train.{name}", dataclasses.asdict(getattr(self, name)),
                                 f"no train.{name} section while train.drafter is {self.drafter}: set train.drafter: {name}, or remove train.{name}")
-        layout = BLOCK_LAYOUTS[self.drafter]
+        layout = ANCHOR_LAYOUTS[self.drafter]
         if self.block_size is None:
             self.block_size = layout.block_size
         if self.gamma is None:
             self.gamma = layout.gamma
 
     @property
-    def layout(self) -> BlockLayout:
-        """The block layout of train.drafter, at train.block_size."""
-        return dataclasses.replace(BLOCK_LAYOUTS[self.drafter], block_size=self.block_size, gamma=self.gamma)
+    def layout(self) -> AnchorLayout:
+        """The anchor layout of train.drafter, at train.block_size and train.gamma."""
+        return anchor_layout(self.drafter, block_size=self.block_size, gamma=self.gamma)
 
     @property
     def reads_final_hidden(self) -> bool:
@@ -496,7 +551,9 @@ class ClusterSpec:
     """Left unset by default: Git-managed Jobs must not delete themselves."""
     metrics_port: int | None = None
     """Port on which `dflashctl run` (the in-cluster controller) serves its progress as Prometheus
-    metrics at /metrics; rendered as the controller Job's "metrics" port. null: no metrics."""
+    metrics at /metrics; rendered as the controller Job's "metrics" port. Run from a laptop where it
+    is taken, `dflashctl run` picks a free one and says which. Not part of the run's identity: a
+    change keeps the run. null: no metrics."""
 
     def __post_init__(self) -> None:
         _dns_label("cluster.namespace", self.namespace, limit=63)
@@ -565,10 +622,22 @@ class RunSpec:
         return resolved
 
     def fingerprint(self) -> str:
-        """A stable hash of the resolved spec: submit refuses a different spec under the same name."""
+        """A stable hash of what the run makes (`run_identity`): submit refuses a different one under the same name."""
         import hashlib
 
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+        return hashlib.sha256(json.dumps(run_identity(self.to_dict()), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def run_identity(resolved: dict[str, Any]) -> dict[str, Any]:
+    """A resolved spec (`RunSpec.to_dict()`, or a run.yaml read back) without the settings in
+    OUTSIDE_RUN_IDENTITY: two specs are the same run when these are equal."""
+    identity = copy.deepcopy(resolved)
+    for path in OUTSIDE_RUN_IDENTITY:
+        *parents, key = path.split(".")
+        section = functools.reduce(lambda mapping, name: mapping.get(name) if isinstance(mapping, dict) else None, parents, identity)
+        if isinstance(section, dict):
+            section.pop(key, None)
+    return identity
 
 
 def _positive(path: str, value: Any, *, minimum: int) -> None:
@@ -610,6 +679,22 @@ def _type_name(tp: Any) -> str:
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
 
 
+YAML12_FLOAT = re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$")
+"""A number as YAML 1.2 (and kubectl, Go, JSON) reads it. PyYAML reads YAML 1.1, where a float needs a
+dot: `lr: 6e-4` arrives as the string "6e-4". A float field takes such a string as the number the
+user wrote; anything else that is not a number (`lr: fast`, `.inf`, `1_000`) is still refused."""
+
+
+def _as_integer_hint(value: Any) -> str:
+    """For an integer field given `1e6` (a string to YAML 1.1) or `1.0e+6`: how to write it."""
+    text = value if isinstance(value, str) and YAML12_FLOAT.match(value) else None
+    number = float(text) if text is not None else value if isinstance(value, float) else None
+    if number is None or not number.is_integer():
+        return ""
+    read = f"YAML read {text} as a string: " if text is not None else ""
+    return f" ({read}write {int(number)})"
+
+
 def _convert(path: str, value: Any, tp: Any) -> Any:
     """Checks `value` against the annotation `tp`, building nested dataclasses."""
     origin = typing.get_origin(tp)
@@ -644,12 +729,14 @@ def _convert(path: str, value: Any, tp: Any) -> Any:
     if dataclasses.is_dataclass(tp):
         return _build(path, value, tp)
     if tp is float:
+        if isinstance(value, str) and YAML12_FLOAT.match(value):
+            return float(value)  # 6e-4: a number in YAML 1.2, a string to PyYAML's YAML 1.1 (see YAML12_FLOAT)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise SpecError(path, value, "a number")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise SpecError(path, value, "an integer")
+            raise SpecError(path, value, "an integer" + _as_integer_hint(value))
         return value
     if tp is str:
         if not isinstance(value, str):

@@ -3,9 +3,13 @@ terabytes one extraction wrote can also feed its trainers: one `hs_<i>.safetenso
 files its `FileTransfer` reads from `--hidden-states-path` (`hs_{i}.safetensors`, i = the row of its
 preprocessed data set):
 
-    hidden_states  bf16 [T, L, d]  the captured layers, ascending; speculators reads the last entry
-                                   as the target's final layer (its training targets) and the others
-                                   as the drafter's inputs (`[:, :-1].flatten(1)`)
+    hidden_states  bf16 [T, L, d]  the captured layers, ascending, then the target's final hidden
+                                   state when the run stored it ([T, L + 1, d]); speculators reads
+                                   the last entry as the target's final layer, its
+                                   `verifier_last_hidden_states` (the last decoder layer's output
+                                   before the final norm, row t beside token t: it applies its
+                                   verifier_norm and lm_head, row t's logits predicting token t + 1),
+                                   and the others as the drafter's inputs (`[:, :-1].flatten(1)`)
     token_ids      int64 [T]       the sample's tokens; speculators skips a file whose ids differ from
                                    its data set's input_ids
     loss_mask      uint8 [T]       ours, an extra key speculators ignores (it takes the loss mask from
@@ -13,20 +17,24 @@ preprocessed data set):
 
 Layer numbering: our layer i (the output of decoder layer i) is speculators' and vLLM's aux id
 i + 1, and the target's last decoder layer n - 1, which speculators' extraction appends
-(`--include-last-layer`), is their n. So the run must have captured the target's last layer, as
-the last of target.layers; the export refuses otherwise rather than hand speculators layer 61 as
-the final one. Captured before the final norm, as vLLM's (formats.py states the convention).
+(`--include-last-layer`), is their n. That last entry is the run's stored final hidden state
+(final_hidden_states: extract.final_hidden) when it has one, after all of target.layers, which
+are then all the drafter's inputs; otherwise the run must have captured the target's last layer,
+as the last of target.layers, which becomes the last entry: the export refuses a run with
+neither rather than hand speculators layer 61 as the final one. Both are taken before the final
+norm, as vLLM's (formats.py states the convention).
 
 Numbering of the files: i counts samples in the manifest's chunk order, then in chunk order;
 `dflash_samples.jsonl` maps each i to its line in data.source, its chunk and its length, and
 `dflash_export.json`, written last, records the layer ids on both conventions.
 
 Streaming: a chunk's header and token tensors by ranged reads, then each sample's rows of
-hidden_states (contiguous in [T, L, d]) by one ranged read, a few samples at a time: memory stays
-at a few samples, whatever the chunk size. fp8 chunks are dequantized with their per-token,
-per-layer scales exactly as formats.dequantize_fp8 does (a float32 product rounded to the nearest
-even bf16), in numpy: the control plane runs this module and never imports torch. A file that
-exists with its exact size is kept: an interrupted export resumes where it stopped.
+hidden_states (contiguous in [T, L, d]) by one ranged read (and of final_hidden_states by another),
+a few samples at a time: memory stays at a few samples, whatever the chunk size. fp8 chunks are
+dequantized with their per-token (and per-layer) scales exactly as formats.dequantize_fp8 does (a
+float32 product rounded to the nearest even bf16), in numpy: the control plane runs this module
+and never imports torch. A file that exists with its exact size is kept: an interrupted export
+resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -79,6 +87,7 @@ class ExportSummary:
     layers: list[int]  # ours: decoder layer i, before the final norm
     aux_hidden_state_layer_ids: list[int]  # theirs (vLLM numbering), the last layer excluded: --target-layer-ids
     last_layer: int  # theirs: the target's num_hidden_layers, appended last in every file
+    final_hidden: bool  # the last entry is the run's stored final hidden state (else its last captured layer)
 
 
 # ---- fp8 -> bf16 without torch -----------------------------------------------------------------
@@ -104,10 +113,10 @@ def bfloat16_bits(values: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(values), quiet_nan, rounded).astype(np.uint16)
 
 
-def dequantize_fp8(quantized: bytes, scale: np.ndarray, shape: tuple[int, int, int]) -> bytes:
-    """float8_e4m3fn [T, L, d] times its float32 scales [T, L], as bf16 bytes."""
-    values = FP8_VALUES[np.frombuffer(quantized, dtype=np.uint8).reshape(shape)] * scale[:, :, None]
-    return bfloat16_bits(values).tobytes()
+def dequantize_fp8(quantized: bytes, scale: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """float8_e4m3fn [T, ..., d] times its float32 scales [T, ...], as bf16 bit patterns (uint16)."""
+    values = FP8_VALUES[np.frombuffer(quantized, dtype=np.uint8).reshape(shape)] * scale[..., None]
+    return bfloat16_bits(values)
 
 
 # ---- reading a chunk by ranges -----------------------------------------------------------------
@@ -123,6 +132,7 @@ class ChunkReader:
     data_start: int
     dtype: str
     layers: list[int]
+    final_hidden: str | None  # the final hidden state's dtype; None: not stored
 
     @classmethod
     def open(cls, storage: Storage, key: str) -> ChunkReader:
@@ -133,18 +143,17 @@ class ChunkReader:
         if info is not None and info.size != total:
             raise InputError(f"{name} has {info.size} bytes, its header describes {total}", "Run `dflashctl verify`: the chunk changed since it was verified")
         meta = check_hidden_header(header, name)
-        return cls(storage, key, header, length, meta["dtype"], meta["layers"])
+        return cls(storage, key, header, length, meta["dtype"], meta["layers"], meta["final_hidden"])
 
     def array(self, name: str, dtype) -> np.ndarray:
         begin, end = self.header[name]["data_offsets"]
         data = self.storage.get_bytes(self.key, self.data_start + begin, self.data_start + end)
         return np.frombuffer(data, dtype=dtype).reshape(self.header[name]["shape"])
 
-    def hidden_rows(self, begin: int, end: int) -> bytes:
-        """The raw bytes of hidden_states[begin:end] (bf16 or fp8)."""
-        entry = self.header["hidden_states"]
-        _, L, d = entry["shape"]
-        row = L * d * (2 if self.dtype == "bfloat16" else 1)
+    def rows(self, name: str, begin: int, end: int) -> bytes:
+        """The raw bytes of tensor `name` [begin:end] (hidden_states or final_hidden_states: bf16 or fp8)."""
+        entry = self.header[name]
+        row = int(np.prod(entry["shape"][1:])) * (2 if entry["dtype"] == "BF16" else 1)
         start = self.data_start + entry["data_offsets"][0]
         return self.storage.get_bytes(self.key, start + begin * row, start + end * row)
 
@@ -169,12 +178,18 @@ def check_layers(manifest: Manifest, depth: int) -> None:
     layers = manifest.layers
     if layers != sorted(layers):
         raise InputError(f"the run's layers {layers} are not ascending: speculators (and vLLM) concatenate layers in ascending order", "Extract again with target.layers in ascending order")
-    if layers[-1] != depth - 1:
+    if manifest.final_hidden is None and layers[-1] != depth - 1:
         raise InputError(
-            f"the run captured layers {layers} of a {depth}-layer target, not its last decoder layer {depth - 1}: "
-            f"speculators reads the last entry of every file as the target's final layer, and would take layer {layers[-1]} for it",
-            f"Capture the last layer too: target.layers {layers + [depth - 1]}, then extract again (export-states reads what was captured)",
+            f"the run captured layers {layers} of a {depth}-layer target, not its last decoder layer {depth - 1}, and stored no final hidden "
+            f"state: speculators reads the last entry of every file as the target's final layer, and would take layer {layers[-1]} for it",
+            "Store the final hidden state (extract.final_hidden: true) or capture the last layer too "
+            f"(target.layers {layers + [depth - 1]}), then extract again (export-states reads what was stored)",
         )
+
+
+def file_layers(manifest: Manifest, depth: int) -> list[int]:
+    """Our ids of the entries of every file's hidden_states: the captured layers, then the final hidden state when stored."""
+    return manifest.layers + ([depth - 1] if manifest.final_hidden is not None else [])
 
 
 @dataclass
@@ -187,14 +202,19 @@ class ChunkSamples:
     loss_mask: np.ndarray
     sample_ids: np.ndarray
     scale: np.ndarray | None  # [T, L] float32 for fp8 chunks
+    final_scale: np.ndarray | None  # [T] float32 for an fp8 final hidden state
+    with_final: bool  # append the final hidden state to every file's hidden_states
 
     @classmethod
-    def read(cls, reader: ChunkReader) -> ChunkSamples:
-        fp8 = reader.dtype == "float8_e4m3fn"
+    def read(cls, reader: ChunkReader, *, with_final: bool) -> ChunkSamples:
+        def scales(name: str, dtype: str | None) -> np.ndarray | None:
+            return reader.array(name, np.float32) if dtype == "float8_e4m3fn" else None
+
         return cls(
             reader, reader.array("cu_seqlens", np.int64), reader.array("input_ids", np.int32).astype(np.int64),
             reader.array("loss_mask", np.uint8), reader.array("sample_ids", np.int64),
-            reader.array("hidden_states_scale", np.float32) if fp8 else None,
+            scales("hidden_states_scale", reader.dtype), scales("final_hidden_states_scale", reader.final_hidden) if with_final else None,
+            with_final,
         )
 
     def tokens(self, i: int) -> int:
@@ -205,23 +225,31 @@ class ChunkSamples:
         key = hs_key(first + i)
         begin, end = int(self.cu_seqlens[i]), int(self.cu_seqlens[i + 1])
         _, L, d = self.reader.header["hidden_states"]["shape"]
-        shape = (end - begin, L, d)
+        shape = (end - begin, L + self.with_final, d)
         tensors = {
             "hidden_states": RawTensor("BF16", shape, b""),  # its bytes come below, unless the file is complete
             "token_ids": RawTensor("I64", (end - begin,), self.token_ids[begin:end].tobytes()),
             "loss_mask": RawTensor("U8", (end - begin,), self.loss_mask[begin:end].tobytes()),
         }
         metadata = {**metadata, "sample_id": str(int(self.sample_ids[i]))}
-        size = len(safetensors_header(tensors, metadata)[0]) + (end - begin) * (L * d * 2 + 8 + 1)
+        size = len(safetensors_header(tensors, metadata)[0]) + (end - begin) * (shape[1] * d * 2 + 8 + 1)
         existing = destination.stat(key)
         if existing is not None and existing.size == size:
             return "kept", size
-        raw = self.reader.hidden_rows(begin, end)
-        if self.scale is not None:
-            raw = dequantize_fp8(raw, self.scale[begin:end], shape)
-        tensors["hidden_states"] = RawTensor("BF16", shape, raw)
+        states = self.bf16_rows("hidden_states", self.scale, begin, end, (end - begin, L, d))
+        if self.with_final:  # the target's final hidden state, last: [T, L, d] + [T, 1, d] -> [T, L + 1, d]
+            final = self.bf16_rows("final_hidden_states", self.final_scale, begin, end, (end - begin, 1, d))
+            states = np.concatenate([states, final], axis=1)
+        tensors["hidden_states"] = RawTensor("BF16", shape, states.tobytes())
         destination.put_bytes(key, b"".join(raw_safetensors_parts(tensors, metadata)))
         return "files", size
+
+    def bf16_rows(self, name: str, scale: np.ndarray | None, begin: int, end: int, shape: tuple[int, int, int]) -> np.ndarray:
+        """Rows [begin, end) of tensor `name` as bf16 bit patterns of `shape` (fp8 dequantized with its `scale` rows)."""
+        raw = self.reader.rows(name, begin, end)
+        if scale is None:
+            return np.frombuffer(raw, dtype=np.uint16).reshape(shape)
+        return dequantize_fp8(raw, scale[begin:end].reshape(shape[:2]), shape)
 
 
 def export_speculators(
@@ -234,9 +262,11 @@ def export_speculators(
         raise InputError(f"{source.url} has no {MANIFEST_KEY}: the chunks are not verified", "Run `dflashctl verify` first")
     manifest = Manifest.from_json(source.get_bytes(MANIFEST_KEY))
     check_layers(manifest, depth)
+    with_final = manifest.final_hidden is not None
+    entries = file_layers(manifest, depth)
     metadata = {
-        "format": "pt", "producer": "dflash-k8s", "model": manifest.model, "layers": json.dumps(manifest.layers),
-        "aux_hidden_state_layer_ids": json.dumps(aux_layer_ids(manifest.layers)),
+        "format": "pt", "producer": "dflash-k8s", "model": manifest.model, "layers": json.dumps(entries),
+        "aux_hidden_state_layer_ids": json.dumps(aux_layer_ids(entries)),
     }
     index: list[dict] = []
     counts = {"files": 0, "kept": 0, "bytes": 0}
@@ -245,7 +275,9 @@ def export_speculators(
             reader = ChunkReader.open(source, hidden_chunk_key(marker.chunk))
             if reader.layers != manifest.layers:
                 raise InputError(f"{source.url}/{reader.key} holds layers {reader.layers}, the manifest {manifest.layers}", "Run `dflashctl verify` again")
-            chunk = ChunkSamples.read(reader)
+            if with_final and reader.final_hidden is None:
+                raise InputError(f"{source.url}/{reader.key} holds no final hidden state, the manifest says every chunk does", "Run `dflashctl verify` again")
+            chunk = ChunkSamples.read(reader, with_final=with_final)
             first = len(index)
             index += [
                 {"index": first + i, "sample_id": int(chunk.sample_ids[i]), "chunk": marker.chunk, "tokens": chunk.tokens(i)}
@@ -260,7 +292,7 @@ def export_speculators(
     summary = ExportSummary(
         destination=destination.url, files=counts["files"], kept=counts["kept"], samples=len(index),
         tokens=sum(s["tokens"] for s in index), bytes=counts["bytes"], layers=list(manifest.layers),
-        aux_hidden_state_layer_ids=aux_layer_ids(manifest.layers[:-1]), last_layer=depth,
+        aux_hidden_state_layer_ids=aux_layer_ids(entries[:-1]), last_layer=depth, final_hidden=with_final,
     )
     destination.put_bytes(SAMPLES_KEY, "".join(json.dumps(s) + "\n" for s in index).encode())
     record = {"format": FORMAT, **asdict(summary), "source": source.url, "model": manifest.model, "run_dtype": manifest.dtype}

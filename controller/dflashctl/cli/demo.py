@@ -13,7 +13,7 @@ from dflash_jobs.storage import storage_for
 
 from dflashctl.backends import open_backend
 from dflashctl.cli import output
-from dflashctl.cli.options import OutputFormat
+from dflashctl.cli.options import OutputFormat, Targets
 from dflashctl.cli.reporting import print_report, reporter_for
 from dflashctl.demo import SPEC_NAME, DemoSummary, summarize_demo, write_demo
 from dflashctl.pipeline import run_pipeline
@@ -72,7 +72,7 @@ def print_summary(summary: DemoSummary) -> None:
     table.add_row("lossless", "yes: every output equals plain greedy" if summary.lossless else "[red]NO[/]")
     output.stdout.print(table)
     spec = summary.spec_file
-    for command in (f"dflashctl status -f {spec}", f"dflashctl logs extract --shard 1 -f {spec}", f"dflashctl render all -f {spec} -o manifests/"):
+    for command in (f"dflashctl status -f {spec}", f"dflashctl logs extract --shard 1 --spec {spec}", f"dflashctl render all -f {spec} -d manifests/"):
         output.hint(command)
 
 
@@ -93,4 +93,4 @@ def generated_line(summary: DemoSummary) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(demo)
+    app.command(targets=Targets.none)(demo)

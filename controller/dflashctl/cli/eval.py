@@ -5,11 +5,10 @@ from __future__ import annotations
 import typer
 
 from dflash_jobs.formats import EVAL_REPORT_KEY
-from dflash_jobs.spec import load_spec
 
 from dflashctl.backends import open_backend
 from dflashctl.cli import output
-from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt, TimeoutOpt
+from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt, TimeoutOpt, read_spec
 from dflashctl.cli.reporting import print_report, reporter_for
 from dflashctl.pipeline import run_eval
 
@@ -31,7 +30,7 @@ def evaluate(
 
       dflashctl eval -o json | jq '.drafters.dflash.acceptance_length'
     """
-    spec = load_spec(spec_file)
+    spec = read_spec(spec_file)
     with reporter_for(output.stderr) as reporter:
         report = run_eval(spec, open_backend(spec), reporter=reporter, timeout=timeout)
     print_report(report, fmt)

@@ -16,7 +16,7 @@ from dflash_jobs.speculators import DEFAULT_WORKERS, default_destination, export
 from dflash_jobs.storage import open_storage, storage_for
 
 from dflashctl.cli import output
-from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt
+from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt, Targets
 from dflashctl.cli.reporting import reporter_for
 from dflashctl.pipeline import StepUpdate
 
@@ -43,15 +43,17 @@ def export_states(
 
     speculators: one hs_<i>.safetensors per sample (hidden_states bf16 [T, L, d], token_ids, and
     loss_mask, which it ignores), fp8 runs dequantized with their scales. speculators reads the last
-    layer of each file as the target's final one, so the run must have captured the target's last
-    decoder layer (the last of target.layers). Streams chunk by chunk, a sample per ranged read;
-    run it again after an interruption: complete files are kept.
+    layer of each file as the target's final one: the run's stored final hidden state
+    (extract.final_hidden), appended after target.layers, or else the target's last decoder layer,
+    which the run must then have captured as the last of target.layers. Streams chunk by chunk, a
+    sample per ranged read; run it again after an interruption: complete files are kept.
 
     Examples:
 
       dflashctl export-states --format speculators
 
-      dflashctl export-states --format speculators --to s3://bucket/speculators/qwen36/hidden_states --workers 32
+      dflashctl export-states --format speculators --workers 32 \\
+        --to s3://bucket/speculators/qwen36/hidden_states
     """
     spec = load_spec(spec_file)
     source = storage_for(spec)
@@ -70,7 +72,8 @@ def export_states(
             ("files", f"{summary.samples:,} ({summary.files:,} written, {summary.kept:,} already there)"),
             ("tokens", f"{summary.tokens:,}"), ("size", f"{summary.bytes / 2**30:.2f} GiB"),
             ("layers (ours)", summary.layers),
-            ("speculators ids", f"--target-layer-ids {' '.join(map(str, summary.aux_hidden_state_layer_ids))}, last layer {summary.last_layer} appended"),
+            ("speculators ids", f"--target-layer-ids {' '.join(map(str, summary.aux_hidden_state_layer_ids))}, last layer {summary.last_layer} appended"
+                                + (" (the stored final hidden state)" if summary.final_hidden else "")),
         ):
             table.add_row(name, str(value))
         output.stdout.print(table)
@@ -82,4 +85,4 @@ def export_states(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("export-states")(export_states)
+    app.command("export-states", targets=Targets.none)(export_states)

@@ -10,7 +10,7 @@ import typer
 from dflash_jobs.errors import InputError
 
 from dflashctl.cli import output
-from dflashctl.cli.options import DEFAULT_SPEC, SpecOpt
+from dflashctl.cli.options import DEFAULT_SPEC, SpecOpt, Targets
 from dflashctl.demo import write_demo
 from dflashctl.starter import starter_spec
 
@@ -40,9 +40,9 @@ def init(
         return
     spec_file.parent.mkdir(parents=True, exist_ok=True)
     spec_file.write_text(starter_spec())
-    output.info(f"wrote {spec_file}: set name, target.model, data.source and output")
+    output.info(f"wrote {spec_file}: set name, target.model, data.source and output, and cluster.image and controller_image to the images you pushed")
     output.hint(f"dflashctl plan -f {spec_file}")
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(init)
+    app.command(targets=Targets.none)(init)

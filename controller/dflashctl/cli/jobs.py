@@ -10,12 +10,10 @@ from typing import Annotated
 
 import typer
 
-from dflash_jobs.spec import load_spec
-
 from dflashctl.backend import EVENT_SHARDS_RETRIED, format_indexes
 from dflashctl.backends import open_backend
 from dflashctl.cli import output
-from dflashctl.cli.options import DEFAULT_SPEC, SpecOpt
+from dflashctl.cli.options import DEFAULT_SPEC, SpecOpt, read_spec
 from dflashctl.cli.status import job_statuses
 from dflashctl.cli.submit import Step
 from dflashctl.render import COMPONENTS, STEPS, job_name, render_selection
@@ -30,7 +28,7 @@ def cancel(spec_file: SpecOpt = DEFAULT_SPEC) -> None:
 
       dflashctl cancel && dflashctl run     # start over; landed chunks are kept
     """
-    spec = load_spec(spec_file)
+    spec = read_spec(spec_file)
     backend = open_backend(spec)
     jobs = job_statuses(spec, backend)
     # The controller first, so that it does not submit the next step meanwhile.
@@ -58,7 +56,7 @@ def retry(
 
       dflashctl retry extract
     """
-    spec = load_spec(spec_file)
+    spec = read_spec(spec_file)
     backend = open_backend(spec)
     jobs = job_statuses(spec, backend)
     steps = [step.value] if step is not None else [s for s in STEPS if jobs[s].failed_terminally]

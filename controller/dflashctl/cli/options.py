@@ -1,4 +1,10 @@
-"""Options shared by the commands. Flags select things; every knob of a run lives in the spec."""
+"""Options shared by the commands. Flags select things; every knob of a run lives in the spec.
+
+`-o/--output` is always an output format, as in kubectl; a directory has a flag of its own
+(`render -d`). `--context` and `-n/--namespace` are added to every command that talks to a cluster
+by the app itself (cli/app.py), and the commands read their spec with `read_spec`, which places it
+in that namespace.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,18 @@ from typing import Annotated
 
 import typer
 
+from dflash_jobs.spec import DNS1123_LABEL, RunSpec, load_spec
+
+from dflashctl.backends import targeted
+
+
+class Targets(Enum):
+    """Which of --context and -n/--namespace a command takes (`app.command(targets=...)`)."""
+
+    cluster = "cluster"  # both: the command talks to a cluster
+    namespace = "namespace"  # -n only: the command renders objects into a namespace
+    none = "none"  # the command does not touch a cluster
+
 
 class OutputFormat(str, Enum):
     table = "table"
@@ -16,12 +34,48 @@ class OutputFormat(str, Enum):
 
 SpecOpt = Annotated[
     Path,
-    typer.Option("-f", "--file", help="The run spec (YAML).", envvar="DFLASH_SPEC", show_default=True),
+    typer.Option("-f", "--file", "--spec", help="The run spec (YAML).", envvar="DFLASH_SPEC", show_default=True),
 ]
-OutputOpt = Annotated[OutputFormat, typer.Option("-o", "--output", help="table for people, json for machines.")]
+OutputOpt = Annotated[OutputFormat, typer.Option("-o", "--output", help="The output format: table for people, json for machines.")]
 WatchOpt = Annotated[bool, typer.Option("--watch", "-w", help="Keep refreshing until the run ends.")]
-ShardOpt = Annotated[int | None, typer.Option("--shard", help="Extraction shard (Job completion index).")]
-TimeoutOpt = Annotated[float | None, typer.Option("--timeout", help="Give up waiting after this many seconds (exit 3); the Jobs go on.")]
+ShardOpt = Annotated[int | None, typer.Option("--shard", min=0, help="One shard only (the Job's completion index, from 0).")]
+TimeoutOpt = Annotated[
+    float | None, typer.Option("--timeout", min=0, help="Give up waiting after this many seconds (exit 3); the Jobs go on.")
+]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Delete and recreate what a different spec left under this name (its Jobs, run.yaml).")]
 
 DEFAULT_SPEC = Path("dflash.yaml")
+
+
+def read_spec(spec_file: Path) -> RunSpec:
+    """The spec, validated, in the namespace the command line names (-n), if it names one."""
+    return targeted(load_spec(spec_file))
+
+
+def namespace_name(value: str | None) -> str | None:
+    """-n/--namespace: a Kubernetes namespace name, checked before anything talks to a cluster."""
+    if value is not None and (not DNS1123_LABEL.match(value) or len(value) > 63):
+        raise typer.BadParameter(
+            f"{value!r} is not a namespace name: lower-case letters, digits and '-', starting and ending with a letter or digit, at most 63 characters"
+        )
+    return value
+
+
+ContextOpt = Annotated[
+    str | None,
+    typer.Option("--context", help="The kubeconfig context to talk to, instead of its current context (as in kubectl).", show_default=False),
+]
+NamespaceOpt = Annotated[
+    str | None,
+    typer.Option(
+        "-n", "--namespace", callback=namespace_name, show_default=False,
+        help="The namespace to talk to, instead of the spec's cluster.namespace; the spec hash stays the same.",
+    ),
+]
+RenderNamespaceOpt = Annotated[
+    str | None,
+    typer.Option(
+        "-n", "--namespace", callback=namespace_name, show_default=False,
+        help="Render the objects into this namespace instead of the spec's cluster.namespace; the spec hash stays the same.",
+    ),
+]

@@ -11,7 +11,7 @@ from dflash_jobs.spec import load_spec
 
 from dflashctl import plan as planning
 from dflashctl.cli import output
-from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt
+from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt, Targets
 
 
 def plan(
@@ -32,7 +32,9 @@ def plan(
     ] = planning.STORE_READ_MB_PER_S_PER_NODE,
 ) -> None:
     """Validate the spec and show what the run costs: tokens, storage (TB), GPU-hours of extraction and training, upload rate,
-    and what training reads from storage: each rank's share against its cache, TB per epoch and in all, MB/s per node.
+    and what training reads from storage: each rank's share against its cache, TB per epoch and in all, MB/s per node;
+    and the target's final hidden state's share of them (stored for DSpark, or with extract.final_hidden: true).
+    Refuses a drafter that reads the final hidden state when the run's verified states lack it.
 
     Exact once `dflashctl prepare` wrote tokens/dataset.json; before that, estimated from the size
     of data.source. With a generate section, also the answers to generate: prompts (exact once
@@ -49,6 +51,7 @@ def plan(
       dflashctl plan --store-mb-per-s 5000
     """
     spec = load_spec(spec_file)
+    planning.check_stored_states(spec)
     generation = None
     if spec.generate is not None:
         prompts, measured = planning.read_generation(spec)
@@ -82,6 +85,7 @@ def plan_table(result: planning.Plan) -> Table:
     table.add_row("samples", _amount(result.data.samples, estimated))
     table.add_row("tokens", _amount(result.data.tokens, estimated))
     table.add_row("captured states", f"{len(result.target.layers)} layers {result.target.layers} x hidden {result.target.hidden_size}")
+    _final_hidden_row(table, result.final_hidden)
     for dtype, size in result.bytes_per_token.items():
         chosen = "  <- extract.dtype" if dtype == result.dtype else ""
         table.add_row(f"storage {dtype}", _amount(result.storage_tb[dtype], f" TB ({size:,} bytes/token){chosen}"))
@@ -108,6 +112,13 @@ def _training_read_rows(table: Table, reads: planning.TrainingReads) -> None:
     ))
 
 
+def _final_hidden_row(table: Table, cost: planning.FinalHiddenCost) -> None:
+    added = (f"+{cost.bytes_per_token:,} bytes/token (+{cost.fraction:.0%}, {cost.dtype}), {_amount(cost.storage_tb)} TB, "
+             f"+{cost.upload_mb_per_s_per_node:,.0f} MB/s upload per node, +{cost.train_read_mb_per_s_per_gpu:,.0f} MB/s training reads "
+             f"per GPU ({cost.train_read_mb_per_s_per_node:,.0f} per node)")
+    table.add_row("final hidden state", f"stored, in the figures below: {added}" if cost.stored else f"not stored (extract.final_hidden); it would add {added}")
+
+
 def _generation_rows(table: Table, cost: planning.GenerationCost) -> None:
     estimated = " (estimate)" if cost.prompts_estimated else ""
     per_answer = (f"up to {cost.max_new_tokens:,} tokens each (an upper bound)" if cost.upper_bound
@@ -129,4 +140,4 @@ def _amount(value: float | int | None, suffix: str = "") -> str:
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(plan)
+    app.command(targets=Targets.none)(plan)

@@ -16,7 +16,7 @@ from dflash_jobs.errors import EXIT_BAD_SPEC, EXIT_OK
 from dflash_jobs.spec import load_spec
 
 from dflashctl.cli import output
-from dflashctl.cli.options import DEFAULT_SPEC, SpecOpt
+from dflashctl.cli.options import DEFAULT_SPEC, SpecOpt, Targets
 from dflashctl.errors import EXIT_RUN_FAILED, EXIT_USAGE
 
 
@@ -46,4 +46,4 @@ def prepare(
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(prepare)
+    app.command(targets=Targets.none)(prepare)

@@ -10,11 +10,9 @@ from typing import Any
 import typer
 from rich.markup import escape
 
-from dflash_jobs.spec import load_spec
-
 from dflashctl.backends import open_backend
 from dflashctl.cli import output
-from dflashctl.cli.options import DEFAULT_SPEC, ForceOpt, OutputFormat, OutputOpt, SpecOpt, TimeoutOpt
+from dflashctl.cli.options import DEFAULT_SPEC, ForceOpt, OutputFormat, OutputOpt, SpecOpt, TimeoutOpt, read_spec
 from dflashctl.cli.reporting import print_report, reporter_for
 from dflashctl.metrics import with_metrics
 from dflashctl.pipeline import PipelineResult, run_pipeline
@@ -39,9 +37,10 @@ def run(
 
       dflashctl submit controller      # the same, as a CPU Job inside the cluster
 
-    With cluster.metrics_port set, it serves its progress as Prometheus metrics on that port.
+    With cluster.metrics_port set, it serves its progress as Prometheus metrics on that port; where
+    the port is taken (a laptop, not a pod), on a free one, which it names.
     """
-    spec = load_spec(spec_file)
+    spec = read_spec(spec_file)
     backend = open_backend(spec)
     with reporter_for(output.stderr) as reporter:
         result = run_pipeline(spec, backend, reporter=with_metrics(spec, reporter), force=force, timeout=timeout)

@@ -27,14 +27,14 @@ from dflash_jobs.formats import DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, MANIFEST_KE
 from dflash_jobs.generation import MANIFEST_KEY as GENERATION_MANIFEST_KEY
 from dflash_jobs.generation import ChunkMarker, GenerationManifest, GenerationProgress, current_manifest
 from dflash_jobs.generation import read_progress as read_generation_progress
-from dflash_jobs.spec import RunSpec, load_spec
+from dflash_jobs.spec import RunSpec
 from dflash_jobs.storage import Storage, storage_for
 from dflash_jobs.units import format_duration
 
 from dflashctl.backend import Backend, JobStatus, format_indexes
 from dflashctl.backends import open_backend
 from dflashctl.cli import output
-from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt, WatchOpt
+from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt, WatchOpt, read_spec
 from dflashctl.progress import (
     Progress, format_rate, generation_rates, generation_time_left, landing_rate, read_progress, time_left,
 )
@@ -399,7 +399,7 @@ def status(
 
       dflashctl status                 # a table
 
-      dflashctl status --watch         # live until the run ends (or Ctrl-C), across the gaps between Jobs
+      dflashctl status --watch   # live until the run ends, across its gaps
 
       dflashctl status -o json | jq .progress
 
@@ -409,11 +409,11 @@ def status(
 
       kubectl get jobs,pods -l dflash.dev/run=NAME
 
-      kubectl describe job NAME-extract      # the pipeline's milestones and failures, as events
+      kubectl describe job NAME-extract   # milestones and failures, as events
 
-      kubectl get jobs -l dflash.dev/run=NAME -o custom-columns='JOB:.metadata.name,CHUNKS:.metadata.annotations.dflash\\.dev/progress'
+      kubectl get job NAME-extract -o yaml | grep dflash.dev/progress   # chunks
     """
-    spec = load_spec(spec_file)
+    spec = read_spec(spec_file)
     backend = open_backend(spec)
     markers: dict[str, ChunkMarker] = {}
     report = collect(spec, backend, markers)

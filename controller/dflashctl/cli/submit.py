@@ -9,13 +9,12 @@ import typer
 
 from dflash_jobs.errors import InputError
 from dflash_jobs.formats import MANIFEST_KEY
-from dflash_jobs.spec import load_spec
 from dflash_jobs.storage import storage_for
 
 from dflashctl.backend import JobStatus
 from dflashctl.backends import open_backend
 from dflashctl.cli import output
-from dflashctl.cli.options import DEFAULT_SPEC, ForceOpt, SpecOpt, TimeoutOpt
+from dflashctl.cli.options import DEFAULT_SPEC, ForceOpt, SpecOpt, TimeoutOpt, read_spec
 from dflashctl.cli.status import summarize
 from dflashctl.errors import RunFailed
 from dflashctl.render import COMPONENTS, job_name, render_selection
@@ -40,11 +39,11 @@ def submit(
 
       dflashctl submit extract --wait
 
-      dflashctl submit controller      # the whole pipeline as a CPU Job in the cluster
+      dflashctl submit controller   # the pipeline as a CPU Job in the cluster
 
-      dflashctl submit train           # needs extract/manifest.json (`dflashctl verify`)
+      dflashctl submit train        # needs extract/manifest.json (verify)
     """
-    spec = load_spec(spec_file)
+    spec = read_spec(spec_file)
     if step is Step.train and not storage_for(spec).exists(MANIFEST_KEY):
         raise InputError(
             f"{spec.output}/{MANIFEST_KEY} does not exist: training starts only from verified chunks",

@@ -12,7 +12,7 @@ from dflash_jobs.spec import load_spec
 from dflash_jobs.storage import storage_for
 
 from dflashctl.cli import output
-from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt
+from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt, Targets
 from dflashctl.cli.reporting import reporter_for
 from dflashctl.pipeline import StepUpdate
 from dflashctl.verify import Expected, verify_run
@@ -29,7 +29,7 @@ def verify(
 ) -> None:
     """Check every hidden-state chunk against its done marker and write extract/manifest.json.
 
-    Size, etag, the safetensors header (tokens, layers, dtype, width) and, where the storage has no
+    Size, etag, the safetensors header (tokens, layers, dtype, width, final hidden state) and, where the storage has no
     etag or with --deep, the sha256. Training starts only from the manifest. Exit 1 lists each bad
     chunk and how to redo it.
 
@@ -37,7 +37,7 @@ def verify(
 
       dflashctl verify
 
-      dflashctl verify --deep              # before a long training run, on suspect storage
+      dflashctl verify --deep   # before a long training run, on suspect storage
 
       dflashctl verify --delete-bad; dflashctl run
     """
@@ -52,7 +52,7 @@ def verify(
         output.result_json({
             "manifest": f"{storage.url}/{MANIFEST_KEY}", "chunks": len(manifest.chunks), "samples": manifest.samples,
             "tokens": manifest.tokens, "bytes": manifest.bytes, "layers": manifest.layers, "dtype": manifest.dtype,
-            "hidden_size": manifest.hidden_size, "model": manifest.model,
+            "hidden_size": manifest.hidden_size, "model": manifest.model, "final_hidden": manifest.final_hidden,
         })
     else:
         table = Table(title=f"verified: {storage.url}/{MANIFEST_KEY}", show_header=False, title_justify="left")
@@ -60,6 +60,7 @@ def verify(
             ("chunks", len(manifest.chunks)), ("samples", f"{manifest.samples:,}"), ("tokens", f"{manifest.tokens:,}"),
             ("size", f"{manifest.bytes / 2**30:.2f} GiB"), ("layers", manifest.layers), ("dtype", manifest.dtype),
             ("hidden size", manifest.hidden_size), ("target", manifest.model),
+            ("final hidden state", manifest.final_hidden or "not stored (extract.final_hidden)"),
         ):
             table.add_row(name, str(value))
         output.stdout.print(table)
@@ -67,4 +68,4 @@ def verify(
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(verify)
+    app.command(targets=Targets.none)(verify)

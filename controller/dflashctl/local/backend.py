@@ -233,8 +233,6 @@ class LocalBackend:
         files = JobFiles(self.workdir, job_name)
         if index is not None and not (0 <= index < status.completions):
             raise RunFailed(f"Job {job_name} has no shard {index}", f"Shards are 0..{status.completions - 1}")
-        if index is not None and not follow and not status.shards[index].attempts:
-            raise RunFailed(f"shard {index} of Job {job_name} has no pod yet", "`dflashctl logs --follow` waits for it")
         # Without --follow, the shards that ran; with it, every shard (the others start later).
         shown = [s for s in status.shards if (index is None or s.index == index) and (follow or s.attempts)]
         tails = {
@@ -244,6 +242,14 @@ class LocalBackend:
         if not follow:
             return (line for tail in tails.values() for line in tail.read(final=True))
         return self._follow(job_name, tails)
+
+    def waiting(self, job_name: str, index: int | None) -> list[str]:
+        status = self.job_status(job_name)
+        return [
+            f"shard {shard.index} has not started yet (no process: it waits for a free slot of the Job's parallelism), no log yet"
+            for shard in status.shards
+            if (index is None or shard.index == index) and not shard.attempts and not status.finished
+        ]
 
     def _follow(self, job_name: str, tails: dict[int, _IndexTail]) -> Iterator[str]:
         """Lines as they are written, across retries of an index, until the Job (or the index) ends."""

@@ -36,10 +36,12 @@ class DFlashDraftModel(DraftTrunk, PreTrainedModel):
     config_class = Qwen3Config
     base_model_prefix = "dflash"
     _no_split_modules = ["DecoderLayer"]
+    config_type = DrafterConfig
+    """How this class reads its config.json (a variant's entry point names its own)."""
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__(config)
-        self.drafter_config = DrafterConfig.from_zlab(config.to_dict())
+        self.drafter_config = self.config_type.from_zlab(config.to_dict())
         self.build_trunk(self.drafter_config)
         self.target_layer_ids = list(self.drafter_config.target_layer_ids)
         self.block_size = self.drafter_config.block_size
@@ -58,7 +60,7 @@ class DFlashDraftModel(DraftTrunk, PreTrainedModel):
     ) -> torch.Tensor:
         """The block's final-normed hidden states [b, Q, d] (see the module docstring)."""
         if attention_mask is not None:
-            raise ValueError("DFlashDraftModel builds its masks from the layer types (blockwise; causal on sliding layers): pass attention_mask=None")
+            raise ValueError(f"{type(self).__name__} builds its masks from the layer types and is_causal (blockwise): pass attention_mask=None")
         if (position_ids != position_ids[:1]).any():
             raise ValueError("every row of position_ids must be the same: a batch drafts at one position")
         positions = position_ids[0]
@@ -74,7 +76,7 @@ class DFlashDraftModel(DraftTrunk, PreTrainedModel):
                 kept = k.shape[-2] - len(positions)
                 first = positions[0]
                 key_positions = torch.cat([torch.arange(first - kept, first, device=positions.device), positions])
-                return one_block_attention(key_positions, block_size, window)(q, k, v)
+                return one_block_attention(key_positions, block_size, window, self.drafter_config.is_causal)(q, k, v)
 
             return attend
 
@@ -83,6 +85,10 @@ class DFlashDraftModel(DraftTrunk, PreTrainedModel):
     def compute_logits(self, hidden: torch.Tensor, output_head: torch.nn.Module) -> torch.Tensor:
         """Logits through the target's LM head (the drafter has none of its own)."""
         return output_head(hidden.to(output_head.weight.dtype))
+
+    def draft_tokens(self, hidden: torch.Tensor, anchor_token: torch.Tensor, output_head: torch.nn.Module) -> torch.Tensor:
+        """The greedy drafts of one block from its hidden states [Q, d]: the argmax of slots 1..Q-1."""
+        return self.compute_logits(hidden[1:], output_head).argmax(-1)
 
     @torch.inference_mode()
     def spec_generate(
@@ -122,6 +128,7 @@ class CachedDrafter:
     def __init__(self, model: DFlashDraftModel, target: torch.nn.Module) -> None:
         self.model = model
         self.block_size = model.block_size
+        self.drafts = model.block_size - 1
         self.target_layers = list(model.target_layer_ids)
         self.embed = target.get_input_embeddings()
         self.head = target.get_output_embeddings()
@@ -142,5 +149,5 @@ class CachedDrafter:
         )
         self.cache.crop(anchor - self.cache.get_seq_length())  # keep the context's K/V, drop the block's
         self.cached = anchor
-        return self.model.compute_logits(hidden[0, 1:], self.head).argmax(-1)
+        return self.model.draft_tokens(hidden[0], tokens[-1], self.head)
 

@@ -4,8 +4,10 @@ Keys are laid out as [context (C target positions) | blocks (N blocks of B slots
 N x B block slots. Query (n, j) sees:
 - context index g iff g lies in its document before its anchor: context_start[n] <= g < anchor[n]
   (strict: the anchor's own hidden state is not known at inference);
-- block slot (n', j') iff n' == n; sliding-window layers are causal inside the block (j' <= j),
-  which is what vLLM does for `sliding_attention` layers;
+- block slot (n', j') iff n' == n; a causal layer only the slots up to its own (j' <= j). Unless
+  the drafter states its causality (the exported `is_causal`, which then holds for every layer),
+  sliding-window layers are causal and full-attention layers bidirectional: vLLM's rule when the
+  key is absent;
 - on sliding-window layers only keys whose position is within the window: pos >= qpos - (W - 1),
   FlashAttention's (W - 1, 0) window as vLLM serves it.
 
@@ -63,31 +65,38 @@ class BlockLayout:
     def num_keys(self) -> int:
         return self.num_context + self.num_queries
 
-    def visible(self, q_idx: torch.Tensor, kv_idx: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
-        """True where query q_idx may attend to key kv_idx (broadcasting index tensors)."""
+    def visible(self, q_idx: torch.Tensor, kv_idx: torch.Tensor, sliding_window: int | None, causal: bool | None = None) -> torch.Tensor:
+        """True where query q_idx may attend to key kv_idx (broadcasting index tensors). causal:
+        whether a slot sees only the slots up to its own; None: causal iff sliding (see above)."""
         # Context keys: in the query's document, before its anchor (anchors are context indices, so
         # no block key ever passes this test).
         context_ok = (kv_idx >= self._q_start[q_idx]) & (kv_idx < self._q_anchor[q_idx])
         block_ok = self._k_block[kv_idx] == self._q_block[q_idx]
-        if sliding_window is not None:
+        if layer_causal(sliding_window, causal):
             block_ok = block_ok & (self._k_slot[kv_idx] <= self._q_slot[q_idx])
+        if sliding_window is not None:
             context_ok = context_ok & (self.key_positions[kv_idx] > self._q_position[q_idx] - sliding_window)
         return context_ok | block_ok
 
-    def mask_mod(self, sliding_window: int | None):
+    def mask_mod(self, sliding_window: int | None, causal: bool | None = None):
         """`visible` in flex_attention's mask_mod signature."""
 
         def mask_mod(b, h, q_idx, kv_idx):
-            return self.visible(q_idx, kv_idx, sliding_window)
+            return self.visible(q_idx, kv_idx, sliding_window, causal)
 
         return mask_mod
 
-    def dense_mask(self, sliding_window: int | None) -> torch.Tensor:
+    def dense_mask(self, sliding_window: int | None, causal: bool | None = None) -> torch.Tensor:
         """bool [N*B, C + N*B]; memory grows with queries x keys, so for CPU and small batches."""
         device = self.anchor.device
         q_idx = torch.arange(self.num_queries, device=device)[:, None]
         kv_idx = torch.arange(self.num_keys, device=device)[None, :]
-        return self.visible(q_idx, kv_idx, sliding_window)
+        return self.visible(q_idx, kv_idx, sliding_window, causal)
+
+
+def layer_causal(sliding_window: int | None, causal: bool | None) -> bool:
+    """A layer's causality inside the block: as stated, else causal iff it has a sliding window."""
+    return sliding_window is not None if causal is None else causal
 
 
 def dense_attention(mask: torch.Tensor) -> AttentionFn:
@@ -107,13 +116,13 @@ def compiled_flex(backend: str = "inductor"):
     return torch.compile(create_block_mask, dynamic=True, backend=backend), torch.compile(flex_attention, dynamic=True, backend=backend)
 
 
-def flex_attention_fn(layout: BlockLayout, sliding_window: int | None, *, backend: str = "inductor") -> AttentionFn:
+def flex_attention_fn(layout: BlockLayout, sliding_window: int | None, *, causal: bool | None = None, backend: str = "inductor") -> AttentionFn:
     """flex_attention over a BlockMask built from `visible`: only the tiles that hold a visible key
     are computed, which is what makes 512 blocks x 16 slots against 4K context affordable. Both are
     compiled: uncompiled, building the mask materialises [queries, keys] and the attention runs
     flex's unfused path, a [heads, queries, keys] fp32 score tensor."""
     make_block_mask, kernel = compiled_flex(backend)
-    block_mask = make_block_mask(layout.mask_mod(sliding_window), None, None, layout.num_queries, layout.num_keys, device=layout.anchor.device)
+    block_mask = make_block_mask(layout.mask_mod(sliding_window, causal), None, None, layout.num_queries, layout.num_keys, device=layout.anchor.device)
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return kernel(q, k, v, block_mask=block_mask, enable_gqa=True)
@@ -121,7 +130,7 @@ def flex_attention_fn(layout: BlockLayout, sliding_window: int | None, *, backen
     return attend
 
 
-def one_block_attention(key_positions: torch.Tensor, block_size: int, sliding_window: int | None) -> AttentionFn:
+def one_block_attention(key_positions: torch.Tensor, block_size: int, sliding_window: int | None, causal: bool | None = None) -> AttentionFn:
     """Dense attention of one block over all of its context: keys are [context | block], with RoPE
     positions `key_positions` [K]; the block is the last `block_size` of them."""
     device = key_positions.device
@@ -132,20 +141,21 @@ def one_block_attention(key_positions: torch.Tensor, block_size: int, sliding_wi
         anchor=torch.full((1,), num_context, dtype=torch.long, device=device),
         key_positions=key_positions,
     )
-    return dense_attention(layout.dense_mask(sliding_window))
+    return dense_attention(layout.dense_mask(sliding_window, causal))
 
 
 def build_attention(
-    layout: BlockLayout, layer_types: list[str], sliding_window: int, *, backend: str
+    layout: BlockLayout, layer_types: list[str], sliding_window: int, *, backend: str, is_causal: bool | None = None
 ) -> dict[str, AttentionFn]:
-    """One attention function per layer type present: "dense" (SDPA + bool mask) or "flex"."""
+    """One attention function per layer type present: "dense" (SDPA + bool mask) or "flex".
+    is_causal: the drafter's stated causality (DrafterConfig.is_causal); None: causal iff sliding."""
     functions = {}
     for layer_type in sorted(set(layer_types)):
         window = sliding_window if layer_type == "sliding_attention" else None
         if backend == "flex":
-            functions[layer_type] = flex_attention_fn(layout, window)
+            functions[layer_type] = flex_attention_fn(layout, window, causal=is_causal)
         elif backend == "dense":
-            functions[layer_type] = dense_attention(layout.dense_mask(window))
+            functions[layer_type] = dense_attention(layout.dense_mask(window, is_causal))
         else:
             raise ValueError(f"attention backend {backend!r}: expected 'dense' or 'flex'")
     return functions

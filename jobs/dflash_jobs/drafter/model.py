@@ -25,6 +25,8 @@ from torch import nn
 from .masks import AttentionFn, one_block_attention
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+GREEDY_LOGITS = 2**26
+"""Logits materialised at once by greedy_tokens (rows x vocabulary)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -42,6 +44,7 @@ class DrafterConfig:
     mask_token_id: int  # embedding row filling the slots to predict (an unused target row)
     layer_types: list[str] = field(default_factory=list)  # per layer: full_attention (bidirectional in the block) or sliding_attention (causal in the block)
     sliding_window: int = 2048  # keys per query on sliding_attention layers, the query included
+    is_causal: bool | None = None  # every layer causal inside the block (True) or bidirectional (False); None: as layer_types says (DFlash: no key exported)
     rope_theta: float = 1e7  # RoPE base, the target's (the drafter uses full-head 1-D RoPE)
     rms_norm_eps: float = 1e-6  # epsilon of every RMSNorm
     max_position_embeddings: int = 262144  # longest position served (exported for vLLM)
@@ -136,6 +139,7 @@ class DrafterConfig:
             rope_theta=float(rope_theta),
             rms_norm_eps=raw["rms_norm_eps"],
             max_position_embeddings=raw["max_position_embeddings"],
+            is_causal=raw.get("is_causal"),
         )
 
 
@@ -236,13 +240,16 @@ LayerAttention = Callable[[int, str], AttentionFn]
 class DraftTrunk:
     """fc, hidden_norm, the decoder layers and the final norm, under z-lab's names (the exported
     weight keys), and the pass through them. A mixin of nn.Module subclasses: the training `Drafter`
-    and the exported `DFlashDraftModel` (dflash.py) run this one pass."""
+    and the exported `DFlashDraftModel` (dflash.py) run this one pass; a variant whose layers wrap
+    the sublayers (DFlash2) names its own `decoder_layer`."""
+
+    decoder_layer: Callable[[DrafterConfig, int], nn.Module] = DecoderLayer
 
     def build_trunk(self, config: DrafterConfig) -> None:
         d = config.hidden_size
         self.fc = nn.Linear(config.context_features, d, bias=False)
         self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(d, config.rms_norm_eps)
         self.rope = Rope(config.head_dim, config.rope_theta)
 
@@ -317,6 +324,13 @@ class Drafter(DraftTrunk, nn.Module):
         """hidden [..., d] -> logits [..., V]: for small inputs only (at vocab 248K they are large)."""
         return hidden @ self.lm_head.T.to(hidden.dtype)
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., d] -> the argmax token [...] through the frozen LM head, a bounded slice of
+        logits at a time (at vocab 248K a few hundred rows of logits are a GB)."""
+        rows = max(1, GREEDY_LOGITS // self.config.vocab_size)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        return torch.cat([self.logits(part).argmax(-1) for part in flat.split(rows)]).view(hidden.shape[:-1])
+
     @torch.no_grad()
     def draft_block(
         self, context_hidden: torch.Tensor, context_positions: torch.Tensor, anchor_token: int, anchor_position: int
@@ -339,7 +353,12 @@ class Drafter(DraftTrunk, nn.Module):
         h = F.embedding(block_ids, self.embed_tokens)  # [1, B, d]
 
         def attention(index: int, kind: str) -> AttentionFn:
-            return one_block_attention(positions, B, self.config.window(kind))
+            return one_block_attention(positions, B, self.config.window(kind), self.config.is_causal)
 
         hidden = self.run_trunk(context_hidden.to(device), h, positions, attention)
-        return self.logits(hidden[0, 1:]).argmax(-1)  # [B-1, V] -> [B-1]
+        return self.block_drafts(hidden[0], anchor_token)
+
+    def block_drafts(self, hidden: torch.Tensor, anchor_token: int) -> torch.Tensor:
+        """The drafts of one block from its final-normed hidden states [B, d]: DFlash's are the
+        greedy tokens of slots 1..B-1 ([B-1, d] -> [B-1]); a variant with a head of its own reads them its way."""
+        return self.greedy_tokens(hidden[1:])

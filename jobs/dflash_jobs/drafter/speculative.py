@@ -42,7 +42,9 @@ class BlockDrafter(Protocol):
     """Anything that proposes the tokens after the anchor: the DFlash drafter, prompt lookup, a test stand-in."""
 
     block_size: int
-    """Tokens per verified block: the anchor plus at most block_size - 1 drafted tokens."""
+    """Tokens per drafted block, the anchor included."""
+    drafts: int
+    """The most tokens one call proposes: block_size - 1, or block_size where the anchor is a prediction slot (DSpark)."""
     target_layers: list[int]
     """Target layers the drafter reads as context (0-based: the output of decoder layer i, before the final norm); [] for none."""
 
@@ -51,18 +53,19 @@ class BlockDrafter(Protocol):
 
         tokens: the committed ids [n]; the last one is the anchor, which the target has not run yet.
         context: the captured target layers at positions 0..n-2, [n - 1, L * d] (None without target_layers).
-        Returns a 1-D tensor of at most block_size - 1 ids (possibly empty).
+        Returns a 1-D tensor of at most `drafts` ids (possibly empty).
         """
         ...
 
 
-class DFlashDrafter:
-    """The trained drafter (`dflash_jobs.drafter.model.Drafter`) as a BlockDrafter: one block per call."""
+class ModelDrafter:
+    """A trained drafter module (any variant: its `draft_block` drafts one block greedily) as a BlockDrafter."""
 
-    def __init__(self, drafter, config) -> None:
+    def __init__(self, drafter, *, drafts: int) -> None:
         self.drafter = drafter
-        self.block_size = config.block_size
-        self.target_layers = list(config.target_layer_ids)
+        self.block_size = drafter.config.block_size
+        self.drafts = drafts
+        self.target_layers = list(drafter.config.target_layer_ids)
 
     def propose(self, tokens: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
         anchor_position = len(tokens) - 1
@@ -290,7 +293,7 @@ def speculative_decode(
     while not _finished(tokens, max_new_tokens, stop_ids):
         # A block yields at most len(draft) + 1 tokens: draft no more than the output still needs.
         draft = drafter.propose(sequence[:length], context.view() if context is not None else None)
-        draft = draft[: min(drafter.block_size - 1, max_new_tokens - len(tokens) - 1)].to(device, torch.long)
+        draft = draft[: min(drafter.drafts, max_new_tokens - len(tokens) - 1)].to(device, torch.long)
         anchor = length - 1 - cached  # the anchor's index in the verify forward, after the uncached committed tokens
         checkpoint = target.checkpoint()
         logits = target.forward(torch.cat([sequence[cached:length], draft]))

@@ -22,6 +22,7 @@ class PromptLookupDrafter:
         if block_size < 2 or max_ngram < 1:
             raise ValueError(f"block_size must be >= 2 and max_ngram >= 1, got {block_size} and {max_ngram}")
         self.block_size = block_size
+        self.drafts = block_size - 1
         self.max_ngram = max_ngram
 
     def propose(self, tokens: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
@@ -33,5 +34,5 @@ class PromptLookupDrafter:
             starts = starts[starts + n < length]
             if len(starts):
                 begin = int(starts[0]) + n
-                return tokens[begin : begin + self.block_size - 1]
+                return tokens[begin : begin + self.drafts]
         return tokens[:0]

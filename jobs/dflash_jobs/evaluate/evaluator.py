@@ -25,10 +25,10 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
-from dflash_jobs.drafter.export import DRAFTER_PREFIX, load_drafter, load_drafter_config
+from dflash_jobs.drafter.export import DRAFTER_PREFIX, exported_config, load_drafter
 from dflash_jobs.drafter.model import Drafter, DrafterConfig
 from dflash_jobs.drafter.serving import run_serve_command
-from dflash_jobs.drafter.speculative import BlockDrafter, Decoded, DFlashDrafter, Target, greedy_decode, speculative_decode
+from dflash_jobs.drafter.speculative import BlockDrafter, Decoded, ModelDrafter, Target, greedy_decode, speculative_decode
 from dflash_jobs.errors import InputError
 from dflash_jobs.evaluate.baselines import PromptLookupDrafter
 from dflash_jobs.evaluate.lossless import Divergence, divergences, verify_noise
@@ -37,9 +37,10 @@ from dflash_jobs.evaluate.report import build_report, store_report
 from dflash_jobs.evaluate.simulated import anchors_accepted, document_batch
 from dflash_jobs.extract.target import local_checkpoint
 from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk
-from dflash_jobs.prepare import prompt_length
-from dflash_jobs.spec import EvalSpec, RunSpec
+from dflash_jobs.rows import prompt_length
+from dflash_jobs.spec import AnchorLayout, EvalSpec, RunSpec, anchor_layout
 from dflash_jobs.storage import Storage, open_storage, storage_for
+from dflash_jobs.variants import DrafterVariant, drafter_variant
 
 log = logging.getLogger("dflash.eval")
 
@@ -94,12 +95,14 @@ class PromptResult:
 
 
 class PromptDecoder:
-    """The target and the drafters, ready to decode one prompt at a time (in this process or in a worker)."""
+    """The target and the drafters, ready to decode one prompt at a time (in this process or in a worker):
+    the trained drafter, under its variant's name, and prompt lookup drafting as many tokens a block."""
 
-    def __init__(self, model, drafter: Drafter, config: DrafterConfig, settings: EvalSpec) -> None:
-        self.drafter = drafter
-        self.block_size = config.block_size
-        self.drafters: dict[str, BlockDrafter] = {"dflash": DFlashDrafter(drafter, config), "prompt_lookup": PromptLookupDrafter(config.block_size)}
+    def __init__(self, model, drafter: Drafter, variant: DrafterVariant, layout: AnchorLayout, settings: EvalSpec) -> None:
+        self.drafter, self.variant, self.layout = drafter, variant, layout
+        self.drafters: dict[str, BlockDrafter] = {
+            variant.name: ModelDrafter(drafter, drafts=layout.drafts), "prompt_lookup": PromptLookupDrafter(layout.drafts + 1),
+        }
         self.settings = settings
         self.stop = stop_ids(model)
         self.plain = Target(model)
@@ -117,18 +120,19 @@ class PromptDecoder:
             name: divergences(self.plain, prompt, d.tokens, reference, max_new_tokens=new_tokens, stop_ids=self.stop)
             for name, d in drafted.items()
         }
-        noise = verify_noise(self.plain, prompt, reference, self.block_size)
+        noise = verify_noise(self.plain, prompt, reference, self.layout.drafts + 1)  # the verify block: the anchor and its drafts
         return PromptResult(reference, drafted, self.simulate(prompt, reference), found, noise)
 
     def simulate(self, prompt: torch.Tensor, reference: Decoded) -> list[int]:
         """The training forward on prompt + greedy's output, with the target's layers captured over it in one forward."""
-        target = self.targets["dflash"]
+        target = self.targets[self.variant.name]
         document = torch.cat([prompt, torch.tensor(reference.tokens, dtype=prompt.dtype)]).to(target.device)
         with torch.inference_mode():
             target.reset()
             target.forward(document, last_only=True)
             hidden = target.features().view(len(document), len(target.layers), -1)  # [T, L*d] -> [T, L, d]
-        return anchors_accepted(self.drafter, document_batch(document, len(prompt), hidden, self.drafter))
+        batch = document_batch(document, len(prompt), hidden, self.drafter, self.layout)
+        return anchors_accepted(self.drafter, batch, self.variant.predict, self.layout)
 
     def close(self) -> None:
         for target in (self.plain, *self.targets.values()):
@@ -138,11 +142,17 @@ class PromptDecoder:
 def load_decoder(spec: RunSpec, *, device: torch.device) -> PromptDecoder:
     """The run's target and exported drafter on `device`, as a PromptDecoder."""
     model = load_target(spec, device=device, dtype=eval_dtype(device))
+    variant = drafter_variant(spec.train.drafter)
     drafter, config = load_drafter(
-        drafter_url(spec), target=spec.target.model, device=device,
+        drafter_url(spec), target=spec.target.model, variant=variant, device=device,
         endpoint_url=spec.storage.endpoint_url, region=spec.storage.region,
     )
-    return PromptDecoder(model, drafter, config, spec.eval)
+    return PromptDecoder(model, drafter, variant, served_layout(spec, config), spec.eval)
+
+
+def served_layout(spec: RunSpec, config: DrafterConfig) -> AnchorLayout:
+    """The anchor layout of the exported drafter: its variant's, at the block size it was exported with (what a server runs)."""
+    return anchor_layout(spec.train.drafter, block_size=config.block_size, gamma=spec.train.gamma)
 
 
 def eval_dtype(device: torch.device) -> torch.dtype:
@@ -210,15 +220,15 @@ def evaluate(spec: RunSpec, storage: Storage, *, device: torch.device) -> dict[s
     """Evaluates the exported drafter of the run; writes eval/report.json and eval/acceptance.png; returns the report."""
     prompts = held_out_prompts(storage, spec.eval.prompts)
     settings = spec.eval
+    variant = drafter_variant(spec.train.drafter)
+    exported = exported_config(drafter_url(spec), endpoint_url=spec.storage.endpoint_url, region=spec.storage.region)
+    config = variant.config_from_export(exported)
+    layout = served_layout(spec, config)
+    describe(spec, config, device, len(prompts))
     if settings.processes > 1:
-        # The workers load their own copies; this process reads the drafter's config only.
-        config = load_drafter_config(drafter_url(spec), endpoint_url=spec.storage.endpoint_url, region=spec.storage.region)
-        describe(spec, config, device, len(prompts))
-        results = decode_in_processes(spec, prompts, device=device)
+        results = decode_in_processes(spec, prompts, device=device)  # the workers load their own copies
     else:
         decoder = load_decoder(spec, device=device)
-        config = decoder.drafter.config
-        describe(spec, config, device, len(prompts))
         try:
             results = decode_prompts(decoder, prompts)
         finally:
@@ -229,11 +239,12 @@ def evaluate(spec: RunSpec, storage: Storage, *, device: torch.device) -> dict[s
         drafters={name: [r.drafted[name] for r in results] for name in names},
         divergences={name: [r.divergences[name] for r in results] for name in names},
         verify_noise=[r.verify_noise for r in results],
-        simulated={"dflash": [r.simulated for r in results]},
-        block_size=config.block_size, dtype=eval_dtype(device),
-        target=spec.target.model, drafter=drafter_url(spec), prompts=len(prompts),
+        simulated={variant.name: [r.simulated for r in results]},
+        # The verify block: the anchor and its drafts (a drafter that samples from the anchor drafts block_size of them).
+        block_size=layout.drafts + 1, dtype=eval_dtype(device),
+        target=spec.target.model, drafter=drafter_url(spec), drafter_variant=variant.name, prompts=len(prompts),
         max_new_tokens=settings.max_new_tokens, processes=min(settings.processes, len(prompts)), device=str(device),
-        vllm_serve=run_serve_command(spec, config.to_zlab()),
+        vllm_serve=run_serve_command(spec, exported),
     )
     store_report(storage, report)
     log.info("serve it with vLLM:\n%s", report["vllm_serve"])
@@ -241,6 +252,6 @@ def evaluate(spec: RunSpec, storage: Storage, *, device: torch.device) -> dict[s
 
 
 def describe(spec: RunSpec, config: DrafterConfig, device: torch.device, prompts: int) -> None:
-    log.info("target %s (%s, %s), drafter: %d layers, block %d, target layers %s; %d prompts, %d new tokens each, %d process(es)",
-             spec.target.model, device, eval_dtype(device), config.num_layers, config.block_size, config.target_layer_ids,
+    log.info("target %s (%s, %s), drafter: %s, %d layers, block %d, target layers %s; %d prompts, %d new tokens each, %d process(es)",
+             spec.target.model, device, eval_dtype(device), spec.train.drafter, config.num_layers, config.block_size, config.target_layer_ids,
              prompts, spec.eval.max_new_tokens, min(spec.eval.processes, prompts))

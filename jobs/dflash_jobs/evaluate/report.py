@@ -1,18 +1,21 @@
 """eval/report.json and eval/acceptance.png: the evaluation's figures, stored beside the run.
 
 report.json (format dflash.eval/v1):
-    target, drafter, prompts, max_new_tokens, block_size, device, dtype, processes
+    target, drafter, drafter_variant, prompts, max_new_tokens, device, dtype, processes
+    block_size: the verify block, the anchor and its drafts (train.block_size, or one more for a
+              drafter that samples from the anchor, DSpark); acceptance per position covers 1..block_size-1
     tie_tolerance: {value, statistic, positions, block_size}: the target's own verify-against-decode
               rounding, measured on this run (evaluate/lossless.py verify_noise): the largest change a
               verify forward made to greedy's top-1 minus top-2 logit over `positions` positions
     greedy:   {tokens, tokens_per_second}             plain greedy decoding, the reference
-    drafters: {name: metrics.summarize(...)}          "dflash", and "prompt_lookup" as the training-free baseline;
+    drafters: {name: metrics.summarize(...)}          the trained drafter under its variant's name (drafter_variant:
+              dflash, dflash2, dspark), and "prompt_lookup" as the training-free baseline;
               acceptance counts only tokens committed (never past a stop token or max_new_tokens);
               lossless (no real mismatch), mismatching_prompts, ties, real_mismatches (prompts),
               mismatches [{prompt, tie, divergences [{position, token, greedy_token, greedy_runner_up,
               greedy_margin, greedy_top_logit, tie}]}]: a divergence is a tie only where the output
               took greedy's runner-up at a margin within tie_tolerance.value
-    drafters.dflash.simulated: metrics.summarize_simulated(...)   the training forward's acceptance on
+    drafters.<variant>.simulated: metrics.summarize_simulated(...)   the training forward's acceptance on
               the same prompts (evaluate/simulated.py): acceptance_length, acceptance_per_position,
               anchors, at_decoded_anchors {steps, minimum_steps, compared, verdict, simulated and
               decoded per position}, relative_gap per position ((decoded - simulated) / simulated),

@@ -1,14 +1,15 @@
 """Capturing the chosen layers of a forward straight into the host memory of their chunks.
 
 Forward hooks copy each captured layer's output, real tokens only, into one preallocated GPU
-buffer [tokens, L, d]. After the forward, one side stream reduces the buffer to per-token
-absolute maxima (integrity and fp8 scales), quantizes it when the run stores fp8, and copies each
-run of consecutive samples straight to its rows in the pinned host buffer of its chunk: the host
-does no scatter and no extra copy. Samples of a packed batch are consecutive in their chunk, so a
-batch is one or two copies; a padded batch is one copy per sample. The main stream goes on with
-the next forward at once; its first hook waits (on the GPU, not the CPU) for the copies before
-overwriting the buffer. A bounded pool of chunk buffers bounds host memory: when the writer falls
-behind, taking a buffer blocks the GPU thread.
+buffer [tokens, L, d] (and, when the run stores it, the last decoder layer's output, the target's
+final hidden state, into a second one, [tokens, d]). After the forward, one side stream reduces
+each buffer to per-token absolute maxima (integrity and fp8 scales), quantizes it when the run
+stores fp8, and copies each run of consecutive samples straight to its rows in the pinned host
+buffer of its chunk: the host does no scatter and no extra copy. Samples of a packed batch are
+consecutive in their chunk, so a batch is one or two copies (of each buffer); a padded batch is one
+copy per sample. The main stream goes on with the next forward at once; its first hook waits (on
+the GPU, not the CPU) for the copies before overwriting the buffers. A bounded pool of chunk
+buffers bounds host memory: when the writer falls behind, taking a buffer blocks the GPU thread.
 """
 
 from __future__ import annotations
@@ -28,31 +29,37 @@ QUANTIZE_ROWS = 4096
 
 
 class LayerCapture:
-    """Hooks on the captured decoder layers, writing into one GPU buffer."""
+    """Hooks on the captured decoder layers, writing into one GPU buffer (and the final hidden state,
+    the output of decoder layer `final_layer`, into another)."""
 
     def __init__(
         self, decoder_layers: torch.nn.ModuleList, layer_ids: list[int], *,
-        capacity: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
+        capacity: int, hidden_size: int, dtype: torch.dtype, device: torch.device, final_layer: int | None = None,
     ) -> None:
         self.layer_ids = list(layer_ids)
+        self.final_layer = final_layer
         self.capacity = capacity
         self.device = device
         self.buffer = torch.empty((capacity, len(layer_ids), hidden_size), dtype=dtype, device=device)
+        self.final = None if final_layer is None else torch.empty((capacity, hidden_size), dtype=dtype, device=device)
         self.real_index: torch.Tensor | None = None
-        self.buffer_free: torch.cuda.Event | None = None  # recorded when the last copy out of the buffer ended
+        self.buffer_free: torch.cuda.Event | None = None  # recorded when the last copy out of the buffers ended
         self.decoder_layers = decoder_layers
         self.handles: list = []
         self.attach()
 
     def attach(self) -> None:
-        """Registers the hooks; the first layer to run waits until the previous batch left the buffer."""
-        first = min(range(len(self.layer_ids)), key=lambda j: self.layer_ids[j])
+        """Registers the hooks; the first layer to run waits until the previous batch left the buffers."""
+        outputs = [(layer, self.buffer[:, position]) for position, layer in enumerate(self.layer_ids)]  # views [capacity, d]
+        if self.final is not None:
+            outputs.append((self.final_layer, self.final))
+        first = min(range(len(outputs)), key=lambda j: outputs[j][0])
         self.handles = [
-            self.decoder_layers[layer].register_forward_hook(self._hook(position, wait=position == first))
-            for position, layer in enumerate(self.layer_ids)
+            self.decoder_layers[layer].register_forward_hook(self._hook(out, wait=j == first))
+            for j, (layer, out) in enumerate(outputs)
         ]
 
-    def _hook(self, position: int, *, wait: bool):
+    def _hook(self, out: torch.Tensor, *, wait: bool):
         def hook(module, args, output):
             hidden = output[0] if isinstance(output, tuple) else output
             if self.real_index is None:
@@ -60,7 +67,7 @@ class LayerCapture:
             flat = hidden.reshape(-1, hidden.shape[-1])  # [rows * length, d]
             if wait and self.buffer_free is not None:
                 torch.cuda.current_stream(self.device).wait_event(self.buffer_free)
-            self.buffer[: self.real_index.numel(), position] = flat.index_select(0, self.real_index)
+            out[: self.real_index.numel()] = flat.index_select(0, self.real_index)
             return None
 
         return hook
@@ -78,17 +85,25 @@ class LayerCapture:
 
 
 @dataclass(slots=True)
-class ChunkBuffer:
-    """Host memory (pinned on a GPU) for one chunk's states, filled in place by the copies."""
+class HostStates:
+    """One captured tensor's rows in host memory (pinned on a GPU), filled in place by the copies."""
 
-    hidden: torch.Tensor  # [capacity, L, d] bf16, or float8_e4m3fn
-    absmax: torch.Tensor  # [capacity, L] float32: max |h| per token and layer
-    scale: torch.Tensor | None  # [capacity, L] float32: fp8 scales (fp8 runs only)
+    states: torch.Tensor  # [capacity, L, d] (the layers) or [capacity, d] (the final hidden state): bf16, or float8_e4m3fn
+    absmax: torch.Tensor  # float32 [capacity, L] or [capacity]: max |h| per row of d
+    scale: torch.Tensor | None  # float32, absmax's shape: fp8 scales (fp8 runs only)
+
+
+@dataclass(slots=True)
+class ChunkBuffer:
+    """Host memory for one chunk's states."""
+
+    layers: HostStates
+    final: HostStates | None  # the final hidden state, when the run stores it
     ids: torch.Tensor  # [capacity] int64: the token ids the forward saw, for the integrity check
 
     @property
     def capacity(self) -> int:
-        return self.hidden.shape[0]
+        return self.ids.shape[0]
 
 
 class BufferPool:
@@ -96,10 +111,12 @@ class BufferPool:
     reused for the whole shard: pinning takes seconds a buffer (16 s for six of 3.4 GB on an H200
     host), which then overlaps the warm-up instead of delaying the first forward."""
 
-    def __init__(self, *, size: int, capacity: int, layers: int, hidden_size: int, dtype: torch.dtype, pinned: bool) -> None:
+    def __init__(
+        self, *, size: int, capacity: int, layers: int, hidden_size: int, dtype: torch.dtype, pinned: bool, final_hidden: bool = False,
+    ) -> None:
         self.size, self.capacity = size, capacity
         self.shape = (capacity, layers, hidden_size)
-        self.dtype, self.pinned = dtype, pinned
+        self.dtype, self.pinned, self.final_hidden = dtype, pinned, final_hidden
         self.allocated = 0
         self.free: queue.SimpleQueue[ChunkBuffer] = queue.SimpleQueue()
         self.error: BaseException | None = None  # an allocation that failed (host memory), raised by take
@@ -107,6 +124,7 @@ class BufferPool:
     @property
     def buffer_bytes(self) -> int:
         rows, layers, width = self.shape
+        layers += self.final_hidden
         floats = 2 if self.dtype == torch.float8_e4m3fn else 1  # absmax, and the fp8 scales
         return rows * (layers * width * self.dtype.itemsize + layers * 4 * floats + 8)
 
@@ -132,13 +150,18 @@ class BufferPool:
         self.free.put(buffer)
 
     def _allocate(self) -> ChunkBuffer:
-        def empty(shape, dtype):
-            return torch.empty(shape, dtype=dtype, pin_memory=self.pinned)
+        def host_states(shape: tuple[int, ...]) -> HostStates:
+            rows = shape[:-1]
+            return HostStates(
+                states=torch.empty(shape, dtype=self.dtype, pin_memory=self.pinned),
+                absmax=torch.empty(rows, dtype=torch.float32, pin_memory=self.pinned),
+                scale=torch.empty(rows, dtype=torch.float32, pin_memory=self.pinned) if self.dtype == torch.float8_e4m3fn else None,
+            )
 
-        fp8 = self.dtype == torch.float8_e4m3fn
+        capacity, _, width = self.shape
         return ChunkBuffer(
-            hidden=empty(self.shape, self.dtype), absmax=empty(self.shape[:2], torch.float32),
-            scale=empty(self.shape[:2], torch.float32) if fp8 else None, ids=empty(self.shape[:1], torch.int64),
+            layers=host_states(self.shape), final=host_states((capacity, width)) if self.final_hidden else None,
+            ids=torch.empty(capacity, dtype=torch.int64, pin_memory=self.pinned),
         )
 
 
@@ -164,28 +187,56 @@ def merge_runs(runs: Sequence[Run]) -> list[Run]:
     return merged
 
 
+class Staging:
+    """One capture buffer on its way out: its per-row absolute maxima and, unless the buffer already
+    holds the storage dtype, the states in it (quantized for fp8), on the device."""
+
+    def __init__(self, source: torch.Tensor, *, state_dtype: torch.dtype) -> None:
+        self.source = source  # [capacity, L, d] or [capacity, d]
+        self.fp8 = state_dtype == torch.float8_e4m3fn
+        rows = source.shape[:-1]
+        self.absmax = torch.empty(rows, dtype=torch.float32, device=source.device)
+        # States leave the GPU in their storage dtype: quantized, or cast from a float32 target (tests).
+        self.staged = None if source.dtype == state_dtype else torch.empty(source.shape, dtype=state_dtype, device=source.device)
+        self.scale = torch.empty(rows, dtype=torch.float32, device=source.device) if self.fp8 else None
+
+    def reduce(self, begin: int, end: int) -> None:
+        """Rows [begin, end): their absolute maxima, and their states in the storage dtype."""
+        rows = self.source[begin:end]
+        self.absmax[begin:end] = rows.abs().amax(dim=-1)  # NaN and inf propagate
+        if self.fp8:
+            quantized, scale = quantize_fp8(rows)
+            self.staged[begin:end].copy_(quantized)
+            self.scale[begin:end].copy_(scale)
+        elif self.staged is not None:
+            self.staged[begin:end].copy_(rows)
+
+    def copy_out(self, host: HostStates, source: slice, dest: slice) -> None:
+        states = self.source if self.staged is None else self.staged
+        host.states[dest].copy_(states[source], non_blocking=True)
+        host.absmax[dest].copy_(self.absmax[source], non_blocking=True)
+        if self.scale is not None:
+            host.scale[dest].copy_(self.scale[source], non_blocking=True)
+
+
 class DeviceToHost:
     """The side stream that moves a batch's capture to the rows of its chunks' host buffers."""
 
     def __init__(self, capture: LayerCapture, *, storage_dtype: str) -> None:
         self.capture = capture
-        self.fp8 = storage_dtype == "float8_e4m3fn"
         device = capture.device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        rows, layers, _ = capture.buffer.shape
-        self.absmax = torch.empty((rows, layers), dtype=torch.float32, device=device)
-        self.ids = torch.empty(rows, dtype=torch.int64, device=device)
-        self.state_dtype = torch.float8_e4m3fn if self.fp8 else torch.bfloat16
-        # States leave the GPU in their storage dtype: quantized, or cast from a float32 target (tests).
-        self.staged = None if capture.buffer.dtype == self.state_dtype else torch.empty(capture.buffer.shape, dtype=self.state_dtype, device=device)
-        self.scale = torch.empty((rows, layers), dtype=torch.float32, device=device) if self.fp8 else None
+        self.state_dtype = torch.float8_e4m3fn if storage_dtype == "float8_e4m3fn" else torch.bfloat16
+        self.layers = Staging(capture.buffer, state_dtype=self.state_dtype)
+        self.final = None if capture.final is None else Staging(capture.final, state_dtype=self.state_dtype)
+        self.ids = torch.empty(capture.capacity, dtype=torch.int64, device=device)
 
     def launch(self, runs: Sequence[Run], input_ids: torch.Tensor, real_index: torch.Tensor) -> torch.cuda.Event | None:
         """Queues the reductions and copies of the forward just launched; returns at once with the
         event that marks their end (None on a CPU, where they are done on return)."""
         n = real_index.numel()
-        buffer = self.capture.buffer[:n]
+        staging = [self.layers] + ([self.final] if self.final is not None else [])
         stream_ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.capture.device))
@@ -194,23 +245,15 @@ class DeviceToHost:
             real_index.record_stream(self.stream)
         with stream_ctx:
             for begin in range(0, n, QUANTIZE_ROWS):  # in pieces: a whole-buffer abs() is ~1.7 GB at the 27B shape
-                end = min(begin + QUANTIZE_ROWS, n)
-                self.absmax[begin:end] = buffer[begin:end].abs().amax(dim=-1)  # NaN and inf propagate
-                if self.fp8:
-                    quantized, scale = quantize_fp8(buffer[begin:end])
-                    self.staged[begin:end].copy_(quantized)
-                    self.scale[begin:end].copy_(scale)
-                elif self.staged is not None:
-                    self.staged[begin:end].copy_(buffer[begin:end])
+                for stage in staging:
+                    stage.reduce(begin, min(begin + QUANTIZE_ROWS, n))
             torch.index_select(input_ids.reshape(-1), 0, real_index, out=self.ids[:n])
-            states = self.capture.buffer if self.staged is None else self.staged
             for run in runs:
                 source, dest = slice(run.source, run.source + run.rows), slice(run.dest, run.dest + run.rows)
-                run.buffer.hidden[dest].copy_(states[source], non_blocking=True)
-                run.buffer.absmax[dest].copy_(self.absmax[source], non_blocking=True)
+                self.layers.copy_out(run.buffer.layers, source, dest)
+                if self.final is not None:
+                    self.final.copy_out(run.buffer.final, source, dest)
                 run.buffer.ids[dest].copy_(self.ids[source], non_blocking=True)
-                if self.fp8:
-                    run.buffer.scale[dest].copy_(self.scale[source], non_blocking=True)
             if not self.cuda:
                 return None
             event = torch.cuda.Event()

@@ -1,4 +1,5 @@
-"""The target model, loaded for capture: text model only, cut after the deepest captured layer.
+"""The target model, loaded for capture: text model only, cut after the deepest captured layer (or,
+when the run stores the target's final hidden state, run through its last decoder layer).
 
 `target.model` is a checkpoint directory (a PVC mount) or an s3:// prefix. An s3:// checkpoint is
 downloaded once per node into a cache directory, under a file lock that the node's other pods
@@ -66,10 +67,17 @@ class Target:
     config_hash: str
     conv_gap: int
     """Masked tokens between packed samples: the Gated DeltaNet conv kernel - 1 (0 without GDN layers)."""
+    final_hidden: bool = False
+    """Also capture the output of the model's last decoder layer (the target's last: loaded whole)."""
 
     @property
     def decoder_layers(self) -> torch.nn.ModuleList:
         return self.model.layers
+
+    @property
+    def final_layer(self) -> int | None:
+        """The decoder layer whose output is the final hidden state (before the final norm), when captured."""
+        return len(self.decoder_layers) - 1 if self.final_hidden else None
 
     @property
     def device(self) -> torch.device:
@@ -80,16 +88,23 @@ class Target:
         return next(self.model.parameters()).dtype
 
 
-def prepare_for_capture(model: torch.nn.Module, layers: list[int]) -> torch.nn.Module:
-    """Cuts a base decoder after the deepest captured layer and drops its final norm (never read)."""
-    depth = max(layers) + 1
-    if len(model.layers) < depth:
+def capture_depth(layers: list[int], num_hidden_layers: int, *, final_hidden: bool) -> int:
+    """Decoder layers to run: through the deepest captured one, or all of them for the final hidden state."""
+    return num_hidden_layers if final_hidden else max(layers) + 1
+
+
+def prepare_for_capture(model: torch.nn.Module, layers: list[int], *, final_hidden: bool = False) -> torch.nn.Module:
+    """Cuts a base decoder after the deepest captured layer (keeps all with `final_hidden`) and drops
+    its final norm (never read)."""
+    depth = capture_depth(layers, len(model.layers), final_hidden=final_hidden)
+    if len(model.layers) < max(layers) + 1:
         raise SpecError("target.layers", layers, f"layer indices below the model's depth ({len(model.layers)})")
     model.layers = model.layers[:depth]
     model.config.num_hidden_layers = depth
     if getattr(model.config, "layer_types", None):
         model.config.layer_types = model.config.layer_types[:depth]
-    # Hooks read each captured layer's raw output; the final norm would only normalise layer `depth - 1` again.
+    # Hooks read each captured layer's raw output, the final hidden state included (the last layer's
+    # output before the norm): the final norm would only normalise layer `depth - 1` again.
     model.norm = torch.nn.Identity()
     return model.eval().requires_grad_(False)
 
@@ -110,15 +125,17 @@ def read_config(spec: TargetSpec, checkpoint: Path) -> tuple[str, dict]:
 
 
 def load_target(
-    spec: TargetSpec, *, checkpoint: Path, layers: list[int], device: torch.device, dtype: torch.dtype = torch.bfloat16
+    spec: TargetSpec, *, checkpoint: Path, layers: list[int], device: torch.device, dtype: torch.dtype = torch.bfloat16,
+    final_hidden: bool = False,
 ) -> Target:
-    """Loads the text model of `checkpoint` (a local directory), truncated, on `device`."""
+    """Loads the text model of `checkpoint` (a local directory), truncated (whole with
+    `final_hidden`: its last decoder layer's output is captured too), on `device`."""
     from transformers import AutoConfig, AutoModel
     from transformers.utils import logging as hf_logging
 
     config_text, raw_config = read_config(spec, checkpoint)
     config = AutoConfig.from_pretrained(checkpoint).get_text_config()
-    depth = max(layers) + 1
+    depth = capture_depth(layers, config.num_hidden_layers, final_hidden=final_hidden)
     config.num_hidden_layers = depth
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:depth]
@@ -141,10 +158,11 @@ def load_target(
             f"target.model {spec.model}: {len(missing)} weights of the text model are missing from the checkpoint (first: {missing[0]})",
             "Point target.model at a complete Hugging Face checkpoint of a causal LM (Qwen3.5/3.6, Qwen3, Llama)",
         )
-    model = prepare_for_capture(model, layers)
-    log.info("loaded %s (%s, %d of %d layers, capturing %s) in %.1f s on %s",
+    model = prepare_for_capture(model, layers, final_hidden=final_hidden)
+    log.info("loaded %s (%s, %d of %d layers, capturing %s%s) in %.1f s on %s",
              checkpoint, type(model).__name__, depth, text_config(raw_config)["num_hidden_layers"],
-             layers, time.monotonic() - started, device)
+             layers, f" and the final hidden state (layer {depth - 1}, before the norm)" if final_hidden else "",
+             time.monotonic() - started, device)
     return Target(
         model=model,
         layers=layers,
@@ -152,6 +170,7 @@ def load_target(
         name=spec.model.rstrip("/").rsplit("/", 1)[-1] or raw_config.get("_name_or_path", "target"),
         config_hash=hashlib.sha256(config_text.encode()).hexdigest(),
         conv_gap=conv_gap(config),
+        final_hidden=final_hidden,
     )
 
 

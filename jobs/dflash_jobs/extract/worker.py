@@ -44,7 +44,9 @@ log = logging.getLogger("dflash.extract")
 
 def chunk_is_done(storage: Storage, chunk: ChunkInfo, expected: ChunkMetadata) -> bool:
     """The marker exists, describes this chunk as this run extracts it (samples, tokens, layers,
-    dtype, compute dtype, hidden size), and its object matches it (size, and etag when both have one).
+    dtype, compute dtype, hidden size, and the final hidden state when the run stores it: a chunk
+    that holds one the run does not ask for is kept), and its object matches it (size, and etag when
+    both have one).
 
     A stale marker (its object missing or different, or from other settings) is deleted, so the
     redone chunk can commit; verify would reject it otherwise, one round later."""
@@ -55,7 +57,7 @@ def chunk_is_done(storage: Storage, chunk: ChunkInfo, expected: ChunkMetadata) -
         marker = None
     if marker is not None and (marker.samples, marker.tokens, marker.layers, marker.dtype, marker.hidden_size, marker.compute_dtype) == (
         chunk.samples, chunk.tokens, expected.layers, expected.dtype, expected.hidden_size, expected.compute_dtype
-    ):
+    ) and expected.final_hidden in (None, marker.final_hidden):
         info = storage.stat(hidden_chunk_key(chunk.id))
         if info is not None and info.size == marker.bytes and (info.etag is None or marker.etag is None or info.etag == marker.etag):
             return True
@@ -226,18 +228,19 @@ class ExtractWorker:
         capacity = max(spec.token_budget, round_up(max_length, spec.pad_multiple))
         self.capture = LayerCapture(
             target.decoder_layers, target.layers, capacity=capacity, hidden_size=target.hidden_size,
-            dtype=target.dtype, device=self.device,
+            dtype=target.dtype, device=self.device, final_layer=target.final_layer,
         )
         self.transfer = DeviceToHost(self.capture, storage_dtype=spec.dtype)
         # A window's chunks can all be open at once (padded batches mix them), plus those being stored.
         self.pool = BufferPool(
             size=spec.sort_window + WRITER_THREADS, capacity=max((c.tokens for c in self.chunks), default=1),
             layers=len(target.layers), hidden_size=target.hidden_size, dtype=self.transfer.state_dtype,
-            pinned=self.device.type == "cuda",
+            pinned=self.device.type == "cuda", final_hidden=target.final_hidden,
         )
         self.metadata = ChunkMetadata(
             layers=target.layers, hidden_size=target.hidden_size, model=target.name,
             config_hash=target.config_hash, dtype=spec.dtype, shard=summary.shard, compute_dtype=spec.compute_dtype,
+            final_hidden=spec.dtype if target.final_hidden else None,
         )
         self.log_interval = log_interval
         self.progress: Progress | None = None
@@ -369,7 +372,7 @@ def build_worker(spec: RunSpec, shard: int, *, summary: Summary, started: float 
     )
     _, config = read_config(spec.target, checkpoint)
     layers = resolve_layers(spec, config)
-    target = load_target(spec.target, checkpoint=checkpoint, layers=layers, device=device)
+    target = load_target(spec.target, checkpoint=checkpoint, layers=layers, device=device, final_hidden=spec.stores_final_hidden)
     if spec.extract.compute_dtype == "float8":
         log.info("compute: %d linear layers of the target in FP8 (row-wise scaled)", fp8.to_float8(target.decoder_layers))
     if spec.extract.compiled_on(device.type):

@@ -50,6 +50,8 @@ class ChunkMetadata:
     dtype: str
     shard: int
     compute_dtype: str = "bfloat16"
+    final_hidden: str | None = None
+    """The dtype of the target's final hidden state stored beside the layers; None: not stored."""
 
 
 class ChunkAssembly:
@@ -168,13 +170,16 @@ class ChunkWriter:
         chunk, meta, buffer = assembly.info.id, self.metadata, assembly.buffer
         if assembly.copied is not None:
             assembly.copied.synchronize()
-        stats = integrity.check_assembled(chunk, assembly.tokens, assembly.view(buffer.ids), assembly.view(buffer.absmax), assembly.written)
-        parts = safetensors_parts(
-            hidden_tensors(assembly.tokens, assembly.view(buffer.hidden), assembly.view(buffer.scale)),
-            hidden_metadata(layers=meta.layers, model=meta.model, config_hash=meta.config_hash, dtype=meta.dtype,
-                            compute_dtype=meta.compute_dtype),
+        layers, final, view = buffer.layers, buffer.final, assembly.view
+        stats = integrity.check_assembled(
+            chunk, assembly.tokens, view(buffer.ids), view(layers.absmax), assembly.written, view(final and final.absmax),
         )
-        integrity.check_encoded(chunk, bytes(parts[0]), sum(len(p) for p in parts), assembly.tokens, meta.layers)
+        parts = safetensors_parts(
+            hidden_tensors(assembly.tokens, view(layers.states), view(layers.scale), view(final and final.states), view(final and final.scale)),
+            hidden_metadata(layers=meta.layers, model=meta.model, config_hash=meta.config_hash, dtype=meta.dtype,
+                            compute_dtype=meta.compute_dtype, final_hidden=meta.final_hidden),
+        )
+        integrity.check_encoded(chunk, bytes(parts[0]), sum(len(p) for p in parts), assembly.tokens, meta.layers, meta.final_hidden)
         put = self.storage.put_parts(hidden_chunk_key(chunk), parts)
         if self.kill_before_marker == str(chunk):
             os.kill(os.getpid(), signal.SIGKILL)
@@ -182,6 +187,7 @@ class ChunkWriter:
             chunk=chunk, samples=assembly.tokens.num_samples, tokens=assembly.tokens.num_tokens,
             bytes=put.size, sha256=put.sha256, etag=put.etag, dtype=meta.dtype, layers=list(meta.layers),
             hidden_size=meta.hidden_size, shard=meta.shard, stats=stats, compute_dtype=meta.compute_dtype,
+            final_hidden=meta.final_hidden,
         )
         if not self.storage.put_if_absent(done_key(chunk), marker.to_json().encode()):
             raise StorageError(

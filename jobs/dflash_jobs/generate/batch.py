@@ -4,7 +4,8 @@ A request line is OpenAI's Batch API input, as `vllm run-batch` reads it:
 
     {"custom_id": "line-17", "method": "POST", "url": "/v1/chat/completions",
      "body": {"model": "...", "messages": [...], "max_completion_tokens": 512, "temperature": 0.7,
-              "top_p": 0.8, "seed": 1234, "chat_template_kwargs": {"enable_thinking": false}}}
+              "top_p": 0.8, "seed": 1234, "return_token_ids": true,
+              "chat_template_kwargs": {"enable_thinking": false}}}
 
 An output line is vLLM's `BatchRequestOutput`:
 
@@ -14,9 +15,14 @@ An output line is vLLM's `BatchRequestOutput`:
 
 where the chat.completion holds `choices[0].message` (`content`, and `reasoning` or
 `reasoning_content` when a reasoning parser split them), `choices[0].finish_reason` ("stop" or
-"length") and `usage`. vLLM before the `status_code`/`body` wrapper wrote the chat.completion itself
-as `response`; a failed request has no body and an `error`: a message, or an error object
-(`{"object": "error", "message", "type", "code"}`, or `{"error": {"message", ...}}` in newer vLLM).
+"length"), `usage`, and, since the request asks `return_token_ids`, `choices[0].token_ids` (and
+`prompt_token_ids`): the ids the target sampled, the end token it stopped on included (vLLM leaves
+that token out of the text, not out of the ids). Training learns those ids: the text does not give
+them back (a sampled split the tokenizer would not make, text it normalises, which end token). A
+vLLM before 0.10.2 ignores `return_token_ids` and returns no ids. vLLM before the
+`status_code`/`body` wrapper wrote the chat.completion itself as `response`; a failed request has
+no body and an `error`: a message, or an error object (`{"object": "error", "message", "type",
+"code"}`, or `{"error": {"message", ...}}` in newer vLLM).
 Every shape is read here, and the transformers engine writes the current one, so both engines end
 in the same parser. The custom id carries the prompt's line: answers can come back in any order.
 """
@@ -76,6 +82,7 @@ def request(
         "temperature": settings.temperature,
         "top_p": settings.top_p,
         "seed": seed,
+        "return_token_ids": True,
     }
     if settings.thinking is not None:
         body["chat_template_kwargs"] = {"enable_thinking": settings.thinking}
@@ -95,6 +102,9 @@ class Answer:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    token_ids: list[int] | None = None
+    """The answer as the target sampled it, its end token included (none when cut at the limit);
+    None when the engine returned no ids."""
 
     @property
     def empty(self) -> bool:
@@ -141,9 +151,18 @@ def parse_output(line: str | bytes) -> Answer | Failure:
             finish_reason=choice.get("finish_reason") or "stop",
             prompt_tokens=int(usage.get("prompt_tokens") or 0),
             completion_tokens=int(usage.get("completion_tokens") or 0),
+            token_ids=_token_ids(choice.get("token_ids")),
         )
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise EngineError(f"batch output for {record['custom_id']} is not a chat completion ({type(exc).__name__}: {exc})") from None
+
+
+def _token_ids(value: Any) -> list[int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(type(token) is int for token in value):
+        raise TypeError(f"token_ids is not a list of integers: {str(value)[:80]}")
+    return value
 
 
 def _error_message(error: Any) -> str | None:
@@ -167,16 +186,21 @@ def _error_code(error: Any) -> int | None:
 
 
 def completion_line(
-    request_id: str, *, model: str, content: str, finish_reason: str, prompt_tokens: int, completion_tokens: int
+    request_id: str, *, model: str, content: str, finish_reason: str, prompt_ids: list[int], token_ids: list[int] | None,
+    completion_tokens: int,
 ) -> dict[str, Any]:
+    """A chat.completion line; `token_ids` (the answer's, its end token included) and `prompt_ids`
+    are written as vLLM writes them for a request with return_token_ids, when `token_ids` is given."""
+    prompt_tokens = len(prompt_ids)
     body = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
-                     "finish_reason": finish_reason, "stop_reason": None}],
+                     "finish_reason": finish_reason, "stop_reason": None, "token_ids": token_ids}],
         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens, "completion_tokens": completion_tokens},
+        "prompt_token_ids": None if token_ids is None else prompt_ids,
     }
     return {"id": f"batch-{uuid.uuid4().hex}", "custom_id": request_id,
             "response": {"status_code": 200, "request_id": f"batch-{uuid.uuid4().hex}", "body": body}, "error": None}

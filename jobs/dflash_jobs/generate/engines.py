@@ -6,7 +6,8 @@ not know which one ran:
 - `VllmEngine` runs vLLM's own batch runner in the vLLM image, one process per chunk (the model
   loads once per chunk: generate.chunk_prompts trades that against what a killed pod loses);
 - `TransformersEngine` renders each conversation with the chat template, as vLLM does, and decodes
-  prompts of similar length together with left padding (for the demo, tests and small runs).
+  prompts of similar length together with left padding (for the demo, tests and small runs); it
+  returns each answer's token ids as vLLM does for `return_token_ids`.
 
 Output lines are written as answers complete, so a watcher of the output file sees progress.
 """
@@ -175,14 +176,16 @@ class TransformersEngine:
             generated = output[row, longest:].tolist()
             stop = next((i for i, token in enumerate(generated) if token in self.stop_ids), None)
             own_limit = request["max_completion_tokens"]
+            # As vLLM answers: the ids end with the end token the target stopped on, the text leaves it out.
             if stop is not None and stop < own_limit:
-                tokens, counted, reason = generated[:stop], stop + 1, "stop"
+                tokens, reason = generated[: stop + 1], "stop"
             else:
-                tokens = generated[:own_limit]
-                counted, reason = len(tokens), "length"
+                tokens, reason = generated[:own_limit], "length"
+            said = tokens[:-1] if reason == "stop" else tokens
             answers.append(completion_line(
-                request_id, model=request["model"], content=self.tokenizer.decode(tokens, skip_special_tokens=True),
-                finish_reason=reason, prompt_tokens=len(ids), completion_tokens=counted,
+                request_id, model=request["model"], content=self.tokenizer.decode(said, skip_special_tokens=True),
+                finish_reason=reason, prompt_ids=ids, token_ids=tokens if request.get("return_token_ids") else None,
+                completion_tokens=len(tokens),
             ))
         return answers
 

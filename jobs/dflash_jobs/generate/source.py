@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 from dflash_jobs.errors import InputError, SpecError
 from dflash_jobs.formats import DATASET_KEY
 from dflash_jobs.generation import DONE_MARKERS, PLAN_KEY, GenerationPlan, SourceChunk, read_plan
-from dflash_jobs.prepare import MISSING_FIELDS, BadRow, chat_messages, json_row, open_source
+from dflash_jobs.rows import MISSING_FIELDS, BadRow, chat_messages, json_row, open_source
 from dflash_jobs.spec import RunSpec, is_s3
 from dflash_jobs.storage import Storage, open_url
 

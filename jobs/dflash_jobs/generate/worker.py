@@ -32,9 +32,9 @@ from dflash_jobs.generation import (
 )
 from dflash_jobs.generate.progress import Progress, Summary
 from dflash_jobs.generate.source import Prompt, Source, load_plan, prompts_of
-from dflash_jobs.prepare import TEMPLATE_ERROR, BadRow
+from dflash_jobs.rows import TEMPLATE_ERROR, BadRow
 from dflash_jobs.errors import SpecError
-from dflash_jobs.spec import RunSpec
+from dflash_jobs.spec import VLLM_IMAGE, RunSpec
 from dflash_jobs.storage import Storage, open_storage, storage_for
 
 log = logging.getLogger("dflash.generate")
@@ -54,7 +54,10 @@ def prompt_seed(seed: int, sample_id: int) -> int:
 
 
 def generated_row(prompt: Prompt, answer: batch.Answer) -> dict[str, Any]:
-    """The chat row prepare reads: the prompt, earlier assistant turns with weight 0, the target's answer."""
+    """The chat row prepare reads: the prompt, earlier assistant turns with weight 0, the target's
+    answer, and how it was generated: `generation.token_ids` is the answer as the target sampled it
+    (its end token included, none when cut at the limit), which prepare trains on; the text is for
+    people and older readers."""
     messages = [{**m, "weight": 0} if m["role"] == "assistant" else m for m in prompt.messages]
     reply: dict[str, Any] = {"role": "assistant", "content": answer.content}
     if answer.reasoning:
@@ -64,7 +67,8 @@ def generated_row(prompt: Prompt, answer: batch.Answer) -> dict[str, Any]:
     row: dict[str, Any] = {"sample_id": prompt.sample_id, "messages": [*messages, reply]}
     if prompt.tools is not None:
         row["tools"] = prompt.tools
-    row["generation"] = {"finish_reason": answer.finish_reason, "prompt_tokens": answer.prompt_tokens, "completion_tokens": answer.completion_tokens}
+    row["generation"] = {"finish_reason": answer.finish_reason, "prompt_tokens": answer.prompt_tokens,
+                         "completion_tokens": answer.completion_tokens, "token_ids": answer.token_ids}
     return row
 
 
@@ -170,6 +174,8 @@ class GenerateWorker:
                 for line in f:
                     if line.strip():
                         result = batch.parse_output(line)
+                        if isinstance(result, batch.Answer) and result.token_ids is None:
+                            raise self.without_token_ids()
                         answers[result.sample_id] = result
         for prompt, _ in prompts:
             self.keep(prompt, answers.get(prompt.sample_id), outcome)
@@ -185,6 +191,17 @@ class GenerateWorker:
         self.storage.put_bytes(done_key(chunk.id), marker.to_json().encode())  # last: the chunk now exists
         shutil.rmtree(directory, ignore_errors=True)
         return marker
+
+    def without_token_ids(self) -> SpecError:
+        """An answer came back as text alone: training on it would learn the tokenizer's split of
+        the text, not the target's (and <|im_end|> where it stopped on another end token). Only a
+        vLLM that ignores the request's return_token_ids does that (the transformers engine always
+        returns them); every chunk would fail alike, so the spec is refused, not retried."""
+        return SpecError(
+            "generate.vllm_image", self.settings.vllm_image,
+            "an image whose vLLM returns the answers' token ids (the request's return_token_ids, vLLM 0.10.2 or later, such "
+            f"as {VLLM_IMAGE}): this one answered with text alone, and the drafter must learn the tokens the target produced",
+        )
 
     def prompts(self, chunk: SourceChunk, outcome: ChunkOutcome) -> list[tuple[Prompt, int]]:
         """The chunk's prompts with each one's token limit; lines that cannot be asked go to `outcome`."""
@@ -263,7 +280,7 @@ def build_worker(spec: RunSpec, shard: int, *, summary: Summary) -> GenerateWork
     """Everything shard `shard` needs: the plan, the tokenizer, the engine, the output storage."""
     from dflash_jobs.extract.target import local_checkpoint  # torch: the pods have it (the vLLM image too)
     from dflash_jobs.generate.engines import TransformersEngine, VllmEngine
-    from dflash_jobs.prepare import ChatEncoder, load_tokenizer
+    from dflash_jobs.rows import ChatEncoder, load_tokenizer
 
     settings = spec.generate
     assert settings is not None

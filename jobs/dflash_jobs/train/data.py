@@ -11,10 +11,14 @@
   the rank's chunks (what the cache bound holds) stays on local disk across epochs, the rest streams
   through memory (ChunkCache). A batch reads only its documents' rows, straight into pinned memory;
   fp8 states cross to the GPU as stored and are dequantized there (Batch.to).
+- The target's final hidden state (DSpark's target distribution) is read the same way, row for row
+  beside the context, only by a builder asked for it (BatchBuilder's final_hidden): other drafters
+  read and hold none of it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import queue
@@ -33,9 +37,9 @@ from dflash_jobs.errors import FormatError, InputError
 from dflash_jobs.formats import (
     DoneMarker, TokenChunk, check_hidden_header, dequantize_fp8, fetch_header_bytes, hidden_chunk_key, object_range, read_header,
 )
+from dflash_jobs.spec import AnchorLayout
 from dflash_jobs.storage import TEMP_PREFIX, Storage
 from dflash_jobs.train.anchors import anchor_candidates, sample_anchors
-from dflash_jobs.train.loss import slot_weights
 from dflash_jobs.drafter.masks import BlockLayout
 
 # ---- the document index: which documents each chunk holds ----------------------------------
@@ -198,6 +202,7 @@ class ChunkData:
             raise FormatError(f"{name} is truncated or has trailing bytes: {source.size} bytes, header says {total}", "Run `dflashctl verify`, then re-extract what it names")
         meta = check_hidden_header(header, name)
         self.layers, self.dtype = meta["layers"], meta["dtype"]
+        self.final_hidden: str | None = meta["final_hidden"]  # the final hidden state's dtype; None: not stored
 
         def tensor(key: str, dtype) -> np.ndarray:
             begin, end = header[key]["data_offsets"]
@@ -208,8 +213,12 @@ class ChunkData:
             cu_seqlens=tensor("cu_seqlens", np.int64), sample_ids=tensor("sample_ids", np.int64),
         ).validate(name)
         _, self.num_layers, self.hidden_size = header["hidden_states"]["shape"]
-        self._states = len(prefix) + header["hidden_states"]["data_offsets"][0]
-        self._scales = len(prefix) + header["hidden_states_scale"]["data_offsets"][0] if self.quantized else None
+
+        def start(key: str) -> int | None:
+            return len(prefix) + header[key]["data_offsets"][0] if key in header else None
+
+        self._states, self._scales = start("hidden_states"), start("hidden_states_scale")
+        self._final, self._final_scales = start("final_hidden_states"), start("final_hidden_states_scale")
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray, name: str) -> ChunkData:
@@ -234,12 +243,24 @@ class ChunkData:
 
     def read_states(self, begin: int, end: int, out: torch.Tensor) -> None:
         """Tokens [begin, end) of hidden_states into `out` ([end - begin, L*d] of the chunk's dtype)."""
-        row = out.shape[-1] * out.element_size()
-        self.source.read_into(self._states + begin * row, out.view(torch.uint8).view(-1))
+        self._read_rows(self._states, begin, out)
 
     def read_scales(self, begin: int, end: int, out: torch.Tensor) -> None:
         """Tokens [begin, end) of an fp8 chunk's hidden_states_scale into `out` (float32 [end - begin, L])."""
-        self.source.read_into(self._scales + begin * self.num_layers * 4, out.view(torch.uint8).view(-1))
+        self._read_rows(self._scales, begin, out)
+
+    def read_final(self, begin: int, end: int, out: torch.Tensor) -> None:
+        """Tokens [begin, end) of final_hidden_states into `out` ([end - begin, d] of its dtype)."""
+        self._read_rows(self._final, begin, out)
+
+    def read_final_scales(self, begin: int, end: int, out: torch.Tensor) -> None:
+        """Tokens [begin, end) of an fp8 final_hidden_states_scale into `out` (float32 [end - begin])."""
+        self._read_rows(self._final_scales, begin, out)
+
+    def _read_rows(self, start: int, begin: int, out: torch.Tensor) -> None:
+        """Rows begin.. of the tensor whose bytes start at `start` into `out`, a block of contiguous rows."""
+        row = out.stride(0) * out.element_size()
+        self.source.read_into(start + begin * row, out.view(torch.uint8).view(-1))
 
     def close(self) -> None:
         self.source.close()
@@ -256,11 +277,15 @@ class Batch:
     context_positions: torch.Tensor  # int64 [C], positions inside each document
     block_ids: torch.Tensor  # int64 [N, B]: the anchor token, then mask tokens
     block_positions: torch.Tensor  # int64 [N, B]: anchor position + slot
-    labels: torch.Tensor  # int64 [N, B]: the token at anchor + slot (0 past the document's end)
-    loss_weights: torch.Tensor  # float32 [N, B]: slot decay x loss_mask of the label; 0 for slot 0
+    labels: torch.Tensor  # int64 [N, B]: the token slot k predicts, at anchor + k (+ 1 when sampling from the anchor); 0 past the document's end
+    loss_weights: torch.Tensor  # float32 [N, B]: slot decay x loss_mask of the label (its leading run only, by the layout); 0 for an untrained anchor slot
     layout: BlockLayout
     documents: int
     context_scale: torch.Tensor | None = None  # float32 [C, L] for fp8 states: dequantized by to(), on the device
+    final_hidden: torch.Tensor | None = None
+    """[C, d] the target's final hidden state (its last decoder layer, before the final norm), row for
+    row with context_hidden: bf16, or fp8 as stored; only from a builder asked for it."""
+    final_scale: torch.Tensor | None = None  # float32 [C] for fp8 final states: dequantized by to(), on the device
 
     @property
     def tokens(self) -> int:
@@ -269,38 +294,61 @@ class Batch:
     def pin_memory(self) -> Batch:
         return self._map(lambda t: t if t.is_pinned() else t.pin_memory())
 
+    def select(self, blocks: slice) -> Batch:
+        """The same context with only the blocks `blocks` (the evaluation's training forward runs a long document's blocks a group at a time)."""
+        layout = self.layout
+        return dataclasses.replace(
+            self, block_ids=self.block_ids[blocks], block_positions=self.block_positions[blocks],
+            labels=self.labels[blocks], loss_weights=self.loss_weights[blocks],
+            layout=BlockLayout(
+                layout.num_context, layout.block_size, layout.context_start[blocks], layout.anchor[blocks],
+                torch.cat([self.context_positions, self.block_positions[blocks].flatten()]),
+            ),
+        )
+
     def to(self, device: torch.device) -> Batch:
         """On `device`, the states in bf16: fp8 crosses PCIe at half the bytes of bf16 and is
         dequantized on the device (one multiply per element, where the CPU would spend a core)."""
         moved = self._map(lambda t: t.to(device, non_blocking=True))
-        if moved.context_scale is None:
-            return moved
-        C, L = moved.context_scale.shape
-        moved.context_hidden = dequantize_fp8(moved.context_hidden.view(C, L, -1), moved.context_scale).view(C, -1)  # [C, L, d] -> [C, L*d]
-        moved.context_scale = None
+        if moved.context_scale is not None:
+            C, L = moved.context_scale.shape
+            moved.context_hidden = dequantize_fp8(moved.context_hidden.view(C, L, -1), moved.context_scale).view(C, -1)  # [C, L, d] -> [C, L*d]
+            moved.context_scale = None
+        if moved.final_scale is not None:
+            moved.final_hidden = dequantize_fp8(moved.final_hidden, moved.final_scale)  # [C, d]
+            moved.final_scale = None
         return moved
 
     def _map(self, fn) -> Batch:
         layout = self.layout
+
+        def optional(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else fn(t)
+
         return Batch(
             fn(self.context_hidden), fn(self.context_positions), fn(self.block_ids), fn(self.block_positions),
             fn(self.labels), fn(self.loss_weights),
             BlockLayout(layout.num_context, layout.block_size, fn(layout.context_start), fn(layout.anchor), fn(layout.key_positions)),
-            self.documents, None if self.context_scale is None else fn(self.context_scale),
+            self.documents, optional(self.context_scale), optional(self.final_hidden), optional(self.final_scale),
         )
 
 
 class BatchBuilder:
     """Turns a micro-batch plan entry into tensors: samples anchors, lays out the blocks, and reads
-    the documents' states straight into the batch (several documents at once with `readers`)."""
+    the documents' states straight into the batch (several documents at once with `readers`), and
+    with `final_hidden` the target's final hidden state beside them (Batch.final_hidden)."""
 
-    def __init__(self, *, block_size: int, anchors: int, gamma: float, mask_token_id: int, seed: int, layers: list[int]) -> None:
-        self.block_size = block_size
+    def __init__(
+        self, *, layout: AnchorLayout, anchors: int, mask_token_id: int, seed: int, layers: list[int], final_hidden: bool = False,
+    ) -> None:
+        self.layout = layout
+        self.block_size = layout.block_size
         self.anchors = anchors
         self.mask_token_id = mask_token_id
         self.seed = seed
         self.layers = layers
-        self.decay = slot_weights(block_size, gamma).numpy()
+        self.final_hidden = final_hidden
+        self.decay = np.array(layout.slot_decay())
 
     def build(self, documents: MicroBatch, chunks: Mapping[int, ChunkData], epoch: int, *,
               pin_memory: bool = False, readers: ThreadPoolExecutor | None = None) -> Batch:
@@ -320,26 +368,35 @@ class BatchBuilder:
             spans.append((chunk, begin, end, offset))
             positions.append(np.arange(T))
             a = sample_anchors(loss_mask, self.anchors, seed=self.seed, epoch=epoch, sample_id=doc.sample_id)
-            target = a[:, None] + slots[None, :]  # [n, B] positions of each slot
-            inside = target < T
-            clipped = np.minimum(target, T - 1)
+            slot_positions = a[:, None] + slots[None, :]  # [n, B]
+            label_positions = slot_positions + self.layout.label_offset
+            inside = label_positions < T
+            clipped = np.minimum(label_positions, T - 1)
             block = np.full((len(a), B), self.mask_token_id, dtype=np.int64)
             block[:, 0] = input_ids[a]
             ids.append(block)
-            block_pos.append(target)
+            block_pos.append(slot_positions)
             labels.append(np.where(inside, input_ids[clipped], 0))
-            weights.append(np.where(inside, loss_mask[clipped], 0) * self.decay[None, :])
+            supervised = np.where(inside, loss_mask[clipped], 0)
+            if self.layout.contiguous_prefix:  # a slot counts only while every drafted slot before it is supervised
+                supervised[:, self.layout.first_draft :] = np.cumprod(supervised[:, self.layout.first_draft :], axis=1)
+            weights.append(supervised * self.decay[None, :])
             starts.append(np.full(len(a), offset))
             anchors.append(offset + a)
             offset += T
         hidden = torch.empty((offset, first.num_layers * first.hidden_size), dtype=first.torch_dtype, pin_memory=pin_memory)
         scale = torch.empty((offset, first.num_layers), dtype=torch.float32, pin_memory=pin_memory) if first.quantized else None
+        final, final_scale = final_buffers([span[0] for span in spans], offset, pin_memory=pin_memory) if self.final_hidden else (None, None)
 
         def read(span) -> None:
             chunk, begin, end, at = span
             chunk.read_states(begin, end, hidden[at : at + end - begin])
             if scale is not None:
                 chunk.read_scales(begin, end, scale[at : at + end - begin])
+            if final is not None:
+                chunk.read_final(begin, end, final[at : at + end - begin])
+            if final_scale is not None:
+                chunk.read_final_scales(begin, end, final_scale[at : at + end - begin])
 
         for _ in (readers.map(read, spans) if readers is not None else map(read, spans)):
             pass
@@ -361,8 +418,26 @@ class BatchBuilder:
             layout=layout,
             documents=len(documents),
             context_scale=scale,
+            final_hidden=final,
+            final_scale=final_scale,
         )
         return batch.pin_memory() if pin_memory else batch  # the small tensors; the states are pinned already
+
+
+def final_buffers(chunks: list[ChunkData], tokens: int, *, pin_memory: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Room for `tokens` rows of the final hidden state of `chunks` (which must all hold it, in one
+    dtype): the states [tokens, d], and their scales [tokens] when fp8."""
+    first = chunks[0]
+    for chunk in chunks:
+        if chunk.final_hidden is None:
+            raise FormatError(f"{chunk.name} holds no final hidden state of the target, which this drafter reads",
+                              "Re-run extraction with extract.final_hidden: true, then verify")
+        if chunk.final_hidden != first.final_hidden:
+            raise FormatError(f"{chunk.name} holds its final hidden state in {chunk.final_hidden}, {first.name} in {first.final_hidden}",
+                              "Re-run extraction with one extract.dtype, then verify")
+    fp8 = first.final_hidden == "float8_e4m3fn"
+    states = torch.empty((tokens, first.hidden_size), dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, pin_memory=pin_memory)
+    return states, torch.empty(tokens, dtype=torch.float32, pin_memory=pin_memory) if fp8 else None
 
 
 # ---- chunks: fetched, checked, kept or streamed --------------------------------------------------

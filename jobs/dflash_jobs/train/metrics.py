@@ -34,13 +34,17 @@ class NullSink:
 
 
 class ConsoleSink:
-    """One line per interval: step, loss, acceptance, throughput, ETA."""
+    """One line per interval: step, loss, acceptance, the drafter variant's own figures (`extra`), throughput, ETA."""
+
+    def __init__(self, extra: tuple[str, ...] = ()) -> None:
+        self.extra = extra
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
+        figures = "".join(f" {name} {metrics[name]:.3f}" for name in self.extra)
         log.info(
-            "step %d/%d epoch %d | loss %.4f acc@1 %.3f tau %.2f | lr %.2e | %.0f tok/s | eta %s",
+            "step %d/%d epoch %d | loss %.4f acc@1 %.3f tau %.2f%s | lr %.2e | %.0f tok/s | eta %s",
             step, metrics["total_steps"], metrics["epoch"], metrics["loss"], metrics["accuracy"][1],
-            metrics["acceptance_length"], metrics["lr"], metrics["tokens_per_s"], format_duration(metrics.get("eta_s")),
+            metrics["acceptance_length"], figures, metrics["lr"], metrics["tokens_per_s"], format_duration(metrics.get("eta_s")),
         )
 
     def close(self) -> None:

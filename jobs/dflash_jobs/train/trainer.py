@@ -22,20 +22,21 @@ import torch.distributed as dist
 
 from dflash_jobs.devices import pick_device
 from dflash_jobs.drafter.checkpoint import TargetCheckpoint, drafter_config_for_target, resolve_mask_token_id
-from dflash_jobs.drafter.export import export_drafter
+from dflash_jobs.drafter.export import DRAFTER_PREFIX
 from dflash_jobs.drafter.masks import build_attention
 from dflash_jobs.drafter.model import Drafter
 from dflash_jobs.errors import InputError
-from dflash_jobs.formats import MANIFEST_KEY, Manifest
+from dflash_jobs.formats import MANIFEST_KEY, Manifest, check_final_hidden
 from dflash_jobs.spec import RunSpec, resolve_layers
 from dflash_jobs.storage import Storage, open_storage, storage_for
 from dflash_jobs.train.checkpointer import Checkpointer
 from dflash_jobs.train.data import Batch, BatchBuilder, BatchStream, Budget, ChunkCache, plan_epoch, planned_chunks, read_document_index
 from dflash_jobs.train.heartbeat import Heartbeat
-from dflash_jobs.train.loss import DraftLoss, draft_loss, expected_acceptance_length
+from dflash_jobs.train.loss import DraftLoss, expected_acceptance_length
 from dflash_jobs.train.metrics import ConsoleSink, MetricSink, MultiSink, NullSink, StorageSink, should_log
 from dflash_jobs.train.optim import build_optimizer, build_scheduler
 from dflash_jobs.train.parallelize import parallelize
+from dflash_jobs.variants import DrafterVariant, drafter_variant
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +91,8 @@ def load_manifest(storage: Storage) -> Manifest:
     return manifest
 
 
-def build_drafter(spec: RunSpec, runtime: Runtime, manifest: Manifest) -> Drafter:
-    """A fresh drafter shaped for the target, holding the target's frozen tensors, on the device."""
+def build_drafter(spec: RunSpec, runtime: Runtime, manifest: Manifest, variant: DrafterVariant) -> Drafter:
+    """A fresh drafter of `variant` shaped for the target, holding the target's frozen tensors, on the device."""
     train = spec.train
     target = TargetCheckpoint(open_storage(spec.target.model, endpoint_url=spec.storage.endpoint_url, region=spec.storage.region))
     layers = resolve_layers(spec, target.config)
@@ -102,10 +103,10 @@ def build_drafter(spec: RunSpec, runtime: Runtime, manifest: Manifest) -> Drafte
         )
     tokenizer_size = target.tokenizer_size() if train.mask_token_id is None else None
     mask_token_id = resolve_mask_token_id(train.mask_token_id, tokenizer_size, target.text["vocab_size"])
-    config = drafter_config_for_target(target, train, layers, mask_token_id)
+    config = variant.build_config(drafter_config_for_target(target, train, layers, mask_token_id), train)
     torch.manual_seed(train.seed)
     with runtime.device:  # initialised in place: 1.8B parameters for a 27B target
-        drafter = Drafter(config)
+        drafter = variant.build_model(config)
     frozen = target.read_target_tensors()
     table_dtype = torch.bfloat16 if runtime.device.type == "cuda" else frozen.embed_tokens.dtype
     drafter.load_target_tensors(frozen.embed_tokens.to(table_dtype), frozen.lm_head.to(table_dtype), frozen.final_norm)
@@ -127,13 +128,14 @@ def global_loss_normalizer(loss_weights: torch.Tensor, world_size: int) -> torch
 class MetricsWindow:
     """DraftLoss counters summed on the device between log lines, reduced across ranks once per line."""
 
-    def __init__(self, block_size: int, device: torch.device) -> None:
-        self.block_size, self.device = block_size, device
+    def __init__(self, block_size: int, device: torch.device, ratios: tuple[str, ...] = ()) -> None:
+        self.block_size, self.device, self.ratios = block_size, device, ratios
         self.reset()
 
     def reset(self) -> None:
-        # [loss sum, steps, accepted, blocks, tokens, correct per slot (B), supervised per slot (B)]
-        self.sums = torch.zeros(5 + 2 * self.block_size, dtype=torch.float64, device=self.device)
+        # [loss sum, steps, accepted, blocks, tokens, correct per slot (B), supervised per slot (B),
+        #  then a numerator and a denominator per variant ratio]
+        self.sums = torch.zeros(5 + 2 * self.block_size + 2 * len(self.ratios), dtype=torch.float64, device=self.device)
         self.started = time.monotonic()
 
     def add(self, out: DraftLoss, tokens: int) -> None:
@@ -144,21 +146,27 @@ class MetricsWindow:
         self.sums[3] += out.blocks
         self.sums[4] += tokens
         self.sums[5 : 5 + B] += out.correct_per_slot
-        self.sums[5 + B :] += out.supervised_per_slot
+        self.sums[5 + B : 5 + 2 * B] += out.supervised_per_slot
+        for i, name in enumerate(self.ratios):
+            numerator, denominator = out.ratios[name]
+            self.sums[5 + 2 * B + 2 * i] += numerator.detach().double()
+            self.sums[6 + 2 * B + 2 * i] += denominator.detach().double()
 
     def read(self) -> dict[str, Any]:
         if dist.is_initialized():
             dist.all_reduce(self.sums)
         sums = self.sums.tolist()
         B = self.block_size
-        correct, supervised = sums[5 : 5 + B], sums[5 + B :]
+        correct, supervised = sums[5 : 5 + B], sums[5 + B : 5 + 2 * B]
         elapsed = time.monotonic() - self.started
+        pairs = sums[5 + 2 * B :]
         return {
             "loss": sums[0] / sums[1],
             "acceptance_length": expected_acceptance_length(sums[2], sums[3]),
             "accuracy": [c / s if s else math.nan for c, s in zip(correct, supervised)],
             "tokens_per_s": sums[4] / elapsed,
             "blocks": int(sums[3]),
+            **{name: pairs[2 * i] / pairs[2 * i + 1] if pairs[2 * i + 1] else math.nan for i, name in enumerate(self.ratios)},
         }
 
 
@@ -166,14 +174,14 @@ class Trainer:
     def __init__(
         self, *, spec: RunSpec, runtime: Runtime, drafter: Drafter, model: torch.nn.Module, optimizer, scheduler,
         stream: BatchStream, checkpointer: Checkpointer, state: LoopState, sink: MetricSink, storage: Storage,
-        total_steps: int, steps_per_epoch: list[int], attention_backend: str, log_every: int = LOG_EVERY,
+        total_steps: int, steps_per_epoch: list[int], attention_backend: str, variant: DrafterVariant, log_every: int = LOG_EVERY,
     ) -> None:
-        self.spec, self.runtime, self.drafter, self.model = spec, runtime, drafter, model
+        self.spec, self.runtime, self.drafter, self.model, self.variant = spec, runtime, drafter, model, variant
         self.optimizer, self.scheduler, self.stream = optimizer, scheduler, stream
         self.checkpointer, self.state, self.sink, self.storage = checkpointer, state, sink, storage
         self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
         self.attention_backend, self.log_every = attention_backend, log_every
-        self.window = MetricsWindow(spec.train.block_size, runtime.device)
+        self.window = MetricsWindow(spec.train.block_size, runtime.device, variant.metrics)
         self.trainable = [p for p in drafter.parameters() if p.requires_grad]
 
     @classmethod
@@ -181,7 +189,12 @@ class Trainer:
         train = spec.train
         storage = storage_for(spec)
         manifest = load_manifest(storage)
-        drafter = build_drafter(spec, runtime, manifest)
+        check_final_hidden(manifest, train, f"{storage.url}/{MANIFEST_KEY}")
+        if train.dspark is not None and train.dspark.ce_only:
+            log.warning("train.dspark.ce_only: DSpark trains on cross-entropy only, without the target's final hidden state "
+                        "(no L1 term, no confidence head)")
+        variant = drafter_variant(train.drafter)
+        drafter = build_drafter(spec, runtime, manifest, variant)
         config, layers = drafter.config, drafter.config.target_layer_ids
         model = parallelize(drafter, train, device=runtime.device, world_size=runtime.world_size)
 
@@ -204,8 +217,8 @@ class Trainer:
         optimizer = build_optimizer(drafter, train, device=runtime.device)
         scheduler = build_scheduler(optimizer, train, total_steps)
         builder = BatchBuilder(
-            block_size=train.block_size, anchors=train.anchors, gamma=train.gamma,
-            mask_token_id=config.mask_token_id, seed=train.seed, layers=layers,
+            layout=train.layout, anchors=train.anchors, mask_token_id=config.mask_token_id, seed=train.seed, layers=layers,
+            final_hidden=train.reads_final_hidden,
         )
         cache = ChunkCache(storage, cache_dir, int(train.cache_gb * (1 << 30) / runtime.local_world_size), planned_chunks(manifest.chunks, plans))
         stream = BatchStream(plans, cache, builder, pin_memory=runtime.device.type == "cuda")
@@ -219,17 +232,17 @@ class Trainer:
             every=train.checkpoint_every, meta=meta, rank=runtime.rank,
         )
         resumed = checkpointer.load_latest() or 0
-        sink = MultiSink(ConsoleSink(), StorageSink(storage, resume_step=resumed)) if runtime.rank == 0 else NullSink()
+        sink = MultiSink(ConsoleSink(variant.metrics), StorageSink(storage, resume_step=resumed)) if runtime.rank == 0 else NullSink()
         log.info(
-            "drafter: %d layers, %.1fM trainable parameters, mask token %d; %d chunks, %d steps over %d epochs on %d ranks%s",
-            config.num_layers, sum(p.numel() for p in drafter.parameters() if p.requires_grad) / 1e6, config.mask_token_id,
+            "drafter: %s, %d layers, %.1fM trainable parameters, mask token %d; %d chunks, %d steps over %d epochs on %d ranks%s",
+            variant.name, config.num_layers, sum(p.numel() for p in drafter.parameters() if p.requires_grad) / 1e6, config.mask_token_id,
             len(index), total_steps, train.epochs, runtime.world_size, f", resuming after step {resumed}" if resumed else "",
         )
         return cls(
             spec=spec, runtime=runtime, drafter=drafter, model=model, optimizer=optimizer, scheduler=scheduler,
             stream=stream, checkpointer=checkpointer, state=state, sink=sink, storage=storage, total_steps=total_steps,
             steps_per_epoch=steps_per_epoch, attention_backend="flex" if runtime.device.type == "cuda" else "dense",
-            log_every=log_every,
+            variant=variant, log_every=log_every,
         )
 
     def autocast(self):
@@ -241,12 +254,13 @@ class Trainer:
         """Forward, backward, clip, optimizer and schedule step on one micro-batch."""
         batch = batch.to(self.runtime.device)
         config = self.drafter.config
-        attention = build_attention(batch.layout, config.layer_types, config.sliding_window, backend=self.attention_backend)
+        attention = build_attention(batch.layout, config.layer_types, config.sliding_window, backend=self.attention_backend, is_causal=config.is_causal)
         with self.autocast():
             hidden = self.model(batch.context_hidden, batch.context_positions, batch.block_ids, batch.block_positions, attention)
-            out = draft_loss(hidden, self.drafter.lm_head, batch.labels, batch.loss_weights,
-                             normalizer=global_loss_normalizer(batch.loss_weights, self.runtime.world_size),
-                             fused=self.spec.train.compiled_on(hidden.device.type))
+            out = self.variant.objective(
+                self.drafter, hidden, batch, normalizer=global_loss_normalizer(batch.loss_weights, self.runtime.world_size),
+                fused=self.spec.train.compiled_on(hidden.device.type),
+            )
         out.loss.backward()
         max_norm = self.spec.train.grad_clip or math.inf
         torch.nn.utils.clip_grad_norm_(self.trainable, max_norm)
@@ -279,7 +293,7 @@ class Trainer:
         if self.state.step != saved:
             self.checkpointer.save(self.state.step)
         if self.runtime.rank == 0:
-            export_drafter(self.drafter, self.storage)
+            self.variant.export(self.drafter, self.storage, DRAFTER_PREFIX)
             log.info("drafter exported to %s/train/drafter/ after %d steps", self.storage.url, self.state.step)
         if dist.is_initialized():
             dist.barrier()  # the ranks leave together: none tears the process group down under another
