@@ -12,7 +12,7 @@ import socket
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -120,10 +120,11 @@ def _changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
 def _process_state_is_left_as_found(request):
     """Fails the test that leaves process-wide state changed (torch threads, default dtype, grad
     mode, determinism, the environment, the working directory, sys.path, signal handlers, a process
-    group), and puts it back: the suite passes in any order, and a leak fails its culprit, not a
-    later victim. Fixtures of a wider scope (a module's one_thread) are set up before and torn down
+    group, a shared fixture directory), and puts it back: the suite passes in any order, and a leak
+    fails its culprit, not a later victim. Fixtures of a wider scope (a module's one_thread) are set up before and torn down
     after this check: they put back what they set themselves."""
     before = process_state()
+    shared = {directory: tree_state(directory) for directory in SHARED_DIRECTORIES}
     yield
     after = process_state()
     changes = _changes(before, after)
@@ -131,6 +132,13 @@ def _process_state_is_left_as_found(request):
         restore_process_state(before)
         pytest.fail(f"{request.node.nodeid} left process-wide state changed: {'; '.join(changes)}. Restore what the test "
                     "sets (monkeypatch.setenv / monkeypatch.chdir, or a fixture that puts it back)", pytrace=False)
+    written = [directory for directory, state in shared.items() if tree_state(directory) != state]
+    for directory in written:
+        shutil.rmtree(directory)
+        SHARED_DIRECTORIES[directory]()
+    if written:
+        pytest.fail(f"{request.node.nodeid} wrote into the shared fixture {', '.join(map(str, written))} (built again now): "
+                    "write into a copy under tmp_path (train_fixtures.copy_extract)", pytrace=False)
 
 
 @pytest.fixture(autouse=True)
@@ -192,36 +200,33 @@ def tree_state(directory: Path) -> dict[str, tuple[int, int]]:
     return {str(path.relative_to(directory)): (path.stat().st_size, path.stat().st_mtime_ns) for path in sorted(directory.rglob("*"))}
 
 
-@pytest.fixture(scope="session")
-def _train_fixtures(tmp_path_factory) -> Path:
-    from train_fixtures import tiny_target
+SHARED_DIRECTORIES: dict[Path, Callable[[], Path]] = {}
+"""Fixture directories many tests read (the tiny target, its extract), each with what builds it:
+read only, checked after every test (a few dozen stats) and built again if a test wrote there."""
 
-    directory = tmp_path_factory.getbasetemp() / "train-fixtures"
-    tiny_target(directory)
+
+def shared_directory(build: Callable[[], Path]) -> Path:
+    directory = build()
+    SHARED_DIRECTORIES[directory] = build
     return directory
 
 
-@pytest.fixture
-def root(_train_fixtures, request) -> Path:
+@pytest.fixture(scope="session")
+def root(tmp_path_factory) -> Path:
     """Where the training tests' tiny target lives (train_fixtures.tiny_target(root)), built once per
-    session and shared: read only. A test that writes into the target fails, naming what it wrote."""
-    target = _train_fixtures / "tiny-target"
-    before = tree_state(target)
-    yield _train_fixtures
-    if tree_state(target) != before:
-        pytest.fail(f"{request.node.nodeid} wrote into the shared tiny target {target}: write into a copy under tmp_path", pytrace=False)
+    session and shared: read only."""
+    from train_fixtures import tiny_target
+
+    directory = tmp_path_factory.getbasetemp() / "train-fixtures"
+    shared_directory(lambda: tiny_target(directory))
+    return directory
 
 
 @pytest.fixture(scope="session")
-def _pristine_extract(_train_fixtures) -> Path:
+def extract(root) -> Path:
+    """The tiny target's real hidden states as extraction and verify leave them (extract/chunks,
+    done markers, the manifest), shared and read only: a test that trains or writes copies it first
+    (train_fixtures.copy_extract)."""
     from train_fixtures import tiny_extract
 
-    return tiny_extract(_train_fixtures)
-
-
-@pytest.fixture
-def extract(_pristine_extract, tmp_path) -> Path:
-    """The tiny target's real hidden states as extraction and verify leave them (extract/chunks,
-    done markers, the manifest): a copy of its own for every test (a few MB), so what one test
-    writes there (a train/ folder, a removed manifest) no later one sees."""
-    return shutil.copytree(_pristine_extract, tmp_path / "extract")
+    return shared_directory(lambda: tiny_extract(root))

@@ -136,9 +136,10 @@ def test_a_bad_spec_or_input_in_the_rendered_pod_fails_the_job_at_once(component
     backoffLimit retries."""
     from dflashctl.local.backend import LocalBackend
     from dflashctl.render import render_selection
-    from train_fixtures import tiny_target, train_spec_dict
+    from train_fixtures import copy_extract, tiny_target, train_spec_dict
 
-    spec = train_spec_dict(tiny_target(root), extract, mask_token_id=10**6 if component == "train" else None)
+    output = copy_extract(extract, tmp_path / "run")
+    spec = train_spec_dict(tiny_target(root), output, mask_token_id=10**6 if component == "train" else None)
     spec["local"] = {"workdir": str(tmp_path / "work")}
     spec = parse_spec(spec)
     monkeypatch.chdir(tmp_path)
