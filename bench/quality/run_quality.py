@@ -494,11 +494,21 @@ def plot_curve(curve: list[dict[str, Any]], prompt_lookup: float, path: Path) ->
 
 
 def run(size_name: str, workdir: Path, report: Callable[[dict[str, Any]], None] = lambda stages: None) -> dict[str, Any]:
-    size = SIZES[size_name]
-    device = torch.device("cuda" if size_name == "gpu" else "cpu")
-    if device.type == "cpu":
+    """run_chains on one intra-op thread at the CPU size, the caller's thread count put back after
+    (the tests call this in their own process)."""
+    threads = torch.get_num_threads()
+    if size_name != "gpu":
         # Tiny matrices: extra intra-op threads only add synchronisation, and on a shared box they spin.
         torch.set_num_threads(1)
+    try:
+        return run_chains(size_name, workdir, report)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_chains(size_name: str, workdir: Path, report: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    size = SIZES[size_name]
+    device = torch.device("cuda" if size_name == "gpu" else "cpu")
     stages = Stages(workdir, asdict(size), report)
     sources = corpus(size)
     documents = [document for docs in sources.values() for document in docs]
