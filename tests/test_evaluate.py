@@ -16,7 +16,8 @@ from transformers.cache_utils import DynamicLayer
 
 from dflash_jobs.evaluate.baselines import PromptLookupDrafter
 from dflash_jobs.evaluate.evaluator import held_out_prompts
-from dflash_jobs.evaluate.metrics import acceptance_length, acceptance_per_position, mismatches, summarize
+from dflash_jobs.evaluate.lossless import TOLERANCE_STATISTIC, Divergence
+from dflash_jobs.evaluate.metrics import acceptance_length, acceptance_per_position, same_anchor_pairs, summarize
 from dflash_jobs.evaluate.report import build_report, store_report
 from dflash_jobs.formats import EVAL_PLOT_KEY as PLOT_KEY, EVAL_REPORT_KEY as REPORT_KEY
 from dflash_jobs.drafter.speculative import Decoded, Target, greedy_decode, speculative_decode
@@ -72,15 +73,15 @@ class OracleDrafter:
 
     Records the context it was given at every call, to check what the drafter sees."""
 
-    def __init__(self, continuation: torch.Tensor, right: int, layers=LAYERS) -> None:
+    def __init__(self, continuation: torch.Tensor, right: int, layers=LAYERS, block_size: int = BLOCK) -> None:
         self.continuation, self.right = continuation, right
-        self.block_size, self.drafts, self.target_layers = BLOCK, BLOCK - 1, list(layers)
+        self.block_size, self.drafts, self.target_layers = block_size, block_size - 1, list(layers)
         self.contexts: list[torch.Tensor] = []
 
     def propose(self, tokens, context):
         self.contexts.append(context)
         assert torch.equal(tokens, self.continuation[: len(tokens)]), "committed tokens diverged from greedy"
-        draft = self.continuation[len(tokens) : len(tokens) + BLOCK - 1].clone()
+        draft = self.continuation[len(tokens) : len(tokens) + self.drafts].clone()
         draft[self.right :] = (draft[self.right :] + 1) % VOCAB
         return draft
 
@@ -160,6 +161,42 @@ def test_generation_stops_at_the_stop_token(model, prompt, reference):
     assert greedy_decode(Target(model), prompt, max_new_tokens=len(reference), stop_ids=stop).tokens == expected
     decoded = speculative_decode(Target(model, LAYERS), OracleDrafter(continuation, right=BLOCK - 1), prompt, max_new_tokens=len(reference), stop_ids=stop)
     assert decoded.tokens == expected
+    # What the steps count is what they committed: the first token comes from the prefill.
+    assert 1 + sum(accepted + 1 for accepted in decoded.accepted) == len(expected)
+
+
+def test_acceptance_counts_only_what_was_committed_before_the_stop_token(model, prompt):
+    """The issue's case: blocks of 8, an oracle drafter that knows greedy's continuation past the stop
+    token too, and an answer of three tokens and the stop. Its one verify step drafts 7 tokens and the
+    target agrees with all of them, but only 3 were committed (the third is the stop): acceptance 3.0,
+    not 8.0, and the train/serve check compares 3 with 3 at that anchor."""
+    block, new_tokens = 8, 16
+    unbounded = greedy_decode(Target(model), prompt, max_new_tokens=new_tokens, stop_ids=NO_STOP).tokens
+    stop = frozenset([unbounded[3]])
+    assert unbounded[3] not in unbounded[:3]
+    greedy = greedy_decode(Target(model), prompt, max_new_tokens=new_tokens, stop_ids=stop)
+    assert greedy.tokens == unbounded[:4]
+    oracle = OracleDrafter(torch.cat([prompt, torch.tensor(unbounded)]), right=block - 1, block_size=block)
+    decoded = speculative_decode(Target(model, LAYERS), oracle, prompt, max_new_tokens=new_tokens, stop_ids=stop)
+    assert decoded.tokens == greedy.tokens
+    # The first token comes from the prefill; the one verify step commits the other three.
+    assert decoded.drafted == [block - 1] and decoded.accepted == [2]
+    summary = summarize([decoded], [greedy], block, divergences=[[]], tie_tolerance=0.0)
+    assert summary["acceptance_length"] == 3.0
+    assert summary["acceptance_per_position"] == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    # The oracle's teacher-forced acceptance at greedy's anchors 0, 1, 2: every label right to the
+    # end (a slot past the end counts as wrong), cut where the answer stops as decoding's is.
+    teacher_forced = [3, 2, 1]
+    assert same_anchor_pairs(teacher_forced, decoded, greedy.tokens, block) == [(2, 2)]
+
+
+def test_a_verify_step_commits_nothing_past_max_new_tokens(model, prompt):
+    block = 8
+    unbounded = greedy_decode(Target(model), prompt, max_new_tokens=16, stop_ids=NO_STOP).tokens
+    oracle = OracleDrafter(torch.cat([prompt, torch.tensor(unbounded)]), right=block - 1, block_size=block)
+    decoded = speculative_decode(Target(model, LAYERS), oracle, prompt, max_new_tokens=5, stop_ids=NO_STOP)
+    assert decoded.tokens == unbounded[:5] and decoded.accepted == [3] and decoded.drafted == [3]
+    assert acceptance_length([decoded]) == 4.0
 
 
 def test_drafter_must_read_the_captured_layers(model, prompt):
@@ -188,25 +225,30 @@ def test_acceptance_accounting():
              Decoded(tokens=[7, 8], seconds=1.0, accepted=[1], drafted=[2])]
     assert acceptance_length(steps) == pytest.approx((4 + 1 + 2 + 2) / 4)
     assert acceptance_per_position(steps, 5) == [0.75, 0.25, 0.25, 0.0]
-    greedy = [Decoded(tokens=[1, 2, 3, 4, 5, 6], seconds=3.0, margins=[1.0] * 6, top_logits=[9.0] * 6),
-              Decoded(tokens=[7, 9], seconds=1.0, margins=[2.0, 0.001], top_logits=[9.0, 9.0])]
-    wrong = mismatches(steps, greedy, dtype=torch.float32, tie_ulps=2)
-    assert [(m.prompt, m.position, m.greedy_margin, m.tie) for m in wrong] == [(1, 1, 0.001, False)]
-    summary = summarize(steps, greedy, 5, dtype=torch.float32, tie_ulps=2)
-    assert summary["lossless"] is False and summary["ties"] == 0
+    greedy = [Decoded(tokens=[1, 2, 3, 4, 5, 6], seconds=3.0), Decoded(tokens=[7, 9], seconds=1.0)]
+    # Prompt 1 took greedy's runner-up at a margin of 0.001, over a measured tolerance of 0.0005: real.
+    found = [[], [Divergence(1, 8, 9, 8, 0.001, 9.0)]]
+    summary = summarize(steps, greedy, 5, divergences=found, tie_tolerance=0.0005)
+    assert summary["lossless"] is False and (summary["mismatching_prompts"], summary["ties"], summary["real_mismatches"]) == (1, 0, 1)
+    assert [(m["prompt"], m["tie"], [d["position"] for d in m["divergences"]]) for m in summary["mismatches"]] == [(1, False, [1])]
     assert summary["tokens_per_second"] == pytest.approx(8 / 2.0)
     assert summary["speedup"] == pytest.approx((8 / 2.0) / (8 / 4.0))
+    # An output that differs with no divergences to judge it by is refused, never counted lossless.
+    with pytest.raises(ValueError, match="prompt 1: the output differs from greedy's"):
+        summarize(steps, greedy, 5, divergences=[[], []], tie_tolerance=0.0005)
 
 
 def test_report_is_stored_with_its_plot(tmp_path):
     greedy = [Decoded(tokens=[1, 2, 3], seconds=1.0, margins=[1.0] * 3)]
     drafted = {"dflash": [Decoded(tokens=[1, 2, 3], seconds=0.5, accepted=[1, 0], drafted=[3, 3])],
                "prompt_lookup": [Decoded(tokens=[1, 2, 3], seconds=0.9, accepted=[0, 0, 0], drafted=[0, 1, 0])]}
-    report = build_report(greedy=greedy, drafters=drafted, block_size=4, dtype=torch.bfloat16, tie_ulps=2, target="t", prompts=1, max_new_tokens=3)
+    report = build_report(greedy=greedy, drafters=drafted, divergences={"dflash": [[]], "prompt_lookup": [[]]}, verify_noise=[[0.01, 0.03]],
+                          block_size=4, dtype=torch.bfloat16, target="t", prompts=1, max_new_tokens=3)
     storage = open_storage(str(tmp_path))
     store_report(storage, report)
     stored = json.loads(storage.get_bytes(REPORT_KEY))
     assert stored["format"] == "dflash.eval/v1" and stored["lossless"] is True
+    assert stored["tie_tolerance"] == {"value": 0.03, "positions": 2, "block_size": 4, "statistic": TOLERANCE_STATISTIC}
     assert set(stored["drafters"]) == {"dflash", "prompt_lookup"}
     assert set(stored["drafters"]["dflash"]) >= {"acceptance_length", "acceptance_per_position", "tokens_per_second", "speedup", "lossless", "mismatches"}
     assert stored["drafters"]["dflash"]["acceptance_length"] == 1.5

@@ -14,6 +14,7 @@ import json
 import numpy as np
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_jobs.drafter.checkpoint import TargetCheckpoint, drafter_config_for_target, resolve_mask_token_id
@@ -22,11 +23,12 @@ from dflash_jobs.drafter.masks import build_attention
 from dflash_jobs.drafter.model import Drafter
 from dflash_jobs.drafter.speculative import Decoded, ModelDrafter, Target, greedy_decode, speculative_decode
 from dflash_jobs.errors import SpecError
+from dflash_jobs.evaluate.__main__ import main as evaluate_main
 from dflash_jobs.evaluate.evaluator import evaluate
+from dflash_jobs.evaluate.lossless import TOLERANCE_STATISTIC, Divergence, divergences, is_tie, mismatches, tie_tolerance, verify_noise
 from dflash_jobs.evaluate.metrics import (
-    acceptance_length, acceptance_per_position, mismatches, simulated_consistency, summarize, summarize_simulated, tie_tolerance,
+    MIN_COMPARED_STEPS, acceptance_length, acceptance_per_position, simulated_consistency, summarize, summarize_simulated,
 )
-from dflash_jobs.evaluate.report import build_report
 from dflash_jobs.evaluate.simulated import anchors_accepted, blocks_per_call, document_batch
 from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk
 from dflash_jobs.rows import ChatEncoder, prompt_length
@@ -42,8 +44,9 @@ LAYOUT = anchor_layout(block_size=BLOCK)
 DFLASH = drafter_variant("dflash")
 WINDOW = 16  # shorter than every document: the sliding layer's window cuts into the context
 NEW_TOKENS = 32
-PROMPTS = 6
+PROMPTS = 8
 NO_STOP = frozenset()
+VOCAB_PROBE = 64  # enough candidate ids to find one outside a few given ones
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -145,6 +148,7 @@ def test_the_training_forward_accepts_what_speculative_decoding_accepts_and_an_o
     assert report["disagreeing_positions"] == []
     # At the anchors decoding drafted from, the two are the same computation: equal but for rounding.
     matched = report["at_decoded_anchors"]
+    assert matched["compared"] and matched["verdict"] == "agree"
     assert matched["steps"] > 0.8 * sum(len(d.accepted) for d in served)
     torch.testing.assert_close(matched["simulated_per_position"], matched["decoded_per_position"], atol=0.05, rtol=0)
     assert abs(report["acceptance_length"] - acceptance_length(served)) < 0.15 * acceptance_length(served)
@@ -152,7 +156,7 @@ def test_the_training_forward_accepts_what_speculative_decoding_accepts_and_an_o
     broken = [speculative_decode(target, ContextOffByOne(drafter, drafts=BLOCK - 1), p, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP) for p in prompts]
     assert [d.tokens for d in broken] == [d.tokens for d in served]  # still lossless: only the drafts suffer
     verdict = summarize_simulated(simulated, broken, greedy, BLOCK)
-    assert verdict["disagreeing_positions"][:3] == [1, 2, 3]
+    assert verdict["disagreeing_positions"][:3] == [1, 2, 3] and verdict["at_decoded_anchors"]["verdict"] == "disagree"
     assert verdict["relative_gap"][0] < -0.3
 
 
@@ -167,69 +171,104 @@ def test_long_documents_are_simulated_a_group_of_blocks_at_a_time_with_the_same_
 # ---- ties --------------------------------------------------------------------------------------
 
 
-def test_the_tie_tolerance_is_units_in_the_last_place_of_the_top_logit():
-    # bf16 keeps 8 significant bits: its spacing is 2**-7 in [1, 2), 0.0625 in [8, 16), 0.125 in [16, 32).
-    assert tie_tolerance(12.5, torch.bfloat16, 2) == 0.125
-    assert tie_tolerance(-20.0, torch.bfloat16, 2) == 0.25
-    assert tie_tolerance(16.0, torch.bfloat16, 1) == 0.125
-    assert tie_tolerance(12.5, torch.float32, 2) == 2 * 2.0**-23 * 8
-    assert tie_tolerance(12.5, torch.bfloat16, 0) == 0.0
-    # One unit is the step between neighbouring bf16 logits there: 12.5 + 0.0625 is representable, 12.5 + 0.03 rounds back.
-    top = torch.tensor(12.5, dtype=torch.bfloat16)
-    assert float((top + 0.0625) - top) == tie_tolerance(12.5, torch.bfloat16, 1)
-    assert float((top + 0.03) - top) == 0.0
+def test_a_divergence_is_a_tie_only_at_greedys_runner_up_within_the_measured_tolerance():
+    # Greedy's top two there: token 0 at 20.0, token 1 at 19.8. The run measured 0.25 of noise.
+    # (A verdict on the margin alone, as 2 bf16 ulps of 20.0 = 0.25 was, calls all but the last a tie.)
+    tolerance = 0.25
+    neither = Divergence(position=5, token=2, greedy_token=0, greedy_runner_up=1, greedy_margin=0.2, greedy_top_logit=20.0)
+    runner_up = Divergence(position=5, token=1, greedy_token=0, greedy_runner_up=1, greedy_margin=0.2, greedy_top_logit=20.0)
+    runner_up_far = Divergence(position=5, token=1, greedy_token=0, greedy_runner_up=1, greedy_margin=0.3, greedy_top_logit=20.0)
+    assert [is_tie(d, tolerance) for d in (neither, runner_up, runner_up_far)] == [False, True, False]
+
+    greedy = [Decoded(tokens=[7] * 8, seconds=1.0) for _ in range(4)]
+    outputs = [Decoded(tokens=[7] * 5 + [d.token] + [7] * 2, seconds=0.5, accepted=[6], drafted=[7]) for d in (neither, runner_up, runner_up_far)]
+    summary = summarize([*outputs, greedy[3]], greedy, 8, divergences=[[neither], [runner_up], [runner_up_far], []], tie_tolerance=tolerance)
+    # Every differing prompt counted: three, one of them a tie.
+    assert (summary["mismatching_prompts"], summary["ties"], summary["real_mismatches"], summary["lossless"]) == (3, 1, 2, False)
+    assert [(m["prompt"], m["tie"]) for m in summary["mismatches"]] == [(0, False), (1, True), (2, False)]
+    only_the_tie = summarize([greedy[0], outputs[1], greedy[2], greedy[3]], greedy, 8, divergences=[[], [runner_up], [], []], tie_tolerance=tolerance)
+    assert only_the_tie["lossless"] is True and only_the_tie["ties"] == 1 and only_the_tie["real_mismatches"] == 0
 
 
-def bf16_logits(values: list[float]) -> torch.Tensor:
-    return torch.tensor(values).to(torch.bfloat16)
+def greedy_after(target_model, prompt: torch.Tensor, prefix: list[int], new_tokens: int) -> Decoded:
+    """Plain greedy's continuation of prompt + prefix."""
+    return greedy_decode(Target(target_model), torch.cat([prompt, torch.tensor(prefix, dtype=prompt.dtype)]), max_new_tokens=new_tokens, stop_ids=NO_STOP)
 
 
-def greedy_from_logits(rows: list[torch.Tensor], seconds: float = 1.0) -> Decoded:
-    """A plain greedy run's record, read off real bf16 logit rows the way greedy_decode reads them."""
-    tops = [row.float().topk(2) for row in rows]
-    return Decoded(tokens=[int(t.indices[0]) for t in tops], seconds=seconds,
-                   margins=[float(t.values[0] - t.values[1]) for t in tops], top_logits=[float(t.values[0]) for t in tops])
+def test_every_position_is_checked_and_a_real_mismatch_after_a_tie_is_found(target_model, prompts):
+    """An output that takes greedy's runner-up at position 3 (a tie, at a tolerance over that margin),
+    goes on as greedy goes on from there, and at position 11 takes a token greedy ranks neither
+    first nor second: a verdict from the first difference alone would call the prompt a tie."""
+    prompt = prompts[0]
+    plain = Target(target_model)
+    reference = greedy_decode(plain, prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
+    output = reference.tokens[:3] + [reference.runners_up[3]]
+    after_tie = greedy_after(target_model, prompt, output, 8)
+    output += after_tie.tokens
+    wrong = next(t for t in range(VOCAB_PROBE) if t not in (after_tie.tokens[-1], after_tie.runners_up[-1]))
+    output[-1] = wrong  # position 11
+    output += greedy_after(target_model, prompt, output, NEW_TOKENS - len(output)).tokens
+    found = divergences(plain, prompt, output, reference, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
+    assert [(d.position, d.token) for d in found] == [(3, reference.runners_up[3]), (11, wrong)]
+    tie, real = found
+    # Greedy's record at the first difference is the reference's own; at the second, greedy after the output's prefix.
+    assert (tie.greedy_token, tie.greedy_runner_up, tie.greedy_margin) == (reference.tokens[3], reference.runners_up[3], reference.margins[3])
+    assert (real.greedy_token, real.greedy_runner_up) == (after_tie.tokens[-1], after_tie.runners_up[-1])
+    (verdict,) = mismatches([found], tolerance=tie.greedy_margin)
+    assert [d["tie"] for d in verdict["divergences"]] == [True, False] and verdict["tie"] is False
+    assert divergences(plain, prompt, reference.tokens, reference, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP) == []
 
 
-def test_a_mismatch_at_a_bf16_tie_is_a_tie_and_only_a_real_one_makes_the_run_not_lossless():
-    # Position 1: tokens 2 and 3 tie exactly (the verify forward may round 3 up, the decode step 2);
-    # position 2 of the second prompt: token 0 leads by 1.0, far beyond bf16 rounding at 12.
-    tie = [bf16_logits([1.0, 5.0, 0.0, 0.0]), bf16_logits([0.0, 0.0, 12.25, 12.25]), bf16_logits([3.0, 0.0, 0.0, 0.0])]
-    clear = [bf16_logits([1.0, 5.0, 0.0, 0.0]), bf16_logits([12.0, 11.0, 0.0, 0.0]), bf16_logits([3.0, 0.0, 0.0, 0.0])]
-    greedy = [greedy_from_logits(tie), greedy_from_logits(clear)]
-    assert [g.tokens for g in greedy] == [[1, 2, 0], [1, 0, 0]]
-    at_the_tie = Decoded(tokens=[1, 3, 0], seconds=0.5, accepted=[2], drafted=[2])
-    real = Decoded(tokens=[1, 1, 0], seconds=0.5, accepted=[2], drafted=[2])
-    found = mismatches([at_the_tie, real], greedy, dtype=torch.bfloat16, tie_ulps=2)
-    assert [(m.prompt, m.position, m.greedy_margin, m.tie) for m in found] == [(0, 1, 0.0, True), (1, 1, 1.0, False)]
-    assert found[0].tie_tolerance == 0.125 and found[0].greedy_top_logit == 12.25
-
-    only_ties = summarize([at_the_tie, greedy[1]], greedy, 4, dtype=torch.bfloat16, tie_ulps=2)
-    assert only_ties["lossless"] is True and only_ties["ties"] == 1 and len(only_ties["mismatches"]) == 1
-    with_a_real_one = summarize([at_the_tie, real], greedy, 4, dtype=torch.bfloat16, tie_ulps=2)
-    assert with_a_real_one["lossless"] is False and with_a_real_one["ties"] == 1
-    # tie_ulps 0: an exact tie still counts as one (margin 0 <= 0), a margin of one ulp would not.
-    assert summarize([at_the_tie, greedy[1]], greedy, 4, dtype=torch.bfloat16, tie_ulps=0)["lossless"] is True
-
-    report = build_report(greedy=greedy, drafters={"dflash": [at_the_tie, greedy[1]], "prompt_lookup": [at_the_tie, real]},
-                          block_size=4, dtype=torch.bfloat16, tie_ulps=2)
-    assert report["tie_ulps"] == 2 and report["dtype"] == "bfloat16"
-    assert report["drafters"]["dflash"]["lossless"] and not report["drafters"]["prompt_lookup"]["lossless"]
-    assert report["lossless"] is False
+def test_a_run_that_stops_at_another_length_is_checked_at_the_stop(target_model, prompts):
+    """Stopping where greedy goes on is a divergence like any other: a stop token greedy did not
+    choose there is judged by greedy's top two; an output ending with neither a stop token nor
+    max_new_tokens (a loop bug) has no greedy choice to be judged by, and is real."""
+    prompt = prompts[1]
+    plain = Target(target_model)
+    reference = greedy_decode(plain, prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
+    stop = next(t for t in range(VOCAB_PROBE) if t not in reference.tokens[:6] + reference.runners_up[:6])
+    early = reference.tokens[:5] + [stop]
+    (found,) = divergences(plain, prompt, early, reference, max_new_tokens=NEW_TOKENS, stop_ids=frozenset([stop]))
+    assert (found.position, found.token, found.greedy_token) == (5, stop, reference.tokens[5]) and not is_tie(found, 1e9)
+    (short,) = divergences(plain, prompt, reference.tokens[:9], reference, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
+    assert (short.position, short.token, short.greedy_token) == (9, None, None) and not is_tie(short, 1e9)
 
 
-def test_a_run_that_stops_at_another_length_is_a_real_mismatch():
-    greedy = [greedy_from_logits([bf16_logits([0.0, 4.0]), bf16_logits([4.0, 4.0])])]  # a tie at the end
-    longer = Decoded(tokens=[1, 0, 1], seconds=1.0, accepted=[2], drafted=[2])
-    (found,) = mismatches([longer], greedy, dtype=torch.bfloat16, tie_ulps=2)
-    assert (found.position, found.greedy_margin, found.tie) == (2, None, False)
+def test_the_tie_tolerance_is_measured_on_the_target_at_greedys_top_two_tokens(target_model, prompts):
+    prompt = prompts[2]
+    plain = Target(target_model)
+    reference = greedy_decode(plain, prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
+    noise = verify_noise(plain, prompt, reference, BLOCK)
+    # Every position but the first (both decodings take it from one prefill); in fp32 a block's
+    # chunked GDN kernel and the one-token recurrent step still round differently, a little.
+    assert len(noise) == NEW_TOKENS - 1
+    assert 0 < max(noise) < 1e-4
+
+    # A verify forward that scales its logits by 1.01 moves greedy's margin by 1% of itself: the
+    # measurement reads greedy's own two tokens at the right positions, against greedy's margin.
+    def scale_blocks(module, args, kwargs, output):
+        if kwargs["input_ids"].shape[1] > 1:
+            output.logits = output.logits * 1.01
+        return output
+
+    hook = target_model.register_forward_hook(scale_blocks, with_kwargs=True)
+    try:
+        scaled = verify_noise(plain, prompt, reference, BLOCK)
+    finally:
+        hook.remove()
+    expected = [0.01 * margin for margin in reference.margins[1:]]
+    torch.testing.assert_close(scaled, expected, rtol=0, atol=1e-4)
+    tolerance = tie_tolerance([noise, scaled], BLOCK)
+    assert tolerance == {"value": max(scaled), "statistic": TOLERANCE_STATISTIC, "positions": 2 * (NEW_TOKENS - 1), "block_size": BLOCK}
 
 
 def test_eval_settings_are_validated_naming_the_field():
-    assert EvalSpec().processes == 1 and EvalSpec().tie_ulps == 2
-    for field, value in (("processes", 0), ("processes", 1.5), ("tie_ulps", -1), ("tie_ulps", True)):
+    assert EvalSpec().processes == 1
+    for field, value in (("processes", 0), ("processes", 1.5), ("max_new_tokens", 0), ("prompts", True)):
         with pytest.raises(SpecError, match=f"eval.{field}"):
             EvalSpec(**{field: value})
+    with pytest.raises(SpecError, match="eval.tie_ulps"):  # measured now: the old setting is named, not ignored
+        parse_spec({"name": "x", "target": {"model": "/m"}, "data": {"source": "/d"}, "output": "/o", "eval": {"tie_ulps": 2}})
 
 
 # ---- the job -----------------------------------------------------------------------------------
@@ -250,12 +289,13 @@ def finished_training(tmp_path, target_dir, drafter, documents, prompts, **eval_
     index = DatasetIndex(samples=0, tokens=0, vocab_size=drafter.config.vocab_size, chunks=[],
                          holdout={"samples": len(documents), "path": "tokens/holdout.safetensors"})
     storage.put_bytes(DATASET_KEY, index.to_json().encode())
-    spec = parse_spec({
+    spec = {
         "name": "evaluated", "backend": "local", "target": {"model": str(target_dir), "layers": LAYERS},
         "data": {"source": str(tmp_path / "unused.jsonl")}, "output": str(output),
         "eval": {"prompts": 4, "max_new_tokens": 16, **eval_settings},
-    })
-    return spec, storage
+    }
+    (tmp_path / "dflash.yaml").write_text(yaml.safe_dump(spec))
+    return parse_spec(spec), storage
 
 
 def test_worker_processes_give_the_one_process_report(tmp_path, target_dir, drafter, documents, prompts):
@@ -268,14 +308,37 @@ def test_worker_processes_give_the_one_process_report(tmp_path, target_dir, draf
     assert (one["processes"], two["processes"]) == (1, 2)
     assert one["lossless"] and two["lossless"]
     for name in ("dflash", "prompt_lookup"):
-        for key in ("acceptance_length", "acceptance_per_position", "verify_steps", "tokens", "mismatches", "ties"):
+        for key in ("acceptance_length", "acceptance_per_position", "verify_steps", "tokens", "mismatches", "mismatching_prompts", "ties", "real_mismatches"):
             assert one["drafters"][name][key] == two["drafters"][name][key], (name, key)
+    # The tie tolerance is measured on every prompt, at every position but the first.
+    assert one["tie_tolerance"] == two["tie_tolerance"]
+    assert one["tie_tolerance"]["positions"] == 4 * (16 - 1) and 0 < one["tie_tolerance"]["value"] < 1e-4
     simulated = one["drafters"]["dflash"]["simulated"]
     assert simulated == two["drafters"]["dflash"]["simulated"]
     assert set(simulated) == {"acceptance_length", "acceptance_per_position", "anchors", "at_decoded_anchors", "relative_gap", "tolerance", "disagreeing_positions"}
     assert len(simulated["acceptance_per_position"]) == len(simulated["relative_gap"]) == BLOCK - 1
-    assert simulated["anchors"] == 4 * (16 - 1) and simulated["disagreeing_positions"] == []
+    assert simulated["anchors"] == 4 * (16 - 1)
+    # 4 answers of 16 tokens hold too few whole blocks of 8 for a train/serve verdict: said so, not passed.
+    matched = simulated["at_decoded_anchors"]
+    assert 0 < matched["steps"] < MIN_COMPARED_STEPS and not matched["compared"] and simulated["disagreeing_positions"] is None
     assert "simulated" not in one["drafters"]["prompt_lookup"]
+
+
+def test_an_evaluation_too_short_for_the_train_serve_check_says_not_compared_and_what_to_change(
+    tmp_path, target_dir, drafter, documents, prompts, capsys,
+):
+    """Answers no longer than a block: no verify step drafts a whole block, so nothing is compared.
+    The report and the pod's log say so, never an empty pass."""
+    finished_training(tmp_path, target_dir, drafter, documents, prompts, max_new_tokens=BLOCK)
+    assert evaluate_main(["-f", str(tmp_path / "dflash.yaml")]) == 0
+    report = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())
+    simulated = report["drafters"]["dflash"]["simulated"]
+    assert simulated["at_decoded_anchors"]["steps"] == 0 and simulated["at_decoded_anchors"]["compared"] is False
+    assert simulated["at_decoded_anchors"]["verdict"].startswith("not compared: 0 verify steps")
+    assert simulated["disagreeing_positions"] is None
+    log = capsys.readouterr().out
+    assert "training and serving were not compared: only 0 verify steps" in log
+    assert f"Raise eval.max_new_tokens (now {BLOCK};" in log and "or eval.prompts (now 4)" in log
 
 
 def test_a_gap_is_named_only_beyond_ten_percent_and_beyond_the_noise_of_the_verify_steps():

@@ -16,7 +16,7 @@ from dflash_jobs.storage import MULTIPART_CHUNK, MULTIPART_THRESHOLD, ObjectNotF
 
 
 @pytest.fixture(params=["local", "s3"])
-def storage(request, tmp_path):
+def storage(request, tmp_path, s3_server):  # s3_server started before the process-state guard reads the environment
     if request.param == "local":
         return open_storage(str(tmp_path / "root"))
     bucket = request.getfixturevalue("s3_bucket")

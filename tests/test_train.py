@@ -34,6 +34,7 @@ from conftest import free_port
 
 EPOCHS = 6
 STEPS = 30  # 5 micro-batches of <= 1024 tokens per epoch on one rank
+THREADS = 1  # intra-op threads of every run the kill-and-resume test compares, in this process and in its subprocess
 
 
 def spec_for(root: Path, output: Path, **train) -> dict:
@@ -228,7 +229,17 @@ def test_training_refuses_to_start_without_a_manifest(root, extract, tmp_path, c
     assert not (output / "train").exists()
 
 
-def test_killed_and_restarted_it_ends_with_the_weights_of_an_uninterrupted_run(root, extract, tmp_path):
+@pytest.fixture
+def pinned_threads():
+    """THREADS intra-op threads in this process, put back after: a run's weights depend on the
+    thread count (reductions split otherwise), so runs compared bit for bit must share it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    yield THREADS
+    torch.set_num_threads(threads)
+
+
+def test_killed_and_restarted_it_ends_with_the_weights_of_an_uninterrupted_run(root, extract, tmp_path, pinned_threads):
     uninterrupted = copy_extract(extract, tmp_path / "uninterrupted")
     run_in_process(spec_for(root, uninterrupted), tmp_path / "cache-a")
 
@@ -244,7 +255,8 @@ def test_killed_and_restarted_it_ends_with_the_weights_of_an_uninterrupted_run(r
     spec = write_spec(tmp_path / "killed.yaml", spec_for(root, killed))
     process = subprocess.Popen(
         [sys.executable, "-m", "dflash_jobs.train", "-f", str(spec)],
-        env={**os.environ, "DFLASH_CACHE_DIR": str(tmp_path / "cache-b")}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, "DFLASH_CACHE_DIR": str(tmp_path / "cache-b"), "OMP_NUM_THREADS": str(pinned_threads)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 120
     while not (killed / step_prefix(5) / "meta.json").exists():

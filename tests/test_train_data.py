@@ -70,7 +70,7 @@ def test_a_killed_download_leaves_nothing_behind_in_the_cache(root, extract, tmp
     leftovers = [cache / f"{TEMP_PREFIX}000000.safetensors.0f3a", cache / f"{TEMP_PREFIX}x8k2l1"]  # LocalStorage's and S3Storage's
     for path in leftovers:
         path.write_bytes(b"\0" * 4096)
-    build(root, extract, cache).close()
+    build(root, copy_extract(extract, tmp_path / "run"), cache).close()
     assert not any(path.exists() for path in leftovers)
 
 
@@ -144,7 +144,8 @@ def test_a_training_process_failing_on_bad_input_exits_with_its_own_code(root, e
     what should fail at once (42)."""
     from train_fixtures import write_spec
 
-    spec = write_spec(tmp_path / "dflash.yaml", train_spec_dict(tiny_target(root), extract, micro_batch_tokens=64, epochs=50))
+    output = copy_extract(extract, tmp_path / "run")
+    spec = write_spec(tmp_path / "dflash.yaml", train_spec_dict(tiny_target(root), output, micro_batch_tokens=64, epochs=50))
     script = tmp_path / "failing_trainer.py"
     script.write_text(textwrap.dedent(FAILING_TRAINER))
     codes = []

@@ -57,6 +57,9 @@ def ddp_rank(rank: int, port: int, out: str) -> None:
         loss_of(model, drafter, inputs, labels, weights, global_loss_normalizer(weights, 2)).backward()
         if rank == 0:
             torch.save({n: p.grad for n, p in drafter.named_parameters() if p.requires_grad}, out)
+        # The ranks leave together, as Trainer.train's do: a rank that tears gloo down and exits while
+        # the other still works dies by SIGABRT ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -126,17 +129,16 @@ def test_the_pod_exits_with_the_workers_final_verdict():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("component", ["train", "eval"])
-def test_a_bad_spec_or_input_in_the_rendered_pod_fails_the_job_at_once(component, tmp_path, tmp_path_factory, monkeypatch):
+def test_a_bad_spec_or_input_in_the_rendered_pod_fails_the_job_at_once(component, root, extract, tmp_path, monkeypatch):
     """The rendered Job itself, on the local backend: training under torchrun with a mask token the
     target does not have (a spec error found at run time), evaluation of a run with no drafter (bad
     input). Each must fail the Job through its podFailurePolicy on the first attempt, not after
     backoffLimit retries."""
     from dflashctl.local.backend import LocalBackend
     from dflashctl.render import render_selection
-    from train_fixtures import tiny_extract, tiny_target, train_spec_dict
+    from train_fixtures import copy_extract, tiny_target, train_spec_dict
 
-    root = tmp_path_factory.getbasetemp() / "train-root"
-    output = tiny_extract(root)
+    output = copy_extract(extract, tmp_path / "run")
     spec = train_spec_dict(tiny_target(root), output, mask_token_id=10**6 if component == "train" else None)
     spec["local"] = {"workdir": str(tmp_path / "work")}
     spec = parse_spec(spec)

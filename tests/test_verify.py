@@ -19,8 +19,10 @@ EXPECTED = Expected(dtype="bfloat16", layers=LAYERS)
 
 
 @pytest.fixture(params=["local", "s3"])
-def storage(request, tmp_path):
-    """Both kinds, for the checks where they differ (etag on S3, sha256 recomputed locally)."""
+def storage(request, tmp_path, s3_server):
+    """Both kinds, for the checks where they differ (etag on S3, sha256 recomputed locally). The S3
+    server is a parameter, not looked up inside: a session fixture started in a test's own setup sets
+    its environment after conftest's process-state guard has read it."""
     if request.param == "local":
         return open_storage(str(tmp_path / "run"))
     return open_storage(f"s3://{request.getfixturevalue('s3_bucket')}/runs/r1")
@@ -161,7 +163,7 @@ def test_a_final_hidden_state_that_disagrees_with_its_marker_or_the_spec_is_caug
 ])
 def test_the_spec_decides_whether_every_chunk_must_hold_it(tmp_path, extract, train, stored):
     spec = parse_spec({"name": "v", "target": {"model": "/m", "layers": LAYERS}, "data": {"source": "/d"},
-                       "output": str(tmp_path), "extract": extract, "train": train})
+                       "output": str(tmp_path), "backend": "local", "extract": extract, "train": train})
     assert Expected.of(spec) == Expected(dtype="bfloat16", layers=LAYERS, final_hidden=stored)
 
     storage = open_storage(str(tmp_path / "run"))

@@ -146,6 +146,8 @@ class Stages:
 
 
 def run(size_name: str, workdir: Path, report: Callable[[dict[str, Any]], None] = lambda stages: None) -> dict[str, Any]:
+    """run_stages on one intra-op thread on a CPU, the caller's thread count put back after (the
+    tests call this in their own process)."""
     size = SIZES[size_name]
     device = torch.device("cuda" if size_name == "gpu" else "cpu")
     threads = torch.get_num_threads()

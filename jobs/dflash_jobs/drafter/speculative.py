@@ -82,13 +82,18 @@ class Decoded:
     seconds: float
     """Wall time, prefill included."""
     accepted: list[int] = field(default_factory=list)
-    """Per verify step, the drafted tokens the target accepted (empty for plain greedy)."""
+    """Per verify step, the tokens it committed minus one: the drafts the target accepted, up to a stop
+    token among them (which then takes the bonus token's place; drafts are never longer than
+    max_new_tokens leaves room for). So 1 + accepted is exactly what the step added to the output
+    (empty for plain greedy)."""
     drafted: list[int] = field(default_factory=list)
     """Per verify step, the tokens proposed."""
     margins: list[float] = field(default_factory=list)
     """Plain greedy only: the target's top-1 minus top-2 logit at each token, to tell a numerical near-tie from a bug."""
     top_logits: list[float] = field(default_factory=list)
     """Plain greedy only: the target's top-1 logit at each token, the scale of its rounding."""
+    runners_up: list[int] = field(default_factory=list)
+    """Plain greedy only: the target's second choice at each token (its first is the token)."""
 
 
 @dataclass
@@ -198,35 +203,44 @@ def _finished(tokens: list[int], max_new_tokens: int, stop_ids: frozenset[int]) 
     return len(tokens) >= max_new_tokens or not stop_ids.isdisjoint(tokens)
 
 
-def _cut(tokens: list[int], max_new_tokens: int, stop_ids: frozenset[int]) -> list[int]:
-    """Stops after the first stop token (EOS) and at max_new_tokens, the way plain generation stops."""
-    tokens = tokens[:max_new_tokens]
-    stop = next((i for i, token in enumerate(tokens) if token in stop_ids), None)
-    return tokens if stop is None else tokens[: stop + 1]
+def _through_stop(tokens: list[int], stop_ids: frozenset[int]) -> int:
+    """How many of `tokens` an output keeps: up to and including the first stop token (EOS)."""
+    return next((i + 1 for i, token in enumerate(tokens) if token in stop_ids), len(tokens))
 
 
 @torch.inference_mode()
-def greedy_decode(target: Target, prompt: torch.Tensor, *, max_new_tokens: int, stop_ids: frozenset[int]) -> Decoded:
-    """Plain greedy decoding with the target's KV cache: one forward per token, the reference output."""
+def greedy_decode(
+    target: Target, prompt: torch.Tensor, *, max_new_tokens: int, stop_ids: frozenset[int], forced: Sequence[int] | None = None,
+) -> Decoded:
+    """Plain greedy decoding with the target's KV cache: one forward per token, the reference output.
+
+    forced: feed these tokens instead of the target's own choices (one step each). `tokens` and the
+    top-two record then hold what greedy would choose after each prefix of `forced`: the check of
+    another output (a speculative one) at every position, not only up to its first difference.
+    """
     device = target.device
     _synchronize(device)
     start = time.perf_counter()
     target.reset()
     logits = target.forward(prompt.to(device), last_only=True)[-1]
-    tokens, tops = [], []
+    tokens, values, indices = [], [], []
     while True:
         top = logits.float().topk(2)
         tokens.append(int(top.indices[0]))
-        tops.append(top.values)  # read once at the end: one host sync per token (the token), not three
-        if _finished(tokens, max_new_tokens, stop_ids):
+        values.append(top.values)  # read once at the end: one host sync per token (the token), not three
+        indices.append(top.indices)
+        done = len(tokens) >= len(forced) if forced is not None else _finished(tokens, max_new_tokens, stop_ids)
+        if done:
             break
-        logits = target.forward(top.indices[:1], last_only=True)[-1]
+        fed = top.indices[:1] if forced is None else torch.tensor(forced[len(tokens) - 1 : len(tokens)], device=device)
+        logits = target.forward(fed, last_only=True)[-1]
     _synchronize(device)
     seconds = time.perf_counter() - start
-    values = torch.stack(tops).tolist()  # [n, 2]: top-1 and top-2 logits
+    tops = torch.stack(values).tolist()  # [n, 2]: top-1 and top-2 logits
     return Decoded(
-        tokens=_cut(tokens, max_new_tokens, stop_ids), seconds=seconds,
-        margins=[first - second for first, second in values], top_logits=[first for first, _ in values],
+        tokens=tokens, seconds=seconds,
+        margins=[first - second for first, second in tops], top_logits=[first for first, _ in tops],
+        runners_up=torch.stack(indices)[:, 1].tolist(),
     )
 
 
@@ -285,10 +299,15 @@ def speculative_decode(
         logits = target.forward(torch.cat([sequence[cached:length], draft]))
         predicted = logits[anchor:].argmax(-1)  # predicted[j]: the target's token after the block's j-th (anchor, drafts...)
         accepted = int(torch.cumprod((draft == predicted[:-1]).long(), dim=0).sum())
+        block = torch.cat([draft[:accepted], predicted[accepted : accepted + 1]])
+        new = block.tolist()
+        # The output ends at a stop token: drafts the target agreed with after it are neither
+        # committed nor counted (a stop among the drafts takes the bonus token's place).
+        accepted = _through_stop(new, stop_ids) - 1
+        new = new[: accepted + 1]
         if context is not None:
             context.append(target.features()[anchor : anchor + accepted + 1])
-        new = torch.cat([draft[:accepted], predicted[accepted : accepted + 1]])
-        sequence[length : length + len(new)] = new
+        sequence[length : length + len(new)] = block[: len(new)]
         length += len(new)
         if accepted == len(draft):
             cached = length - 1  # everything but the bonus token went through the cache as it stays
@@ -298,12 +317,12 @@ def speculative_decode(
             if length - 1 - cached >= drafter.block_size:
                 target.forward(sequence[cached : length - 1], last_only=True)
                 cached = length - 1
-        tokens.extend(new.tolist())
+        tokens.extend(new)
         accepted_per_step.append(accepted)
         drafted_per_step.append(len(draft))
     _synchronize(device)
     return Decoded(
-        tokens=_cut(tokens, max_new_tokens, stop_ids),
+        tokens=tokens,
         seconds=time.perf_counter() - start,
         accepted=accepted_per_step,
         drafted=drafted_per_step,

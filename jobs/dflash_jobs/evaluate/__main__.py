@@ -29,22 +29,15 @@ def main(argv: list[str] | None = None) -> int:
         spec = load_spec(args.file)
         from dflash_jobs.devices import pick_device
         from dflash_jobs.evaluate.evaluator import evaluate
+        from dflash_jobs.evaluate.report import report_warnings
 
         # As extraction and training decide: local.device on the local backend, else the pod's GPU.
         report = evaluate(spec, storage_for(spec), device=pick_device(spec))
     except DflashError as exc:
         log.error("%s", exc)
         return pod_exit_code(exc)
-    if not report["lossless"]:
-        # Mismatches beyond a numerical tie: a bug (rollback, positions), never bf16 rounding.
-        log.warning("speculative output differs from plain greedy beyond a tie: %s",
-                    {n: [m for m in s["mismatches"] if not m["tie"]] for n, s in report["drafters"].items()})
-    simulated = report["drafters"][report["drafter_variant"]]["simulated"]
-    if simulated["disagreeing_positions"]:
-        log.warning("decoded acceptance differs from the training forward's by more than %d%% at positions %s "
-                    "(relative gaps %s): training and serving disagree about what the drafter sees",
-                    round(100 * simulated["tolerance"]), simulated["disagreeing_positions"],
-                    [None if g is None else round(g, 3) for g in simulated["relative_gap"]])
+    for line in report_warnings(report):
+        log.warning("%s", line)
     headline = {name: {"acceptance_length": round(s["acceptance_length"], 3), "speedup": round(s["speedup"], 3)} for name, s in report["drafters"].items()}
     print(json.dumps({"lossless": report["lossless"], **headline}))
     return EXIT_OK

@@ -5,7 +5,9 @@ its last supervised run: what the target was asked, never what it answered. For 
 target decodes three ways, on the same device and in the same loop style: plain greedy (the
 reference output and speed), DFlash speculative decoding, and prompt lookup (the training-free
 baseline); then the DFlash drafter's training forward runs on the prompt and greedy's output
-(evaluate/simulated.py), the teacher-forced acceptance the decoded one should match. One untimed
+(evaluate/simulated.py), the teacher-forced acceptance the decoded one should match, and, untimed,
+the lossless check's figures (evaluate/lossless.py): the target's own verify-against-decode
+rounding, and greedy along each output that differs from greedy's. One untimed
 warm-up prompt comes first (kernel selection and compilation). With eval.processes > 1, worker
 processes on the same device take the prompts one at a time, each with its own target and
 drafter, and the results are merged in prompt order.
@@ -30,6 +32,7 @@ from dflash_jobs.drafter.speculative import BlockDrafter, Decoded, ModelDrafter,
 from dflash_jobs.errors import InputError
 from dflash_jobs.evaluate.baselines import PromptLookupDrafter
 from dflash_jobs.evaluate.calibration import recorder_for
+from dflash_jobs.evaluate.lossless import Divergence, divergences, verify_noise
 from dflash_jobs.evaluate.metrics import acceptance_length
 from dflash_jobs.evaluate.report import build_report, store_report
 from dflash_jobs.evaluate.simulated import anchors_accepted, document_batch
@@ -86,6 +89,10 @@ class PromptResult:
     drafted: dict[str, Decoded]
     simulated: list[int]
     """Per anchor of the simulation (evaluate/simulated.py), the drafts the training forward gets right in a row."""
+    divergences: dict[str, list[Divergence]]
+    """Per drafter, where its output leaves greedy's (evaluate/lossless.py; empty when it is greedy's)."""
+    verify_noise: list[float]
+    """The target's verify-against-decode rounding of greedy's decision margin, per position (evaluate/lossless.py)."""
     confidences: list[list[float]] | None = None
     """A drafter with a confidence head (DSpark): per verify step, its survival probability of each draft (evaluate/calibration.py)."""
 
@@ -113,7 +120,13 @@ class PromptDecoder:
             for name, drafter in self.drafters.items()
         }
         confidences = self.recorder.take() if self.recorder is not None else None
-        return PromptResult(reference, drafted, self.simulate(prompt, reference), confidences)
+        # Untimed: the lossless check's figures (the decodings above are what tokens/s measure).
+        found = {
+            name: divergences(self.plain, prompt, d.tokens, reference, max_new_tokens=new_tokens, stop_ids=self.stop)
+            for name, d in drafted.items()
+        }
+        noise = verify_noise(self.plain, prompt, reference, self.layout.drafts + 1)  # the verify block: the anchor and its drafts
+        return PromptResult(reference, drafted, self.simulate(prompt, reference), found, noise, confidences)
 
     def simulate(self, prompt: torch.Tensor, reference: Decoded) -> list[int]:
         """The training forward on prompt + greedy's output, with the target's layers captured over it in one forward."""
@@ -225,13 +238,16 @@ def evaluate(spec: RunSpec, storage: Storage, *, device: torch.device) -> dict[s
             results = decode_prompts(decoder, prompts)
         finally:
             decoder.close()
+    names = list(results[0].drafted)
     report = build_report(
         greedy=[r.greedy for r in results],
-        drafters={name: [r.drafted[name] for r in results] for name in results[0].drafted},
+        drafters={name: [r.drafted[name] for r in results] for name in names},
+        divergences={name: [r.divergences[name] for r in results] for name in names},
+        verify_noise=[r.verify_noise for r in results],
         simulated={variant.name: [r.simulated for r in results]},
         calibration={variant.name: [r.confidences for r in results]} if results[0].confidences is not None else None,
         # The verify block: the anchor and its drafts (a drafter that samples from the anchor drafts block_size of them).
-        block_size=layout.drafts + 1, dtype=eval_dtype(device), tie_ulps=settings.tie_ulps,
+        block_size=layout.drafts + 1, dtype=eval_dtype(device),
         target=spec.target.model, drafter=drafter_url(spec), drafter_variant=variant.name, prompts=len(prompts),
         max_new_tokens=settings.max_new_tokens, processes=min(settings.processes, len(prompts)), device=str(device),
         vllm_serve=run_serve_command(spec, exported),

@@ -4,21 +4,27 @@ report.json (format dflash.eval/v1):
     target, drafter, drafter_variant, prompts, max_new_tokens, device, dtype, processes
     block_size: the verify block, the anchor and its drafts (train.block_size, or one more for a
               drafter that samples from the anchor, DSpark); acceptance per position covers 1..block_size-1
-    tie_ulps: a mismatch where greedy's top two logits were within this many units in the last
-              place of its top logit (in dtype) is a numerical tie, not a bug (metrics.py)
+    tie_tolerance: {value, statistic, positions, block_size}: the target's own verify-against-decode
+              rounding, measured on this run (evaluate/lossless.py verify_noise): the largest change a
+              verify forward made to greedy's top-1 minus top-2 logit over `positions` positions
     greedy:   {tokens, tokens_per_second}             plain greedy decoding, the reference
     drafters: {name: metrics.summarize(...)}          the trained drafter under its variant's name (drafter_variant:
               dflash, dflash2, dspark), and "prompt_lookup" as the training-free baseline;
-              lossless (no mismatch but ties), ties (how many), mismatches [{prompt, position,
-              greedy_margin, greedy_top_logit, tie_tolerance, tie}]
+              acceptance counts only tokens committed (never past a stop token or max_new_tokens);
+              lossless (no real mismatch), mismatching_prompts, ties, real_mismatches (prompts),
+              mismatches [{prompt, tie, divergences [{position, token, greedy_token, greedy_runner_up,
+              greedy_margin, greedy_top_logit, tie}]}]: a divergence is a tie only where the output
+              took greedy's runner-up at a margin within tie_tolerance.value
     drafters.<variant>.simulated: metrics.summarize_simulated(...)   the training forward's acceptance on
               the same prompts (evaluate/simulated.py): acceptance_length, acceptance_per_position,
-              anchors, relative_gap per position ((decoded - simulated) / simulated), tolerance,
-              disagreeing_positions (1-based; empty when training and serving agree)
+              anchors, at_decoded_anchors {steps, minimum_steps, compared, verdict, simulated and
+              decoded per position}, relative_gap per position ((decoded - simulated) / simulated),
+              tolerance, disagreeing_positions (1-based; empty when training and serving agree, null
+              when too few steps were compared)
     drafters.<variant>.calibration: calibration.summarize_calibration(...)   a drafter with a confidence head
               (DSpark): per draft position, its predicted survival (the product of the confidences up to
               it) against the realized one over the decoded verify steps, with Brier score and ECE
-    lossless: true when every drafter's output equals plain greedy on every prompt, ties aside
+    lossless: true when no drafter has a real mismatch on any prompt
     vllm_serve: the shell commands that serve this drafter with its target in vLLM (drafter/serving.py)
 """
 
@@ -30,23 +36,31 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from dflash_jobs.evaluate.calibration import summarize_calibration
-from dflash_jobs.evaluate.metrics import summarize, summarize_simulated, tokens_per_second
 from dflash_jobs.drafter.speculative import Decoded
+from dflash_jobs.evaluate.calibration import summarize_calibration
+from dflash_jobs.evaluate.lossless import Divergence, tie_tolerance
+from dflash_jobs.evaluate.metrics import summarize, summarize_simulated, tokens_per_second
 from dflash_jobs.formats import EVAL_PLOT_KEY, EVAL_REPORT_KEY
 
 REPORT_FORMAT = "dflash.eval/v1"
 
 
 def build_report(
-    *, greedy: Sequence[Decoded], drafters: Mapping[str, Sequence[Decoded]], block_size: int, dtype: torch.dtype, tie_ulps: int,
+    *, greedy: Sequence[Decoded], drafters: Mapping[str, Sequence[Decoded]], divergences: Mapping[str, Sequence[Sequence[Divergence]]],
+    verify_noise: Sequence[Sequence[float]], block_size: int, dtype: torch.dtype,
     simulated: Mapping[str, Sequence[Sequence[int]]] | None = None,
     calibration: Mapping[str, Sequence[Sequence[Sequence[float]]]] | None = None, **about: Any,
 ) -> dict[str, Any]:
-    """The report of one evaluation: `simulated` maps a drafter to its teacher-forced accepted
-    drafts, per prompt and anchor; `calibration` a drafter with a confidence head to its survival
-    probabilities, per prompt, verify step and draft; `about` holds what was evaluated (target, drafter, prompts, ...)."""
-    summaries = {name: summarize(decoded, greedy, block_size, dtype=dtype, tie_ulps=tie_ulps) for name, decoded in drafters.items()}
+    """The report of one evaluation. Per prompt: `divergences` maps a drafter to where its output
+    leaves greedy's, `verify_noise` holds the target's verify-against-decode rounding
+    (evaluate/lossless.py), `simulated` maps a drafter to its teacher-forced accepted drafts per
+    anchor, `calibration` a drafter with a confidence head to its survival probabilities per verify
+    step and draft; `about` holds what was evaluated (target, drafter, prompts, ...)."""
+    tolerance = tie_tolerance(verify_noise, block_size)
+    summaries = {
+        name: summarize(decoded, greedy, block_size, divergences=divergences[name], tie_tolerance=tolerance["value"])
+        for name, decoded in drafters.items()
+    }
     for name, anchors in (simulated or {}).items():
         summaries[name]["simulated"] = summarize_simulated(anchors, drafters[name], [d.tokens for d in greedy], block_size)
     for name, steps in (calibration or {}).items():
@@ -55,12 +69,41 @@ def build_report(
         "format": REPORT_FORMAT,
         **about,
         "dtype": str(dtype).removeprefix("torch."),
-        "tie_ulps": tie_ulps,
+        "tie_tolerance": tolerance,
         "block_size": block_size,
         "greedy": {"tokens": sum(len(d.tokens) for d in greedy), "tokens_per_second": tokens_per_second(greedy)},
         "drafters": summaries,
         "lossless": all(s["lossless"] for s in summaries.values()),
     }
+
+
+def report_warnings(report: Mapping[str, Any]) -> list[str]:
+    """What the evaluation pod warns about, each line saying what it means and what to do."""
+    lines = []
+    real = {name: [m for m in s["mismatches"] if not m["tie"]] for name, s in report["drafters"].items() if not s["lossless"]}
+    if real:
+        # Beyond a tie: a bug (rollback, positions), never rounding the target does on its own.
+        lines.append(f"speculative output differs from plain greedy beyond a tie (tolerance {report['tie_tolerance']['value']:.3g}, "
+                     f"measured): {real}")
+    for name, summary in report["drafters"].items():
+        simulated = summary.get("simulated")
+        if simulated is None:
+            continue
+        matched = simulated["at_decoded_anchors"]
+        if not matched["compared"]:
+            lines.append(
+                f"{name}: training and serving were not compared: only {matched['steps']} verify steps drafted a whole block "
+                f"at an anchor the training forward drafted from, fewer than the {matched['minimum_steps']} a verdict needs. "
+                f"Raise eval.max_new_tokens (now {report.get('max_new_tokens')}; a step counts only when its "
+                f"{report['block_size'] - 1} drafts fit, so answers need several blocks of {report['block_size']}) "
+                f"or eval.prompts (now {report.get('prompts')})")
+        elif simulated["disagreeing_positions"]:
+            lines.append(
+                f"{name}: decoded acceptance differs from the training forward's by more than "
+                f"{round(100 * simulated['tolerance'])}% at positions {simulated['disagreeing_positions']} (relative gaps "
+                f"{[None if g is None else round(g, 3) for g in simulated['relative_gap']]}): training and serving disagree "
+                "about what the drafter sees")
+    return lines
 
 
 def report_json(report: Mapping[str, Any]) -> bytes:
