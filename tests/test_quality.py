@@ -63,6 +63,31 @@ def test_held_out_chats_come_from_held_out_documents_only_and_every_prompt_once(
         corpus.drafter_chats(split, training=10, held_out=400, shape=shape, seed=3)
 
 
+def test_a_held_out_continuation_the_training_documents_hold_and_a_short_answer_are_skipped(bench):
+    corpus = importlib.import_module("corpus")
+    shared = "    raise NotImplementedError('subclasses define it')"
+    held = "\n".join(["def held_one(x):", "    return x + 1", shared, "def held_two(y):", "    pass", "end"])
+    training = "\n".join(["def trained(z):", shared])
+    split = corpus.Documents(training=[training], held_out=[held], duplicates=0)
+    shape = corpus.ChatShape(("continue",), prompt_lines=1, answer_lines=1, line_chars=80, min_answer_chars=8)
+    found = [m[1]["content"] for m in corpus.chats(split.held_out, 10, shape, random.Random(0), avoid_text=training)]
+    # The windows after "return x + 1" end in, or start with, a line a training document holds; "pass" is too short.
+    assert found == ["return x + 1"]
+
+
+def test_with_a_unique_cue_every_prompt_ends_in_a_line_the_corpus_holds_once(bench):
+    corpus = importlib.import_module("corpus")
+    documents = [f"def f{d}(x):\n    return None\n    y = {d} * x\n    z{d} = y + 1\n    return z{d} + {d}\nend" for d in range(20)]
+    assert corpus.repeated_lines(documents, 80) == {"return None", "end"}
+    split = corpus.split_documents(documents)
+    for unique_cue in (False, True):
+        shape = corpus.ChatShape(("continue",), prompt_lines=1, answer_lines=1, line_chars=80, unique_cue=unique_cue)
+        chats = corpus.drafter_chats(split, training=30, held_out=2, shape=shape, seed=3)
+        last_lines = {messages[0]["content"].splitlines()[-1].strip() for messages in chats.training + chats.held_out}
+        # "return None" ends no prompt with the cue: every document says "y = ..." after it.
+        assert ("return None" in last_lines) == (not unique_cue)
+
+
 def test_each_task_answers_with_a_function_of_the_prompt(bench):
     corpus = importlib.import_module("corpus")
     lines, following = ["a = 1", "b = 2"], ["c = 3"]
@@ -143,6 +168,7 @@ def test_diversity_counts_what_the_held_out_samples_share_with_the_training_ones
     assert found["held_out_answers_equal_to_source"] == 2
     assert found["per_task"] == {"Repeat this text:": {"prompts": 3, "distinct": 2, "verbatim": 1, "as_source": 2}}
     assert found["verdict"].startswith("degenerate: 2 distinct answers to 3 held-out prompts, 1 found word for word")
+    assert found["goals"] == {"distinct_share_at_least": 0.9, "verbatim_share_at_most": 0.05, "met": False}
     # Cut where the evaluation stops decoding: the answers it asked for, here all "<think>", each the start of a training answer.
     cut = figures.diversity(regenerated, source, rows, training_text="", tokenizer=tokenizer, answer_tokens=1)
     assert cut["held_out_answers_distinct"] == 1 and cut["held_out_answers_found_in_training_answers"] == 3
@@ -261,8 +287,11 @@ def test_tiny_chain_runs_every_chain_on_the_same_held_out_prompts_and_says_its_t
         assert run["drafters"][run["drafter"]]["acceptance_length"] >= 1.0 and "prompt_lookup" in run["drafters"]
     assert runs["regenerated-dspark"]["eval"]["block_size"] == runs["regenerated"]["eval"]["block_size"] == 8
     assert "calibration" in runs["regenerated-dspark"]["drafters"]["dspark"]
-    # Every chat was answered and kept, so every chain held out, and was evaluated on, the same prompts.
-    assert result["same_prompts"] and all(run["held_out_sample_ids"] == regenerated["held_out_sample_ids"] for run in runs.values())
+    # Every chat was answered and kept, so every chain held out, and was evaluated on, the same prompts
+    # (run checks their tokens); a chain on part of the rows finds them on earlier lines of its data.source.
+    parts = {f"regenerated-{fraction:g}" for fraction in result["settings"]["data_fractions"]}
+    assert result["same_prompts"] and all(run["held_out_sample_ids"] == regenerated["held_out_sample_ids"] for name, run in runs.items() if name not in parts)
+    assert all(len(runs[name]["held_out_sample_ids"]) == result["settings"]["holdout"] for name in parts)
     assert regenerated["generation"]["rows"] == regenerated["generation"]["lines"] == result["settings"]["chats"] == result["generation"]["rows"]
     assert source["generation"] is None
     # The same prompts to the same target give the same greedy outputs: prompt lookup drafts alike.

@@ -16,7 +16,6 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from dflash_jobs.prepare import HOLDOUT_KEY
 from dflash_jobs.rows import prompt_length
 from dflash_jobs.storage import open_storage
 
+import launch
 from sizes import Size
 
 SHARED_STATES = ("tokens", "extract")
@@ -116,21 +116,20 @@ class ChainRunner:
         self.seconds: dict[str, float] = {}
 
     def step(self, name: str, *commands: list[str], extra_env: dict[str, str] | None = None) -> None:
+        """Runs `python -m <command>` for each command at once (launch.py), each with its own log."""
         started = time.monotonic()
-        logs = [open(self.workdir / f"{name}-{i}.log", "w") for i in range(len(commands))]
-        processes = [subprocess.Popen(c, env={**self.env, **(extra_env or {})}, stdout=log, stderr=subprocess.STDOUT) for c, log in zip(commands, logs)]
-        codes = [p.wait() for p in processes]
-        for log in logs:
-            log.close()
+        waits = [launch.start(command[0], command[1:], {**self.env, **(extra_env or {})}, self.workdir / f"{name}-{i}.log")
+                 for i, command in enumerate(commands)]
+        codes = [wait() for wait in waits]
         self.seconds[name] = round(time.monotonic() - started, 1)
-        print(f"quality: {self.workdir.name} {name}: exit {max(codes)} after {self.seconds[name]} s", file=sys.stderr, flush=True)
+        print(f"quality: {self.workdir.name} {name}: exit {max(codes, key=abs)} after {self.seconds[name]} s", file=sys.stderr, flush=True)
         if any(codes):
             failed = next(i for i, code in enumerate(codes) if code)
             tail = (self.workdir / f"{name}-{failed}.log").read_text()[-3000:]
-            raise RuntimeError(f"{name} failed (exit {codes[failed]}): {shlex.join(commands[failed])}\n{tail}")
+            raise RuntimeError(f"{name} failed (exit {codes[failed]}): {shlex.join(['python', '-m', *commands[failed]])}\n{tail}")
 
     def job(self, module: str, *args: str) -> list[str]:
-        return [sys.executable, "-m", module, *args, "-f", str(self.spec)]
+        return [module, *args, "-f", str(self.spec)]
 
     def generate(self) -> None:
         # Two shards share the machine: one intra-op thread each keeps them from fighting over cores.

@@ -22,6 +22,7 @@ import pydoc
 import random
 import re
 import sysconfig
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -42,14 +43,14 @@ HELD_OUT_EVERY = 10
 # ---- documents ---------------------------------------------------------------------------------
 
 
-def stdlib_sources(files: int | None) -> list[str]:
-    """Standard-library modules and packages (no tests, no vendored or IDLE code)."""
+def stdlib_sources(files: int | None, chars: int = DOCUMENT_CHARS) -> list[str]:
+    """Standard-library modules and packages (no tests, no vendored or IDLE code), each cut at `chars`."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skipped = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "turtledemo"}
     modules = sorted(path for path in root.rglob("*.py") if not skipped & set(path.relative_to(root).parts))
     if files is not None:
         modules = random.Random(0).sample(modules, min(files, len(modules)))
-    return [path.read_text(errors="replace")[:DOCUMENT_CHARS] for path in sorted(modules)]
+    return [path.read_text(errors="replace")[:chars] for path in sorted(modules)]
 
 
 TROFF_ESCAPE = re.compile(r"\\f[BIRP]|\\f\(..|\\&|\\-|\\\(..|\\e")
@@ -100,9 +101,9 @@ def at_most(documents: list[str], chars: int) -> list[str]:
     return picked
 
 
-def corpus(files: int | None, installed_text: bool) -> dict[str, list[str]]:
-    """The documents by source."""
-    sources = {"stdlib": stdlib_sources(files)}
+def corpus(files: int | None, installed_text: bool, chars: int | None = None) -> dict[str, list[str]]:
+    """The documents by source, the standard library's cut at `chars` (None: DOCUMENT_CHARS)."""
+    sources = {"stdlib": stdlib_sources(files, chars or DOCUMENT_CHARS)}
     if installed_text:
         budget = sum(map(len, sources["stdlib"]))
         sources["pydoc"] = [pydoc.render_doc(name, renderer=pydoc.plaintext) for name in PYDOC_MODULES]
@@ -160,16 +161,29 @@ class ChatShape:
     """Lines a continuation answers with (a transformation answers with the prompt's lines)."""
     line_chars: int
     """Longer lines are cut: a chat stays within data.max_length."""
+    min_answer_chars: int = 1
+    """Shorter answers are skipped: a blank line or a lone `else:` is what any document says next."""
+    unique_cue: bool = False
+    """Skip a drafter chat whose prompt ends in a line found more than once in the corpus: a target
+    reciting its documents cannot tell from `        return None` which one it is in."""
 
 
 def conversation(prompt: str, answer: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
 
 
+def repeated_lines(documents: list[str], line_chars: int) -> frozenset[str]:
+    """The lines (stripped, cut as chats cut them) found more than once across `documents`."""
+    counts = Counter(line.rstrip()[:line_chars].strip() for document in documents for line in document.splitlines())
+    return frozenset(line for line, count in counts.items() if count > 1)
+
+
 def chats(documents: list[str], count: int, shape: ChatShape, rng: random.Random, *, taken: set[str] | None = None,
-          avoid_text: str = "") -> Iterator[list[dict[str, str]]]:
+          avoid_text: str = "", repeated: frozenset[str] = frozenset()) -> Iterator[list[dict[str, str]]]:
     """Up to `count` chats on windows of `documents`, each prompt new (not in `taken`, which is
-    extended) and its lines nowhere in `avoid_text`; stops early when the windows run out."""
+    extended), its answer at least `shape.min_answer_chars` long, its last line not in `repeated`,
+    and neither its lines nor the document's answer anywhere in `avoid_text`; stops early when the
+    windows run out."""
     taken = set() if taken is None else taken
     lines_of = [[line.rstrip()[: shape.line_chars] for line in document.splitlines()] for document in documents]
     windows = [(d, start) for d, lines in enumerate(lines_of) for start in range(len(lines) - shape.prompt_lines - shape.answer_lines)]
@@ -183,7 +197,9 @@ def chats(documents: list[str], count: int, shape: ChatShape, rng: random.Random
         task = TASKS[rng.choice(shape.tasks)]
         text = "\n".join(lines)
         prompt, answer = f"{task.instruction}\n{text}", "\n".join(task.answer(lines, following)).strip()
-        if not text.strip() or not answer or prompt in taken or (avoid_text and text in avoid_text):
+        if not text.strip() or len(answer) < max(1, shape.min_answer_chars) or prompt in taken or lines[-1].strip() in repeated:
+            continue
+        if avoid_text and (text in avoid_text or "\n".join(following).strip() in avoid_text):
             continue
         taken.add(prompt)
         made += 1
@@ -205,12 +221,14 @@ class ChatSet:
 
 def drafter_chats(documents: Documents, training: int, held_out: int, shape: ChatShape, seed: int) -> ChatSet:
     """`training` chats of the training documents and `held_out` of the held-out ones, every prompt
-    distinct; a held-out window whose text appears in a training document is skipped."""
+    distinct; a held-out window whose text, or whose document's next lines, appear in a training
+    document is skipped (and with `shape.unique_cue` every window ending in a repeated line)."""
     taken: set[str] = set()
     rng = random.Random(seed)
-    trained = list(chats(documents.training, training, shape, rng, taken=taken))
+    repeated = repeated_lines(documents.training + documents.held_out, shape.line_chars) if shape.unique_cue else frozenset()
+    trained = list(chats(documents.training, training, shape, rng, taken=taken, repeated=repeated))
     avoid = "\n".join(documents.training)
-    held = list(chats(documents.held_out, held_out, shape, rng, taken=taken, avoid_text=avoid))
+    held = list(chats(documents.held_out, held_out, shape, rng, taken=taken, avoid_text=avoid, repeated=repeated))
     if len(held) < held_out:
         raise RuntimeError(f"the held-out documents gave {len(held)} distinct prompts, {held_out} wanted: hold out more documents")
     return ChatSet(trained, held)

@@ -88,6 +88,7 @@ def diversity(regenerated: Path, source: Path, rows: list[dict[str, Any]], train
         "training_prompts": len(trained),
         "training_answers_distinct": len({answer for _, answer in trained}),
         "per_task": dict(per_task),
+        "goals": {"distinct_share_at_least": DISTINCT_GOAL, "verbatim_share_at_most": VERBATIM_GOAL, "met": meaningful},
         "verdict": (f"{'meaningful' if meaningful else 'degenerate'}: {distinct} distinct answers to {prompts} held-out prompts, "
                     f"{verbatim} found word for word in a training answer (goals: >= {DISTINCT_GOAL:.0%} distinct, <= {VERBATIM_GOAL:.0%} found)"
                     + ("" if meaningful else "; the figures below say little about a real target")),

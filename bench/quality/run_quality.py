@@ -80,8 +80,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 def make_target(directory: Path, documents: Documents, size: Size, device: torch.device) -> dict[str, Any]:
     """A BPE tokenizer trained on the training documents, a random target, then trained in place on
-    chats of them, on their answers (as a chat model is fine-tuned); its held-out loss on the
-    answers of chats of the held-out documents."""
+    chats of them (of every document with `size.target_memorises`), on their answers (as a chat
+    model is fine-tuned); its loss on the answers of other chats of the held-out documents
+    (held out from the target too unless it memorises them)."""
     from transformers import AutoTokenizer
 
     write_tiny_target(directory, num_layers=size.target_layers, hidden_size=size.target_hidden, vocab_size=size.vocab_size,
@@ -96,12 +97,13 @@ def make_target(directory: Path, documents: Documents, size: Size, device: torch
         encoded = list(encoder.encode(rows))
         return [ids.tolist() for ids, _ in encoded], [mask.tolist() for _, mask in encoded]
 
-    texts, answers = rendered(documents.training, size.target_chats, 1)
+    taught_documents = documents.training + documents.held_out if size.target_memorises else documents.training
+    texts, answers = rendered(taught_documents, size.target_chats, 1)
     held_out, held_out_answers = rendered(documents.held_out, 2000, 2)
     taught = teach_tiny_target(directory, texts, steps=size.train_steps, batch=size.train_batch, length=size.train_length, lr=size.lr,
                                seconds=size.train_seconds, device=device.type, supervised=answers,
                                held_out=held_out, held_out_supervised=held_out_answers)
-    return {**taught, "tokenizer_tokens": len(encoder.tokenizer), "chats": len(texts)}
+    return {**taught, "tokenizer_tokens": len(encoder.tokenizer), "chats": len(texts), "held_out_documents_taught": size.target_memorises}
 
 
 # ---- the chains --------------------------------------------------------------------------------
@@ -163,7 +165,7 @@ def run(size_name: str, workdir: Path, report: Callable[[dict[str, Any]], None] 
 def run_stages(size_name: str, size: Size, device: torch.device, workdir: Path, report: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     started = time.monotonic()
     stages = Stages(workdir, asdict(size), report)
-    sources = corpus(size.corpus_files, size.installed_text)
+    sources = corpus(size.corpus_files, size.installed_text, size.document_chars)
     documents = split_documents([document for docs in sources.values() for document in docs])
     target = workdir / "target"
     target_training = stages.run("target_training", lambda: {
@@ -288,6 +290,9 @@ def chain_summary(figures: dict[str, Any]) -> dict[str, Any]:
         "tokens_per_second": round(drafter["tokens_per_second"], 2),
         "speedup": round(drafter["speedup"], 3),
         "lossless": drafter["lossless"],
+        "ties": drafter.get("ties"),
+        "real_mismatches": drafter.get("real_mismatches"),
+        "tie_tolerance": (figures["eval"].get("tie_tolerance") or {}).get("value"),
         "train_serve": {key: agreement[key] for key in ("passed", "compared", "steps", "relative_gap")},
         "calibration": drafter.get("calibration"),
     }
