@@ -35,6 +35,17 @@ def _server() -> multiprocessing.context.ForkServerContext:
     return _context
 
 
+def stop() -> None:
+    """Stops the server, if one was started: the benchmark's run leaves its caller's process as it
+    found it (a test that calls it in-process, a later forkserver user with other modules to preload)."""
+    global _context
+    if _context is not None:
+        from multiprocessing import forkserver
+
+        forkserver._forkserver._stop()  # CPython's own way (its test suite's); no public one exists
+        _context = None
+
+
 def _entry_point(module: str, args: list[str], env: dict[str, str], log: str) -> None:
     """In the step's process: its environment, its log on stdout and stderr, then the module as `python -m` runs it."""
     os.environ.clear()

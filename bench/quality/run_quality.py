@@ -67,6 +67,7 @@ from dflash_jobs.rows import ChatEncoder
 from dflash_jobs.spec import TrainSpec
 from dflash_jobs.tiny import teach_tiny_target, write_tiny_target
 
+import launch
 from chains import Chain, ChainRunner, chain_figures, held_out_prompts, part_of, regenerated_rows, share_states, write_spec
 from corpus import ChatSet, Documents, chats, corpus, drafter_chats, split_documents
 from figures import claims, data_curve, diversity, goals, plot_curve, seed_spread, train_serve
@@ -148,8 +149,8 @@ class Stages:
 
 
 def run(size_name: str, workdir: Path, report: Callable[[dict[str, Any]], None] = lambda stages: None) -> dict[str, Any]:
-    """run_stages on one intra-op thread on a CPU, the caller's thread count put back after (the
-    tests call this in their own process)."""
+    """run_stages on one intra-op thread on a CPU, the caller's thread count put back after and the
+    steps' server stopped (the tests call this in their own process)."""
     size = SIZES[size_name]
     device = torch.device("cuda" if size_name == "gpu" else "cpu")
     threads = torch.get_num_threads()
@@ -160,6 +161,7 @@ def run(size_name: str, workdir: Path, report: Callable[[dict[str, Any]], None] 
         return run_stages(size_name, size, device, workdir, report)
     finally:
         torch.set_num_threads(threads)
+        launch.stop()
 
 
 def run_stages(size_name: str, size: Size, device: torch.device, workdir: Path, report: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
