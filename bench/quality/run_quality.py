@@ -4,18 +4,21 @@ prompts, for several data sets and drafters side by side.
 
     python bench/quality/run_quality.py --size tiny|cpu|gpu [--out bench/results/quality-<size>.json] [--workdir DIR]
 
-1. Documents (corpus.py): the Python standard library's source, with the GPU size pydoc pages,
-   manual pages and installed package documentation: real text, available offline everywhere.
-   Exact duplicates are dropped and one document in ten is held out of everything: the target's
-   training and the drafter's data; the evaluation's prompts come from those documents only.
+1. Documents (corpus.py): the Python standard library's source (cut at 2,500 characters at the cpu
+   and GPU sizes: a corpus the target can learn by heart), optionally with pydoc pages, manual
+   pages and installed package documentation: real text, available offline everywhere. Exact
+   duplicates are dropped and one document in ten is held out of the drafter's data (and of the
+   target's unless it memorises every document); the evaluation's prompts come from those
+   documents only, each window of them whose lines or next lines a training document holds skipped.
 2. Tokenizer and target: a byte-level BPE trained on the training documents (Qwen's pre-tokenizer),
    and a model of the Qwen3.5/3.6 architecture (`dflash_jobs.tiny`: Gated DeltaNet and gated
    attention layers 3:1, multimodal checkpoint layout) fine-tuned, on its answers only, on chats
-   that ask for a task on a few lines of a document: repeat, number, reverse or comment them out
-   (and, at the tiny and GPU sizes, continue them). Its answers are then a function of the prompt,
-   as a real model's are: the report's diversity figures measure how far (distinct answers per
-   held-out prompt, answers found word for word among the training answers), and call a target
-   that misses the goals degenerate.
+   that ask for a task on a few lines of a document: at the cpu and GPU sizes to continue them, on
+   every document (the held-out ones too, as a real target has read the web its users' prompts
+   come from), so that it answers from memory what the document says next; at the tiny size also to
+   repeat, number, reverse or comment them out. The report's diversity figures measure whether
+   its answers depend on the prompt (distinct answers per held-out prompt, answers found word for
+   word among the training answers) and call a target that misses the goals degenerate.
 3. Data: other chats of the same kinds, answered by the documents themselves (chat JSONL), every
    prompt distinct; the held-out chats last.
 4. The product's chain through its own entry points (`python -m dflash_jobs.generate`, `prepare`,
