@@ -162,6 +162,23 @@ def test_the_readme_shows_the_command_of_the_example_spec():
     assert textwrap.dedent(shown).strip() == run_serve_command(spec, exported(sliding=4))
 
 
+def test_the_readme_shows_each_drafters_command_for_the_example_spec():
+    """The README's per-drafter lines are what the same run prints with train.drafter changed, at
+    the drafter's default block (the `aws s3 sync` line, shown once above them, left out)."""
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    shown = readme.split("The same run with another drafter", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = {chunk.splitlines()[0].removeprefix("# train.drafter: "): "\n".join(chunk.splitlines()[1:])
+                for chunk in shown.strip().split("\n\n")}
+    example = yaml.safe_load((root / "examples/qwen36-27b/dflash.yaml").read_text())
+    assert commands.keys() == {"dflash2", "dspark"}
+    for drafter, export in (("dflash2", exported_dflash2), ("dspark", exported_dspark)):
+        train = {key: value for key, value in example["train"].items() if key != "block_size"} | {"drafter": drafter}
+        spec = parse_spec({**example, "train": train})
+        printed = run_serve_command(spec, export(block_size=spec.train.block_size, sliding=spec.train.sliding_window_layers))
+        assert commands[drafter] == "\n".join(line for line in printed.splitlines() if not line.startswith("aws s3 sync")), drafter
+
+
 def exported_dspark(*, block_size=7, sliding=0) -> dict:
     """The config.json of a Qwen3.6-27B-shaped DSpark drafter (DSparkConfig.to_deepspec)."""
     from dflash_jobs.drafter.dspark_model import DSparkConfig
