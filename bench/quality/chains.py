@@ -110,9 +110,12 @@ def write_spec(workdir: Path, target: Path, data: Path, size: Size, device: torc
 class ChainRunner:
     """One chain's steps, each as its pod would run it, each step's seconds kept."""
 
-    def __init__(self, spec: Path, workdir: Path) -> None:
+    def __init__(self, spec: Path, workdir: Path, *, one_thread: bool) -> None:
+        """`one_thread`: every step on one intra-op thread (a CPU: the matrices are tiny, and on a
+        shared machine a second thread spins while it waits, slowing a step many times over)."""
         self.spec, self.workdir = spec, workdir
-        self.env = {**os.environ, "DFLASH_CACHE_DIR": str(workdir / "cache"), "PYTHONUNBUFFERED": "1"}
+        self.env = {**os.environ, "DFLASH_CACHE_DIR": str(workdir / "cache"), "PYTHONUNBUFFERED": "1",
+                    **({"OMP_NUM_THREADS": "1"} if one_thread else {})}
         self.seconds: dict[str, float] = {}
 
     def step(self, name: str, *commands: list[str], extra_env: dict[str, str] | None = None) -> None:
