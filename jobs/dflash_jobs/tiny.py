@@ -341,28 +341,37 @@ def teach_tiny_target(
     seconds: float = math.inf,
     device: str = "cpu",
     held_out: list[str] | list[list[int]] | None = None,
+    supervised: list[list[int]] | None = None,
+    held_out_supervised: list[list[int]] | None = None,
 ) -> dict[str, Any]:
     """Trains the checkpoint in `directory` in place, next-token prediction on `texts` concatenated
     (strings, or token ids where the caller tokenizes them as the target will be served).
 
-    Stops after `steps` or `seconds`, whichever comes first; returns how far it got, the loss at
-    both ends and, given `held_out` texts, the mean loss over windows of them after training. Only
-    the language model trains: the vision tower is saved as it was, so the checkpoint keeps its
-    multimodal layout."""
+    `supervised` (token-id texts only): per token, 1 where it is a label, as a chat model is
+    fine-tuned on its answers only; None: every token is. Stops after `steps` or `seconds`,
+    whichever comes first; returns how far it got, the loss at both ends and, given `held_out`
+    texts (with `held_out_supervised` marking their labels), the mean loss over windows of them
+    after training. Only the language model trains: the vision tower is saved as it was, so the
+    checkpoint keeps its multimodal layout."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoTokenizer, Qwen3_5ForConditionalGeneration
 
     tokenizer = AutoTokenizer.from_pretrained(directory)
 
-    def token_stream(texts: list[str] | list[list[int]]) -> torch.Tensor:
+    def token_stream(texts: list[str] | list[list[int]], labels: list[list[int]] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The texts end to end, and per token whether it is a label."""
         tokenized = texts if isinstance(texts[0], list) else tokenizer(texts, add_special_tokens=False)["input_ids"]
         stream = torch.tensor([t for ids in tokenized for t in ids])
         if len(stream) <= length + 1:
             raise ValueError(f"{len(stream)} tokens of text are too few to train on windows of {length}")
-        return stream
+        if labels is None:
+            return stream, torch.ones(len(stream), dtype=torch.bool)
+        if [len(mask) for mask in labels] != [len(ids) for ids in tokenized]:
+            raise ValueError("supervised must hold one flag per token of every text")
+        return stream, torch.tensor([flag for mask in labels for flag in mask], dtype=torch.bool)
 
-    stream = token_stream(texts)
+    stream = token_stream(texts, supervised)
     model = Qwen3_5ForConditionalGeneration.from_pretrained(directory, dtype=torch.float32).to(device).train()
     text_model, head = model.model.language_model, model.lm_head
     parameters = [*text_model.parameters(), *head.parameters()]
@@ -378,14 +387,20 @@ def teach_tiny_target(
         optimizer, lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * progress(step))))
     generator = torch.Generator().manual_seed(2)
 
-    def windows_of(stream: torch.Tensor) -> torch.Tensor:
-        starts = torch.randint(0, len(stream) - length - 1, (batch,), generator=generator)
-        return torch.stack([stream[s : s + length + 1] for s in starts.tolist()]).to(device)
+    def windows_of(stream: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`batch` random windows of length + 1 tokens, and which of their tokens are labels."""
+        tokens, labels = stream
+        starts = torch.randint(0, len(tokens) - length - 1, (batch,), generator=generator).tolist()
+        return (torch.stack([tokens[s : s + length + 1] for s in starts]).to(device),
+                torch.stack([labels[s : s + length + 1] for s in starts]).to(device))
 
-    def next_token_loss(windows: torch.Tensor) -> torch.Tensor:
+    def next_token_loss(windows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        tokens, labels = windows
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=torch.device(device).type == "cuda"):
-            hidden = text_model(input_ids=windows[:, :-1]).last_hidden_state
-            return F.cross_entropy(head(hidden).float().flatten(0, 1), windows[:, 1:].flatten())
+            hidden = text_model(input_ids=tokens[:, :-1]).last_hidden_state
+            losses = F.cross_entropy(head(hidden).float().flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")
+        weights = labels[:, 1:].flatten().float()
+        return (losses * weights).sum() / weights.sum().clamp(min=1)
 
     losses: list[float] = []
     deadline = started + seconds
@@ -405,10 +420,10 @@ def teach_tiny_target(
         model.eval()
         taught = {"steps": done, "tokens_seen": done * batch * length, "loss_first": losses[0], "loss_last": losses[-1]}
         if held_out:
-            held_out_stream = token_stream(held_out)
+            held_out_stream = token_stream(held_out, held_out_supervised)
             with torch.no_grad():
                 taught["held_out_loss"] = sum(next_token_loss(windows_of(held_out_stream)).item() for _ in range(8)) / 8
-                taught["held_out_tokens"] = len(held_out_stream)
+                taught["held_out_tokens"] = len(held_out_stream[0])
     model.save_pretrained(directory)
     return taught
 

@@ -1,0 +1,222 @@
+"""The product's chain, once per data set: its specs, its steps as the pods run them, and the
+figures each chain leaves in its run directory.
+
+A chain runs generate (the generating chain only), prepare, extract (two shards at once), verify,
+train and evaluate through the product's own entry points, on a spec written to its directory.
+A chain with `states_of` trains on another chain's extracted states instead: its tokens/ and
+extract/ are that chain's files, hard-linked (the same bytes, no copy, no second extraction), and
+it runs train and evaluate only. That is how one data set's states train several drafters (two
+seeds, DFlash2 and DSpark beside DFlash) on the same held-out prompts: one extraction, stored with
+the target's final hidden state when a drafter reading them needs it (DSpark).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import yaml
+
+from dflash_jobs.formats import DATASET_KEY, EVAL_REPORT_KEY, MANIFEST_KEY, TRAIN_METRICS_KEY, TokenChunk
+from dflash_jobs.generation import generated_lines, read_manifest
+from dflash_jobs.prepare import HOLDOUT_KEY
+from dflash_jobs.rows import prompt_length
+from dflash_jobs.storage import open_storage
+
+import launch
+from sizes import Size
+
+SHARED_STATES = ("tokens", "extract")
+"""What a chain with `states_of` takes from the other chain's run: the token chunks (the held-out
+prompts among them) and the extracted hidden states with their verified manifest."""
+DEFAULT_SEED = 42
+"""train.seed's default: the first seed of every chain."""
+
+
+@dataclass(frozen=True, slots=True)
+class Chain:
+    """One data set through the chain: the source's answers or the target's, all of them or a part,
+    in bf16 or fp8, trained into one drafter with one seed."""
+
+    name: str
+    regenerated: bool
+    fraction: float = 1.0
+    dtype: str = "bfloat16"
+    drafter: str = "dflash"
+    """train.drafter (dflash | dflash2 | dspark)."""
+    seed: int = DEFAULT_SEED
+    """train.seed: the drafter's initialisation, its anchors and its batches."""
+    states_of: str | None = None
+    """The chain whose extracted states this one trains on (it runs train and evaluate only); None: its own."""
+
+    @property
+    def generates(self) -> bool:
+        """The one chain that runs the generate step; the other regenerated chains read its rows."""
+        return self.regenerated and self.fraction == 1.0 and self.dtype == "bfloat16" and self.states_of is None
+
+
+def drafted_block(drafter: str, verify_block: int) -> int:
+    """train.block_size that drafts `verify_block` - 1 tokens a step, as DFlash's block of
+    `verify_block` does: DSpark's anchor is a prediction slot, so its block of B drafts B tokens and
+    is verified with the anchor (B + 1); DFlash and DFlash2 draft B - 1. The successors are then
+    compared with DFlash at the same verify block, position for position."""
+    return verify_block - 1 if drafter == "dspark" else verify_block
+
+
+def write_spec(workdir: Path, target: Path, data: Path, size: Size, device: torch.device, chain: Chain, *, final_hidden: bool) -> Path:
+    """The chain's dflash.yaml; `final_hidden`: extraction stores the target's final hidden state
+    too (a chain reading these states trains a drafter that needs it)."""
+    spec = {
+        "name": "quality",
+        "backend": "local",
+        "target": {"model": str(target), "layers": size.capture},
+        "data": {"source": str(data), "max_length": size.max_length, "chunk_tokens": size.chunk_tokens, "holdout": size.holdout},
+        "output": str(workdir / "run"),
+        # Compiling a target this small costs more than its whole extraction.
+        "extract": {"shards": 2, "token_budget": 8192, "dtype": chain.dtype, "pad_multiple": 128, "compile": False,
+                    **({"final_hidden": True} if final_hidden else {})},
+        "train": {
+            "drafter": chain.drafter, "block_size": drafted_block(chain.drafter, size.block_size),
+            "gpus_per_node": 1, "draft_layers": size.draft_layers, "anchors": size.anchors, "epochs": size.epochs, "lr": size.draft_lr,
+            "micro_batch_tokens": size.micro_batch_tokens, "micro_batch_blocks": size.micro_batch_blocks, "seed": chain.seed,
+            "checkpoint_every": 200, "cache_gb": 8.0, "stall_seconds": 120.0,
+        },
+        "eval": {"prompts": size.eval_prompts or size.holdout, "max_new_tokens": size.eval_new_tokens, "processes": size.eval_processes},
+        "local": {"workdir": str(workdir / "local"), "device": device.type},
+    }
+    if chain.generates:
+        # Greedy, as the evaluation decodes. The answers are cut at max_answer_tokens and kept: every
+        # prompt must keep its row (the same held-out prompts in every chain). The template's default
+        # thinking mode, as the source chain's prepare renders it: the held-out prompts are then the
+        # same tokens in every chain.
+        spec["generate"] = {
+            "engine": "transformers", "shards": 2, "temperature": 0.0, "thinking": None, "max_new_tokens": size.max_answer_tokens,
+            "truncated": "keep", "empty": "keep", "chunk_prompts": -(-size.chats // 4), "batch_prompts": size.regenerate_batch,
+        }
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / "dflash.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+class ChainRunner:
+    """One chain's steps, each as its pod would run it, each step's seconds kept."""
+
+    def __init__(self, spec: Path, workdir: Path, *, one_thread: bool) -> None:
+        """`one_thread`: every step on one intra-op thread (a CPU: the matrices are tiny, and on a
+        shared machine a second thread spins while it waits, slowing a step many times over)."""
+        self.spec, self.workdir = spec, workdir
+        self.env = {**os.environ, "DFLASH_CACHE_DIR": str(workdir / "cache"), "PYTHONUNBUFFERED": "1",
+                    **({"OMP_NUM_THREADS": "1"} if one_thread else {})}
+        self.seconds: dict[str, float] = {}
+
+    def step(self, name: str, *commands: list[str], extra_env: dict[str, str] | None = None) -> None:
+        """Runs `python -m <command>` for each command at once (launch.py), each with its own log."""
+        started = time.monotonic()
+        waits = [launch.start(command[0], command[1:], {**self.env, **(extra_env or {})}, self.workdir / f"{name}-{i}.log")
+                 for i, command in enumerate(commands)]
+        codes = [wait() for wait in waits]
+        self.seconds[name] = round(time.monotonic() - started, 1)
+        print(f"quality: {self.workdir.name} {name}: exit {max(codes, key=abs)} after {self.seconds[name]} s", file=sys.stderr, flush=True)
+        if any(codes):
+            failed = next(i for i, code in enumerate(codes) if code)
+            tail = (self.workdir / f"{name}-{failed}.log").read_text()[-3000:]
+            raise RuntimeError(f"{name} failed (exit {codes[failed]}): {shlex.join(['python', '-m', *commands[failed]])}\n{tail}")
+
+    def job(self, module: str, *args: str) -> list[str]:
+        return [module, *args, "-f", str(self.spec)]
+
+    def generate(self) -> None:
+        # Two shards share the machine: one intra-op thread each keeps them from fighting over cores.
+        self.step("generate", *[self.job("dflash_jobs.generate", "--shard", str(i)) for i in range(2)], extra_env={"OMP_NUM_THREADS": "1"})
+
+    def run(self, states_verified: Callable[[], None] = lambda: None) -> dict[str, float]:
+        """Every step; `states_verified` is called once the extracted states are verified (chains
+        reading them may start)."""
+        # As `dflashctl run` does: prepare refuses to re-chunk tokens that hidden states were extracted
+        # from, so a chain cut after it (a device call's limit) goes on from the stored data set.
+        if (self.workdir / "run" / DATASET_KEY).exists():
+            print(f"quality: {self.workdir.name} prepare: skipped, {DATASET_KEY} is stored", file=sys.stderr, flush=True)
+        else:
+            self.step("prepare", self.job("dflash_jobs.prepare"))
+        self.step("extract", *[self.job("dflash_jobs.extract", "--shard", str(i)) for i in range(2)], extra_env={"OMP_NUM_THREADS": "1"})
+        self.step("verify", self.job("dflashctl.cli.main", "verify"))
+        states_verified()
+        return self.train_and_evaluate()
+
+    def train_and_evaluate(self) -> dict[str, float]:
+        self.step("train", self.job("dflash_jobs.train"))
+        self.step("evaluate", self.job("dflash_jobs.evaluate"))
+        return self.seconds
+
+
+def share_states(origin: Path, workdir: Path) -> None:
+    """Hard-links the origin chain's tokens/ and extract/ into workdir/run: every stored file is
+    written once and renamed into place, never changed, so the two runs can share its bytes."""
+    if not (origin / "run" / MANIFEST_KEY).exists():
+        raise RuntimeError(f"{origin.name} has no verified states ({origin / 'run' / MANIFEST_KEY}) for {workdir.name} to train on: it failed before")
+    for name in SHARED_STATES:
+        if not (workdir / "run" / name).exists():
+            shutil.copytree(origin / "run" / name, workdir / "run" / name, copy_function=os.link)
+
+
+def regenerated_rows(chain_dir: Path) -> list[str]:
+    """The generate step's rows, in sample order, as chat JSONL lines: prepare reads them as it reads
+    the generated rows (their "generation" record included), without the sample ids of data.source."""
+    storage = open_storage(str(chain_dir / "run"))
+    manifest = read_manifest(storage)
+    if manifest is None:
+        raise RuntimeError(f"{chain_dir}/run holds no generate/manifest.json: the generate step did not finish")
+    rows = [json.loads(line) for _, line in sorted(generated_lines(storage, manifest))]
+    return [json.dumps({key: value for key, value in row.items() if key != "sample_id"}) + "\n" for row in rows]
+
+
+def part_of(rows: list[str], fraction: float, holdout: int) -> list[str]:
+    """The first `fraction` of the training rows, then the held-out rows (prepare holds out the last ones)."""
+    training = rows[: len(rows) - holdout]
+    return training[: round(fraction * len(training))] + rows[len(rows) - holdout :]
+
+
+def held_out_samples(chain_dir: Path) -> TokenChunk:
+    """The held-out samples prepare wrote: the evaluation's prompts with their answers."""
+    return TokenChunk.decode((chain_dir / "run" / HOLDOUT_KEY).read_bytes(), HOLDOUT_KEY)
+
+
+def held_out_prompts(chain_dir: Path) -> list[list[int]]:
+    """The token ids the evaluation asked the target: each held-out sample before its last answer."""
+    chunk = held_out_samples(chain_dir)
+    return [chunk.sample(i)[0][: prompt_length(chunk.sample(i)[1])].tolist() for i in range(chunk.num_samples)]
+
+
+def chain_figures(chain_dir: Path) -> dict[str, Any]:
+    """One chain's evaluation report, reduced to its figures, the trainer's last metrics, and the
+    prompts it was evaluated on."""
+    report = json.loads((chain_dir / "run" / EVAL_REPORT_KEY).read_text())
+    dataset = json.loads((chain_dir / "run" / DATASET_KEY).read_text())
+    train_metrics = [json.loads(line) for line in (chain_dir / "run" / TRAIN_METRICS_KEY).read_text().splitlines() if line]
+    wanted = ("acceptance_length", "acceptance_per_position", "tokens_per_second", "speedup", "verify_steps", "lossless",
+              "mismatching_prompts", "ties", "real_mismatches", "mismatches", "simulated", "calibration")
+    columns = {name: {key: summary[key] for key in wanted if key in summary} for name, summary in report["drafters"].items()}
+    return {
+        "drafter": report["drafter_variant"],
+        "acceptance_length": {name: round(column["acceptance_length"], 3) for name, column in columns.items()},
+        "lossless": report["lossless"],
+        "drafters": columns,
+        "consistency": report.get("consistency"),
+        "greedy_tokens_per_second": report["greedy"]["tokens_per_second"],
+        "eval": {key: report[key] for key in ("prompts", "max_new_tokens", "block_size", "dtype", "tie_tolerance") if key in report},
+        "train_last": train_metrics[-1],
+        "held_out_sample_ids": dataset["holdout"]["sample_ids"],
+        "samples": dataset["samples"],
+        "tokens": dataset["tokens"],
+        "supervised_tokens": dataset["supervised_tokens"],
+        "generation": dataset.get("generation"),
+    }

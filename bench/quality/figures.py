@@ -1,0 +1,226 @@
+"""The figures across chains, read from their run directories: how far the held-out prompts are from
+the training data and how much the target's answers depend on them (diversity), each chain's
+spread over seeds, the claims the benchmark makes and whether each holds, and acceptance against
+data size.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Sequence
+
+from dflash_jobs.formats import DATASET_KEY, TokenChunk
+from dflash_jobs.rows import prompt_length
+
+from chains import Chain, held_out_samples
+
+DISTINCT_GOAL = 0.9
+"""Distinct held-out answers per held-out prompt, at least: the target's answers depend on the prompt."""
+VERBATIM_GOAL = 0.05
+"""Held-out answers found word for word in a training answer, at most: the drafter cannot have learnt them."""
+THINK_END = "</think>"
+
+
+def split_samples(chunk: TokenChunk) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(prompt, answer) token ids of every sample: the answer is its last supervised run."""
+    pairs = []
+    for i in range(chunk.num_samples):
+        ids, mask = chunk.sample(i)
+        cut = prompt_length(mask)
+        pairs.append((tuple(ids[:cut].tolist()), tuple(ids[cut:].tolist())))
+    return pairs
+
+
+def training_samples(chain_dir: Path) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(prompt, answer) token ids of every sample the chain's drafter trained on."""
+    index = json.loads((chain_dir / "run" / DATASET_KEY).read_text())
+    return [pair for chunk in index["chunks"]
+            for pair in split_samples(TokenChunk.decode((chain_dir / "run" / chunk["path"]).read_bytes(), chunk["path"]))]
+
+
+def reply(text: str) -> str:
+    """An answer's text after its (empty) thinking block, without the turn's end."""
+    return text.split(THINK_END)[-1].replace("<|im_end|>", "").strip()
+
+
+def diversity(regenerated: Path, source: Path, rows: list[dict[str, Any]], training_text: str, tokenizer, answer_tokens: int) -> dict[str, Any]:
+    """How far the held-out prompts are from the drafter's training data, and how much the target's
+    answers to them depend on them, from the regenerated chain's stored samples: its held-out
+    samples hold the target's greedy answers (the generate step's), cut here where the evaluation
+    stops decoding (`answer_tokens`); its training samples hold the answers the drafter learnt. A
+    held-out answer is found in the training data when a training answer begins with it, token for
+    token. `rows`: data.source's chats (the held-out samples' sample ids index them),
+    `training_text`: the training documents; `source`: the source chain, for how often the target
+    says what the source says."""
+    held = held_out_samples(regenerated)
+    held_pairs, trained = split_samples(held), training_samples(regenerated)
+    source_answers = [reply(tokenizer.decode(answer)) for _, answer in split_samples(held_out_samples(source))]
+    trained_prompts = {prompt for prompt, _ in trained}
+    per_task: dict[str, dict[str, int]] = defaultdict(lambda: {"prompts": 0, "distinct": 0, "verbatim": 0, "as_source": 0})
+    answers: list[tuple[int, ...]] = []
+    found: list[bool] = []
+    for (prompt, answer), sample_id, source_answer in zip(held_pairs, held.sample_ids.tolist(), source_answers, strict=True):
+        instruction = rows[sample_id]["messages"][0]["content"].split("\n", 1)[0]
+        cut = answer[:answer_tokens]
+        found.append(any(trained_answer[: len(cut)] == cut for _, trained_answer in trained))
+        task = per_task[instruction]
+        task["prompts"] += 1
+        task["distinct"] += cut not in answers
+        task["verbatim"] += found[-1]
+        task["as_source"] += reply(tokenizer.decode(answer)) == source_answer
+        answers.append(cut)
+    windows = [rows[i]["messages"][0]["content"].split("\n", 1)[1] for i in held.sample_ids.tolist()]
+    prompts, distinct, verbatim = len(held_pairs), len(set(answers)), sum(found)
+    meaningful = distinct >= DISTINCT_GOAL * prompts and verbatim <= VERBATIM_GOAL * prompts
+    return {
+        "held_out_prompts": prompts,
+        "held_out_prompts_equal_to_a_training_prompt": sum(prompt in trained_prompts for prompt, _ in held_pairs),
+        "held_out_windows_in_training_documents": sum(window in training_text for window in windows),
+        "held_out_answers_distinct": distinct,
+        "held_out_answers_found_in_training_answers": verbatim,
+        "distinct_share": round(distinct / prompts, 3),
+        "verbatim_share": round(verbatim / prompts, 3),
+        "held_out_answers_equal_to_source": sum(task["as_source"] for task in per_task.values()),
+        "answer_tokens": answer_tokens,
+        "training_prompts": len(trained),
+        "training_answers_distinct": len({answer for _, answer in trained}),
+        "per_task": dict(per_task),
+        "goals": {"distinct_share_at_least": DISTINCT_GOAL, "verbatim_share_at_most": VERBATIM_GOAL, "met": meaningful},
+        "verdict": (f"{'meaningful' if meaningful else 'degenerate'}: {distinct} distinct answers to {prompts} held-out prompts, "
+                    f"{verbatim} found word for word in a training answer (goals: >= {DISTINCT_GOAL:.0%} distinct, <= {VERBATIM_GOAL:.0%} found)"
+                    + ("" if meaningful else "; the figures below say little about a real target")),
+    }
+
+
+# ---- seeds and claims ------------------------------------------------------------------------
+
+
+def seed_groups(chains: Sequence[Chain]) -> dict[str, list[Chain]]:
+    """The chains that train one drafter on the same states with other seeds, under the first one's name."""
+    groups: dict[tuple[str, str], list[Chain]] = {}
+    for chain in chains:
+        groups.setdefault((chain.states_of or chain.name, chain.drafter), []).append(chain)
+    return {group[0].name: group for group in groups.values()}
+
+
+def seed_spread(runs: dict[str, dict[str, Any]], chains: Sequence[Chain]) -> dict[str, dict[str, Any]]:
+    """Each data set's and drafter's acceptance length over its seeds: mean, and spread (largest minus smallest)."""
+    spread = {}
+    for name, group in seed_groups(chains).items():
+        values = [runs[c.name]["acceptance_length"][c.drafter] for c in group]
+        spread[name] = {"drafter": group[0].drafter, "seeds": [c.seed for c in group], "acceptance_length": values,
+                        "mean": round(statistics.fmean(values), 3), "spread": round(max(values) - min(values), 3)}
+    return spread
+
+
+def train_serve(figures: dict[str, Any]) -> dict[str, Any]:
+    """Whether the training forward and decoding accept alike at the same anchors, position by position
+    (the evaluation's check): not passed where it did not compare them (too few steps)."""
+    simulated = figures["drafters"][figures["drafter"]].get("simulated") or {}
+    at_anchors = simulated.get("at_decoded_anchors")
+    at_anchors = at_anchors if isinstance(at_anchors, dict) else {}
+    compared = bool(at_anchors.get("compared", at_anchors.get("steps")))
+    return {
+        "passed": compared and simulated.get("disagreeing_positions") == [],
+        "compared": compared,
+        "verdict": at_anchors.get("verdict"),
+        "steps": at_anchors.get("steps"),
+        "minimum_steps": at_anchors.get("minimum_steps"),
+        "disagreeing_positions": simulated.get("disagreeing_positions"),
+        "relative_gap": simulated.get("relative_gap"),
+        "decoded_per_position": at_anchors.get("decoded_per_position"),
+        "simulated_per_position": at_anchors.get("simulated_per_position"),
+    }
+
+
+def above(name: str, value: float, other: str, other_value: float, spread: float | None) -> dict[str, Any]:
+    """The claim "`name` > `other` by more than the spread between seeds"; not passed without a spread."""
+    return {
+        "claim": f"{name} > {other} by more than the spread between seeds",
+        "passed": spread is not None and value - other_value > spread,
+        "difference": round(value - other_value, 3),
+        "spread": spread,
+    }
+
+
+def claims(runs: dict[str, dict[str, Any]], spread: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The CPU size's claims, each with its figures and whether it holds: regenerated above source
+    and above prompt lookup by more than the seeds' spread, training and serving within 10% at
+    every position in every chain, and each successor (DFlash2, DSpark) at or above DFlash on the
+    same states, prompts and verify block (issue 30: as published)."""
+    regenerated, source = spread["regenerated"], spread["source"]
+    measured = len(regenerated["seeds"]) > 1 and len(source["seeds"]) > 1
+    lookup = runs["regenerated"]["acceptance_length"]["prompt_lookup"]
+    agreement = {name: train_serve(figures) for name, figures in runs.items()}
+    found = [
+        above("regenerated", regenerated["mean"], "source", source["mean"], max(regenerated["spread"], source["spread"]) if measured else None),
+        above("regenerated", regenerated["mean"], "prompt lookup", lookup, regenerated["spread"] if measured else None),
+        {"claim": "train/serve within 10% per position, every chain", "passed": all(a["passed"] for a in agreement.values()),
+         "chains": {name: {key: a[key] for key in ("passed", "compared", "steps", "disagreeing_positions", "relative_gap")}
+                    for name, a in agreement.items()}},
+    ]
+    for name, successor in spread.items():
+        if successor["drafter"] == "dflash":
+            continue
+        difference = round(successor["mean"] - regenerated["mean"], 3)
+        found.append({
+            "claim": f"{successor['drafter']} >= DFlash on the same states and verify block",
+            "passed": difference >= 0,
+            "acceptance_length": successor["mean"], "dflash": regenerated["mean"], "difference": difference,
+            "dflash_seed_spread": regenerated["spread"] if measured else None,
+            "within_seed_spread": measured and abs(difference) <= regenerated["spread"],
+            "verify_block": (runs[name]["eval"].get("block_size"), runs["regenerated"]["eval"].get("block_size")),
+        })
+    return found
+
+
+def goals(runs: dict[str, dict[str, Any]], spread: dict[str, dict[str, Any]], curve: list[dict[str, Any]]) -> dict[str, Any]:
+    """The H200 goals of issue 29: tau >= 3.0 and >= 1.5x prompt lookup, regenerated > source,
+    acceptance rising with data, train/serve within 10% per position, lossless up to ties."""
+    regenerated = spread["regenerated"]["mean"]
+    lookup = runs["regenerated"]["acceptance_length"]["prompt_lookup"]
+    return {
+        "regenerated_dflash": regenerated,
+        "tau_at_least_3": regenerated >= 3.0,
+        "over_prompt_lookup": round(regenerated / lookup, 3),
+        "over_prompt_lookup_at_least_1_5": regenerated >= 1.5 * lookup,
+        "regenerated_over_source": round(regenerated / spread["source"]["mean"], 3),
+        "regenerated_above_source": regenerated > spread["source"]["mean"],
+        "rising_with_data": len(curve) > 1 and all(a["acceptance_length"] < b["acceptance_length"] for a, b in zip(curve, curve[1:])),
+        "train_serve_within_10_percent": all(train_serve(figures)["passed"] for figures in runs.values()),
+        "lossless_up_to_ties": all(figures["lossless"] for figures in runs.values()),
+    }
+
+
+# ---- data size -------------------------------------------------------------------------------
+
+
+def data_curve(runs: dict[str, dict[str, Any]], chains: Sequence[Chain]) -> list[dict[str, Any]]:
+    """Acceptance length against the supervised tokens the drafter trained on: the regenerated chains
+    in bf16, first seed, DFlash."""
+    points = [{"fraction": c.fraction, "supervised_tokens": runs[c.name]["supervised_tokens"],
+               "acceptance_length": runs[c.name]["acceptance_length"]["dflash"]}
+              for c in chains if c.regenerated and c.dtype == "bfloat16" and c.drafter == "dflash" and c.seed == chains[0].seed]
+    return sorted(points, key=lambda point: point["fraction"])
+
+
+def plot_curve(curve: list[dict[str, Any]], prompt_lookup: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([p["supervised_tokens"] / 1e6 for p in curve], [p["acceptance_length"] for p in curve], "o-", label="DFlash drafter (regenerated answers)")
+    ax.axhline(prompt_lookup, color="gray", linestyle="--", label="prompt lookup")
+    ax.set_xlabel("supervised tokens trained on (millions)")
+    ax.set_ylabel("acceptance length (tokens per target step)")
+    ax.set_title("Acceptance against data size, same held-out prompts")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
