@@ -219,7 +219,6 @@ def test_claims_need_a_difference_larger_than_the_spread_between_seeds(bench):
 
 
 def test_every_chain_of_a_size_and_what_it_trains_on(bench):
-    chains = importlib.import_module("chains")
     sizes = importlib.import_module("sizes")
     names = {c.name: c for c in bench.chains_of(sizes.SIZES["tiny"])}
     assert list(names) == ["regenerated", "source", "regenerated-fp8", "regenerated-0.25", "regenerated-0.5", "regenerated-seed43",

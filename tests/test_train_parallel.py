@@ -5,7 +5,6 @@ else, and a worker's bad-spec or bad-input verdict survives torchrun to fail the
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
