@@ -12,7 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -22,13 +21,11 @@ from dflash_jobs.drafter.dflash2_model import DFlash2Config, DFlash2Drafter
 from dflash_jobs.drafter.export import load_drafter
 from dflash_jobs.errors import EXIT_BAD_SPEC, EXIT_OK
 from dflash_jobs.evaluate.__main__ import main as evaluate_main
-from dflash_jobs.formats import DATASET_KEY, EVAL_REPORT_KEY, TRAIN_METRICS_KEY, DatasetIndex, TokenChunk
-from dflash_jobs.rows import ChatEncoder
+from dflash_jobs.formats import EVAL_REPORT_KEY, TRAIN_METRICS_KEY
 from dflash_jobs.storage import open_storage
-from dflash_jobs.tiny import tiny_chat_rows
 from dflash_jobs.train.__main__ import main as train_main
 from dflash_jobs.variants import drafter_variant
-from train_fixtures import LAYERS, copy_extract, tiny_target, train_spec_dict, write_spec
+from train_fixtures import LAYERS, copy_extract, hold_out_tiny_chats, tiny_target, train_spec_dict, write_spec
 
 USER_PROCESS = Path(__file__).with_name("zlab_user_process.py")
 BLOCK = 4
@@ -54,29 +51,12 @@ def dflash2_spec(root: Path, output: Path, **train) -> dict:
     return {**spec, "eval": {"prompts": PROMPTS, "max_new_tokens": NEW_TOKENS}}
 
 
-def write_holdout(target: Path, output: Path) -> None:
-    """Held-out chats as prepare leaves them (tokens/holdout.safetensors, named in tokens/dataset.json)."""
-    from transformers import AutoTokenizer
-
-    encoder = ChatEncoder(AutoTokenizer.from_pretrained(target))
-    samples = encoder.encode([encoder.render(row) for row in tiny_chat_rows(PROMPTS, seed=7)])
-    holdout = TokenChunk(
-        input_ids=np.concatenate([ids for ids, _ in samples]).astype(np.int32), loss_mask=np.concatenate([mask for _, mask in samples]),
-        cu_seqlens=np.concatenate([[0], np.cumsum([len(ids) for ids, _ in samples])]).astype(np.int64),
-        sample_ids=np.arange(PROMPTS, dtype=np.int64),
-    ).validate("holdout")
-    storage = open_storage(str(output))
-    storage.put_bytes("tokens/holdout.safetensors", holdout.encode())
-    index = DatasetIndex(samples=0, tokens=0, vocab_size=1024, chunks=[], holdout={"samples": PROMPTS, "path": "tokens/holdout.safetensors"})
-    storage.put_bytes(DATASET_KEY, index.to_json().encode())
-
-
 @pytest.fixture(scope="module")
 def run(root, extract, tmp_path_factory) -> tuple[Path, Path]:
     """(spec file, output) of a DFlash2 trained by `python -m dflash_jobs.train` on the tiny extract."""
     base = tmp_path_factory.mktemp("dflash2-run")
     output = copy_extract(extract, base / "out")
-    write_holdout(tiny_target(root), output)
+    hold_out_tiny_chats(tiny_target(root), output, PROMPTS, seed=7)
     spec = write_spec(base / "dflash.yaml", dflash2_spec(root, output))
     result = subprocess.run(
         [sys.executable, "-m", "dflash_jobs.train", "-f", str(spec)],

@@ -14,16 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-from transformers import AutoTokenizer
 
-from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, SPECULATORS_DRAFTER_DIR, TRAIN_METRICS_KEY, DatasetIndex, TokenChunk
-from dflash_jobs.prepare import ChatEncoder
-from dflash_jobs.storage import open_storage
-from dflash_jobs.tiny import tiny_chat_rows
+from dflash_jobs.formats import DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, SPECULATORS_DRAFTER_DIR, TRAIN_METRICS_KEY
 from dflash_jobs.train.dspark_loss import RATIOS
-from train_fixtures import copy_extract, tiny_target, train_spec_dict, write_spec
+from train_fixtures import copy_extract, hold_out_tiny_chats, tiny_target, train_spec_dict, write_spec
 
 BLOCK = 4
 HOLDOUT = 3
@@ -34,21 +29,6 @@ def dspark_spec(root: Path, output: Path, **dspark) -> dict:
     spec = train_spec_dict(tiny_target(root), output, drafter="dspark", block_size=BLOCK, epochs=4, lr=1e-2, dspark={"markov_rank": 16, **dspark})
     spec["eval"] = {"prompts": HOLDOUT, "max_new_tokens": NEW_TOKENS}
     return spec
-
-
-def hold_out_chats(root: Path, output: Path) -> None:
-    """The held-out samples prepare would have set aside: chats the drafter never trained on."""
-    encoder = ChatEncoder(AutoTokenizer.from_pretrained(tiny_target(root)))
-    samples = encoder.encode([encoder.render(row) for row in tiny_chat_rows(HOLDOUT, seed=11)])
-    holdout = TokenChunk(
-        input_ids=np.concatenate([ids for ids, _ in samples]).astype(np.int32), loss_mask=np.concatenate([mask for _, mask in samples]),
-        cu_seqlens=np.concatenate([[0], np.cumsum([len(ids) for ids, _ in samples])]).astype(np.int64),
-        sample_ids=np.arange(HOLDOUT, dtype=np.int64),
-    ).validate("holdout")
-    storage = open_storage(str(output))
-    storage.put_bytes("tokens/holdout.safetensors", holdout.encode())
-    index = DatasetIndex(samples=0, tokens=0, vocab_size=1024, chunks=[], holdout={"samples": HOLDOUT, "path": "tokens/holdout.safetensors"})
-    storage.put_bytes(DATASET_KEY, index.to_json().encode())
 
 
 def job(module: str, spec: Path, cache: Path) -> subprocess.CompletedProcess:
@@ -63,7 +43,7 @@ def trained_and_evaluated(root: Path, extract: Path, tmp_path: Path, **dspark) -
     spec = write_spec(tmp_path / "dflash.yaml", dspark_spec(root, output, **dspark))
     trained = job("dflash_jobs.train", spec, tmp_path / "cache")
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
-    hold_out_chats(root, output)
+    hold_out_tiny_chats(tiny_target(root), output, HOLDOUT, seed=11)
     evaluated = job("dflash_jobs.evaluate", spec, tmp_path / "cache")
     assert evaluated.returncode == 0, evaluated.stdout[-3000:] + evaluated.stderr[-3000:]
     return output, trained

@@ -30,14 +30,13 @@ from dflash_jobs.evaluate.metrics import (
     MIN_COMPARED_STEPS, acceptance_length, acceptance_per_position, simulated_consistency, summarize, summarize_simulated,
 )
 from dflash_jobs.evaluate.simulated import anchors_accepted, blocks_per_call, document_batch
-from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk
 from dflash_jobs.rows import ChatEncoder, prompt_length
 from dflash_jobs.spec import EvalSpec, TrainSpec, anchor_layout, parse_spec
 from dflash_jobs.storage import open_storage
 from dflash_jobs.tiny import tiny_chat_rows
 from dflash_jobs.train.loss import draft_loss
 from dflash_jobs.variants import drafter_variant
-from train_fixtures import LAYERS, tiny_target
+from train_fixtures import LAYERS, tiny_target, write_holdout
 
 BLOCK = 8
 LAYOUT = anchor_layout(block_size=BLOCK)
@@ -280,15 +279,7 @@ def finished_training(tmp_path, target_dir, drafter, documents, prompts, **eval_
     storage = open_storage(str(output))
     export_dflash(drafter, storage)
     masks = [np.concatenate([np.zeros(len(p), np.uint8), np.ones(len(d) - len(p), np.uint8)]) for p, d in zip(prompts, documents)]
-    holdout = TokenChunk(
-        input_ids=np.concatenate([d.numpy() for d in documents]).astype(np.int32), loss_mask=np.concatenate(masks),
-        cu_seqlens=np.concatenate([[0], np.cumsum([len(d) for d in documents])]).astype(np.int64),
-        sample_ids=np.arange(len(documents), dtype=np.int64),
-    )
-    storage.put_bytes("tokens/holdout.safetensors", holdout.encode())
-    index = DatasetIndex(samples=0, tokens=0, vocab_size=drafter.config.vocab_size, chunks=[],
-                         holdout={"samples": len(documents), "path": "tokens/holdout.safetensors"})
-    storage.put_bytes(DATASET_KEY, index.to_json().encode())
+    write_holdout(output, [(d.numpy(), mask) for d, mask in zip(documents, masks)], vocab_size=drafter.config.vocab_size)
     spec = {
         "name": "evaluated", "backend": "local", "target": {"model": str(target_dir), "layers": LAYERS},
         "data": {"source": str(tmp_path / "unused.jsonl")}, "output": str(output),

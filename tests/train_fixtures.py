@@ -10,9 +10,10 @@ import numpy as np
 import torch
 
 from dflash_jobs.formats import (
-    MANIFEST_KEY, DoneMarker, Manifest, TokenChunk, done_key, hidden_chunk_key, hidden_metadata, hidden_tensors, quantize_fp8,
+    DATASET_KEY, MANIFEST_KEY, DatasetIndex, DoneMarker, Manifest, TokenChunk, done_key, hidden_chunk_key, hidden_metadata, hidden_tensors, quantize_fp8,
     safetensors_parts, token_chunk_key,
 )
+from dflash_jobs.prepare import HOLDOUT_KEY
 from dflash_jobs.rows import ChatEncoder
 from dflash_jobs.spec import default_layers, parse_spec
 from dflash_jobs.storage import open_storage
@@ -141,6 +142,30 @@ def captured_layers(model, documents: list[np.ndarray]) -> tuple[list[torch.Tens
     final = last["out"][0] if isinstance(last["out"], tuple) else last["out"]  # [n, T, d]
     return ([stacked[row, : len(ids)] for row, ids in enumerate(documents)],
             [final[row, : len(ids)] for row, ids in enumerate(documents)])
+
+
+def write_holdout(output: Path, samples: list[tuple[np.ndarray, np.ndarray]], *, vocab_size: int) -> None:
+    """Held-out samples, (input ids, loss mask) each, as prepare leaves them: tokens/holdout.safetensors,
+    named in tokens/dataset.json (a data set of no training chunks)."""
+    holdout = TokenChunk(
+        input_ids=np.concatenate([ids for ids, _ in samples]).astype(np.int32),
+        loss_mask=np.concatenate([mask for _, mask in samples]).astype(np.uint8),
+        cu_seqlens=np.concatenate([[0], np.cumsum([len(ids) for ids, _ in samples])]).astype(np.int64),
+        sample_ids=np.arange(len(samples), dtype=np.int64),
+    ).validate("holdout")
+    storage = open_storage(str(output))
+    storage.put_bytes(HOLDOUT_KEY, holdout.encode())
+    index = DatasetIndex(samples=0, tokens=0, vocab_size=vocab_size, chunks=[], holdout={"samples": len(samples), "path": HOLDOUT_KEY})
+    storage.put_bytes(DATASET_KEY, index.to_json().encode())
+
+
+def hold_out_tiny_chats(target: Path, output: Path, count: int, *, seed: int) -> None:
+    """`count` tiny chats, never trained on, encoded by the target's tokenizer as the held-out samples."""
+    from transformers import AutoTokenizer
+
+    encoder = ChatEncoder(AutoTokenizer.from_pretrained(target))
+    samples = encoder.encode([encoder.render(row) for row in tiny_chat_rows(count, seed=seed)])
+    write_holdout(output, samples, vocab_size=DEBUGMODEL.vocab_size)
 
 
 def train_spec_dict(target: Path, output: Path, **train) -> dict:
