@@ -181,7 +181,7 @@ def test_the_evaluation_job_decodes_with_it_losslessly_and_training_and_serving_
     spec, output = run
     assert evaluate_main(["-f", str(spec)]) == EXIT_OK
     report = json.loads((output / EVAL_REPORT_KEY).read_text())
-    assert report["drafter_variant"] == "dflash2" and set(report["drafters"]) == {"dflash2", "prompt_lookup"}
+    assert report["drafter_variant"] == "dflash2" and set(report["drafters"]) == {"dflash2", "prompt_lookup", "bigram"}
     assert report["lossless"] and report["drafters"]["dflash2"]["lossless"]
     assert report["block_size"] == BLOCK  # the anchor and its B - 1 drafts
     dflash2 = report["drafters"]["dflash2"]
