@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from dflash_jobs.errors import InputError
+
 from dflashctl.backend import Backend
 from dflashctl.target import current_target
 
@@ -24,6 +26,13 @@ def open_backend(spec: RunSpec) -> Backend:
         from dflashctl.local.backend import LocalBackend
 
         return LocalBackend(spec)
+    try:
+        import kubernetes  # noqa: F401 - only whether the client is installed here
+    except ImportError:
+        raise InputError(
+            "the kubernetes backend needs the `kubernetes` package, which this Python cannot import",
+            "`pip install kubernetes` (or `pip install .` from the repository), or use `backend: local` in the spec",
+        ) from None
     from dflashctl.kube import KubernetesBackend
 
     return KubernetesBackend.connect(spec.cluster.namespace)

@@ -8,12 +8,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflashctl.backend import INDEX_ANNOTATION, JobStatus, ShardStatus, parse_indexes
-from dflashctl.cluster import Cluster
 from dflashctl.errors import Forbidden, RunFailed, WaitTimeout
 from dflashctl.render import WORKER
+
+if TYPE_CHECKING:  # imported in connect: the pod helpers below serve machines without the client too
+    from dflashctl.cluster import Cluster
 
 CONTROLLER_UID_LABEL = "batch.kubernetes.io/controller-uid"
 
@@ -31,6 +33,8 @@ class KubernetesBackend:
 
     @classmethod
     def connect(cls, namespace: str) -> KubernetesBackend:
+        from dflashctl.cluster import Cluster
+
         return cls(Cluster.connect(namespace))
 
     def submit(self, objects: list[dict], *, force: bool = False) -> None:
