@@ -401,26 +401,73 @@ def test_a_resumed_extraction_is_rated_by_what_landed_since_it_started(run, monk
 # ---- kubectl's habits: logs -f, --context, -n, exit codes -----------------------------------------
 
 
-def test_logs_f_follows_as_in_kubectl_and_the_spec_comes_from_spec_env_or_the_old_f_file(run, monkeypatch, capsys):
+def test_f_is_the_spec_file_in_logs_too_and_follow_is_its_own_flag(run, monkeypatch, capsys):
     spec_file, _, api = run
     job = "demo-run-extract"
     cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec_file))
     api.start(job)
     api.write_log(job, 0, "loading target")
     when_job_exists(api, job, lambda: time.sleep(0.3), lambda: api.write_log(job, 0, "chunk 0 landed"), lambda: api.finish(job, 0))
-    code, out, _ = cli(monkeypatch, capsys, "logs", "extract", "--shard", "0", "-f", "--spec", str(spec_file))
+    code, out, _ = cli(monkeypatch, capsys, "logs", "extract", "--shard", "0", "--follow", "-f", str(spec_file))
     assert code == 0 and out == "loading target\nchunk 0 landed\n"  # it waited for the pod to end
 
-    # The spelling before -f followed: `-f FILE.yaml` is the spec (and does not follow).
+    # -f is the spec, as in every command (kubectl's -f is a file), and follows nothing.
     code, out, err = cli(monkeypatch, capsys, "logs", "-f", str(spec_file), "--shard", "0")
-    assert code == 0 and out == "loading target\nchunk 0 landed\n"
-    assert f"read `-f {spec_file}` as `--spec {spec_file}`" in err
-    # So is DFLASH_SPEC; -F, the old follow, still follows.
+    assert (code, out) == (0, "loading target\nchunk 0 landed\n") and "read `-f" not in err
+    # So is DFLASH_SPEC; -F is --follow.
     monkeypatch.setenv("DFLASH_SPEC", str(spec_file))
     assert cli(monkeypatch, capsys, "logs", "extract", "--shard", "0", "-F")[:2] == (0, "loading target\nchunk 0 landed\n")
-    # -f before something that is not a spec file is --follow; a positional that is not a step is bad usage.
+    # A spec file that is not there is bad usage, named.
     code, _, err = cli(monkeypatch, capsys, "logs", "-f", "no-such-file.yaml")
     assert code == 2 and "no-such-file.yaml" in err
+
+
+def test_logs_tail_since_previous_attempt_and_init_containers_as_kubectl_logs(run, monkeypatch, capsys):
+    spec_file, _, api = run
+    job = "demo-run-extract"
+    cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec_file))
+    api.start(job)
+    api.write_log(job, 1, "selfcheck: flash-linear-attention OFF", container="selfcheck")
+    api.write_log(job, 1, "loading target", "chunk 4: 1000 tokens", at=time.time() - 3600)
+    api.write_log(job, 1, "chunk 5: 1000 tokens", "chunk 6: 1000 tokens")
+    api.finish(job, 1, exit_code=137)  # killed: the Job retries shard 1 with a new pod
+    api.start(job)
+    api.write_log(job, 1, "loading target again")
+
+    def logs(*options):
+        code, out, err = cli(monkeypatch, capsys, "logs", "extract", "--shard", "1", "-f", str(spec_file), *options)
+        assert code == 0, err
+        return out.splitlines()
+
+    assert logs() == ["loading target again"]
+    assert logs("-p") == ["loading target", "chunk 4: 1000 tokens", "chunk 5: 1000 tokens", "chunk 6: 1000 tokens"]
+    assert logs("--previous", "--tail", "2") == ["chunk 5: 1000 tokens", "chunk 6: 1000 tokens"]
+    assert logs("-p", "--since", "10m") == ["chunk 5: 1000 tokens", "chunk 6: 1000 tokens"]
+    assert logs("-p", "-c", "selfcheck") == ["selfcheck: flash-linear-attention OFF"]
+    assert logs("--tail", "0") == []
+    requested = api.requests_matching("GET", "/log?")
+    assert any("tailLines=2" in path for path in requested) and any("sinceSeconds=600" in path for path in requested)
+
+    code, _, err = cli(monkeypatch, capsys, "logs", "extract", "--shard", "0", "-p", "-f", str(spec_file))
+    assert code == 2 and "shard 0 of Job demo-run-extract has had one attempt" in err
+    code, _, err = cli(monkeypatch, capsys, "logs", "extract", "--shard", "1", "-c", "stage", "-f", str(spec_file))
+    assert code == 2 and "has no container 'stage'" in err and "selfcheck, worker" in err
+    code, _, err = cli(monkeypatch, capsys, "logs", "extract", "--since", "ten minutes", "-f", str(spec_file))
+    assert code == 2 and "'ten minutes' is not a duration" in err
+
+
+def test_a_selfcheck_that_failed_is_read_with_c_while_the_worker_never_ran(run, monkeypatch, capsys):
+    spec_file, _, api = run
+    job = "demo-run-extract"
+    cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec_file))
+    api.write_log(job, 2, "Error: no CUDA device visible", container="selfcheck")
+    api.finish(job, 2, exit_code=2, container="selfcheck")
+    code, out, _ = cli(monkeypatch, capsys, "logs", "extract", "--shard", "2", "-c", "selfcheck", "-f", str(spec_file))
+    assert (code, out) == (0, "Error: no CUDA device visible\n")
+    code, out, _ = cli(monkeypatch, capsys, "logs", "extract", "--shard", "2", "--follow", "-f", str(spec_file))
+    assert (code, out) == (0, "")  # the worker never started: nothing to wait for
+    report = json.loads(cli(monkeypatch, capsys, "status", "-o", "json", "-f", str(spec_file))[1])
+    assert "`dflashctl logs extract --shard 2 -c selfcheck`" in report["next"]  # where the failure is told
 
 
 def test_a_bad_shard_or_a_step_without_a_job_exits_2_naming_what_exists(run, monkeypatch, capsys):
@@ -463,7 +510,7 @@ def test_the_logs_of_a_pod_that_has_not_started_say_why_it_waits(run, monkeypatc
             api.finish(job, index)
 
     when_job_exists(api, job, lambda: time.sleep(0.3), run_shards)
-    code, out, err = cli(monkeypatch, capsys, "logs", "extract", "-f", "--spec", str(spec_file))
+    code, out, err = cli(monkeypatch, capsys, "logs", "extract", "--follow", "--spec", str(spec_file))
     assert code == 0 and "FailedScheduling" in err, (out, err)
     assert sorted(out.splitlines()) == [f"[shard {index}] shard {index} loading target" for index in range(3)]
 

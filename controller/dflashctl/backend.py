@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from dflashctl.render import WORKER
+
 # Reasons of the events the pipeline records on its Jobs (`kubectl describe job` lists them).
 EVENT_EXTRACTION_FINISHED = "ExtractionFinished"
 EVENT_SHARDS_FAILED = "ShardsFailed"
@@ -44,6 +46,22 @@ class ShardStatus:
     message: str | None = None
     """The last attempt's own last words when it failed: its worker's termination message (the log's
     tail, e.g. the `Error: ...` line of a failed `dflashctl run` in the controller's pod)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LogQuery:
+    """Which lines of a shard's log `logs` reads, as kubectl logs' options say it."""
+
+    container: str = WORKER
+    """The pod's container: the worker, or an init container (selfcheck; stage in a vLLM generate pod)."""
+    follow: bool = False
+    """Keep streaming until the pod ends; a pod not started yet is waited for."""
+    tail: int | None = None
+    """Only the last lines of each log (with follow: then the new ones)."""
+    since_s: float | None = None
+    """Only the lines written in the last seconds (the kubelet's timestamps)."""
+    previous: bool = False
+    """The shard's attempt before its newest: Jobs retry with a new pod (restartPolicy Never)."""
 
 
 @dataclass(slots=True)
@@ -116,10 +134,12 @@ class Backend(Protocol):
         the caller decides (with the storage markers) whether to retry its failed shards.
         """
 
-    def logs(self, job_name: str, index: int | None, follow: bool) -> Iterator[str]:
+    def logs(self, job_name: str, index: int | None, query: LogQuery = LogQuery()) -> Iterator[str]:
         """Log lines of one shard, or of every shard prefixed "[shard N] " when `index` is None.
 
-        A shard not started yet has no lines; with `follow` it is waited for, then followed.
+        A container not started yet has no lines; with `query.follow` it is waited for, then followed.
+        A container the pod does not have, or a previous attempt of a shard that had one attempt,
+        raises InputError naming what exists.
         """
 
     def waiting(self, job_name: str, index: int | None) -> list[str]:

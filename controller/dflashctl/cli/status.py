@@ -244,9 +244,16 @@ def _sharded_step_hint(step: str, job: JobStatus, *, noun: str, landed: str, fol
     """An Indexed Job's step before all its chunks landed: the shards that failed, or how far it got."""
     if job.exists and job.finished:
         failed = format_indexes(job.failed_indexes) or "some"
-        first = min(job.failed_indexes, default=0)
-        return f"{noun} shards {failed} failed with chunks missing: `dflashctl logs {step} --shard {first}`, then `dflashctl retry {step}`"
+        first = min(job.failed_indexes or {shard.index for shard in job.shards if shard.phase == "Failed" and shard.exit_reason}, default=0)
+        return f"{noun} shards {failed} failed with chunks missing: `{logs_command(step, job, first)}`, then `dflashctl retry {step}`"
     return _step_hint(step, job, running=f"{noun}: {landed} chunks landed; {follows} once all have", start=start)
+
+
+def logs_command(step: str, job: JobStatus, index: int) -> str:
+    """`dflashctl logs STEP --shard N`, with `-c NAME` when an init container ended the shard ("selfcheck exit 2 (Error)")."""
+    reason = next((shard.exit_reason or "" for shard in job.shards if shard.index == index), "")
+    container, exited, _ = reason.partition(" exit ")
+    return f"dflashctl logs {step} --shard {index}" + (f" -c {container}" if exited and container else "")
 
 
 def _step_hint(step: str, job: JobStatus, *, running: str, start: str) -> str:
