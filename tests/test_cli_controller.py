@@ -308,6 +308,24 @@ def test_an_unreachable_cluster_exits_4(run, monkeypatch, capsys, tmp_path):
     assert code == 4 and err.startswith("Error: the Kubernetes API at http://127.0.0.1:") and "current-context" in err
 
 
+def test_o_yaml_is_the_json_document_and_o_name_what_the_command_is_about(run, monkeypatch, capsys):
+    spec_file, _, api = run
+    cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec_file))
+    for command in (["status"], ["check", "--no-probe"]):
+        code, as_json, _ = cli(monkeypatch, capsys, *command, "-o", "json", "-f", str(spec_file))
+        code_yaml, as_yaml, _ = cli(monkeypatch, capsys, *command, "-o", "yaml", "-f", str(spec_file))
+        assert code == code_yaml and as_yaml.startswith("---\n") and yaml.safe_load(as_yaml) == json.loads(as_json)
+    assert cli(monkeypatch, capsys, "status", "-o", "name", "-f", str(spec_file))[:2] == (0, "job.batch/demo-run-extract\n")
+    code, names, _ = cli(monkeypatch, capsys, "check", "--no-probe", "-o", "name", "-f", str(spec_file))
+    failed = [c["name"] for c in json.loads(cli(monkeypatch, capsys, "check", "--no-probe", "-o", "json", "-f", str(spec_file))[1])["checks"] if c["status"] == "fail"]
+    assert names.splitlines() == [f"check/{name.replace(' ', '-')}" for name in failed]
+    code, names, _ = cli(monkeypatch, capsys, "render", "controller", "-o", "name", "-f", str(spec_file))
+    assert code == 0 and names.splitlines() == [
+        "configmap/demo-run-spec", "serviceaccount/dflash-controller", "role.rbac.authorization.k8s.io/dflash-controller",
+        "rolebinding.rbac.authorization.k8s.io/dflash-controller", "job.batch/demo-run-controller",
+    ]
+
+
 def test_a_missing_spec_file_is_bad_usage(monkeypatch, capsys, tmp_path):
     code, _, err = cli(monkeypatch, capsys, "status", "-f", str(tmp_path / "nope.yaml"))
     assert code == 2 and "dflashctl init" in err
@@ -563,7 +581,7 @@ def test_version():
 
 
 @pytest.mark.parametrize("args", [
-    ["status", "-o", "yaml"],
+    ["status", "-o", "xml"],
     ["submit", "everything"],
     ["logs", "--shard", "-1"],
     ["run", "--timeout", "-5"],

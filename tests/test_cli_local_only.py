@@ -63,3 +63,30 @@ def test_a_kubernetes_spec_without_the_client_names_the_package_to_install(tmp_p
     result = dflashctl_without_kubernetes(tmp_path, "status", "-f", str(write_spec(tmp_path, "kubernetes")))
     assert result.returncode == 2, result.stderr
     assert "the kubernetes backend needs the `kubernetes` package" in result.stderr and "pip install" in result.stderr
+
+
+def test_shell_completion_scripts_and_the_completions_they_ask_for(tmp_path):
+    """`dflashctl completion SHELL` prints the script; the script calls dflashctl back with
+    _DFLASHCTL_COMPLETE set, and gets the commands, options and steps that match."""
+    def dflashctl(*args, **env):
+        return subprocess.run([sys.executable, "-m", "dflashctl.cli.main", *args], capture_output=True, text=True,
+                              env={**os.environ, **env}, cwd=tmp_path)
+
+    bash = dflashctl("completion", "bash")
+    assert bash.returncode == 0 and "complete -o default -F _dflashctl_completion dflashctl" in bash.stdout
+    assert "_DFLASHCTL_COMPLETE=complete_bash" in bash.stdout
+    assert "compdef _dflashctl_completion dflashctl" in dflashctl("completion", "zsh").stdout
+    assert "complete --command dflashctl" in dflashctl("completion", "fish").stdout
+    assert dflashctl("completion", "tcsh").returncode == 2
+
+    def completes(words, cword):
+        answer = dflashctl(_DFLASHCTL_COMPLETE="complete_bash", COMP_WORDS=words, COMP_CWORD=str(cword))
+        assert answer.returncode == 0, answer.stderr
+        return answer.stdout.split()
+
+    assert completes("dflashctl sta", 1) == ["stage-model", "status"]
+    assert completes("dflashctl logs --fo", 2) == ["--follow"]
+    assert completes("dflashctl logs ex", 2) == ["extract"]
+    assert completes("dflashctl status -o y", 3) == ["yaml"]
+    fish = dflashctl(_DFLASHCTL_COMPLETE="complete_fish", _TYPER_COMPLETE_FISH_ACTION="get-args", _TYPER_COMPLETE_ARGS="dflashctl can")
+    assert fish.stdout.split("\t")[0] == "cancel"

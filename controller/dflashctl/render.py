@@ -357,6 +357,19 @@ def to_yaml(objects: list[Manifest]) -> str:
     return yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1000, explicit_start=True)
 
 
+def object_ref(obj: Manifest) -> str:
+    """An object's name as kubectl prints it (`-o name`): kind.group/name, the core group left out
+    (job.batch/run-extract, configmap/run-spec)."""
+    group = obj["apiVersion"].rpartition("/")[0]
+    kind = obj["kind"].lower()
+    return f"{kind}.{group}/{obj['metadata']['name']}" if group else f"{kind}/{obj['metadata']['name']}"
+
+
+def job_ref(name: str) -> str:
+    """A Job's name as kubectl prints it."""
+    return object_ref({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name}})
+
+
 def manifest_filename(obj: Manifest) -> str:
     """`<kind>-<name>.yaml`, e.g. job-qwen36-27b-v1-extract.yaml."""
     return f"{obj['kind'].lower()}-{obj['metadata']['name']}.yaml"

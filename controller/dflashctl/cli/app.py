@@ -118,3 +118,4 @@ from dflashctl.cli import status; status.register(app)  # noqa: E402,E702
 from dflashctl.cli import logs; logs.register(app)  # noqa: E402,E702
 from dflashctl.cli import jobs; jobs.register(app)  # noqa: E402,E702
 from dflashctl.cli import demo; demo.register(app)  # noqa: E402,E702
+from dflashctl.cli import completion; completion.register(app)  # noqa: E402,E702

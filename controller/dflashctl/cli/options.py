@@ -30,13 +30,18 @@ class Targets(Enum):
 class OutputFormat(str, Enum):
     table = "table"
     json = "json"
+    yaml = "yaml"
+    name = "name"
 
 
 SpecOpt = Annotated[
     Path,
     typer.Option("-f", "--file", "--spec", help="The run spec (YAML).", envvar="DFLASH_SPEC", show_default=True),
 ]
-OutputOpt = Annotated[OutputFormat, typer.Option("-o", "--output", help="The output format: table for people, json for machines.")]
+OutputOpt = Annotated[
+    OutputFormat,
+    typer.Option("-o", "--output", help="The output format: table for people; json or yaml, the same document; name, what the command is about, one per line (kubectl's -o name)."),
+]
 WatchOpt = Annotated[bool, typer.Option("--watch", "-w", help="Keep refreshing until the run ends.")]
 ShardOpt = Annotated[int | None, typer.Option("--shard", min=0, help="One shard only (the Job's completion index, from 0).")]
 TimeoutOpt = Annotated[

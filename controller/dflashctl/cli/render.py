@@ -16,7 +16,7 @@ from dflashctl.cli import output
 from dflashctl.cli.options import DEFAULT_SPEC, SpecOpt, Targets, read_spec
 
 Selection = Enum("Selection", {selection: selection for selection in manifests.SELECTIONS}, type=str)
-FORMATS = ("yaml", "json")
+FORMATS = ("yaml", "json", "name")
 
 
 def manifest_format(value: str) -> str:
@@ -24,13 +24,17 @@ def manifest_format(value: str) -> str:
     -d) is refused with the flag that writes one."""
     if value not in FORMATS:
         raise typer.BadParameter(
-            f"{value!r} is not an output format: -o takes yaml or json. To write one file per object into a directory, use -d {value}"
+            f"{value!r} is not an output format: -o takes yaml, json or name. To write one file per object into a directory, use -d {value}"
         )
     return value
 
 
 FormatOpt = Annotated[
-    str, typer.Option("-o", "--output", callback=manifest_format, metavar="yaml|json", help="The format printed on stdout: yaml (a multi-document stream) or json (a v1 List).")
+    str,
+    typer.Option(
+        "-o", "--output", callback=manifest_format, metavar="yaml|json|name",
+        help="The format printed on stdout: yaml (a multi-document stream), json (a v1 List) or name (kind.group/name, one a line).",
+    ),
 ]
 DirectoryOpt = Annotated[
     Path | None,
@@ -76,7 +80,8 @@ def render(
     spec = read_spec(spec_file)
     objects = manifests.render_selection(spec, which.value)
     if directory is None:
-        sys.stdout.write(manifests.to_json(objects) if fmt == "json" else manifests.to_yaml(objects))
+        printers = {"yaml": manifests.to_yaml, "json": manifests.to_json, "name": lambda objects: "".join(f"{manifests.object_ref(o)}\n" for o in objects)}
+        sys.stdout.write(printers[fmt](objects))
         return
     result = write_manifests(objects, directory, force=force)
     for path in result.removed:

@@ -17,6 +17,7 @@ from dflashctl.cli.options import DEFAULT_SPEC, ForceOpt, OutputFormat, OutputOp
 from dflashctl.cli.reporting import print_report, reporter_for
 from dflashctl.metrics import with_metrics
 from dflashctl.pipeline import PipelineResult, run_pipeline
+from dflashctl.render import COMPONENTS, job_name, job_ref
 
 
 def run(
@@ -47,10 +48,10 @@ def run(
     preflight(spec, "run", cluster_of(backend), force=force, say=output.info)
     with reporter_for(output.stderr) as reporter:
         result = run_pipeline(spec, backend, reporter=with_metrics(spec, reporter), force=force, timeout=timeout)
-    if fmt is OutputFormat.json:
-        output.result_json(result_json(result))
-    else:
+    if fmt is OutputFormat.table:
         print_report(result.report or {}, fmt)
+    else:
+        output.result(fmt, result_json(result), [job_ref(job_name(spec, step)) for step in result.ran if step in COMPONENTS])
     for warning in result.warnings:  # last, where a run of many hours does not scroll it away
         output.info(f"[yellow]warning:[/] {escape(warning)}")
     output.hint(f"the drafter: {spec.output}/train/drafter (the vLLM command above serves it)")

@@ -38,7 +38,7 @@ from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt
 from dflashctl.progress import (
     Progress, format_rate, generation_rates, generation_time_left, landing_rate, read_progress, time_left,
 )
-from dflashctl.render import COMPONENTS, STEPS, job_name
+from dflashctl.render import COMPONENTS, STEPS, job_name, job_ref
 
 REFRESH_S = 5.0
 """Seconds between refreshes of `status --watch`."""
@@ -436,16 +436,23 @@ def status(
     else:
         shown: list[str] = []
         for report in follow(spec, backend, report, markers):
-            if fmt is OutputFormat.json or plain_lines(report) != shown:
+            # A document per look for machines; a block (or the names) again only when it changed.
+            look = job_names(report) if fmt is OutputFormat.name else plain_lines(report)
+            if fmt in (OutputFormat.json, OutputFormat.yaml) or look != shown:
                 _show(report, fmt)
-                shown = plain_lines(report)
+                shown = look
     if watch and report.failed:
         raise typer.Exit(1)
 
 
+def job_names(report: RunReport) -> list[str]:
+    """-o name: the run's Jobs that exist, as kubectl names them."""
+    return [job_ref(job.name) for job in report.jobs.values() if job.exists]
+
+
 def _show(report: RunReport, fmt: OutputFormat) -> None:
-    if fmt is OutputFormat.json:
-        output.result_json(report_json(report))
+    if fmt is not OutputFormat.table:
+        output.result(fmt, report_json(report), job_names(report))
     elif sys.stdout.isatty():
         output.stdout.print(rich_view(report))
     else:
