@@ -467,7 +467,8 @@ class _Handler(BaseHTTPRequestHandler):
             if method == "POST":
                 code, obj = api.create(kind, match["ns"], body)
             elif method == "GET" and name is None:
-                items = api.matching(kind, query)
+                # A list answers for its namespace (objects added without one are seen from every namespace).
+                items = [o for o in api.matching(kind, query) if o["metadata"].get("namespace") in (None, match["ns"])]
                 code, obj = 200, {"kind": f"{kind}List", "apiVersion": _api_version(kind),
                                   "metadata": {"resourceVersion": str(api.version)}, "items": items}
             elif method == "GET":

@@ -138,8 +138,8 @@ def test_submit_status_logs_cancel_on_the_cluster(run, monkeypatch, capsys):
     assert code == 0 and out == "chunk 0: 1000 tokens, 5.1K tok/s\n"
 
     code, _, err = cli(monkeypatch, capsys, "cancel", "-f", str(spec_file))
-    assert code == 0 and "deleted Job demo-run-extract" in err
-    assert api.all("Job") == [] and api.all("Pod") == []
+    assert code == 0 and "job.batch/demo-run-extract deleted" in err and "configmap/demo-run-spec deleted" in err
+    assert api.all("Job") == [] and api.all("Pod") == [] and api.all("ConfigMap") == []  # no leftovers
 
 
 def test_submit_wait_exit_codes_done_failed_timeout(run, monkeypatch, capsys):
@@ -324,6 +324,107 @@ def test_o_yaml_is_the_json_document_and_o_name_what_the_command_is_about(run, m
         "configmap/demo-run-spec", "serviceaccount/dflash-controller", "role.rbac.authorization.k8s.io/dflash-controller",
         "rolebinding.rbac.authorization.k8s.io/dflash-controller", "job.batch/demo-run-controller",
     ]
+
+
+def second_run(spec_file, storage, name="other-run"):
+    """A second run in the same namespace: its own spec file and output, its data prepared."""
+    other = yaml.safe_load(spec_file.read_text())
+    other_output = open_storage(other["output"] + "-" + name)
+    other_output.put_bytes(DATASET_KEY, storage.get_bytes(DATASET_KEY))
+    other.update(name=name, output=other_output.url)
+    other_file = spec_file.with_name(f"{name}.yaml")
+    other_file.write_text(yaml.safe_dump(other))
+    return other_file, other_output
+
+
+def writes(api, since: int) -> list[tuple[str, str]]:
+    """The requests after the `since`-th that changed the cluster (SelfSubjectAccessReviews only ask)."""
+    return [(method, path) for method, path in api.requests[since:] if method != "GET" and "selfsubjectaccessreviews" not in path]
+
+
+def test_runs_are_listed_and_shown_by_name_without_their_spec_files(run, monkeypatch, capsys, tmp_path):
+    spec_file, storage, api = run
+    other_file, _ = second_run(spec_file, storage)
+    for spec in (spec_file, other_file):
+        assert cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec))[0] == 0
+    api.start("other-run-extract")
+    monkeypatch.chdir(tmp_path / "out")  # no dflash.yaml here: the cluster, in the spec's default namespace
+    code, out, _ = cli(monkeypatch, capsys, "list", "-o", "json")
+    runs = {listing["run"]: listing for listing in json.loads(out)["runs"]}
+    assert code == 0 and sorted(runs) == ["demo-run", "other-run"]
+    assert runs["other-run"]["jobs"] == {"extract": "Running"} and list(runs["demo-run"]["jobs"]) == ["extract"]
+    assert runs["other-run"]["output"] == load_spec(other_file).output
+    assert runs["demo-run"]["objects"] == ["job.batch/demo-run-extract", "configmap/demo-run-spec"]
+    assert cli(monkeypatch, capsys, "list", "-o", "name")[1] == "run/demo-run\nrun/other-run\n"
+    code, out, _ = cli(monkeypatch, capsys, "list")
+    assert code == 0 and "other-run" in out and "extract Running" in out
+
+    code, out, _ = cli(monkeypatch, capsys, "status", "other-run", "-o", "json")
+    report = json.loads(out)
+    assert code == 0 and report["run"] == "other-run" and report["jobs"]["extract"]["state"] == "Running"
+    assert report["progress"]["chunks_total"] == 4  # its own output, from the spec in its ConfigMap
+    code, _, err = cli(monkeypatch, capsys, "status", "nope")
+    assert code == 2 and "no run 'nope' in namespace dflash" in err and "demo-run, other-run" in err
+    assert cli(monkeypatch, capsys, "list", "-n", "team-a", "-o", "name")[:2] == (0, "")  # another namespace: none
+
+
+def test_cancel_and_delete_remove_one_run_s_objects_and_never_another_s(run, monkeypatch, capsys, tmp_path):
+    """Two runs in one namespace: cancelling one leaves the other's Jobs, pods and spec untouched."""
+    spec_file, storage, api = run
+    other_file, other_storage = second_run(spec_file, storage)
+    for spec in (spec_file, other_file):
+        assert cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec))[0] == 0
+    cli(monkeypatch, capsys, "submit", "controller", "-f", str(other_file))
+    other_objects = {(kind, obj["metadata"]["name"], obj["metadata"]["uid"]) for kind in ("Job", "Pod", "ConfigMap", "ServiceAccount")
+                     for obj in api.all(kind) if not obj["metadata"]["name"].startswith("demo-run")}
+
+    before = len(api.requests)
+    code, _, err = cli(monkeypatch, capsys, "cancel", "-f", str(spec_file), "--dry-run")
+    assert code == 0 and "job.batch/demo-run-extract deleted (dry run)" in err and "configmap/demo-run-spec deleted (dry run)" in err
+    assert writes(api, before) == [] and api.get("Job", "demo-run-extract") is not None
+
+    code, _, err = cli(monkeypatch, capsys, "cancel", "-f", str(spec_file))
+    assert code == 0 and f"kept: {load_spec(spec_file).output}" in err and "shared by the namespace's runs" in err
+    assert [obj["metadata"]["name"] for obj in api.all("Job")] == ["other-run-controller", "other-run-extract"]
+    assert {(kind, obj["metadata"]["name"], obj["metadata"]["uid"]) for kind in ("Job", "Pod", "ConfigMap", "ServiceAccount")
+            for obj in api.all(kind)} == other_objects
+    assert storage.exists(DATASET_KEY)  # the storage stays
+
+    monkeypatch.chdir(tmp_path / "out")  # by name, no spec file
+    code, _, err = cli(monkeypatch, capsys, "delete", "other-run", "--data")
+    assert code == 2 and "Pass --yes" in err and api.all("Job")  # stdin is no terminal: nothing asked, nothing deleted
+    code, _, err = cli(monkeypatch, capsys, "delete", "other-run", "--data", "--dry-run")
+    assert code == 0 and "objects under" in err and other_storage.exists(DATASET_KEY)
+    code, _, err = cli(monkeypatch, capsys, "delete", "other-run", "--data", "--yes")
+    assert code == 0 and "job.batch/other-run-controller deleted" in err.splitlines()[0]  # the controller first
+    assert api.all("Job") == [] and api.all("ConfigMap") == [] and other_storage.list("") == []
+    assert [obj["metadata"]["name"] for obj in api.all("ServiceAccount")] == ["dflash-controller"]  # shared: kept
+    assert storage.exists(DATASET_KEY)  # the other run's storage
+    code, _, err = cli(monkeypatch, capsys, "delete", "other-run")
+    assert code == 2 and "no run 'other-run' in namespace dflash" in err
+
+
+def test_dry_runs_of_submit_and_run_say_what_they_would_create_and_write_nothing(run, monkeypatch, capsys):
+    spec_file, storage, api = run
+    before = len(api.requests)
+    code, out, err = cli(monkeypatch, capsys, "submit", "extract", "--dry-run", "-f", str(spec_file))
+    assert code == 0, err
+    assert out.splitlines() == ["configmap/demo-run-spec created (dry run)", "job.batch/demo-run-extract created (dry run)"]
+    assert not storage.exists("run.yaml") and "would claim" in err
+    code, out, err = cli(monkeypatch, capsys, "run", "--dry-run", "-f", str(spec_file))
+    assert code == 0, err
+    assert out.splitlines() == ["configmap/demo-run-spec created (dry run)", "job.batch/demo-run-extract created (dry run)"]
+    assert "then: verify, train, eval" in err
+    assert writes(api, before) == [] and api.all("Job") == [] and not storage.exists("run.yaml")
+
+    assert cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec_file))[0] == 0
+    code, out, _ = cli(monkeypatch, capsys, "submit", "extract", "--dry-run", "-f", str(spec_file))
+    assert out.splitlines() == ["configmap/demo-run-spec unchanged (dry run)", "job.batch/demo-run-extract unchanged (dry run)"]
+    changed = yaml.safe_load(spec_file.read_text())
+    changed["extract"]["shards"] = 4
+    spec_file.write_text(yaml.safe_dump(changed))
+    code, _, err = cli(monkeypatch, capsys, "submit", "extract", "--dry-run", "-f", str(spec_file))
+    assert code == 2 and "already holds run 'demo-run' with another spec" in err  # as the submit itself would
 
 
 def test_a_missing_spec_file_is_bad_usage(monkeypatch, capsys, tmp_path):

@@ -6,6 +6,7 @@ parallelism, retries, podFailurePolicy, logs, attach, delete), not the data-plan
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ from dflashctl.local.pod import PathMap, resolve_container
 from dflashctl.local.processes import ProcessRef, kill_groups, start_time
 from dflashctl.local.state import JobFiles
 from dflashctl.render import SPEC_HASH, render_extract_job, render_selection
+from dflashctl.runs import list_runs, remove_run, spec_of_run
 
 WAIT_S = 30
 
@@ -448,3 +450,39 @@ def test_the_kernel_cache_claim_is_one_directory_every_local_pod_shares(tmp_path
     seen = {line.strip() for index in range(3) for line in backend.logs("demo-extract", index)
             if line.strip() and not line.startswith("==> container")}
     assert seen == {str(tmp_path / "work" / "volumes" / "kernels" / "triton")}
+
+
+def test_runs_are_found_by_their_labels_and_one_is_removed_without_touching_another(tmp_path, monkeypatch):
+    """Two runs in one workdir, as `dflashctl list`, `status NAME`, `cancel` and `delete` see them."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    specs = [dataclasses.replace(make_spec(tmp_path), name=name, output=str(tmp_path / name)) for name in ("first", "second")]
+    backend = LocalBackend(specs[0])
+    for spec in specs:
+        configmap, job = render_selection(spec, "extract")
+        for container in (*job["spec"]["template"]["spec"]["initContainers"], *job["spec"]["template"]["spec"]["containers"]):
+            container["command"] = ["python", "-c", "import time; time.sleep(60)"]
+        backend.submit([configmap, job])
+    deadline = time.monotonic() + WAIT_S
+    while any(backend.job_status(f"{spec.name}-extract").active < 3 for spec in specs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    listings = list_runs(backend)
+    assert [(listing.name, [obj.ref for obj in listing.objects], listing.spec) for listing in listings] == [
+        ("first", ["job.batch/first-extract", "configmap/first-spec"], specs[0]),
+        ("second", ["job.batch/second-extract", "configmap/second-spec"], specs[1]),
+    ]
+    assert spec_of_run(backend, "second", "here") == specs[1]  # from its ConfigMap: `status second` needs no file
+
+    said = []
+    assert [obj.ref for obj in remove_run(backend, "first", dry_run=True, say=said.append)] == ["job.batch/first-extract", "configmap/first-spec"]
+    assert said == ["job.batch/first-extract deleted (dry run)", "configmap/first-spec deleted (dry run)"]
+    assert [listing.name for listing in list_runs(backend)] == ["first", "second"]
+    remove_run(backend, "first", dry_run=False, say=said.append)
+    assert [listing.name for listing in list_runs(backend)] == ["second"]
+    assert not (backend.workdir / "configmaps" / "first-spec").exists() and (backend.workdir / "configmaps" / "second-spec").is_dir()
+    second = backend.job_status("second-extract")
+    assert second.active == 3 and not second.finished  # still running
+    with pytest.raises(InputError, match="no run 'first' in here.*Runs there: second"):
+        spec_of_run(backend, "first", "here")
+    remove_run(backend, "second", dry_run=False, say=said.append)
+    assert list_runs(backend) == []

@@ -26,6 +26,12 @@ def open_backend(spec: RunSpec) -> Backend:
         from dflashctl.local.backend import LocalBackend
 
         return LocalBackend(spec)
+    return cluster_backend(spec.cluster.namespace)
+
+
+def cluster_backend(namespace: str) -> Backend:
+    """The kubernetes backend in `namespace` (or where the command line says), for a spec's run or
+    for the commands that find runs by name."""
     try:
         import kubernetes  # noqa: F401 - only whether the client is installed here
     except ImportError:
@@ -35,7 +41,7 @@ def open_backend(spec: RunSpec) -> Backend:
         ) from None
     from dflashctl.kube import KubernetesBackend
 
-    return KubernetesBackend.connect(spec.cluster.namespace)
+    return KubernetesBackend.connect(namespace)
 
 
 def targeted(spec: RunSpec) -> RunSpec:

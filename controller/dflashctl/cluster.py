@@ -25,8 +25,8 @@ from kubernetes.config.config_exception import ConfigException
 
 from dflash_jobs.errors import InputError
 
-from dflashctl.errors import ClusterUnreachable, Conflict, DflashError, Forbidden
-from dflashctl.render import SPEC_HASH
+from dflashctl.backend import submit_outcome
+from dflashctl.errors import ClusterUnreachable, DflashError, Forbidden
 from dflashctl.target import current_target
 
 log = logging.getLogger(__name__)
@@ -144,15 +144,8 @@ class Cluster:
             # Being deleted (e.g. by `cancel` a moment ago): wait for it to go, then create anew.
             self._wait_gone(kind, name, wait)
             return self._create_once_gone(obj, wait=wait)
-        wanted = obj["metadata"].get("annotations", {}).get(SPEC_HASH)
-        found = (existing["metadata"].get("annotations") or {}).get(SPEC_HASH)
-        if wanted is None or wanted == found:
+        if submit_outcome({**obj, "metadata": {**obj["metadata"], "namespace": self.namespace}}, existing, force=force) == "unchanged":
             return "attached"
-        if not force:
-            raise Conflict(
-                f"{kind} {self.namespace}/{name} already exists from a different spec (spec hash {found}, this spec {wanted})",
-                "Give the run a new `name:` in the spec, or pass --force to delete and recreate it (its pods are lost)",
-            )
         self.delete(kind, name, wait=wait)
         return "replaced" if self._create_once_gone(obj, wait=wait) == "created" else "attached"
 

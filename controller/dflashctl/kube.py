@@ -12,14 +12,17 @@ from typing import TYPE_CHECKING, Any
 
 from dflash_jobs.errors import InputError
 
-from dflashctl.backend import INDEX_ANNOTATION, JobStatus, LogQuery, ShardStatus, parse_indexes
+from dflashctl.backend import INDEX_ANNOTATION, JobStatus, LogQuery, RunObject, ShardStatus, parse_indexes, run_objects_of
 from dflashctl.errors import Forbidden, RunFailed, WaitTimeout
-from dflashctl.render import WORKER
+from dflashctl.render import MANAGED_BY, MANAGED_BY_LABEL, RUN_LABEL, WORKER
 
 if TYPE_CHECKING:  # imported in connect: the pod helpers below serve machines without the client too
     from dflashctl.cluster import Cluster
 
 CONTROLLER_UID_LABEL = "batch.kubernetes.io/controller-uid"
+RUN_KINDS = {"Job": "batch/v1", "ConfigMap": "v1", "Service": "v1"}
+"""The kinds of a run's own objects and their apiVersion (its pods go with its Jobs; the controller's RBAC
+is the namespace's, shared by its runs)."""
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +130,22 @@ class KubernetesBackend:
         events.sort(key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or e["metadata"].get("creationTimestamp") or "")
         return [_event_line(event) for event in events[-count:]]
 
+    def find(self, kind: str, name: str) -> dict | None:
+        return self.cluster.get(kind, name)
+
+    def run_objects(self, run: str | None = None) -> list[RunObject]:
+        selector = ",".join([f"{MANAGED_BY_LABEL}={MANAGED_BY}", *([f"{RUN_LABEL}={run}"] if run is not None else [])])
+        found = [
+            {**obj, "apiVersion": api_version, "kind": kind}  # a list's items carry no kind of their own
+            for kind, api_version in RUN_KINDS.items() for obj in self.cluster.list(kind, label_selector=selector)[0]
+        ]
+        return run_objects_of(found, run)
+
+    def delete_object(self, kind: str, name: str) -> None:
+        self.cluster.delete(kind, name, wait=DELETE_WAIT_S)
+
     def delete(self, job_name: str) -> None:
-        self.cluster.delete("Job", job_name, wait=DELETE_WAIT_S)
+        self.delete_object("Job", job_name)
 
     def record_event(self, job_name: str, reason: str, message: str, *, warning: bool = False) -> None:
         job = self.cluster.get("Job", job_name)

@@ -87,7 +87,12 @@ def job_name(spec: RunSpec, component: str) -> str:
 
 
 def configmap_name(spec: RunSpec) -> str:
-    return f"{spec.name}-spec"
+    return spec_configmap_name(spec.name)
+
+
+def spec_configmap_name(run: str) -> str:
+    """The ConfigMap holding run `run`'s spec: `status NAME`, `cancel NAME` read the run from it."""
+    return f"{run}-spec"
 
 
 def run_labels(spec: RunSpec, component: str) -> dict[str, str]:

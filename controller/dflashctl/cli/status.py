@@ -13,7 +13,8 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import Any
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 from rich.console import Group
@@ -32,13 +33,14 @@ from dflash_jobs.storage import Storage, storage_for
 from dflash_jobs.units import format_duration
 
 from dflashctl.backend import Backend, JobStatus, format_indexes
-from dflashctl.backends import open_backend
+from dflashctl.backends import open_backend, targeted
 from dflashctl.cli import output
-from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt, WatchOpt, read_spec
+from dflashctl.cli.options import DEFAULT_SPEC, LocatorSpecOpt, OutputFormat, OutputOpt, WatchOpt, locate, read_spec
 from dflashctl.progress import (
     Progress, format_rate, generation_rates, generation_time_left, landing_rate, read_progress, time_left,
 )
 from dflashctl.render import COMPONENTS, STEPS, job_name, job_ref
+from dflashctl.runs import spec_of_run
 
 REFRESH_S = 5.0
 """Seconds between refreshes of `status --watch`."""
@@ -399,15 +401,22 @@ def rich_view(report: RunReport) -> Group:
 
 
 def status(
-    spec_file: SpecOpt = DEFAULT_SPEC,
+    run: Annotated[str | None, typer.Argument(help="A run by name: its spec is read from its spec ConfigMap, no file needed.", show_default=False)] = None,
+    spec_file: LocatorSpecOpt = None,
     watch: WatchOpt = False,
     fmt: OutputOpt = OutputFormat.table,
 ) -> None:
     """Shards (pod, node, phase, attempts, exit reason), prompts answered, chunks landed, tokens/s, ETA, and the next step.
 
+    The run is the spec file's (-f, default dflash.yaml), or the one named: its spec is read from
+    its `<run>-spec` ConfigMap, on the spec file's backend or else in the cluster's namespace
+    (`dflashctl list` shows the runs there).
+
     Examples:
 
       dflashctl status                 # a table
+
+      dflashctl status qwen36-27b-v1 -n team-a   # by name, without its spec file
 
       dflashctl status --watch   # live until the run ends, across its gaps
 
@@ -423,8 +432,7 @@ def status(
 
       kubectl get job NAME-extract -o yaml | grep dflash.dev/progress   # chunks
     """
-    spec = read_spec(spec_file)
-    backend = open_backend(spec)
+    spec, backend = run_and_backend(run, spec_file)
     markers: dict[str, ChunkMarker] = {}
     report = collect(spec, backend, markers)
     if not watch:
@@ -448,6 +456,17 @@ def status(
 def job_names(report: RunReport) -> list[str]:
     """-o name: the run's Jobs that exist, as kubectl names them."""
     return [job_ref(job.name) for job in report.jobs.values() if job.exists]
+
+
+def run_and_backend(run: str | None, spec_file: Path | None) -> tuple[RunSpec, Backend]:
+    """The spec file's run, or the run named, with the backend it is on."""
+    if run is None:
+        spec = read_spec(spec_file or DEFAULT_SPEC)
+        return spec, open_backend(spec)
+    backend, file_spec, where = locate(spec_file)
+    if file_spec is not None and file_spec.name == run:
+        return file_spec, backend
+    return targeted(spec_of_run(backend, run, where)), backend
 
 
 def _show(report: RunReport, fmt: OutputFormat) -> None:

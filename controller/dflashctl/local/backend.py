@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 from dflash_jobs.errors import InputError
 from dflash_jobs.spec import is_s3
 
-from dflashctl.backend import JobStatus, LogQuery, ShardStatus
-from dflashctl.errors import Conflict, RunFailed, WaitTimeout
+from dflashctl.backend import JobStatus, LogQuery, RunObject, ShardStatus, run_objects_of, submit_outcome
+from dflashctl.errors import RunFailed, WaitTimeout
 from dflashctl.local.pod import CONTAINER_HEADER, NODE_NAME, check_container
 from dflashctl.local.processes import kill_groups
 from dflashctl.local.state import (
@@ -41,7 +41,6 @@ from dflashctl.local.state import (
     try_lock,
     write_json,
 )
-from dflashctl.render import SPEC_HASH
 
 if TYPE_CHECKING:
     from dflash_jobs.spec import RunSpec
@@ -67,14 +66,36 @@ class LocalBackend:
             if kind == "Job":
                 self._submit_job(obj, force=force)
                 continue
-            path = self.workdir / "objects" / kind / f"{name}.json"
+            path = self._object_path(kind, name)
             existing = read_json(path)
-            if existing is not None and not force:
-                _check_same_hash(existing, obj)
+            submit_outcome(obj, existing, force=force)  # a different spec is refused without --force
             path.parent.mkdir(parents=True, exist_ok=True)
             write_json(path, obj)
             if kind == "ConfigMap":
                 self._write_configmap(obj)
+
+    def find(self, kind: str, name: str) -> dict | None:
+        if kind == "Job":
+            record = JobRecord.load(JobFiles(self.workdir, name))
+            return None if record is None else record.manifest
+        return read_json(self._object_path(kind, name))
+
+    def run_objects(self, run: str | None = None) -> list[RunObject]:
+        jobs = [JobRecord.load(JobFiles(self.workdir, path.name)) for path in sorted((self.workdir / "jobs").glob("*"))]
+        others = [read_json(path) for path in sorted((self.workdir / "objects").glob("*/*.json"))]
+        return run_objects_of([record.manifest for record in jobs if record is not None] + [obj for obj in others if obj is not None], run)
+
+    def delete_object(self, kind: str, name: str) -> None:
+        if kind == "Job":
+            self.delete(name)
+            return
+        self._object_path(kind, name).unlink(missing_ok=True)
+        if kind == "ConfigMap":
+            shutil.rmtree(self.workdir / "configmaps" / name, ignore_errors=True)
+
+    def _object_path(self, kind: str, name: str) -> Path:
+        """Where a submitted object other than a Job is kept (a Job's record is its JobFiles')."""
+        return self.workdir / "objects" / kind / f"{name}.json"
 
     def _write_configmap(self, configmap: dict[str, Any]) -> None:
         directory = self.workdir / "configmaps" / configmap["metadata"]["name"]
@@ -86,10 +107,9 @@ class LocalBackend:
         files = JobFiles(self.workdir, job["metadata"]["name"])
         existing = JobRecord.load(files)
         if existing is not None:
-            if force and _hash(existing.manifest) != _hash(job):
+            if submit_outcome(job, existing.manifest, force=force) == "replaced":
                 self.delete(files.name)
             else:
-                _check_same_hash(existing.manifest, job)
                 self._resume(files)
                 return
         record = JobRecord(manifest=job, volumes=self._volumes(job), cwd=os.getcwd(), parallelism_cap=self.parallelism_cap)
@@ -389,17 +409,3 @@ class _IndexTail:
 def _last(lines: Iterator[str], count: int | None) -> Iterator[str]:
     """The last `count` of `lines` (all of them when None)."""
     return iter(lines) if count is None else iter(collections.deque(lines, maxlen=count))
-
-
-def _hash(obj: dict[str, Any]) -> str | None:
-    return (obj["metadata"].get("annotations") or {}).get(SPEC_HASH)
-
-
-def _check_same_hash(existing: dict[str, Any], new: dict[str, Any]) -> None:
-    if _hash(existing) != _hash(new):
-        meta = new["metadata"]
-        raise Conflict(
-            f"{new['kind']} {meta['name']} already exists with another spec ({SPEC_HASH} {_hash(existing)}, now {_hash(new)})",
-            "Keep the spec of the running run, give the new one another name, or pass --force to replace it",
-        )
-
