@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from importlib.metadata import entry_points, version
+from pathlib import Path
 
 import pytest
 import yaml
@@ -21,12 +22,14 @@ from conftest import free_port
 from k8s_fake_api import fake_k8s, make_pvc  # noqa: F401 - the fixture
 
 from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, MANIFEST_KEY, ChunkInfo, DatasetIndex, DoneMarker, done_key
+from dflash_jobs.errors import SpecError, StorageUnavailable
 from dflash_jobs.spec import load_spec, parse_spec
 from dflash_jobs.storage import open_storage
 from dflashctl.backend import JobStatus, ShardStatus
 from dflashctl.backends import open_backend
 from dflashctl.cli import status as status_cli
 from dflashctl.cli.main import main
+from dflashctl.errors import ClusterUnreachable, Conflict, Forbidden, RunFailed, WaitTimeout, exit_code
 from dflash_jobs.units import format_duration
 from dflashctl.progress import Progress, landing_rate, read_progress, time_left
 from dflashctl.render import render_selection
@@ -425,6 +428,60 @@ def test_dry_runs_of_submit_and_run_say_what_they_would_create_and_write_nothing
     spec_file.write_text(yaml.safe_dump(changed))
     code, _, err = cli(monkeypatch, capsys, "submit", "extract", "--dry-run", "-f", str(spec_file))
     assert code == 2 and "already holds run 'demo-run' with another spec" in err  # as the submit itself would
+
+
+def readme_exit_codes() -> dict[int, str]:
+    """The README's table of exit codes: code -> its meaning."""
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    table = text[text.index("### Exit codes"):].split("\n\n")[2]
+    return {int(row.split("|")[1]): row.split("|")[2].strip() for row in table.splitlines()[2:]}
+
+
+def test_the_readme_table_of_exit_codes_is_the_one_the_errors_map_to():
+    table = readme_exit_codes()
+    assert sorted(table) == [0, 1, 2, 3, 4, 5, 130]
+    for error, code in ((RunFailed("x", "y"), 1), (SpecError("f", 1, "z"), 2), (Conflict("x", "y"), 2), (WaitTimeout("x", "y"), 3),
+                        (ClusterUnreachable("x", "y"), 4), (Forbidden("x", "y"), 4), (StorageUnavailable("x", "y"), 5), (KeyboardInterrupt(), 130)):
+        assert exit_code(error) == code and code in table
+
+
+def test_every_command_s_error_paths_exit_as_the_readme_table_says(run, monkeypatch, capsys, tmp_path):
+    """Each case: what a person did, and a phrase of the README row its exit code must stand for."""
+    spec_file, _, api = run
+    table = readme_exit_codes()
+    f = ["-f", str(spec_file)]
+
+    def exits(args, meaning):
+        code, _, err = cli(monkeypatch, capsys, *args)
+        assert code in table and meaning in table[code], f"dflashctl {' '.join(args)} exited {code} ({err.strip()}), the table: {meaning!r}"
+
+    exits(["logs", *f], "does not exist")  # no Jobs yet: nothing of the run exists (it exited 1, "the run failed")
+    exits(["status", *f], "done")  # no Jobs: reported
+    exits(["submit", "train", *f], "a step asked for before the one it needs")
+    exits(["verify", *f], "a chunk failed verification")  # markers without their chunks
+    exits(["cancel", "nope", *f], "something named that does not exist")
+    exits(["status", "nope", *f], "something named that does not exist")
+    exits(["delete", "nope", *f], "something named that does not exist")
+    exits(["submit", "extract", "--dry-run", *f], "done")
+    assert cli(monkeypatch, capsys, "submit", "extract", *f)[0] == 0
+    exits(["logs", "train", *f], "something named that does not exist")
+    exits(["logs", "extract", "--shard", "7", *f], "something named that does not exist")
+    exits(["logs", "extract", "-c", "sidecar", *f], "something named that does not exist")
+    exits(["logs", "extract", "-p", "--shard", "0", *f], "previous attempt")
+    exits(["status", "-o", "xml", *f], "an option")
+    exits(["submit", "extract", "--wait", "--timeout", "0.3", *f], "timed out")
+    when_job_exists(api, "demo-run-extract", lambda: api.start("demo-run-extract"), lambda: api.finish("demo-run-extract", 0, exit_code=2))
+    exits(["submit", "extract", "--wait", *f], "a Job failed")
+    api.fail_requests(30, status=403, path="/jobs")
+    exits(["status", *f], "forbids the call")
+    api.faults.clear()
+    kubeconfig = tmp_path / "nowhere.yaml"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c", "users": [{"name": "u", "user": {}}],
+        "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{free_port()}"}}], "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+    }))
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    exits(["cancel", *f], "unreachable")
 
 
 def test_a_missing_spec_file_is_bad_usage(monkeypatch, capsys, tmp_path):
