@@ -138,7 +138,7 @@ def _checks() -> list[Check]:
 
     return [
         inputs.placeholders, cluster.namespace, cluster.permissions, cluster.service_account, cluster.s3_secret,
-        cluster.hf_secret, cluster.pull_secrets, cluster.volumes, cluster.nodes,
+        cluster.hf_secret, cluster.pull_secrets, cluster.volumes, inputs.pod_template_patch, cluster.nodes,
         inputs.output, inputs.step_order, inputs.data_source, inputs.target, inputs.image,
     ]
 

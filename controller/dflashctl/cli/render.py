@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from dflashctl import render as manifests
+from dflashctl.placement import patch_warnings
 from dflashctl.run_directory import write_manifests
 from dflashctl.cli import output
 from dflashctl.cli.options import DEFAULT_SPEC, SpecOpt, Targets, read_spec
@@ -79,6 +80,8 @@ def render(
         raise typer.BadParameter("-d writes YAML files and -o prints to stdout: give one of them", param_hint="'-o' / '-d'")
     spec = read_spec(spec_file)
     objects = manifests.render_selection(spec, which.value)
+    for warning in patch_warnings(spec):
+        output.info(f"warning: {warning}")
     if directory is None:
         printers = {"yaml": manifests.to_yaml, "json": manifests.to_json, "name": lambda objects: "".join(f"{manifests.object_ref(o)}\n" for o in objects)}
         sys.stdout.write(printers[fmt](objects))
