@@ -356,7 +356,7 @@ def test_runs_are_listed_and_shown_by_name_without_their_spec_files(run, monkeyp
     runs = {listing["run"]: listing for listing in json.loads(out)["runs"]}
     assert code == 0 and sorted(runs) == ["demo-run", "other-run"]
     assert runs["other-run"]["jobs"] == {"extract": "Running"} and list(runs["demo-run"]["jobs"]) == ["extract"]
-    assert runs["other-run"]["output"] == load_spec(other_file).output
+    assert runs["other-run"]["output"] == load_spec(other_file).output and runs["other-run"]["spec_hash"] == load_spec(other_file).fingerprint()
     assert runs["demo-run"]["objects"] == ["job.batch/demo-run-extract", "configmap/demo-run-spec"]
     assert cli(monkeypatch, capsys, "list", "-o", "name")[1] == "run/demo-run\nrun/other-run\n"
     code, out, _ = cli(monkeypatch, capsys, "list")

@@ -13,7 +13,6 @@ from dflash_jobs.formats import DATASET_KEY, MANIFEST_KEY, DatasetIndex, done_ke
 from dflash_jobs.spec import parse_spec
 from dflash_jobs.storage import open_storage
 
-from dflashctl.errors import RunFailed
 from dflashctl.verify import Expected, VerificationFailed, read_manifest, verify_run
 
 EXPECTED = Expected(dtype="bfloat16", layers=LAYERS)

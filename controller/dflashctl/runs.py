@@ -19,7 +19,6 @@ from dflash_jobs.storage import ObjectNotFound, Storage, storage_for
 from dflashctl.backend import Backend, JobStatus, RunObject
 from dflashctl.render import SPEC_FILE, spec_configmap_name
 
-
 DELETE_WORKERS = 32
 """Storage deletes at once (`delete --data`): one request per object."""
 

@@ -55,7 +55,7 @@ LocatorSpecOpt = Annotated[
     Path | None,
     typer.Option(
         "-f", "--file", "--spec", envvar="DFLASH_SPEC", show_default=False,
-        help="A spec file whose backend to look in (its namespace, or its local.workdir); default: dflash.yaml when there is one, else the cluster (-n, or the namespace dflash).",
+        help="The run spec (YAML; default dflash.yaml). With a run's NAME, only where to look: its backend, namespace or local.workdir; without a file, the cluster (-n, or the namespace dflash).",
     ),
 ]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Say what would be created or deleted, and change nothing (no API writes, no storage writes).")]

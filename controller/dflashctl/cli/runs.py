@@ -53,7 +53,7 @@ def listing_json(listing: RunListing) -> dict[str, Any]:
         "run": listing.name,
         "jobs": {job.name.removeprefix(prefix): job_state(job) for job in listing.jobs},
         "output": None if listing.spec is None else listing.spec.output,
-        "spec_hash": None if listing.spec is None else listing.spec.fingerprint(),
+        "spec_hash": next((obj.spec_hash for obj in listing.objects if obj.kind == "ConfigMap"), None),  # as its objects carry it
         "objects": [obj.ref for obj in listing.objects],
     }
 
