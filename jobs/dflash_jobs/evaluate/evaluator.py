@@ -4,7 +4,8 @@ Prompts are the samples prepare held out of training (tokens/holdout.safetensors
 its last supervised run: what the target was asked, never what it answered. For every prompt the
 target decodes four ways, on the same device and in the same loop style: plain greedy (the
 reference output and speed), DFlash speculative decoding, and the baselines (evaluate/baselines.py):
-prompt lookup, training-free, and a bigram table fitted once on the run's training rows; then the DFlash drafter's training forward runs on the prompt and greedy's output
+prompt lookup, training-free, and a bigram table fitted once on the run's training rows; then the
+DFlash drafter's training forward runs on the prompt and greedy's output
 (evaluate/simulated.py), the teacher-forced acceptance the decoded one should match, and, untimed,
 the lossless check's figures (evaluate/lossless.py): the target's own verify-against-decode
 rounding, and greedy along each output that differs from greedy's. One untimed
