@@ -7,10 +7,11 @@ context's absolute positions). Queries come from the block only: the anchor toke
 tokens, predicted in place (slot j predicts the token at anchor + j).
 The embedding and the LM head are the target's, frozen. The final norm is the drafter's own,
 initialised to 1 and trained, as SpecForge's DFlashDraftModel trains it (reference/dflash.md 2.2),
-not the target's copied and frozen: on the same states and seeds it accepted as much or more (the
-consistency tests' taught tiny drafters, 4 prompts of 16 tokens: DFlash 5.77 both ways, DFlash2 7.29
-against 6.36, DSpark 5.17 against 4.86; the demo's pipeline on 240 chats, seeds 42 and 7: 1.94
-against 1.94 and 3.54 against 3.44, final loss 3.39 and 3.19 against 3.46 and 3.23). Every other
+not the target's copied and frozen, which measured no better on the same states and seeds (own
+against the target's): the demo, seeds 42 and 7, acceptance 4.55 and 4.46 against 4.46 and 4.76,
+final loss 0.33 and 0.24 against 0.31 and 0.23 (gaps no wider than between the seeds); the demo's
+pipeline on 240 chats, 1.94 and 3.54 against 1.94 and 3.44; the consistency tests' taught tiny
+drafters, DFlash 5.77 both ways, DFlash2 7.29 against 6.36, DSpark 5.17 against 4.86. Every other
 part matches SpecForge's drafter: fc without bias, hidden_norm, the context through each layer's own
 k/v projections, k_norm and RoPE, q_norm, pre-norm layers, weights N(0, 0.02) and norms at 1.
 
