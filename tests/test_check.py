@@ -335,6 +335,36 @@ def test_another_run_in_the_output_is_refused_by_every_command_that_starts_work(
     assert open_storage(first.raw["output"]).get_bytes(RUN_KEY).decode() == dump_spec(load_spec(first.spec_file))
 
 
+def test_force_never_hands_an_output_to_another_run_while_that_run_has_jobs(first, monkeypatch, capsys):
+    """Ownership as helm has it (issue 37, item 1): --force re-specs the same run, and takes an output
+    from another run only once that run has no Jobs left; the refusal names the owner and the way out."""
+    assert cli(monkeypatch, capsys, "submit", "prepare", "-f", str(first.spec_file))[0] == 0
+    owned = open_storage(first.raw["output"]).get_bytes(RUN_KEY)
+    other = first.tmp_path / "other.yaml"
+    other.write_text(yaml.safe_dump({**first.raw, "name": "other-run", "generate": {"shards": 2}}))
+    for command in (["submit", "generate"], ["submit", "prepare"], ["submit", "controller"], ["run"]):
+        code, _, err = cli(monkeypatch, capsys, *command, "--force", "-f", str(other))
+        assert code == EXIT_USAGE, (command, err)
+        assert "already holds run 'first' with another spec" in err and "run 'first' owns it: its Jobs first-prepare exist in namespace dflash" in err
+        assert "`dflashctl cancel -f <its spec>`" in err and "--force" not in err, err  # no way around it offered
+    code, checks = first.check(monkeypatch, capsys, "--no-probe", "-f", str(other))
+    assert code == EXIT_USAGE and "owns it" in checks["output"]["detail"]
+    assert [job["metadata"]["name"] for job in first.api.all("Job")] == ["first-prepare"]
+    assert open_storage(first.raw["output"]).get_bytes(RUN_KEY) == owned
+    # The same run re-specced: --force is what it is for.
+    first.write(extract={"shards": 4})
+    code, _, err = cli(monkeypatch, capsys, "submit", "prepare", "-f", str(first.spec_file))
+    assert code == EXIT_USAGE and "or pass --force to re-spec run first" in err
+    assert cli(monkeypatch, capsys, "submit", "prepare", "--force", "-f", str(first.spec_file))[0] == 0
+    # Once run first has no Jobs, the output is free to take over, with --force only.
+    assert cli(monkeypatch, capsys, "cancel", "-f", str(first.spec_file))[0] == 0
+    code, _, err = cli(monkeypatch, capsys, "submit", "generate", "-f", str(other))
+    assert code == EXIT_USAGE and "pass --force to take the output over (run first has no Jobs left)" in err
+    code, _, err = cli(monkeypatch, capsys, "submit", "generate", "--force", "-f", str(other))
+    assert code == 0, err
+    assert yaml.safe_load(open_storage(first.raw["output"]).get_bytes(RUN_KEY))["name"] == "other-run"
+
+
 def test_a_submit_claims_the_output_so_that_a_second_run_there_is_refused(first, monkeypatch, capsys):
     assert cli(monkeypatch, capsys, "submit", "prepare", "-f", str(first.spec_file))[0] == 0
     assert open_storage(first.raw["output"]).get_bytes(RUN_KEY).decode() == dump_spec(load_spec(first.spec_file))

@@ -58,7 +58,7 @@ def output(pf: Preflight) -> CheckResult:
     storage = pf.storage(spec.output)
     try:
         conflict = identity_conflict(storage, spec)
-        if conflict is not None and pf.force:
+        if conflict is not None and pf.force and conflict.force_allowed:
             return warn("output", f"{conflict.what}; --force replaces its run.yaml (what it holds is kept)")
         if conflict is not None:
             return fail("output", conflict.what, conflict.fix)
