@@ -307,6 +307,41 @@ def test_nothing_is_submitted_for_a_missing_source_or_a_step_out_of_order(first,
     assert not open_storage(first.raw["output"]).exists(RUN_KEY)  # nothing claimed either
 
 
+def test_nothing_check_refuses_starts_a_run_the_target_on_the_volume_read_through_the_probe_pod(first, monkeypatch, capsys):
+    """Layer 70 of a 64-layer checkpoint on the model volume (issue 37, item 2): `run` and `submit` read
+    it through the probe pod as `check` does, and start nothing, not even run.yaml; once the run has
+    Jobs, re-attaching reads it no more."""
+    first.write(target={"layers": [1, 16, 31, 46, 70]})
+    for command in (["run", "--timeout", "5"], ["submit", "prepare"], ["submit", "controller"]):
+        code, _, err = cli(monkeypatch, capsys, *command, "-f", str(first.spec_file))
+        assert code == EXIT_USAGE and "nothing was started" in err and "layer indices 0..63: the checkpoint has 64 decoder layers" in err, (command, err)
+    assert len(first.probes) == 3 and first.api.all("Pod") == []
+    assert first.api.all("Job") == [] and first.api.all("ConfigMap") == [] and not open_storage(first.raw["output"]).exists(RUN_KEY)
+    first.write(target={"layers": [1, 16, 31, 46, 61]})
+    assert cli(monkeypatch, capsys, "submit", "prepare", "-f", str(first.spec_file))[0] == 0
+    assert len(first.probes) == 4
+    code, _, err = cli(monkeypatch, capsys, "submit", "prepare", "-f", str(first.spec_file))
+    assert code == 0 and len(first.probes) == 4, err  # attached: its Job exists, the target was read when it started
+    # Who may not create pods is told the target went unread, and is not stopped by it.
+    assert cli(monkeypatch, capsys, "cancel", "-f", str(first.spec_file))[0] == 0
+    first.api.deny("create", "pods")
+    code, _, err = cli(monkeypatch, capsys, "submit", "prepare", "-f", str(first.spec_file))
+    assert code == 0 and "check warn    target: /models/Qwen3.6-27B lies on claim models, read through a pod, and this client may not create pods" in err
+    assert len(first.probes) == 4
+
+
+def test_plan_holds_the_layers_against_the_target_it_assumes_and_speaks_of_the_volume_as_one(first, monkeypatch, capsys):
+    first.write(target={"layers": [1, 16, 31, 46, 70]})
+    code, out, err = cli(monkeypatch, capsys, "plan", "-f", str(first.spec_file), "-o", "json")
+    plan = json.loads(out)
+    assert code == 0 and plan["target"]["basis"] == ("assumed Qwen3.6-27B: /models/Qwen3.6-27B lies on claim models, not mounted here "
+                                                     "(`dflashctl check` reads it through a pod)")
+    assert any(warning.startswith("target.layers [1, 16, 31, 46, 70]: 70 past the last layer of the assumed Qwen3.6-27B (64 decoder layers, 0..63)")
+               for warning in plan["warnings"]), plan["warnings"]
+    first.write(target={"layers": [1, 16, 31, 46, 61]})
+    assert not any("target.layers" in warning for warning in json.loads(cli(monkeypatch, capsys, "plan", "-f", str(first.spec_file), "-o", "json")[1])["warnings"])
+
+
 def test_submit_train_refuses_a_drafter_that_reads_the_final_hidden_state_on_states_without_it(first, monkeypatch, capsys):
     output = open_storage(first.raw["output"])
     stored = Manifest(model="m", layers=[1, 16, 31, 46, 61], dtype="bfloat16", hidden_size=5120, samples=1, tokens=1, bytes=1, chunks=[])

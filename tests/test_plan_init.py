@@ -267,7 +267,8 @@ def test_plan_without_a_readable_checkpoint_assumes_the_27b_and_says_so(tmp_path
     spec_file.write_text(starter_spec({**STARTER_VALUES, "backend": "local", "data": {"source": str(tmp_path / "absent.jsonl")}, "output": str(tmp_path / "out")}))
     plan = plan_json("-f", str(spec_file))
     assert plan["target"]["hidden_size"] == 5120 and plan["target"]["layers"] == [1, 16, 31, 46, 61]
-    assert plan["target"]["basis"].startswith("assumed Qwen3.6-27B")
+    assert plan["target"]["basis"].startswith("assumed Qwen3.6-27B: /models/Qwen3.6-27B/config.json cannot be read (no such file on this machine)")
+    assert "Upload" not in plan["target"]["basis"] and "object" not in plan["target"]["basis"]  # a path, not S3
     assert plan["data"]["tokens"] is None and plan["gpu_hours"] is None
 
 

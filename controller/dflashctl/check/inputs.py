@@ -194,6 +194,11 @@ def target(pf: Preflight) -> CheckResult:
                 return skipped("target", f"{model} lies on claim {volume.claim}: `dflashctl check` reads it through a pod")
             if pf.cluster is None or pf.cluster_error is not None:
                 return skipped("target", "not checked: see namespace")
+            if volume.claim in pf.unsafe_claims:  # the probe's mount would bind it where the run's pods may not go
+                return skipped("target", f"{model} lies on claim {volume.claim}: not read (see volume {volume.claim})")
+            if pf.step is not None and not pf.cluster.can_i("create", "pods"):
+                return warn("target", f"{model} lies on claim {volume.claim}, read through a pod, and this client may not create pods: not checked",
+                            "`dflashctl check` as a user who may create pods reads it")
             description, where = _read_through_pod(pf), f" (read by pod {probe_pod_name(spec)} on claim {volume.claim})"
         else:
             return warn("target", f"{model} is neither here nor on cluster.model_volume: not checked, and the pods must see it there",

@@ -70,8 +70,10 @@ def plan(
     nodes, nodes_basis = planning.read_nodes(spec)
     offline = Preflight(spec)
     warnings = [result.line() for result in (placeholders(offline), image(offline)) if result.status in ("warn", "fail")]
+    target = planning.read_target_shape(spec)
+    warnings += [target.warning] if target.warning else []
     result = planning.make_plan(
-        spec, data, planning.read_target_shape(spec), tokens_per_second=tokens_per_second,
+        spec, data, target, tokens_per_second=tokens_per_second,
         train_tokens_per_second=train_tokens_per_second, store_mb_per_s=store_mb_per_s,
         generation=generation, nodes=nodes, nodes_basis=nodes_basis, warnings=warnings,
     )

@@ -29,7 +29,8 @@ def run(
 
     Run it again after a crash or Ctrl-C: it attaches to the Jobs that exist, skips every step
     whose output is in storage, and goes on. Training starts only once every chunk is verified.
-    The cheap preflight checks run first (`dflashctl check` runs them all): a failure starts nothing.
+    `dflashctl check`'s checks run first, the target read through a probe pod when the run starts:
+    a failure starts nothing, not even run.yaml.
 
     Examples:
 

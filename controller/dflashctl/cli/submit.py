@@ -35,7 +35,7 @@ def submit(
 ) -> None:
     """Create the Job of one step. The same spec again attaches to it; a different one is refused without --force.
 
-    The step's cheap checks run first (`dflashctl check` runs them all): a failure starts nothing
+    `dflashctl check`'s checks of the step run first: a failure starts nothing
     and exits 2 (4: the cluster, 5: storage). The output is claimed for this spec (run.yaml): one
     holding another run is refused.
 
