@@ -308,6 +308,22 @@ def test_an_unreachable_cluster_exits_4(run, monkeypatch, capsys, tmp_path):
     assert code == 4 and err.startswith("Error: the Kubernetes API at http://127.0.0.1:") and "current-context" in err
 
 
+def test_status_with_storage_unreachable_exits_5_and_prints_the_error_it_refers_to(run, monkeypatch, capsys):
+    """Issue 37, item 4: the README's code for unavailable storage, and the error above the `next:` that points at it."""
+    spec_file, _, _ = run
+    spec_file.write_text(yaml.safe_dump({**RUN, "output": "s3://bucket/runs/demo-run"}))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    code, out, _ = cli(monkeypatch, capsys, "status", "-f", str(spec_file))
+    lines = out.splitlines()
+    assert code == 5, out
+    storage = next(i for i, line in enumerate(lines) if line.startswith("storage: cannot reach the S3 endpoint for s3://bucket/runs/demo-run"))
+    assert lines[-1] == "next: fix storage access first (see the error above), then `dflashctl status` again" and storage < len(lines) - 1
+    code, out, _ = cli(monkeypatch, capsys, "status", "-f", str(spec_file), "-o", "json")
+    assert code == 5 and json.loads(out)["storage_error"].startswith("cannot reach the S3 endpoint")
+
+
 def test_a_missing_spec_file_is_bad_usage(monkeypatch, capsys, tmp_path):
     code, _, err = cli(monkeypatch, capsys, "status", "-f", str(tmp_path / "nope.yaml"))
     assert code == 2 and "dflashctl init" in err

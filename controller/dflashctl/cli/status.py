@@ -28,13 +28,15 @@ from dflash_jobs.generation import MANIFEST_KEY as GENERATION_MANIFEST_KEY
 from dflash_jobs.generation import ChunkMarker, GenerationManifest, GenerationProgress, current_manifest
 from dflash_jobs.generation import read_progress as read_generation_progress
 from dflash_jobs.spec import RunSpec
-from dflash_jobs.storage import Storage, storage_for
+from dflash_jobs.storage import Storage, open_storage
 from dflash_jobs.units import format_duration
 
 from dflashctl.backend import Backend, JobStatus, format_indexes
 from dflashctl.backends import open_backend
+from dflashctl.check import STORAGE_ATTEMPTS
 from dflashctl.cli import output
 from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt, WatchOpt, read_spec
+from dflashctl.errors import exit_code
 from dflashctl.progress import (
     Progress, format_rate, generation_rates, generation_time_left, landing_rate, read_progress, time_left,
 )
@@ -59,6 +61,8 @@ class RunReport:
     evaluated: bool
     storage_error: str | None
     next_step: str = ""
+    storage_exit: int = 0
+    """The exit code for `storage_error` (5: unavailable, run again later; 2: credentials, bucket), 0 without one."""
     serve: str | None = None
     """Once the drafter is exported: the vLLM command that serves it (or why it cannot be formatted)."""
     generation: GenerationProgress | None = None
@@ -147,9 +151,10 @@ def collect(spec: RunSpec, backend: Backend, markers: dict[str, ChunkMarker] | N
     jobs = job_statuses(spec, backend)
     progress = manifest = trained = evaluated = serve = None
     generation = generation_manifest = generation_error = None
-    storage_error = None
+    storage_error, storage_exit = None, 0
     try:
-        storage = storage_for(spec)
+        storage = open_storage(spec.output, endpoint_url=spec.storage.endpoint_url, region=spec.storage.region,
+                               max_attempts=STORAGE_ATTEMPTS)
         progress = read_progress(storage)
         manifest = storage.exists(MANIFEST_KEY)
         trained = storage.exists(DRAFTER_CONFIG_KEY)
@@ -161,7 +166,7 @@ def collect(spec: RunSpec, backend: Backend, markers: dict[str, ChunkMarker] | N
             too_few = None if generation_manifest is None else generation_manifest.too_few_rows(spec.data.holdout)
             generation_error = None if too_few is None else str(too_few)
     except StorageError as error:
-        storage_error = str(error)
+        storage_error, storage_exit = str(error), exit_code(error)
     extract, generate = jobs["extract"], jobs["generate"]
     rate = None
     if progress is not None and extract.exists and not extract.finished:
@@ -180,6 +185,7 @@ def collect(spec: RunSpec, backend: Backend, markers: dict[str, ChunkMarker] | N
         trained=bool(trained),
         evaluated=bool(evaluated),
         storage_error=storage_error,
+        storage_exit=storage_exit,
         serve=serve,
         generation=generation,
         generation_manifest=generation_manifest,
@@ -352,6 +358,8 @@ def plain_lines(report: RunReport) -> list[str]:
     for shard in report.jobs[step].shards if step else []:
         reason = f" {shard.exit_reason}" if shard.exit_reason else ""
         lines.append(f"  {step}[{shard.index}] {shard.phase} pod={shard.pod or '-'} node={shard.node or '-'} attempts={shard.attempts}{reason}")
+    if report.storage_error:
+        lines.append(f"storage: {report.storage_error}")
     lines += [line for line in (generation_line(report),) if line]
     if report.generation_warning:
         lines.append(f"warning: {report.generation_warning}")
@@ -432,6 +440,8 @@ def status(
             if fmt is OutputFormat.json or plain_lines(report) != shown:
                 _show(report, fmt)
                 shown = plain_lines(report)
+    if report.storage_error:  # the run could not be looked at: README's exit code for storage
+        raise typer.Exit(report.storage_exit)
     if watch and report.failed:
         raise typer.Exit(1)
 
