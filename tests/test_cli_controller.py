@@ -101,7 +101,11 @@ def test_submit_status_logs_cancel_on_the_cluster(run, monkeypatch, capsys):
     spec_file, _, api = run
     code, _, err = cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec_file))
     assert code == 0 and "submitted Job demo-run-extract" in err, err
-    assert cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec_file))[0] == 0  # attaches
+    code, _, err = cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec_file))
+    assert code == 0 and "attached to Job demo-run-extract" in err and "submitted" not in err  # the same spec: attached, not created
+    # Every pod Pending (no node yet): pending, not active or running.
+    code, out, _ = cli(monkeypatch, capsys, "status", "-f", str(spec_file))
+    assert "extract Pending: 0/3 done, 3 pending" in out
     api.start("demo-run-extract")
     started(api, "demo-run-extract", seconds_ago=60)
     api.finish("demo-run-extract", 1, exit_code=42)
@@ -123,7 +127,7 @@ def test_submit_status_logs_cancel_on_the_cluster(run, monkeypatch, capsys):
 
     code, out, _ = cli(monkeypatch, capsys, "status", "-f", str(spec_file))
     assert code == 0
-    assert "extract Running: 0/3 done, 1 failed (1), 2 active" in out
+    assert "extract Running: 0/3 done, 1 failed (1), 2 running" in out
     assert "  extract[1] Failed pod=demo-run-extract-1-" in out and "exit 42 (Error)" in out
     assert "chunks: 2/4 (50% of tokens)" in out
 
@@ -256,6 +260,32 @@ def test_status_watch_follows_the_run_across_the_gaps_between_jobs_until_it_ends
     assert code == 0 and out.startswith("run demo-run (kubernetes), step: done")
 
 
+def test_a_generation_job_that_completed_having_written_nothing_is_a_defect_to_status_watch_and_run(run, monkeypatch, capsys):
+    """Issue 37, item 5: every shard Succeeded, nothing landed (not even the plan). status says what
+    happened, `status -w` ends with it (exit 1), and `run` reports it instead of submitting the Job again."""
+    spec_file, _, api = run
+    spec_file.write_text(yaml.safe_dump({**yaml.safe_load(spec_file.read_text()), "generate": {"shards": 2}}))
+    spec = load_spec(spec_file)
+    job = "demo-run-generate"
+    open_backend(spec).submit(render_selection(spec, "generate"))
+    api.start(job)
+    api.finish(job, 0)
+    api.finish(job, 1)
+    uid = api.get("Job", job)["metadata"]["uid"]
+    verdict = (f"{job} completed (its 2 shard(s) exited 0) with no chunk planned or landed: its pods wrote nothing, a defect to report, "
+               "not a failure a retry fixes. `dflashctl logs generate` shows what they did")
+    code, out, _ = cli(monkeypatch, capsys, "status", "-f", str(spec_file))
+    assert code == 0 and "generation: nothing written, not even generate/plan.json, by a generate Job that completed" in out
+    assert f"next: generate Job {verdict}" in out and "failed" not in out
+    monkeypatch.setattr(status_cli.time, "sleep", lambda seconds: None)
+    code, out, _ = cli(monkeypatch, capsys, "status", "--watch", "-o", "json", "-f", str(spec_file))
+    reports = watched(out)
+    assert code == 1 and len(reports) == 2 and reports[-1]["next"].startswith(f"generate Job {verdict}")
+    code, _, err = cli(monkeypatch, capsys, "run", "--timeout", "10", "-f", str(spec_file))
+    assert code == 1 and f"Error: generate Job {verdict}" in err
+    assert api.get("Job", job)["metadata"]["uid"] == uid  # not submitted again
+
+
 def test_status_watch_ends_on_a_failure_that_stays_and_ctrl_c_detaches(run, monkeypatch, capsys):
     spec_file, storage, api = run
     job = "demo-run-extract"
@@ -269,7 +299,7 @@ def test_status_watch_ends_on_a_failure_that_stays_and_ctrl_c_detaches(run, monk
     code, out, _ = cli(monkeypatch, capsys, "status", "--watch", "-o", "json", "-f", str(spec_file))
     reports = watched(out)
     assert code == 1 and len(reports) == 4 and next(story, None) is None
-    assert [r["jobs"]["extract"]["state"] for r in reports] == ["Running", "Running", "Failed", "Failed"]
+    assert [r["jobs"]["extract"]["state"] for r in reports] == ["Pending", "Running", "Failed", "Failed"]  # no pod ran before start
     assert reports[-1]["next"].startswith("extraction shards 1 failed with chunks missing")
 
     # A failed step under a running in-cluster controller is the controller's to replace: no end.

@@ -9,7 +9,7 @@ import typer
 
 from dflash_jobs.spec import RunSpec
 
-from dflashctl.backend import Backend, JobStatus
+from dflashctl.backend import SUBMITTED, Backend, JobStatus
 from dflashctl.backends import open_backend
 from dflashctl.check import cluster_of, preflight
 from dflashctl.cli import output
@@ -50,9 +50,9 @@ def submit(
     spec = read_spec(spec_file)
     backend = open_backend(spec)
     clear_to_start(spec, backend, step.value, force=force)
-    backend.submit(render_selection(spec, step.value), force=force)
     name = job_name(spec, step.value)
-    output.info(f"submitted Job {name} ({spec.backend}, spec hash {spec.fingerprint()})")
+    outcome = backend.submit(render_selection(spec, step.value), force=force)[name]
+    output.info(f"{SUBMITTED[outcome]} Job {name} ({spec.backend}, spec hash {spec.fingerprint()})")
     if not wait:
         output.hint("dflashctl status --watch")
         return
