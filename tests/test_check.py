@@ -17,6 +17,7 @@ from dflash_jobs.spec import dump_spec, load_spec, parse_spec
 from dflash_jobs.stage_model import RECORD_FILE, describe_checkpoint
 from dflash_jobs.storage import open_storage
 from dflashctl.errors import EXIT_CLUSTER, EXIT_STORAGE_UNAVAILABLE, EXIT_USAGE
+from dflashctl.render import render_controller_objects
 from dflashctl.starter import STARTER_VALUES, starter_spec
 from faults.s3_fault_proxy import INVALID_KEY, S3FaultProxy
 from k8s_fake_api import PodRun, fake_k8s, make_node, make_pvc, make_secret  # noqa: F401 - the fixture
@@ -66,6 +67,8 @@ class Cluster:
         for obj in (make_pvc("models", modes=("ReadOnlyMany",)), make_secret("dflash-s3", {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}),
                     make_secret("registry-creds", {".dockerconfigjson": "{}"}, type="kubernetes.io/dockerconfigjson"),
                     make_node("gpu-1", labels=H200), make_node("cpu-1", gpus=0, cpu="16", memory="64Gi")):
+            api.add(obj)
+        for obj in render_controller_objects(parse_spec(self.raw))[:3]:  # the RBAC of k8s/components/rbac, applied
             api.add(obj)
         write_checkpoint(self.checkpoint)
         api.kubelet = self.kubelet
@@ -251,7 +254,26 @@ def test_the_unedited_starter_is_refused_for_its_placeholders(first, monkeypatch
     code, checks = first.check(monkeypatch, capsys, "--no-probe")
     assert code == EXIT_USAGE and checks["placeholders"]["status"] == "fail"
     assert "output s3://my-bucket/dflash/qwen36-27b-v1" in checks["placeholders"]["detail"]
-    assert checks["image"]["status"] == "warn" and "ghcr.io/dflash-k8s/dflash:0.1.0-cuda13.0" in checks["image"]["detail"]
+    assert "the project's default image names, which nothing publishes: cluster.image ghcr.io/dflash-k8s/dflash:0.1.0-cuda13.0, " \
+           "cluster.controller_image ghcr.io/dflash-k8s/dflashctl:0.1.0" in checks["placeholders"]["detail"]
+    # The default images alone: not ok, a warning (issue 37, item 9).
+    first.write(cluster={"image": "ghcr.io/dflash-k8s/dflash:0.1.0-cuda13.0", "controller_image": "ghcr.io/dflash-k8s/dflashctl:0.1.0"})
+    code, checks = first.check(monkeypatch, capsys, "--no-probe")
+    assert code == 0 and checks["placeholders"]["status"] == "warn" and "cluster.controller_image" in checks["placeholders"]["detail"]
+    assert "images/README.md" in checks["placeholders"]["fix"]
+
+
+def test_check_json_gives_an_exit_code_to_failures_only_and_a_missing_service_account_is_not_ok(first, monkeypatch, capsys):
+    """Issue 37, item 9."""
+    for kind in ("ServiceAccount", "Role", "RoleBinding"):
+        first.api.objects.pop((kind, "dflash-controller"))
+    first.write(data={"source": f"s3://{first.bucket}/data/absent.jsonl"})
+    code, checks = first.check(monkeypatch, capsys, "--no-probe")
+    assert code == EXIT_USAGE and checks["data.source"]["exit_code"] == EXIT_USAGE
+    assert [name for name, check in checks.items() if "exit_code" in check] == ["data.source"]
+    account = checks["service account"]
+    assert account["status"] == "warn" and account["detail"] == "dflash-controller: ServiceAccount, Role, RoleBinding missing"
+    assert "`dflashctl submit controller` creates them" in account["fix"]
 
 
 # ---- the target, through the probe pod -----------------------------------------------------------

@@ -87,7 +87,7 @@ def test_an_unreadable_source_says_why_each_reason_its_own(tmp_path, s3_server, 
     forget_s3_credentials(monkeypatch)
     assert "(no credentials): no S3 credentials" in basis(f"s3://{s3_bucket}/chats.jsonl")
     local = basis(str(tmp_path / "absent.jsonl"))
-    assert f"{tmp_path / 'absent.jsonl'} cannot be read (no such object)" in local
+    assert f"{tmp_path / 'absent.jsonl'} cannot be read (no such file on this machine)" in local and "Upload" not in local
 
 
 def test_each_pod_is_held_against_the_clusters_nodes(tmp_path, fake_k8s):  # noqa: F811 - the fixture

@@ -56,7 +56,11 @@ class CheckResult:
         return f"{text}. {self.fix}" if self.fix and self.status in ("warn", "fail") else text
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The result for `-o json`: an exit code only on a failure, the only status that has one."""
+        result = asdict(self)
+        if self.status != "fail":
+            del result["exit_code"]
+        return result
 
 
 def ok(name: str, detail: str) -> CheckResult:

@@ -85,7 +85,8 @@ def service_account(pf: Preflight) -> CheckResult:
         creatable = all(pf.cluster.can_i("create", resource, group=group)
                         for resource, group in (("serviceaccounts", ""), ("roles", RBAC_GROUP), ("rolebindings", RBAC_GROUP)))
         if creatable:
-            return ok("service account", f"{account}: {', '.join(missing)} missing; `dflashctl submit controller` creates them")
+            return warn("service account", f"{account}: {', '.join(missing)} missing", "`dflashctl submit controller` creates them "
+                        f"(and `dflashctl render controller` renders them); or {SETUP_FIX[0].lower()}{SETUP_FIX[1:]} (k8s/components/rbac)")
         return fail("service account", f"{account}: {', '.join(missing)} missing, and this client may not create them",
                     f"{SETUP_FIX} (k8s/components/rbac), or set cluster.service_account")
     granted = {(group, resource, verb) for rule in role.get("rules") or [] for group in rule.get("apiGroups") or []

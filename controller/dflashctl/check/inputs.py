@@ -41,11 +41,22 @@ STEP_BEFORE = {DATASET_KEY: "prepare (`dflashctl run`, or `dflashctl prepare` he
 
 
 def placeholders(pf: Preflight) -> CheckResult:
-    spec = pf.spec
-    left = [f"{name} {url}" for name, url in (("output", spec.output), ("data.source", spec.data.source), ("target.model", spec.target.model))
-            if is_s3(url) and url[len("s3://"):].split("/", 1)[0] in PLACEHOLDER_BUCKETS]
-    if left:
-        return fail("placeholders", f"the starter's placeholder bucket is still there: {', '.join(left)}", "Set them to your bucket")
+    """The starter's bucket (a failure: nothing can be read or written there) and the project's default
+    image names, which nothing publishes (a warning: a mirror may hold them; the probe pod pulls cluster.image)."""
+    spec, defaults = pf.spec, ClusterSpec()
+    buckets = [f"{name} {url}" for name, url in (("output", spec.output), ("data.source", spec.data.source), ("target.model", spec.target.model))
+               if is_s3(url) and url[len("s3://"):].split("/", 1)[0] in PLACEHOLDER_BUCKETS]
+    images = [f"cluster.{name} {value}" for name, value, default in (("image", spec.cluster.image, defaults.image),
+                                                                    ("controller_image", spec.cluster.controller_image, defaults.controller_image))
+              if spec.backend == "kubernetes" and value == default and (name == "image" or pf.whole_run)]
+    said = [f"the starter's placeholder bucket is still there: {', '.join(buckets)}"] if buckets else []
+    said += [f"the project's default image names, which nothing publishes: {', '.join(images)}"] if images else []
+    fix = "; ".join(([f"Set {'them' if len(buckets) > 1 else 'it'} to your bucket"] if buckets else [])
+                    + (["build and push your images (images/README.md), then set them"] if images else []))
+    if buckets:
+        return fail("placeholders", "; ".join(said), fix)
+    if images:
+        return warn("placeholders", "; ".join(said), fix[0].upper() + fix[1:])
     return ok("placeholders", "none of the starter's placeholder values is left")
 
 
@@ -301,11 +312,4 @@ def image(pf: Preflight) -> CheckResult:
         return ok("image", f"{cluster.image} was pulled by the probe pod")
     if pf.image_pulled is False:
         return fail("image", f"{cluster.image} cannot be pulled (see target)", "Push it, or set cluster.image_pull_secrets")
-    defaults = ClusterSpec()
-    left = [f"cluster.{name} {value}" for name, value, default in (("image", cluster.image, defaults.image),
-                                                                  ("controller_image", cluster.controller_image, defaults.controller_image))
-            if value == default and (name == "image" or pf.whole_run)]
-    if left:
-        return warn("image", f"the project's default image names, which nothing here says exist: {', '.join(left)}",
-                    "Build and push yours (images/README.md), then set them; `dflashctl check` pulls cluster.image through a probe pod")
     return skipped("image", "pulled by the first pod (`dflashctl check` pulls cluster.image through a probe pod)")

@@ -13,7 +13,7 @@ from dflash_jobs.units import format_duration
 
 from dflashctl import plan as planning
 from dflashctl.check import Preflight
-from dflashctl.check.inputs import image, placeholders
+from dflashctl.check.inputs import placeholders
 from dflashctl.cli import output
 from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt, Targets, read_spec
 
@@ -69,7 +69,7 @@ def plan(
             data = planning.generated_data_size(spec, generation, source)
     nodes, nodes_basis = planning.read_nodes(spec)
     offline = Preflight(spec)
-    warnings = [result.line() for result in (placeholders(offline), image(offline)) if result.status in ("warn", "fail")]
+    warnings = [result.line() for result in (placeholders(offline),) if result.status in ("warn", "fail")]
     target = planning.read_target_shape(spec)
     warnings += [target.warning] if target.warning else []
     result = planning.make_plan(
