@@ -420,10 +420,11 @@ def test_a_run_directory_holds_exactly_one_render_of_one_spec(tmp_path, monkeypa
         assert f"removed {run_dir / f'job-demo-run-{step}.yaml'}" in err
     assert f"next: kubectl apply -f {run_dir}" in err  # which now starts only the controller
 
-    # Rendering the same spec again changes nothing.
-    before = {p.name: p.read_text() for p in run_dir.iterdir()}
-    assert cli(monkeypatch, capsys, "render", "controller", "-f", str(spec_file), "-d", str(run_dir))[0] == 0
-    assert {p.name: p.read_text() for p in run_dir.iterdir()} == before
+    # Rendering the same spec again changes nothing, and says so (issue 37, item 10): not even an mtime.
+    before = {p.name: (p.read_text(), p.stat().st_mtime_ns) for p in run_dir.iterdir()}
+    code, _, err = cli(monkeypatch, capsys, "render", "controller", "-f", str(spec_file), "-d", str(run_dir))
+    assert code == 0 and "wrote" not in err and f"unchanged {run_dir / 'job-demo-run-controller.yaml'}" in err
+    assert {p.name: (p.read_text(), p.stat().st_mtime_ns) for p in run_dir.iterdir()} == before
 
 
 def test_a_changed_spec_under_the_same_run_name_is_refused_with_the_fix_unless_forced(tmp_path, monkeypatch, capsys):
