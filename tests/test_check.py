@@ -165,6 +165,59 @@ def test_placement_is_judged_from_the_rendered_pods_labels_taints_and_cordon(fir
     assert checks["nodes for prepare"]["detail"].startswith("prepare: 4 CPU, 16Gi fits cpu-1")
 
 
+def test_a_read_write_once_claim_whose_pods_may_land_on_different_nodes_is_named(first, monkeypatch, capsys):
+    """Issue 37, item 6: k8s/overlays/rtx-pro-6000's models claim is ReadWriteOnce; stage-model, its first
+    consumer, may land on the CPU node and bind it there, where the GPU pods cannot follow."""
+    first.api.add(make_pvc("models", phase="Pending", modes=("ReadWriteOnce",)))
+    code, _, err = cli(monkeypatch, capsys, "stage-model", "--from", "hf://Qwen/Qwen3.6-27B", "-f", str(first.spec_file))
+    assert code == EXIT_USAGE and ("volume models: claim models is ReadWriteOnce and its first pod binds it to that pod's node, but the pods "
+                                   "that mount it may land on different nodes (prepare, stage-model, probe on cpu-1, gpu-1; extract, train, eval on gpu-1)") in err
+    assert "cluster.cpu_placement" in err and first.api.all("Job") == []
+    code, checks = first.check(monkeypatch, capsys)
+    assert code == EXIT_USAGE and checks["volume models"]["status"] == "fail" and first.probes == []  # no probe pod binds it either
+    assert checks["target"]["status"] == "skipped"
+    # The example's way: every pod on the GPU node.
+    first.write(cluster={"cpu_placement": {"node_selector": H200, "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}})
+    code, checks = first.check(monkeypatch, capsys, "--no-probe")
+    assert code == 0 and checks["volume models"]["status"] == "warn" and "WaitForFirstConsumer" in checks["volume models"]["detail"]
+    # Bound to the CPU node by a stage-model of before: the GPU pods cannot mount it there.
+    bound = make_pvc("models", modes=("ReadWriteOnce",))
+    bound["metadata"]["annotations"] = {"volume.kubernetes.io/selected-node": "cpu-1"}
+    first.api.add(bound)
+    first.write(cluster={"cpu_placement": {}})
+    code, checks = first.check(monkeypatch, capsys, "--no-probe")
+    assert code == EXIT_USAGE and checks["volume models"]["detail"] == ("claim models is ReadWriteOnce and bound to node cpu-1 (by the first pod "
+                                                                        "that mounted it), where extract, train, eval may not go: those pods cannot mount it")
+    assert "kubectl -n dflash delete pvc models" in checks["volume models"]["fix"]
+
+
+def test_the_example_on_the_single_node_overlay_puts_every_pod_of_its_read_write_once_claims_on_the_gpu_node(tmp_path, fake_k8s, monkeypatch, capsys):  # noqa: F811
+    """examples/qwen36-27b/dflash.yaml on k8s/overlays/rtx-pro-6000 (its claims as kustomize builds them),
+    a tainted GPU node beside a CPU node: every pod that mounts models or dflash-kernels lands on the GPU node."""
+    from test_k8s_manifests import REPO, kustomize
+
+    for obj in kustomize(REPO / "k8s" / "overlays" / "rtx-pro-6000"):
+        if obj["kind"] == "PersistentVolumeClaim":
+            fake_k8s.api.add(obj)
+    product = {"nvidia.com/gpu.product": "NVIDIA-RTX-PRO-6000-Blackwell-Server-Edition"}
+    fake_k8s.api.add(make_node("rtx-1", labels=product, taints=[{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]))
+    fake_k8s.api.add(make_node("cpu-1", gpus=0, cpu="16", memory="64Gi"))
+    example = yaml.safe_load((REPO / "examples" / "qwen36-27b" / "dflash.yaml").read_text())
+    spec_file = tmp_path / "dflash.yaml"
+    spec_file.write_text(yaml.safe_dump(example))
+    code, out, _ = cli(monkeypatch, capsys, "check", "--no-probe", "-o", "json", "-f", str(spec_file))
+    volumes = {check["name"]: check for check in json.loads(out)["checks"] if check["name"].startswith("volume ")}
+    assert set(volumes) == {"volume models", "volume dflash-kernels"}
+    assert all(check["status"] == "warn" and "WaitForFirstConsumer" in check["detail"] for check in volumes.values()), volumes
+    # Without its cpu_placement the CPU pods could not even go there (the GPU taint): named, and refused.
+    del example["cluster"]["cpu_placement"]
+    spec_file.write_text(yaml.safe_dump(example))
+    code, out, _ = cli(monkeypatch, capsys, "check", "--no-probe", "-o", "json", "-f", str(spec_file))
+    volumes = {check["name"]: check for check in json.loads(out)["checks"] if check["name"].startswith("volume ")}
+    assert code == EXIT_USAGE and volumes["volume models"]["status"] == "fail"
+    assert "(generate, extract, train, eval on rtx-1; prepare, stage-model, probe on cpu-1)" in volumes["volume models"]["detail"]
+
+
 def test_no_permission_to_read_nodes_or_secrets_is_a_warning_not_a_failure(first, monkeypatch, capsys):
     first.api.fail_requests(100, status=403, method="GET", path="/api/v1/nodes")
     first.api.fail_requests(100, status=403, method="GET", path="/secrets/")

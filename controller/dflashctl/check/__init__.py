@@ -122,6 +122,7 @@ class Preflight:
     unsafe_claims: set[str] = field(default_factory=set)
     """ReadWriteOnce claims the volumes check found the run's pods may mount from different nodes: no probe mounts them."""
     _storages: dict[str, Storage] = field(default_factory=dict)
+    _nodes: list[dict[str, Any]] | None = None
 
     def needs(self, *steps: str) -> bool:
         """Whether the step about to start is one of `steps` (`check` covers every step)."""
@@ -130,6 +131,12 @@ class Preflight:
     @property
     def whole_run(self) -> bool:
         return self.step is None or self.step in WHOLE_RUN
+
+    def node_objects(self) -> list[dict[str, Any]]:
+        """The cluster's nodes, listed once for every check (Forbidden where this client may not list them)."""
+        if self._nodes is None:
+            self._nodes = self.cluster.list_cluster_objects("Node")
+        return self._nodes
 
     def storage(self, url: str) -> Storage:
         """Storage rooted at `url`, failing fast (no patience for outages: a check reports them)."""
