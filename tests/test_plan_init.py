@@ -52,6 +52,25 @@ def test_init_writes_a_valid_spec_with_every_field_at_its_default(tmp_path):
     assert parse_spec(raw).to_dict() == parse_spec(STARTER_VALUES).to_dict()
 
 
+def test_the_starter_says_where_init_filled_in_a_value_and_shows_the_default_everywhere_else():
+    """Issue 37, item 3: the header's promise holds. Every value is its field's default, but the ones
+    whose comment says `dflashctl init` filled them in, and those comments give the default."""
+    lines = starter_spec().splitlines()
+    said, comment = {}, []
+    for line in lines[lines.index("name: qwen36-27b-v1") - 2:]:
+        if line.strip().startswith("#"):
+            comment.append(line.strip().lstrip("# "))
+        elif ":" in line and line.strip():
+            said[line.split(":")[0]] = " ".join(comment)
+            comment = []
+    filled = {key.strip() for key, note in said.items() if "`dflashctl init`" in note}
+    assert filled == {"name", "model", "source", "output", "generate", "model_volume", "claim"}, filled
+    assert "Filled in by `dflashctl init`; the default is null." in said["generate"] and "the default is null" in said["  model_volume"]
+    # Everything else is the default: the starter without init's values differs only there.
+    raw = yaml.safe_load(starter_spec())
+    assert parse_spec(raw) == parse_spec(STARTER_VALUES)
+
+
 def _spec_classes(cls: type) -> list[type]:
     hints = typing.get_type_hints(cls)
     nested = [arg for f in dataclasses.fields(cls) for arg in (hints[f.name], *typing.get_args(hints[f.name])) if dataclasses.is_dataclass(arg)]
