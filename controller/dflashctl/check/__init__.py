@@ -32,6 +32,7 @@ from dflash_jobs.storage import Storage, open_storage
 
 from dflashctl.cluster import Cluster
 from dflashctl.errors import EXIT_CLUSTER, EXIT_STORAGE_UNAVAILABLE, EXIT_USAGE, ChecksFailed, ClusterUnreachable, Forbidden, exit_code
+from dflashctl.render import COMPONENTS, RUN_LABEL, job_name
 
 Status = Literal["ok", "warn", "fail", "skipped"]
 STORAGE_ATTEMPTS = 2
@@ -209,8 +210,6 @@ def preflight(spec: RunSpec, step: str, cluster: Cluster | None, *, force: bool,
 def run_has_jobs(cluster: Cluster, spec: RunSpec) -> bool:
     """Whether a Job of the run's pipeline exists (stage-model's does not count: it starts no run).
     An unreachable cluster answers False: the namespace check says why."""
-    from dflashctl.render import COMPONENTS, RUN_LABEL, job_name
-
     try:
         jobs, _ = cluster.list("Job", label_selector=f"{RUN_LABEL}={spec.name}")
     except DflashError:

@@ -223,8 +223,8 @@ def _one_node(pf: Preflight, claim: str, pvc: dict, users: list[tuple[str, dict]
     different nodes, or may not go to the node it is bound to; None when they all land on one."""
     name = f"volume {claim}"
     bound = ((pvc.get("metadata") or {}).get("annotations") or {}).get(SELECTED_NODE)
-    fix = (f"Pin every pod that mounts it to one node: cluster.cpu_placement with the GPU pods' node_selector (and a toleration of their "
-           f"taints), as examples/qwen36-27b/dflash.yaml sets for k8s/overlays/rtx-pro-6000; or a ReadWriteMany class (k8s/default)")
+    fix = ("Pin every pod that mounts it to one node: cluster.cpu_placement with the GPU pods' node_selector (and a toleration of their "
+           "taints), as examples/qwen36-27b/dflash.yaml sets for k8s/overlays/rtx-pro-6000; or a ReadWriteMany class (k8s/default)")
     try:
         nodes = [Node.of(obj) for obj in pf.node_objects()]
     except Forbidden:  # where they may go is not known here: whether their placements differ is

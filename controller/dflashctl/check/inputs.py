@@ -49,15 +49,13 @@ def placeholders(pf: Preflight) -> CheckResult:
     images = [f"cluster.{name} {value}" for name, value, default in (("image", spec.cluster.image, defaults.image),
                                                                     ("controller_image", spec.cluster.controller_image, defaults.controller_image))
               if spec.backend == "kubernetes" and value == default and (name == "image" or pf.whole_run)]
-    said = [f"the starter's placeholder bucket is still there: {', '.join(buckets)}"] if buckets else []
-    said += [f"the project's default image names, which nothing publishes: {', '.join(images)}"] if images else []
-    fix = "; ".join(([f"Set {'them' if len(buckets) > 1 else 'it'} to your bucket"] if buckets else [])
-                    + (["build and push your images (images/README.md), then set them"] if images else []))
-    if buckets:
-        return fail("placeholders", "; ".join(said), fix)
-    if images:
-        return warn("placeholders", "; ".join(said), fix[0].upper() + fix[1:])
-    return ok("placeholders", "none of the starter's placeholder values is left")
+    found = [(f"the starter's placeholder bucket is still there: {', '.join(buckets)}", "Set them to your bucket")] if buckets else []
+    found += [(f"the project's default image names, which nothing publishes: {', '.join(images)}",
+               "Build and push your images (images/README.md), then set them")] if images else []
+    if not found:
+        return ok("placeholders", "none of the starter's placeholder values is left")
+    detail, fix = "; ".join(what for what, _ in found), "; ".join(fix for _, fix in found)
+    return fail("placeholders", detail, fix) if buckets else warn("placeholders", detail, fix)
 
 
 def output(pf: Preflight) -> CheckResult:
