@@ -18,7 +18,7 @@ import pytest
 import yaml
 from rich.console import Console
 from conftest import free_port
-from k8s_fake_api import fake_k8s, make_pvc  # noqa: F401 - the fixture
+from k8s_fake_api import PodRun, fake_k8s, make_pvc  # noqa: F401 - the fixture
 
 from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, MANIFEST_KEY, ChunkInfo, DatasetIndex, DoneMarker, done_key
 from dflash_jobs.spec import load_spec, parse_spec
@@ -38,7 +38,11 @@ RUN = {
     "target": {"model": "/models/tiny"},
     "data": {"source": "s3://bucket/chats.jsonl", "max_length": 256, "chunk_tokens": 1024},
     "extract": {"shards": 3, "backoff_limit_per_index": 1},
+    "cluster": {"model_volume": {"claim": "models"}},
 }
+TINY_CHECKPOINT = {"exists": True, "staged": None, "tokenizer": True, "safetensors": {"files": 1},
+                   "config": {"model_type": "qwen3_5_text", "num_hidden_layers": 8, "hidden_size": 8}}
+"""What the probe pod finds on the models claim (dflash_jobs.stage_model --describe)."""
 
 
 @pytest.fixture
@@ -47,13 +51,15 @@ def run(tmp_path, fake_k8s):  # noqa: F811 - the fixture above
     output = tmp_path / "out"
     spec_file = tmp_path / "dflash.yaml"
     # The output on a claim the pods mount at the same path as this test sees it.
-    spec_file.write_text(yaml.safe_dump({**RUN, "output": str(output), "cluster": {"output_volume": {"claim": "runs", "mount": str(tmp_path)}}}))
+    spec_file.write_text(yaml.safe_dump({**RUN, "output": str(output), "cluster": {**RUN["cluster"], "output_volume": {"claim": "runs", "mount": str(tmp_path)}}}))
     storage = open_storage(str(output))
     chunks = [ChunkInfo(id=i, path=f"tokens/chunks/{i:06d}.safetensors", samples=10, tokens=CHUNK_TOKENS) for i in range(4)]
     storage.put_bytes(DATASET_KEY, DatasetIndex(samples=40, tokens=4 * CHUNK_TOKENS, vocab_size=100, chunks=chunks).to_json().encode())
     for chunk in (0, 2):
         land(storage, chunk, at=time.time() - 3600)  # by an earlier extraction Job
-    fake_k8s.api.add(make_pvc("runs"))  # the output's claim, which the preflight checks
+    fake_k8s.api.add(make_pvc("runs"))  # the output's and the checkpoint's claims, which the preflight checks
+    fake_k8s.api.add(make_pvc("models", modes=("ReadOnlyMany",)))
+    fake_k8s.api.kubelet = lambda pod: PodRun(0, [json.dumps(TINY_CHECKPOINT)])
     return spec_file, storage, fake_k8s.api
 
 
@@ -356,7 +362,8 @@ def test_status_with_storage_unreachable_exits_5_and_prints_the_error_it_refers_
 
 def test_a_missing_spec_file_is_bad_usage(monkeypatch, capsys, tmp_path):
     code, _, err = cli(monkeypatch, capsys, "status", "-f", str(tmp_path / "nope.yaml"))
-    assert code == 2 and "dflashctl init" in err
+    assert code == 2 and f"Error: spec file {tmp_path / 'nope.yaml'} does not exist" in err and "dflashctl init" in err
+    assert "spec field" not in err  # a file, not a field (issue 37, item 10)
 
 
 def test_kubectl_finds_the_plugin():

@@ -97,7 +97,7 @@ def test_init_explains_each_field_with_its_docstring():
     turned_on = parse_spec({**STARTER_VALUES, "train": {"drafter": "dflash2", **yaml.safe_load("\n".join(block))}})
     assert turned_on.train.dflash2 == parse_spec({**STARTER_VALUES, "train": {"drafter": "dflash2"}}).train.dflash2
     # Only such sections: an optional nested one left off (no model volume) stays a plain null.
-    without_volume = starter_spec({**STARTER_VALUES, "cluster": {}})
+    without_volume = starter_spec({**STARTER_VALUES, "target": {"model": "s3://my-bucket/models/Qwen3.6-27B"}, "cluster": {}})
     assert "  model_volume: null" in without_volume.splitlines() and "  # model_volume:" not in without_volume.splitlines()
 
 

@@ -209,9 +209,9 @@ def target(pf: Preflight) -> CheckResult:
                 return warn("target", f"{model} lies on claim {volume.claim}, read through a pod, and this client may not create pods: not checked",
                             "`dflashctl check` as a user who may create pods reads it")
             description, where = _read_through_pod(pf), f" (read by pod {probe_pod_name(spec)} on claim {volume.claim})"
-        else:
-            return warn("target", f"{model} is neither here nor on cluster.model_volume: not checked, and the pods must see it there",
-                        "Set cluster.model_volume {claim, mount} with target.model under its mount (or mount it with cluster.pod_template_patch)")
+        else:  # on another volume the pods mount (the spec allows no other path on Kubernetes), not mounted here
+            return warn("target", f"{model} is not readable here: not checked",
+                        "Run `dflashctl check` where its volume is mounted at that path, or put it on cluster.model_volume (read through a pod)")
     except StorageError as error:
         return from_error("target", error, what="cannot read its config.json: ")
     return judge_target(spec, description, where)
