@@ -203,7 +203,7 @@ def volumes(pf: Preflight) -> CheckResult | list[CheckResult]:
         phase = (pvc.get("status") or {}).get("phase", "Pending")
         modes = (pvc.get("status") or {}).get("accessModes") or (pvc.get("spec") or {}).get("accessModes") or []
         capacity = ((pvc.get("status") or {}).get("capacity") or {}).get("storage", "?")
-        one_node = None if SHARED_MODES & set(modes) else _one_node(pf, claim, pvc, users.get(claim, []))
+        one_node = None if not modes or SHARED_MODES & set(modes) else _one_node(pf, claim, pvc, users.get(claim, []))
         if phase == "Lost":
             results.append(fail(name, f"claim {claim} lost its volume", "Recreate the claim and its volume (`kubectl describe pvc`)"))
         elif one_node is not None:

@@ -80,7 +80,7 @@ def _convert(path: str, value: Any, tp: Any) -> Any:
         if not isinstance(value, list):
             raise SpecError(path, value, _type_name(tp))
         (item,) = typing.get_args(tp)
-        return _gathered({i: (f"{path}[{i}]", v, item) for i, v in enumerate(value)}, [])[0]
+        return list(_gathered({i: (f"{path}[{i}]", v, item) for i, v in enumerate(value)}, []).values())
     if origin is dict:
         if typing.get_args(tp)[1] is Any:  # Kubernetes objects in their own spelling (affinity, a patch)
             if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
@@ -125,13 +125,12 @@ def _build(path: str, raw: Any, cls: type) -> Any:
         if name not in raw and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     ]
     known = {name: (f"{prefix}{name}", value, hints[name]) for name, value in raw.items() if name in fields}
-    kwargs = _gathered(known, errors)[1]
-    return cls(**kwargs)
+    return cls(**_gathered(known, errors))
 
 
-def _gathered(values: dict[Any, tuple[str, Any, Any]], errors: list[SpecError]) -> tuple[list[Any], dict[Any, Any]]:
-    """Each of `values` ({key: (path, value, type)}) converted, as a list and by key; every one that is
-    bad added to `errors`, which are raised together (SpecError.of) if there are any."""
+def _gathered(values: dict[Any, tuple[str, Any, Any]], errors: list[SpecError]) -> dict[Any, Any]:
+    """Each of `values` ({key: (path, value, type)}) converted, by key; every one that is bad added
+    to `errors`, which are raised together (SpecError.of) if there are any."""
     converted = {}
     for key, (path, value, tp) in values.items():
         try:
@@ -140,7 +139,7 @@ def _gathered(values: dict[Any, tuple[str, Any, Any]], errors: list[SpecError]) 
             errors.append(error)
     if errors:
         raise SpecError.of(errors)
-    return list(converted.values()), converted
+    return converted
 
 
 def parse_spec(raw: Any) -> RunSpec:
