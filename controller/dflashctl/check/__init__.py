@@ -24,15 +24,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from dflash_jobs.errors import DflashError, StorageUnavailable
 from dflash_jobs.spec import RunSpec
 from dflash_jobs.storage import Storage, open_storage
 
-from dflashctl.cluster import Cluster
 from dflashctl.errors import EXIT_CLUSTER, EXIT_STORAGE_UNAVAILABLE, EXIT_USAGE, ChecksFailed, ClusterUnreachable, Forbidden, exit_code
 from dflashctl.render import COMPONENTS, RUN_LABEL, job_name
+
+if TYPE_CHECKING:  # the client is imported where the kubernetes backend is used (backends.py)
+    from dflashctl.cluster import Cluster
 
 Status = Literal["ok", "warn", "fail", "skipped"]
 STORAGE_ATTEMPTS = 2
@@ -155,7 +157,7 @@ def _checks() -> list[Check]:
 
     return [
         inputs.placeholders, cluster.namespace, cluster.permissions, cluster.service_account, cluster.s3_secret,
-        cluster.hf_secret, cluster.pull_secrets, cluster.volumes, cluster.nodes,
+        cluster.hf_secret, cluster.pull_secrets, cluster.volumes, inputs.pod_template_patch, cluster.nodes,
         inputs.output, inputs.step_order, inputs.data_source, inputs.target, inputs.image,
     ]
 
@@ -193,10 +195,10 @@ def cluster_of(backend: Any) -> Cluster | None:
 
 
 def preflight(spec: RunSpec, step: str, cluster: Cluster | None, *, force: bool, say: Callable[[str], None],
-              stage_source: str | None = None) -> list[CheckResult]:
+              stage_source: str | None = None, dry_run: bool = False) -> list[CheckResult]:
     """The checks before `step` starts (`run`, `submit`, `stage-model`; module docstring): every line
-    that is not ok is said; a failure raises ChecksFailed."""
-    probe = step != "stage-model" and cluster is not None and (force or not run_has_jobs(cluster, spec))
+    that is not ok is said; a failure raises ChecksFailed. A dry run starts no probe pod: it writes nothing."""
+    probe = not dry_run and step != "stage-model" and cluster is not None and (force or not run_has_jobs(cluster, spec))
     results = run_checks(Preflight(spec, step=step, cluster=cluster, force=force, stage_source=stage_source, probe=probe))
     for result in results:
         if result.status in ("warn", "fail"):
