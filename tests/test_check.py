@@ -456,7 +456,7 @@ def test_force_never_hands_an_output_to_another_run_while_that_run_has_jobs(firs
         code, _, err = cli(monkeypatch, capsys, *command, "--force", "-f", str(other))
         assert code == EXIT_USAGE, (command, err)
         assert "already holds run 'first' with another spec" in err and "run 'first' owns it: its Jobs first-prepare exist in namespace dflash" in err
-        assert "`dflashctl cancel -f <its spec>`" in err and "--force" not in err, err  # no way around it offered
+        assert "`dflashctl delete first -n dflash`" in err and "--force" not in err, err  # no way around it offered
     code, checks = first.check(monkeypatch, capsys, "--no-probe", "-f", str(other))
     assert code == EXIT_USAGE and "owns it" in checks["output"]["detail"]
     assert [job["metadata"]["name"] for job in first.api.all("Job")] == ["first-prepare"]
@@ -467,7 +467,7 @@ def test_force_never_hands_an_output_to_another_run_while_that_run_has_jobs(firs
     assert code == EXIT_USAGE and "or pass --force to re-spec run first" in err
     assert cli(monkeypatch, capsys, "submit", "prepare", "--force", "-f", str(first.spec_file))[0] == 0
     # Once run first has no Jobs, the output is free to take over, with --force only.
-    assert cli(monkeypatch, capsys, "cancel", "-f", str(first.spec_file))[0] == 0
+    assert cli(monkeypatch, capsys, "delete", "first")[0] == 0
     code, _, err = cli(monkeypatch, capsys, "submit", "generate", "-f", str(other))
     assert code == EXIT_USAGE and "pass --force to take the output over (run first has no Jobs left)" in err
     code, _, err = cli(monkeypatch, capsys, "submit", "generate", "--force", "-f", str(other))

@@ -24,7 +24,6 @@ from dflash_jobs.storage import ObjectNotFound, Storage, storage_for
 
 from dflashctl.backends import open_backend
 from dflashctl.errors import Conflict
-from dflashctl.render import COMPONENTS, RUN_LABEL, job_name
 from dflashctl.target import Target, current_target, set_target
 
 
@@ -98,8 +97,8 @@ def _conflict(storage: Storage, spec: RunSpec, existing: str) -> OutputTaken | N
     if jobs:
         return OutputTaken(
             f"{what}; run {owner!r} owns it: its Jobs {', '.join(jobs)} exist in namespace {namespace}",
-            f"Use another `output` for this run. To take this one over, end run {owner} first (`dflashctl cancel -f <its spec>`, "
-            f"or `kubectl -n {namespace} delete jobs -l {RUN_LABEL}={owner}`): an output whose run has Jobs is never handed over",
+            f"Use another `output` for this run. To take this one over, end run {owner} first (`dflashctl delete {owner} -n {namespace}`, "
+            f"or `dflashctl cancel -f <its spec>`): an output whose run has Jobs is never handed over",
             force_allowed=False,
         )
     return OutputTaken(what, f"Use another `output` (or `name`) for a new run, restore the spec it was started with, or pass --force "
@@ -117,8 +116,7 @@ def owner_jobs(spec: RunSpec, owner: dict[str, Any]) -> tuple[list[str], str]:
             spec.cluster, namespace=cluster.get("namespace", spec.cluster.namespace)))
     previous = set_target(Target(context=current_target().context, namespace=run.cluster.namespace))
     try:
-        backend = open_backend(run)
-        names = [job_name(run, component) for component in COMPONENTS]
-        return [name for name in names if backend.job_status(name).exists], run.cluster.namespace
+        jobs = [obj.name for obj in open_backend(run).run_objects(run.name) if obj.kind == "Job"]
     finally:
         set_target(previous)
+    return jobs, run.cluster.namespace
