@@ -94,7 +94,7 @@ def service_account(pf: Preflight) -> CheckResult:
                         for resource, group in (("serviceaccounts", ""), ("roles", RBAC_GROUP), ("rolebindings", RBAC_GROUP)))
         if creatable:
             return warn("service account", f"{account}: {', '.join(missing)} missing", "`dflashctl submit controller` creates them "
-                        f"(and `dflashctl render controller` renders them); or {SETUP_FIX[0].lower()}{SETUP_FIX[1:]} (k8s/components/rbac)")
+                        "(`dflashctl render controller` renders them for Git), or apply k8s/components/rbac: `kubectl apply -k k8s/overlays/<cluster>`")
         return fail("service account", f"{account}: {', '.join(missing)} missing, and this client may not create them",
                     f"{SETUP_FIX} (k8s/components/rbac), or set cluster.service_account")
     granted = {(group, resource, verb) for rule in role.get("rules") or [] for group in rule.get("apiGroups") or []
