@@ -41,7 +41,7 @@ def test_demo_runs_the_whole_pipeline_into_s3_and_a_rerun_finds_it_done(tmp_path
 
     assert first.returncode == 0, first.stderr[-3000:]
     for step in ("generate", "prepare", "extract", "train", "eval"):
-        assert f"{step}: Job demo-{step} submitted" in first.stderr
+        assert f"{step}: submitted Job demo-{step}" in first.stderr
     # The target answered every chat first; the drafter learned those answers.
     assert "240 of 240 chats answered by the target" in first.stdout
     assert "extraction: all " in first.stderr and " chunks verified: " in first.stderr
