@@ -194,16 +194,16 @@ class Target:
         self._hooks.clear()
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _finished(tokens: list[int], max_new_tokens: int, stop_ids: frozenset[int]) -> bool:
+def finished(tokens: list[int], max_new_tokens: int, stop_ids: frozenset[int]) -> bool:
     return len(tokens) >= max_new_tokens or not stop_ids.isdisjoint(tokens)
 
 
-def _through_stop(tokens: list[int], stop_ids: frozenset[int]) -> int:
+def through_stop(tokens: list[int], stop_ids: frozenset[int]) -> int:
     """How many of `tokens` an output keeps: up to and including the first stop token (EOS)."""
     return next((i + 1 for i, token in enumerate(tokens) if token in stop_ids), len(tokens))
 
@@ -219,7 +219,7 @@ def greedy_decode(
     another output (a speculative one) at every position, not only up to its first difference.
     """
     device = target.device
-    _synchronize(device)
+    synchronize(device)
     start = time.perf_counter()
     target.reset()
     logits = target.forward(prompt.to(device), last_only=True)[-1]
@@ -229,12 +229,12 @@ def greedy_decode(
         tokens.append(int(top.indices[0]))
         values.append(top.values)  # read once at the end: one host sync per token (the token), not three
         indices.append(top.indices)
-        done = len(tokens) >= len(forced) if forced is not None else _finished(tokens, max_new_tokens, stop_ids)
+        done = len(tokens) >= len(forced) if forced is not None else finished(tokens, max_new_tokens, stop_ids)
         if done:
             break
         fed = top.indices[:1] if forced is None else torch.tensor(forced[len(tokens) - 1 : len(tokens)], device=device)
         logits = target.forward(fed, last_only=True)[-1]
-    _synchronize(device)
+    synchronize(device)
     seconds = time.perf_counter() - start
     tops = torch.stack(values).tolist()  # [n, 2]: top-1 and top-2 logits
     return Decoded(
@@ -244,7 +244,7 @@ def greedy_decode(
     )
 
 
-class _Context:
+class CommittedContext:
     """The captured target layers of the committed positions, grown in place (no re-concatenation per block)."""
 
     def __init__(self, capacity: int, width: int, like: torch.Tensor) -> None:
@@ -259,6 +259,36 @@ class _Context:
         return self.buffer[: self.length]
 
 
+@dataclass
+class Decoding:
+    """A decoding under way after the prompt: the committed tokens and what the drafter reads."""
+
+    sequence: torch.Tensor
+    """The prompt and the committed tokens, then room for max_new_tokens and a block more."""
+    length: int
+    """Committed tokens (the prompt's included); the last is the anchor of the next block."""
+    context: CommittedContext | None
+    """The captured target layers of the committed positions before the anchor (None without target_layers)."""
+
+
+def prefill(target: Target, drafter: BlockDrafter, prompt: torch.Tensor, *, max_new_tokens: int) -> Decoding:
+    """The prompt through the target (its captured layers: the drafter's first context), and the
+    target's first token after it, the first anchor. prompt is on the target's device."""
+    if list(target.layers) != list(drafter.target_layers):
+        raise ValueError(f"the target captures layers {target.layers} but the drafter reads {drafter.target_layers}")
+    target.reset()
+    logits = target.forward(prompt, last_only=True)
+    sequence = torch.empty(len(prompt) + max_new_tokens + drafter.block_size, dtype=torch.long, device=prompt.device)
+    sequence[: len(prompt)] = prompt
+    sequence[len(prompt)] = logits[-1].argmax()
+    context: CommittedContext | None = None
+    if target.layers:
+        features = target.features()
+        context = CommittedContext(len(sequence), features.shape[-1], features)
+        context.append(features)
+    return Decoding(sequence, len(prompt) + 1, context)
+
+
 @torch.inference_mode()
 def speculative_decode(
     target: Target, drafter: BlockDrafter, prompt: torch.Tensor, *, max_new_tokens: int, stop_ids: frozenset[int]
@@ -269,28 +299,16 @@ def speculative_decode(
     exactly as in training: the prompt's from the prefill, then those of each block's accepted
     tokens (the anchor included); the bonus token has no target state yet and anchors the next block.
     """
-    if list(target.layers) != list(drafter.target_layers):
-        raise ValueError(f"the target captures layers {target.layers} but the drafter reads {drafter.target_layers}")
     device = target.device
     prompt = prompt.to(device)
-    _synchronize(device)
+    synchronize(device)
     start = time.perf_counter()
-    target.reset()
-    logits = target.forward(prompt, last_only=True)
-    sequence = torch.empty(len(prompt) + max_new_tokens + drafter.block_size, dtype=torch.long, device=device)
-    sequence[: len(prompt)] = prompt
-    sequence[len(prompt)] = logits[-1].argmax()
-    length = len(prompt) + 1  # committed tokens; the last is the anchor of the next block
+    decoding = prefill(target, drafter, prompt, max_new_tokens=max_new_tokens)
+    sequence, length, context = decoding.sequence, decoding.length, decoding.context
     cached = len(prompt)  # committed tokens in the target's cache; those after it lead the next verify forward
-    context: _Context | None = None
-    if target.layers:
-        features = target.features()
-        context = _Context(len(sequence), features.shape[-1], features)
-        context.append(features)
-
     tokens = [int(sequence[len(prompt)])]
     accepted_per_step, drafted_per_step = [], []
-    while not _finished(tokens, max_new_tokens, stop_ids):
+    while not finished(tokens, max_new_tokens, stop_ids):
         # A block yields at most len(draft) + 1 tokens: draft no more than the output still needs.
         draft = drafter.propose(sequence[:length], context.view() if context is not None else None)
         draft = draft[: min(drafter.drafts, max_new_tokens - len(tokens) - 1)].to(device, torch.long)
@@ -303,7 +321,7 @@ def speculative_decode(
         new = block.tolist()
         # The output ends at a stop token: drafts the target agreed with after it are neither
         # committed nor counted (a stop among the drafts takes the bonus token's place).
-        accepted = _through_stop(new, stop_ids) - 1
+        accepted = through_stop(new, stop_ids) - 1
         new = new[: accepted + 1]
         if context is not None:
             context.append(target.features()[anchor : anchor + accepted + 1])
@@ -320,7 +338,7 @@ def speculative_decode(
         tokens.extend(new)
         accepted_per_step.append(accepted)
         drafted_per_step.append(len(draft))
-    _synchronize(device)
+    synchronize(device)
     return Decoded(
         tokens=tokens,
         seconds=time.perf_counter() - start,
