@@ -116,6 +116,7 @@ def exact_trees(
 ) -> PromptTrees:
     """The exact figures of one prompt: branches_at(i) is the drafter's pass anchored at greedy's
     i-th token (with the target's layers over greedy's output before it)."""
+    budgets = sorted(set(budgets))
     seen: dict[int, AnchorTrees] = {}
 
     def at(anchor: int) -> AnchorTrees:
@@ -123,7 +124,7 @@ def exact_trees(
             branches = branches_at(anchor)
             depth_limit = min(drafts, max_new_tokens - anchor - 2)  # as a block: the output's room, the next token included
             ranks = []
-            for slot in range(1, min(depth_limit, len(greedy) - 1 - anchor) + 1):
+            for slot in range(1, min(drafts, len(greedy) - 1 - anchor) + 1):
                 offered = branches.children(slot, greedy[anchor + slot - 1], max(COVERAGE_K))[0]
                 token = greedy[anchor + slot]
                 ranks.append(offered.index(token) if token in offered else None)
