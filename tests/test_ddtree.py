@@ -12,7 +12,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dflash_jobs.drafter.checkpoint import TargetCheckpoint, drafter_config_for_target, resolve_mask_token_id
 from dflash_jobs.drafter.speculative import Decoded
 from dflash_jobs.drafter.tree import ConditionalBranches, MarginalBranches, build_tree
 from dflash_jobs.errors import SpecError
@@ -21,19 +20,13 @@ from dflash_jobs.evaluate.lossless import Divergence
 from dflash_jobs.evaluate.report import build_report
 from dflash_jobs.evaluate.trees import COVERAGE_K, PromptTrees, committed, summarize_trees
 from dflash_jobs.spec import MAX_TREE_BUDGET, EvalSpec, anchor_layout, parse_spec
-from dflash_jobs.storage import open_storage
 from dflash_jobs.variants import drafter_variant
-from train_fixtures import LAYERS, tiny_target
+from train_fixtures import fresh_drafter, tiny_target
 
 V, DEPTHS = 5, 3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def marginal() -> MarginalBranches:
@@ -111,23 +104,16 @@ def target_dir(tmp_path_factory):
 def tiny_drafter(target_dir, name: str, block_size: int, *, boost: bool = True):
     """A fresh drafter of the variant for the tiny target; `boost`: its own modules made to matter
     (DFlash2's successor codebook starts at zero, DSpark's Markov bias near it)."""
-    checkpoint = TargetCheckpoint(open_storage(str(target_dir)))
     spec = parse_spec({"name": "t", "backend": "local", "target": {"model": "/m"}, "data": {"source": "/d.jsonl"}, "output": "/o",
                        "train": {"drafter": name, "draft_layers": 2, "block_size": block_size}})
-    variant = drafter_variant(name)
-    mask = resolve_mask_token_id(None, checkpoint.tokenizer_size(), checkpoint.text["vocab_size"])
-    config = variant.build_config(drafter_config_for_target(checkpoint, spec.train, LAYERS, mask), spec.train)
-    torch.manual_seed(0)
-    drafter = variant.build_model(config)
-    tensors = checkpoint.read_target_tensors()
-    drafter.load_target_tensors(tensors.embed_tokens, tensors.lm_head, tensors.final_norm)
+    drafter = fresh_drafter(target_dir, spec.train)
     with torch.no_grad():
         if boost and name == "dflash2":
             drafter.candidate_selector.successor_codebook.normal_(std=1.0)
             drafter.candidate_selector.hidden_projection.weight.normal_(std=1.0)
         if boost and name == "dspark":
             drafter.markov_head.markov_w2.weight.normal_(std=3.0)
-    return drafter.eval().requires_grad_(False), variant
+    return drafter.eval().requires_grad_(False), drafter_variant(name)
 
 
 def block(drafter, anchor: int = 17):
@@ -269,3 +255,18 @@ def test_a_tree_decoding_that_leaves_greedy_makes_the_run_not_lossless():
     report = build_report(greedy=[greedy], drafters={"dflash": [greedy]}, divergences={"dflash": [[]]}, verify_noise=[[0.1]],
                           trees={"dflash": [trees]}, block_size=4, dtype=torch.float32)
     assert report["drafters"]["dflash"]["lossless"] and not report["lossless"]
+
+
+def test_the_quality_benchmark_puts_tree_tau_per_budget_beside_the_chains(evaluated, monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench" / "quality"))
+    from figures import tree_acceptance
+
+    _, report = evaluated
+    summary = report["drafters"]["dspark"]
+    trees = tree_acceptance(summary)
+    assert trees["chain"] == round(summary["acceptance_length"], 3) and trees["lossless"]
+    assert trees["per_budget"] == {b: round(d["acceptance_length"], 3) for b, d in summary["tree"]["decoded"].items()}
+    assert list(trees["per_budget"]) == ["1", "5", "12"]
+    assert tree_acceptance(report["drafters"]["prompt_lookup"]) is None

@@ -25,12 +25,7 @@ NO_STOP = frozenset()
 DECOYS = 6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +100,7 @@ def test_the_layout_sees_ancestors_only_and_places_each_node_at_its_depth():
     assert layout.visible[:, 3:].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, 0, 1, 0], [1, 1, 1, 0, 1]]
     assert [(rows.tolist(), None if up is None else up.tolist()) for rows, up in layout.levels] == [([0], None), ([1, 3], [0, 0]), ([2], [0]), ([4], [0])]
     # Oldest first, 4 wide: the cached window's last inputs (indices 0..3) above the root, then the rows (4 + row).
-    assert layout.windows(4, torch.device("cpu")).tolist() == [[1, 2, 3, 4], [2, 3, 4, 5], [3, 4, 5, 6], [2, 3, 4, 7], [4, 5, 6, 8]]
+    assert layout.windows(4).tolist() == [[1, 2, 3, 4], [2, 3, 4, 5], [3, 4, 5, 6], [2, 3, 4, 7], [4, 5, 6, 8]]
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -261,7 +261,7 @@ class CommittedContext:
 
 @dataclass
 class Decoding:
-    """A decoding under way after the prompt: the committed tokens and what the drafter reads."""
+    """A decoding under way after the prompt: the committed tokens, what the drafter reads, each step's counts."""
 
     sequence: torch.Tensor
     """The prompt and the committed tokens, then room for max_new_tokens and a block more."""
@@ -269,13 +269,34 @@ class Decoding:
     """Committed tokens (the prompt's included); the last is the anchor of the next block."""
     context: CommittedContext | None
     """The captured target layers of the committed positions before the anchor (None without target_layers)."""
+    tokens: list[int]
+    """The new tokens committed so far."""
+    started: float
+    """perf_counter() when the decoding started, the prefill included."""
+    accepted: list[int] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)
+
+    def commit(self, new: torch.Tensor, accepted: int, drafted: int) -> None:
+        """Appends a verify step's new tokens [accepted + 1], and its counts (Decoded.accepted, drafted)."""
+        self.sequence[self.length : self.length + len(new)] = new
+        self.length += len(new)
+        self.tokens.extend(new.tolist())
+        self.accepted.append(accepted)
+        self.drafted.append(drafted)
+
+    def decoded(self) -> Decoded:
+        synchronize(self.sequence.device)
+        return Decoded(tokens=self.tokens, seconds=time.perf_counter() - self.started, accepted=self.accepted, drafted=self.drafted)
 
 
 def prefill(target: Target, drafter: BlockDrafter, prompt: torch.Tensor, *, max_new_tokens: int) -> Decoding:
-    """The prompt through the target (its captured layers: the drafter's first context), and the
-    target's first token after it, the first anchor. prompt is on the target's device."""
+    """Starts the clock and runs the prompt through the target (its captured layers: the drafter's
+    first context); the target's first token after it is the first anchor."""
     if list(target.layers) != list(drafter.target_layers):
         raise ValueError(f"the target captures layers {target.layers} but the drafter reads {drafter.target_layers}")
+    prompt = prompt.to(target.device)
+    synchronize(target.device)
+    started = time.perf_counter()
     target.reset()
     logits = target.forward(prompt, last_only=True)
     sequence = torch.empty(len(prompt) + max_new_tokens + drafter.block_size, dtype=torch.long, device=prompt.device)
@@ -286,7 +307,7 @@ def prefill(target: Target, drafter: BlockDrafter, prompt: torch.Tensor, *, max_
         features = target.features()
         context = CommittedContext(len(sequence), features.shape[-1], features)
         context.append(features)
-    return Decoding(sequence, len(prompt) + 1, context)
+    return Decoding(sequence, len(prompt) + 1, context, [int(sequence[len(prompt)])], started)
 
 
 @torch.inference_mode()
@@ -300,15 +321,11 @@ def speculative_decode(
     tokens (the anchor included); the bonus token has no target state yet and anchors the next block.
     """
     device = target.device
-    prompt = prompt.to(device)
-    synchronize(device)
-    start = time.perf_counter()
     decoding = prefill(target, drafter, prompt, max_new_tokens=max_new_tokens)
-    sequence, length, context = decoding.sequence, decoding.length, decoding.context
-    cached = len(prompt)  # committed tokens in the target's cache; those after it lead the next verify forward
-    tokens = [int(sequence[len(prompt)])]
-    accepted_per_step, drafted_per_step = [], []
+    sequence, context, tokens = decoding.sequence, decoding.context, decoding.tokens
+    cached = decoding.length - 1  # committed tokens in the target's cache; those after it lead the next verify forward
     while not finished(tokens, max_new_tokens, stop_ids):
+        length = decoding.length
         # A block yields at most len(draft) + 1 tokens: draft no more than the output still needs.
         draft = drafter.propose(sequence[:length], context.view() if context is not None else None)
         draft = draft[: min(drafter.drafts, max_new_tokens - len(tokens) - 1)].to(device, torch.long)
@@ -318,30 +335,18 @@ def speculative_decode(
         predicted = logits[anchor:].argmax(-1)  # predicted[j]: the target's token after the block's j-th (anchor, drafts...)
         accepted = int(torch.cumprod((draft == predicted[:-1]).long(), dim=0).sum())
         block = torch.cat([draft[:accepted], predicted[accepted : accepted + 1]])
-        new = block.tolist()
         # The output ends at a stop token: drafts the target agreed with after it are neither
         # committed nor counted (a stop among the drafts takes the bonus token's place).
-        accepted = through_stop(new, stop_ids) - 1
-        new = new[: accepted + 1]
+        accepted = through_stop(block.tolist(), stop_ids) - 1
         if context is not None:
             context.append(target.features()[anchor : anchor + accepted + 1])
-        sequence[length : length + len(new)] = block[: len(new)]
-        length += len(new)
+        decoding.commit(block[: accepted + 1], accepted, len(draft))
         if accepted == len(draft):
-            cached = length - 1  # everything but the bonus token went through the cache as it stays
+            cached = decoding.length - 1  # everything but the bonus token went through the cache as it stays
         else:
             # A rejected draft left its state in the GDN layers: back to the checkpoint.
             target.rollback(checkpoint)
-            if length - 1 - cached >= drafter.block_size:
-                target.forward(sequence[cached : length - 1], last_only=True)
-                cached = length - 1
-        tokens.extend(new)
-        accepted_per_step.append(accepted)
-        drafted_per_step.append(len(draft))
-    synchronize(device)
-    return Decoded(
-        tokens=tokens,
-        seconds=time.perf_counter() - start,
-        accepted=accepted_per_step,
-        drafted=drafted_per_step,
-    )
+            if decoding.length - 1 - cached >= drafter.block_size:
+                target.forward(sequence[cached : decoding.length - 1], last_only=True)
+                cached = decoding.length - 1
+    return decoding.decoded()

@@ -24,8 +24,7 @@ committed path deciding the next anchor.
 from __future__ import annotations
 
 import sys
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 import torch
@@ -34,7 +33,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.cache_utils import DynamicLayer
 
-from dflash_jobs.drafter.speculative import Decoded, Target, finished, prefill, synchronize, through_stop
+from dflash_jobs.drafter.speculative import Decoded, Target, finished, prefill, through_stop
 from dflash_jobs.drafter.tree import Branches, Tree, build_tree
 
 
@@ -65,6 +64,7 @@ class TreeLayout:
     """Per depth 0, 1, ...: its rows, and each one's parent as an index into the previous depth's rows (None at depth 0)."""
     lineage: list[list[int]]
     """Per row, itself then its ancestors up to the root."""
+    _windows: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def of(cls, root: int, tree: Tree, cached: int, device: torch.device) -> TreeLayout:
@@ -89,14 +89,17 @@ class TreeLayout:
             visible=visible.to(device), levels=levels, lineage=lineage,
         )
 
-    def windows(self, width: int, device: torch.device) -> torch.Tensor:
+    def windows(self, width: int) -> torch.Tensor:
         """[n, width] each row's convolution window, oldest first, as indices into [the cached window
-        (width inputs, the newest last); the rows' inputs]: its ancestors' rows, then the cached inputs above the root."""
-        windows = []
-        for rows in self.lineage:
-            newest_first = [width + row for row in rows[:width]] + [width - 1 - i for i in range(width - len(rows))]
-            windows.append(newest_first[::-1])
-        return torch.tensor(windows, device=device)
+        (width inputs, the newest last); the rows' inputs]: its ancestors' rows, then the cached inputs
+        above the root. Built once a forward (every GDN layer has the same width)."""
+        if width not in self._windows:
+            windows = []
+            for rows in self.lineage:
+                newest_first = [width + row for row in rows[:width]] + [width - 1 - i for i in range(width - len(rows))]
+                windows.append(newest_first[::-1])
+            self._windows[width] = torch.tensor(windows, device=self.ids.device)
+        return self._windows[width]
 
 
 @dataclass
@@ -181,7 +184,7 @@ def _tree_gated_delta(gdn: nn.Module, x: torch.Tensor, cached, layout: TreeLayou
     beta = gdn.in_proj_b(x).sigmoid()
     g = -gdn.A_log.float().exp() * F.softplus(gdn.in_proj_a(x).float() + gdn.dt_bias)
     window = cached.conv_states[0][0].T  # [width, C]: the cached inputs, newest last
-    inputs = torch.cat([window, mixed])[layout.windows(len(window), x.device)]  # [n, width, C]
+    inputs = torch.cat([window, mixed])[layout.windows(len(window))]  # [n, width, C]
     weight = gdn.conv1d.weight[:, 0, -len(window):]  # [C, width]
     convolved = (inputs.float() * weight.T.float()).sum(1)  # in fp32, as the conv kernels accumulate
     if gdn.conv1d.bias is not None:
@@ -252,32 +255,20 @@ def tree_decode(
     forward, commits the longest root path the target agrees with plus its next token, and reads
     the captured layers of the anchor and the accepted nodes as the drafter's next context.
     `accepted` and `drafted` per step are as speculative_decode's (`drafted`: the tree's nodes)."""
-    device = target.device
-    prompt = prompt.to(device)
-    synchronize(device)
-    start = time.perf_counter()
     decoding = prefill(target, drafter, prompt, max_new_tokens=max_new_tokens)
-    sequence, length, context = decoding.sequence, decoding.length, decoding.context
-    tokens = [int(sequence[len(prompt)])]
-    accepted_per_step, drafted_per_step = [], []
+    context, tokens = decoding.context, decoding.tokens
     while not finished(tokens, max_new_tokens, stop_ids):
-        branches = drafter.branches(sequence[:length], context.view() if context is not None else None)
+        branches = drafter.branches(decoding.sequence[: decoding.length], context.view() if context is not None else None)
         # As a block: no deeper than the output still has room for, the next token included.
         tree = build_tree(branches, budget=budget, depth_limit=min(drafter.drafts, max_new_tokens - len(tokens) - 1))
-        verified = verify_tree(target, int(sequence[length - 1]), tree)
+        verified = verify_tree(target, int(decoding.sequence[decoding.length - 1]), tree)
         predicted = verified.predicted.tolist()
         path = tree.follow(predicted.__getitem__)
         new = [tree.tokens[node] for node in path] + [predicted[path[-1] + 1 if path else 0]]
         accepted = through_stop(new, stop_ids) - 1  # a stop token in the tree ends the output there
-        new = new[: accepted + 1]
         rows = [0] + [node + 1 for node in path[:accepted]]
         commit_path(target, verified, rows)
         if context is not None:
             context.append(verified.features[rows])
-        sequence[length : length + len(new)] = torch.tensor(new, device=device)
-        length += len(new)
-        tokens.extend(new)
-        accepted_per_step.append(accepted)
-        drafted_per_step.append(len(tree))
-    synchronize(device)
-    return Decoded(tokens=tokens, seconds=time.perf_counter() - start, accepted=accepted_per_step, drafted=drafted_per_step)
+        decoding.commit(torch.tensor(new[: accepted + 1], device=target.device), accepted, len(tree))
+    return decoding.decoded()
