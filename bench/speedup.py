@@ -315,7 +315,6 @@ def time_trees(target: Target, budgets: list[int], depths: int, device: torch.de
                                       reps=reps, warmup=1)
         ids = torch.arange(len(tree) + 1, device=device)
         entry["flat_forward"] = measure(lambda: target.forward(ids).argmax(-1), device, reps=reps, warmup=warmup, before=reset)
-        del verified
         reset()
         save()
     return trees

@@ -119,6 +119,11 @@ class Tree:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    @classmethod
+    def path(cls, tokens: Sequence[int]) -> Tree:
+        """A chain as a tree: each token the child of the one before."""
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)), list(range(1, len(tokens) + 1)), [0.0] * len(tokens))
+
     def prefix(self, budget: int) -> Tree:
         """The tree of a smaller budget: its first nodes."""
         return Tree(self.tokens[:budget], self.parents[:budget], self.depths[:budget], self.scores[:budget])

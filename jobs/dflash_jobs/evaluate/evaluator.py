@@ -141,7 +141,7 @@ class PromptDecoder:
         }
         noise = verify_noise(self.plain, prompt, reference, self.layout.drafts + 1)  # the verify block: the anchor and its drafts
         document, features = self.captured(prompt, reference)
-        trees = self.exact_trees(prompt, reference, drafted[self.variant.name], document, features, tree_decoded) if self.budgets else None
+        trees = self.tree_figures(prompt, reference, drafted[self.variant.name], document, features, tree_decoded) if self.budgets else None
         return PromptResult(reference, drafted, self.simulate(prompt, document, features), found, noise, confidences, trees)
 
     def captured(self, prompt: torch.Tensor, reference: Decoded) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,8 +159,8 @@ class PromptDecoder:
         batch = document_batch(document, len(prompt), hidden, self.drafter, self.layout)
         return anchors_accepted(self.drafter, batch, self.variant.predict, self.layout)
 
-    def exact_trees(self, prompt: torch.Tensor, reference: Decoded, chain: Decoded, document: torch.Tensor, features: torch.Tensor,
-                    decoded: dict[int, Decoded]) -> PromptTrees:
+    def tree_figures(self, prompt: torch.Tensor, reference: Decoded, chain: Decoded, document: torch.Tensor, features: torch.Tensor,
+                     decoded: dict[int, Decoded]) -> PromptTrees:
         """The trees' exact figures along greedy's output (evaluate/trees.py), and the lossless check of their decodings."""
         def branches_at(anchor: int):
             position = len(prompt) + anchor  # greedy's anchor-th token, after the prompt

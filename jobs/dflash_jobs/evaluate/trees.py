@@ -134,8 +134,7 @@ def exact_trees(
     figures = PromptTrees()
     for anchor in chain_anchors(chain, greedy):
         here = at(anchor)
-        matched = next((i for i, (a, b) in enumerate(zip(here.chain, greedy[anchor + 1 :])) if a != b), min(len(here.chain), len(greedy) - anchor - 1))
-        figures.chain.append(committed(matched, anchor, len(greedy)))
+        figures.chain.append(exact_accepted(Tree.path(here.chain), greedy, anchor))
         figures.ranks.append(here.ranks)
         for budget in budgets:
             tree = here.tree.prefix(budget)
