@@ -25,7 +25,6 @@ from train_fixtures import fresh_drafter, tiny_target
 
 V, DEPTHS = 5, 3
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

@@ -24,7 +24,6 @@ NEW_TOKENS = 30
 NO_STOP = frozenset()
 DECOYS = 6
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
