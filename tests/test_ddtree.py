@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from dflash_jobs.drafter.anchors import anchor_layout
 from dflash_jobs.drafter.speculative import Decoded
 from dflash_jobs.drafter.tree import ConditionalBranches, MarginalBranches, build_tree
 from dflash_jobs.errors import SpecError
@@ -19,7 +20,7 @@ from dflash_jobs.evaluate.evaluator import PromptDecoder
 from dflash_jobs.evaluate.lossless import Divergence
 from dflash_jobs.evaluate.report import build_report
 from dflash_jobs.evaluate.trees import COVERAGE_K, PromptTrees, committed, summarize_trees
-from dflash_jobs.spec import MAX_TREE_BUDGET, EvalSpec, anchor_layout, parse_spec
+from dflash_jobs.spec import MAX_TREE_BUDGET, EvalSpec, parse_spec
 from dflash_jobs.variants import drafter_variant
 from train_fixtures import fresh_drafter, tiny_target
 
