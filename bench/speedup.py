@@ -66,7 +66,9 @@ every node and their argmax), `tree_commit` (the accepted path's K/V appended an
 after its last node recomputed: a path of 4 nodes), `tree_build` (DDTree's best-first heap over the
 drafter's [15, V] slot distributions: the top-k on the device, then the heap on the host), and
 `flat_forward` (a plain causal forward of as many tokens, budget + 1, with all their logits: what
-the forward costs where a kernel takes the tree's recurrence at the price of a sequence). The trees
+the forward costs where a kernel takes the tree's recurrence at the price of a sequence); `check`
+compares the tree forward's logits with plain forwards of two root paths (the kernels' path is
+right where it is timed; bf16 rounds the two orders differently). The trees
 are the typical shape of a drafter whose top token's probability falls from 0.8 at the first slot
 to 0.4 at the last, the rest halving rank by rank (`typical_tree`; `trees.<budget>.shape` gives its
 nodes per depth). Speed-up per budget and tau (`--tree-acceptance BUDGET=TAU`, from the evaluation
@@ -295,6 +297,27 @@ def tree_shape(tree: Tree) -> dict:
     return {"nodes": len(tree), "depth": len(per_depth), "per_depth": per_depth}
 
 
+def tree_check(target: Target, tree: Tree, reset) -> dict:
+    """The tree verify forward against plain forwards of its deepest node's root path and of the last
+    node's (a branch): each row's logits against the plain forward's at the same token, relative to
+    the logits' scale, and whether their argmax agree (on the GPU: the fla kernels' path)."""
+    verified = verify_tree(target, 0, tree)
+    differences, agree = [], []
+    for node in {max(range(len(tree)), key=tree.depths.__getitem__), len(tree) - 1}:
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = tree.parents[node]
+        rows = [0] + [n + 1 for n in reversed(path)]
+        reset()
+        plain = target.forward(verified.logits.new_tensor([0, *(tree.tokens[n] for n in reversed(path))], dtype=torch.long)).float()
+        mine = verified.logits[rows].float()
+        differences.append(float((mine - plain).abs().max() / plain.abs().max()))
+        agree.append(bool((mine.argmax(-1) == plain.argmax(-1)).all()))
+    reset()
+    return {"max_relative_logit_difference": float(f"{max(differences):.3g}"), "argmax_agree": all(agree)}
+
+
 def time_trees(target: Target, budgets: list[int], depths: int, device: torch.device, reps: int, warmup: int, reset, save) -> dict:
     """tree_verify, tree_commit, tree_build and flat_forward per budget (see the module docstring), on the target's cache as `reset` leaves it."""
     vocab = target.model.config.vocab_size
@@ -303,6 +326,7 @@ def time_trees(target: Target, budgets: list[int], depths: int, device: torch.de
         tree, logits = typical_tree(budget, depths, vocab, device)
         entry = trees[str(budget)] = {"shape": tree_shape(tree)}
         reset()
+        entry["check"] = tree_check(target, tree, reset)
         entry["tree_verify"] = measure(lambda: verify_tree(target, 0, tree).predicted, device, reps=reps, warmup=warmup)
         verified = verify_tree(target, 0, tree)
         path, parent = [0], -1  # the root and the first COMMITTED_PATH nodes of the chain (each depth's first child)

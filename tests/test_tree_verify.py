@@ -212,6 +212,7 @@ def test_the_speedup_benchmark_prices_trees_at_the_tiny_shape(tmp_path):
         entry = context["trees"][budget]
         assert entry["shape"]["nodes"] == int(budget) and sum(entry["shape"]["per_depth"]) == int(budget)
         assert all(entry[kind]["median_ms"] > 0 for kind in ("tree_verify", "tree_commit", "tree_build", "flat_forward"))
+        assert entry["check"]["argmax_agree"] and entry["check"]["max_relative_logit_difference"] < 1e-5
     priced = context["tree_speedup"]["16"]
     assert [row["tau"] for row in priced["table"]] == [2.5] and priced["table"][0]["tree"] > 0
     assert ("tree_flat" in priced["table"][0]) == (priced["verify_and_commit_ms"] > priced["flat_forward_ms"])
