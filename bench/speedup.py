@@ -16,9 +16,9 @@ committed, whose target hidden states the drafter has not seen yet). Break-even:
 t_draft) / t_decode1.
 
 What is built (random weights: timing does not depend on their values):
-- target: transformers' Qwen3_5ForCausalLM of the real Qwen3.6-27B text shape (bench/extract.py's
+- target: transformers' Qwen3_5ForCausalLM of the real Qwen3.6-27B text shape (bench/extract_shapes.py's
   REAL_27B: 64 layers, 48 Gated DeltaNet + 16 gated attention, hidden 5120, vocab 248,320), all 64
-  layers and the LM head (extract.py's own builder cuts after layer 61 and has no head), bf16 on the
+  layers and the LM head (extract_shapes.py's own builder cuts after layer 61 and has no head), bf16 on the
   GPU, SDPA attention, the GDN kernels transformers binds (flash-linear-attention and causal-conv1d
   where installed: `fast_paths` says which, `kernels.gdn_kernels_seen` lists the kernels that ran);
 - drafter: dflash_jobs.drafter.model.Drafter at bench/train/bench_train.py's "27b" shape (5 layers,
@@ -103,7 +103,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent / "train")]
 from bench_train import SHAPES as DRAFTER_SHAPES  # noqa: E402  (bench/train/bench_train.py)
-from extract import REAL_27B  # noqa: E402  (bench/extract.py)
+from extract_shapes import REAL_27B  # noqa: E402  (bench/extract_shapes.py)
 
 from dflash_jobs.drafter.model import Drafter, DrafterConfig  # noqa: E402
 from dflash_jobs.drafter.speculative import ModelDrafter, Target  # noqa: E402

@@ -33,7 +33,8 @@ from dflash_jobs.drafter.speculative import Decoded
 from dflash_jobs.formats import TokenChunk, encode_hidden_chunk
 from dflash_jobs.spec import parse_spec
 from dflash_jobs.storage import open_storage
-from dflash_jobs.train.data import BatchBuilder, ChunkData, DocumentRef
+from dflash_jobs.train.chunks import ChunkData
+from dflash_jobs.train.data import BatchBuilder, DocumentRef
 from dflash_jobs.train.dspark_loss import ChunkedMarkovDistillation, _fused_markov_chunk_terms, _markov_chunk_terms, dspark_objective
 from dflash_jobs.variants import drafter_variant
 from train_fixtures import LAYERS, fresh_drafter, tiny_target

@@ -118,7 +118,7 @@ class TrainingReads:
     """Training reads every token's states once per epoch. Each rank trains on a fixed share of the
     chunks; its part of the node's cache (train.cache_gb / gpus_per_node) keeps a fixed subset of
     that share on local disk across epochs, the rest is read from storage again every epoch
-    (train/data.py ChunkCache). Sizes in the spec's extract.dtype."""
+    (train/chunks.py ChunkCache). Sizes in the spec's extract.dtype."""
 
     dtype: str
     gpus_per_node: int
