@@ -25,9 +25,8 @@ from dflash_jobs.storage import open_storage
 from dflash_jobs.train.__main__ import main
 from dflash_jobs.train.anchors import anchor_candidates, sample_anchors
 from dflash_jobs.train.checkpointer import step_prefix
-from dflash_jobs.train.data import (
-    BatchBuilder, BatchStream, Budget, ChunkCache, ChunkData, DocumentRef, assign_chunks, plan_epoch, read_document_index,
-)
+from dflash_jobs.train.chunks import ChunkCache, ChunkData
+from dflash_jobs.train.data import BatchBuilder, BatchStream, Budget, DocumentRef, assign_chunks, plan_epoch, read_document_index
 from dflash_jobs.formats import TRAIN_METRICS_KEY as METRICS_KEY, TRAIN_PLOT_KEY as PLOT_KEY
 from dflash_jobs.train.trainer import Runtime, Trainer
 from train_fixtures import LAYERS, copy_extract, tiny_target, train_spec_dict, write_spec

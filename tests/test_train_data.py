@@ -101,7 +101,8 @@ class DiskWatchingStorage:
 
 @pytest.mark.parametrize("cache_chunks", [0.5, 2.5])
 def test_the_cache_never_holds_more_than_its_bound_even_with_downloads_in_flight(extract, tmp_path, cache_chunks):
-    from dflash_jobs.train.data import BatchBuilder, BatchStream, Budget, ChunkCache, plan_epoch, read_document_index
+    from dflash_jobs.train.chunks import ChunkCache
+    from dflash_jobs.train.data import BatchBuilder, BatchStream, Budget, plan_epoch, read_document_index
 
     storage = open_storage(str(extract))
     manifest = Manifest.from_json(storage.get_bytes(MANIFEST_KEY))
@@ -162,7 +163,8 @@ def test_a_cache_smaller_than_the_share_keeps_a_fixed_part_on_disk_and_streams_t
     """Every epoch reshuffles the rank's chunks: a cache that evicted by recency would miss on
     nearly every read, and the share would come from storage again each epoch. A fixed resident
     part is served from disk every epoch; only the rest is read from storage again."""
-    from dflash_jobs.train.data import BatchBuilder, BatchStream, Budget, ChunkCache, plan_epoch, read_document_index
+    from dflash_jobs.train.chunks import ChunkCache
+    from dflash_jobs.train.data import BatchBuilder, BatchStream, Budget, plan_epoch, read_document_index
     from train_fixtures import synthetic_chunk, write_extract
 
     storage = open_storage(str(tmp_path / "run"))
@@ -221,7 +223,8 @@ class ReadRecorder:
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 def test_a_builder_asked_for_the_final_hidden_state_delivers_the_stored_rows_beside_the_context(tmp_path, dtype):
     from dflash_jobs.formats import dequantize_fp8
-    from dflash_jobs.train.data import BatchBuilder, ChunkData, DocumentRef, read_document_index
+    from dflash_jobs.train.chunks import ChunkData
+    from dflash_jobs.train.data import BatchBuilder, DocumentRef, read_document_index
 
     storage = open_storage(str(tmp_path / "run"))
     manifest = final_extract(storage, dtype)
@@ -256,7 +259,8 @@ def test_a_builder_asked_for_the_final_hidden_state_delivers_the_stored_rows_bes
 
 
 def test_a_builder_not_asked_reads_and_holds_none_of_it(tmp_path):
-    from dflash_jobs.train.data import BatchBuilder, ChunkData, DocumentRef
+    from dflash_jobs.train.chunks import ChunkData
+    from dflash_jobs.train.data import BatchBuilder, DocumentRef
 
     storage = open_storage(str(tmp_path / "run"))
     final_extract(storage, "float8_e4m3fn", chunks=1)

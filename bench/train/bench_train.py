@@ -43,7 +43,8 @@ import torch
 from dflash_jobs.drafter.model import DrafterConfig
 from dflash_jobs.formats import TokenChunk, encode_hidden_chunk
 from dflash_jobs.spec import parse_spec
-from dflash_jobs.train.data import BatchBuilder, ChunkData, DocumentRef
+from dflash_jobs.train.chunks import ChunkData
+from dflash_jobs.train.data import BatchBuilder, DocumentRef
 from dflash_jobs.train.metrics import NullSink
 from dflash_jobs.train.optim import build_optimizer, build_scheduler
 from dflash_jobs.train.parallelize import parallelize

@@ -30,7 +30,8 @@ from dflash_jobs.formats import MANIFEST_KEY, Manifest, check_final_hidden
 from dflash_jobs.spec import RunSpec, resolve_layers
 from dflash_jobs.storage import Storage, open_storage, storage_for
 from dflash_jobs.train.checkpointer import Checkpointer
-from dflash_jobs.train.data import Batch, BatchBuilder, BatchStream, Budget, ChunkCache, plan_epoch, planned_chunks, read_document_index
+from dflash_jobs.train.chunks import ChunkCache
+from dflash_jobs.train.data import Batch, BatchBuilder, BatchStream, Budget, plan_epoch, planned_chunks, read_document_index
 from dflash_jobs.train.heartbeat import Heartbeat
 from dflash_jobs.train.loss import DraftLoss, expected_acceptance_length
 from dflash_jobs.train.metrics import ConsoleSink, MetricSink, MultiSink, NullSink, StorageSink, should_log
