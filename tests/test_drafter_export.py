@@ -188,4 +188,7 @@ def test_the_export_carries_the_drafters_trained_norm_as_the_x_times_w_weight_vl
         torch.testing.assert_close(qwen3(x), trained.norm(x))
     loaded, _ = load_drafter(str(tmp_path), target=str(target_dir))
     assert torch.equal(loaded.norm.weight.float(), trained.norm.weight)
+    # Loaded to draft, never to train: no weight tracks a gradient (a tracked one made scoring outside
+    # inference mode raise "Inference tensors cannot be saved for backward" on DFlash2's trees).
+    assert not any(p.requires_grad for p in loaded.parameters())
     assert not torch.allclose(loaded.norm.weight.float(), loaded.target_norm.float(), atol=1e-2)  # the target's norm is another one
