@@ -13,7 +13,8 @@ Conditional acceptance: for k = 1..B-1, among the verify steps that drafted at l
 accepted the first k - 1, the fraction that accepted draft k too: how well the drafter continues a
 block it got right so far, which the unconditional rates mix with how often it got that far. A
 step that drafted fewer than k tokens (the output's last block, a baseline that found nothing to
-copy) had no draft k to judge and is left out; position k counts its steps beside the rate.
+copy) had no draft k to judge and is left out; position k counts its steps beside the rate. It
+reads the same committed counts as the rates, so it is stop-aware as they are.
 
 Every verify step counts what it committed to the output: drafts the target agreed with after a
 stop token, or past max_new_tokens, are not part of the output and are not counted (the stop
@@ -22,8 +23,8 @@ token itself takes the bonus token's place; `Decoded.accepted`).
 Lossless: speculative decoding must return exactly the target's greedy output. A difference is a
 bug unless it is a numerical tie: the output took a token whose greedy logit was closer to
 greedy's top logit than the target's own verify-against-decode rounding, measured on the run
-(evaluate/lossless.py TIE_RULE). Every prompt whose output differs is reported with every position where
-it leaves greedy's and the verdict of each; a drafter is lossless only without a real mismatch.
+(evaluate/lossless.py TIE_RULE). Every prompt whose output differs is reported with every position
+where it leaves greedy's and the verdict of each; a drafter is lossless only without a real mismatch.
 
 Simulated acceptance (train/serve consistency): the same acceptance, teacher forced, as training
 and SpecForge's DFlash evaluation compute it (evaluate/simulated.py): an anchor at every position
