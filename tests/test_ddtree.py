@@ -16,6 +16,7 @@ from dflash_jobs.drafter.anchors import anchor_layout
 from dflash_jobs.drafter.speculative import Decoded
 from dflash_jobs.drafter.tree import ConditionalBranches, MarginalBranches, build_tree
 from dflash_jobs.errors import SpecError
+from dflash_jobs.evaluate.baselines import BigramTable
 from dflash_jobs.evaluate.evaluator import PromptDecoder
 from dflash_jobs.evaluate.lossless import Divergence
 from dflash_jobs.evaluate.report import build_report
@@ -196,7 +197,8 @@ def evaluated(target_dir):
     drafter, variant = tiny_drafter(target_dir, "dspark", block_size=5, boost=False)
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     layout = anchor_layout("dspark", block_size=5)
-    decoder = PromptDecoder(model, drafter, variant, layout, EvalSpec(max_new_tokens=36, tree_budgets=[1, 12]))
+    no_bigrams = BigramTable({}, {})  # the bigram baseline is not under test here: it drafts nothing
+    decoder = PromptDecoder(model, drafter, variant, layout, EvalSpec(max_new_tokens=36, tree_budgets=[1, 12]), no_bigrams)
     try:
         results = [decoder.decode(torch.randint(0, 900, (12,), generator=torch.Generator().manual_seed(i))) for i in range(3)]
     finally:

@@ -7,6 +7,7 @@ demo keeps inputs it finds, so the pipeline, the spec and the command are exactl
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,8 @@ import pytest
 from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, EVAL_PLOT_KEY, EVAL_REPORT_KEY, MANIFEST_KEY, TRAIN_PLOT_KEY, Manifest
 from dflash_jobs.generation import MANIFEST_KEY as GENERATION_MANIFEST_KEY
 from dflash_jobs.spec import load_spec
+
+from dflashctl.demo import DEMO_CORES
 
 pytestmark = pytest.mark.slow
 
@@ -75,6 +78,34 @@ def test_demo_runs_the_whole_pipeline_into_s3_and_a_rerun_finds_it_done(tmp_path
     assert again.returncode == 0, again.stderr[-3000:]
     assert "submitted" not in again.stderr, "every step was found done in S3"
     assert f"{manifest.tokens:,} tokens in {len(manifest.chunks)} chunks" in again.stdout
+
+
+def test_two_fresh_demos_give_the_same_figures_whatever_threads_the_shell_asks_for(tmp_path):
+    """The demo's figure holds still on a machine: the same inputs through two runs, the second from
+    a shell that exports OMP_NUM_THREADS=1 (training on one thread instead of two trains another
+    drafter), give the same drafter, bit for bit, and the same report. Every step runs on the threads
+    of the demo's DEMO_CORES (local.cores), whatever the shell or the machine's cores say."""
+    from shutil import copytree
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    write_small_inputs(first)
+    copytree(first, second)
+    runs = {}
+    for directory, threads in ((first, None), (second, "1")):
+        env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = threads
+        result = subprocess.run([sys.executable, "-m", "dflashctl.cli.main", "demo", str(directory)], cwd=tmp_path,
+                                capture_output=True, text=True, timeout=900, env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        report = json.loads((directory / "output" / EVAL_REPORT_KEY).read_text())
+        runs[directory] = (
+            (directory / "output" / "train" / "drafter" / "model.safetensors").read_bytes(),
+            {name: (s["acceptance_length"], s["acceptance_per_position"]) for name, s in report["drafters"].items()},
+        )
+    assert runs[first][0] == runs[second][0], "the same drafter"
+    assert runs[first][1] == runs[second][1]
+    assert load_spec(first / "dflash.yaml").local.cores == DEMO_CORES
 
 
 def test_init_demo_writes_a_local_spec_for_the_demo_inputs(tmp_path):

@@ -294,3 +294,30 @@ def test_a_drafter_refuses_captured_layers_out_of_ascending_order():
     """vLLM concatenates the captured layers in ascending order: fc must have been trained on that order."""
     with pytest.raises(ValueError, match=r"target_layer_ids \[3, 1\] must be distinct and ascending"):
         small_config(target_layer_ids=[3, 1])
+
+
+def test_the_final_norm_is_the_drafters_own_trained_from_one_and_the_targets_is_kept_apart():
+    """SpecForge's DFlashDraftModel trains its own final norm, initialised to 1 (reference/dflash.md
+    2.2); the target's final norm is kept only to read the target's distribution (DSpark)."""
+    from dflash_jobs.spec import TrainSpec
+    from dflash_jobs.train.optim import build_optimizer
+
+    config = small_config()
+    drafter = random_drafter(config)
+    target_norm = 1 + 0.1 * torch.randn(config.hidden_size, generator=torch.Generator().manual_seed(0))
+    drafter.load_target_tensors(drafter.embed_tokens, drafter.lm_head, target_norm)
+    assert torch.equal(drafter.norm.weight.detach(), torch.ones(config.hidden_size)) and drafter.norm.weight.requires_grad
+    assert torch.equal(drafter.target_norm, target_norm)
+    assert "norm.weight" in drafter.state_dict() and "target_norm" not in drafter.state_dict()  # checkpointed and exported: the drafter's own
+
+    optimizer = build_optimizer(drafter, TrainSpec(), device=torch.device("cpu"))
+    assert any(p is drafter.norm.weight for group in optimizer.param_groups for p in group["params"])
+    context_hidden, context_positions, block_ids, block_positions, layout = packed_inputs(config)
+    attention = build_attention(layout, config.layer_types, config.sliding_window, backend="dense")
+    hidden = drafter.train()(context_hidden, context_positions, block_ids, block_positions, attention)
+    labels = torch.randint(0, 40, block_ids.shape, generator=torch.Generator().manual_seed(2))
+    weights = torch.tensor(anchor_layout(block_size=config.block_size, gamma=7.0).slot_decay()).expand(block_ids.shape)
+    draft_loss(hidden, drafter.lm_head, labels, weights).loss.backward()
+    optimizer.step()
+    assert not torch.equal(drafter.norm.weight.detach(), torch.ones(config.hidden_size)), "the final norm learns"
+    assert torch.equal(drafter.target_norm, target_norm)

@@ -33,7 +33,8 @@ def target_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trained(target_dir):
-    """A drafter with sliding and full layers, its weights already bf16-exact as the export stores them."""
+    """A drafter with sliding and full layers, its final norm moved off 1 as training moves it, its
+    weights already bf16-exact as the export stores them."""
     checkpoint = TargetCheckpoint(open_storage(str(target_dir)))
     train = TrainSpec(draft_layers=3, sliding_window_layers=2, sliding_window=WINDOW, block_size=8)
     mask = resolve_mask_token_id(None, checkpoint.tokenizer_size(), checkpoint.text["vocab_size"])
@@ -42,6 +43,7 @@ def trained(target_dir):
     tensors = checkpoint.read_target_tensors()
     drafter.load_target_tensors(tensors.embed_tokens, tensors.lm_head, tensors.final_norm)
     with torch.no_grad():
+        drafter.norm.weight.normal_(1.0, 0.3, generator=torch.Generator().manual_seed(4))
         for parameter in drafter.parameters():
             parameter.copy_(parameter.to(torch.bfloat16).float())
     return drafter.eval()
@@ -112,7 +114,7 @@ def test_the_window_cuts_into_the_context_so_a_mask_without_it_would_be_caught(t
     context = torch.randn(1, CONTEXT, config.context_features, generator=torch.Generator().manual_seed(3))
     wider = Drafter(DrafterConfig(**{**config.to_dict(), "sliding_window": 4 * WINDOW}))
     wider.load_state_dict(trained.state_dict())
-    wider.load_target_tensors(trained.embed_tokens, trained.lm_head, trained.norm.weight.detach())
+    wider.load_target_tensors(trained.embed_tokens, trained.lm_head, trained.target_norm)
     assert not torch.allclose(training_view_logits(wider.eval(), context, 17), training_view_logits(trained, context, 17))
 
 
@@ -165,3 +167,28 @@ def test_the_mask_token_is_read_from_dflash_config(tmp_path, target_dir, trained
     loaded, _ = load_drafter(str(tmp_path), target=str(target_dir))
     assert loaded.config.mask_token_id == mask
     assert DFlashDraftModel(AutoConfig.from_pretrained(tmp_path)).mask_token_id == mask
+
+
+def test_the_export_carries_the_drafters_trained_norm_as_the_x_times_w_weight_vllm_loads(tmp_path, target_dir, trained):
+    """vLLM's DFlash drafter (qwen3_dflash.py) loads `norm.weight` into its RMSNorm, x * w as Qwen3's
+    (never the target's zero-centred 1 + w): the export holds the drafter's own trained norm in that
+    form, and the evaluation's loader keeps it (the target's tensors, loaded after, do not replace it)."""
+    from safetensors.torch import load_file
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from dflash_jobs.drafter.export import load_drafter
+
+    export_dflash(trained, open_storage(str(tmp_path)), prefix="")
+    exported = load_file(tmp_path / "model.safetensors")["norm.weight"]
+    assert torch.equal(exported.float(), trained.norm.weight)
+    qwen3 = Qwen3RMSNorm(trained.config.hidden_size, eps=trained.config.rms_norm_eps)
+    qwen3.weight.data.copy_(exported.float())
+    x = torch.randn(5, trained.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(qwen3(x), trained.norm(x))
+    loaded, _ = load_drafter(str(tmp_path), target=str(target_dir))
+    assert torch.equal(loaded.norm.weight.float(), trained.norm.weight)
+    # Loaded to draft, never to train: no weight tracks a gradient (a tracked one made scoring outside
+    # inference mode raise "Inference tensors cannot be saved for backward" on DFlash2's trees).
+    assert not any(p.requires_grad for p in loaded.parameters())
+    assert not torch.allclose(loaded.norm.weight.float(), loaded.target_norm.float(), atol=1e-2)  # the target's norm is another one

@@ -164,7 +164,7 @@ def reference_loss(drafter: DSparkDrafter, hidden: torch.Tensor, batch) -> tuple
     loss = config.ce_weight * (weights * ce).sum()
     if config.reads_target:
         state = batch.final_hidden[torch.tensor(ANCHORS)[:, None] + torch.arange(B)]  # slot k: the target at anchor + k
-        normed = state * torch.rsqrt(state.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps) * drafter.norm.weight
+        normed = state * torch.rsqrt(state.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps) * drafter.target_norm
         l1 = (logits.softmax(-1) - (normed @ drafter.lm_head.T).softmax(-1)).abs().sum(-1)
         loss = loss + config.l1_weight * (weights * l1).sum()
         terms["l1"] = l1
@@ -272,9 +272,9 @@ def test_fused_markov_chunk_terms_equal_the_eager_ones(with_target):
 
 def test_the_target_distribution_is_the_targets_own_through_its_final_norm(root):
     """The store's final hidden state is the last decoder layer before the final norm. Through the
-    drafter's frozen norm (the target's zero-centred 1 + w, converted to x * w on load: the tiny
-    target is a Qwen3.5) and LM head it gives the target's own logits, which is what the L1 term
-    and the confidence labels read."""
+    target's final norm the drafter keeps (zero-centred 1 + w, converted to x * w on load: the tiny
+    target is a Qwen3.5; never the drafter's own, trained norm) and LM head it gives the target's
+    own logits, which is what the L1 term and the confidence labels read."""
     from transformers import AutoModelForCausalLM
 
     target_dir = tiny_target(root)
@@ -296,10 +296,11 @@ def test_the_target_distribution_is_the_targets_own_through_its_final_norm(root)
     finally:
         hook.remove()
     with torch.no_grad():
-        ours = drafter.logits(drafter.norm(captured["h"][0]))
+        ours = drafter.logits(drafter.target_final_norm(captured["h"][0]))
+        own = drafter.logits(drafter.norm(captured["h"][0]))  # the drafter's own norm, from 1: not the target's
         plain = captured["h"][0] @ drafter.lm_head.T  # a control: without the norm the logits are not the target's
     torch.testing.assert_close(ours, logits, rtol=1e-4, atol=1e-4)
-    assert not torch.allclose(plain, logits, atol=1e-2)
+    assert not torch.allclose(plain, logits, atol=1e-2) and not torch.allclose(own, logits, atol=1e-2)
 
 
 # ---- the heads and drafting ---------------------------------------------------------------------

@@ -63,6 +63,8 @@ def check_exported_and_evaluated(output: Path, *, confidence_head: bool) -> dict
     assert '"method": "dspark"' in report["vllm_serve"] and f'"num_speculative_tokens": {BLOCK}' in report["vllm_serve"]
     assert report["vllm_serve"].startswith("VLLM_USE_V2_MODEL_RUNNER=1 vllm serve")
     assert ("calibration" in dspark) == confidence_head and "calibration" not in report["drafters"]["prompt_lookup"]
+    bigram = report["drafters"]["bigram"]  # the baselines draft as many tokens a block as DSpark does
+    assert bigram["lossless"] and len(bigram["acceptance_per_position"]) == len(bigram["conditional_acceptance"]["rates"]) == BLOCK
     return report
 
 

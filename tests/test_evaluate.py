@@ -14,15 +14,17 @@ import torch
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 from transformers.cache_utils import DynamicLayer
 
-from dflash_jobs.evaluate.baselines import PromptLookupDrafter
+from dflash_jobs.errors import InputError
+from dflash_jobs.evaluate.baselines import BigramDrafter, BigramTable, PromptLookupDrafter, fit_bigram
 from dflash_jobs.evaluate.evaluator import held_out_prompts
-from dflash_jobs.evaluate.lossless import TOLERANCE_STATISTIC, Divergence
-from dflash_jobs.evaluate.metrics import acceptance_length, acceptance_per_position, same_anchor_pairs, summarize
+from dflash_jobs.evaluate.lossless import TIE_RULE, TOLERANCE_STATISTIC, Divergence
+from dflash_jobs.evaluate.metrics import acceptance_length, acceptance_per_position, conditional_acceptance, same_anchor_pairs, summarize
 from dflash_jobs.evaluate.report import build_report, store_report
 from dflash_jobs.formats import EVAL_PLOT_KEY as PLOT_KEY, EVAL_REPORT_KEY as REPORT_KEY
 from dflash_jobs.drafter.speculative import Decoded, Target, greedy_decode, speculative_decode
-from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk
+from dflash_jobs.formats import DATASET_KEY, MANIFEST_KEY, DatasetIndex, TokenChunk
 from dflash_jobs.storage import open_storage
+from train_fixtures import write_extract
 
 VOCAB = 128
 BLOCK = 6
@@ -220,6 +222,67 @@ def test_prompt_lookup_drafts_like_transformers():
     assert drafted > 40
 
 
+def token_rows(*samples: tuple[list[int], list[int]]) -> TokenChunk:
+    """Samples (ids, loss mask) end to end, as prepare writes a chunk."""
+    return TokenChunk(
+        input_ids=np.array([t for ids, _ in samples for t in ids], dtype=np.int32),
+        loss_mask=np.array([m for _, mask in samples for m in mask], dtype=np.uint8),
+        cu_seqlens=np.cumsum([0, *(len(ids) for ids, _ in samples)]).astype(np.int64), sample_ids=np.arange(len(samples), dtype=np.int64),
+    ).validate("rows")
+
+
+def stored_training_rows(tmp_path, *chunks: TokenChunk):
+    """A run's storage holding `chunks` as extraction and verify leave them (states of no interest here)."""
+    storage = open_storage(str(tmp_path))
+    write_extract(storage, [(rows, torch.zeros(rows.num_tokens, 1, 4)) for rows in chunks], model="t", layers=[0], dtype="bfloat16")
+    return storage
+
+
+def test_the_bigram_table_counts_the_pairs_a_drafters_first_slot_is_trained_on(tmp_path):
+    storage = stored_training_rows(
+        tmp_path,
+        # An unsupervised prompt token, then an answer; the next sample's answer follows with no prompt:
+        # the pair across the boundary (5, 3) is no sample's and is not counted.
+        token_rows(([1, 2, 3, 4, 5], [0, 1, 1, 1, 1]), ([3, 9, 3, 9], [1, 1, 1, 1])),
+        # 7 is followed by 8 and by 6 once each: the smaller id wins. (1, 7) is not: 1 is unsupervised.
+        token_rows(([1, 7, 8, 7, 6], [0, 1, 1, 1, 1])),
+    )
+    table = fit_bigram(storage)
+    assert table.successors == {2: 3, 3: 9, 4: 5, 9: 3, 7: 6, 8: 7}  # 3 -> 9 twice, -> 4 once
+    assert {k: table.fit[k] for k in ("chunks_read", "chunks", "tokens_read", "tokens", "pairs", "distinct_pairs", "previous_tokens")} == {
+        "chunks_read": 2, "chunks": 2, "tokens_read": 14, "tokens": 14, "pairs": 9, "distinct_pairs": 8, "previous_tokens": 6,
+    }
+    # Under a cap, whole chunks in a random order until the next would pass it (the first one always).
+    capped = fit_bigram(storage, max_tokens=9)
+    assert (capped.fit["chunks_read"], capped.fit["max_tokens"]) == (1, 9) and capped.fit["tokens_read"] in (5, 9)
+    assert fit_bigram(storage, max_tokens=1).fit["chunks_read"] == 1
+
+
+def test_the_bigram_table_needs_the_rows_training_read(tmp_path):
+    with pytest.raises(InputError, match=MANIFEST_KEY):
+        fit_bigram(open_storage(str(tmp_path)))
+
+
+def test_a_bigram_draft_chains_the_most_likely_successors_from_the_anchor():
+    drafter = BigramDrafter(BigramTable({2: 3, 3: 9, 9: 3, 4: 5}, {}), block_size=5)
+    assert drafter.drafts == 4 and drafter.target_layers == []
+    assert drafter.propose(torch.tensor([0, 2])).tolist() == [3, 9, 3, 9]
+    assert drafter.propose(torch.tensor([0, 4])).tolist() == [5]  # 5 was never seen followed: the chain ends
+    assert drafter.propose(torch.tensor([0, 7])).tolist() == []
+
+
+def test_bigram_drafting_is_lossless_and_accepts_what_it_learned(model, prompt, reference):
+    """A table fitted on greedy's own output drafts much of it: decoding with it returns greedy's
+    output exactly, with more than one token per verify step."""
+    continuation = [int(prompt[-1]), *reference]
+    successors = {}
+    for before, after in zip(continuation, continuation[1:]):
+        successors.setdefault(before, after)
+    decoded = speculative_decode(Target(model), BigramDrafter(BigramTable(successors, {}), BLOCK), prompt, max_new_tokens=len(reference), stop_ids=NO_STOP)
+    assert decoded.tokens == reference
+    assert acceptance_length([decoded]) > 1.5
+
+
 def test_acceptance_accounting():
     steps = [Decoded(tokens=[1, 2, 3, 4, 5, 6], seconds=1.0, accepted=[3, 0, 1], drafted=[3, 3, 3]),
              Decoded(tokens=[7, 8], seconds=1.0, accepted=[1], drafted=[2])]
@@ -238,6 +301,20 @@ def test_acceptance_accounting():
         summarize(steps, greedy, 5, divergences=[[], []], tie_tolerance=0.0005)
 
 
+def test_conditional_acceptance_judges_draft_k_only_where_it_was_drafted_after_k_minus_1_accepted():
+    # Blocks of 5 (4 drafts). Steps (accepted, drafted): (4, 4), (1, 4), (2, 2) the output's last block,
+    # (0, 0) a baseline that found nothing to copy, (2, 4) whose third draft was the stop token: the
+    # stop took the bonus token's place, so it committed two drafts, as the unconditional rates count.
+    decoded = [Decoded(tokens=[0] * 9, seconds=1.0, accepted=[4, 1, 2], drafted=[4, 4, 2]),
+               Decoded(tokens=[0] * 4, seconds=1.0, accepted=[0, 2], drafted=[0, 4])]
+    assert acceptance_per_position(decoded, 5) == [0.8, 0.6, 0.2, 0.2]
+    conditional = conditional_acceptance(decoded, 5)
+    # k = 1: the four steps that drafted, all accepted one; k = 2: three of the four that reached it;
+    # k = 3: of the two that drafted a third after two (the (2, 2) step drafted none), one; k = 4: that one.
+    assert conditional == {"rates": [1.0, 0.75, 0.5, 1.0], "steps": [4, 4, 2, 1]}
+    assert conditional_acceptance([Decoded(tokens=[0], seconds=1.0, accepted=[0], drafted=[0])], 3) == {"rates": [None, None], "steps": [0, 0]}
+
+
 def test_report_is_stored_with_its_plot(tmp_path):
     greedy = [Decoded(tokens=[1, 2, 3], seconds=1.0, margins=[1.0] * 3)]
     drafted = {"dflash": [Decoded(tokens=[1, 2, 3], seconds=0.5, accepted=[1, 0], drafted=[3, 3])],
@@ -248,9 +325,11 @@ def test_report_is_stored_with_its_plot(tmp_path):
     store_report(storage, report)
     stored = json.loads(storage.get_bytes(REPORT_KEY))
     assert stored["format"] == "dflash.eval/v1" and stored["lossless"] is True
-    assert stored["tie_tolerance"] == {"value": 0.03, "positions": 2, "block_size": 4, "statistic": TOLERANCE_STATISTIC}
+    assert stored["tie_tolerance"] == {"value": 0.03, "positions": 2, "block_size": 4, "statistic": TOLERANCE_STATISTIC, "rule": TIE_RULE}
     assert set(stored["drafters"]) == {"dflash", "prompt_lookup"}
-    assert set(stored["drafters"]["dflash"]) >= {"acceptance_length", "acceptance_per_position", "tokens_per_second", "speedup", "lossless", "mismatches"}
+    assert set(stored["drafters"]["dflash"]) >= {
+        "acceptance_length", "acceptance_per_position", "conditional_acceptance", "tokens_per_second", "speedup", "lossless", "mismatches",
+    }
     assert stored["drafters"]["dflash"]["acceptance_length"] == 1.5
     assert stored["greedy"]["tokens_per_second"] == 3.0
     assert storage.get_bytes(PLOT_KEY).startswith(b"\x89PNG")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_jobs.errors import InputError
+from dflash_jobs.errors import InputError, SpecError
 from dflash_jobs.spec import dump_spec, parse_spec
 
 from dflashctl.backend import LogQuery
@@ -167,6 +167,25 @@ def test_parallelism_is_honoured_and_capped_by_local_parallelism(tmp_path, monke
         running += delta
         most = max(most, running)
     assert most == 2
+
+
+@pytest.mark.parametrize(("cores", "expected"), [(None, {"7"}), (4, {"2"}), (1, {"1"})])
+def test_local_cores_fix_the_pods_threads_whatever_the_environment_says(tmp_path, monkeypatch, cores, expected):
+    """Without local.cores the shell's OMP_NUM_THREADS wins (else cores / parallelism); with it, each of
+    the Job's parallel pods gets its share of those cores, so a spec's figures do not change with the shell."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    backend = LocalBackend(make_spec(tmp_path, **({} if cores is None else {"cores": cores})))
+    seen = tmp_path / "threads"
+    seen.mkdir()
+    script = f"import os; open(os.path.join({str(seen)!r}, os.environ['JOB_COMPLETION_INDEX']), 'w').write(os.environ['OMP_NUM_THREADS'])"
+    assert run_job(backend, make_job("threads", script, completions=2, parallelism=2)).complete
+    assert {(seen / str(i)).read_text() for i in range(2)} == expected
+
+
+def test_local_cores_must_be_positive(tmp_path):
+    with pytest.raises(SpecError, match="local.cores"):
+        make_spec(tmp_path, cores=0)
 
 
 def test_a_failed_index_is_retried_within_its_backoff_limit(backend, tmp_path):

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_jobs.drafter.anchors import anchor_layout
+from dflash_jobs.drafter.checkpoint import TargetCheckpoint
 from dflash_jobs.errors import EXIT_BAD_INPUT, InputError
 from dflash_jobs.formats import MANIFEST_KEY, HiddenChunk, Manifest, TokenChunk, encode_hidden_chunk, hidden_chunk_key
 from dflash_jobs.spec import parse_spec
@@ -271,6 +272,10 @@ def test_killed_and_restarted_it_ends_with_the_weights_of_an_uninterrupted_run(r
     run_in_process(spec_for(root, killed, checkpoint_every=7), tmp_path / "cache-b")
     expected, got = final_weights(uninterrupted), final_weights(killed)
     assert expected.keys() == got.keys()
+    # Every trained weight resumes, the drafter's own final norm among them: trained from 1, not the target's.
+    target_norm = TargetCheckpoint(open_storage(str(tiny_target(root)))).read_target_tensors().final_norm
+    for other in (torch.ones_like(target_norm), target_norm):
+        assert not torch.allclose(expected["norm.weight"], other, atol=1e-4)
     for name in expected:
         assert torch.equal(expected[name], got[name]), name
 

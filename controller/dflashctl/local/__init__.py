@@ -16,7 +16,8 @@ machine, so a local run exercises the manifests themselves:
   containers without one get no credentials, as in a pod;
 - one log file per pod attempt: <workdir>/logs/<job>/<index>-<attempt>.log.
 - the machine's cores are shared among the Job's parallel pods as a node's are among its pods:
-  each gets OMP_NUM_THREADS = cores / parallelism unless the environment sets it.
+  each gets OMP_NUM_THREADS = cores / parallelism unless the environment sets it; `local.cores`
+  fixes the cores, and then the threads whatever the environment says.
 
 Each Job is run by a detached supervisor process (`python -m dflashctl.local.supervisor <job dir>`)
 that writes the Job's state as JSON under the workdir. `submit` returns at once; `wait`, `status`

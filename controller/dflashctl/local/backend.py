@@ -54,6 +54,7 @@ class LocalBackend:
     def __init__(self, spec: RunSpec) -> None:
         self.workdir = Path(spec.local.workdir).resolve()
         self.parallelism_cap = spec.local.parallelism
+        self.cores = spec.local.cores
         self.model = spec.target.model
         # Claims every pod of a node shares, each one directory here: the model cache, the kernel cache.
         self.shared_claims = {claim for claim in (spec.cluster.model_cache, spec.cluster.kernel_cache) if claim}
@@ -117,7 +118,7 @@ class LocalBackend:
             else:
                 self._resume(files)
                 return "attached"
-        record = JobRecord(manifest=job, volumes=self._volumes(job), cwd=os.getcwd(), parallelism_cap=self.parallelism_cap)
+        record = JobRecord(manifest=job, volumes=self._volumes(job), cwd=os.getcwd(), parallelism_cap=self.parallelism_cap, cores=self.cores)
         for container in record.containers:
             check_container(container, files.name)
         files.dir.mkdir(parents=True, exist_ok=True)

@@ -191,8 +191,12 @@ class Pod:
             paths=PathMap(mounts),
             cwd=self.record.cwd,
         )
-        # Without it every pod's torch takes all cores and parallel pods thrash each other.
-        container.env.setdefault("OMP_NUM_THREADS", str(self.threads))
+        # Without it every pod's torch takes all cores and parallel pods thrash each other. local.cores
+        # overrides the environment's: the spec's figures then do not depend on the shell they run from.
+        if self.record.cores is not None:
+            container.env["OMP_NUM_THREADS"] = str(self.threads)
+        else:
+            container.env.setdefault("OMP_NUM_THREADS", str(self.threads))
         self.log.write(f"{CONTAINER_HEADER}{container.name}: {shlex.join(container.argv)}\n".encode())
         self.log.flush()
         try:

@@ -148,6 +148,8 @@ class JobRecord:
     """Where `submit` ran: relative paths of the spec (output, data.source) resolve from there."""
     parallelism_cap: int | None
     """local.parallelism."""
+    cores: int | None = None
+    """local.cores: the cores the Job's parallel pods share, whatever the environment says (None: this machine's)."""
 
     @classmethod
     def load(cls, files: JobFiles) -> JobRecord | None:

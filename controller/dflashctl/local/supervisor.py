@@ -76,7 +76,7 @@ class Supervisor:
             if shard.phase != "Missing":
                 continue
             pod = Pod(self.files, self.record, shard.index, shard.attempts, indexed=self.policy.indexed,
-                      threads=max(1, (os.cpu_count() or 1) // self.policy.parallelism))
+                      threads=max(1, (self.record.cores or os.cpu_count() or 1) // self.policy.parallelism))
             shard.attempts += 1
             shard.pod, shard.phase = pod.name, "Pending"
             self.pods[shard.index] = pod

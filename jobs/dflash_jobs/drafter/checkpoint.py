@@ -1,13 +1,16 @@
 """What the drafter borrows from the target checkpoint, read from its safetensors alone.
 
-Training never loads the target model (27B): it needs the embedding, the final norm and the LM
-head, three tensors read by key name with ranged reads, from a local directory or an s3:// prefix.
+Training never loads the target model (27B): it needs the embedding and the LM head, which the
+drafter shares, and the final norm, through which DSpark's objective reads the target's next-token
+distribution: three tensors read by key name with ranged reads, from a local directory or an s3://
+prefix.
 Key names: Qwen3.5/3.6 multimodal checkpoints nest the text model (`model.language_model.*`),
 text-only ones do not (`model.*`); `lm_head.weight` is absent when the embeddings are tied.
 
 Norm semantics: Qwen3.5/3.6 (and Qwen3-Next, Gemma) store a zero-centred final norm applied as
-x * (1 + w) (transformers' Qwen3_5RMSNorm); the drafter's norm is Qwen3's x * w, so the weight is
-converted here, once, to 1 + w. The export then holds a norm that vLLM applies correctly.
+x * (1 + w) (transformers' Qwen3_5RMSNorm); the drafter applies norms as Qwen3's x * w, so the
+weight is converted here, once, to 1 + w. (The drafter's own final norm, which the export holds and
+vLLM applies as x * w, starts at 1 and is trained: drafter/model.py.)
 """
 
 from __future__ import annotations

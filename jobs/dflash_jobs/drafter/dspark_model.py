@@ -148,8 +148,8 @@ class DSparkHeads:
 
 
 class DSparkDrafter(DSparkHeads, Drafter):
-    """Trainable: the backbone's layers, fc and hidden_norm, and both heads; frozen, from the target:
-    the final norm, embedding and LM head, as in Drafter."""
+    """Trainable: the backbone's layers, fc, hidden_norm and final norm, and both heads; frozen, from
+    the target: the embedding, LM head and the target's final norm, as in Drafter."""
 
     def __init__(self, config: DSparkConfig) -> None:
         super().__init__(config)

@@ -79,7 +79,9 @@ def load_drafter(
     of `variant` (DFlash by default) with the frozen embedding and LM head of the target checkpoint
     `target`, in eval mode. `endpoint_url` and `region` locate s3:// URLs (the spec's storage section).
 
-    Weights stay in bf16 as exported; the drafter's `draft_block` drafts one block from there."""
+    Weights stay in bf16 as exported, and need no gradient (none is tracked, inside inference mode or
+    not: the evaluation's exact tree figures score outside it); the drafter's `draft_block` drafts one
+    block from there."""
     from safetensors.torch import load
 
     variant = variant or drafter_variant("dflash")
@@ -88,4 +90,4 @@ def load_drafter(
     drafter.load_state_dict(load(open_storage(source, endpoint_url=endpoint_url, region=region).get_bytes(WEIGHTS_FILE)))
     tensors = TargetCheckpoint(open_storage(target, endpoint_url=endpoint_url, region=region)).read_target_tensors()
     drafter.load_target_tensors(tensors.embed_tokens, tensors.lm_head, tensors.final_norm)
-    return drafter.to(device=device, dtype=torch.bfloat16).eval(), config
+    return drafter.to(device=device, dtype=torch.bfloat16).eval().requires_grad_(False), config

@@ -94,6 +94,8 @@ class Decoded:
     """Plain greedy only: the target's top-1 logit at each token, the scale of its rounding."""
     runners_up: list[int] = field(default_factory=list)
     """Plain greedy only: the target's second choice at each token (its first is the token)."""
+    forced_logits: list[float] = field(default_factory=list)
+    """Greedy along a forced output only: the target's logit of the forced token at each position."""
 
 
 @dataclass
@@ -215,20 +217,23 @@ def greedy_decode(
     """Plain greedy decoding with the target's KV cache: one forward per token, the reference output.
 
     forced: feed these tokens instead of the target's own choices (one step each). `tokens` and the
-    top-two record then hold what greedy would choose after each prefix of `forced`: the check of
-    another output (a speculative one) at every position, not only up to its first difference.
+    top-two record then hold what greedy would choose after each prefix of `forced`, and
+    `forced_logits` the logit of each forced token there: the check of another output (a
+    speculative one) at every position, not only up to its first difference.
     """
     device = target.device
     synchronize(device)
     start = time.perf_counter()
     target.reset()
     logits = target.forward(prompt.to(device), last_only=True)[-1]
-    tokens, values, indices = [], [], []
+    tokens, values, indices, forced_values = [], [], [], []
     while True:
         top = logits.float().topk(2)
         tokens.append(int(top.indices[0]))
         values.append(top.values)  # read once at the end: one host sync per token (the token), not three
         indices.append(top.indices)
+        if forced is not None:
+            forced_values.append(logits[forced[len(tokens) - 1]].float())
         done = len(tokens) >= len(forced) if forced is not None else finished(tokens, max_new_tokens, stop_ids)
         if done:
             break
@@ -241,6 +246,7 @@ def greedy_decode(
         tokens=tokens, seconds=seconds,
         margins=[first - second for first, second in tops], top_logits=[first for first, _ in tops],
         runners_up=torch.stack(indices)[:, 1].tolist(),
+        forced_logits=torch.stack(forced_values).tolist() if forced_values else [],
     )
 
 

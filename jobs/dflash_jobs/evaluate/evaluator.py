@@ -2,9 +2,10 @@
 
 Prompts are the samples prepare held out of training (tokens/holdout.safetensors), each cut before
 its last supervised run: what the target was asked, never what it answered. For every prompt the
-target decodes three ways, on the same device and in the same loop style: plain greedy (the
-reference output and speed), DFlash speculative decoding, and prompt lookup (the training-free
-baseline); then the DFlash drafter's training forward runs on the prompt and greedy's output
+target decodes four ways, on the same device and in the same loop style: plain greedy (the
+reference output and speed), DFlash speculative decoding, and the baselines (evaluate/baselines.py):
+prompt lookup, training-free, and a bigram table fitted once on the run's training rows; then the
+DFlash drafter's training forward runs on the prompt and greedy's output
 (evaluate/simulated.py), the teacher-forced acceptance the decoded one should match, and, untimed,
 the lossless check's figures (evaluate/lossless.py): the target's own verify-against-decode
 rounding, and greedy along each output that differs from greedy's. With eval.tree_budgets, the
@@ -35,7 +36,7 @@ from dflash_jobs.drafter.serving import run_serve_command
 from dflash_jobs.drafter.speculative import BlockDrafter, Decoded, ModelDrafter, Target, greedy_decode, speculative_decode
 from dflash_jobs.drafter.tree_verify import tree_decode
 from dflash_jobs.errors import InputError
-from dflash_jobs.evaluate.baselines import PromptLookupDrafter
+from dflash_jobs.evaluate.baselines import BigramDrafter, BigramTable, PromptLookupDrafter, fit_bigram
 from dflash_jobs.evaluate.calibration import recorder_for
 from dflash_jobs.evaluate.lossless import Divergence, divergences, verify_noise
 from dflash_jobs.evaluate.metrics import acceptance_length
@@ -107,13 +108,14 @@ class PromptResult:
 
 class PromptDecoder:
     """The target and the drafters, ready to decode one prompt at a time (in this process or in a worker):
-    the trained drafter, under its variant's name, and prompt lookup drafting as many tokens a block."""
+    the trained drafter, under its variant's name, and the baselines drafting as many tokens a block."""
 
-    def __init__(self, model, drafter: Drafter, variant: DrafterVariant, layout: AnchorLayout, settings: EvalSpec) -> None:
+    def __init__(self, model, drafter: Drafter, variant: DrafterVariant, layout: AnchorLayout, settings: EvalSpec, bigram: BigramTable) -> None:
         self.drafter, self.variant, self.layout = drafter, variant, layout
         self.recorder = recorder_for(drafter, drafts=layout.drafts)
         self.drafters: dict[str, BlockDrafter] = {
-            variant.name: self.recorder or ModelDrafter(drafter, drafts=layout.drafts), "prompt_lookup": PromptLookupDrafter(layout.drafts + 1),
+            variant.name: self.recorder or ModelDrafter(drafter, drafts=layout.drafts),
+            "prompt_lookup": PromptLookupDrafter(layout.drafts + 1), "bigram": BigramDrafter(bigram, layout.drafts + 1),
         }
         self.settings = settings
         self.stop = stop_ids(model)
@@ -181,15 +183,15 @@ class PromptDecoder:
             target.close()
 
 
-def load_decoder(spec: RunSpec, *, device: torch.device) -> PromptDecoder:
-    """The run's target and exported drafter on `device`, as a PromptDecoder."""
+def load_decoder(spec: RunSpec, bigram: BigramTable, *, device: torch.device) -> PromptDecoder:
+    """The run's target and exported drafter on `device`, and the baselines, as a PromptDecoder."""
     model = load_target(spec, device=device, dtype=eval_dtype(device))
     variant = drafter_variant(spec.train.drafter)
     drafter, config = load_drafter(
         drafter_url(spec), target=spec.target.model, variant=variant, device=device,
         endpoint_url=spec.storage.endpoint_url, region=spec.storage.region,
     )
-    return PromptDecoder(model, drafter, variant, served_layout(spec, config), spec.eval)
+    return PromptDecoder(model, drafter, variant, served_layout(spec, config), spec.eval, bigram)
 
 
 def served_layout(spec: RunSpec, config: DrafterConfig) -> AnchorLayout:
@@ -216,10 +218,10 @@ def decode_prompts(decoder: PromptDecoder, prompts: list[torch.Tensor]) -> list[
 _worker_decoder: PromptDecoder | None = None
 
 
-def _start_worker(spec: RunSpec, device: torch.device, threads: int, warm_up: torch.Tensor) -> None:
+def _start_worker(spec: RunSpec, bigram: BigramTable, device: torch.device, threads: int, warm_up: torch.Tensor) -> None:
     global _worker_decoder
     torch.set_num_threads(threads)
-    _worker_decoder = load_decoder(spec, device=device)
+    _worker_decoder = load_decoder(spec, bigram, device=device)
     _worker_decoder.decode(warm_up)
 
 
@@ -228,7 +230,7 @@ def _decode_in_worker(prompt: torch.Tensor) -> PromptResult:
     return _worker_decoder.decode(prompt)
 
 
-def decode_in_processes(spec: RunSpec, prompts: list[torch.Tensor], *, device: torch.device) -> list[PromptResult]:
+def decode_in_processes(spec: RunSpec, bigram: BigramTable, prompts: list[torch.Tensor], *, device: torch.device) -> list[PromptResult]:
     """Every prompt decoded by eval.processes workers on `device`, each loading the target and drafter
     and warming up once; a worker takes the next prompt when it is done with one, and the results
     come back in prompt order. The CPU threads are shared out between the workers."""
@@ -236,7 +238,7 @@ def decode_in_processes(spec: RunSpec, prompts: list[torch.Tensor], *, device: t
     threads = max(1, torch.get_num_threads() // processes)
     # spawn: CUDA cannot be used in a forked child, and a fresh interpreter inherits no threads or locks.
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(processes, mp_context=context, initializer=_start_worker, initargs=(spec, device, threads, prompts[0])) as pool:
+    with ProcessPoolExecutor(processes, mp_context=context, initializer=_start_worker, initargs=(spec, bigram, device, threads, prompts[0])) as pool:
         return log_progress(pool.map(_decode_in_worker, prompts), len(prompts))
 
 
@@ -267,10 +269,13 @@ def evaluate(spec: RunSpec, storage: Storage, *, device: torch.device) -> dict[s
     config = variant.config_from_export(exported)
     layout = served_layout(spec, config)
     describe(spec, config, device, len(prompts))
+    bigram = fit_bigram(storage)
+    log.info("bigram baseline: %d tokens' successors from %d pairs in %d of %d chunks (%d of %d tokens)", bigram.fit["previous_tokens"],
+             bigram.fit["pairs"], bigram.fit["chunks_read"], bigram.fit["chunks"], bigram.fit["tokens_read"], bigram.fit["tokens"])
     if settings.processes > 1:
-        results = decode_in_processes(spec, prompts, device=device)  # the workers load their own copies
+        results = decode_in_processes(spec, bigram, prompts, device=device)  # the workers load their own copies
     else:
-        decoder = load_decoder(spec, device=device)
+        decoder = load_decoder(spec, bigram, device=device)
         try:
             results = decode_prompts(decoder, prompts)
         finally:
@@ -288,7 +293,7 @@ def evaluate(spec: RunSpec, storage: Storage, *, device: torch.device) -> dict[s
         block_size=layout.drafts + 1, dtype=eval_dtype(device),
         target=spec.target.model, drafter=drafter_url(spec), drafter_variant=variant.name, prompts=len(prompts),
         max_new_tokens=settings.max_new_tokens, processes=min(settings.processes, len(prompts)), device=str(device),
-        vllm_serve=run_serve_command(spec, exported),
+        vllm_serve=run_serve_command(spec, exported), bigram=bigram.fit,
     )
     store_report(storage, report)
     log.info("serve it with vLLM:\n%s", report["vllm_serve"])

@@ -9,15 +9,22 @@ Acceptance per position: for k = 1..B-1, the fraction of verify steps whose firs
 tokens were all accepted. It falls with k; tau = 1 + the sum over k. A drafter that learned only
 the next token shows a cliff after k = 1.
 
+Conditional acceptance: for k = 1..B-1, among the verify steps that drafted at least k tokens and
+accepted the first k - 1, the fraction that accepted draft k too: how well the drafter continues a
+block it got right so far, which the unconditional rates mix with how often it got that far. A
+step that drafted fewer than k tokens (the output's last block, a baseline that found nothing to
+copy) had no draft k to judge and is left out; position k counts its steps beside the rate. It
+reads the same committed counts as the rates, so it is stop-aware as they are.
+
 Every verify step counts what it committed to the output: drafts the target agreed with after a
 stop token, or past max_new_tokens, are not part of the output and are not counted (the stop
 token itself takes the bonus token's place; `Decoded.accepted`).
 
 Lossless: speculative decoding must return exactly the target's greedy output. A difference is a
-bug unless it is a numerical tie: the output took greedy's runner-up where greedy's top two
-logits were closer than the target's own verify-against-decode rounding, measured on the run
-(evaluate/lossless.py). Every prompt whose output differs is reported with every position where
-it leaves greedy's and the verdict of each; a drafter is lossless only without a real mismatch.
+bug unless it is a numerical tie: the output took a token whose greedy logit was closer to
+greedy's top logit than the target's own verify-against-decode rounding, measured on the run
+(evaluate/lossless.py TIE_RULE). Every prompt whose output differs is reported with every position
+where it leaves greedy's and the verdict of each; a drafter is lossless only without a real mismatch.
 
 Simulated acceptance (train/serve consistency): the same acceptance, teacher forced, as training
 and SpecForge's DFlash evaluation compute it (evaluate/simulated.py): an anchor at every position
@@ -60,6 +67,18 @@ def rates_per_position(accepted: Sequence[int], block_size: int) -> list[float]:
     if not accepted:
         return [0.0] * (block_size - 1)
     return [sum(a >= k for a in accepted) / len(accepted) for k in range(1, block_size)]
+
+
+def conditional_acceptance(decoded: Sequence[Decoded], block_size: int) -> dict[str, list]:
+    """Over every verify step of every prompt: rates[k - 1] = P(accepted >= k | accepted >= k - 1 and
+    drafted >= k), k = 1..B-1, None where no step qualifies; steps[k - 1] = how many steps qualified."""
+    steps = [(accepted, drafted) for d in decoded for accepted, drafted in zip(d.accepted, d.drafted, strict=True)]
+    rates, counts = [], []
+    for k in range(1, block_size):
+        reached = [accepted for accepted, drafted in steps if accepted >= k - 1 and drafted >= k]
+        counts.append(len(reached))
+        rates.append(sum(accepted >= k for accepted in reached) / len(reached) if reached else None)  # None, not NaN: strict JSON
+    return {"rates": rates, "steps": counts}
 
 
 def verify_steps(decoded: Sequence[Decoded]) -> list[int]:
@@ -171,6 +190,7 @@ def summarize(
     return {
         "acceptance_length": acceptance_length(decoded),
         "acceptance_per_position": acceptance_per_position(decoded, block_size),
+        "conditional_acceptance": conditional_acceptance(decoded, block_size),
         "verify_steps": sum(len(d.accepted) for d in decoded),
         "tokens": sum(len(d.tokens) for d in decoded),
         "tokens_per_second": speed,

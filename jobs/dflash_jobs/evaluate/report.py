@@ -4,17 +4,23 @@ report.json (format dflash.eval/v1):
     target, drafter, drafter_variant, prompts, max_new_tokens, device, dtype, processes
     block_size: the verify block, the anchor and its drafts (train.block_size, or one more for a
               drafter that samples from the anchor, DSpark); acceptance per position covers 1..block_size-1
-    tie_tolerance: {value, statistic, positions, block_size}: the target's own verify-against-decode
+    tie_tolerance: {value, statistic, positions, block_size, rule}: the target's own verify-against-decode
               rounding, measured on this run (evaluate/lossless.py verify_noise): the largest change a
-              verify forward made to greedy's top-1 minus top-2 logit over `positions` positions
+              verify forward made to greedy's top-1 minus top-2 logit over `positions` positions; `rule`
+              says which divergences it makes ties (lossless.TIE_RULE)
     greedy:   {tokens, tokens_per_second}             plain greedy decoding, the reference
     drafters: {name: metrics.summarize(...)}          the trained drafter under its variant's name (drafter_variant:
-              dflash, dflash2, dspark), and "prompt_lookup" as the training-free baseline;
+              dflash, dflash2, dspark), and the baselines (evaluate/baselines.py): "prompt_lookup",
+              training-free, and "bigram", the table described under `bigram`;
               acceptance counts only tokens committed (never past a stop token or max_new_tokens);
-              lossless (no real mismatch), mismatching_prompts, ties, real_mismatches (prompts),
-              mismatches [{prompt, tie, divergences [{position, token, greedy_token, greedy_runner_up,
-              greedy_margin, greedy_top_logit, tie}]}]: a divergence is a tie only where the output
-              took greedy's runner-up at a margin within tie_tolerance.value
+              acceptance_per_position[k-1]: the share of verify steps that accepted drafts 1..k;
+              conditional_acceptance {rates, steps}: rates[k-1] the share of the steps that drafted k
+              tokens and accepted the first k-1 (steps[k-1] of them) that accepted draft k too, null
+              where none did; lossless (no real mismatch), mismatching_prompts, ties, real_mismatches
+              (prompts), mismatches [{prompt, tie, divergences [{position, token, greedy_token,
+              greedy_runner_up, greedy_margin, greedy_top_logit, token_logit, greedy_logit_gap, tie}]}]:
+              a divergence is a tie only where greedy's top logit minus its logit of the output's token
+              (greedy_logit_gap) is within tie_tolerance.value
     drafters.<variant>.simulated: metrics.summarize_simulated(...)   the training forward's acceptance on
               the same prompts (evaluate/simulated.py): acceptance_length, acceptance_per_position,
               anchors, at_decoded_anchors {steps, minimum_steps, compared, verdict, simulated and
@@ -32,6 +38,11 @@ report.json (format dflash.eval/v1):
               along greedy's output), agrees_with_exact, prompts_unlike_exact}; lossless
     drafters.<variant>.coverage: trees.summarize_coverage(...)   per slot, the share of the chain's verify
               steps whose greedy token is among the drafter's k likeliest there (k = 1, 2, 4, 8)
+    bigram:   what the bigram baseline was fitted on: pairs_counted (which token pairs: the anchor and
+              first label of every block training may draw), max_tokens (the cap on the token rows read:
+              whole chunks in a random order, fixed seed, until the next would pass it; the first is
+              always read), chunks_read of chunks, tokens_read of tokens, pairs, distinct_pairs,
+              previous_tokens (tokens with a successor; the others end a bigram draft)
     lossless: true when no drafter, chain or tree, has a real mismatch on any prompt
     vllm_serve: the shell commands that serve this drafter with its target in vLLM (drafter/serving.py)
 """

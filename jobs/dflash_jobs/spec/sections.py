@@ -242,5 +242,14 @@ class LocalSpec:
     """Where the local backend keeps pod logs, mapped volumes and state."""
     parallelism: int | None = None
     """Processes at once per Job; default: the Job's own parallelism."""
+    cores: int | None = None
+    """CPU cores a Job's parallel pods share: each runs OMP_NUM_THREADS = cores / parallelism, whatever the
+    environment says. Training's figures change with its thread count (float sums in another order), so
+    a fixed value gives the same figures on any machine of one kind. Default: this machine's cores, or
+    OMP_NUM_THREADS where the environment sets it."""
     device: str = "cpu"
     """torch device for local pods: cpu, or cuda on a workstation."""
+
+    def __post_init__(self) -> None:
+        if self.cores is not None:
+            _positive("local.cores", self.cores, minimum=1)

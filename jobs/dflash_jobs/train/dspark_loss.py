@@ -10,8 +10,9 @@ w_k = prefix_k * exp(-k / gamma) already say so):
     loss  = (a_ce sum w CE + a_l1 sum w L1 + a_conf sum w BCE) / sum w,    a = (0.1, 0.9, 1.0)
 
 h_last is the target's last decoder layer before its final norm (the store's final hidden state), so
-its distribution goes through the target's final norm, in x * w form (the drafter's frozen `norm`,
-converted from Qwen3.5/3.6's 1 + w when loaded: drafter/checkpoint.py), then the LM head. Every
+its distribution goes through the target's final norm, in x * w form (the drafter's frozen
+`target_norm`, converted from Qwen3.5/3.6's 1 + w when loaded: drafter/checkpoint.py; the drafter's
+own `norm` is trained), then the LM head. Every
 term is divided by the same sum of weights (the trainer's normalizer, global under DDP). The
 confidence head's input is not detached: its loss reaches the backbone and W1 too, as in DeepSpec.
 CE-only (train.dspark.ce_only): a_l1 = 0 and no confidence head, so the target's state is never read.
@@ -164,7 +165,7 @@ def dspark_objective(drafter, hidden: torch.Tensor, batch, *, normalizer: torch.
     target_hidden = None
     if config.reads_target:
         with torch.no_grad():  # the target's state through its own final norm; data, not a parameter
-            target_hidden = drafter.norm(batch.final_hidden[target_rows(batch).flatten()[rows]])
+            target_hidden = drafter.target_final_norm(batch.final_hidden[target_rows(batch).flatten()[rows]])
     slot_hidden = hidden.reshape(N * B, d)[rows]
     loss, predictions, l1, weighted_ce, weighted_l1 = ChunkedMarkovDistillation.apply(
         slot_hidden, drafter.lm_head, embedded, drafter.markov_head.markov_w2.weight, target_hidden, labels, row_weights,

@@ -61,6 +61,6 @@ def parallelize(drafter: Drafter, train: TrainSpec, *, device: torch.device, wor
         return drafter
     from torch.nn.parallel import DistributedDataParallel
 
-    # The frozen vocab tables are read by every rank from the checkpoint: never broadcast them.
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(drafter, ["embed_tokens", "lm_head"])
+    # The target's frozen tensors are read by every rank from the checkpoint: never broadcast them.
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(drafter, ["embed_tokens", "lm_head", "target_norm"])
     return DistributedDataParallel(drafter, device_ids=[device.index] if device.type == "cuda" else None)
