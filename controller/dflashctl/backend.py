@@ -1,6 +1,6 @@
 """The interface both backends implement: kubernetes (kube.py) and local (local/).
 
-A backend runs the rendered objects of a run (render.py) and reports on their Jobs in one shape,
+A backend runs the rendered objects of a run (render/) and reports on their Jobs in one shape,
 so that `dflashctl run`, `status`, `logs`, `cancel` and `retry` are the same code on a laptop and
 on a cluster. Everything here is plain data: no Kubernetes client types leak out of a backend.
 """
