@@ -18,6 +18,9 @@ The rest of a cluster a first run meets: namespaces (`namespaces`), nodes with l
 allocatable resources, Secrets, PersistentVolumeClaims with their phase (`api.add(obj)`), what this
 client may do (SelfSubjectAccessReview, answered from `api.deny(verb, resource)`), and pods created
 on their own, which a scripted kubelet runs (`api.kubelet = lambda pod: PodRun(exit_code, logs)`).
+
+One file past the usual size on purpose: the HTTP handler, the store with its watch history and the
+job controller work under one lock on one history, and a test meets them as one cluster.
 """
 
 from __future__ import annotations

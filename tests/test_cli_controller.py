@@ -1,6 +1,9 @@
 """`dflashctl render|submit|status|logs|cancel|retry` end to end: the CLI, the kubernetes backend and a fake API server.
 
 Commands run through `main()`, so the exit codes are the ones of DESIGN section 9.
+
+One file past the usual size on purpose: every test drives a run the `run` fixture sets up on the
+fake cluster, with the same helpers, one command after another as a user would.
 """
 
 from __future__ import annotations
