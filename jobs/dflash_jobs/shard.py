@@ -1,5 +1,6 @@
-"""What every shard of an Indexed Job does alike (extraction, generation): find its index, and end
-as one log line, one exit code and a termination message, whatever happened."""
+"""What every shard of an Indexed Job does alike (extraction, generation): read its command line,
+find its index, report in one summary, and end as one log line, one exit code and a termination
+message, whatever happened."""
 
 from __future__ import annotations
 
