@@ -69,7 +69,7 @@ from dflash_jobs.extract.worker import ExtractWorker, iter_windows, to_device
 from dflash_jobs.formats import TokenChunk
 from dflash_jobs.spec import ExtractSpec
 
-from extract_shapes import DiscardingStorage, build_target, lognormal_chunks, model_flops, write_run
+from extract_shapes import DiscardingStorage, bench_device, build_target, lognormal_chunks, model_flops, write_run
 
 log = logging.getLogger("bench.extract")
 
@@ -273,9 +273,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
-    device = torch.device(args.device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = bench_device(args.device)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-extract-"))
     stages = args.stages.split(",")
     unknown = set(stages) - set(STAGES)

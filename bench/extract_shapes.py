@@ -1,6 +1,7 @@
-"""What the extraction benchmark (bench/extract.py) runs on: the target of each --shape (random
-weights of the real Qwen3.6-27B text shape, or the tiny one through the real loading path), its
-FLOPs per token, lognormal samples cut into chunks like prepare's, and the store they go through.
+"""What the extraction benchmark (bench/extract.py) runs on: the device, the target of each --shape
+(random weights of the real Qwen3.6-27B text shape, or the tiny one through the real loading path),
+its FLOPs per token, lognormal samples cut into chunks like prepare's, and the store they go through.
+bench/speedup.py runs on the same device and the same 27B shape.
 """
 
 from __future__ import annotations
@@ -23,6 +24,14 @@ REAL_27B = dict(
     linear_value_head_dim=128, vocab_size=248320,
     rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
 )
+
+
+def bench_device(name: str) -> torch.device:
+    """--device with its index ("cuda": the current one), as the memory and timing calls want it."""
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def random_27b(device: torch.device) -> Target:

@@ -103,7 +103,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent / "train")]
 from bench_train import SHAPES as DRAFTER_SHAPES  # noqa: E402  (bench/train/bench_train.py)
-from extract_shapes import REAL_27B  # noqa: E402  (bench/extract_shapes.py)
+from extract_shapes import REAL_27B, bench_device  # noqa: E402  (bench/extract_shapes.py)
 
 from dflash_jobs.drafter.model import Drafter, DrafterConfig  # noqa: E402
 from dflash_jobs.drafter.speculative import ModelDrafter, Target  # noqa: E402
@@ -387,9 +387,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
-    device = torch.device(args.device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = bench_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     args.reps = args.reps or DEFAULT_REPS[args.shape][0]
     args.warmup = args.warmup if args.warmup is not None else DEFAULT_REPS[args.shape][1]

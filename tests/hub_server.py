@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlparse
 
+from loopback import LoopbackServer
+
 LFS_SUFFIXES = (".safetensors", ".bin")
 POINTER_SIZE = 134
 
@@ -54,7 +56,7 @@ class _Fault:
     cut_after: int | None = None
 
 
-class HubServer:
+class HubServer(LoopbackServer):
     def __init__(self) -> None:
         self.repos: dict[str, Repo] = {}
         self.requests: list[tuple[str, str, dict[str, str]]] = []
@@ -62,26 +64,12 @@ class HubServer:
         self.faults: list[_Fault] = []
         self.corrupted: set[str] = set()
         self.lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-        self._server.daemon_threads = True
+        super().__init__(_Handler)
         self._server.hub = self  # type: ignore[attr-defined]
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
 
     @property
     def port(self) -> int:
         return self._server.server_address[1]
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> HubServer:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
 
     def cut(self, file: str, times: int = 1, *, after: int) -> None:
         self.faults.append(_Fault(file, times, cut_after=after))

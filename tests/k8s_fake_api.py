@@ -18,6 +18,9 @@ The rest of a cluster a first run meets: namespaces (`namespaces`), nodes with l
 allocatable resources, Secrets, PersistentVolumeClaims with their phase (`api.add(obj)`), what this
 client may do (SelfSubjectAccessReview, answered from `api.deny(verb, resource)`), and pods created
 on their own, which a scripted kubelet runs (`api.kubelet = lambda pod: PodRun(exit_code, logs)`).
+
+One file past the usual size on purpose: the HTTP handler, the store with its watch history and the
+job controller work under one lock on one history, and a test meets them as one cluster.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 import yaml
+from loopback import LoopbackServer
 
 from dflashctl.backend import format_indexes, parse_indexes
 
@@ -611,28 +615,17 @@ class _Server(ThreadingHTTPServer):
     api: FakeKubernetes
 
 
-class FakeApiServer:
+class FakeApiServer(LoopbackServer):
     """The HTTP server around a FakeKubernetes, and a kubeconfig pointing at it."""
 
     def __init__(self) -> None:
         self.api = FakeKubernetes()
-        self._server = _Server(("127.0.0.1", 0), _Handler)
+        super().__init__(_Handler, _Server)
         self._server.api = self.api
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-
-    @property
-    def url(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
-
-    def start(self) -> FakeApiServer:
-        self._thread.start()
-        return self
 
     def stop(self) -> None:
         self.api.drop_watches()
-        self._server.shutdown()
-        self._server.server_close()
+        super().stop()
 
     def write_kubeconfig(self, path: Path, *, namespace: str = "dflash") -> Path:
         path.write_text(yaml.safe_dump({

@@ -13,21 +13,12 @@ import shutil
 
 import pytest
 import yaml
+from cli_runner import cli
 from extract_helpers import LAYERS, random_chunks, tiny_target, write_prepared
 from faults.s3_fault_proxy import S3FaultProxy
 
 from dflash_jobs.errors import EXIT_BAD_INPUT, EXIT_BAD_SPEC
 from dflash_jobs.storage import open_storage
-from dflashctl.cli.main import main as dflashctl
-
-
-def cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
-    """`dflashctl ARGS` through its real entry point: (exit code, stdout, stderr)."""
-    monkeypatch.setattr("sys.argv", ["dflashctl", *args])
-    with pytest.raises(SystemExit) as exit_info:
-        dflashctl()
-    captured = capsys.readouterr()
-    return exit_info.value.code, captured.out, captured.err
 
 
 def spec_dict(tmp_path, **overrides) -> dict:
@@ -127,6 +118,15 @@ def test_a_missing_data_source_names_it(target, tmp_path, capsys, caplog):
     assert "chats.jsonl" in logged(capsys, caplog)
 
 
+def extract_shard(spec, shard: int, capsys, caplog) -> tuple[int, str]:
+    """`python -m dflash_jobs.extract -f SPEC --shard SHARD`, in this process: its exit code and what it logged."""
+    from dflash_jobs.extract.__main__ import main as extract_main
+
+    with caplog.at_level(logging.ERROR):
+        code = extract_main(["-f", str(spec), "--shard", str(shard)])
+    return code, logged(capsys, caplog)
+
+
 def broken_checkpoint(target, tmp_path, remove: str):
     broken = tmp_path / "target"
     shutil.copytree(target, broken)
@@ -144,34 +144,25 @@ def broken_checkpoint(target, tmp_path, remove: str):
     ids=["no-config", "no-weights"],
 )
 def test_a_broken_checkpoint_fails_extraction_naming_it_and_what_it_lacks(remove, code, message, target, tmp_path, capsys, caplog):
-    from dflash_jobs.extract.__main__ import main as extract_main
-
     broken_checkpoint(target, tmp_path, remove)
     write_prepared(open_storage(str(tmp_path / "out")), random_chunks(0, 1))
     spec = write(tmp_path, spec_dict(tmp_path))
-    with caplog.at_level(logging.ERROR):
-        assert extract_main(["-f", str(spec), "--shard", "0"]) == code
-    text = logged(capsys, caplog)
+    exit_code, text = extract_shard(spec, 0, capsys, caplog)
+    assert exit_code == code
     assert all(part in text for part in message), text
 
 
 def test_extraction_before_prepare_names_the_missing_index_and_the_command(target, tmp_path, capsys, caplog):
-    from dflash_jobs.extract.__main__ import main as extract_main
-
     spec = write(tmp_path, spec_dict(tmp_path, **{"target.model": str(target)}))
-    with caplog.at_level(logging.ERROR):
-        assert extract_main(["-f", str(spec), "--shard", "0"]) == EXIT_BAD_INPUT
-    text = logged(capsys, caplog)
+    exit_code, text = extract_shard(spec, 0, capsys, caplog)
+    assert exit_code == EXIT_BAD_INPUT
     assert "tokens/dataset.json does not exist" in text and "dflashctl prepare" in text
 
 
 def test_a_shard_index_outside_the_spec_is_a_spec_error(target, tmp_path, capsys, caplog):
-    from dflash_jobs.extract.__main__ import main as extract_main
-
     spec = write(tmp_path, spec_dict(tmp_path, **{"target.model": str(target)}))
-    with caplog.at_level(logging.ERROR):
-        assert extract_main(["-f", str(spec), "--shard", "3"]) == EXIT_BAD_SPEC
-    text = logged(capsys, caplog)
+    exit_code, text = extract_shard(spec, 3, capsys, caplog)
+    assert exit_code == EXIT_BAD_SPEC
     assert "--shard" in text and "extract.shards = 1" in text
 
 

@@ -21,7 +21,7 @@ from dflashctl.render import render_controller_objects
 from dflashctl.starter import STARTER_VALUES, starter_spec
 from faults.s3_fault_proxy import INVALID_KEY, S3FaultProxy
 from k8s_fake_api import PodRun, fake_k8s, make_node, make_pvc, make_secret  # noqa: F401 - the fixture
-from test_cli_controller import cli
+from cli_runner import cli
 
 CONFIG = {"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text", "num_hidden_layers": 64, "hidden_size": 5120}}
 H200 = {"nvidia.com/gpu.product": "NVIDIA-H200"}

@@ -1,6 +1,9 @@
 """`dflashctl render|submit|status|logs|cancel|retry` end to end: the CLI, the kubernetes backend and a fake API server.
 
 Commands run through `main()`, so the exit codes are the ones of DESIGN section 9.
+
+One file past the usual size on purpose: every test drives a run the `run` fixture sets up on the
+fake cluster, with the same helpers, one command after another as a user would.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 from rich.console import Console
+from cli_runner import cli
 from conftest import free_port
 from k8s_fake_api import PodRun, fake_k8s, make_pvc  # noqa: F401 - the fixture
 
@@ -28,7 +32,6 @@ from dflash_jobs.storage import open_storage
 from dflashctl.backend import JobStatus, ShardStatus
 from dflashctl.backends import open_backend
 from dflashctl.cli import status as status_cli
-from dflashctl.cli.main import main
 from dflashctl.errors import ClusterUnreachable, Conflict, Forbidden, RunFailed, WaitTimeout, exit_code
 from dflash_jobs.units import format_duration
 from dflashctl.progress import Progress, landing_rate, read_progress, time_left
@@ -80,15 +83,6 @@ def started(api, job, *, seconds_ago: float) -> float:
     at = time.time() - seconds_ago
     api.patch("Job", job, {"status": {"startTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))}})
     return at
-
-
-def cli(monkeypatch, capsys, *args):
-    """Runs `dflashctl ARGS` through main(); returns (exit code, stdout, stderr)."""
-    monkeypatch.setattr("sys.argv", ["dflashctl", *args])
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    captured = capsys.readouterr()
-    return exit_info.value.code, captured.out, captured.err
 
 
 def when_job_exists(api, name, *steps):

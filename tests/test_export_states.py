@@ -16,6 +16,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from cli_runner import cli as dflashctl
 
 from dflash_jobs.errors import InputError
 from dflash_jobs.formats import (
@@ -23,7 +24,6 @@ from dflash_jobs.formats import (
 )
 from dflash_jobs.speculators import FP8_VALUES, SAMPLES_KEY, SUMMARY_KEY, bfloat16_bits, export_speculators
 from dflash_jobs.storage import open_storage
-from dflashctl.cli.main import main
 
 DEPTH = 8  # decoder layers of the (pretend) target
 LAYERS = [1, 4, DEPTH - 1]  # the last decoder layer captured, as speculators needs
@@ -81,14 +81,6 @@ def write_spec(tmp_path: Path, output: str, *, depth: int | None = DEPTH, layers
     path = tmp_path / "dflash.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
-
-
-def dflashctl(monkeypatch, capsys, *args) -> tuple[int, str, str]:
-    monkeypatch.setattr("sys.argv", ["dflashctl", *args])
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    captured = capsys.readouterr()
-    return exit_info.value.code, captured.out, captured.err
 
 
 def expected_samples(chunks, dtype: str):

@@ -165,6 +165,8 @@ def test_unavailable_is_told_apart_from_refused_and_missing(s3_server, s3_bucket
 def test_s3_answers_are_classified_by_code_and_status(code, status, expected):
     from botocore.exceptions import ClientError
 
+    from dflash_jobs.storage import s3 as storage_module  # where S3's errors are classified
+
     answer = ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}, "HeadObject")
     assert type(storage_module._s3_error(answer, "s3://bucket/run/key")) is expected
 

@@ -18,7 +18,7 @@ from dflash_jobs.formats import MANIFEST_KEY, hidden_chunk_key
 from dflash_jobs.storage import open_storage
 from dflash_jobs.train.__main__ import main as train_main
 
-from test_bad_input import cli
+from cli_runner import cli
 
 
 def write_spec(path, output: str):

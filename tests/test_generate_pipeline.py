@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 from typer.testing import CliRunner
-from extracted_chunks import LAYERS
-from test_bad_input import cli
-from test_pipeline import FakeBackend, Recorder, make_job, pipeline_work, write_inputs
+from cli_runner import cli
+from test_pipeline import FakeBackend, Recorder, make_job, pipeline_spec, pipeline_work
 
 from dflash_jobs.generation import (
     MANIFEST_KEY, PLAN_KEY, TRUNCATED, ChunkMarker, GenerationPlan, SourceChunk, chunk_key, done_key, generation_settings,
@@ -36,17 +35,12 @@ TOKENS_PER_ANSWER = 40
 
 @pytest.fixture
 def spec(tmp_path):
-    write_inputs(tmp_path)
-    return parse_spec({
-        "name": "pipe",
-        "backend": "local",
-        "target": {"model": str(tmp_path / "model"), "layers": LAYERS},
-        "data": {"source": str(tmp_path / "chats.jsonl"), "max_length": 64, "chunk_tokens": 256, "holdout": 2},
-        "output": str(tmp_path / "out"),
-        "extract": {"shards": 2},
-        "generate": {"shards": 2, "chunk_prompts": PROMPTS_PER_CHUNK},
-        "local": {"workdir": str(tmp_path / "work")},
-    })
+    return pipeline_spec(
+        tmp_path,
+        data={"source": str(tmp_path / "chats.jsonl"), "max_length": 64, "chunk_tokens": 256, "holdout": 2},
+        extract={"shards": 2},
+        generate={"shards": 2, "chunk_prompts": PROMPTS_PER_CHUNK},
+    )
 
 
 @pytest.fixture

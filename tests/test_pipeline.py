@@ -16,7 +16,7 @@ from extracted_chunks import CHUNKS, LAYERS, hidden_chunk, mark_done, write_data
 
 from dflash_jobs.errors import StorageError
 from dflash_jobs.formats import DONE_MARKERS, DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, MANIFEST_KEY, RUN_KEY, done_key, hidden_chunk_key
-from dflash_jobs.spec import parse_spec
+from dflash_jobs.spec import RunSpec, parse_spec
 from dflash_jobs.storage import open_storage
 
 from dflashctl.backend import (
@@ -143,8 +143,9 @@ def write_inputs(directory) -> None:
     (model / "tokenizer_config.json").write_text("{}")
 
 
-@pytest.fixture
-def spec(tmp_path):
+def pipeline_spec(tmp_path, **sections) -> RunSpec:
+    """The pipeline tests' run on the local backend, its inputs written to `tmp_path` (write_inputs);
+    `sections` replace or add whole sections."""
     write_inputs(tmp_path)
     return parse_spec({
         "name": "pipe",
@@ -154,7 +155,13 @@ def spec(tmp_path):
         "output": str(tmp_path / "out"),
         "extract": {"shards": SHARDS},
         "local": {"workdir": str(tmp_path / "work")},
+        **sections,
     })
+
+
+@pytest.fixture
+def spec(tmp_path):
+    return pipeline_spec(tmp_path)
 
 
 @pytest.fixture

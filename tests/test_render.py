@@ -10,11 +10,11 @@ import kubernetes_validate
 import kubernetes_validate.utils
 import pytest
 import yaml
+from cli_runner import cli
 
 from dflash_jobs.errors import EXIT_BAD_INPUT, EXIT_BAD_SPEC, SpecError
 from dflash_jobs.spec import CHUNK_CACHE_ENV, MODEL_CACHE_ENV, load_spec, parse_spec
 from dflashctl import render
-from dflashctl.cli.main import main
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "qwen36-27b"
@@ -357,15 +357,6 @@ def test_committed_example_still_renders_byte_identically():
     assert committed == sorted(render.manifest_filename(o) for o in objects)
     for obj in objects:
         assert (EXAMPLE / "rendered" / render.manifest_filename(obj)).read_text() == render.to_yaml([obj]), render.manifest_filename(obj)
-
-
-def cli(monkeypatch, capsys, *args):
-    """Runs `dflashctl ARGS` through main(); returns (exit code, stdout, stderr)."""
-    monkeypatch.setattr("sys.argv", ["dflashctl", *args])
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    captured = capsys.readouterr()
-    return exit_info.value.code, captured.out, captured.err
 
 
 def test_cli_render_prints_yaml_or_json_and_writes_a_directory_only_with_d(tmp_path, monkeypatch, capsys):

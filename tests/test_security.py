@@ -23,7 +23,7 @@ from dflash_jobs.storage import check_key, open_storage
 from dflashctl.local.backend import LocalBackend
 from dflashctl.render import controller_role_rules, render_all, render_selection, to_yaml
 
-from test_bad_input import cli
+from cli_runner import cli
 
 SECRET_ID = "AKIAFAKESECRETID7Q2X"
 SECRET_KEY = "fake/Secret+Value=9f8e7d6c5b4a3f2e1d0c"

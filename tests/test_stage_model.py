@@ -20,7 +20,8 @@ from dflash_jobs.errors import EXIT_BAD_INPUT, EXIT_FAILED
 from dflash_jobs.stage_model import RECORD_FILE, describe_checkpoint, git_blob_sha1, s3_etag_matches
 from hub_server import HubServer, Repo, git_blob_id
 from k8s_fake_api import fake_k8s, make_pvc, make_secret  # noqa: F401 - the fixture
-from test_cli_controller import cli, when_job_exists
+from cli_runner import cli
+from test_cli_controller import when_job_exists
 
 CONFIG = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
           "text_config": {"model_type": "qwen3_5_text", "num_hidden_layers": 64, "hidden_size": 5120}}

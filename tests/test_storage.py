@@ -10,9 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from dflash_jobs import storage as storage_module
 from dflash_jobs.errors import StorageError
 from dflash_jobs.storage import MULTIPART_CHUNK, MULTIPART_THRESHOLD, ObjectNotFound, S3Storage, open_storage, open_url
+from dflash_jobs.storage import s3 as storage_module
 
 
 @pytest.fixture(params=["local", "s3"])

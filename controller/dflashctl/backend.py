@@ -1,17 +1,17 @@
 """The interface both backends implement: kubernetes (kube.py) and local (local/).
 
-A backend runs the rendered objects of a run (render.py) and reports on their Jobs in one shape,
+A backend runs the rendered objects of a run (render/) and reports on their Jobs in one shape,
 so that `dflashctl run`, `status`, `logs`, `cancel` and `retry` are the same code on a laptop and
 on a cluster. Everything here is plain data: no Kubernetes client types leak out of a backend.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from dflashctl.errors import Conflict
+from dflashctl.errors import Conflict, RunFailed, WaitTimeout
 from dflashctl.render import MANAGED_BY, MANAGED_BY_LABEL, RUN_LABEL, SPEC_HASH, WORKER, object_ref
 
 # Reasons of the events the pipeline records on its Jobs (`kubectl describe job` lists them).
@@ -154,6 +154,29 @@ def submit_outcome(obj: dict, existing: dict | None, *, force: bool) -> str:
     )
 
 
+def first_finished(
+    job_name: str, statuses: Iterable[JobStatus], *, timeout: float | None, on_update: Callable[[JobStatus], None] | None,
+    where: str | None = None,
+) -> JobStatus:
+    """Backend.wait over what a backend sees of a Job, one status after another until `timeout` ends
+    them: the first finished one is returned, each passed to `on_update` on the way; a Job gone raises
+    RunFailed naming it as `where` (default: its name)."""
+    for status in statuses:
+        if not status.exists:
+            raise RunFailed(
+                f"Job {where or job_name} does not exist (deleted, or never submitted)",
+                "Submit it again: `dflashctl run` attaches to what exists and creates what is missing",
+            )
+        if on_update is not None:
+            on_update(status)
+        if status.finished:
+            return status
+    raise WaitTimeout(
+        f"Job {job_name} did not finish within {timeout:.0f} s",
+        "It keeps running; `dflashctl status --watch` follows it",
+    )
+
+
 class Backend(Protocol):
     """What `dflashctl` needs from wherever Jobs run."""
 
@@ -168,13 +191,7 @@ class Backend(Protocol):
     def job_status(self, job_name: str) -> JobStatus:
         """The Job and its shards now; `exists=False` when there is no such Job."""
 
-    def wait(
-        self,
-        job_name: str,
-        *,
-        timeout: float | None,
-        on_update: Callable[[JobStatus], None] | None = None,
-    ) -> JobStatus:
+    def wait(self, job_name: str, *, timeout: float | None, on_update: Callable[[JobStatus], None] | None = None) -> JobStatus:
         """Block until the Job is finished (Complete or Failed) and return its status.
 
         `on_update` sees every change on the way. Raises `WaitTimeout` past `timeout` seconds and

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import re
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -33,23 +34,24 @@ log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 
-# kind -> (API class, the resource's snake_case name in the client's method names)
-_KINDS: dict[str, tuple[type, str]] = {
-    "Job": (client.BatchV1Api, "job"),
-    "Pod": (client.CoreV1Api, "pod"),
-    "ConfigMap": (client.CoreV1Api, "config_map"),
-    "Service": (client.CoreV1Api, "service"),
-    "ServiceAccount": (client.CoreV1Api, "service_account"),
-    "Event": (client.CoreV1Api, "event"),
-    "Role": (client.RbacAuthorizationV1Api, "role"),
-    "RoleBinding": (client.RbacAuthorizationV1Api, "role_binding"),
-    "Secret": (client.CoreV1Api, "secret"),
-    "PersistentVolumeClaim": (client.CoreV1Api, "persistent_volume_claim"),
-    # Cluster-scoped: read with get_cluster_object / list_cluster_objects.
-    "Namespace": (client.CoreV1Api, "namespace"),
-    "Node": (client.CoreV1Api, "node"),
-    "SelfSubjectAccessReview": (client.AuthorizationV1Api, "self_subject_access_review"),
+# The kinds dflashctl manages, by the client API whose methods serve them.
+_APIS: dict[type, tuple[str, ...]] = {
+    client.BatchV1Api: ("Job",),
+    client.CoreV1Api: (
+        "Pod", "ConfigMap", "Service", "ServiceAccount", "Event", "Secret", "PersistentVolumeClaim",
+        # Cluster-scoped: read with get_cluster_object / list_cluster_objects.
+        "Namespace", "Node",
+    ),
+    client.RbacAuthorizationV1Api: ("Role", "RoleBinding"),
+    client.AuthorizationV1Api: ("SelfSubjectAccessReview",),
 }
+_API_OF = {kind: api for api, kinds in _APIS.items() for kind in kinds}
+
+
+def _resource(kind: str) -> str:
+    """The kind's snake_case name in the client's method names (PersistentVolumeClaim: persistent_volume_claim)."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", kind).lower()
+
 
 # Network errors after which a call is repeated: the API server restarting, a dropped stream.
 _TRANSIENT_NETWORK = (urllib3.exceptions.HTTPError, ConnectionError, socket.timeout)
@@ -296,7 +298,7 @@ class Cluster:
     def _watch(self, kind: str, field_selector: str, version: str, window: int) -> Iterator[tuple[str, Obj]]:
         """One watch request, ending when the server ends it; raises _Expired (410) or _Interrupted."""
         api = self._api(kind)
-        method = getattr(api, f"list_namespaced_{_KINDS[kind][1]}")
+        method = getattr(api, f"list_namespaced_{_resource(kind)}")
         stream = watch.Watch().stream(
             method, self.namespace,
             field_selector=field_selector,
@@ -329,16 +331,16 @@ class Cluster:
             time.sleep(self.poll_interval)
 
     def _api(self, kind: str) -> Any:
-        if kind not in _KINDS:
+        if kind not in _API_OF:
             raise ValueError(f"dflashctl does not manage objects of kind {kind!r}")
-        return _KINDS[kind][0](self.api_client)
+        return _API_OF[kind](self.api_client)
 
     def _call(self, kind: str, method: str, *args: Any, raw: bool = False, **kwargs: Any) -> Any:
         """Call an API method (its name with `{}` for the resource), retrying transient failures.
 
         Responses are read as plain JSON (`_preload_content=False`): no client models leak out.
         """
-        name = method.format(_KINDS[kind][1])
+        name = method.format(_resource(kind))
         function: Callable[..., Any] = getattr(self._api(kind), name)
         what = name.replace("_", " ")
         for attempt, delay in enumerate((*self.retry_delays, None)):

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from dflash_jobs.errors import InputError
 
-from dflashctl.backend import INDEX_ANNOTATION, JobStatus, LogQuery, RunObject, ShardStatus, parse_indexes, run_objects_of
-from dflashctl.errors import Forbidden, RunFailed, WaitTimeout
+from dflashctl.backend import INDEX_ANNOTATION, JobStatus, LogQuery, RunObject, ShardStatus, first_finished, parse_indexes, run_objects_of
+from dflashctl.errors import Forbidden
 from dflashctl.render import MANAGED_BY, MANAGED_BY_LABEL, RUN_LABEL, WORKER
 
 if TYPE_CHECKING:  # imported in connect: the pod helpers below serve machines without the client too
@@ -55,29 +55,11 @@ class KubernetesBackend:
         job = self.cluster.get("Job", job_name)
         return self._status_of(job_name, job)
 
-    def wait(
-        self,
-        job_name: str,
-        *,
-        timeout: float | None,
-        on_update: Callable[[JobStatus], None] | None = None,
-    ) -> JobStatus:
+    def wait(self, job_name: str, *, timeout: float | None, on_update: Callable[[JobStatus], None] | None = None) -> JobStatus:
         deadline = None if timeout is None else time.monotonic() + timeout
-        for job in self.cluster.watch_object("Job", job_name, deadline=deadline):
-            if job is None:
-                raise RunFailed(
-                    f"Job {self.cluster.namespace}/{job_name} does not exist (deleted, or never submitted)",
-                    "Submit it again: `dflashctl run` attaches to what exists and creates what is missing",
-                )
-            status = self._status_of(job_name, job)
-            if on_update is not None:
-                on_update(status)
-            if status.finished:
-                return status
-        raise WaitTimeout(
-            f"Job {job_name} did not finish within {timeout:.0f} s",
-            "It keeps running; `dflashctl status --watch` follows it",
-        )
+        # Every event, and the Job again after each watch window: the caller refreshes what its status does not show.
+        statuses = (self._status_of(job_name, job) for job in self.cluster.watch_object("Job", job_name, deadline=deadline))
+        return first_finished(job_name, statuses, timeout=timeout, on_update=on_update, where=f"{self.cluster.namespace}/{job_name}")
 
     def logs(self, job_name: str, index: int | None, query: LogQuery = LogQuery()) -> Iterator[str]:
         attempts = _attempts_per_index(self._pods(job_name))

@@ -1,6 +1,6 @@
 """Where the pods of a run are placed, and what every pod carries besides its work.
 
-Pure functions of the spec, used by the renderers for every pod they build (render.py and
+Pure functions of the spec, used by the renderers for every pod they build (render/ and
 tool_pods.py): the GPU pods go where cluster.node_selector, cluster.tolerations and cluster.affinity
 say (and always tolerate nvidia.com/gpu), the CPU pods where cluster.cpu_placement says; every pod
 gets the image pull secrets, the priority class, the extra labels and annotations; then
@@ -52,7 +52,7 @@ patchMergeKey of the Kubernetes API's Go types)."""
 DIRECTIVE = "$patch"
 PATCH_FIELD = "cluster.pod_template_patch"
 RUN_CONTAINERS = ("worker", "selfcheck", "stage")
-"""Every container of the run's pods (render.py's worker and its selfcheck init container, the vLLM
+"""Every container of the run's pods (render/steps.py's worker and its selfcheck init container, the vLLM
 generation pod's stage init container; tested equal to what is rendered)."""
 
 

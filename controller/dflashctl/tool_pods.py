@@ -1,4 +1,4 @@
-"""The run's helper pods, beside the pipeline's Jobs: pure functions of the spec, as render.py's.
+"""The run's helper pods, beside the pipeline's Jobs: pure functions of the spec, as render/'s.
 
 - The stage-model Job (`dflashctl stage-model`): puts the target checkpoint on the model volume,
   mounted read-write in this pod only (dflash_jobs/stage_model.py does the work).

@@ -27,7 +27,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -60,6 +60,9 @@ EVAL_PLOT_KEY = "eval/acceptance.png"
 
 HIDDEN_DTYPES = ("bfloat16", "float8_e4m3fn")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+Document = TypeVar("Document")
+"""A dataclass stored as a JSON document (document_of builds it)."""
 
 
 def token_chunk_key(chunk: int) -> str:
@@ -264,12 +267,7 @@ class DatasetIndex:
 
     @classmethod
     def from_json(cls, text: str | bytes, name: str = DATASET_KEY) -> DatasetIndex:
-        raw = load_json_document(text, name, TOKENS_FORMAT)
-        try:
-            chunks = [ChunkInfo(**c) for c in raw.pop("chunks")]
-            index = cls(chunks=chunks, **raw)
-        except (KeyError, TypeError) as exc:
-            raise FormatError(f"{name} is not a valid token dataset index ({exc})", "Re-run prepare") from None
+        index = document_of(cls, load_json_document(text, name, TOKENS_FORMAT), name, "token dataset index", "Re-run prepare", chunks=ChunkInfo)
         if sum(c.tokens for c in index.chunks) != index.tokens or sum(c.samples for c in index.chunks) != index.samples:
             raise FormatError(f"{name}: chunk totals disagree with samples/tokens", "Re-run prepare")
         return index
@@ -289,6 +287,15 @@ def load_json_document(text: str | bytes, name: str, fmt: str, *, fix: str | Non
     if not isinstance(raw, dict) or raw.pop("format", None) != fmt:
         raise FormatError(f"{name} is not a {fmt} document", fix or "Point at the right file, or re-create it")
     return raw
+
+
+def document_of(cls: type[Document], raw: dict[str, Any], name: str, what: str, fix: str, **lists: type) -> Document:
+    """`cls` from the fields load_json_document read, each field of `lists` a list built item by item
+    as its type (chunks=ChunkInfo); a field missing or unknown is a FormatError: `name` is not a valid `what`."""
+    try:
+        return cls(**{**raw, **{key: [kind(**item) for item in raw[key]] for key, kind in lists.items()}})
+    except (KeyError, TypeError) as exc:
+        raise FormatError(f"{name} is not a valid {what} ({exc})", fix) from None
 
 
 # ---- hidden-state chunks -----------------------------------------------------------------------
@@ -523,11 +530,7 @@ class DoneMarker:
 
     @classmethod
     def from_json(cls, text: str | bytes, name: str) -> DoneMarker:
-        raw = load_json_document(text, name, DONE_FORMAT)
-        try:
-            return cls(**raw)
-        except TypeError as exc:
-            raise FormatError(f"{name} is not a valid done marker ({exc})", "Delete it and re-run extraction for its chunk") from None
+        return document_of(cls, load_json_document(text, name, DONE_FORMAT), name, "done marker", "Delete it and re-run extraction for its chunk")
 
 
 @dataclass
@@ -550,12 +553,7 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str | bytes, name: str = MANIFEST_KEY) -> Manifest:
-        raw = load_json_document(text, name, MANIFEST_FORMAT)
-        try:
-            raw["chunks"] = [DoneMarker(**c) for c in raw["chunks"]]
-            return cls(**raw)
-        except (KeyError, TypeError) as exc:
-            raise FormatError(f"{name} is not a valid manifest ({exc})", "Run `dflashctl verify` again") from None
+        return document_of(cls, load_json_document(text, name, MANIFEST_FORMAT), name, "manifest", "Run `dflashctl verify` again", chunks=DoneMarker)
 
 
 def check_final_hidden(manifest: Manifest, train: TrainSpec, location: str) -> None:

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dflash_jobs.errors import FormatError, InputError
-from dflash_jobs.formats import dump_json_document, load_json_document
+from dflash_jobs.formats import document_of, dump_json_document, load_json_document
 from dflash_jobs.spec import RunSpec
 from dflash_jobs.storage import ObjectNotFound, Storage
 
@@ -148,11 +148,7 @@ class GenerationPlan:
 
     @classmethod
     def from_json(cls, text: str | bytes, name: str = PLAN_KEY) -> GenerationPlan:
-        raw = _load(text, name, PLAN_FORMAT)
-        try:
-            return cls(**{**raw, "chunks": [SourceChunk(**c) for c in raw["chunks"]]})
-        except (KeyError, TypeError) as exc:
-            raise FormatError(f"{name} is not a valid generation plan ({exc})", "Delete it; generation writes it again") from None
+        return document_of(cls, _load(text, name, PLAN_FORMAT), name, "generation plan", "Delete it; generation writes it again", chunks=SourceChunk)
 
 
 # ---- a chunk's marker ----------------------------------------------------------------------------
@@ -191,11 +187,7 @@ class ChunkMarker:
 
     @classmethod
     def from_json(cls, text: str | bytes, name: str) -> ChunkMarker:
-        raw = _load(text, name, DONE_FORMAT)
-        try:
-            return cls(**raw)
-        except TypeError as exc:
-            raise FormatError(f"{name} is not a valid generation marker ({exc})", "Delete it; its chunk is generated again") from None
+        return document_of(cls, _load(text, name, DONE_FORMAT), name, "generation marker", "Delete it; its chunk is generated again")
 
 
 def read_marker(storage: Storage, chunk: int) -> ChunkMarker | None:
@@ -288,11 +280,9 @@ class GenerationManifest:
 
     @classmethod
     def from_json(cls, text: str | bytes, name: str = MANIFEST_KEY) -> GenerationManifest:
-        raw = _load(text, name, MANIFEST_FORMAT)
-        try:
-            return cls(**{**raw, "chunks": [ManifestChunk(**c) for c in raw["chunks"]]})
-        except (KeyError, TypeError) as exc:
-            raise FormatError(f"{name} is not a valid generation manifest ({exc})", "Delete it; `dflashctl run` writes it again") from None
+        return document_of(
+            cls, _load(text, name, MANIFEST_FORMAT), name, "generation manifest", "Delete it; `dflashctl run` writes it again", chunks=ManifestChunk,
+        )
 
     @property
     def dropped_lines(self) -> int:

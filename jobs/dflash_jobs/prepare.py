@@ -37,7 +37,7 @@ import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import ExitStack, closing
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -209,20 +209,20 @@ class PrepareStats:
     TEXT), and of each how many tokenizing text changes (RETOKENIZED)."""
 
 
+@dataclass(eq=False)
 class Preparer:
     """Turns encoded rows into chunks, the holdout and the index; see the module docstring for the rules."""
 
-    def __init__(self, data: DataSpec, *, storage: Storage, vocab_size: int, strict: bool = False, tokenizer_name: str | None = None,
-                 generation: dict[str, Any] | None = None) -> None:
-        self.data = data
-        self.generation = generation
-        self.storage = storage
-        self.vocab_size = vocab_size
-        self.strict = strict
-        self.tokenizer_name = tokenizer_name
-        self.stats = PrepareStats()
-        # Every bad row, spooled to disk and uploaded at the end: a data set of bad rows costs no memory.
-        self.rejected = tempfile.NamedTemporaryFile(prefix="dflash-rejected-", suffix=".jsonl")
+    data: DataSpec
+    _: KW_ONLY
+    storage: Storage
+    vocab_size: int
+    strict: bool = False
+    tokenizer_name: str | None = None
+    generation: dict[str, Any] | None = None
+    stats: PrepareStats = field(init=False, default_factory=PrepareStats)
+    rejected: Any = field(init=False, default_factory=lambda: tempfile.NamedTemporaryFile(prefix="dflash-rejected-", suffix=".jsonl"))
+    """Every bad row, spooled to disk and uploaded at the end: a data set of bad rows costs no memory."""
 
     def close(self) -> None:
         self.rejected.close()

@@ -1,24 +1,48 @@
-"""What every shard of an Indexed Job does alike (extraction, generation): find its index, and end
-as one log line, one exit code and a termination message, whatever happened."""
+"""What every shard of an Indexed Job does alike (extraction, generation): read its command line,
+find its index, report in one summary, and end as one log line, one exit code and a termination
+message, whatever happened."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
 import os
+import sys
 from collections.abc import Callable
-from typing import Protocol
+from dataclasses import asdict, dataclass
 
 from dflash_jobs.errors import EXIT_OK, DflashError, SpecError, pod_exit_code
+from dflash_jobs.spec import DEFAULT_SPEC_FILE
 from dflash_jobs.termination import write_termination_message
 
 
-class ShardSummary(Protocol):
+@dataclass(slots=True)
+class ShardSummary:
+    """What a shard reports, in its log and as its termination message; each step's Summary adds its own counts."""
+
     shard: int
     shards: int
-    status: str
-    error: str | None
+    status: str = "running"  # running | done | failed
+    chunks_total: int = 0
+    chunks_skipped: int = 0
+    chunks_done: int = 0
+    elapsed_s: float = 0.0
+    tokens_per_s: float = 0.0
+    error: str | None = None
 
-    def to_json(self) -> str: ...
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+
+def shard_command(prog: str, doc: str, argv: list[str] | None) -> argparse.Namespace:
+    """The command line of a shard's pod, `python -m <step> -f SPEC [--shard I]`, parsed; log lines go to stdout."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    parser.add_argument("-f", "--file", default=DEFAULT_SPEC_FILE, help="the run spec (default: ./dflash.yaml)")
+    parser.add_argument("--shard", type=int, default=None, help="shard index (default: $JOB_COMPLETION_INDEX)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
+    return args
 
 
 def shard_index(arg: int | None) -> int:

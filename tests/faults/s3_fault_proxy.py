@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
 
-LOOPBACK = "127.0.0.1"
+from loopback import LOOPBACK, LoopbackServer
 
 RESET = "reset"
 """The connection is reset before the request reaches S3 (nothing happened)."""
@@ -158,7 +158,7 @@ class _ProxyServer(ThreadingHTTPServer):
         """Clients killed mid-request (the SIGKILL tests) are expected: no traceback."""
 
 
-class S3FaultProxy:
+class S3FaultProxy(LoopbackServer):
     """The proxy: `url` is what clients use as their S3 endpoint."""
 
     def __init__(self, upstream: str, *, seed: int, **schedule) -> None:
@@ -171,22 +171,8 @@ class S3FaultProxy:
         self.events: list[tuple[str, str, str | None]] = []
         self.outage_kind: str | None = None
         self._lock = threading.Lock()
-        self._server = _ProxyServer((LOOPBACK, 0), _Handler)
+        super().__init__(_Handler, _ProxyServer)
         self._server.proxy = self
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-
-    @property
-    def url(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
-
-    def start(self) -> S3FaultProxy:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
 
     def __enter__(self) -> S3FaultProxy:
         return self.start()

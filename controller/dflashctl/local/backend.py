@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING, Any
 from dflash_jobs.errors import InputError
 from dflash_jobs.spec import is_s3
 
-from dflashctl.backend import JobStatus, LogQuery, RunObject, ShardStatus, run_objects_of, submit_outcome
-from dflashctl.errors import RunFailed, WaitTimeout
+from dflashctl.backend import JobStatus, LogQuery, RunObject, ShardStatus, first_finished, run_objects_of, submit_outcome
 from dflashctl.local.pod import CONTAINER_HEADER, NODE_NAME, check_container
 from dflashctl.local.processes import kill_groups
 from dflashctl.local.state import (
@@ -224,32 +223,20 @@ class LocalBackend:
             started_at=state.started_at,
         )
 
-    def wait(
-        self,
-        job_name: str,
-        *,
-        timeout: float | None,
-        on_update: Callable[[JobStatus], None] | None = None,
-    ) -> JobStatus:
+    def wait(self, job_name: str, *, timeout: float | None, on_update: Callable[[JobStatus], None] | None = None) -> JobStatus:
         deadline = None if timeout is None else time.monotonic() + timeout
+        return first_finished(job_name, self._changes(job_name, deadline), timeout=timeout, on_update=on_update)
+
+    def _changes(self, job_name: str, deadline: float | None) -> Iterator[JobStatus]:
+        """The Job's status whenever it changes, polled until `deadline`."""
         last: JobStatus | None = None
         while True:
             status = self.job_status(job_name)
-            if not status.exists:
-                raise RunFailed(
-                    f"Job {job_name} does not exist (deleted, or never submitted)",
-                    "Submit it again: `dflashctl run` attaches to what exists and creates what is missing",
-                )
-            if status != last and on_update is not None:
-                on_update(status)
+            if status != last:
+                yield status
             last = status
-            if status.finished:
-                return status
             if deadline is not None and time.monotonic() >= deadline:
-                raise WaitTimeout(
-                    f"Job {job_name} did not finish within {timeout:.0f} s",
-                    "It keeps running; `dflashctl status --watch` follows it",
-                )
+                return
             time.sleep(POLL_S)
 
     # -- logs --

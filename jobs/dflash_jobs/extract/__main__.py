@@ -7,26 +7,20 @@ EXIT_BAD_INPUT (42) for a bad chunk or an integrity failure (the Job fails this 
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 import time
 
 from dflash_jobs.extract.progress import Summary
-from dflash_jobs.shard import check_shard, run_shard
-from dflash_jobs.spec import DEFAULT_SPEC_FILE, load_spec
+from dflash_jobs.shard import check_shard, run_shard, shard_command
+from dflash_jobs.spec import load_spec
 
 log = logging.getLogger("dflash.extract")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dflash_jobs.extract", description=__doc__.splitlines()[0])
-    parser.add_argument("-f", "--file", default=DEFAULT_SPEC_FILE, help="the run spec (default: ./dflash.yaml)")
-    parser.add_argument("--shard", type=int, default=None, help="shard index (default: $JOB_COMPLETION_INDEX)")
-    args = parser.parse_args(argv)
+    args = shard_command("python -m dflash_jobs.extract", __doc__, argv)
     started = time.monotonic()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
-
     summary = Summary(shard=-1, shards=0)
 
     def extract() -> None:

@@ -3,25 +3,21 @@ summary in the container's termination message (`kubectl describe pod`, `dflashc
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
+from dflash_jobs.shard import ShardSummary
 from dflash_jobs.units import format_duration
 
 log = logging.getLogger("dflash.extract")
 
 
 @dataclass(slots=True)
-class Summary:
-    shard: int
-    shards: int
-    status: str = "running"  # running | done | failed
-    chunks_total: int = 0
-    chunks_skipped: int = 0
-    chunks_done: int = 0
+class Summary(ShardSummary):
+    """tokens_per_s: tokens forwarded per second of wall time."""
+
     samples: int = 0
     tokens: int = 0
     bytes: int = 0
@@ -31,15 +27,9 @@ class Summary:
     first_chunk_s: float = 0.0  # from the pod's start to its first stored chunk
     host_wait_s: float = 0.0  # the GPU thread waited this long for a free chunk buffer (storage behind)
     drain_s: float = 0.0  # from the GPU's last batch to the last chunk stored (part of elapsed_s)
-    elapsed_s: float = 0.0
-    tokens_per_s: float = 0.0
     padding_waste: float = 0.0
     oom_splits: int = 0
-    error: str | None = None
     fast_paths: dict[str, bool] = field(default_factory=dict)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
 
 
 class Progress:

@@ -8,25 +8,19 @@ backoffLimitPerIndex. Lines that cannot be answered are not failures: they are c
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 
 from dflash_jobs.errors import SpecError
 from dflash_jobs.generate.progress import Summary
-from dflash_jobs.shard import check_shard, run_shard
-from dflash_jobs.spec import DEFAULT_SPEC_FILE, load_spec
+from dflash_jobs.shard import check_shard, run_shard, shard_command
+from dflash_jobs.spec import load_spec
 
 log = logging.getLogger("dflash.generate")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dflash_jobs.generate", description=__doc__.splitlines()[0])
-    parser.add_argument("-f", "--file", default=DEFAULT_SPEC_FILE, help="the run spec (default: ./dflash.yaml)")
-    parser.add_argument("--shard", type=int, default=None, help="shard index (default: $JOB_COMPLETION_INDEX)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
-
+    args = shard_command("python -m dflash_jobs.generate", __doc__, argv)
     summary = Summary(shard=-1, shards=0)
 
     def generate() -> None:

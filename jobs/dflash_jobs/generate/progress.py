@@ -8,31 +8,27 @@ lines and counts answers and generated tokens, so the log moves within a chunk, 
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_jobs.generate.batch import Answer, EngineError, parse_output
 from dflash_jobs.generation import ChunkMarker
+from dflash_jobs.shard import ShardSummary
 from dflash_jobs.units import format_duration
 
 log = logging.getLogger("dflash.generate")
 
 
 @dataclass(slots=True)
-class Summary:
-    shard: int
-    shards: int
+class Summary(ShardSummary):
+    """tokens_per_s: tokens generated per second of wall time, model loads included."""
+
     engine: str = ""
-    status: str = "running"  # running | done | failed
-    chunks_total: int = 0
-    chunks_skipped: int = 0
-    chunks_done: int = 0
     prompts: int = 0
     """Lines of data.source answered (or dropped) in the chunks this pod finished."""
     rows: int = 0
@@ -40,15 +36,8 @@ class Summary:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     engine_s: float = 0.0
-    elapsed_s: float = 0.0
-    tokens_per_s: float = 0.0
-    """Generated tokens per second of wall time, model loads included."""
     manifest: bool = False
     """This pod found every chunk done and wrote generate/manifest.json."""
-    error: str | None = None
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
 
 
 class Progress:

@@ -19,7 +19,7 @@ import shutil
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ from dflash_jobs.generate.progress import Progress, Summary
 from dflash_jobs.generate.source import Prompt, Source, load_plan, prompts_of
 from dflash_jobs.rows import TEMPLATE_ERROR, BadRow
 from dflash_jobs.errors import SpecError
-from dflash_jobs.spec import VLLM_IMAGE, RunSpec
+from dflash_jobs.spec import VLLM_IMAGE, GenerateSpec, RunSpec
 from dflash_jobs.storage import Storage, open_storage, storage_for
 
 log = logging.getLogger("dflash.generate")
@@ -89,35 +89,28 @@ class ChunkOutcome:
         self.rejected.append({"line": sample_id + 1, "sample_id": sample_id, "reason": reason, "detail": detail[:DETAIL_CHARS]})
 
 
+@dataclass(eq=False)
 class GenerateWorker:
     """Generates the answers of one shard's chunks."""
 
-    def __init__(
-        self,
-        spec: RunSpec,
-        *,
-        storage: Storage,
-        source: Source,
-        plan: GenerationPlan,
-        tokenizer,
-        engine: Engine,
-        summary: Summary,
-        workdir: Path,
-        log_interval: float = 10.0,
-    ) -> None:
-        assert spec.generate is not None
-        self.spec = spec
-        self.settings = spec.generate
-        self.storage = storage
-        self.source = source
-        self.plan = plan
-        self.tokenizer = tokenizer
-        self.engine = engine
-        self.summary = summary
-        self.workdir = workdir
-        self.log_interval = log_interval
-        self.settings_hash = settings_hash(generation_settings(spec))
-        self.logged_bad = 0
+    spec: RunSpec
+    _: KW_ONLY
+    storage: Storage
+    source: Source
+    plan: GenerationPlan
+    tokenizer: Any
+    engine: Engine
+    summary: Summary
+    workdir: Path
+    log_interval: float = 10.0
+    settings: GenerateSpec = field(init=False)
+    settings_hash: str = field(init=False)
+    logged_bad: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        assert self.spec.generate is not None
+        self.settings = self.spec.generate
+        self.settings_hash = settings_hash(generation_settings(self.spec))
 
     def run(self) -> Summary:
         summary = self.summary

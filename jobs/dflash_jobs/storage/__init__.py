@@ -1,0 +1,116 @@
+"""One storage interface over s3:// (boto3) and local directories.
+
+Both give the same guarantees, which the rest of the system is built on:
+- a reader never sees a partial object (local: write a temporary file, then rename; S3: an object
+  appears only when its (multipart) upload completes);
+- `put_if_absent` creates a marker only if none exists (local: link(2); S3: If-None-Match: *);
+- every put returns the size and sha256 of what was written.
+
+Keys are '/'-separated and relative to the storage root; a key that would escape the root is refused.
+No torch here: the control plane uses this package too. Import from the package itself; its modules:
+`interface` (the Storage protocol, its results and errors, the key rule), `local` (a directory) and
+`s3` (a bucket prefix); the package opens either from a URL and says how long S3 calls wait out an
+outage (Patience).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from dflash_jobs.errors import StorageError, StorageUnavailable
+from dflash_jobs.storage.interface import (
+    HASH_BLOCK, TEMP_PREFIX, AccessDenied, Buffer, BucketNotFound, CredentialsMissing, EndpointUnreachable, ObjectInfo,
+    ObjectNotFound, PutResult, Storage, check_key, sha256_file,
+)
+from dflash_jobs.storage.local import LocalStorage
+from dflash_jobs.storage.s3 import MULTIPART_CHUNK, MULTIPART_THRESHOLD, S3Storage
+
+__all__ = [
+    "FIRST_WAIT_S", "HASH_BLOCK", "LONGEST_WAIT_S", "MULTIPART_CHUNK", "MULTIPART_THRESHOLD", "TEMP_PREFIX",
+    "AccessDenied", "Buffer", "BucketNotFound", "CredentialsMissing", "EndpointUnreachable", "LocalStorage", "ObjectInfo",
+    "ObjectNotFound", "Patience", "PutResult", "S3Storage", "Storage",
+    "check_key", "open_storage", "open_url", "read_head", "sha256_file", "storage_for",
+]
+
+FIRST_WAIT_S = 5.0
+LONGEST_WAIT_S = 120.0
+"""Waits between attempts while storage is unavailable (see Patience): doubling from the first to the longest."""
+T = TypeVar("T")
+
+
+class Patience:
+    """How long S3 calls outlast an outage. A call that fails with StorageUnavailable (after the
+    client's own quick retries) is made again after a wait, doubling from FIRST_WAIT_S to
+    LONGEST_WAIT_S, until `seconds` have passed since its first failure; then the error goes up.
+    `on_wait(error, seconds)` hears of every wait (a log line: an outage must be visible).
+
+    The default, 0 seconds, fails at once: right for a command a person waits on. The pipeline,
+    which runs for days in the cluster, gives it minutes."""
+
+    def __init__(self, seconds: float = 0.0, on_wait: Callable[[StorageUnavailable, float], None] | None = None) -> None:
+        self.seconds = seconds
+        self.on_wait = on_wait
+
+    def call(self, attempt: Callable[[], T]) -> T:
+        deadline, delay = None, FIRST_WAIT_S
+        while True:
+            try:
+                return attempt()
+            except StorageUnavailable as error:
+                if self.seconds <= 0:
+                    raise
+                now = time.monotonic()
+                deadline = deadline or now + self.seconds
+                if now >= deadline:
+                    raise StorageUnavailable(f"{error.what}; still so after {self.seconds:.0f} s of retries", error.fix) from None
+                wait = min(delay, deadline - now)
+                if self.on_wait is not None:
+                    self.on_wait(error, wait)
+                time.sleep(wait)
+                delay = min(2 * delay, LONGEST_WAIT_S)
+
+
+def open_storage(
+    url: str, *, endpoint_url: str | None = None, region: str | None = None, max_attempts: int = 10,
+    patience: Patience | None = None,
+) -> Storage:
+    """Storage rooted at an s3:// prefix, a file:// URL or a local path.
+
+    `max_attempts` bounds the client's quick S3 retries: lower it where failing fast beats riding
+    out throttling (a reachability check). `patience` waits out longer outages (see Patience)."""
+    if url.startswith("s3://"):
+        return S3Storage(url, endpoint_url=endpoint_url, region=region, max_attempts=max_attempts, patience=patience or Patience())
+    if url.startswith("file://"):
+        url = url[len("file://"):]
+    return LocalStorage(url)
+
+
+def open_url(url: str, *, endpoint_url: str | None = None, region: str | None = None, max_attempts: int = 10) -> tuple[Storage, str]:
+    """A single object's URL, as (storage of its parent, its key)."""
+    parent, _, name = url.rstrip("/").rpartition("/")
+    if not name or not parent or parent in ("s3:", "s3:/"):
+        raise StorageError(f"{url!r} does not name an object", "Use s3://bucket/path/file or a file path")
+    return open_storage(parent, endpoint_url=endpoint_url, region=region, max_attempts=max_attempts), name
+
+
+def read_head(url: str, size: int, *, endpoint_url: str | None = None, region: str | None = None, max_attempts: int = 10) -> tuple[int, bytes]:
+    """The size of the object at `url` and its first `size` bytes. Why it cannot be read is the
+    error's type: CredentialsMissing, EndpointUnreachable, AccessDenied, BucketNotFound, ObjectNotFound."""
+    storage, key = open_url(url, endpoint_url=endpoint_url, region=region, max_attempts=max_attempts)
+    try:
+        info = storage.stat(key)
+        if info is None:
+            # A HEAD answers 404 for a missing bucket as for a missing object: a listing tells them apart.
+            storage.list_modified(key)
+            fix = "Upload it there, or fix the URL" if url.startswith("s3://") else "Fix the path (it is read on this machine)"
+            raise ObjectNotFound(f"{url} does not exist", fix)
+        return info.size, storage.get_bytes(key, 0, min(size, info.size)) if info.size else b""
+    except PermissionError as exc:  # a local file this user may not read
+        raise AccessDenied(f"{url} is not readable ({exc.strerror})", "Fix its permissions, or run where it is readable") from None
+
+
+def storage_for(spec, *, patience: Patience | None = None) -> Storage:
+    """The run's output root (`spec` is a RunSpec, not imported: this package stays dependency-free)."""
+    return open_storage(spec.output, endpoint_url=spec.storage.endpoint_url, region=spec.storage.region, patience=patience)

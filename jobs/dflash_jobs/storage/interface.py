@@ -1,0 +1,122 @@
+"""What every store is: the Storage protocol, what its calls return and raise, the rule a key
+follows, and the hashing both stores do while they write."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Protocol, Union
+
+from dflash_jobs.errors import StorageError, StorageUnavailable
+
+HASH_BLOCK = 8 << 20
+TEMP_PREFIX = ".tmp-"
+
+Buffer = Union[bytes, bytearray, memoryview]
+"""Anything with the buffer protocol: put_parts reads it in place, without a copy."""
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    size: int
+    etag: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    size: int
+    sha256: str
+    etag: str | None
+
+
+class ObjectNotFound(StorageError):
+    """The object does not exist."""
+
+
+# Why S3 cannot be read, told apart for the checks and the plan (`dflashctl check`, `dflashctl plan`).
+# Each is a StorageError or StorageUnavailable as before, so every existing handler still applies.
+
+
+class CredentialsMissing(StorageError):
+    """No S3 credentials were found (environment, shared files, instance or workload identity)."""
+
+
+class AccessDenied(StorageError):
+    """S3 refused the credentials (unknown key, bad signature) or the call (a policy)."""
+
+
+class BucketNotFound(StorageError):
+    """The bucket does not exist."""
+
+
+class EndpointUnreachable(StorageUnavailable):
+    """The endpoint did not answer: a wrong AWS_ENDPOINT_URL, DNS, a firewall, or a store that is down."""
+
+
+def check_key(key: str) -> str:
+    """Refuses keys that could escape the storage root or alias another key."""
+    if not key or key.startswith("/") or "\\" in key or "\x00" in key:
+        raise StorageError(f"storage key {key!r} is not a relative '/'-separated path", "Use keys like extract/chunks/000000.safetensors")
+    parts = key.split("/")
+    if any(part in ("", ".", "..") for part in parts[:-1]) or parts[-1] in (".", ".."):
+        raise StorageError(f"storage key {key!r} contains an empty, '.' or '..' segment", "Keys must stay inside the output prefix")
+    return key
+
+
+def byte_views(parts: Sequence[Buffer]) -> list[memoryview]:
+    return [memoryview(part).cast("B") for part in parts]
+
+
+class Digest:
+    """sha256 of a sequence of buffers, computed on its own thread while the caller moves the bytes
+    (hashlib releases the GIL on large buffers, so both run at once)."""
+
+    def __init__(self, parts: Sequence[memoryview]) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
+        self._future = self._pool.submit(self._digest, parts)
+
+    @staticmethod
+    def _digest(parts: Sequence[memoryview]) -> str:
+        digest = hashlib.sha256()
+        for part in parts:
+            for start in range(0, len(part), HASH_BLOCK):
+                digest.update(part[start:start + HASH_BLOCK])
+        return digest.hexdigest()
+
+    def __enter__(self) -> Digest:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._pool.shutdown()  # after a failed write too: the hashing thread ends with the put
+
+    def result(self) -> str:
+        return self._future.result()
+
+
+def sha256_file(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(HASH_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class Storage(Protocol):
+    url: str
+
+    def put_bytes(self, key: str, data: bytes) -> PutResult: ...
+    def put_file(self, key: str, path: str | Path) -> PutResult: ...
+    def put_parts(self, key: str, parts: Sequence[Buffer]) -> PutResult: ...
+    def put_if_absent(self, key: str, data: bytes) -> bool: ...
+    def get_bytes(self, key: str, start: int | None = None, end: int | None = None) -> bytes: ...
+    def get_file(self, key: str, path: str | Path) -> None: ...
+    def open_read(self, key: str) -> BinaryIO: ...
+    def stat(self, key: str) -> ObjectInfo | None: ...
+    def exists(self, key: str) -> bool: ...
+    def list(self, prefix: str = "") -> list[str]: ...
+    def list_modified(self, prefix: str = "") -> dict[str, float]:
+        """Keys under `prefix` and when each was last written (Unix time), from the listing alone."""
+    def delete(self, key: str) -> None: ...
