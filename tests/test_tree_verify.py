@@ -20,9 +20,9 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
+from dflash_jobs.drafter import tree_verify
 from dflash_jobs.drafter.speculative import Target, greedy_decode
 from dflash_jobs.drafter.tree import ConditionalBranches, Tree, build_tree
-from dflash_jobs.drafter import tree_verify
 from dflash_jobs.drafter.tree_verify import TreeLayout, cached_length, commit_path, tree_decode, verify_tree
 from dflash_jobs.evaluate.trees import exact_trees
 from train_fixtures import LAYERS, tiny_target
