@@ -1,25 +1,33 @@
 """Tree verification on the tiny hybrid target ([GDN, GDN, GDN, attention] x 2, the torch fallback of
 transformers' qwen3_5): one forward gives every node what a forward of its own root path gives, the
 accepted path's commit leaves the cache as a forward of that path would, and decoding by trees is
-plain greedy decoding whose acceptance is the exact one, step for step.
+plain greedy decoding whose acceptance is the exact one, step for step. The forward and the commit
+are checked twice: through transformers' torch reference of the recurrent kernel, and through a
+torch port of flash-linear-attention's, called as transformers calls it on the GPU (`fla_recurrent`).
 
 The drafter here is a stand-in that knows greedy's continuation and ranks its next token where it
 is told (`OracleTrees`), so trees accept a lot, branch, and take paths other than the chain's."""
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import random
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.models.qwen3_5 import modeling_qwen3_5
 
+from dflash_jobs.drafter import tree_verify
 from dflash_jobs.drafter.speculative import Target, greedy_decode
 from dflash_jobs.drafter.tree import ConditionalBranches, Tree, build_tree
 from dflash_jobs.drafter.tree_verify import TreeLayout, cached_length, commit_path, tree_decode, verify_tree
 from dflash_jobs.evaluate.trees import exact_trees
 from train_fixtures import LAYERS, tiny_target
 
+BENCH = Path(__file__).resolve().parents[1] / "bench"
 NEW_TOKENS = 30
 NO_STOP = frozenset()
 DECOYS = 6
@@ -71,6 +79,53 @@ class OracleTrees:
         return ConditionalBranches(scores, int(tokens[-1]), self.drafts)
 
 
+def fla_fused_recurrent_gated_delta_rule(
+    q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+    use_gate_in_kernel=False, A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
+    cu_seqlens=None, **kwargs,
+):
+    """flash-linear-attention 0.6.0's fused_recurrent_gated_delta_rule (fla/ops/gated_delta_rule/fused_recurrent.py)
+    in torch: its signature, and its Triton kernel's arithmetic for the options Qwen3.5 uses. The
+    kernel reads its tensors by offset, unchecked; here a shape it would misread is an error."""
+    if gk is not None or gv is not None or use_gate_in_kernel or use_beta_sigmoid_in_kernel or state_v_first or cu_seqlens is not None:
+        raise NotImplementedError("options Qwen3.5's GatedDeltaNet does not use")
+    batch, steps, heads, k_dim = k.shape
+    v_heads, v_dim = v.shape[-2:]
+    assert q.shape == k.shape and v.shape[:2] == (batch, steps) and v_heads % heads == 0, (q.shape, k.shape, v.shape)
+    assert g.dtype == torch.float32 and g.shape == beta.shape == (batch, steps, v_heads), (g.dtype, g.shape, beta.shape)  # log-space decay, head-wise beta
+    assert initial_state is None or initial_state.shape == (batch, v_heads, k_dim, v_dim), initial_state.shape  # one state per sequence, [K, V]
+    key_head = torch.arange(v_heads) // (v_heads // heads)  # the kernel's i_h = i_hv // (HV // H)
+    q, k = q.float()[:, :, key_head], k.float()[:, :, key_head]  # [B, T, HV, K]
+    if use_qk_l2norm_in_kernel:
+        q, k = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6), k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * (k_dim**-0.5 if scale is None else scale)
+    state = torch.zeros(batch, v_heads, k_dim, v_dim) if initial_state is None else initial_state.float()
+    out = torch.empty_like(v)
+    for t in range(steps):
+        state = state * g[:, t].exp()[..., None, None]
+        delta = beta[:, t].float()[..., None] * (v[:, t].float() - (state * k[:, t, ..., None]).sum(-2))
+        state = state + k[:, t, ..., None] * delta[..., None, :]
+        out[:, t] = (state * q[:, t, ..., None]).sum(-2).to(v.dtype)
+    return out, state if output_final_state else None  # the final state in fp32, whatever the inputs'
+
+
+FLA_PARAMETERS = tuple(inspect.signature(fla_fused_recurrent_gated_delta_rule).parameters)
+
+
+def fla_as_transformers_binds_it(*args, **kwargs):
+    """transformers' use_kernel_func_from_hub_with_fallback with fla installed: keyword arguments the
+    package's function does not name are dropped, the rest passed on as they come."""
+    return fla_fused_recurrent_gated_delta_rule(*args, **{name: value for name, value in kwargs.items() if name in FLA_PARAMETERS})
+
+
+@pytest.fixture(params=["torch_reference", "fla_recurrent"])
+def recurrent_kernel(request, monkeypatch):
+    """The recurrent kernel the model's module binds: transformers' torch reference, or fla's (ported) as bound on the GPU."""
+    if request.param == "fla_recurrent":
+        monkeypatch.setattr(modeling_qwen3_5, "torch_recurrent_gated_delta_rule", fla_as_transformers_binds_it)
+    return request.param
+
+
 def random_tree(seed: int, nodes: int, vocab: int) -> Tree:
     """A tree with a chain of 7 (deeper than the conv window) and random branches off it."""
     rng = random.Random(seed)
@@ -102,8 +157,27 @@ def test_the_layout_sees_ancestors_only_and_places_each_node_at_its_depth():
     assert layout.windows(4).tolist() == [[1, 2, 3, 4], [2, 3, 4, 5], [3, 4, 5, 6], [2, 3, 4, 7], [4, 5, 6, 8]]
 
 
+def test_the_fla_port_computes_what_the_torch_reference_does():
+    """The port above is fla's kernel, not a copy of the tree's assumptions: on the same inputs
+    (grouped value heads, a batch of sequences, each from its own state) it matches transformers'
+    torch reference, which transformers checks against fla."""
+    generator = torch.Generator().manual_seed(0)
+    q, k = torch.randn(3, 5, 2, 16, generator=generator), torch.randn(3, 5, 2, 16, generator=generator)
+    v = torch.randn(3, 5, 4, 8, generator=generator)
+    g, beta = -torch.rand(3, 5, 4, generator=generator), torch.rand(3, 5, 4, generator=generator)
+    state = torch.randn(3, 4, 16, 8, generator=generator)
+    ported = fla_fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    reference = modeling_qwen3_5.torch_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
+                                                                    use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(ported, reference)
+    with pytest.raises(NotImplementedError):  # g and beta by position, as the torch reference would take them: beta becomes gk
+        fla_fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state)
+    with pytest.raises(AssertionError):  # one state for three sequences: broadcast by torch, misread by the kernel
+        fla_fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=state[:1])
+
+
 @pytest.mark.parametrize("seed", [0, 1])
-def test_one_forward_gives_every_node_what_a_forward_of_its_root_path_gives(model, prompt, seed):
+def test_one_forward_gives_every_node_what_a_forward_of_its_root_path_gives(model, prompt, seed, recurrent_kernel):
     vocab = model.config.vocab_size
     tree, root = random_tree(seed, 24, vocab), 17
     target, reference = Target(model, LAYERS), Target(model, LAYERS)
@@ -122,7 +196,7 @@ def test_one_forward_gives_every_node_what_a_forward_of_its_root_path_gives(mode
 
 
 @pytest.mark.parametrize("accepted", [0, 2, 6])
-def test_committing_a_path_leaves_the_cache_as_a_forward_of_that_path_would(model, prompt, accepted):
+def test_committing_a_path_leaves_the_cache_as_a_forward_of_that_path_would(model, prompt, accepted, recurrent_kernel):
     """The root and `accepted` nodes down the tree's chain (6: past the 4-wide conv window) are
     committed; the next forward then sees exactly what it would after the plain path."""
     tree, root, after = random_tree(2, 24, model.config.vocab_size), 17, torch.tensor([3, 99, 250])
@@ -198,10 +272,9 @@ def test_the_speedup_benchmark_prices_trees_at_the_tiny_shape(tmp_path):
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     out = tmp_path / "speedup.json"
-    script = Path(__file__).resolve().parents[1] / "bench" / "speedup.py"
+    script = BENCH / "speedup.py"
     subprocess.run([sys.executable, str(script), "--shape", "tiny", "--contexts", "24", "--reps", "1", "--warmup", "0", "--profile-reps", "0",
                     "--tree-budgets", "4,16", "--tree-acceptance", "16=2.5", "--out", str(out)],
                    check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
@@ -212,9 +285,38 @@ def test_the_speedup_benchmark_prices_trees_at_the_tiny_shape(tmp_path):
         entry = context["trees"][budget]
         assert entry["shape"]["nodes"] == int(budget) and sum(entry["shape"]["per_depth"]) == int(budget)
         assert all(entry[kind]["median_ms"] > 0 for kind in ("tree_verify", "tree_commit", "tree_build", "flat_forward"))
-        assert entry["check"]["argmax_agree"] and entry["check"]["max_relative_logit_difference"] < 1e-5
+        check = entry["check"]
+        assert check["rows"] == int(budget) + 1 and check["within_noise"] and check["verdict"].startswith("within")
+        assert all(check[pair]["max_relative_logit_difference"] < 1e-5 and check[pair]["argmax_disagreements"] == 0
+                   for pair in ("tree_vs_whole", "tree_vs_stepwise", "stepwise_vs_whole"))
     priced = context["tree_speedup"]["16"]
     assert [row["tau"] for row in priced["table"]] == [2.5] and priced["table"][0]["tree"] > 0
     assert ("tree_flat" in priced["table"][0]) == (priced["verify_and_commit_ms"] > priced["flat_forward_ms"])
     assert len(context["tree_speedup"]["4"]["table"]) > 1  # no measured tau: the grid
     assert result["tree_summary"]["24"]["16"]["2.5"]["tree"] == priced["table"][0]["tree"]
+
+
+def test_the_benchmarks_tree_check_tells_a_wrong_parent_state_from_rounding(model, prompt, monkeypatch):
+    """bench/speedup.py's check of the tree forward against the plain computations' own spread: the
+    tree forward lies within it; one whose GDN nodes start from their depth's first state, not their
+    parent's (right along the chain, wrong on every other branch), lies far outside."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    speedup = importlib.import_module("speedup")
+    tree, _ = speedup.typical_tree(16, 15, model.config.vocab_size, torch.device("cpu"))
+    assert len(speedup.root_paths(tree)) > 1 and sorted({row for path in speedup.root_paths(tree) for row in path}) == list(range(17))
+    target = Target(model)
+    with torch.inference_mode():
+        target.reset()
+        target.forward(prompt, last_only=True)
+        checkpoint = target.checkpoint()
+        check = speedup.tree_check(target, tree, lambda: target.rollback(checkpoint))
+        assert check["within_noise"] and check["rows"] == 17 and check["noise_floor"] < 1e-5
+        right = tree_verify._recurrence
+
+        def from_first_state(module, query, key, value, g, beta, state):
+            return right(module, query, key, value, g, beta, state[:1].expand(len(query), *state.shape[1:]))
+
+        monkeypatch.setattr(tree_verify, "_recurrence", from_first_state)
+        wrong = speedup.tree_check(target, tree, lambda: target.rollback(checkpoint))
+    assert not wrong["within_noise"] and wrong["verdict"].startswith("outside") and wrong["tree_over_floor"] > 100
+    assert wrong["stepwise_vs_whole"] == check["stepwise_vs_whole"]  # the plain computations do not go through the tree

@@ -89,7 +89,8 @@ def reporter_for(console: Console) -> Iterator[Reporter]:
 
 
 def print_report(report: dict[str, Any], fmt: OutputFormat, names: Iterable[str] = ()) -> None:
-    """eval/report.json as JSON or YAML (`names` for -o name), or one row per drafter and one for plain greedy."""
+    """eval/report.json as JSON or YAML (`names` for -o name), or one row per drafter (and per draft
+    tree budget it decoded with) and one for plain greedy."""
     if fmt is not OutputFormat.table:
         output.result(fmt, report, names)
         return
@@ -100,16 +101,23 @@ def print_report(report: dict[str, Any], fmt: OutputFormat, names: Iterable[str]
     greedy = report.get("greedy") or {}
     table.add_row("greedy (reference)", "1.00", _number(greedy.get("tokens_per_second")), "1.00x", "-")
     for name, summary in (report.get("drafters") or {}).items():
-        table.add_row(
-            name,
-            _number(summary.get("acceptance_length")),
-            _number(summary.get("tokens_per_second")),
-            f"{_number(summary.get('speedup'))}x",
-            "yes" if summary.get("lossless") else "[red]NO[/]",
-        )
+        _decoding_row(table, name, summary)
+        for budget, decoded in ((summary.get("tree") or {}).get("decoded") or {}).items():
+            _decoding_row(table, f"  tree of {budget}", decoded)  # under its drafter
     output.stdout.print(table)
     if report.get("vllm_serve"):
         output.stdout.print(f"serve it with vLLM:\n{report['vllm_serve']}", markup=False, highlight=False)
+
+
+def _decoding_row(table: Table, name: str, figures: dict[str, Any]) -> None:
+    """A decoding's row: metrics.summarize's figures (a drafter's, or its draft trees' at one budget)."""
+    table.add_row(
+        name,
+        _number(figures.get("acceptance_length")),
+        _number(figures.get("tokens_per_second")),
+        f"{_number(figures.get('speedup'))}x",
+        "yes" if figures.get("lossless") else "[red]NO[/]",
+    )
 
 
 def _number(value: float | None) -> str:
