@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import random
 from pathlib import Path
 
@@ -246,6 +247,44 @@ def test_the_successors_train_at_the_same_verify_block_on_states_with_the_final_
     # DSpark's block of B drafts B tokens (its anchor is a slot): 7 drafts a step each, verified in blocks of 8.
     assert blocks["regenerated-dflash2"] == ("dflash2", 8) and blocks["regenerated-dspark"] == ("dspark", 7) and blocks["regenerated"] == ("dflash", 8)
     assert {spec["eval"]["prompts"] for spec in written.values()} == {size.eval_prompts}
+
+
+# ---- how the steps start -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def step_server(bench):
+    """The chains module; the steps' server it starts is stopped after the test."""
+    yield importlib.import_module("chains")
+    importlib.import_module("launch").stop()
+
+
+IMPORTED_PROBE = "import sys\nprint(sorted(name for name in ('torch', 'transformers') if name in sys.modules))\n"
+"""A step that prints which heavy modules its process held before it ran."""
+
+
+def test_a_gpu_step_starts_in_a_fresh_interpreter_and_a_cpu_step_shares_the_servers_imports(step_server, tmp_path, monkeypatch):
+    """A forked child cannot use CUDA once its parent initialised it, and the server's imports did on
+    an H100 (every step of the GPU size failed): a GPU step must inherit nothing of them. A CPU box
+    cannot initialise CUDA, so what is checked is what a step inherits at all."""
+    (tmp_path / "imported_probe.py").write_text(IMPORTED_PROBE)
+    monkeypatch.syspath_prepend(str(tmp_path))  # the server's sys.path is this process's when it starts
+    printed = {}
+    for gpu in (True, False):
+        runner = step_server.ChainRunner(tmp_path / "dflash.yaml", tmp_path, gpu=gpu)
+        runner.env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), runner.env.get("PYTHONPATH", "")])
+        runner.step(f"probe-gpu-{gpu}", ["imported_probe"])
+        printed[gpu] = (tmp_path / f"probe-gpu-{gpu}-0.log").read_text().strip()
+        assert ("OMP_NUM_THREADS" in runner.env) == (not gpu)  # one intra-op thread on a CPU only
+    assert printed == {True: "[]", False: "['torch', 'transformers']"}
+
+
+def test_a_step_that_dies_before_its_log_exists_reports_its_exit_code(step_server, tmp_path):
+    # Its log's directory is missing: the forked child fails opening it, before anything is logged.
+    runner = step_server.ChainRunner(tmp_path / "dflash.yaml", tmp_path / "missing", gpu=False)
+    with pytest.raises(RuntimeError, match=r"(?s)prepare failed \(exit 1\): python -m dflash_jobs.prepare.*died before it opened its log"):
+        runner.step("prepare", ["dflash_jobs.prepare"])
+    assert step_server.exit_status(-9) == "killed by SIGKILL (out of memory?)"
 
 
 # ---- the whole chain --------------------------------------------------------------------------------

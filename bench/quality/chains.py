@@ -16,6 +16,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -110,26 +111,28 @@ def write_spec(workdir: Path, target: Path, data: Path, size: Size, device: torc
 class ChainRunner:
     """One chain's steps, each as its pod would run it, each step's seconds kept."""
 
-    def __init__(self, spec: Path, workdir: Path, *, one_thread: bool) -> None:
-        """`one_thread`: every step on one intra-op thread (a CPU: the matrices are tiny, and on a
-        shared machine a second thread spins while it waits, slowing a step many times over)."""
-        self.spec, self.workdir = spec, workdir
+    def __init__(self, spec: Path, workdir: Path, *, gpu: bool) -> None:
+        """`gpu`: every step in a fresh interpreter (launch.py says why); else forked, on one
+        intra-op thread (a CPU: the matrices are tiny, and on a shared machine a second thread
+        spins while it waits, slowing a step many times over)."""
+        self.spec, self.workdir, self.gpu = spec, workdir, gpu
         self.env = {**os.environ, "DFLASH_CACHE_DIR": str(workdir / "cache"), "PYTHONUNBUFFERED": "1",
-                    **({"OMP_NUM_THREADS": "1"} if one_thread else {})}
+                    **({} if gpu else {"OMP_NUM_THREADS": "1"})}
         self.seconds: dict[str, float] = {}
 
     def step(self, name: str, *commands: list[str], extra_env: dict[str, str] | None = None) -> None:
         """Runs `python -m <command>` for each command at once (launch.py), each with its own log."""
         started = time.monotonic()
-        waits = [launch.start(command[0], command[1:], {**self.env, **(extra_env or {})}, self.workdir / f"{name}-{i}.log")
-                 for i, command in enumerate(commands)]
+        logs = [self.workdir / f"{name}-{i}.log" for i in range(len(commands))]
+        waits = [launch.start(command[0], command[1:], {**self.env, **(extra_env or {})}, log, fresh=self.gpu)
+                 for command, log in zip(commands, logs)]
         codes = [wait() for wait in waits]
         self.seconds[name] = round(time.monotonic() - started, 1)
         print(f"quality: {self.workdir.name} {name}: exit {max(codes, key=abs)} after {self.seconds[name]} s", file=sys.stderr, flush=True)
         if any(codes):
             failed = next(i for i, code in enumerate(codes) if code)
-            tail = (self.workdir / f"{name}-{failed}.log").read_text()[-3000:]
-            raise RuntimeError(f"{name} failed (exit {codes[failed]}): {shlex.join(['python', '-m', *commands[failed]])}\n{tail}")
+            raise RuntimeError(f"{name} failed ({exit_status(codes[failed])}): {shlex.join(['python', '-m', *commands[failed]])}\n"
+                               + printed(logs[failed]))
 
     def job(self, module: str, *args: str) -> list[str]:
         return [module, *args, "-f", str(self.spec)]
@@ -156,6 +159,25 @@ class ChainRunner:
         self.step("train", self.job("dflash_jobs.train"))
         self.step("evaluate", self.job("dflash_jobs.evaluate"))
         return self.seconds
+
+
+def exit_status(code: int) -> str:
+    """An exit code as words: a negative one is the signal that ended the process."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}" + (" (out of memory?)" if code == -signal.SIGKILL else "")
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit {code}"
+
+
+def printed(log: Path) -> str:
+    """The end of what a step printed, or why there is nothing: a step that died before its log
+    existed (a forked child that failed to start) printed on the benchmark's own stderr."""
+    if not log.exists():
+        return f"{log} does not exist: the step died before it opened its log; what it printed is on this process's stderr, above"
+    text = log.read_text(errors="replace")
+    return text[-3000:] if text else f"{log} is empty: the step printed nothing"
 
 
 def share_states(origin: Path, workdir: Path) -> None:

@@ -191,7 +191,7 @@ def run_stages(size_name: str, size: Size, device: torch.device, workdir: Path, 
     def runner(chain: Chain) -> ChainRunner:
         final_hidden = any(TrainSpec(drafter=c.drafter).reads_final_hidden for c in chains if c.states_of == chain.name)
         spec = write_spec(workdir / chain.name, target, data_of(chain), size, device, chain, final_hidden=final_hidden)
-        return ChainRunner(spec, workdir / chain.name, one_thread=device.type == "cpu")
+        return ChainRunner(spec, workdir / chain.name, gpu=device.type == "cuda")
 
     generating = next(c for c in chains if c.generates)
 
