@@ -192,13 +192,19 @@ def test_claims_need_a_difference_larger_than_the_spread_between_seeds(bench):
                   chains.Chain("regenerated-seed43", True, seed=43, states_of="regenerated"),
                   chains.Chain("source-seed43", False, seed=43, states_of="source"),
                   chains.Chain("regenerated-dflash2", True, drafter="dflash2", states_of="regenerated"),
-                  chains.Chain("regenerated-dspark", True, drafter="dspark", states_of="regenerated")]
+                  chains.Chain("regenerated-dspark", True, drafter="dspark", states_of="regenerated"),
+                  chains.Chain("regenerated-dflash2-selector-off", True, drafter="dflash2", settings=(("selector_alpha", 0.0),), states_of="regenerated"),
+                  chains.Chain("regenerated-dspark-markov-rank1", True, drafter="dspark", settings=(("markov_rank", 1),), states_of="regenerated")]
     runs = {"regenerated": chain_run(3.0, 1.2), "regenerated-seed43": chain_run(3.4, 1.2), "source": chain_run(2.8, 1.2),
             "source-seed43": chain_run(2.9, 1.2), "regenerated-dflash2": chain_run(3.3, 1.2, drafter="dflash2"),
-            "regenerated-dspark": chain_run(2.9, 1.2, drafter="dspark")}
+            "regenerated-dspark": chain_run(2.9, 1.2, drafter="dspark"), "regenerated-dflash2-selector-off": chain_run(3.25, 1.2, drafter="dflash2"),
+            "regenerated-dspark-markov-rank1": chain_run(2.2, 1.2, drafter="dspark")}
     spread = figures.seed_spread(runs, chain_list)
     assert spread["regenerated"] == {"drafter": "dflash", "seeds": [42, 43], "acceptance_length": [3.0, 3.4], "mean": 3.2, "spread": 0.4}
     assert spread["regenerated-dspark"]["acceptance_length"] == [2.9]  # a drafter of its own, not a seed of DFlash's
+    # An ablation is a drafter of its own too, not another seed of the successor it ablates.
+    assert spread["regenerated-dflash2"]["acceptance_length"] == [3.3] and spread["regenerated-dflash2-selector-off"] == {
+        "drafter": "dflash2", "settings": {"selector_alpha": 0.0}, "seeds": [42], "acceptance_length": [3.25], "mean": 3.25, "spread": 0.0}
     found = figures.claims(runs, spread)
     verdicts = {claim["claim"]: claim["passed"] for claim in found}
     assert verdicts == {"regenerated > source by more than the spread between seeds": False,  # 0.35 apart, seeds 0.4 apart
@@ -206,7 +212,7 @@ def test_claims_need_a_difference_larger_than_the_spread_between_seeds(bench):
                         "train/serve within 10% per position, every chain": True,
                         "dflash2 >= DFlash on the same states and verify block": True,
                         "dspark >= DFlash on the same states and verify block": False}
-    dspark = found[-1]
+    dspark = found[-1]  # the ablations make no claim of their own
     assert (dspark["difference"], dspark["dflash_seed_spread"], dspark["within_seed_spread"]) == (-0.3, 0.4, True)
     # One seed: no spread, so no claim about a difference holds.
     single = figures.claims(runs, figures.seed_spread(runs, chain_list[:2]))
@@ -219,14 +225,38 @@ def test_claims_need_a_difference_larger_than_the_spread_between_seeds(bench):
         assert not verdict["passed"] and not verdict["chains"]["source-seed43"]["passed"]
 
 
+def test_a_successors_lead_is_split_at_its_ablation_into_its_heads_and_its_anchor_paths(bench):
+    figures = importlib.import_module("figures")
+
+    def entry(drafter, values, **settings):
+        return {"drafter": drafter, **({"settings": settings} if settings else {}), "seeds": [42, 43][: len(values)],
+                "acceptance_length": values, "mean": round(sum(values) / len(values), 3), "spread": round(max(values) - min(values), 3)}
+
+    spread = {"regenerated": entry("dflash", [3.0, 3.2]), "regenerated-dflash2": entry("dflash2", [3.6]),
+              "regenerated-dspark": entry("dspark", [3.5]), "regenerated-dflash2-selector-off": entry("dflash2", [3.55], selector_alpha=0.0),
+              "regenerated-dspark-markov-rank1": entry("dspark", [3.2], markov_rank=1)}
+    found = {item["ablation"]: item for item in figures.attribution(spread)}
+    dflash2, dspark = found["regenerated-dflash2-selector-off"], found["regenerated-dspark-markov-rank1"]
+    # DFlash2's lead (0.5) is its anchor path's (0.45), not its selector's (0.05): only the first exceeds the seeds' 0.2.
+    assert (dflash2["lead_over_dflash"], dflash2["from_its_head"], dflash2["from_its_anchor_path"]) == (0.5, 0.05, 0.45)
+    assert (dflash2["head_decides"], dflash2["anchor_path_decides"], dflash2["dflash_seed_spread"]) == (False, True, 0.2)
+    # DSpark's (0.4): its Markov head's 0.3, and nothing its anchor path's.
+    assert (dspark["from_its_head"], dspark["from_its_anchor_path"], dspark["head_decides"], dspark["anchor_path_decides"]) == (0.3, 0.1, True, False)
+    assert dspark["settings"] == {"markov_rank": 1} and dspark["acceptance_length"] == {"successor": 3.5, "ablated": 3.2, "dflash": 3.1}
+    # One seed of DFlash: no spread, so no part decides.
+    single = figures.attribution({**spread, "regenerated": entry("dflash", [3.1])})
+    assert not any(item["head_decides"] or item["anchor_path_decides"] for item in single)
+
+
 def test_every_chain_of_a_size_and_what_it_trains_on(bench):
     sizes = importlib.import_module("sizes")
     names = {c.name: c for c in bench.chains_of(sizes.SIZES["tiny"])}
     assert list(names) == ["regenerated", "source", "regenerated-fp8", "regenerated-0.25", "regenerated-0.5", "regenerated-seed43",
-                           "source-seed43", "regenerated-dflash2", "regenerated-dspark"]
+                           "source-seed43", "regenerated-dflash2", "regenerated-dspark", "regenerated-dflash2-selector-off",
+                           "regenerated-dspark-markov-rank1"]
     assert names["regenerated-seed43"].states_of == "regenerated" and names["source-seed43"].states_of == "source"
     assert [c.name for c in names.values() if c.generates] == ["regenerated"]
-    assert {names[f"regenerated-{d}"].states_of for d in ("dflash2", "dspark")} == {"regenerated"}
+    assert {names[f"regenerated-{d}"].states_of for d in ("dflash2", "dspark", "dflash2-selector-off", "dspark-markov-rank1")} == {"regenerated"}
     for size in sizes.SIZES.values():  # every size runs every chain, the successors on the first chain's states
         assert [c.name for c in bench.chains_of(size)] == list(names)
 
@@ -246,6 +276,17 @@ def test_the_successors_train_at_the_same_verify_block_on_states_with_the_final_
     blocks = {name: (spec["train"]["drafter"], spec["train"]["block_size"]) for name, spec in written.items()}
     # DSpark's block of B drafts B tokens (its anchor is a slot): 7 drafts a step each, verified in blocks of 8.
     assert blocks["regenerated-dflash2"] == ("dflash2", 8) and blocks["regenerated-dspark"] == ("dspark", 7) and blocks["regenerated"] == ("dflash", 8)
+    # The ablations: the same drafters, their own head turned off, every other setting at its default.
+    assert blocks["regenerated-dflash2-selector-off"] == ("dflash2", 8) and blocks["regenerated-dspark-markov-rank1"] == ("dspark", 7)
+    assert written["regenerated-dflash2-selector-off"]["train"]["dflash2"] == {"selector_alpha": 0.0}
+    assert written["regenerated-dspark-markov-rank1"]["train"]["dspark"] == {"markov_rank": 1}
+    assert not {"dflash2", "dspark"} & (set(written["regenerated-dflash2"]["train"]) | set(written["regenerated-dspark"]["train"]))
+    from dflash_jobs.spec import parse_spec
+
+    # As the trainer reads them: the field names exist, the rest of each section is its default.
+    selector_off, markov_rank1 = (parse_spec(written[f"regenerated-{name}"]).train for name in ("dflash2-selector-off", "dspark-markov-rank1"))
+    assert (selector_off.dflash2.selector_alpha, selector_off.dflash2.selector_top_k) == (0.0, 16)
+    assert (markov_rank1.dspark.markov_rank, markov_rank1.dspark.confidence_weight) == (1, 1.0)
     assert {spec["eval"]["prompts"] for spec in written.values()} == {size.eval_prompts}
 
 

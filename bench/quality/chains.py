@@ -57,11 +57,24 @@ class Chain:
     """train.seed: the drafter's initialisation, its anchors and its batches."""
     states_of: str | None = None
     """The chain whose extracted states this one trains on (it runs train and evaluate only); None: its own."""
+    settings: tuple[tuple[str, float], ...] = ()
+    """train.<drafter> settings other than their defaults (an ablation: ABLATIONS)."""
 
     @property
     def generates(self) -> bool:
         """The one chain that runs the generate step; the other regenerated chains read its rows."""
         return self.regenerated and self.fraction == 1.0 and self.dtype == "bfloat16" and self.states_of is None
+
+
+ABLATIONS = {
+    "dflash2-selector-off": ("dflash2", (("selector_alpha", 0.0),)),
+    "dspark-markov-rank1": ("dspark", (("markov_rank", 1),)),
+}
+"""Each successor without the part that is its own, on the same states: what is left of its lead
+over DFlash is its anchor path (DFlash2's in-block convolution, DSpark's anchor as the first slot),
+what it loses is its head's. DFlash2's candidate selector never trained (selector_alpha 0: a fresh
+selector ranks as the drafter's own logits do); DSpark's Markov head at rank 1, the smallest the
+spec takes (its bigram bias then one direction, not a table)."""
 
 
 def drafted_block(drafter: str, verify_block: int) -> int:
@@ -89,6 +102,7 @@ def write_spec(workdir: Path, target: Path, data: Path, size: Size, device: torc
             "gpus_per_node": 1, "draft_layers": size.draft_layers, "anchors": size.anchors, "epochs": size.epochs, "lr": size.draft_lr,
             "micro_batch_tokens": size.micro_batch_tokens, "micro_batch_blocks": size.micro_batch_blocks, "seed": chain.seed,
             "checkpoint_every": 200, "cache_gb": 8.0, "stall_seconds": 120.0,
+            **({chain.drafter: dict(chain.settings)} if chain.settings else {}),
         },
         "eval": {"prompts": size.eval_prompts or size.holdout, "max_new_tokens": size.eval_new_tokens, "processes": size.eval_processes},
         "local": {"workdir": str(workdir / "local"), "device": device.type},

@@ -100,9 +100,9 @@ def diversity(regenerated: Path, source: Path, rows: list[dict[str, Any]], train
 
 def seed_groups(chains: Sequence[Chain]) -> dict[str, list[Chain]]:
     """The chains that train one drafter on the same states with other seeds, under the first one's name."""
-    groups: dict[tuple[str, str], list[Chain]] = {}
+    groups: dict[tuple[str, str, tuple], list[Chain]] = {}
     for chain in chains:
-        groups.setdefault((chain.states_of or chain.name, chain.drafter), []).append(chain)
+        groups.setdefault((chain.states_of or chain.name, chain.drafter, chain.settings), []).append(chain)
     return {group[0].name: group for group in groups.values()}
 
 
@@ -111,7 +111,8 @@ def seed_spread(runs: dict[str, dict[str, Any]], chains: Sequence[Chain]) -> dic
     spread = {}
     for name, group in seed_groups(chains).items():
         values = [runs[c.name]["acceptance_length"][c.drafter] for c in group]
-        spread[name] = {"drafter": group[0].drafter, "seeds": [c.seed for c in group], "acceptance_length": values,
+        spread[name] = {"drafter": group[0].drafter, **({"settings": dict(group[0].settings)} if group[0].settings else {}),
+                        "seeds": [c.seed for c in group], "acceptance_length": values,
                         "mean": round(statistics.fmean(values), 3), "spread": round(max(values) - min(values), 3)}
     return spread
 
@@ -163,7 +164,7 @@ def claims(runs: dict[str, dict[str, Any]], spread: dict[str, dict[str, Any]]) -
                     for name, a in agreement.items()}},
     ]
     for name, successor in spread.items():
-        if successor["drafter"] == "dflash":
+        if successor["drafter"] == "dflash" or "settings" in successor:
             continue
         difference = round(successor["mean"] - regenerated["mean"], 3)
         found.append({
@@ -173,6 +174,29 @@ def claims(runs: dict[str, dict[str, Any]], spread: dict[str, dict[str, Any]]) -
             "dflash_seed_spread": regenerated["spread"] if measured else None,
             "within_seed_spread": measured and abs(difference) <= regenerated["spread"],
             "verify_block": (runs[name]["eval"].get("block_size"), runs["regenerated"]["eval"].get("block_size")),
+        })
+    return found
+
+
+def attribution(spread: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each successor's lead over DFlash split at its ablation (the successor without its own head,
+    on the same states): what the ablated drafter keeps is its anchor path's, what it loses its
+    head's; a part decides nothing unless it exceeds DFlash's spread between seeds."""
+    dflash = spread["regenerated"]
+    noise = dflash["spread"] if len(dflash["seeds"]) > 1 else None
+    full = {entry["drafter"]: entry for entry in spread.values() if entry["drafter"] != "dflash" and "settings" not in entry}
+    found = []
+    for name, ablated in spread.items():
+        if "settings" not in ablated or ablated["drafter"] not in full:
+            continue
+        successor = full[ablated["drafter"]]
+        head, anchor_path = round(successor["mean"] - ablated["mean"], 3), round(ablated["mean"] - dflash["mean"], 3)
+        found.append({
+            "drafter": ablated["drafter"], "ablation": name, "settings": ablated["settings"],
+            "acceptance_length": {"successor": successor["mean"], "ablated": ablated["mean"], "dflash": dflash["mean"]},
+            "lead_over_dflash": round(successor["mean"] - dflash["mean"], 3), "from_its_head": head, "from_its_anchor_path": anchor_path,
+            "dflash_seed_spread": noise,
+            "head_decides": noise is not None and abs(head) > noise, "anchor_path_decides": noise is not None and abs(anchor_path) > noise,
         })
     return found
 

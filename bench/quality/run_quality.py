@@ -71,9 +71,9 @@ from dflash_jobs.spec import TrainSpec
 from dflash_jobs.tiny import teach_tiny_target, write_tiny_target
 
 import launch
-from chains import Chain, ChainRunner, chain_figures, held_out_prompts, part_of, regenerated_rows, share_states, write_spec
+from chains import ABLATIONS, Chain, ChainRunner, chain_figures, held_out_prompts, part_of, regenerated_rows, share_states, write_spec
 from corpus import ChatSet, Documents, chats, corpus, drafter_chats, split_documents
-from figures import claims, data_curve, diversity, goals, plot_curve, seed_spread, train_serve
+from figures import attribution, claims, data_curve, diversity, goals, plot_curve, seed_spread, train_serve
 from sizes import SIZES, Size
 
 REPO = Path(__file__).resolve().parents[2]
@@ -124,6 +124,8 @@ def chains_of(size: Size) -> list[Chain]:
                for seed in others for name, regenerated in (("regenerated", True), ("source", False))]
     # The successors on the regenerated chain's states (one extraction, its final hidden state stored for DSpark).
     chains += [Chain(f"regenerated-{drafter}", True, drafter=drafter, seed=first, states_of="regenerated") for drafter in size.successors]
+    chains += [Chain(f"regenerated-{name}", True, drafter=ABLATIONS[name][0], settings=ABLATIONS[name][1], seed=first, states_of="regenerated")
+               for name in size.ablations]
     return chains
 
 
@@ -268,6 +270,7 @@ def figures_of(size_name: str, size: Size, device: torch.device, workdir: Path, 
                                tokenizer, size.eval_new_tokens),
         "seeds": spread,
         "claims": claims(runs, spread),
+        "attribution": attribution(spread),
         "goals": goals(runs, spread, curve),
         "runs": runs,
         "generation": generation,

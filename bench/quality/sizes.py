@@ -82,6 +82,8 @@ class Size:
     """A chain on the regenerated rows stored in float8_e4m3fn: acceptance against bf16 storage."""
     successors: tuple[str, ...] = ("dflash2", "dspark")
     """train.drafter of the chains beside DFlash on the regenerated chain's states (issue 30)."""
+    ablations: tuple[str, ...] = ("dflash2-selector-off", "dspark-markov-rank1")
+    """Successors without their own head, on the same states (chains.ABLATIONS): is a lead its head's or its anchor path's?"""
     eval_processes: int = 1
     """eval.processes: held-out prompts decoded in this many processes (a small target fits many times on a GPU)."""
 
