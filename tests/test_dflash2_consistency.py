@@ -10,12 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dflash_jobs.drafter.anchors import anchor_layout
 from dflash_jobs.drafter.checkpoint import TargetCheckpoint, drafter_config_for_target, resolve_mask_token_id
 from dflash_jobs.drafter.masks import build_attention
 from dflash_jobs.drafter.speculative import ModelDrafter, Target, speculative_decode
 from dflash_jobs.evaluate.metrics import acceptance_length, summarize_simulated
 from dflash_jobs.evaluate.simulated import anchors_accepted, document_batch
-from dflash_jobs.spec import DFlash2Spec, TrainSpec, anchor_layout
+from dflash_jobs.spec import DFlash2Spec, TrainSpec
 from dflash_jobs.storage import open_storage
 from dflash_jobs.variants import drafter_variant
 from test_evaluate_consistency import BLOCK, NEW_TOKENS, NO_STOP, PROMPTS, WINDOW, captured

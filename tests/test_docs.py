@@ -256,11 +256,11 @@ def test_every_cited_result_file_exists(doc):
 
 def test_the_drafter_table_states_the_codes_blocks_and_serving_and_the_measured_steps():
     """README's drafter variants: each row's default block, drafts, vLLM method and minimum release are
-    the code's (spec.anchor_layout, serving.SERVED), its step, MFU and memory train-variants-h200.json's."""
+    the code's (anchors.anchor_layout, serving.SERVED), its step, MFU and memory train-variants-h200.json's."""
     import json
 
+    from dflash_jobs.drafter.anchors import anchor_layout
     from dflash_jobs.drafter.serving import SERVED
-    from dflash_jobs.spec import anchor_layout
 
     section = (REPO / "README.md").read_text().split("### Drafter variants\n", 1)[1].split("\n#", 1)[0]
     rows = {row.split("|")[1].split()[0].strip("`"): row for row in section.splitlines() if row.startswith("| `d")}

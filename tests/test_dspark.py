@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from dflash_jobs.drafter.anchors import anchor_layout
 from dflash_jobs.drafter.checkpoint import TargetCheckpoint, drafter_config_for_target, resolve_mask_token_id
 from dflash_jobs.drafter.dspark_export import DSPARK_MODELING_FILES, export_dspark
 from dflash_jobs.drafter.dspark_model import DSparkConfig, DSparkDrafter
@@ -30,7 +31,7 @@ from dflash_jobs.errors import SpecError
 from dflash_jobs.evaluate.calibration import ConfidenceRecorder, recorder_for, summarize_calibration
 from dflash_jobs.drafter.speculative import Decoded
 from dflash_jobs.formats import TokenChunk, encode_hidden_chunk
-from dflash_jobs.spec import anchor_layout, parse_spec
+from dflash_jobs.spec import parse_spec
 from dflash_jobs.storage import open_storage
 from dflash_jobs.train.data import BatchBuilder, ChunkData, DocumentRef
 from dflash_jobs.train.dspark_loss import ChunkedMarkovDistillation, _fused_markov_chunk_terms, _markov_chunk_terms, dspark_objective

@@ -15,12 +15,12 @@ import dataclasses
 import pytest
 import torch
 
+from dflash_jobs.drafter.anchors import anchor_layout
 from dflash_jobs.drafter.masks import build_attention
 from dflash_jobs.drafter.speculative import ModelDrafter, Target, speculative_decode
 from dflash_jobs.evaluate.calibration import ConfidenceRecorder, summarize_calibration
 from dflash_jobs.evaluate.metrics import acceptance_length, acceptance_per_position, summarize_simulated
 from dflash_jobs.evaluate.simulated import anchors_accepted, document_batch
-from dflash_jobs.spec import anchor_layout
 from dflash_jobs.variants import drafter_variant
 from test_dspark import tiny_dspark
 # The DFlash consistency test's prompts, and the target's greedy answers to them (one thread, as there).

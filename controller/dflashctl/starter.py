@@ -1,7 +1,7 @@
 """The starter spec `dflashctl init` writes: every section and field, its default, and what it means.
 
 Generated from the spec's dataclasses, so it never drifts from them: a field's comment is its
-docstring in dflash_jobs/spec.py and its value the default, unless the caller sets it.
+docstring in the dflash_jobs.spec package and its value the default, unless the caller sets it.
 """
 
 from __future__ import annotations

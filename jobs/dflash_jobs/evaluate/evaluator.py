@@ -25,6 +25,7 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
+from dflash_jobs.drafter.anchors import AnchorLayout, anchor_layout
 from dflash_jobs.drafter.export import DRAFTER_PREFIX, exported_config, load_drafter
 from dflash_jobs.drafter.model import Drafter, DrafterConfig
 from dflash_jobs.drafter.serving import run_serve_command
@@ -39,7 +40,7 @@ from dflash_jobs.evaluate.simulated import anchors_accepted, document_batch
 from dflash_jobs.extract.target import local_checkpoint
 from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk
 from dflash_jobs.rows import prompt_length
-from dflash_jobs.spec import AnchorLayout, EvalSpec, RunSpec, anchor_layout
+from dflash_jobs.spec import EvalSpec, RunSpec
 from dflash_jobs.storage import Storage, open_storage, storage_for
 from dflash_jobs.variants import DrafterVariant, drafter_variant
 

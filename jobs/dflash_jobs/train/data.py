@@ -33,11 +33,11 @@ import numpy as np
 import torch
 
 from dflash_jobs.balance import balance_by_tokens
+from dflash_jobs.drafter.anchors import AnchorLayout
 from dflash_jobs.errors import FormatError, InputError
 from dflash_jobs.formats import (
     DoneMarker, TokenChunk, check_hidden_header, dequantize_fp8, fetch_header_bytes, hidden_chunk_key, object_range, read_header,
 )
-from dflash_jobs.spec import AnchorLayout
 from dflash_jobs.storage import TEMP_PREFIX, Storage
 from dflash_jobs.train.anchors import anchor_candidates, sample_anchors
 from dflash_jobs.drafter.masks import BlockLayout
