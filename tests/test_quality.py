@@ -200,28 +200,38 @@ def test_claims_need_a_difference_larger_than_the_spread_between_seeds(bench):
             "regenerated-dspark": chain_run(2.9, 1.2, drafter="dspark"), "regenerated-dflash2-selector-off": chain_run(3.25, 1.2, drafter="dflash2"),
             "regenerated-dspark-markov-rank1": chain_run(2.2, 1.2, drafter="dspark")}
     spread = figures.seed_spread(runs, chain_list)
+    curve = [{"supervised_tokens": 1000, "acceptance_length": 2.2}, {"supervised_tokens": 2000, "acceptance_length": 2.7},
+             {"supervised_tokens": 4000, "acceptance_length": 3.0}]
     assert spread["regenerated"] == {"drafter": "dflash", "seeds": [42, 43], "acceptance_length": [3.0, 3.4], "mean": 3.2, "spread": 0.4}
     assert spread["regenerated-dspark"]["acceptance_length"] == [2.9]  # a drafter of its own, not a seed of DFlash's
     # An ablation is a drafter of its own too, not another seed of the successor it ablates.
     assert spread["regenerated-dflash2"]["acceptance_length"] == [3.3] and spread["regenerated-dflash2-selector-off"] == {
         "drafter": "dflash2", "settings": {"selector_alpha": 0.0}, "seeds": [42], "acceptance_length": [3.25], "mean": 3.25, "spread": 0.0}
-    found = figures.claims(runs, spread)
+    found = figures.claims(runs, spread, curve)
     verdicts = {claim["claim"]: claim["passed"] for claim in found}
     assert verdicts == {"regenerated > source by more than the spread between seeds": False,  # 0.35 apart, seeds 0.4 apart
                         "regenerated > prompt lookup by more than the spread between seeds": True,
+                        "regenerated >= 1.5x prompt lookup by more than the spread between seeds": True,  # 3.2 - 0.4 >= 1.8
+                        "rising with data, each step by more than the spread between seeds": False,  # its second step, 0.3, is not
                         "train/serve within 10% per position, every chain": True,
                         "dflash2 >= DFlash on the same states and verify block": True,
                         "dspark >= DFlash on the same states and verify block": False}
     dspark = found[-1]  # the ablations make no claim of their own
     assert (dspark["difference"], dspark["dflash_seed_spread"], dspark["within_seed_spread"]) == (-0.3, 0.4, True)
     # One seed: no spread, so no claim about a difference holds.
-    single = figures.claims(runs, figures.seed_spread(runs, chain_list[:2]))
-    assert [claim["passed"] for claim in single[:2]] == [False, False]
+    single = figures.claims(runs, figures.seed_spread(runs, chain_list[:2]), curve)
+    assert [claim["passed"] for claim in single[:4]] == [False, False, False, False]
+    steep = [{**point, "acceptance_length": point["acceptance_length"] * 2} for point in curve]
+    rising = next(claim for claim in figures.claims(runs, spread, steep) if claim["claim"].startswith("rising"))
+    assert rising["passed"] and rising["rises"] == [1.0, 0.6] and rising["supervised_tokens"] == [1000, 2000, 4000]
+    # 1.5x prompt lookup within the seeds' spread is not claimed: 3.2 against 1.9, less the seeds' 0.4, is under 1.5x.
+    slower = {name: {**run, "acceptance_length": {**run["acceptance_length"], "prompt_lookup": 1.9}} for name, run in runs.items()}
+    assert not next(claim for claim in figures.claims(slower, spread, curve) if "1.5x" in claim["claim"])["passed"]
     # A chain that disagrees at a position, or whose check compared too few steps, fails the agreement claim.
     too_few = {"steps": 3, "minimum_steps": 24, "compared": False, "verdict": "not compared"}
     for broken in (chain_run(2.9, 1.2, disagreeing=[3]), chain_run(2.9, 1.2, at_anchors=too_few),
                    chain_run(2.9, 1.2, at_anchors="not compared: 3 steps, 24 needed")):
-        verdict = figures.claims({**runs, "source-seed43": broken}, spread)[2]
+        verdict = next(claim for claim in figures.claims({**runs, "source-seed43": broken}, spread, curve) if claim["claim"].startswith("train/serve"))
         assert not verdict["passed"] and not verdict["chains"]["source-seed43"]["passed"]
 
 
@@ -393,6 +403,7 @@ def test_tiny_chain_runs_every_chain_on_the_same_held_out_prompts_and_says_its_t
     claims = {claim["claim"]: claim for claim in result["claims"]}
     assert list(claims) == [
         "regenerated > source by more than the spread between seeds", "regenerated > prompt lookup by more than the spread between seeds",
+        "regenerated >= 1.5x prompt lookup by more than the spread between seeds", "rising with data, each step by more than the spread between seeds",
         "train/serve within 10% per position, every chain", "dflash2 >= DFlash on the same states and verify block",
         "dspark >= DFlash on the same states and verify block"]
     over_source = claims["regenerated > source by more than the spread between seeds"]
