@@ -36,66 +36,40 @@ def bench(monkeypatch):
     return importlib.import_module("run_quality")
 
 
-# ---- held out at the source ------------------------------------------------------------------------
+# ---- the chats ---------------------------------------------------------------------------------------
 
 
-def test_held_out_chats_come_from_held_out_documents_only_and_every_prompt_once(bench):
+def test_every_prompt_is_a_new_draw_the_held_out_ones_last_and_the_data_sets_writer_is_not_the_targets(bench):
     corpus = importlib.import_module("corpus")
-    boilerplate = ["# Copyright 2001 the authors", "# All rights reserved", "# Licensed as the PSF licence says"]
-
-    def document(name: str, lines: int) -> str:
-        return "\n".join(boilerplate + [f"def {name}_{i}(x):  # line {i} of {name}" for i in range(lines)])
-
-    documents = [document(f"doc{d}", 30) for d in range(40)]
-    split = corpus.split_documents(documents + documents[:3])  # three exact copies
-    assert split.duplicates == 3 and len(split.training) + len(split.held_out) == 40 and len(split.held_out) == 4
-
-    shape = corpus.ChatShape(tuple(corpus.TASKS), prompt_lines=2, answer_lines=1, line_chars=80)
-    chats = corpus.drafter_chats(split, training=600, held_out=40, shape=shape, seed=3)
+    words = [f"w{i:02d}" for i in range(12)]
+    shape = corpus.ChatShape(min_words=3, max_words=5)
+    chats = corpus.drafter_chats(words, training=600, held_out=40, shape=shape, seed=3)
     prompts = [messages[0]["content"] for messages in chats.training + chats.held_out]
-    assert len(prompts) == len(set(prompts)) == 640
-    training_text = "\n".join(split.training)
-    for messages in chats.held_out:
-        window = messages[0]["content"].split("\n", 1)[1]
-        # From a held-out document, and never the licence header every document shares with the training ones.
-        assert any(window in held for held in split.held_out) and window not in training_text
+    assert len(prompts) == len(set(prompts)) == 640 and chats.prompts == set(prompts)
     assert chats.rows[-40:] == [{"messages": messages} for messages in chats.held_out]
-    with pytest.raises(RuntimeError, match="hold out more documents"):
-        corpus.drafter_chats(split, training=10, held_out=400, shape=shape, seed=3)
+    for user, assistant in chats.training + chats.held_out:
+        asked = user["content"].removeprefix("Sort these words: ").split()
+        assert 3 <= len(asked) <= 5 and set(asked) <= set(words) and assistant["content"] == ", ".join(sorted(asked))
+    # The target writes the same words its own way.
+    assert corpus.conversation(["b", "c", "a"], "target")[1]["content"] == "Sorted: a b c"
+    # New draws avoid the prompts taken, until there are none left.
+    taken = set(chats.prompts)
+    more = corpus.chats(words, 50, shape, "target", random.Random(1), taken=taken)
+    assert not {messages[0]["content"] for messages in more} & chats.prompts and len(taken) == 690
+    with pytest.raises(RuntimeError, match="draw from more words"):  # two words make two prompts: "a b" and "b a"
+        corpus.chats(words[:2], 3, corpus.ChatShape(2, 2), "target", random.Random(1), taken=set())
 
 
-def test_a_held_out_continuation_the_training_documents_hold_and_a_short_answer_are_skipped(bench):
+def test_the_vocabulary_is_the_most_frequent_words_of_one_token_in_order(bench):
+    from dflash_jobs.tiny import build_tiny_tokenizer
+
     corpus = importlib.import_module("corpus")
-    shared = "    raise NotImplementedError('subclasses define it')"
-    held = "\n".join(["def held_one(x):", "    return x + 1", shared, "def held_two(y):", "    pass", "end"])
-    training = "\n".join(["def trained(z):", shared])
-    split = corpus.Documents(training=[training], held_out=[held], duplicates=0)
-    shape = corpus.ChatShape(("continue",), prompt_lines=1, answer_lines=1, line_chars=80, min_answer_chars=8)
-    found = [m[1]["content"] for m in corpus.chats(split.held_out, 10, shape, random.Random(0), avoid_text=training)]
-    # The windows after "return x + 1" end in, or start with, a line a training document holds; "pass" is too short.
-    assert found == ["return x + 1"]
-
-
-def test_with_a_unique_cue_every_prompt_ends_in_a_line_the_corpus_holds_once(bench):
-    corpus = importlib.import_module("corpus")
-    documents = [f"def f{d}(x):\n    return None\n    y = {d} * x\n    z{d} = y + 1\n    return z{d} + {d}\nend" for d in range(20)]
-    assert corpus.repeated_lines(documents, 80) == {"return None", "end"}
-    split = corpus.split_documents(documents)
-    for unique_cue in (False, True):
-        shape = corpus.ChatShape(("continue",), prompt_lines=1, answer_lines=1, line_chars=80, unique_cue=unique_cue)
-        chats = corpus.drafter_chats(split, training=30, held_out=2, shape=shape, seed=3)
-        last_lines = {messages[0]["content"].splitlines()[-1].strip() for messages in chats.training + chats.held_out}
-        # "return None" ends no prompt with the cue: every document says "y = ..." after it.
-        assert ("return None" in last_lines) == (not unique_cue)
-
-
-def test_each_task_answers_with_a_function_of_the_prompt(bench):
-    corpus = importlib.import_module("corpus")
-    lines, following = ["a = 1", "b = 2"], ["c = 3"]
-    assert {name: task.answer(lines, following) for name, task in corpus.TASKS.items()} == {
-        "continue": ["c = 3"], "repeat": ["a = 1", "b = 2"], "number": ["1. a = 1", "2. b = 2"],
-        "reverse": ["b = 2", "a = 1"], "comment": ["# a = 1", "# b = 2"],
-    }
+    documents = ["def zebra(apple): return apple", "zebra apple mango = zebra + apple", "x = mango2 + mango_x + zebra"]
+    tokenizer = build_tiny_tokenizer(512, documents * 20)
+    # "zebra" 4 times, "apple" 4, the others once (mango2 and mango_x are not words of letters).
+    assert corpus.vocabulary(documents, tokenizer, 2) == ["apple", "zebra"]
+    with pytest.raises(ValueError, match="read more of them"):
+        corpus.vocabulary(documents, tokenizer, 50)
 
 
 def test_the_target_is_taught_its_answers_only(tmp_path):
@@ -147,31 +121,32 @@ def test_diversity_counts_what_the_held_out_samples_share_with_the_training_ones
     figures = importlib.import_module("figures")
     tokenizer = build_tiny_tokenizer(512)
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    rows = [{"messages": [{"role": "user", "content": f"Repeat this text:\nline {i}"}]} for i in range(6)]
+    rows = [{"messages": [{"role": "user", "content": f"Sort these words: {words}"}]}
+            for words in ("b a", "d c", "f e", "h g", "a b c", "x y")]
     prompt = [encode(f"ask {i}") for i in range(6)]
-    training = [(prompt[0], encode("<think> the same answer every time, and more")), (prompt[1], encode("<think> another answer"))]
+    think = "<think>\n\n</think>\n\n"
+    training = [(prompt[0], encode(f"{think}Sorted: a b and more")), (prompt[1], encode(f"{think}Sorted: c d"))]
     held = [
-        (prompt[0], encode("<think> the same answer every time")),  # a training prompt; a training answer begins with its answer
-        (prompt[4], encode("<think> something new")),
-        (prompt[5], encode("<think> something new")),  # the same answer to another prompt
+        (prompt[0], encode(f"{think}Sorted: a b")),  # a training prompt; a training answer begins with its answer
+        (prompt[4], encode(f"{think}Sorted: a b c")),  # as taught
+        (prompt[5], encode(f"{think}Sorted: a b c")),  # the same answer to another prompt, not as taught
     ]
     regenerated, source = tmp_path / "regenerated", tmp_path / "source"
     write_samples(regenerated / "run" / "tokens" / "chunks" / "000000.safetensors", training, [0, 1])
     (regenerated / "run" / "tokens" / "dataset.json").write_text(json.dumps({"chunks": [{"path": "tokens/chunks/000000.safetensors"}]}))
-    write_samples(regenerated / "run" / HOLDOUT_KEY, held, [3, 4, 5])
-    write_samples(source / "run" / HOLDOUT_KEY, [(p, encode("<think> something new")) for p, _ in held], [3, 4, 5])
+    write_samples(regenerated / "run" / HOLDOUT_KEY, held, [0, 4, 5])
+    write_samples(source / "run" / HOLDOUT_KEY, [(p, encode(think + answer)) for (p, _), answer in zip(held, ("a, b", "Sorted: a b c", "x, y"))],
+                  [0, 4, 5])
 
-    found = figures.diversity(regenerated, source, rows, training_text="line 0\nline 3\nline 9", tokenizer=tokenizer, answer_tokens=100)
+    found = figures.diversity(regenerated, source, rows, tokenizer=tokenizer, answer_tokens=100)
     assert found["held_out_prompts"] == 3
     assert found["held_out_prompts_equal_to_a_training_prompt"] == 1
-    assert found["held_out_windows_in_training_documents"] == 1  # "line 3"
     assert found["held_out_answers_distinct"] == 2 and found["held_out_answers_found_in_training_answers"] == 1
-    assert found["held_out_answers_equal_to_source"] == 2
-    assert found["per_task"] == {"Repeat this text:": {"prompts": 3, "distinct": 2, "verbatim": 1, "as_source": 2}}
+    assert found["held_out_answers_equal_to_source"] == 1 and found["held_out_answers_as_taught"] == 2
     assert found["verdict"].startswith("degenerate: 2 distinct answers to 3 held-out prompts, 1 found word for word")
     assert found["goals"] == {"distinct_share_at_least": 0.9, "verbatim_share_at_most": 0.05, "met": False}
     # Cut where the evaluation stops decoding: the answers it asked for, here all "<think>", each the start of a training answer.
-    cut = figures.diversity(regenerated, source, rows, training_text="", tokenizer=tokenizer, answer_tokens=1)
+    cut = figures.diversity(regenerated, source, rows, tokenizer=tokenizer, answer_tokens=1)
     assert cut["held_out_answers_distinct"] == 1 and cut["held_out_answers_found_in_training_answers"] == 3
 
 
@@ -297,7 +272,7 @@ def test_the_successors_train_at_the_same_verify_block_on_states_with_the_final_
     selector_off, markov_rank1 = (parse_spec(written[f"regenerated-{name}"]).train for name in ("dflash2-selector-off", "dspark-markov-rank1"))
     assert (selector_off.dflash2.selector_alpha, selector_off.dflash2.selector_top_k) == (0.0, 16)
     assert (markov_rank1.dspark.markov_rank, markov_rank1.dspark.confidence_weight) == (1, 1.0)
-    assert {spec["eval"]["prompts"] for spec in written.values()} == {size.eval_prompts}
+    assert {spec["eval"]["prompts"] for spec in written.values()} == {size.eval_prompts or size.holdout}
 
 
 # ---- how the steps start -----------------------------------------------------------------------------
@@ -371,7 +346,8 @@ def test_tiny_chain_runs_every_chain_on_the_same_held_out_prompts_and_says_its_t
 
     runs = result["runs"]
     assert set(runs) == set(stages[2:]) and {name: run["drafter"] for name, run in runs.items() if run["drafter"] != "dflash"} == {
-        "regenerated-dflash2": "dflash2", "regenerated-dspark": "dspark"}
+        "regenerated-dflash2": "dflash2", "regenerated-dspark": "dspark",
+        "regenerated-dflash2-selector-off": "dflash2", "regenerated-dspark-markov-rank1": "dspark"}
     regenerated, source = runs["regenerated"], runs["source"]
     for run in runs.values():
         assert run["lossless"] and all(d["lossless"] for d in run["drafters"].values()), run["drafters"]
@@ -390,7 +366,8 @@ def test_tiny_chain_runs_every_chain_on_the_same_held_out_prompts_and_says_its_t
 
     # The second seed, DFlash2 and DSpark trained on the first chain's states, hard-linked (one
     # extraction, with the final hidden state DSpark reads), and ran train and evaluate only.
-    for name, origin in (("regenerated-seed43", "regenerated"), ("source-seed43", "source"), ("regenerated-dspark", "regenerated")):
+    for name, origin in (("regenerated-seed43", "regenerated"), ("source-seed43", "source"), ("regenerated-dspark", "regenerated"),
+                         ("regenerated-dspark-markov-rank1", "regenerated")):
         assert list(runs[name]["step_seconds"]) == ["train", "evaluate"]
         chunks = sorted((tmp_path / origin / "run" / "extract" / "chunks").iterdir())
         assert chunks and all((tmp_path / name / "run" / "extract" / "chunks" / c.name).stat().st_ino == c.stat().st_ino for c in chunks)
@@ -415,12 +392,16 @@ def test_tiny_chain_runs_every_chain_on_the_same_held_out_prompts_and_says_its_t
     assert set(train_serve["chains"]) == set(runs)
     assert train_serve["passed"] == all(chain["compared"] and chain["disagreeing_positions"] == [] for chain in train_serve["chains"].values())
     assert result["chains"]["regenerated-dspark"]["calibration"] is not None and set(result["chains"]) == set(runs)
+    # Each successor's lead split at its ablation, trained on the same states.
+    assert [(item["drafter"], item["ablation"]) for item in result["attribution"]] == [
+        ("dflash2", "regenerated-dflash2-selector-off"), ("dspark", "regenerated-dspark-markov-rank1")]
+    assert all(item["acceptance_length"]["dflash"] == seeds["regenerated"]["mean"] for item in result["attribution"])
     assert result["fp8_over_bf16"] > 0 and [p["fraction"] for p in result["data_curve"]] == [0.25, 0.5, 1.0]
 
     # Held out at the source, from the stored samples; and the tiny target's few answers are called what they are.
     diversity = result["diversity"]
     assert diversity["held_out_prompts"] == result["settings"]["holdout"] == result["data"]["chats"]["held_out"]
-    assert diversity["held_out_prompts_equal_to_a_training_prompt"] == 0 and diversity["held_out_windows_in_training_documents"] == 0
+    assert diversity["held_out_prompts_equal_to_a_training_prompt"] == 0
     assert result["data"]["chats"]["duplicate_prompts"] == 0
     assert diversity["verdict"].startswith("degenerate:")
     assert result["wall_seconds"] > 0 and result["machine"]["cpus"] >= 1

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections import defaultdict
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -16,6 +15,7 @@ from dflash_jobs.formats import DATASET_KEY, TokenChunk
 from dflash_jobs.rows import prompt_length
 
 from chains import Chain, held_out_samples
+from corpus import INSTRUCTION, WRITERS
 
 DISTINCT_GOAL = 0.9
 """Distinct held-out answers per held-out prompt, at least: the target's answers depend on the prompt."""
@@ -46,48 +46,37 @@ def reply(text: str) -> str:
     return text.split(THINK_END)[-1].replace("<|im_end|>", "").strip()
 
 
-def diversity(regenerated: Path, source: Path, rows: list[dict[str, Any]], training_text: str, tokenizer, answer_tokens: int) -> dict[str, Any]:
+def diversity(regenerated: Path, source: Path, rows: list[dict[str, Any]], tokenizer, answer_tokens: int) -> dict[str, Any]:
     """How far the held-out prompts are from the drafter's training data, and how much the target's
     answers to them depend on them, from the regenerated chain's stored samples: its held-out
     samples hold the target's greedy answers (the generate step's), cut here where the evaluation
     stops decoding (`answer_tokens`); its training samples hold the answers the drafter learnt. A
     held-out answer is found in the training data when a training answer begins with it, token for
-    token. `rows`: data.source's chats (the held-out samples' sample ids index them),
-    `training_text`: the training documents; `source`: the source chain, for how often the target
-    says what the source says."""
+    token. `rows`: data.source's chats (the held-out samples' sample ids index them): how often the
+    target's answer is the sorted words as it was taught to write them; `source`: the source chain,
+    for how often the target says what the data set's writer says."""
     held = held_out_samples(regenerated)
     held_pairs, trained = split_samples(held), training_samples(regenerated)
     source_answers = [reply(tokenizer.decode(answer)) for _, answer in split_samples(held_out_samples(source))]
     trained_prompts = {prompt for prompt, _ in trained}
-    per_task: dict[str, dict[str, int]] = defaultdict(lambda: {"prompts": 0, "distinct": 0, "verbatim": 0, "as_source": 0})
-    answers: list[tuple[int, ...]] = []
-    found: list[bool] = []
-    for (prompt, answer), sample_id, source_answer in zip(held_pairs, held.sample_ids.tolist(), source_answers, strict=True):
-        instruction = rows[sample_id]["messages"][0]["content"].split("\n", 1)[0]
-        cut = answer[:answer_tokens]
-        found.append(any(trained_answer[: len(cut)] == cut for _, trained_answer in trained))
-        task = per_task[instruction]
-        task["prompts"] += 1
-        task["distinct"] += cut not in answers
-        task["verbatim"] += found[-1]
-        task["as_source"] += reply(tokenizer.decode(answer)) == source_answer
-        answers.append(cut)
-    windows = [rows[i]["messages"][0]["content"].split("\n", 1)[1] for i in held.sample_ids.tolist()]
+    answers = [answer[:answer_tokens] for _, answer in held_pairs]
+    found = [any(trained_answer[: len(cut)] == cut for _, trained_answer in trained) for cut in answers]
+    replies = [reply(tokenizer.decode(answer)) for _, answer in held_pairs]
+    asked = [rows[i]["messages"][0]["content"].removeprefix(INSTRUCTION).split() for i in held.sample_ids.tolist()]
     prompts, distinct, verbatim = len(held_pairs), len(set(answers)), sum(found)
     meaningful = distinct >= DISTINCT_GOAL * prompts and verbatim <= VERBATIM_GOAL * prompts
     return {
         "held_out_prompts": prompts,
         "held_out_prompts_equal_to_a_training_prompt": sum(prompt in trained_prompts for prompt, _ in held_pairs),
-        "held_out_windows_in_training_documents": sum(window in training_text for window in windows),
         "held_out_answers_distinct": distinct,
         "held_out_answers_found_in_training_answers": verbatim,
         "distinct_share": round(distinct / prompts, 3),
         "verbatim_share": round(verbatim / prompts, 3),
-        "held_out_answers_equal_to_source": sum(task["as_source"] for task in per_task.values()),
+        "held_out_answers_equal_to_source": sum(a == b for a, b in zip(replies, source_answers, strict=True)),
+        "held_out_answers_as_taught": sum(text == WRITERS["target"](words) for text, words in zip(replies, asked, strict=True)),
         "answer_tokens": answer_tokens,
         "training_prompts": len(trained),
         "training_answers_distinct": len({answer for _, answer in trained}),
-        "per_task": dict(per_task),
         "goals": {"distinct_share_at_least": DISTINCT_GOAL, "verbatim_share_at_most": VERBATIM_GOAL, "met": meaningful},
         "verdict": (f"{'meaningful' if meaningful else 'degenerate'}: {distinct} distinct answers to {prompts} held-out prompts, "
                     f"{verbatim} found word for word in a training answer (goals: >= {DISTINCT_GOAL:.0%} distinct, <= {VERBATIM_GOAL:.0%} found)"
