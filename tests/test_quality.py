@@ -101,6 +101,14 @@ def test_the_target_is_taught_its_answers_only(tmp_path):
         teach_tiny_target(target, [text * 4], steps=1, batch=2, length=length, lr=0.0, supervised=[labels])
 
 
+def test_a_target_window_starts_anywhere_or_where_a_chat_starts():
+    from dflash_jobs.tiny import window_starts
+
+    # Texts of 5, 3 and 4 tokens end to end; a window holds 4 + 1 tokens, so none starts past token 6.
+    assert window_starts([5, 3, 4], 4, from_text_starts=False).tolist() == [0, 1, 2, 3, 4, 5, 6]
+    assert window_starts([5, 3, 4], 4, from_text_starts=True).tolist() == [0, 5]  # the third text starts too late
+
+
 # ---- diversity, from the stored samples -------------------------------------------------------------
 
 
