@@ -98,7 +98,8 @@ class FakeKubernetes:
     version: int = 100
     compacted: int = 0
     """Watches from a resourceVersion below this get 410 Gone."""
-    logs: dict[str, list[str]] = field(default_factory=dict)
+    logs: dict[tuple[str, str], list[tuple[float, str]]] = field(default_factory=dict)
+    """(pod, container) -> (Unix time written, line) of each line its container logged."""
     requests: list[tuple[str, str]] = field(default_factory=list)
     """(method, path?query) of every request, for assertions."""
     faults: list[_Fault] = field(default_factory=list)
@@ -126,13 +127,18 @@ class FakeKubernetes:
                 if pod["status"]["phase"] == "Pending":
                     pod["spec"]["nodeName"] = node
                     pod["status"]["phase"] = "Running"
+                    pod["status"]["initContainerStatuses"] = [
+                        container_status(pod, init["name"], {"terminated": {"exitCode": 0, "reason": "Completed"}})
+                        for init in pod["spec"].get("initContainers") or []
+                    ]
                     pod["status"]["containerStatuses"] = [container_status(pod, "worker", {"running": {}}, ready=True)]
                     self._changed("MODIFIED", pod)
             self._sync_job(job)
 
-    def finish(self, job: str, index: int, *, exit_code: int = 0, message: str | None = None) -> None:
-        """The running pod of `index` exits (with `message` as its termination message); the job controller reacts."""
-        self._terminate(job, index, exit_code=exit_code, conditions=[], message=message)
+    def finish(self, job: str, index: int, *, exit_code: int = 0, message: str | None = None, container: str = "worker") -> None:
+        """The live pod of `index` exits (with `message` as its termination message): its worker, or an init
+        container (a failing one ends the pod before the worker starts); the job controller reacts."""
+        self._terminate(job, index, exit_code=exit_code, conditions=[], message=message, container=container)
 
     def preempt(self, job: str, index: int) -> None:
         """The pod of `index` is evicted (preemption): DisruptionTarget, then killed by SIGTERM."""
@@ -155,9 +161,12 @@ class FakeKubernetes:
                 "source": {"component": "default-scheduler"}, "firstTimestamp": now, "lastTimestamp": now,
             })
 
-    def write_log(self, job: str, index: int, *lines: str) -> None:
+    def write_log(self, job: str, index: int, *lines: str, container: str = "worker", at: float | None = None) -> None:
+        """Lines the container of the index's newest pod logs, at Unix time `at` (now by default)."""
         with self.lock:
-            self.logs.setdefault(self._live_pod(job, index, any_phase=True)["metadata"]["name"], []).extend(lines)
+            pod = self._live_pod(job, index, any_phase=True)["metadata"]["name"]
+            written = time.time() if at is None else at
+            self.logs.setdefault((pod, container), []).extend((written, line) for line in lines)
             self.lock.notify_all()
 
     def fail_requests(self, count: int, *, status: int = 500, method: str | None = None, path: str | None = None) -> None:
@@ -248,7 +257,7 @@ class FakeKubernetes:
             pod["status"]["containerStatuses"] = [container_status(pod, name, {"waiting": {"reason": run.waiting, "message": run.message}})]
             self._changed("MODIFIED", pod)
             return
-        self.logs[pod["metadata"]["name"]] = list(run.logs)
+        self.logs[(pod["metadata"]["name"], name)] = [(time.time(), line) for line in run.logs]
         terminated = {"exitCode": run.exit_code, "reason": "Completed" if run.exit_code == 0 else "Error"}
         if run.exit_code:
             terminated["message"] = "\n".join(run.logs[-80:])  # terminationMessagePolicy FallbackToLogsOnError
@@ -309,15 +318,17 @@ class FakeKubernetes:
             self.objects[("Pod", pod_name)] = pod
             self._changed("ADDED", pod)
 
-    def _terminate(self, job: str, index: int, *, exit_code: int, conditions: list[Obj], message: str | None = None) -> None:
+    def _terminate(self, job: str, index: int, *, exit_code: int, conditions: list[Obj], message: str | None = None,
+                   container: str = "worker") -> None:
         with self.lock:
             pod = self._live_pod(job, index)
             terminated = {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error", **({"message": message} if message else {})}
-            pod["status"].update({
-                "phase": "Succeeded" if exit_code == 0 else "Failed",
-                "conditions": conditions,
-                "containerStatuses": [container_status(pod, "worker", {"terminated": terminated})],
-            })
+            pod["status"].update({"phase": "Succeeded" if exit_code == 0 else "Failed", "conditions": conditions})
+            if container == "worker":
+                pod["status"]["containerStatuses"] = [container_status(pod, "worker", {"terminated": terminated})]
+            else:  # an init container ended the pod: the worker never started
+                pod["status"]["initContainerStatuses"] = [container_status(pod, container, {"terminated": terminated})]
+                pod["status"]["containerStatuses"] = [container_status(pod, "worker", {"waiting": {"reason": "PodInitializing"}})]
             self._changed("MODIFIED", pod)
             self._pod_ended(job, index, pod)
 
@@ -449,14 +460,15 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(404, _status(404, "NotFound", f"unknown resource {match['resource']}"))
         name, sub = match["name"], match["sub"]
         if method == "GET" and sub == "log":
-            return self._logs(name, follow=query.get("follow", "").lower() == "true")
+            return self._logs(name, query)
         if method == "GET" and name is None and query.get("watch", "").lower() == "true":
             return self._watch(kind, query)
         with api.lock:
             if method == "POST":
                 code, obj = api.create(kind, match["ns"], body)
             elif method == "GET" and name is None:
-                items = api.matching(kind, query)
+                # A list answers for its namespace (objects added without one are seen from every namespace).
+                items = [o for o in api.matching(kind, query) if o["metadata"].get("namespace") in (None, match["ns"])]
                 code, obj = 200, {"kind": f"{kind}List", "apiVersion": _api_version(kind),
                                   "metadata": {"resourceVersion": str(api.version)}, "items": items}
             elif method == "GET":
@@ -554,29 +566,44 @@ class _Handler(BaseHTTPRequestHandler):
                 since = version
                 self._chunk(json.dumps({"type": event, "object": obj}).encode() + b"\n")
 
-    def _logs(self, pod: str, *, follow: bool) -> None:
+    def _logs(self, pod: str, query: dict[str, str]) -> None:
+        """A container's log as the kubelet serves it: 400 before the container started; tailLines,
+        sinceSeconds (by when each line was written) and follow."""
         api = self.server.api
+        container = query.get("container", "worker")
+        follow = query.get("follow", "").lower() == "true"
+        since = time.time() - int(query["sinceSeconds"]) if "sinceSeconds" in query else None
         with api.lock:
             obj = api.objects.get(("Pod", pod))
-            if obj is not None and obj["status"]["phase"] == "Pending":
-                # As the kubelet answers for a container that has not started.
-                message = f'container "worker" in pod "{pod}" is waiting to start: ContainerCreating'
+            if obj is not None and not _container_started(obj, container):
+                message = f'container "{container}" in pod "{pod}" is waiting to start: PodInitializing'
                 return self._send(400, _status(400, "BadRequest", message))
+            backlog = [line for written, line in api.logs.get((pod, container), []) if since is None or written >= since]
+            sent = len(api.logs.get((pod, container), []))
+        if "tailLines" in query:
+            backlog = backlog[len(backlog) - int(query["tailLines"]):] if int(query["tailLines"]) else []
         self._start_stream("text/plain")
-        sent = 0
-        while True:
+        for line in backlog:
+            self._chunk(line.encode() + b"\n")
+        while follow:
             with api.lock:
-                lines = api.logs.get(pod, [])[sent:]
+                lines = [line for _, line in api.logs.get((pod, container), [])[sent:]]
                 obj = api.objects.get(("Pod", pod))
                 ended = obj is None or obj["status"]["phase"] in ("Succeeded", "Failed")
-                if not lines and follow and not ended:
+                if not lines and not ended:
                     api.lock.wait(0.2)
                     continue
             for line in lines:
                 self._chunk(line.encode() + b"\n")
             sent += len(lines)
-            if not follow or (ended and not lines):
-                return self._end_stream()
+            if ended and not lines:
+                break
+        self._end_stream()
+
+
+def _container_started(pod: Obj, container: str) -> bool:
+    statuses = [*pod["status"].get("initContainerStatuses", []), *pod["status"].get("containerStatuses", [])]
+    return any(s["name"] == container and ("running" in s["state"] or "terminated" in s["state"]) for s in statuses)
 
 
 class _Server(ThreadingHTTPServer):
@@ -684,7 +711,8 @@ def _policy_action(policy: Obj | None, pod: Obj) -> str | None:
     """The first podFailurePolicy rule matching the failed pod, as the job controller evaluates it."""
     status = pod["status"]
     conditions = {c["type"] for c in status.get("conditions", []) if c.get("status") == "True"}
-    codes = [c["state"]["terminated"]["exitCode"] for c in status.get("containerStatuses", []) if "terminated" in c.get("state", {})]
+    codes = [c["state"]["terminated"]["exitCode"] for c in [*status.get("initContainerStatuses", []), *status.get("containerStatuses", [])]
+             if "terminated" in c.get("state", {})]
     for rule in (policy or {}).get("rules", []):
         if any(p["type"] in conditions for p in rule.get("onPodConditions", [])):
             return rule["action"]
@@ -713,5 +741,6 @@ def fake_k8s(tmp_path, monkeypatch):
 def container_status(pod: Obj, name: str, state: Obj, *, ready: bool = False) -> Obj:
     """A container's status as the kubelet reports it: image and imageID are required fields of the API
     (the typed client refuses a status without them)."""
-    image = next((c["image"] for c in pod["spec"].get("containers", []) if c["name"] == name), "unknown")
+    containers = [*pod["spec"].get("initContainers", []), *pod["spec"].get("containers", [])]
+    image = next((c.get("image", "unknown") for c in containers if c["name"] == name), "unknown")
     return {"name": name, "image": image, "imageID": f"{image}@sha256:{'0' * 64}", "ready": ready, "restartCount": 0, "state": state}

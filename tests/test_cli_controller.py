@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from importlib.metadata import entry_points, version
+from pathlib import Path
 
 import pytest
 import yaml
@@ -21,12 +22,14 @@ from conftest import free_port
 from k8s_fake_api import fake_k8s, make_pvc  # noqa: F401 - the fixture
 
 from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, MANIFEST_KEY, ChunkInfo, DatasetIndex, DoneMarker, done_key
+from dflash_jobs.errors import SpecError, StorageUnavailable
 from dflash_jobs.spec import load_spec, parse_spec
 from dflash_jobs.storage import open_storage
 from dflashctl.backend import JobStatus, ShardStatus
 from dflashctl.backends import open_backend
 from dflashctl.cli import status as status_cli
 from dflashctl.cli.main import main
+from dflashctl.errors import ClusterUnreachable, Conflict, Forbidden, RunFailed, WaitTimeout, exit_code
 from dflash_jobs.units import format_duration
 from dflashctl.progress import Progress, landing_rate, read_progress, time_left
 from dflashctl.render import render_selection
@@ -138,8 +141,8 @@ def test_submit_status_logs_cancel_on_the_cluster(run, monkeypatch, capsys):
     assert code == 0 and out == "chunk 0: 1000 tokens, 5.1K tok/s\n"
 
     code, _, err = cli(monkeypatch, capsys, "cancel", "-f", str(spec_file))
-    assert code == 0 and "deleted Job demo-run-extract" in err
-    assert api.all("Job") == [] and api.all("Pod") == []
+    assert code == 0 and "job.batch/demo-run-extract deleted" in err and "configmap/demo-run-spec deleted" in err
+    assert api.all("Job") == [] and api.all("Pod") == [] and api.all("ConfigMap") == []  # no leftovers
 
 
 def test_submit_wait_exit_codes_done_failed_timeout(run, monkeypatch, capsys):
@@ -308,6 +311,179 @@ def test_an_unreachable_cluster_exits_4(run, monkeypatch, capsys, tmp_path):
     assert code == 4 and err.startswith("Error: the Kubernetes API at http://127.0.0.1:") and "current-context" in err
 
 
+def test_o_yaml_is_the_json_document_and_o_name_what_the_command_is_about(run, monkeypatch, capsys):
+    spec_file, _, api = run
+    cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec_file))
+    for command in (["status"], ["check", "--no-probe"]):
+        code, as_json, _ = cli(monkeypatch, capsys, *command, "-o", "json", "-f", str(spec_file))
+        code_yaml, as_yaml, _ = cli(monkeypatch, capsys, *command, "-o", "yaml", "-f", str(spec_file))
+        assert code == code_yaml and as_yaml.startswith("---\n") and yaml.safe_load(as_yaml) == json.loads(as_json)
+    assert cli(monkeypatch, capsys, "status", "-o", "name", "-f", str(spec_file))[:2] == (0, "job.batch/demo-run-extract\n")
+    code, names, _ = cli(monkeypatch, capsys, "check", "--no-probe", "-o", "name", "-f", str(spec_file))
+    failed = [c["name"] for c in json.loads(cli(monkeypatch, capsys, "check", "--no-probe", "-o", "json", "-f", str(spec_file))[1])["checks"] if c["status"] == "fail"]
+    assert names.splitlines() == [f"check/{name.replace(' ', '-')}" for name in failed]
+    code, names, _ = cli(monkeypatch, capsys, "render", "controller", "-o", "name", "-f", str(spec_file))
+    assert code == 0 and names.splitlines() == [
+        "configmap/demo-run-spec", "serviceaccount/dflash-controller", "role.rbac.authorization.k8s.io/dflash-controller",
+        "rolebinding.rbac.authorization.k8s.io/dflash-controller", "job.batch/demo-run-controller",
+    ]
+
+
+def second_run(spec_file, storage, name="other-run"):
+    """A second run in the same namespace: its own spec file and output, its data prepared."""
+    other = yaml.safe_load(spec_file.read_text())
+    other_output = open_storage(other["output"] + "-" + name)
+    other_output.put_bytes(DATASET_KEY, storage.get_bytes(DATASET_KEY))
+    other.update(name=name, output=other_output.url)
+    other_file = spec_file.with_name(f"{name}.yaml")
+    other_file.write_text(yaml.safe_dump(other))
+    return other_file, other_output
+
+
+def writes(api, since: int) -> list[tuple[str, str]]:
+    """The requests after the `since`-th that changed the cluster (SelfSubjectAccessReviews only ask)."""
+    return [(method, path) for method, path in api.requests[since:] if method != "GET" and "selfsubjectaccessreviews" not in path]
+
+
+def test_runs_are_listed_and_shown_by_name_without_their_spec_files(run, monkeypatch, capsys, tmp_path):
+    spec_file, storage, api = run
+    other_file, _ = second_run(spec_file, storage)
+    for spec in (spec_file, other_file):
+        assert cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec))[0] == 0
+    api.start("other-run-extract")
+    monkeypatch.chdir(tmp_path / "out")  # no dflash.yaml here: the cluster, in the spec's default namespace
+    code, out, _ = cli(monkeypatch, capsys, "list", "-o", "json")
+    runs = {listing["run"]: listing for listing in json.loads(out)["runs"]}
+    assert code == 0 and sorted(runs) == ["demo-run", "other-run"]
+    assert runs["other-run"]["jobs"] == {"extract": "Running"} and list(runs["demo-run"]["jobs"]) == ["extract"]
+    assert runs["other-run"]["output"] == load_spec(other_file).output and runs["other-run"]["spec_hash"] == load_spec(other_file).fingerprint()
+    assert runs["demo-run"]["objects"] == ["job.batch/demo-run-extract", "configmap/demo-run-spec"]
+    assert cli(monkeypatch, capsys, "list", "-o", "name")[1] == "run/demo-run\nrun/other-run\n"
+    code, out, _ = cli(monkeypatch, capsys, "list")
+    assert code == 0 and "other-run" in out and "extract Running" in out
+
+    code, out, _ = cli(monkeypatch, capsys, "status", "other-run", "-o", "json")
+    report = json.loads(out)
+    assert code == 0 and report["run"] == "other-run" and report["jobs"]["extract"]["state"] == "Running"
+    assert report["progress"]["chunks_total"] == 4  # its own output, from the spec in its ConfigMap
+    code, _, err = cli(monkeypatch, capsys, "status", "nope")
+    assert code == 2 and "no run 'nope' in namespace dflash" in err and "demo-run, other-run" in err
+    assert cli(monkeypatch, capsys, "list", "-n", "team-a", "-o", "name")[:2] == (0, "")  # another namespace: none
+
+
+def test_cancel_and_delete_remove_one_run_s_objects_and_never_another_s(run, monkeypatch, capsys, tmp_path):
+    """Two runs in one namespace: cancelling one leaves the other's Jobs, pods and spec untouched."""
+    spec_file, storage, api = run
+    other_file, other_storage = second_run(spec_file, storage)
+    for spec in (spec_file, other_file):
+        assert cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec))[0] == 0
+    cli(monkeypatch, capsys, "submit", "controller", "-f", str(other_file))
+    other_objects = {(kind, obj["metadata"]["name"], obj["metadata"]["uid"]) for kind in ("Job", "Pod", "ConfigMap", "ServiceAccount")
+                     for obj in api.all(kind) if not obj["metadata"]["name"].startswith("demo-run")}
+
+    before = len(api.requests)
+    code, _, err = cli(monkeypatch, capsys, "cancel", "-f", str(spec_file), "--dry-run")
+    assert code == 0 and "job.batch/demo-run-extract deleted (dry run)" in err and "configmap/demo-run-spec deleted (dry run)" in err
+    assert writes(api, before) == [] and api.get("Job", "demo-run-extract") is not None
+
+    code, _, err = cli(monkeypatch, capsys, "cancel", "-f", str(spec_file))
+    assert code == 0 and f"kept: {load_spec(spec_file).output}" in err and "shared by the namespace's runs" in err
+    assert [obj["metadata"]["name"] for obj in api.all("Job")] == ["other-run-controller", "other-run-extract"]
+    assert {(kind, obj["metadata"]["name"], obj["metadata"]["uid"]) for kind in ("Job", "Pod", "ConfigMap", "ServiceAccount")
+            for obj in api.all(kind)} == other_objects
+    assert storage.exists(DATASET_KEY)  # the storage stays
+
+    monkeypatch.chdir(tmp_path / "out")  # by name, no spec file
+    code, _, err = cli(monkeypatch, capsys, "delete", "other-run", "--data")
+    assert code == 2 and "Pass --yes" in err and api.all("Job")  # stdin is no terminal: nothing asked, nothing deleted
+    code, _, err = cli(monkeypatch, capsys, "delete", "other-run", "--data", "--dry-run")
+    assert code == 0 and "objects under" in err and other_storage.exists(DATASET_KEY)
+    code, _, err = cli(monkeypatch, capsys, "delete", "other-run", "--data", "--yes")
+    assert code == 0 and "job.batch/other-run-controller deleted" in err.splitlines()[0]  # the controller first
+    assert api.all("Job") == [] and api.all("ConfigMap") == [] and other_storage.list("") == []
+    assert [obj["metadata"]["name"] for obj in api.all("ServiceAccount")] == ["dflash-controller"]  # shared: kept
+    assert storage.exists(DATASET_KEY)  # the other run's storage
+    code, _, err = cli(monkeypatch, capsys, "delete", "other-run")
+    assert code == 2 and "no run 'other-run' in namespace dflash" in err
+
+
+def test_dry_runs_of_submit_and_run_say_what_they_would_create_and_write_nothing(run, monkeypatch, capsys):
+    spec_file, storage, api = run
+    before = len(api.requests)
+    code, out, err = cli(monkeypatch, capsys, "submit", "extract", "--dry-run", "-f", str(spec_file))
+    assert code == 0, err
+    assert out.splitlines() == ["configmap/demo-run-spec created (dry run)", "job.batch/demo-run-extract created (dry run)"]
+    assert not storage.exists("run.yaml") and "would claim" in err
+    code, out, err = cli(monkeypatch, capsys, "run", "--dry-run", "-f", str(spec_file))
+    assert code == 0, err
+    assert out.splitlines() == ["configmap/demo-run-spec created (dry run)", "job.batch/demo-run-extract created (dry run)"]
+    assert "then: verify, train, eval" in err
+    assert writes(api, before) == [] and api.all("Job") == [] and not storage.exists("run.yaml")
+
+    assert cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec_file))[0] == 0
+    code, out, _ = cli(monkeypatch, capsys, "submit", "extract", "--dry-run", "-f", str(spec_file))
+    assert out.splitlines() == ["configmap/demo-run-spec unchanged (dry run)", "job.batch/demo-run-extract unchanged (dry run)"]
+    changed = yaml.safe_load(spec_file.read_text())
+    changed["extract"]["shards"] = 4
+    spec_file.write_text(yaml.safe_dump(changed))
+    code, _, err = cli(monkeypatch, capsys, "submit", "extract", "--dry-run", "-f", str(spec_file))
+    assert code == 2 and "already holds run 'demo-run' with another spec" in err  # as the submit itself would
+
+
+def readme_exit_codes() -> dict[int, str]:
+    """The README's table of exit codes: code -> its meaning."""
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    table = text[text.index("### Exit codes"):].split("\n\n")[2]
+    return {int(row.split("|")[1]): row.split("|")[2].strip() for row in table.splitlines()[2:]}
+
+
+def test_the_readme_table_of_exit_codes_is_the_one_the_errors_map_to():
+    table = readme_exit_codes()
+    assert sorted(table) == [0, 1, 2, 3, 4, 5, 130]
+    for error, code in ((RunFailed("x", "y"), 1), (SpecError("f", 1, "z"), 2), (Conflict("x", "y"), 2), (WaitTimeout("x", "y"), 3),
+                        (ClusterUnreachable("x", "y"), 4), (Forbidden("x", "y"), 4), (StorageUnavailable("x", "y"), 5), (KeyboardInterrupt(), 130)):
+        assert exit_code(error) == code and code in table
+
+
+def test_every_command_s_error_paths_exit_as_the_readme_table_says(run, monkeypatch, capsys, tmp_path):
+    """Each case: what a person did, and a phrase of the README row its exit code must stand for."""
+    spec_file, _, api = run
+    table = readme_exit_codes()
+    f = ["-f", str(spec_file)]
+
+    def exits(args, meaning):
+        code, _, err = cli(monkeypatch, capsys, *args)
+        assert code in table and meaning in table[code], f"dflashctl {' '.join(args)} exited {code} ({err.strip()}), the table: {meaning!r}"
+
+    exits(["logs", *f], "does not exist")  # no Jobs yet: nothing of the run exists (it exited 1, "the run failed")
+    exits(["status", *f], "done")  # no Jobs: reported
+    exits(["submit", "train", *f], "a step asked for before the one it needs")
+    exits(["verify", *f], "a chunk failed verification")  # markers without their chunks
+    exits(["cancel", "nope", *f], "something named that does not exist")
+    exits(["status", "nope", *f], "something named that does not exist")
+    exits(["delete", "nope", *f], "something named that does not exist")
+    exits(["submit", "extract", "--dry-run", *f], "done")
+    assert cli(monkeypatch, capsys, "submit", "extract", *f)[0] == 0
+    exits(["logs", "train", *f], "something named that does not exist")
+    exits(["logs", "extract", "--shard", "7", *f], "something named that does not exist")
+    exits(["logs", "extract", "-c", "sidecar", *f], "something named that does not exist")
+    exits(["logs", "extract", "-p", "--shard", "0", *f], "previous attempt")
+    exits(["status", "-o", "xml", *f], "an option")
+    exits(["submit", "extract", "--wait", "--timeout", "0.3", *f], "timed out")
+    when_job_exists(api, "demo-run-extract", lambda: api.start("demo-run-extract"), lambda: api.finish("demo-run-extract", 0, exit_code=2))
+    exits(["submit", "extract", "--wait", *f], "a Job failed")
+    api.fail_requests(30, status=403, path="/jobs")
+    exits(["status", *f], "forbids the call")
+    api.faults.clear()
+    kubeconfig = tmp_path / "nowhere.yaml"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c", "users": [{"name": "u", "user": {}}],
+        "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{free_port()}"}}], "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+    }))
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    exits(["cancel", *f], "unreachable")
+
+
 def test_a_missing_spec_file_is_bad_usage(monkeypatch, capsys, tmp_path):
     code, _, err = cli(monkeypatch, capsys, "status", "-f", str(tmp_path / "nope.yaml"))
     assert code == 2 and "dflashctl init" in err
@@ -401,26 +577,73 @@ def test_a_resumed_extraction_is_rated_by_what_landed_since_it_started(run, monk
 # ---- kubectl's habits: logs -f, --context, -n, exit codes -----------------------------------------
 
 
-def test_logs_f_follows_as_in_kubectl_and_the_spec_comes_from_spec_env_or_the_old_f_file(run, monkeypatch, capsys):
+def test_f_is_the_spec_file_in_logs_too_and_follow_is_its_own_flag(run, monkeypatch, capsys):
     spec_file, _, api = run
     job = "demo-run-extract"
     cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec_file))
     api.start(job)
     api.write_log(job, 0, "loading target")
     when_job_exists(api, job, lambda: time.sleep(0.3), lambda: api.write_log(job, 0, "chunk 0 landed"), lambda: api.finish(job, 0))
-    code, out, _ = cli(monkeypatch, capsys, "logs", "extract", "--shard", "0", "-f", "--spec", str(spec_file))
+    code, out, _ = cli(monkeypatch, capsys, "logs", "extract", "--shard", "0", "--follow", "-f", str(spec_file))
     assert code == 0 and out == "loading target\nchunk 0 landed\n"  # it waited for the pod to end
 
-    # The spelling before -f followed: `-f FILE.yaml` is the spec (and does not follow).
+    # -f is the spec, as in every command (kubectl's -f is a file), and follows nothing.
     code, out, err = cli(monkeypatch, capsys, "logs", "-f", str(spec_file), "--shard", "0")
-    assert code == 0 and out == "loading target\nchunk 0 landed\n"
-    assert f"read `-f {spec_file}` as `--spec {spec_file}`" in err
-    # So is DFLASH_SPEC; -F, the old follow, still follows.
+    assert (code, out) == (0, "loading target\nchunk 0 landed\n") and "read `-f" not in err
+    # So is DFLASH_SPEC; -F is --follow.
     monkeypatch.setenv("DFLASH_SPEC", str(spec_file))
     assert cli(monkeypatch, capsys, "logs", "extract", "--shard", "0", "-F")[:2] == (0, "loading target\nchunk 0 landed\n")
-    # -f before something that is not a spec file is --follow; a positional that is not a step is bad usage.
+    # A spec file that is not there is bad usage, named.
     code, _, err = cli(monkeypatch, capsys, "logs", "-f", "no-such-file.yaml")
     assert code == 2 and "no-such-file.yaml" in err
+
+
+def test_logs_tail_since_previous_attempt_and_init_containers_as_kubectl_logs(run, monkeypatch, capsys):
+    spec_file, _, api = run
+    job = "demo-run-extract"
+    cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec_file))
+    api.start(job)
+    api.write_log(job, 1, "selfcheck: flash-linear-attention OFF", container="selfcheck")
+    api.write_log(job, 1, "loading target", "chunk 4: 1000 tokens", at=time.time() - 3600)
+    api.write_log(job, 1, "chunk 5: 1000 tokens", "chunk 6: 1000 tokens")
+    api.finish(job, 1, exit_code=137)  # killed: the Job retries shard 1 with a new pod
+    api.start(job)
+    api.write_log(job, 1, "loading target again")
+
+    def logs(*options):
+        code, out, err = cli(monkeypatch, capsys, "logs", "extract", "--shard", "1", "-f", str(spec_file), *options)
+        assert code == 0, err
+        return out.splitlines()
+
+    assert logs() == ["loading target again"]
+    assert logs("-p") == ["loading target", "chunk 4: 1000 tokens", "chunk 5: 1000 tokens", "chunk 6: 1000 tokens"]
+    assert logs("--previous", "--tail", "2") == ["chunk 5: 1000 tokens", "chunk 6: 1000 tokens"]
+    assert logs("-p", "--since", "10m") == ["chunk 5: 1000 tokens", "chunk 6: 1000 tokens"]
+    assert logs("-p", "-c", "selfcheck") == ["selfcheck: flash-linear-attention OFF"]
+    assert logs("--tail", "0") == []
+    requested = api.requests_matching("GET", "/log?")
+    assert any("tailLines=2" in path for path in requested) and any("sinceSeconds=600" in path for path in requested)
+
+    code, _, err = cli(monkeypatch, capsys, "logs", "extract", "--shard", "0", "-p", "-f", str(spec_file))
+    assert code == 2 and "shard 0 of Job demo-run-extract has had one attempt" in err
+    code, _, err = cli(monkeypatch, capsys, "logs", "extract", "--shard", "1", "-c", "stage", "-f", str(spec_file))
+    assert code == 2 and "has no container 'stage'" in err and "selfcheck, worker" in err
+    code, _, err = cli(monkeypatch, capsys, "logs", "extract", "--since", "ten minutes", "-f", str(spec_file))
+    assert code == 2 and "'ten minutes' is not a duration" in err
+
+
+def test_a_selfcheck_that_failed_is_read_with_c_while_the_worker_never_ran(run, monkeypatch, capsys):
+    spec_file, _, api = run
+    job = "demo-run-extract"
+    cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec_file))
+    api.write_log(job, 2, "Error: no CUDA device visible", container="selfcheck")
+    api.finish(job, 2, exit_code=2, container="selfcheck")
+    code, out, _ = cli(monkeypatch, capsys, "logs", "extract", "--shard", "2", "-c", "selfcheck", "-f", str(spec_file))
+    assert (code, out) == (0, "Error: no CUDA device visible\n")
+    code, out, _ = cli(monkeypatch, capsys, "logs", "extract", "--shard", "2", "--follow", "-f", str(spec_file))
+    assert (code, out) == (0, "")  # the worker never started: nothing to wait for
+    report = json.loads(cli(monkeypatch, capsys, "status", "-o", "json", "-f", str(spec_file))[1])
+    assert "`dflashctl logs extract --shard 2 -c selfcheck`" in report["next"]  # where the failure is told
 
 
 def test_a_bad_shard_or_a_step_without_a_job_exits_2_naming_what_exists(run, monkeypatch, capsys):
@@ -463,7 +686,7 @@ def test_the_logs_of_a_pod_that_has_not_started_say_why_it_waits(run, monkeypatc
             api.finish(job, index)
 
     when_job_exists(api, job, lambda: time.sleep(0.3), run_shards)
-    code, out, err = cli(monkeypatch, capsys, "logs", "extract", "-f", "--spec", str(spec_file))
+    code, out, err = cli(monkeypatch, capsys, "logs", "extract", "--follow", "--spec", str(spec_file))
     assert code == 0 and "FailedScheduling" in err, (out, err)
     assert sorted(out.splitlines()) == [f"[shard {index}] shard {index} loading target" for index in range(3)]
 
@@ -516,7 +739,7 @@ def test_version():
 
 
 @pytest.mark.parametrize("args", [
-    ["status", "-o", "yaml"],
+    ["status", "-o", "xml"],
     ["submit", "everything"],
     ["logs", "--shard", "-1"],
     ["run", "--timeout", "-5"],

@@ -65,6 +65,15 @@ def test_examples_are_printed_whole_on_a_small_terminal(monkeypatch, command):
         assert line in text, f"dflashctl {command} --help wraps the example {line!r} ({len(line)} characters)"
 
 
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_with_json_output_also_prints_yaml_and_names(command):
+    """kubectl's habit: wherever -o json is, -o yaml and -o name are too (the refusal of a bogus -o lists them)."""
+    if not any("-o" in parameter.opts for parameter in typer.main.get_command(app).commands[command].params):
+        return
+    refused = CliRunner().invoke(app, [command, "-o", "bogus"]).output
+    assert all(f"{choice}" in refused for choice in ("json", "yaml", "name")), f"dflashctl {command} -o: {refused}"
+
+
 def test_help_text_joins_prose_and_keeps_examples():
     doc = """First line of the summary
     and its end.

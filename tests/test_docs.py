@@ -160,19 +160,19 @@ def test_the_readme_shows_the_quickstart_commands():
 
 def test_the_command_check_finds_a_missing_command_a_wrong_option_and_a_wrong_choice():
     doc = (
-        "```bash\ndflashctl status -w        # watch\ndflashctl logs --shard 3 -f | grep tokens\n"
+        "```bash\ndflashctl status -w        # watch\ndflashctl logs --shard 3 -F | grep tokens\n"
         "dflashctl -n team-a render controller -d k8s/runs/<run name>/\n.venv/bin/dflashctl demo   # dflashctl and more\n```\n"
-        "Then `dflashctl stage-model` (its --from left out), `dflashctl watch`, `dflashctl logs --tail 5`, "
-        "`dflashctl logs trainer -f`.\n"
-        "```bash\ndflashctl logs -f   # `dflashctl logs --shard x` in a comment\n```\n"
+        "Then `dflashctl stage-model` (its --from left out), `dflashctl watch`, `dflashctl logs --lines 5`, "
+        "`dflashctl logs trainer -F`.\n"
+        "```bash\ndflashctl logs -F   # `dflashctl logs --shard x` in a comment\n```\n"
     )
     commands = shown_commands(doc)
-    assert commands[:4] == [["status", "-w"], ["logs", "--shard", "3", "-f"],
+    assert commands[:4] == [["status", "-w"], ["logs", "--shard", "3", "-F"],
                             ["-n", "team-a", "render", "controller", "-d", "k8s/runs/PLACEHOLDER/"], ["demo"]]
     errors = [error for arguments in commands for error in command_errors(arguments)]
     assert len(errors) == 4, errors
     assert errors[0] == "dflashctl watch: no command 'watch' in dflashctl --help"
-    assert "--tail" in errors[1] and "trainer" in errors[2] and "--shard" in errors[3]
+    assert "--lines" in errors[1] and "trainer" in errors[2] and "--shard" in errors[3]
 
 
 SPEC_KEY = re.compile(r"(?<![\w/.$-])((?:%s)(?:\.[a-z_][a-z0-9_]*)+)(?![\w/-])"

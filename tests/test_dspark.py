@@ -403,7 +403,7 @@ NATIVE_KEYS = {  # reference/dflash2-dspark.md 4.7a: DeepSpec's build_draft_conf
 }
 
 
-def test_the_native_export_is_deepspecs_flat_layout(trained, exported):
+def test_the_native_export_holds_deepspecs_config_and_names_but_not_the_target_tables(trained, exported):
     config = json.loads((exported / "drafter/config.json").read_text())
     assert config["architectures"] == ["Qwen3DSparkModel"] and "DSparkDraftModel" not in json.dumps(config)
     assert NATIVE_KEYS <= config.keys() and "dflash_config" not in config

@@ -14,7 +14,7 @@ from kubernetes.client import ApiClient, Configuration
 
 from dflash_jobs.errors import InputError
 
-from dflashctl.backend import EVENT_EXTRACTION_FINISHED, PROGRESS_ANNOTATION
+from dflashctl.backend import EVENT_EXTRACTION_FINISHED, PROGRESS_ANNOTATION, LogQuery
 from dflashctl.cluster import Cluster
 from dflashctl.errors import ClusterUnreachable, Conflict, Forbidden, RunFailed, WaitTimeout, exit_code
 from dflashctl.kube import KubernetesBackend
@@ -154,8 +154,8 @@ def test_logs_per_shard_all_shards_and_followed(backend, fake_k8s):  # noqa: F81
     api.start(EXTRACT)
     api.write_log(EXTRACT, 1, "loading target", "chunk 7: 65536 tokens")
     api.write_log(EXTRACT, 2, "loading target")
-    assert list(backend.logs(EXTRACT, 1, follow=False)) == ["loading target", "chunk 7: 65536 tokens"]
-    assert list(backend.logs(EXTRACT, None, follow=False)) == [
+    assert list(backend.logs(EXTRACT, 1)) == ["loading target", "chunk 7: 65536 tokens"]
+    assert list(backend.logs(EXTRACT, None)) == [
         "[shard 1] loading target", "[shard 1] chunk 7: 65536 tokens", "[shard 2] loading target",
     ]
 
@@ -165,9 +165,9 @@ def test_logs_per_shard_all_shards_and_followed(backend, fake_k8s):  # noqa: F81
         api.finish(EXTRACT, 0)
 
     threading.Thread(target=later).start()
-    assert list(backend.logs(EXTRACT, 0, follow=True)) == ["chunk 3 done"]
-    with pytest.raises(RunFailed, match="shard 9"):
-        backend.logs(EXTRACT, 9, follow=False)
+    assert list(backend.logs(EXTRACT, 0, LogQuery(follow=True))) == ["chunk 3 done"]
+    with pytest.raises(InputError, match="shard 9"):
+        backend.logs(EXTRACT, 9)
 
 
 def test_events_and_the_progress_annotation_land_on_the_job(backend, fake_k8s):  # noqa: F811
@@ -234,7 +234,7 @@ def test_the_controller_role_allows_every_call_the_backend_makes(backend, fake_k
     backend.submit(render_selection(spec, "extract"))
     api.start(EXTRACT)
     api.write_log(EXTRACT, 0, "hello")
-    list(backend.logs(EXTRACT, 0, follow=False))
+    list(backend.logs(EXTRACT, 0))
     backend.annotate(EXTRACT, PROGRESS_ANNOTATION, "0/3")
     backend.record_event(EXTRACT, EVENT_EXTRACTION_FINISHED, "done")
     backend.wait(EXTRACT, timeout=10, on_update=scripted(lambda: [api.finish(EXTRACT, index) for index in range(3)]))

@@ -6,6 +6,7 @@ parallelism, retries, podFailurePolicy, logs, attach, delete), not the data-plan
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -19,12 +20,14 @@ import pytest
 from dflash_jobs.errors import InputError
 from dflash_jobs.spec import dump_spec, parse_spec
 
+from dflashctl.backend import LogQuery
 from dflashctl.errors import Conflict, RunFailed, WaitTimeout
 from dflashctl.local.backend import LocalBackend
 from dflashctl.local.pod import PathMap, resolve_container
 from dflashctl.local.processes import ProcessRef, kill_groups, start_time
 from dflashctl.local.state import JobFiles
 from dflashctl.render import SPEC_HASH, render_extract_job, render_selection
+from dflashctl.runs import list_runs, remove_run, spec_of_run
 
 WAIT_S = 30
 
@@ -100,10 +103,9 @@ def test_rendered_extract_job_runs_every_index_with_its_env_and_mounts(tmp_path,
     assert status.complete and status.completed_indexes == {0, 1, 2} and not status.failed_indexes
     assert [shard.attempts for shard in status.shards] == [1, 1, 1]
     for index in range(3):
-        lines = list(backend.logs("demo-extract", index, follow=False))
-        reports = [json.loads(line) for line in lines if line.startswith("{")]
-        assert len(reports) == 2  # the selfcheck init container, then the worker
-        worker = reports[-1]
+        selfcheck = [json.loads(line) for line in backend.logs("demo-extract", index, LogQuery(container="selfcheck")) if line.startswith("{")]
+        (worker,) = [json.loads(line) for line in backend.logs("demo-extract", index) if line.startswith("{")]
+        assert selfcheck and selfcheck[-1]["index"] == str(index)  # the init container ran first, with the same env
         assert worker["index"] == str(index)
         assert worker["spec"] == dump_spec(spec)
         assert worker["home_exists"] and worker["home"].startswith(str(tmp_path / "work" / "pods"))
@@ -121,9 +123,9 @@ def test_container_without_the_secret_reference_gets_no_credentials(backend, mon
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key-id")
     script = "import os; print('creds', os.environ.get('AWS_ACCESS_KEY_ID'))"
     assert run_job(backend, make_job("nosecret", script)).complete
-    assert list(backend.logs("nosecret", 0, follow=False))[-1] == "creds None"
+    assert list(backend.logs("nosecret", 0))[-1] == "creds None"
     assert run_job(backend, make_job("secret", script, env_from_secret=True)).complete
-    assert list(backend.logs("secret", 0, follow=False))[-1] == "creds key-id"
+    assert list(backend.logs("secret", 0))[-1] == "creds key-id"
 
 
 def test_resolve_container_maps_launchers_field_refs_and_paths(tmp_path):
@@ -180,7 +182,31 @@ def test_a_failed_index_is_retried_within_its_backoff_limit(backend, tmp_path):
     assert status.failed == 1
     files = JobFiles(backend.workdir, "retry")
     assert "first" in files.pod_log(1, 0).read_text() and "again" in files.pod_log(1, 1).read_text()
-    assert list(backend.logs("retry", 1, follow=False))[-1] == "attempt of 1 again"
+    assert list(backend.logs("retry", 1))[-1] == "attempt of 1 again"
+
+
+def test_logs_take_kubectls_options_container_tail_and_the_previous_attempt(backend, tmp_path):
+    """One log file per attempt holds every container's lines, each after its `==> container` line:
+    each option reads the part kubectl logs would."""
+    script = (
+        "import os, sys, pathlib; i = os.environ['JOB_COMPLETION_INDEX']; "
+        f"flag = pathlib.Path({str(tmp_path)!r}) / ('tried-' + i); first = not flag.exists(); flag.touch(); "
+        "[print('line', n, 'first' if first else 'again') for n in range(3)]; sys.exit(1 if first else 0)"
+    )
+    job = make_job("retried", script, backoff_per_index=1, init_script="print('checked: ok')")
+    assert run_job(backend, job).complete
+    assert list(backend.logs("retried", 0)) == [f"line {n} again" for n in range(3)]
+    assert list(backend.logs("retried", 0, LogQuery(previous=True))) == [f"line {n} first" for n in range(3)]
+    assert list(backend.logs("retried", 0, LogQuery(previous=True, tail=1))) == ["line 2 first"]
+    assert list(backend.logs("retried", None, LogQuery(tail=2))) == ["[shard 0] line 1 again", "[shard 0] line 2 again"]
+    assert list(backend.logs("retried", 0, LogQuery(container="selfcheck", follow=True))) == ["checked: ok"]
+    with pytest.raises(InputError, match="no container 'stage'.*selfcheck, worker"):
+        backend.logs("retried", 0, LogQuery(container="stage"))
+    with pytest.raises(InputError, match="--since needs each line's time"):
+        backend.logs("retried", 0, LogQuery(since_s=60))
+    assert run_job(backend, make_job("once", "print('hi')")).complete
+    with pytest.raises(InputError, match="has had one attempt"):
+        backend.logs("once", 0, LogQuery(previous=True))
 
 
 def test_an_index_that_keeps_failing_fails_the_job_after_its_retries(backend):
@@ -223,8 +249,8 @@ def test_init_container_failure_fails_the_pod_before_the_worker(backend):
     job = make_job("selfcheck", "print('worker ran')", init_script="import sys; print('no GPU'); sys.exit(2)", rules=rules)
     status = run_job(backend, job)
     assert status.failed_terminally and status.shards[0].exit_reason == "selfcheck exit 2 (Error)"
-    lines = list(backend.logs("selfcheck", 0, follow=False))
-    assert "no GPU" in lines and "worker ran" not in lines
+    assert list(backend.logs("selfcheck", 0, LogQuery(container="selfcheck"))) == ["no GPU"]
+    assert list(backend.logs("selfcheck", 0)) == []  # the worker never ran
 
 
 def test_non_indexed_job_retries_up_to_its_backoff_limit(backend):
@@ -380,7 +406,7 @@ def test_pids_reused_after_a_reboot_survive_resume_and_delete(backend, tmp_path)
 def test_logs_follow_streams_every_shard_until_the_job_ends(backend):
     script = "import os, time\nfor step in range(3):\n    print('step', step, flush=True); time.sleep(0.2)"
     backend.submit([make_job("chatty", script, completions=2)])
-    lines = list(backend.logs("chatty", None, follow=True))
+    lines = list(backend.logs("chatty", None, LogQuery(follow=True)))
     for shard in (0, 1):
         assert [line for line in lines if line.startswith(f"[shard {shard}] step")] == [
             f"[shard {shard}] step {step}" for step in range(3)
@@ -421,6 +447,42 @@ def test_the_kernel_cache_claim_is_one_directory_every_local_pod_shares(tmp_path
     backend.submit([configmap, job])
     status = backend.wait("demo-extract", timeout=WAIT_S)
     assert status.complete
-    seen = {line.strip() for index in range(3) for line in backend.logs("demo-extract", index, follow=False)
+    seen = {line.strip() for index in range(3) for line in backend.logs("demo-extract", index)
             if line.strip() and not line.startswith("==> container")}
     assert seen == {str(tmp_path / "work" / "volumes" / "kernels" / "triton")}
+
+
+def test_runs_are_found_by_their_labels_and_one_is_removed_without_touching_another(tmp_path, monkeypatch):
+    """Two runs in one workdir, as `dflashctl list`, `status NAME`, `cancel` and `delete` see them."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    specs = [dataclasses.replace(make_spec(tmp_path), name=name, output=str(tmp_path / name)) for name in ("first", "second")]
+    backend = LocalBackend(specs[0])
+    for spec in specs:
+        configmap, job = render_selection(spec, "extract")
+        for container in (*job["spec"]["template"]["spec"]["initContainers"], *job["spec"]["template"]["spec"]["containers"]):
+            container["command"] = ["python", "-c", "import time; time.sleep(60)"]
+        backend.submit([configmap, job])
+    deadline = time.monotonic() + WAIT_S
+    while any(backend.job_status(f"{spec.name}-extract").active < 3 for spec in specs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    listings = list_runs(backend)
+    assert [(listing.name, [obj.ref for obj in listing.objects], listing.spec) for listing in listings] == [
+        ("first", ["job.batch/first-extract", "configmap/first-spec"], specs[0]),
+        ("second", ["job.batch/second-extract", "configmap/second-spec"], specs[1]),
+    ]
+    assert spec_of_run(backend, "second", "here") == specs[1]  # from its ConfigMap: `status second` needs no file
+
+    said = []
+    assert [obj.ref for obj in remove_run(backend, "first", dry_run=True, say=said.append)] == ["job.batch/first-extract", "configmap/first-spec"]
+    assert said == ["job.batch/first-extract deleted (dry run)", "configmap/first-spec deleted (dry run)"]
+    assert [listing.name for listing in list_runs(backend)] == ["first", "second"]
+    remove_run(backend, "first", dry_run=False, say=said.append)
+    assert [listing.name for listing in list_runs(backend)] == ["second"]
+    assert not (backend.workdir / "configmaps" / "first-spec").exists() and (backend.workdir / "configmaps" / "second-spec").is_dir()
+    second = backend.job_status("second-extract")
+    assert second.active == 3 and not second.finished  # still running
+    with pytest.raises(InputError, match="no run 'first' in here.*Runs there: second"):
+        spec_of_run(backend, "first", "here")
+    remove_run(backend, "second", dry_run=False, say=said.append)
+    assert list_runs(backend) == []

@@ -16,7 +16,12 @@ import yaml
 
 from dflash_jobs.errors import SpecError
 from dflash_jobs.spec import parse_spec
-from dflashctl.placement import GPU_TOLERATION, strategic_merge
+from typer.testing import CliRunner
+
+from dflashctl.check import Preflight
+from dflashctl.check.inputs import pod_template_patch
+from dflashctl.cli.app import app
+from dflashctl.placement import GPU_TOLERATION, RUN_CONTAINERS, patch_warnings, strategic_merge
 from dflashctl.render import QUEUE_LABEL, render_all
 from dflashctl.tool_pods import render_probe_pod, render_stage_model_objects
 
@@ -141,6 +146,19 @@ def kubectl_patch(template: dict, patch: dict) -> dict:
     return json.loads(result.stdout)["spec"]["template"]
 
 
+def without_other_pods_containers(patch: dict, template: dict) -> dict:
+    """The patch without its items naming containers this pod lacks (selfcheck on a CPU pod): kubectl
+    would add them with no image, dflash-k8s leaves them to the pods that have them (placement.py)."""
+    spec = dict(patch.get("spec") or {})
+    for key in ("containers", "initContainers"):
+        names = {container["name"] for container in template["spec"].get(key) or []}
+        if key in spec:
+            spec[key] = [item for item in spec[key] if item["name"] in names or "image" in item]
+            if not spec[key]:
+                del spec[key]
+    return {**patch, "spec": spec}
+
+
 @pytest.mark.parametrize("case", sorted(PATCHES))
 def test_the_patch_merges_every_pod_template_as_kubectl_does(case):
     patch = PATCHES[case]
@@ -148,7 +166,53 @@ def test_the_patch_merges_every_pod_template_as_kubectl_does(case):
     for component, template in plain.items():
         # The patch is part of the spec, so of its hash: the one difference besides the patch.
         template["metadata"]["annotations"]["dflash.dev/spec-hash"] = patched[component]["metadata"]["annotations"]["dflash.dev/spec-hash"]
-        assert patched[component] == kubectl_patch(template, patch), f"{case}: {component}"
+        assert patched[component] == kubectl_patch(template, without_other_pods_containers(patch, template)), f"{case}: {component}"
+
+
+def test_every_container_the_run_renders_is_one_the_patch_may_name():
+    names = {container["name"] for template in every_pod_template(make_spec()).values()
+             for key in ("containers", "initContainers") for container in template["spec"].get(key) or []}
+    assert names == set(RUN_CONTAINERS)
+
+
+def test_a_typo_in_a_container_name_is_refused_naming_the_containers_there_are():
+    """`wroker` merged as kubectl merges it would be a new container with no image in every pod."""
+    with pytest.raises(SpecError) as refused:
+        render_all(make_spec(pod_template_patch={"spec": {"containers": [{"name": "wroker", "env": [{"name": "A", "value": "1"}]}]}}))
+    assert refused.value.field == "cluster.pod_template_patch.spec.containers[name=wroker]"
+    assert "worker, selfcheck, stage" in refused.value.allowed and "an image to add it as a new container" in refused.value.allowed
+    with pytest.raises(SpecError, match="selfcheck is one of the pod's initContainers"):
+        render_all(make_spec(pod_template_patch={"spec": {"containers": [{"name": "selfcheck", "env": []}]}}))
+
+
+def test_an_item_for_another_pod_s_container_changes_only_the_pods_that_have_it():
+    limits = {"resources": {"limits": {"memory": "2Gi"}}}
+    templates = every_pod_template(make_spec(pod_template_patch={"spec": {"initContainers": [{"name": "stage", **limits}]}}))
+    plain = every_pod_template(make_spec())
+    (stage,) = [c for c in templates["generate"]["spec"]["initContainers"] if c["name"] == "stage"]
+    assert stage["resources"]["limits"]["memory"] == "2Gi" and stage["image"]
+    for component in set(templates) - {"generate"}:
+        assert templates[component]["spec"].get("initContainers") == plain[component]["spec"].get("initContainers"), component
+
+
+@pytest.mark.parametrize("tolerations, warned", [
+    ([{"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}], True),
+    ([{"operator": "Exists"}], False),  # every taint
+    ([{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}, GPU_TAINT], False),
+    ([{"key": "nvidia.com/gpu", "operator": "Equal", "value": "present", "effect": "NoSchedule"}], False),
+    ([{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoExecute"}], True),
+])
+def test_a_patch_whose_tolerations_drop_the_gpu_toleration_is_warned_in_check_and_render(tolerations, warned, tmp_path):
+    spec = make_spec(pod_template_patch={"spec": {"tolerations": tolerations}})
+    assert every_pod_template(spec)["extract"]["spec"]["tolerations"] == tolerations  # replaced, as kubectl replaces it
+    result = pod_template_patch(Preflight(spec))
+    assert (result.status == "warn") == warned and bool(patch_warnings(spec)) == warned
+    if warned:
+        assert "no longer tolerate nvidia.com/gpu" in result.detail and "cluster.tolerations" in result.fix
+        spec_file = tmp_path / "dflash.yaml"
+        spec_file.write_text(yaml.safe_dump(spec.to_dict()))
+        rendered = CliRunner().invoke(app, ["render", "extract", "-f", str(spec_file)])
+        assert rendered.exit_code == 0 and "warning: cluster.pod_template_patch.spec.tolerations replaces every pod's tolerations" in rendered.output
 
 
 @pytest.fixture

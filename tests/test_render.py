@@ -380,7 +380,7 @@ def test_cli_render_prints_yaml_or_json_and_writes_a_directory_only_with_d(tmp_p
     ]
     # -o is a format, never a directory: the old spelling is refused with the new one, nothing written.
     code, out, err = cli(monkeypatch, capsys, "render", "train", "-f", spec_file, "-o", str(tmp_path / "json"))
-    assert code == 2 and out == "" and "-o takes yaml or json" in err and "use -d" in err
+    assert code == 2 and out == "" and "-o takes yaml, json or name" in err and "use -d" in err
     assert not (tmp_path / "json").exists()
     code, _, err = cli(monkeypatch, capsys, "render", "train", "-f", spec_file, "-o", "json", "-d", str(tmp_path / "both"))
     assert code == 2 and "give one of them" in err and not (tmp_path / "both").exists()

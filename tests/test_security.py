@@ -115,7 +115,7 @@ def test_no_secret_value_in_pod_logs_state_or_reports_of_a_local_run(secret_env,
     backend = LocalBackend(spec)
     backend.submit(render_selection(spec, "extract"))
     status = backend.wait("secure-local-extract", timeout=300)
-    logs = "\n".join(backend.logs("secure-local-extract", 0, follow=False))
+    logs = "\n".join(backend.logs("secure-local-extract", 0))
     assert status.complete, logs
     assert "shard 0/1 done" in logs  # the worker really ran, and its log is part of the scan
     scanned = 0

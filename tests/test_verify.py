@@ -8,11 +8,11 @@ import pytest
 import torch
 from extracted_chunks import CHUNKS, HIDDEN, LAYERS, extracted_run, hidden_chunk, mark_done, token_chunk
 
+from dflash_jobs.errors import InputError
 from dflash_jobs.formats import DATASET_KEY, MANIFEST_KEY, DatasetIndex, done_key, hidden_chunk_key, hidden_metadata, hidden_tensors
 from dflash_jobs.spec import parse_spec
 from dflash_jobs.storage import open_storage
 
-from dflashctl.errors import RunFailed
 from dflashctl.verify import Expected, VerificationFailed, read_manifest, verify_run
 
 EXPECTED = Expected(dtype="bfloat16", layers=LAYERS)
@@ -201,7 +201,7 @@ def test_failure_removes_a_stale_manifest_and_delete_bad_removes_only_lying_mark
 
 
 def test_no_dataset_index_says_to_prepare(tmp_path):
-    with pytest.raises(RunFailed, match="dflashctl prepare"):
+    with pytest.raises(InputError, match="dflashctl prepare"):  # verify asked for before prepare: bad usage, exit 2
         verify_run(open_storage(str(tmp_path / "empty")), EXPECTED)
 
 

@@ -11,6 +11,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from dflashctl.errors import Conflict
+from dflashctl.render import MANAGED_BY, MANAGED_BY_LABEL, RUN_LABEL, SPEC_HASH, WORKER, object_ref
+
 # Reasons of the events the pipeline records on its Jobs (`kubectl describe job` lists them).
 EVENT_EXTRACTION_FINISHED = "ExtractionFinished"
 EVENT_SHARDS_FAILED = "ShardsFailed"
@@ -44,6 +47,22 @@ class ShardStatus:
     message: str | None = None
     """The last attempt's own last words when it failed: its worker's termination message (the log's
     tail, e.g. the `Error: ...` line of a failed `dflashctl run` in the controller's pod)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LogQuery:
+    """Which lines of a shard's log `logs` reads, as kubectl logs' options say it."""
+
+    container: str = WORKER
+    """The pod's container: the worker, or an init container (selfcheck; stage in a vLLM generate pod)."""
+    follow: bool = False
+    """Keep streaming until the pod ends; a pod not started yet is waited for."""
+    tail: int | None = None
+    """Only the last lines of each log (with follow: then the new ones)."""
+    since_s: float | None = None
+    """Only the lines written in the last seconds (the kubelet's timestamps)."""
+    previous: bool = False
+    """The shard's attempt before its newest: Jobs retry with a new pod (restartPolicy Never)."""
 
 
 @dataclass(slots=True)
@@ -89,6 +108,52 @@ class JobStatus:
         return self.conditions.get("Failed") or self.conditions.get("FailureTarget")
 
 
+@dataclass(frozen=True, slots=True)
+class RunObject:
+    """An object of a run on a backend (Job, ConfigMap, Service), found by its labels."""
+
+    api_version: str
+    kind: str
+    name: str
+    run: str
+    spec_hash: str | None
+
+    @property
+    def ref(self) -> str:
+        """kubectl's name of it: job.batch/NAME, configmap/NAME, service/NAME."""
+        return object_ref({"apiVersion": self.api_version, "kind": self.kind, "metadata": {"name": self.name}})
+
+
+def run_objects_of(manifests: list[dict], run: str | None) -> list[RunObject]:
+    """The objects among `manifests` that dflashctl made for a run (of `run`, or of any), as RunObjects."""
+    found = []
+    for obj in manifests:
+        meta = obj["metadata"]
+        labels = meta.get("labels") or {}
+        if labels.get(MANAGED_BY_LABEL) == MANAGED_BY and RUN_LABEL in labels and run in (None, labels[RUN_LABEL]):
+            found.append(RunObject(obj["apiVersion"], obj["kind"], meta["name"], labels[RUN_LABEL], (meta.get("annotations") or {}).get(SPEC_HASH)))
+    return found
+
+
+def submit_outcome(obj: dict, existing: dict | None, *, force: bool) -> str:
+    """What submitting `obj` over `existing` (None: absent) does, as kubectl's dry runs say it: "created",
+    "unchanged" (attached to: the same spec hash) or "replaced" (--force); a different spec without
+    --force raises the Conflict the submit would."""
+    if existing is None:
+        return "created"
+    wanted = (obj["metadata"].get("annotations") or {}).get(SPEC_HASH)
+    found = (existing["metadata"].get("annotations") or {}).get(SPEC_HASH)
+    if wanted is None or wanted == found:
+        return "unchanged"
+    if force:
+        return "replaced"
+    where = "/".join(filter(None, [obj["metadata"].get("namespace"), obj["metadata"]["name"]]))
+    raise Conflict(
+        f"{obj['kind']} {where} already exists from a different spec (spec hash {found}, this spec {wanted})",
+        "Give the run a new `name:` in the spec, or pass --force to delete and recreate it (its pods are lost)",
+    )
+
+
 class Backend(Protocol):
     """What `dflashctl` needs from wherever Jobs run."""
 
@@ -116,15 +181,26 @@ class Backend(Protocol):
         the caller decides (with the storage markers) whether to retry its failed shards.
         """
 
-    def logs(self, job_name: str, index: int | None, follow: bool) -> Iterator[str]:
+    def logs(self, job_name: str, index: int | None, query: LogQuery = LogQuery()) -> Iterator[str]:
         """Log lines of one shard, or of every shard prefixed "[shard N] " when `index` is None.
 
-        A shard not started yet has no lines; with `follow` it is waited for, then followed.
+        A container not started yet has no lines; with `query.follow` it is waited for, then followed.
+        A container the pod does not have, or a previous attempt of a shard that had one attempt,
+        raises InputError naming what exists.
         """
 
     def waiting(self, job_name: str, index: int | None) -> list[str]:
         """Why the shards that have not started (of one shard, with `index`) wait, a line each for
         a person: "shard 2: pod ... is Pending: Warning FailedScheduling: 0/4 nodes are available: ..."."""
+
+    def find(self, kind: str, name: str) -> dict | None:
+        """The object as the backend holds it (a Job, ConfigMap or Service of a run), None when absent."""
+
+    def run_objects(self, run: str | None = None) -> list[RunObject]:
+        """The Jobs, ConfigMaps and Services dflashctl made for `run` (for any run when None), by their labels."""
+
+    def delete_object(self, kind: str, name: str) -> None:
+        """Delete one object of a run (a Job with its pods, as `delete`); absent is no error."""
 
     def delete(self, job_name: str) -> None:
         """Delete the Job and its pods. Returns once the Job is gone, so a submit right after creates it anew."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from dflash_jobs.errors import InputError
+
 from dflashctl.backend import Backend
 from dflashctl.target import current_target
 
@@ -24,9 +26,22 @@ def open_backend(spec: RunSpec) -> Backend:
         from dflashctl.local.backend import LocalBackend
 
         return LocalBackend(spec)
+    return cluster_backend(spec.cluster.namespace)
+
+
+def cluster_backend(namespace: str) -> Backend:
+    """The kubernetes backend in `namespace` (or where the command line says), for a spec's run or
+    for the commands that find runs by name."""
+    try:
+        import kubernetes  # noqa: F401 - only whether the client is installed here
+    except ImportError:
+        raise InputError(
+            "the kubernetes backend needs the `kubernetes` package, which this Python cannot import",
+            "`pip install kubernetes` (or `pip install .` from the repository), or use `backend: local` in the spec",
+        ) from None
     from dflashctl.kube import KubernetesBackend
 
-    return KubernetesBackend.connect(spec.cluster.namespace)
+    return KubernetesBackend.connect(namespace)
 
 
 def targeted(spec: RunSpec) -> RunSpec:

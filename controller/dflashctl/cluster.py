@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -24,8 +25,8 @@ from kubernetes.config.config_exception import ConfigException
 
 from dflash_jobs.errors import InputError
 
-from dflashctl.errors import ClusterUnreachable, Conflict, DflashError, Forbidden
-from dflashctl.render import SPEC_HASH
+from dflashctl.backend import submit_outcome
+from dflashctl.errors import ClusterUnreachable, DflashError, Forbidden
 from dflashctl.target import current_target
 
 log = logging.getLogger(__name__)
@@ -143,15 +144,8 @@ class Cluster:
             # Being deleted (e.g. by `cancel` a moment ago): wait for it to go, then create anew.
             self._wait_gone(kind, name, wait)
             return self._create_once_gone(obj, wait=wait)
-        wanted = obj["metadata"].get("annotations", {}).get(SPEC_HASH)
-        found = (existing["metadata"].get("annotations") or {}).get(SPEC_HASH)
-        if wanted is None or wanted == found:
+        if submit_outcome({**obj, "metadata": {**obj["metadata"], "namespace": self.namespace}}, existing, force=force) == "unchanged":
             return "attached"
-        if not force:
-            raise Conflict(
-                f"{kind} {self.namespace}/{name} already exists from a different spec (spec hash {found}, this spec {wanted})",
-                "Give the run a new `name:` in the spec, or pass --force to delete and recreate it (its pods are lost)",
-            )
         self.delete(kind, name, wait=wait)
         return "replaced" if self._create_once_gone(obj, wait=wait) == "created" else "attached"
 
@@ -229,14 +223,15 @@ class Cluster:
             except _Expired:
                 log.info("watch of %s %s expired (410 Gone): listing again", kind, name)
 
-    def logs(self, pod: str, *, container: str, follow: bool) -> Iterator[str]:
-        """Lines of a container's log; with `follow`, until the container exits."""
+    def logs(self, pod: str, *, container: str, follow: bool, tail: int | None = None, since_s: float | None = None) -> Iterator[str]:
+        """Lines of a container's log (the last `tail`, those of the last `since_s` seconds); with `follow`, until the container exits."""
         core = client.CoreV1Api(self.api_client)
+        window = _selectors(tail_lines=tail, since_seconds=None if since_s is None else max(1, math.ceil(since_s)))
         if follow:
-            stream = watch.Watch().stream(core.read_namespaced_pod_log, pod, self.namespace, container=container)
+            stream = watch.Watch().stream(core.read_namespaced_pod_log, pod, self.namespace, container=container, **window)
             yield from _translated(stream, what=f"logs of pod {pod}")
             return
-        response = self._call("Pod", "read_namespaced_pod_log", pod, self.namespace, container=container, raw=True)
+        response = self._call("Pod", "read_namespaced_pod_log", pod, self.namespace, container=container, raw=True, **window)
         yield from response.decode("utf-8", errors="replace").splitlines()
 
     def get_cluster_object(self, kind: str, name: str) -> Obj | None:
@@ -380,8 +375,8 @@ def _unknown_context(context: str, kubeconfig: str | None) -> InputError:
     )
 
 
-def _selectors(**selectors: str | None) -> dict[str, str]:
-    return {key: value for key, value in selectors.items() if value}
+def _selectors(**selectors: str | int | None) -> dict[str, str | int]:
+    return {key: value for key, value in selectors.items() if value is not None and value != ""}
 
 
 def _window(window: int, deadline: float | None) -> int:

@@ -8,14 +8,21 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dflashctl.backend import INDEX_ANNOTATION, JobStatus, ShardStatus, parse_indexes
-from dflashctl.cluster import Cluster
+from dflash_jobs.errors import InputError
+
+from dflashctl.backend import INDEX_ANNOTATION, JobStatus, LogQuery, RunObject, ShardStatus, parse_indexes, run_objects_of
 from dflashctl.errors import Forbidden, RunFailed, WaitTimeout
-from dflashctl.render import WORKER
+from dflashctl.render import MANAGED_BY, MANAGED_BY_LABEL, RUN_LABEL, WORKER
+
+if TYPE_CHECKING:  # imported in connect: the pod helpers below serve machines without the client too
+    from dflashctl.cluster import Cluster
 
 CONTROLLER_UID_LABEL = "batch.kubernetes.io/controller-uid"
+RUN_KINDS = {"Job": "batch/v1", "ConfigMap": "v1", "Service": "v1"}
+"""The kinds of a run's own objects and their apiVersion (its pods go with its Jobs; the controller's RBAC
+is the namespace's, shared by its runs)."""
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +38,8 @@ class KubernetesBackend:
 
     @classmethod
     def connect(cls, namespace: str) -> KubernetesBackend:
+        from dflashctl.cluster import Cluster
+
         return cls(Cluster.connect(namespace))
 
     def submit(self, objects: list[dict], *, force: bool = False) -> None:
@@ -66,14 +75,20 @@ class KubernetesBackend:
             "It keeps running; `dflashctl status --watch` follows it",
         )
 
-    def logs(self, job_name: str, index: int | None, follow: bool) -> Iterator[str]:
-        pods = _newest_pod_per_index(self._pods(job_name))
+    def logs(self, job_name: str, index: int | None, query: LogQuery = LogQuery()) -> Iterator[str]:
+        attempts = _attempts_per_index(self._pods(job_name))
+        if index is not None and index not in attempts:
+            raise InputError(f"shard {index} of Job {job_name} has no pod", "`dflashctl status` shows the shards that have one")
+        chosen = {i: _attempt(pods, query.previous) for i, pods in sorted(attempts.items()) if index in (None, i)}
+        if index is not None and chosen[index] is None:
+            raise InputError(f"shard {index} of Job {job_name} has had one attempt: there is no previous pod", "Leave out -p/--previous for the pod it has")
+        pods = {i: pod for i, pod in chosen.items() if pod is not None}
+        for pod in pods.values():
+            _check_container(pod, query.container)
         if index is not None:
-            if index not in pods:
-                raise RunFailed(f"shard {index} of Job {job_name} has no pod", "`dflashctl status` shows the shards that have one")
-            return self._log_of(pods[index], follow)
-        streams = [_prefixed(f"[shard {i}] ", self._log_of(pod, follow)) for i, pod in sorted(pods.items())]
-        if not follow:
+            return self._log_of(pods[index], query)
+        streams = [_prefixed(f"[shard {i}] ", self._log_of(pod, query)) for i, pod in pods.items()]
+        if not query.follow:
             return (line for stream in streams for line in stream)
         return _interleave(streams)
 
@@ -88,20 +103,22 @@ class KubernetesBackend:
             notes.append(f"{shard}pod {name} is Pending, no log yet: {'; '.join(why)}")
         return notes
 
-    def _log_of(self, pod: dict[str, Any], follow: bool) -> Iterator[str]:
-        """The worker's log; a pod not started yet has none, or with `follow` is waited for first."""
+    def _log_of(self, pod: dict[str, Any], query: LogQuery) -> Iterator[str]:
+        """The container's log; one not started yet has none, or with `follow` is waited for first."""
         name = pod["metadata"]["name"]
-        if _phase(pod) != "Pending":
-            return self.cluster.logs(name, container=WORKER, follow=follow)
-        return self._once_started(name) if follow else iter(())
+        if _started(pod, query.container):
+            return self.cluster.logs(name, container=query.container, follow=query.follow, tail=query.tail, since_s=query.since_s)
+        return self._once_started(name, query) if query.follow else iter(())
 
-    def _once_started(self, pod_name: str) -> Iterator[str]:
+    def _once_started(self, pod_name: str, query: LogQuery) -> Iterator[str]:
         for pod in self.cluster.watch_object("Pod", pod_name, deadline=None):
             if pod is None:
                 return  # deleted before it started: no log to follow
-            if _phase(pod) != "Pending":
+            if _started(pod, query.container):
                 break
-        yield from self.cluster.logs(pod_name, container=WORKER, follow=True)
+            if _phase(pod) in ("Succeeded", "Failed"):
+                return  # ended without running this container (an init container failed first)
+        yield from self.cluster.logs(pod_name, container=query.container, follow=True, tail=query.tail, since_s=query.since_s)
 
     def _latest_events(self, pod_name: str, count: int = 3) -> list[str]:
         """The pod's newest events, e.g. "Warning FailedScheduling: 0/4 nodes are available: ... (x3)";
@@ -113,8 +130,22 @@ class KubernetesBackend:
         events.sort(key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or e["metadata"].get("creationTimestamp") or "")
         return [_event_line(event) for event in events[-count:]]
 
+    def find(self, kind: str, name: str) -> dict | None:
+        return self.cluster.get(kind, name)
+
+    def run_objects(self, run: str | None = None) -> list[RunObject]:
+        selector = ",".join([f"{MANAGED_BY_LABEL}={MANAGED_BY}", *([f"{RUN_LABEL}={run}"] if run is not None else [])])
+        found = [
+            {**obj, "apiVersion": api_version, "kind": kind}  # a list's items carry no kind of their own
+            for kind, api_version in RUN_KINDS.items() for obj in self.cluster.list(kind, label_selector=selector)[0]
+        ]
+        return run_objects_of(found, run)
+
+    def delete_object(self, kind: str, name: str) -> None:
+        self.cluster.delete(kind, name, wait=DELETE_WAIT_S)
+
     def delete(self, job_name: str) -> None:
-        self.cluster.delete("Job", job_name, wait=DELETE_WAIT_S)
+        self.delete_object("Job", job_name)
 
     def record_event(self, job_name: str, reason: str, message: str, *, warning: bool = False) -> None:
         job = self.cluster.get("Job", job_name)
@@ -304,7 +335,36 @@ def _phase(pod: dict[str, Any]) -> str:
 
 
 def _newest_pod_per_index(pods: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    newest: dict[int, dict[str, Any]] = {}
+    return {index: attempts[-1] for index, attempts in _attempts_per_index(pods).items()}
+
+
+def _attempts_per_index(pods: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    """Each index's pods, oldest first: a Job retries an index with a new pod."""
+    attempts: dict[int, list[dict[str, Any]]] = {}
     for pod in sorted(pods, key=_created):
-        newest[_index_of(pod)] = pod
-    return newest
+        attempts.setdefault(_index_of(pod), []).append(pod)
+    return attempts
+
+
+def _attempt(attempts: list[dict[str, Any]], previous: bool) -> dict[str, Any] | None:
+    """The newest pod of an index, or with `previous` the one before it (None when there was none)."""
+    wanted = -2 if previous else -1
+    return attempts[wanted] if len(attempts) >= -wanted else None
+
+
+def _check_container(pod: dict[str, Any], container: str) -> None:
+    spec = pod.get("spec") or {}
+    names = [c["name"] for c in (spec.get("initContainers") or [])] + [c["name"] for c in spec.get("containers") or []]
+    if container not in names:
+        raise InputError(f"pod {pod['metadata']['name']} has no container {container!r}", f"Pick one of its containers: {', '.join(names)}")
+
+
+def _started(pod: dict[str, Any], container: str) -> bool:
+    """Whether the container has run (running or terminated), so the kubelet holds a log of it."""
+    status = pod.get("status") or {}
+    for kind in ("initContainerStatuses", "containerStatuses"):
+        for entry in status.get(kind) or []:
+            state = entry.get("state") or {}
+            if entry.get("name") == container and ("running" in state or "terminated" in state):
+                return True
+    return False

@@ -16,7 +16,14 @@ them (tests/test_placement.py compares the two):
   `{$patch: replace}` makes the list exactly the patch's other items. Patch items come in the
   patch's order, each item only in the template keeps its place relative to them where both are
   in the template;
-- every other list is replaced by the patch's.
+- every other list is replaced by the patch's: a `tolerations` list in the patch replaces the
+  rendered one, nvidia.com/gpu included (`patch_warnings` says so; `check` and `render` print it).
+
+Where it departs from kubectl, on purpose: a container item names a container of the pod. Merged
+into a pod without that container, kubectl adds it, with no image (an invalid pod); here an item
+naming a container of another pod of the run (`stage` of the vLLM generation pod, the GPU pods'
+`selfcheck`) changes only the pods that have it, and any other name is refused, naming the
+containers there are, unless the item carries an image and so is a new container (a sidecar).
 """
 
 from __future__ import annotations
@@ -44,6 +51,9 @@ MERGE_KEYS = {
 patchMergeKey of the Kubernetes API's Go types)."""
 DIRECTIVE = "$patch"
 PATCH_FIELD = "cluster.pod_template_patch"
+RUN_CONTAINERS = ("worker", "selfcheck", "stage")
+"""Every container of the run's pods (render.py's worker and its selfcheck init container, the vLLM
+generation pod's stage init container; tested equal to what is rendered)."""
 
 
 def placement_fields(spec: RunSpec, *, gpu: bool) -> dict[str, Any]:
@@ -83,7 +93,58 @@ def finish_pod_template(spec: RunSpec, template: dict[str, Any]) -> dict[str, An
         metadata["annotations"] = {**metadata.get("annotations", {}), **dict(sorted(spec.cluster.annotations.items()))}
     if spec.cluster.pod_template_patch is None:
         return finished
-    return strategic_merge(finished, spec.cluster.pod_template_patch, path=PATCH_FIELD)
+    return strategic_merge(finished, _patch_for_pod(finished["spec"], spec.cluster.pod_template_patch), path=PATCH_FIELD)
+
+
+def _patch_for_pod(pod_spec: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """The patch as it applies to this pod: without the items naming another pod's container; an item
+    naming no container of the run, and bringing no image to be a new one, is a typo: refused."""
+    spec_patch = patch.get("spec")
+    if not isinstance(spec_patch, dict):
+        return patch
+    present = {key: [container["name"] for container in pod_spec.get(key) or []] for key in ("containers", "initContainers")}
+    lists = {}
+    for key, other in (("containers", "initContainers"), ("initContainers", "containers")):
+        items = spec_patch.get(key)
+        if not isinstance(items, list) or any(isinstance(item, dict) and item.get(DIRECTIVE) == "replace" for item in items):
+            continue
+        lists[key] = []
+        for item in items:
+            name = item.get("name") if isinstance(item, dict) else None
+            if name in present[other]:
+                raise SpecError(f"{PATCH_FIELD}.spec.{key}[name={name}]", name, f"{name} is one of the pod's {other}: patch it there")
+            if name is None or name in present[key] or item.get(DIRECTIVE) == "delete" or "image" in item:
+                lists[key].append(item)
+            elif name not in RUN_CONTAINERS:
+                raise SpecError(
+                    f"{PATCH_FIELD}.spec.{key}[name={name}]", name,
+                    f"a container of the run's pods ({', '.join(RUN_CONTAINERS)}), or an image to add it as a new container",
+                )
+    kept = {key: items for key, items in lists.items() if items or not spec_patch[key]}  # none left for this pod: no list to merge
+    return {**patch, "spec": {**{key: value for key, value in spec_patch.items() if key not in lists}, **kept}}
+
+
+def patch_warnings(spec: RunSpec) -> list[str]:
+    """What the pod template patch does that is likely a mistake: a tolerations list (which replaces
+    the rendered one) that leaves the GPU pods without the nvidia.com/gpu toleration."""
+    spec_patch = (spec.cluster.pod_template_patch or {}).get("spec")
+    tolerations = spec_patch.get("tolerations") if isinstance(spec_patch, dict) else None
+    if not isinstance(tolerations, list) or any(_tolerates_gpu(toleration) for toleration in tolerations if isinstance(toleration, dict)):
+        return []
+    return [
+        f"{PATCH_FIELD}.spec.tolerations replaces every pod's tolerations (a strategic merge replaces a list without a merge key): "
+        f"the GPU pods no longer tolerate {GPU}, nor cluster.tolerations. Put the tolerations in cluster.tolerations "
+        f"(cluster.cpu_placement.tolerations for the CPU pods) instead, or list {{key: {GPU}, operator: Exists, effect: NoSchedule}} in the patch too"
+    ]
+
+
+def _tolerates_gpu(toleration: dict[str, Any]) -> bool:
+    """Whether a toleration tolerates the GPU nodes' nvidia.com/gpu:NoSchedule taint (with or without a value)."""
+    if toleration.get("effect") not in (None, "", "NoSchedule"):
+        return False
+    if not toleration.get("key"):
+        return toleration.get("operator") == "Exists"  # no key: every taint, with Exists only
+    return toleration["key"] == GPU
 
 
 # ---- strategic merge -------------------------------------------------------------------------

@@ -87,7 +87,12 @@ def job_name(spec: RunSpec, component: str) -> str:
 
 
 def configmap_name(spec: RunSpec) -> str:
-    return f"{spec.name}-spec"
+    return spec_configmap_name(spec.name)
+
+
+def spec_configmap_name(run: str) -> str:
+    """The ConfigMap holding run `run`'s spec: `status NAME`, `cancel NAME` read the run from it."""
+    return f"{run}-spec"
 
 
 def run_labels(spec: RunSpec, component: str) -> dict[str, str]:
@@ -355,6 +360,19 @@ _Dumper.add_representer(str, _represent_str)
 def to_yaml(objects: list[Manifest]) -> str:
     """A multi-document YAML stream; the same objects always give the same bytes."""
     return yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1000, explicit_start=True)
+
+
+def object_ref(obj: Manifest) -> str:
+    """An object's name as kubectl prints it (`-o name`): kind.group/name, the core group left out
+    (job.batch/run-extract, configmap/run-spec)."""
+    group = obj["apiVersion"].rpartition("/")[0]
+    kind = obj["kind"].lower()
+    return f"{kind}.{group}/{obj['metadata']['name']}" if group else f"{kind}/{obj['metadata']['name']}"
+
+
+def job_ref(name: str) -> str:
+    """A Job's name as kubectl prints it."""
+    return object_ref({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name}})
 
 
 def manifest_filename(obj: Manifest) -> str:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from dflash_jobs.errors import FormatError
+from dflash_jobs.errors import FormatError, InputError
 from dflash_jobs.formats import (
     DATASET_KEY,
     DONE_MARKERS,
@@ -195,8 +195,8 @@ def check_all(
     `on_checked(done, total)` is called after each chunk, from this thread."""
     try:
         dataset = DatasetIndex.from_json(storage.get_bytes(DATASET_KEY), DATASET_KEY)
-    except ObjectNotFound:
-        raise RunFailed(
+    except ObjectNotFound:  # a step asked for before the one it needs: bad usage (2), as `submit train` before verify
+        raise InputError(
             f"{storage.url}/{DATASET_KEY} does not exist: nothing was prepared",
             "Run `dflashctl prepare` (or `dflashctl run`, which prepares first)",
         ) from None

@@ -19,14 +19,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from dflash_jobs.errors import DflashError, StorageUnavailable
 from dflash_jobs.spec import RunSpec
 from dflash_jobs.storage import Storage, open_storage
 
-from dflashctl.cluster import Cluster
 from dflashctl.errors import EXIT_CLUSTER, EXIT_STORAGE_UNAVAILABLE, EXIT_USAGE, ChecksFailed, ClusterUnreachable, Forbidden, exit_code
+
+if TYPE_CHECKING:  # the client is imported where the kubernetes backend is used (backends.py)
+    from dflashctl.cluster import Cluster
 
 Status = Literal["ok", "warn", "fail", "skipped"]
 STORAGE_ATTEMPTS = 2
@@ -136,7 +138,7 @@ def _checks() -> list[Check]:
 
     return [
         inputs.placeholders, cluster.namespace, cluster.permissions, cluster.service_account, cluster.s3_secret,
-        cluster.hf_secret, cluster.pull_secrets, cluster.volumes, cluster.nodes,
+        cluster.hf_secret, cluster.pull_secrets, cluster.volumes, inputs.pod_template_patch, cluster.nodes,
         inputs.output, inputs.step_order, inputs.data_source, inputs.target, inputs.image,
     ]
 

@@ -21,6 +21,7 @@ from dflash_jobs.storage import Storage, read_head
 from dflashctl.check import STORAGE_ATTEMPTS, CheckResult, Preflight, fail, from_error, ok, skipped, warn
 from dflashctl.identity import identity_conflict, output_elsewhere
 from dflashctl.kube import exit_reason
+from dflashctl.placement import patch_warnings
 from dflashctl.render import WORKER
 from dflashctl.starter import STARTER_VALUES
 from dflashctl.tool_pods import probe_pod_name, render_probe_pod
@@ -47,6 +48,15 @@ def placeholders(pf: Preflight) -> CheckResult:
     if left:
         return fail("placeholders", f"the starter's placeholder bucket is still there: {', '.join(left)}", "Set them to your bucket")
     return ok("placeholders", "none of the starter's placeholder values is left")
+
+
+def pod_template_patch(pf: Preflight) -> CheckResult:
+    if pf.spec.cluster.pod_template_patch is None:
+        return skipped("pod template patch", "no cluster.pod_template_patch")
+    warnings = patch_warnings(pf.spec)
+    if warnings:
+        return warn("pod template patch", *warnings[0].split(". ", 1))
+    return ok("pod template patch", "applied to every pod, its container items each naming a container there")
 
 
 def output(pf: Preflight) -> CheckResult:

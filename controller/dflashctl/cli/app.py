@@ -117,4 +117,6 @@ from dflashctl.cli import export_states; export_states.register(app)  # noqa: E4
 from dflashctl.cli import status; status.register(app)  # noqa: E402,E702
 from dflashctl.cli import logs; logs.register(app)  # noqa: E402,E702
 from dflashctl.cli import jobs; jobs.register(app)  # noqa: E402,E702
+from dflashctl.cli import runs; runs.register(app)  # noqa: E402,E702
 from dflashctl.cli import demo; demo.register(app)  # noqa: E402,E702
+from dflashctl.cli import completion; completion.register(app)  # noqa: E402,E702

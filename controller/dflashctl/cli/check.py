@@ -35,6 +35,8 @@ def check(
 
       dflashctl check -o json | jq '.checks[] | select(.status == "fail")'
 
+      dflashctl check -o name   # the checks that fail, one a line
+
       dflashctl check --no-probe   # no pod: the target is read only from here
     """
     spec = read_spec(spec_file)
@@ -44,10 +46,11 @@ def check(
         preflight = Preflight(spec, probe=probe, cluster_error=error)
     results = run_checks(preflight)
     code = exit_code_of(results)
-    if fmt is OutputFormat.json:
-        output.result_json({"run": spec.name, "checks": [result.to_dict() for result in results], "exit_code": code})
-    else:
+    if fmt is OutputFormat.table:
         output.stdout.print(results_table(spec.name, results))
+    else:
+        failed = [f"check/{result.name.replace(' ', '-')}" for result in results if result.status == "fail"]
+        output.result(fmt, {"run": spec.name, "checks": [result.to_dict() for result in results], "exit_code": code}, failed)
     if code:
         output.hint("fix what failed (each line says how), then `dflashctl check` again")
         raise typer.Exit(code)

@@ -72,7 +72,7 @@ def print_summary(summary: DemoSummary) -> None:
     table.add_row("lossless", "yes: every output equals plain greedy" if summary.lossless else "[red]NO[/]")
     output.stdout.print(table)
     spec = summary.spec_file
-    for command in (f"dflashctl status -f {spec}", f"dflashctl logs extract --shard 1 --spec {spec}", f"dflashctl render all -f {spec} -d manifests/"):
+    for command in (f"dflashctl status -f {spec}", f"dflashctl logs extract --shard 1 -f {spec}", f"dflashctl render all -f {spec} -d manifests/"):
         output.hint(command)
 
 

@@ -12,6 +12,7 @@ from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt
 from dflashctl.cli.reporting import print_report, reporter_for
 from dflashctl.cli.submit import clear_to_start
 from dflashctl.pipeline import run_eval
+from dflashctl.render import job_name, job_ref
 
 
 
@@ -36,7 +37,7 @@ def evaluate(
     clear_to_start(spec, backend, "eval", force=False)
     with reporter_for(output.stderr) as reporter:
         report = run_eval(spec, backend, reporter=reporter, timeout=timeout)
-    print_report(report, fmt)
+    print_report(report, fmt, [job_ref(job_name(spec, "eval"))])
     output.hint(f"the full report: {spec.output}/{EVAL_REPORT_KEY} (and the plot eval/acceptance.png beside it)")
 
 

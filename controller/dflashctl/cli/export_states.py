@@ -64,8 +64,8 @@ def export_states(
             source, destination, depth=depth, workers=workers,
             on_progress=lambda done, total: reporter.update(StepUpdate("export", done=done, total=total)),
         )
-    if fmt is OutputFormat.json:
-        output.result_json({"format": states_format.value, **asdict(summary)})
+    if fmt is not OutputFormat.table:
+        output.result(fmt, {"format": states_format.value, **asdict(summary)}, [summary.destination])
     else:
         table = Table(title=f"{states_format.value} hidden states: {summary.destination}", show_header=False, title_justify="left")
         for name, value in (

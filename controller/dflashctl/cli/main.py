@@ -6,13 +6,14 @@ import os
 import sys
 
 from dflashctl.cli.app import app
+from dflashctl.cli.completion import PROG_NAME
 from dflashctl.errors import EXIT_INTERRUPTED, DflashError, exit_code
 
 
 def main() -> None:
     debug = os.environ.get("DFLASHCTL_DEBUG") == "1"
     try:
-        app()
+        app(prog_name=PROG_NAME)  # one name however it was started: the completion script calls it back by it
     except SystemExit as stop:
         if stop.code == EXIT_INTERRUPTED:  # typer turns Ctrl-C into this exit
             print("Interrupted: detached, the run goes on. `dflashctl status` shows it.", file=sys.stderr)

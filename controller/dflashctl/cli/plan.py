@@ -75,8 +75,8 @@ def plan(
         train_tokens_per_second=train_tokens_per_second, store_mb_per_s=store_mb_per_s,
         generation=generation, nodes=nodes, nodes_basis=nodes_basis, warnings=warnings,
     )
-    if output_format is OutputFormat.json:
-        output.result_json(result.to_dict())
+    if output_format is not OutputFormat.table:
+        output.result(output_format, result.to_dict(), [f"run/{spec.name}"])
         return
     output.stdout.print(plan_table(result))
     if result.generation is not None:

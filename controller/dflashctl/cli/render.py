@@ -11,12 +11,13 @@ from typing import Annotated
 import typer
 
 from dflashctl import render as manifests
+from dflashctl.placement import patch_warnings
 from dflashctl.run_directory import write_manifests
 from dflashctl.cli import output
 from dflashctl.cli.options import DEFAULT_SPEC, SpecOpt, Targets, read_spec
 
 Selection = Enum("Selection", {selection: selection for selection in manifests.SELECTIONS}, type=str)
-FORMATS = ("yaml", "json")
+FORMATS = ("yaml", "json", "name")
 
 
 def manifest_format(value: str) -> str:
@@ -24,13 +25,17 @@ def manifest_format(value: str) -> str:
     -d) is refused with the flag that writes one."""
     if value not in FORMATS:
         raise typer.BadParameter(
-            f"{value!r} is not an output format: -o takes yaml or json. To write one file per object into a directory, use -d {value}"
+            f"{value!r} is not an output format: -o takes yaml, json or name. To write one file per object into a directory, use -d {value}"
         )
     return value
 
 
 FormatOpt = Annotated[
-    str, typer.Option("-o", "--output", callback=manifest_format, metavar="yaml|json", help="The format printed on stdout: yaml (a multi-document stream) or json (a v1 List).")
+    str,
+    typer.Option(
+        "-o", "--output", callback=manifest_format, metavar="yaml|json|name",
+        help="The format printed on stdout: yaml (a multi-document stream), json (a v1 List) or name (kind.group/name, one a line).",
+    ),
 ]
 DirectoryOpt = Annotated[
     Path | None,
@@ -75,8 +80,11 @@ def render(
         raise typer.BadParameter("-d writes YAML files and -o prints to stdout: give one of them", param_hint="'-o' / '-d'")
     spec = read_spec(spec_file)
     objects = manifests.render_selection(spec, which.value)
+    for warning in patch_warnings(spec):
+        output.info(f"warning: {warning}")
     if directory is None:
-        sys.stdout.write(manifests.to_json(objects) if fmt == "json" else manifests.to_yaml(objects))
+        printers = {"yaml": manifests.to_yaml, "json": manifests.to_json, "name": lambda objects: "".join(f"{manifests.object_ref(o)}\n" for o in objects)}
+        sys.stdout.write(printers[fmt](objects))
         return
     result = write_manifests(objects, directory, force=force)
     for path in result.removed:

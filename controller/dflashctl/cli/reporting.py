@@ -4,7 +4,7 @@ few seconds in a pod's log (the in-cluster controller) or CI; and the evaluation
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -88,10 +88,10 @@ def reporter_for(console: Console) -> Iterator[Reporter]:
         yield live
 
 
-def print_report(report: dict[str, Any], fmt: OutputFormat) -> None:
-    """eval/report.json as JSON, or one row per drafter and one for plain greedy."""
-    if fmt is OutputFormat.json:
-        output.result_json(report)
+def print_report(report: dict[str, Any], fmt: OutputFormat, names: Iterable[str] = ()) -> None:
+    """eval/report.json as JSON or YAML (`names` for -o name), or one row per drafter and one for plain greedy."""
+    if fmt is not OutputFormat.table:
+        output.result(fmt, report, names)
         return
     title = f"evaluation: {report.get('prompts', '?')} held-out prompts, block size {report.get('block_size', '?')}"
     table = Table(title=title, title_justify="left")

@@ -13,7 +13,8 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import Any
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 from rich.console import Group
@@ -32,13 +33,14 @@ from dflash_jobs.storage import Storage, storage_for
 from dflash_jobs.units import format_duration
 
 from dflashctl.backend import Backend, JobStatus, format_indexes
-from dflashctl.backends import open_backend
+from dflashctl.backends import open_backend, targeted
 from dflashctl.cli import output
-from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt, WatchOpt, read_spec
+from dflashctl.cli.options import DEFAULT_SPEC, LocatorSpecOpt, OutputFormat, OutputOpt, WatchOpt, locate, read_spec
 from dflashctl.progress import (
     Progress, format_rate, generation_rates, generation_time_left, landing_rate, read_progress, time_left,
 )
-from dflashctl.render import COMPONENTS, STEPS, job_name
+from dflashctl.render import COMPONENTS, STEPS, job_name, job_ref
+from dflashctl.runs import spec_of_run
 
 REFRESH_S = 5.0
 """Seconds between refreshes of `status --watch`."""
@@ -244,9 +246,16 @@ def _sharded_step_hint(step: str, job: JobStatus, *, noun: str, landed: str, fol
     """An Indexed Job's step before all its chunks landed: the shards that failed, or how far it got."""
     if job.exists and job.finished:
         failed = format_indexes(job.failed_indexes) or "some"
-        first = min(job.failed_indexes, default=0)
-        return f"{noun} shards {failed} failed with chunks missing: `dflashctl logs {step} --shard {first}`, then `dflashctl retry {step}`"
+        first = min(job.failed_indexes or {shard.index for shard in job.shards if shard.phase == "Failed" and shard.exit_reason}, default=0)
+        return f"{noun} shards {failed} failed with chunks missing: `{logs_command(step, job, first)}`, then `dflashctl retry {step}`"
     return _step_hint(step, job, running=f"{noun}: {landed} chunks landed; {follows} once all have", start=start)
+
+
+def logs_command(step: str, job: JobStatus, index: int) -> str:
+    """`dflashctl logs STEP --shard N`, with `-c NAME` when an init container ended the shard ("selfcheck exit 2 (Error)")."""
+    reason = next((shard.exit_reason or "" for shard in job.shards if shard.index == index), "")
+    container, exited, _ = reason.partition(" exit ")
+    return f"dflashctl logs {step} --shard {index}" + (f" -c {container}" if exited and container else "")
 
 
 def _step_hint(step: str, job: JobStatus, *, running: str, start: str) -> str:
@@ -392,15 +401,22 @@ def rich_view(report: RunReport) -> Group:
 
 
 def status(
-    spec_file: SpecOpt = DEFAULT_SPEC,
+    run: Annotated[str | None, typer.Argument(help="A run by name: its spec is read from its spec ConfigMap, no file needed.", show_default=False)] = None,
+    spec_file: LocatorSpecOpt = None,
     watch: WatchOpt = False,
     fmt: OutputOpt = OutputFormat.table,
 ) -> None:
     """Shards (pod, node, phase, attempts, exit reason), prompts answered, chunks landed, tokens/s, ETA, and the next step.
 
+    The run is the spec file's (-f, default dflash.yaml), or the one named: its spec is read from
+    its `<run>-spec` ConfigMap, on the spec file's backend or else in the cluster's namespace
+    (`dflashctl list` shows the runs there).
+
     Examples:
 
       dflashctl status                 # a table
+
+      dflashctl status qwen36-27b-v1 -n team-a   # by name, without its spec file
 
       dflashctl status --watch   # live until the run ends, across its gaps
 
@@ -416,8 +432,7 @@ def status(
 
       kubectl get job NAME-extract -o yaml | grep dflash.dev/progress   # chunks
     """
-    spec = read_spec(spec_file)
-    backend = open_backend(spec)
+    spec, backend = run_and_backend(run, spec_file)
     markers: dict[str, ChunkMarker] = {}
     report = collect(spec, backend, markers)
     if not watch:
@@ -429,16 +444,34 @@ def status(
     else:
         shown: list[str] = []
         for report in follow(spec, backend, report, markers):
-            if fmt is OutputFormat.json or plain_lines(report) != shown:
+            # A document per look for machines; a block (or the names) again only when it changed.
+            look = job_names(report) if fmt is OutputFormat.name else plain_lines(report)
+            if fmt in (OutputFormat.json, OutputFormat.yaml) or look != shown:
                 _show(report, fmt)
-                shown = plain_lines(report)
+                shown = look
     if watch and report.failed:
         raise typer.Exit(1)
 
 
+def job_names(report: RunReport) -> list[str]:
+    """-o name: the run's Jobs that exist, as kubectl names them."""
+    return [job_ref(job.name) for job in report.jobs.values() if job.exists]
+
+
+def run_and_backend(run: str | None, spec_file: Path | None) -> tuple[RunSpec, Backend]:
+    """The spec file's run, or the run named, with the backend it is on."""
+    if run is None:
+        spec = read_spec(spec_file or DEFAULT_SPEC)
+        return spec, open_backend(spec)
+    backend, file_spec, where = locate(spec_file)
+    if file_spec is not None and file_spec.name == run:
+        return file_spec, backend
+    return targeted(spec_of_run(backend, run, where)), backend
+
+
 def _show(report: RunReport, fmt: OutputFormat) -> None:
-    if fmt is OutputFormat.json:
-        output.result_json(report_json(report))
+    if fmt is not OutputFormat.table:
+        output.result(fmt, report_json(report), job_names(report))
     elif sys.stdout.isatty():
         output.stdout.print(rich_view(report))
     else:

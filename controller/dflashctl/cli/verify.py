@@ -50,12 +50,12 @@ def verify(
             storage, Expected.of(spec), deep=deep, delete_bad=delete_bad,
             on_checked=lambda done, total: reporter.update(StepUpdate("verify", done=done, total=total)),
         )
-    if fmt is OutputFormat.json:
-        output.result_json({
+    if fmt is not OutputFormat.table:
+        output.result(fmt, {
             "manifest": f"{storage.url}/{MANIFEST_KEY}", "chunks": len(manifest.chunks), "samples": manifest.samples,
             "tokens": manifest.tokens, "bytes": manifest.bytes, "layers": manifest.layers, "dtype": manifest.dtype,
             "hidden_size": manifest.hidden_size, "model": manifest.model, "final_hidden": manifest.final_hidden,
-        })
+        }, [f"{storage.url}/{MANIFEST_KEY}"])
     else:
         table = Table(title=f"verified: {storage.url}/{MANIFEST_KEY}", show_header=False, title_justify="left")
         for name, value in (

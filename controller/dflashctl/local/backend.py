@@ -7,6 +7,7 @@ docstring for what of a Job the local backend honours.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import shutil
@@ -23,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 from dflash_jobs.errors import InputError
 from dflash_jobs.spec import is_s3
 
-from dflashctl.backend import JobStatus, ShardStatus
-from dflashctl.errors import Conflict, RunFailed, WaitTimeout
-from dflashctl.local.pod import NODE_NAME, check_container
+from dflashctl.backend import JobStatus, LogQuery, RunObject, ShardStatus, run_objects_of, submit_outcome
+from dflashctl.errors import RunFailed, WaitTimeout
+from dflashctl.local.pod import CONTAINER_HEADER, NODE_NAME, check_container
 from dflashctl.local.processes import kill_groups
 from dflashctl.local.state import (
     POLL_S,
@@ -40,7 +41,6 @@ from dflashctl.local.state import (
     try_lock,
     write_json,
 )
-from dflashctl.render import SPEC_HASH
 
 if TYPE_CHECKING:
     from dflash_jobs.spec import RunSpec
@@ -66,14 +66,36 @@ class LocalBackend:
             if kind == "Job":
                 self._submit_job(obj, force=force)
                 continue
-            path = self.workdir / "objects" / kind / f"{name}.json"
+            path = self._object_path(kind, name)
             existing = read_json(path)
-            if existing is not None and not force:
-                _check_same_hash(existing, obj)
+            submit_outcome(obj, existing, force=force)  # a different spec is refused without --force
             path.parent.mkdir(parents=True, exist_ok=True)
             write_json(path, obj)
             if kind == "ConfigMap":
                 self._write_configmap(obj)
+
+    def find(self, kind: str, name: str) -> dict | None:
+        if kind == "Job":
+            record = JobRecord.load(JobFiles(self.workdir, name))
+            return None if record is None else record.manifest
+        return read_json(self._object_path(kind, name))
+
+    def run_objects(self, run: str | None = None) -> list[RunObject]:
+        jobs = [JobRecord.load(JobFiles(self.workdir, path.name)) for path in sorted((self.workdir / "jobs").glob("*"))]
+        others = [read_json(path) for path in sorted((self.workdir / "objects").glob("*/*.json"))]
+        return run_objects_of([record.manifest for record in jobs if record is not None] + [obj for obj in others if obj is not None], run)
+
+    def delete_object(self, kind: str, name: str) -> None:
+        if kind == "Job":
+            self.delete(name)
+            return
+        self._object_path(kind, name).unlink(missing_ok=True)
+        if kind == "ConfigMap":
+            shutil.rmtree(self.workdir / "configmaps" / name, ignore_errors=True)
+
+    def _object_path(self, kind: str, name: str) -> Path:
+        """Where a submitted object other than a Job is kept (a Job's record is its JobFiles')."""
+        return self.workdir / "objects" / kind / f"{name}.json"
 
     def _write_configmap(self, configmap: dict[str, Any]) -> None:
         directory = self.workdir / "configmaps" / configmap["metadata"]["name"]
@@ -85,10 +107,9 @@ class LocalBackend:
         files = JobFiles(self.workdir, job["metadata"]["name"])
         existing = JobRecord.load(files)
         if existing is not None:
-            if force and _hash(existing.manifest) != _hash(job):
+            if submit_outcome(job, existing.manifest, force=force) == "replaced":
                 self.delete(files.name)
             else:
-                _check_same_hash(existing.manifest, job)
                 self._resume(files)
                 return
         record = JobRecord(manifest=job, volumes=self._volumes(job), cwd=os.getcwd(), parallelism_cap=self.parallelism_cap)
@@ -226,23 +247,36 @@ class LocalBackend:
 
     # -- logs --
 
-    def logs(self, job_name: str, index: int | None, follow: bool) -> Iterator[str]:
+    def logs(self, job_name: str, index: int | None, query: LogQuery = LogQuery()) -> Iterator[str]:
         status = self.job_status(job_name)
         if not status.exists:
-            raise RunFailed(f"Job {job_name} does not exist", "`dflashctl status` shows the Jobs of the run")
+            raise InputError(f"Job {job_name} does not exist", "`dflashctl status` shows the Jobs of the run")
+        if query.since_s is not None:
+            raise InputError(
+                "--since needs each line's time, which the local backend's logs do not record",
+                "Use --tail N for the last lines (or follow them with --follow)",
+            )
         files = JobFiles(self.workdir, job_name)
+        record = JobRecord.load(files)
+        assert record is not None  # the Job exists
+        names = [container["name"] for container in record.containers]
+        if query.container not in names:
+            raise InputError(f"Job {job_name}'s pods have no container {query.container!r}", f"Pick one of their containers: {', '.join(names)}")
         if index is not None and not (0 <= index < status.completions):
-            raise RunFailed(f"Job {job_name} has no shard {index}", f"Shards are 0..{status.completions - 1}")
-        # Without --follow, the shards that ran; with it, every shard (the others start later).
-        shown = [s for s in status.shards if (index is None or s.index == index) and (follow or s.attempts)]
+            raise InputError(f"Job {job_name} has no shard {index}", f"Shards are 0..{status.completions - 1}")
+        back = 2 if query.previous else 1
+        if index is not None and query.previous and status.shards[index].attempts < 2:
+            raise InputError(f"shard {index} of Job {job_name} has had one attempt: there is no previous pod", "Leave out -p/--previous for the pod it has")
+        # Without --follow, the shards that ran; with it, every shard (the others start later). A previous attempt has ended: nothing to follow.
+        follow = query.follow and not query.previous
+        shown = [s for s in status.shards if (index is None or s.index == index) and (s.attempts >= back or follow)]
         tails = {
-            s.index: _IndexTail(files, s.index, s.attempts - 1, prefix="" if index is not None else f"[shard {s.index}] ")
+            s.index: _IndexTail(files, s.index, s.attempts - back, container=query.container, prefix="" if index is not None else f"[shard {s.index}] ")
             for s in shown
         }
         if not follow:
-            return (line for tail in tails.values() for line in tail.read(final=True))
-        return self._follow(job_name, tails)
-
+            return (line for tail in tails.values() for line in _last(tail.read(final=True), query.tail))
+        return self._follow(job_name, tails, query.tail)
     def waiting(self, job_name: str, index: int | None) -> list[str]:
         status = self.job_status(job_name)
         return [
@@ -251,8 +285,11 @@ class LocalBackend:
             if (index is None or shard.index == index) and not shard.attempts and not status.finished
         ]
 
-    def _follow(self, job_name: str, tails: dict[int, _IndexTail]) -> Iterator[str]:
-        """Lines as they are written, across retries of an index, until the Job (or the index) ends."""
+    def _follow(self, job_name: str, tails: dict[int, _IndexTail], tail: int | None) -> Iterator[str]:
+        """Lines as they are written, across retries of an index, until the Job (or the index) ends;
+        with `tail`, of what is written already only its last lines."""
+        for index_tail in tails.values():
+            yield from _last(index_tail.read(final=False), tail)
         while tails:
             status = self.job_status(job_name)
             for index in list(tails):
@@ -324,15 +361,19 @@ class LocalBackend:
 
 
 class _IndexTail:
-    """Reads the log files of one index, attempt after attempt, from where it left off."""
+    """Reads the lines one container wrote into the log files of one index (a pod's containers log into
+    one file, each after a `==> container NAME: ...` line), attempt after attempt, from where it left off."""
 
-    def __init__(self, files: JobFiles, index: int, attempt: int, *, prefix: str) -> None:
+    def __init__(self, files: JobFiles, index: int, attempt: int, *, container: str, prefix: str) -> None:
         self.files = files
         self.index = index
         self.attempt = max(attempt, 0)
+        self.container = container
         self.prefix = prefix
         self.offset = 0
         self.partial = b""
+        self.section: str | None = None
+        """The container whose lines come now in this attempt's file."""
 
     def read(self, *, final: bool, latest_attempt: int | None = None) -> Iterator[str]:
         while True:
@@ -345,29 +386,26 @@ class _IndexTail:
                 data = b""
             self.offset += len(data)
             *lines, self.partial = (self.partial + data).split(b"\n")
-            for line in lines:
-                yield self.prefix + line.decode("utf-8", errors="replace")
+            yield from self._own(lines)
             if latest_attempt is not None and self.attempt < latest_attempt:
                 # A retry started: the rest of this attempt is written, go on with the next one.
-                if self.partial:
-                    yield self.prefix + self.partial.decode("utf-8", errors="replace")
-                self.attempt, self.offset, self.partial = self.attempt + 1, 0, b""
+                yield from self._own([self.partial] if self.partial else [])
+                self.attempt, self.offset, self.partial, self.section = self.attempt + 1, 0, b"", None
                 continue
             if final and self.partial:
-                yield self.prefix + self.partial.decode("utf-8", errors="replace")
+                yield from self._own([self.partial])
                 self.partial = b""
             return
 
+    def _own(self, lines: list[bytes]) -> Iterator[str]:
+        for raw in lines:
+            line = raw.decode("utf-8", errors="replace")
+            if line.startswith(CONTAINER_HEADER):
+                self.section = line[len(CONTAINER_HEADER):].split(":", 1)[0]
+            elif self.section == self.container:
+                yield self.prefix + line
 
-def _hash(obj: dict[str, Any]) -> str | None:
-    return (obj["metadata"].get("annotations") or {}).get(SPEC_HASH)
 
-
-def _check_same_hash(existing: dict[str, Any], new: dict[str, Any]) -> None:
-    if _hash(existing) != _hash(new):
-        meta = new["metadata"]
-        raise Conflict(
-            f"{new['kind']} {meta['name']} already exists with another spec ({SPEC_HASH} {_hash(existing)}, now {_hash(new)})",
-            "Keep the spec of the running run, give the new one another name, or pass --force to replace it",
-        )
-
+def _last(lines: Iterator[str], count: int | None) -> Iterator[str]:
+    """The last `count` of `lines` (all of them when None)."""
+    return iter(lines) if count is None else iter(collections.deque(lines, maxlen=count))

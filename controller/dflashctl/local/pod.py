@@ -22,6 +22,8 @@ from dflashctl.local.state import JobFiles, JobRecord
 from dflashctl.render import WORKER
 
 NODE_NAME = "local"
+CONTAINER_HEADER = "==> container "
+"""Starts the line a pod's log gets before each of its containers' output: `==> container NAME: argv`."""
 SECRET_ENV_PREFIX = "AWS_"
 """What the S3 Secret holds (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, ...)."""
 
@@ -191,7 +193,7 @@ class Pod:
         )
         # Without it every pod's torch takes all cores and parallel pods thrash each other.
         container.env.setdefault("OMP_NUM_THREADS", str(self.threads))
-        self.log.write(f"==> container {container.name}: {shlex.join(container.argv)}\n".encode())
+        self.log.write(f"{CONTAINER_HEADER}{container.name}: {shlex.join(container.argv)}\n".encode())
         self.log.flush()
         try:
             self.process = subprocess.Popen(

@@ -32,6 +32,10 @@ from torch import nn
 from .model import GREEDY_LOGITS, DecoderLayer, Drafter, DrafterConfig, DraftTrunk
 
 
+UNSUPPORTED_SCALES = {"output_multiplier": 1.0, "final_logit_softcapping": 0.0, "input_embedding_scale": 1.0}
+"""dflash_config keys of z-lab's DFlash2 that this drafter does not implement, with the value that means "none"."""
+
+
 @dataclass(kw_only=True, slots=True)
 class DFlash2Config(DrafterConfig):
     conv_kernel_size: int = 2  # taps of each in-block convolution: the slot itself and the kernel_size - 1 before it
@@ -71,8 +75,14 @@ class DFlash2Config(DrafterConfig):
 
     @classmethod
     def from_zlab(cls, raw: Mapping[str, Any]) -> DFlash2Config:
-        """From a DFlash2 config.json (or the Qwen3Config transformers made of it)."""
+        """From a DFlash2 config.json (or the Qwen3Config transformers made of it). One that scales its
+        logits or embeddings (z-lab's published checkpoints may: output_multiplier,
+        final_logit_softcapping, input_embedding_scale) is refused: this drafter's logits are the
+        target LM head's as they are, and would draft otherwise without a word."""
         dflash = raw["dflash_config"]
+        scaled = {key: dflash[key] for key in sorted(UNSUPPORTED_SCALES) if dflash.get(key) not in (None, UNSUPPORTED_SCALES[key])}
+        if scaled:
+            raise ValueError(f"dflash_config sets {scaled}: this DFlash2 drafter scales neither its logits nor its embeddings")
         return cls(
             **dataclasses.asdict(DrafterConfig.from_zlab(raw)),
             conv_kernel_size=dflash["conv_kernel_size"], conv_group_size=dflash["conv_group_size"],

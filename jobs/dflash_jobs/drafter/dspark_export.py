@@ -1,19 +1,23 @@
 """The DSpark drafter's exports (reference/dflash2-dspark.md 4.7), one training, two layouts:
 
-    train/drafter/               DeepSpec's flat layout, architectures ["Qwen3DSparkModel"]: vLLM's
-                                 `method: dspark` loads it (V2 model runner), and
+    train/drafter/               DeepSpec's config keys and tensor names, architectures ["Qwen3DSparkModel"]:
+                                 vLLM's `method: dspark` serves it (V2 model runner), and
                                  `AutoModel.from_pretrained(dir, trust_remote_code=True)` through
-                                 dspark.py (auto_map), which runs the code it was trained with
+                                 dspark.py (auto_map) runs the code it was trained with
         config.json  model.safetensors  dspark.py dspark_model.py dflash.py model.py masks.py speculative.py
     train/drafter-speculators/   speculators' format (speculators_model_type dspark), which vLLM
-                                 translates into the same model
+                                 translates into the same model from the release that reads
+                                 sample_from_anchor there (>= 0.28.0; earlier ones serve it in the
+                                 fill-in layout: under 1% acceptance)
         config.json  model.safetensors
 
 The weights are the same in both, under DeepSpec's names: fc, hidden_norm, layers.*, norm,
 markov_head.markov_w1.weight and markov_w2.weight [V, r], confidence_head.proj.weight [1, d + r] and
-.bias [1] (none without a confidence head, which vLLM's loader accepts). No embed_tokens or lm_head:
-vLLM shares the target's when the drafter's vocabulary is the target's (load_dspark_model), as
-speculators' own full-vocabulary exports leave them out, and spec_generate uses the target's too.
+.bias [1] (none without a confidence head, which vLLM's loader accepts). Not DeepSpec's whole
+checkpoint: no embed_tokens or lm_head. vLLM shares the target's when the drafter's vocabulary is the
+target's (load_dspark_model), as speculators' own full-vocabulary exports leave them out, and
+spec_generate uses the target's too; DeepSpec's own Qwen3DSparkModel.from_pretrained would fill them
+with random values (docs/drafters.md: what writing them would cost, 5.09 GB at the 27B shape).
 Layer ids: z-lab's in the native config (target_layer_ids), one higher in speculators'
 (aux_hidden_state_layer_ids). The speculators directory is written first: the native config.json,
 written last, says that both are complete.
