@@ -2,6 +2,7 @@
 
     python bench/speedup.py --shape 27b --contexts 1024,4096 --acceptance 3.2 2.0 --out $OUT/speedup.json
     python bench/speedup.py --shape tiny --out /tmp/speedup.json          # CPU check, well under a minute
+    python bench/speedup.py --shape 27b --contexts 2048 --tree-acceptance 16=3.4 32=3.6 64=3.8 128=3.9 --out $OUT/speedup-tree.json
 
 Greedy speculative decoding with a block drafter (reference/dflash.md section 2.1) commits tau tokens
 per cycle on average (tau = acceptance length, bonus token included). One cycle costs one target
@@ -57,12 +58,29 @@ The speed-up table (per context) has three columns:
   has a rejection and re-runs (true unless all 15 drafts are accepted; an upper bound on its cost);
 - `engine_kernels` (GPU): the engine formula from kernel sums instead of event times.
 
+Draft trees (DDTree, `--tree-budgets`, jobs/dflash_jobs/drafter/tree_verify.py): a cycle verifies a
+tree of `budget` nodes below the anchor in one forward instead of the block. Timed per budget, on the
+same cache: `tree_verify` (the forward over the anchor and the nodes: attention with the ancestor
+mask, the Gated DeltaNet layers one depth at a time from each node's parent's states, the logits of
+every node and their argmax), `tree_commit` (the accepted path's K/V appended and the GDN states
+after its last node recomputed: a path of 4 nodes), `tree_build` (DDTree's best-first heap over the
+drafter's [15, V] slot distributions: the top-k on the device, then the heap on the host), and
+`flat_forward` (a plain causal forward of as many tokens, budget + 1, with all their logits: what
+the forward costs where a kernel takes the tree's recurrence at the price of a sequence); `check`
+compares the tree forward's logits with plain forwards of two root paths (the kernels' path is
+right where it is timed; bf16 rounds the two orders differently). The trees
+are the typical shape of a drafter whose top token's probability falls from 0.8 at the first slot
+to 0.4 at the last, the rest halving rank by rank (`typical_tree`; `trees.<budget>.shape` gives its
+nodes per depth). Speed-up per budget and tau (`--tree-acceptance BUDGET=TAU`, from the evaluation
+report's `drafters.<variant>.tree`, else the tau grid): `tree` = tau * decode1 / (tree_verify +
+tree_commit + tree_build + cached(tau)), and `tree_flat` the same with flat_forward in place of
+tree_verify + tree_commit, shown where the tree-aware recurrence costs more than the flat forward.
+
 Not modelled: batch > 1 (verify is then no longer nearly free against decode: the speed-up shrinks
 as the batch grows), CUDA graphs and fused kernels of a serving engine (vLLM and SGLang run decode
 and verify under CUDA graphs with their own attention and GDN kernels and keep per-token GDN states:
 their absolute times differ, and at batch 1 eager HF is partly launch-bound, which `engine_kernels`
-shows), prefill and the time to the first token, sampling at temperature > 0, tree verification,
-tensor parallelism, FP8 weights or KV cache, the host work of the loop between forwards (argmax
+shows), prefill and the time to the first token, sampling at temperature > 0, tensor parallelism, FP8 weights or KV cache, the host work of the loop between forwards (argmax
 syncs, list bookkeeping), and how tau itself varies with C. tau comes from the quality
 benchmark or dflashctl eval: this script only turns it into a speed-up.
 """
@@ -89,6 +107,8 @@ from extract import REAL_27B  # noqa: E402  (bench/extract.py)
 
 from dflash_jobs.drafter.model import Drafter, DrafterConfig  # noqa: E402
 from dflash_jobs.drafter.speculative import ModelDrafter, Target  # noqa: E402
+from dflash_jobs.drafter.tree import MarginalBranches, Tree, build_tree  # noqa: E402
+from dflash_jobs.drafter.tree_verify import commit_path, verify_tree  # noqa: E402
 from dflash_jobs.extract.target import FastPaths  # noqa: E402
 
 log = logging.getLogger("bench.speedup")
@@ -101,6 +121,9 @@ GDN_KERNEL_HINTS = ("gated_delta", "recurrent", "chunk_", "causal_conv", "l2norm
 """Substrings of flash-linear-attention's and causal-conv1d's kernel names (not "fla": SDPA's flash kernels match it)."""
 DEFAULT_REPS = {"27b": (10, 3), "tiny": (3, 1)}
 """(timed reps, warm-up reps) per kind, by shape."""
+DEFAULT_TREE_BUDGETS = "16,32,64,128"
+COMMITTED_PATH = 4
+"""Accepted nodes in the timed tree commit."""
 
 
 # ---- models -----------------------------------------------------------------------------------------
@@ -253,6 +276,98 @@ def speedups(ctx: dict, taus: list[float], block_size: int) -> dict:
     }
 
 
+# ---- draft trees ------------------------------------------------------------------------------------
+
+
+def typical_tree(budget: int, depths: int, vocab: int, device: torch.device) -> tuple[Tree, torch.Tensor]:
+    """DDTree's tree of `budget` nodes over slot distributions shaped like a trained drafter's: at
+    depth d the top token has probability 0.8 falling linearly to 0.4 at the last depth, the rest
+    halving rank by rank. Returns the tree and the [depths, vocab] logits it was built from."""
+    ranks = min(budget + 1, vocab)
+    logits = torch.full((depths, vocab), -1e4)
+    for d in range(depths):
+        top = 0.8 - 0.4 * d / max(depths - 1, 1)
+        rest = torch.tensor([0.5**r for r in range(1, ranks)])
+        logits[d, :ranks] = torch.cat([torch.tensor([top]), (1 - top) * rest / rest.sum()]).log()
+    return build_tree(MarginalBranches(logits, anchor=0), budget=budget, depth_limit=depths), logits.to(device)
+
+
+def tree_shape(tree: Tree) -> dict:
+    per_depth = [tree.depths.count(d) for d in range(1, max(tree.depths, default=0) + 1)]
+    return {"nodes": len(tree), "depth": len(per_depth), "per_depth": per_depth}
+
+
+def tree_check(target: Target, tree: Tree, reset) -> dict:
+    """The tree verify forward against plain forwards of its deepest node's root path and of the last
+    node's (a branch): each row's logits against the plain forward's at the same token, relative to
+    the logits' scale, and whether their argmax agree (on the GPU: the fla kernels' path)."""
+    verified = verify_tree(target, 0, tree)
+    differences, agree = [], []
+    for node in {max(range(len(tree)), key=tree.depths.__getitem__), len(tree) - 1}:
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = tree.parents[node]
+        rows = [0] + [n + 1 for n in reversed(path)]
+        reset()
+        plain = target.forward(verified.logits.new_tensor([0, *(tree.tokens[n] for n in reversed(path))], dtype=torch.long)).float()
+        mine = verified.logits[rows].float()
+        differences.append(float((mine - plain).abs().max() / plain.abs().max()))
+        agree.append(bool((mine.argmax(-1) == plain.argmax(-1)).all()))
+    reset()
+    return {"max_relative_logit_difference": float(f"{max(differences):.3g}"), "argmax_agree": all(agree)}
+
+
+def time_trees(target: Target, budgets: list[int], depths: int, device: torch.device, reps: int, warmup: int, reset, save) -> dict:
+    """tree_verify, tree_commit, tree_build and flat_forward per budget (see the module docstring), on the target's cache as `reset` leaves it."""
+    vocab = target.model.config.vocab_size
+    trees: dict = {}
+    for budget in budgets:
+        tree, logits = typical_tree(budget, depths, vocab, device)
+        entry = trees[str(budget)] = {"shape": tree_shape(tree)}
+        reset()
+        entry["check"] = tree_check(target, tree, reset)
+        entry["tree_verify"] = measure(lambda: verify_tree(target, 0, tree).predicted, device, reps=reps, warmup=warmup)
+        verified = verify_tree(target, 0, tree)
+        path, parent = [0], -1  # the root and the first COMMITTED_PATH nodes of the chain (each depth's first child)
+        for node in range(len(tree)):
+            if tree.parents[node] == parent and len(path) <= COMMITTED_PATH:
+                path.append(node + 1)
+                parent = node
+        entry["tree_commit"] = measure(lambda: commit_path(target, verified, path), device, reps=reps, warmup=1, before=reset)
+        entry["tree_build"] = measure(lambda: build_tree(MarginalBranches(logits, anchor=0), budget=budget, depth_limit=depths), device,
+                                      reps=reps, warmup=1)
+        ids = torch.arange(len(tree) + 1, device=device)
+        entry["flat_forward"] = measure(lambda: target.forward(ids).argmax(-1), device, reps=reps, warmup=warmup, before=reset)
+        reset()
+        save()
+    return trees
+
+
+def tree_speedups(ctx: dict, taus: list[float], acceptance: dict[int, float]) -> dict:
+    """Per budget: its costs against decode1 and the flat forward, and the speed-up at its measured tau
+    (--tree-acceptance) or at every tau of the grid."""
+    t1 = ctx["target"]["decode1"]["median_ms"]
+    table = {}
+    for budget, entry in ctx["trees"].items():
+        verify = entry["tree_verify"]["median_ms"] + entry["tree_commit"]["median_ms"]
+        flat = entry["flat_forward"]["median_ms"]
+        build = entry["tree_build"]["median_ms"]
+        rows = []
+        for tau in [acceptance[int(budget)]] if int(budget) in acceptance else taus:
+            draft = curve(ctx["drafter"]["cached"], tau) + build
+            row = {"tau": tau, "tree": round(tau * t1 / (verify + draft), 3), "cycle_ms": round(verify + draft, 3)}
+            if verify > flat:
+                row["tree_flat"] = round(tau * t1 / (flat + draft), 3)
+            rows.append(row)
+        table[budget] = {
+            "nodes": entry["shape"]["nodes"], "verify_and_commit_ms": round(verify, 3), "flat_forward_ms": flat,
+            "verify_over_flat": round(verify / flat, 3), "verify_over_decode1": round(verify / t1, 3), "build_ms": build,
+            "break_even_tau": round((verify + curve(ctx["drafter"]["cached"], 1) + build) / t1, 3), "table": rows,
+        }
+    return table
+
+
 # ---- main -------------------------------------------------------------------------------------------
 
 
@@ -266,6 +381,9 @@ def main() -> int:
     parser.add_argument("--reps", type=int, help=f"timed reps per kind (default by shape: {({k: v[0] for k, v in DEFAULT_REPS.items()})})")
     parser.add_argument("--warmup", type=int, help=f"warm-up reps per kind (default by shape: {({k: v[1] for k, v in DEFAULT_REPS.items()})})")
     parser.add_argument("--profile-reps", type=int, default=3, help="reps per kind under torch.profiler (GPU; 0: no kernels stage)")
+    parser.add_argument("--tree-budgets", default=DEFAULT_TREE_BUDGETS, help="draft tree node budgets to time, comma-separated ('' for none)")
+    parser.add_argument("--tree-acceptance", nargs="*", default=[], metavar="BUDGET=TAU",
+                        help="measured tree acceptance lengths (the evaluation's drafters.<variant>.tree) to state speed-ups for")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
@@ -277,6 +395,8 @@ def main() -> int:
     args.warmup = args.warmup if args.warmup is not None else DEFAULT_REPS[args.shape][1]
     contexts = [int(c) for c in (args.contexts or DEFAULT_CONTEXTS[args.shape]).split(",")]
     taus = sorted(set(DEFAULT_TAUS) | set(args.acceptance))
+    tree_budgets = [int(b) for b in args.tree_budgets.split(",") if b]
+    tree_acceptance = {int(budget): float(tau) for budget, tau in (pair.split("=") for pair in args.tree_acceptance)}
     B = args.block_size
     started = time.perf_counter()
 
@@ -295,6 +415,7 @@ def main() -> int:
         "fla": version("fla"), "causal_conv1d": version("causal_conv1d"),
         "shape": args.shape, "dtype": str(dtype).removeprefix("torch."), "batch": 1, "block_size": B,
         "reps": args.reps, "warmup": args.warmup, "acceptance": args.acceptance,
+        "tree_budgets": tree_budgets, "tree_acceptance": tree_acceptance,
         "contexts": {},
     }
 
@@ -364,6 +485,9 @@ def main() -> int:
                 tgt["rollback"] = measure(reset, device, reps=args.reps, warmup=1, before=lambda: target.forward(block, last_only=True))
                 reset()
                 save()
+                if tree_budgets:
+                    log.info("context %d: timing draft trees of %s nodes", C, tree_budgets)
+                    ctx["trees"] = time_trees(target, tree_budgets, B - 1, device, args.reps, args.warmup, reset, save)
 
                 ctx["drafter"] = dft = {"cached": {}}
                 log.info("context %d: timing the drafter", C)
@@ -414,6 +538,8 @@ def main() -> int:
                         kern["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
                     save()
                 ctx["speedup"] = speedups(ctx, taus, B)
+                if "trees" in ctx:
+                    ctx["tree_speedup"] = tree_speedups(ctx, taus, tree_acceptance)
                 del cached, features, checkpoint
         except Exception as exc:  # report what was measured; the next context may still run
             log.exception("context %d failed", C)
@@ -430,6 +556,12 @@ def main() -> int:
                  for row in ctx["speedup"]["table"] if not args.acceptance or row["tau"] in args.acceptance}
         for C, ctx in result["contexts"].items() if "speedup" in ctx
     }
+    result["tree_summary"] = {
+        str(C): {budget: {"verify_over_flat": tree["verify_over_flat"], **{str(row["tau"]): {k: row[k] for k in ("tree", "tree_flat") if k in row}
+                                                                            for row in tree["table"]}}
+                 for budget, tree in ctx["tree_speedup"].items()}
+        for C, ctx in result["contexts"].items() if "tree_speedup" in ctx
+    }
     result["total_s"] = round(time.perf_counter() - started, 1)
     save()
     print(json.dumps({k: v for k, v in result.items() if k != "contexts"}, indent=2))
@@ -444,6 +576,10 @@ def main() -> int:
         print("  tau  " + "  ".join(f"{c:>21}" for c in columns))
         for row in s["table"]:
             print(f"  {row['tau']:<4} " + "  ".join(f"{row[c]:>21}" for c in columns))
+        for budget, tree in ctx.get("tree_speedup", {}).items():
+            rows = ", ".join(f"{row['tau']}: {row['tree']}x" + (f" (flat {row['tree_flat']}x)" if "tree_flat" in row else "") for row in tree["table"])
+            print(f"  tree of {budget}: verify + commit {tree['verify_and_commit_ms']} ms ({tree['verify_over_flat']}x a flat forward of "
+                  f"{tree['nodes'] + 1}), build {tree['build_ms']} ms, break-even tau {tree['break_even_tau']}; speed-up at tau {rows}")
     return 0
 
 

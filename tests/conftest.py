@@ -156,6 +156,16 @@ def _no_leaked_logging_setup():
             root.removeHandler(handler)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module's tests: the tiny matrices gain nothing from more, which only
+    add synchronisation (badly so on a loaded machine). `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

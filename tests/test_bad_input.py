@@ -77,6 +77,14 @@ def test_a_bad_spec_exits_2_naming_the_field_and_what_is_allowed(spec, names, fi
         assert names in err and fix in err, (verb, err)
 
 
+def test_a_spec_with_several_bad_fields_exits_2_naming_each(tmp_path, monkeypatch, capsys):
+    path = write(tmp_path, spec_dict(tmp_path, **{"extract.shards": "x", "extract.dtype": "fp9", "train": {"lr": -1}}))
+    for verb in ("plan", "render", "verify", "run"):
+        code, _, err = cli(monkeypatch, capsys, verb, "-f", str(path))
+        assert code == 2 and "Error: 3 spec fields are invalid:" in err, (verb, err)
+        assert "extract.shards = 'x'" in err and "extract.dtype = 'fp9'" in err and "train.lr = -1.0" in err, (verb, err)
+
+
 def test_a_missing_spec_file_names_it_and_dflashctl_init(tmp_path, monkeypatch, capsys):
     code, _, err = cli(monkeypatch, capsys, "status", "-f", str(tmp_path / "nowhere.yaml"))
     assert code == 2 and "nowhere.yaml" in err and "dflashctl init" in err

@@ -17,6 +17,7 @@ from dflash_jobs.spec import dump_spec, load_spec, parse_spec
 from dflash_jobs.stage_model import RECORD_FILE, describe_checkpoint
 from dflash_jobs.storage import open_storage
 from dflashctl.errors import EXIT_CLUSTER, EXIT_STORAGE_UNAVAILABLE, EXIT_USAGE
+from dflashctl.render import render_controller_objects
 from dflashctl.starter import STARTER_VALUES, starter_spec
 from faults.s3_fault_proxy import INVALID_KEY, S3FaultProxy
 from k8s_fake_api import PodRun, fake_k8s, make_node, make_pvc, make_secret  # noqa: F401 - the fixture
@@ -66,6 +67,8 @@ class Cluster:
         for obj in (make_pvc("models", modes=("ReadOnlyMany",)), make_secret("dflash-s3", {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}),
                     make_secret("registry-creds", {".dockerconfigjson": "{}"}, type="kubernetes.io/dockerconfigjson"),
                     make_node("gpu-1", labels=H200), make_node("cpu-1", gpus=0, cpu="16", memory="64Gi")):
+            api.add(obj)
+        for obj in render_controller_objects(parse_spec(self.raw))[:3]:  # the RBAC of k8s/components/rbac, applied
             api.add(obj)
         write_checkpoint(self.checkpoint)
         api.kubelet = self.kubelet
@@ -162,6 +165,59 @@ def test_placement_is_judged_from_the_rendered_pods_labels_taints_and_cordon(fir
     assert checks["nodes for prepare"]["detail"].startswith("prepare: 4 CPU, 16Gi fits cpu-1")
 
 
+def test_a_read_write_once_claim_whose_pods_may_land_on_different_nodes_is_named(first, monkeypatch, capsys):
+    """Issue 37, item 6: k8s/overlays/rtx-pro-6000's models claim is ReadWriteOnce; stage-model, its first
+    consumer, may land on the CPU node and bind it there, where the GPU pods cannot follow."""
+    first.api.add(make_pvc("models", phase="Pending", modes=("ReadWriteOnce",)))
+    code, _, err = cli(monkeypatch, capsys, "stage-model", "--from", "hf://Qwen/Qwen3.6-27B", "-f", str(first.spec_file))
+    assert code == EXIT_USAGE and ("volume models: claim models is ReadWriteOnce and its first pod binds it to that pod's node, but the pods "
+                                   "that mount it may land on different nodes (prepare, stage-model, probe on cpu-1, gpu-1; extract, train, eval on gpu-1)") in err
+    assert "cluster.cpu_placement" in err and first.api.all("Job") == []
+    code, checks = first.check(monkeypatch, capsys)
+    assert code == EXIT_USAGE and checks["volume models"]["status"] == "fail" and first.probes == []  # no probe pod binds it either
+    assert checks["target"]["status"] == "skipped"
+    # The example's way: every pod on the GPU node.
+    first.write(cluster={"cpu_placement": {"node_selector": H200, "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}})
+    code, checks = first.check(monkeypatch, capsys, "--no-probe")
+    assert code == 0 and checks["volume models"]["status"] == "warn" and "WaitForFirstConsumer" in checks["volume models"]["detail"]
+    # Bound to the CPU node by a stage-model of before: the GPU pods cannot mount it there.
+    bound = make_pvc("models", modes=("ReadWriteOnce",))
+    bound["metadata"]["annotations"] = {"volume.kubernetes.io/selected-node": "cpu-1"}
+    first.api.add(bound)
+    first.write(cluster={"cpu_placement": {}})
+    code, checks = first.check(monkeypatch, capsys, "--no-probe")
+    assert code == EXIT_USAGE and checks["volume models"]["detail"] == ("claim models is ReadWriteOnce and bound to node cpu-1 (by the first pod "
+                                                                        "that mounted it), where extract, train, eval may not go: those pods cannot mount it")
+    assert "kubectl -n dflash delete pvc models" in checks["volume models"]["fix"]
+
+
+def test_the_example_on_the_single_node_overlay_puts_every_pod_of_its_read_write_once_claims_on_the_gpu_node(tmp_path, fake_k8s, monkeypatch, capsys):  # noqa: F811
+    """examples/qwen36-27b/dflash.yaml on k8s/overlays/rtx-pro-6000 (its claims as kustomize builds them),
+    a tainted GPU node beside a CPU node: every pod that mounts models or dflash-kernels lands on the GPU node."""
+    from test_k8s_manifests import REPO, kustomize
+
+    for obj in kustomize(REPO / "k8s" / "overlays" / "rtx-pro-6000"):
+        if obj["kind"] == "PersistentVolumeClaim":
+            fake_k8s.api.add(obj)
+    product = {"nvidia.com/gpu.product": "NVIDIA-RTX-PRO-6000-Blackwell-Server-Edition"}
+    fake_k8s.api.add(make_node("rtx-1", labels=product, taints=[{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]))
+    fake_k8s.api.add(make_node("cpu-1", gpus=0, cpu="16", memory="64Gi"))
+    example = yaml.safe_load((REPO / "examples" / "qwen36-27b" / "dflash.yaml").read_text())
+    spec_file = tmp_path / "dflash.yaml"
+    spec_file.write_text(yaml.safe_dump(example))
+    code, out, _ = cli(monkeypatch, capsys, "check", "--no-probe", "-o", "json", "-f", str(spec_file))
+    volumes = {check["name"]: check for check in json.loads(out)["checks"] if check["name"].startswith("volume ")}
+    assert set(volumes) == {"volume models", "volume dflash-kernels"}
+    assert all(check["status"] == "warn" and "WaitForFirstConsumer" in check["detail"] for check in volumes.values()), volumes
+    # Without its cpu_placement the CPU pods could not even go there (the GPU taint): named, and refused.
+    del example["cluster"]["cpu_placement"]
+    spec_file.write_text(yaml.safe_dump(example))
+    code, out, _ = cli(monkeypatch, capsys, "check", "--no-probe", "-o", "json", "-f", str(spec_file))
+    volumes = {check["name"]: check for check in json.loads(out)["checks"] if check["name"].startswith("volume ")}
+    assert code == EXIT_USAGE and volumes["volume models"]["status"] == "fail"
+    assert "(generate, extract, train, eval on rtx-1; prepare, stage-model, probe on cpu-1)" in volumes["volume models"]["detail"]
+
+
 def test_no_permission_to_read_nodes_or_secrets_is_a_warning_not_a_failure(first, monkeypatch, capsys):
     first.api.fail_requests(100, status=403, method="GET", path="/api/v1/nodes")
     first.api.fail_requests(100, status=403, method="GET", path="/secrets/")
@@ -251,7 +307,26 @@ def test_the_unedited_starter_is_refused_for_its_placeholders(first, monkeypatch
     code, checks = first.check(monkeypatch, capsys, "--no-probe")
     assert code == EXIT_USAGE and checks["placeholders"]["status"] == "fail"
     assert "output s3://my-bucket/dflash/qwen36-27b-v1" in checks["placeholders"]["detail"]
-    assert checks["image"]["status"] == "warn" and "ghcr.io/dflash-k8s/dflash:0.1.0-cuda13.0" in checks["image"]["detail"]
+    assert "the project's default image names, which nothing publishes: cluster.image ghcr.io/dflash-k8s/dflash:0.1.0-cuda13.0, " \
+           "cluster.controller_image ghcr.io/dflash-k8s/dflashctl:0.1.0" in checks["placeholders"]["detail"]
+    # The default images alone: not ok, a warning (issue 37, item 9).
+    first.write(cluster={"image": "ghcr.io/dflash-k8s/dflash:0.1.0-cuda13.0", "controller_image": "ghcr.io/dflash-k8s/dflashctl:0.1.0"})
+    code, checks = first.check(monkeypatch, capsys, "--no-probe")
+    assert code == 0 and checks["placeholders"]["status"] == "warn" and "cluster.controller_image" in checks["placeholders"]["detail"]
+    assert "images/README.md" in checks["placeholders"]["fix"]
+
+
+def test_check_json_gives_an_exit_code_to_failures_only_and_a_missing_service_account_is_not_ok(first, monkeypatch, capsys):
+    """Issue 37, item 9."""
+    for kind in ("ServiceAccount", "Role", "RoleBinding"):
+        first.api.objects.pop((kind, "dflash-controller"))
+    first.write(data={"source": f"s3://{first.bucket}/data/absent.jsonl"})
+    code, checks = first.check(monkeypatch, capsys, "--no-probe")
+    assert code == EXIT_USAGE and checks["data.source"]["exit_code"] == EXIT_USAGE
+    assert [name for name, check in checks.items() if "exit_code" in check] == ["data.source"]
+    account = checks["service account"]
+    assert account["status"] == "warn" and account["detail"] == "dflash-controller: ServiceAccount, Role, RoleBinding missing"
+    assert "`dflashctl submit controller` creates them" in account["fix"]
 
 
 # ---- the target, through the probe pod -----------------------------------------------------------
@@ -307,6 +382,41 @@ def test_nothing_is_submitted_for_a_missing_source_or_a_step_out_of_order(first,
     assert not open_storage(first.raw["output"]).exists(RUN_KEY)  # nothing claimed either
 
 
+def test_nothing_check_refuses_starts_a_run_the_target_on_the_volume_read_through_the_probe_pod(first, monkeypatch, capsys):
+    """Layer 70 of a 64-layer checkpoint on the model volume (issue 37, item 2): `run` and `submit` read
+    it through the probe pod as `check` does, and start nothing, not even run.yaml; once the run has
+    Jobs, re-attaching reads it no more."""
+    first.write(target={"layers": [1, 16, 31, 46, 70]})
+    for command in (["run", "--timeout", "5"], ["submit", "prepare"], ["submit", "controller"]):
+        code, _, err = cli(monkeypatch, capsys, *command, "-f", str(first.spec_file))
+        assert code == EXIT_USAGE and "nothing was started" in err and "layer indices 0..63: the checkpoint has 64 decoder layers" in err, (command, err)
+    assert len(first.probes) == 3 and first.api.all("Pod") == []
+    assert first.api.all("Job") == [] and first.api.all("ConfigMap") == [] and not open_storage(first.raw["output"]).exists(RUN_KEY)
+    first.write(target={"layers": [1, 16, 31, 46, 61]})
+    assert cli(monkeypatch, capsys, "submit", "prepare", "-f", str(first.spec_file))[0] == 0
+    assert len(first.probes) == 4
+    code, _, err = cli(monkeypatch, capsys, "submit", "prepare", "-f", str(first.spec_file))
+    assert code == 0 and len(first.probes) == 4, err  # attached: its Job exists, the target was read when it started
+    # Who may not create pods is told the target went unread, and is not stopped by it.
+    assert cli(monkeypatch, capsys, "cancel", "-f", str(first.spec_file))[0] == 0
+    first.api.deny("create", "pods")
+    code, _, err = cli(monkeypatch, capsys, "submit", "prepare", "-f", str(first.spec_file))
+    assert code == 0 and "check warn    target: /models/Qwen3.6-27B lies on claim models, read through a pod, and this client may not create pods" in err
+    assert len(first.probes) == 4
+
+
+def test_plan_holds_the_layers_against_the_target_it_assumes_and_speaks_of_the_volume_as_one(first, monkeypatch, capsys):
+    first.write(target={"layers": [1, 16, 31, 46, 70]})
+    code, out, err = cli(monkeypatch, capsys, "plan", "-f", str(first.spec_file), "-o", "json")
+    plan = json.loads(out)
+    assert code == 0 and plan["target"]["basis"] == ("assumed Qwen3.6-27B: /models/Qwen3.6-27B lies on claim models, not mounted here "
+                                                     "(`dflashctl check` reads it through a pod)")
+    assert any(warning.startswith("target.layers [1, 16, 31, 46, 70]: 70 past the last layer of the assumed Qwen3.6-27B (64 decoder layers, 0..63)")
+               for warning in plan["warnings"]), plan["warnings"]
+    first.write(target={"layers": [1, 16, 31, 46, 61]})
+    assert not any("target.layers" in warning for warning in json.loads(cli(monkeypatch, capsys, "plan", "-f", str(first.spec_file), "-o", "json")[1])["warnings"])
+
+
 def test_submit_train_refuses_a_drafter_that_reads_the_final_hidden_state_on_states_without_it(first, monkeypatch, capsys):
     output = open_storage(first.raw["output"])
     stored = Manifest(model="m", layers=[1, 16, 31, 46, 61], dtype="bfloat16", hidden_size=5120, samples=1, tokens=1, bytes=1, chunks=[])
@@ -333,6 +443,36 @@ def test_another_run_in_the_output_is_refused_by_every_command_that_starts_work(
     code, _, err = cli(monkeypatch, capsys, "submit", "prepare", "--force", "-f", str(first.spec_file))
     assert code == 0 and "--force replaces its run.yaml" in err
     assert open_storage(first.raw["output"]).get_bytes(RUN_KEY).decode() == dump_spec(load_spec(first.spec_file))
+
+
+def test_force_never_hands_an_output_to_another_run_while_that_run_has_jobs(first, monkeypatch, capsys):
+    """Ownership as helm has it (issue 37, item 1): --force re-specs the same run, and takes an output
+    from another run only once that run has no Jobs left; the refusal names the owner and the way out."""
+    assert cli(monkeypatch, capsys, "submit", "prepare", "-f", str(first.spec_file))[0] == 0
+    owned = open_storage(first.raw["output"]).get_bytes(RUN_KEY)
+    other = first.tmp_path / "other.yaml"
+    other.write_text(yaml.safe_dump({**first.raw, "name": "other-run", "generate": {"shards": 2}}))
+    for command in (["submit", "generate"], ["submit", "prepare"], ["submit", "controller"], ["run"]):
+        code, _, err = cli(monkeypatch, capsys, *command, "--force", "-f", str(other))
+        assert code == EXIT_USAGE, (command, err)
+        assert "already holds run 'first' with another spec" in err and "run 'first' owns it: its Jobs first-prepare exist in namespace dflash" in err
+        assert "`dflashctl delete first -n dflash`" in err and "--force" not in err, err  # no way around it offered
+    code, checks = first.check(monkeypatch, capsys, "--no-probe", "-f", str(other))
+    assert code == EXIT_USAGE and "owns it" in checks["output"]["detail"]
+    assert [job["metadata"]["name"] for job in first.api.all("Job")] == ["first-prepare"]
+    assert open_storage(first.raw["output"]).get_bytes(RUN_KEY) == owned
+    # The same run re-specced: --force is what it is for.
+    first.write(extract={"shards": 4})
+    code, _, err = cli(monkeypatch, capsys, "submit", "prepare", "-f", str(first.spec_file))
+    assert code == EXIT_USAGE and "or pass --force to re-spec run first" in err
+    assert cli(monkeypatch, capsys, "submit", "prepare", "--force", "-f", str(first.spec_file))[0] == 0
+    # Once run first has no Jobs, the output is free to take over, with --force only.
+    assert cli(monkeypatch, capsys, "delete", "first")[0] == 0
+    code, _, err = cli(monkeypatch, capsys, "submit", "generate", "-f", str(other))
+    assert code == EXIT_USAGE and "pass --force to take the output over (run first has no Jobs left)" in err
+    code, _, err = cli(monkeypatch, capsys, "submit", "generate", "--force", "-f", str(other))
+    assert code == 0, err
+    assert yaml.safe_load(open_storage(first.raw["output"]).get_bytes(RUN_KEY))["name"] == "other-run"
 
 
 def test_a_submit_claims_the_output_so_that_a_second_run_there_is_refused(first, monkeypatch, capsys):

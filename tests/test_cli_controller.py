@@ -19,7 +19,7 @@ import pytest
 import yaml
 from rich.console import Console
 from conftest import free_port
-from k8s_fake_api import fake_k8s, make_pvc  # noqa: F401 - the fixture
+from k8s_fake_api import PodRun, fake_k8s, make_pvc  # noqa: F401 - the fixture
 
 from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, MANIFEST_KEY, ChunkInfo, DatasetIndex, DoneMarker, done_key
 from dflash_jobs.errors import SpecError, StorageUnavailable
@@ -41,7 +41,11 @@ RUN = {
     "target": {"model": "/models/tiny"},
     "data": {"source": "s3://bucket/chats.jsonl", "max_length": 256, "chunk_tokens": 1024},
     "extract": {"shards": 3, "backoff_limit_per_index": 1},
+    "cluster": {"model_volume": {"claim": "models"}},
 }
+TINY_CHECKPOINT = {"exists": True, "staged": None, "tokenizer": True, "safetensors": {"files": 1},
+                   "config": {"model_type": "qwen3_5_text", "num_hidden_layers": 8, "hidden_size": 8}}
+"""What the probe pod finds on the models claim (dflash_jobs.stage_model --describe)."""
 
 
 @pytest.fixture
@@ -50,13 +54,15 @@ def run(tmp_path, fake_k8s):  # noqa: F811 - the fixture above
     output = tmp_path / "out"
     spec_file = tmp_path / "dflash.yaml"
     # The output on a claim the pods mount at the same path as this test sees it.
-    spec_file.write_text(yaml.safe_dump({**RUN, "output": str(output), "cluster": {"output_volume": {"claim": "runs", "mount": str(tmp_path)}}}))
+    spec_file.write_text(yaml.safe_dump({**RUN, "output": str(output), "cluster": {**RUN["cluster"], "output_volume": {"claim": "runs", "mount": str(tmp_path)}}}))
     storage = open_storage(str(output))
     chunks = [ChunkInfo(id=i, path=f"tokens/chunks/{i:06d}.safetensors", samples=10, tokens=CHUNK_TOKENS) for i in range(4)]
     storage.put_bytes(DATASET_KEY, DatasetIndex(samples=40, tokens=4 * CHUNK_TOKENS, vocab_size=100, chunks=chunks).to_json().encode())
     for chunk in (0, 2):
         land(storage, chunk, at=time.time() - 3600)  # by an earlier extraction Job
-    fake_k8s.api.add(make_pvc("runs"))  # the output's claim, which the preflight checks
+    fake_k8s.api.add(make_pvc("runs"))  # the output's and the checkpoint's claims, which the preflight checks
+    fake_k8s.api.add(make_pvc("models", modes=("ReadOnlyMany",)))
+    fake_k8s.api.kubelet = lambda pod: PodRun(0, [json.dumps(TINY_CHECKPOINT)])
     return spec_file, storage, fake_k8s.api
 
 
@@ -104,7 +110,11 @@ def test_submit_status_logs_cancel_on_the_cluster(run, monkeypatch, capsys):
     spec_file, _, api = run
     code, _, err = cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec_file))
     assert code == 0 and "submitted Job demo-run-extract" in err, err
-    assert cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec_file))[0] == 0  # attaches
+    code, _, err = cli(monkeypatch, capsys, "submit", "extract", "-f", str(spec_file))
+    assert code == 0 and "attached to Job demo-run-extract" in err and "submitted" not in err  # the same spec: attached, not created
+    # Every pod Pending (no node yet): pending, not active or running.
+    code, out, _ = cli(monkeypatch, capsys, "status", "-f", str(spec_file))
+    assert "extract Pending: 0/3 done, 3 pending" in out
     api.start("demo-run-extract")
     started(api, "demo-run-extract", seconds_ago=60)
     api.finish("demo-run-extract", 1, exit_code=42)
@@ -126,7 +136,7 @@ def test_submit_status_logs_cancel_on_the_cluster(run, monkeypatch, capsys):
 
     code, out, _ = cli(monkeypatch, capsys, "status", "-f", str(spec_file))
     assert code == 0
-    assert "extract Running: 0/3 done, 1 failed (1), 2 active" in out
+    assert "extract Running: 0/3 done, 1 failed (1), 2 running" in out
     assert "  extract[1] Failed pod=demo-run-extract-1-" in out and "exit 42 (Error)" in out
     assert "chunks: 2/4 (50% of tokens)" in out
 
@@ -259,6 +269,32 @@ def test_status_watch_follows_the_run_across_the_gaps_between_jobs_until_it_ends
     assert code == 0 and out.startswith("run demo-run (kubernetes), step: done")
 
 
+def test_a_generation_job_that_completed_having_written_nothing_is_a_defect_to_status_watch_and_run(run, monkeypatch, capsys):
+    """Issue 37, item 5: every shard Succeeded, nothing landed (not even the plan). status says what
+    happened, `status -w` ends with it (exit 1), and `run` reports it instead of submitting the Job again."""
+    spec_file, _, api = run
+    spec_file.write_text(yaml.safe_dump({**yaml.safe_load(spec_file.read_text()), "generate": {"shards": 2}}))
+    spec = load_spec(spec_file)
+    job = "demo-run-generate"
+    open_backend(spec).submit(render_selection(spec, "generate"))
+    api.start(job)
+    api.finish(job, 0)
+    api.finish(job, 1)
+    uid = api.get("Job", job)["metadata"]["uid"]
+    verdict = (f"{job} completed (its 2 shard(s) exited 0) with no chunk planned or landed: its pods wrote nothing, a defect to report, "
+               "not a failure a retry fixes. `dflashctl logs generate` shows what they did")
+    code, out, _ = cli(monkeypatch, capsys, "status", "-f", str(spec_file))
+    assert code == 0 and "generation: nothing written, not even generate/plan.json, by a generate Job that completed" in out
+    assert f"next: generate Job {verdict}" in out and "failed" not in out
+    monkeypatch.setattr(status_cli.time, "sleep", lambda seconds: None)
+    code, out, _ = cli(monkeypatch, capsys, "status", "--watch", "-o", "json", "-f", str(spec_file))
+    reports = watched(out)
+    assert code == 1 and len(reports) == 2 and reports[-1]["next"].startswith(f"generate Job {verdict}")
+    code, _, err = cli(monkeypatch, capsys, "run", "--timeout", "10", "-f", str(spec_file))
+    assert code == 1 and f"Error: generate Job {verdict}" in err
+    assert api.get("Job", job)["metadata"]["uid"] == uid  # not submitted again
+
+
 def test_status_watch_ends_on_a_failure_that_stays_and_ctrl_c_detaches(run, monkeypatch, capsys):
     spec_file, storage, api = run
     job = "demo-run-extract"
@@ -272,7 +308,7 @@ def test_status_watch_ends_on_a_failure_that_stays_and_ctrl_c_detaches(run, monk
     code, out, _ = cli(monkeypatch, capsys, "status", "--watch", "-o", "json", "-f", str(spec_file))
     reports = watched(out)
     assert code == 1 and len(reports) == 4 and next(story, None) is None
-    assert [r["jobs"]["extract"]["state"] for r in reports] == ["Running", "Running", "Failed", "Failed"]
+    assert [r["jobs"]["extract"]["state"] for r in reports] == ["Pending", "Running", "Failed", "Failed"]  # no pod ran before start
     assert reports[-1]["next"].startswith("extraction shards 1 failed with chunks missing")
 
     # A failed step under a running in-cluster controller is the controller's to replace: no end.
@@ -309,6 +345,22 @@ def test_an_unreachable_cluster_exits_4(run, monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     code, _, err = cli(monkeypatch, capsys, "status", "-f", str(spec_file))
     assert code == 4 and err.startswith("Error: the Kubernetes API at http://127.0.0.1:") and "current-context" in err
+
+
+def test_status_with_storage_unreachable_exits_5_and_prints_the_error_it_refers_to(run, monkeypatch, capsys):
+    """Issue 37, item 4: the README's code for unavailable storage, and the error above the `next:` that points at it."""
+    spec_file, _, _ = run
+    spec_file.write_text(yaml.safe_dump({**RUN, "output": "s3://bucket/runs/demo-run"}))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    code, out, _ = cli(monkeypatch, capsys, "status", "-f", str(spec_file))
+    lines = out.splitlines()
+    assert code == 5, out
+    storage = next(i for i, line in enumerate(lines) if line.startswith("storage: cannot reach the S3 endpoint for s3://bucket/runs/demo-run"))
+    assert lines[-1] == "next: fix storage access first (see the error above), then `dflashctl status` again" and storage < len(lines) - 1
+    code, out, _ = cli(monkeypatch, capsys, "status", "-f", str(spec_file), "-o", "json")
+    assert code == 5 and json.loads(out)["storage_error"].startswith("cannot reach the S3 endpoint")
 
 
 def test_o_yaml_is_the_json_document_and_o_name_what_the_command_is_about(run, monkeypatch, capsys):
@@ -486,7 +538,8 @@ def test_every_command_s_error_paths_exit_as_the_readme_table_says(run, monkeypa
 
 def test_a_missing_spec_file_is_bad_usage(monkeypatch, capsys, tmp_path):
     code, _, err = cli(monkeypatch, capsys, "status", "-f", str(tmp_path / "nope.yaml"))
-    assert code == 2 and "dflashctl init" in err
+    assert code == 2 and f"Error: spec file {tmp_path / 'nope.yaml'} does not exist" in err and "dflashctl init" in err
+    assert "spec field" not in err  # a file, not a field (issue 37, item 10)
 
 
 def test_kubectl_finds_the_plugin():

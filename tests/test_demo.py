@@ -41,7 +41,7 @@ def test_demo_runs_the_whole_pipeline_into_s3_and_a_rerun_finds_it_done(tmp_path
 
     assert first.returncode == 0, first.stderr[-3000:]
     for step in ("generate", "prepare", "extract", "train", "eval"):
-        assert f"{step}: Job demo-{step} submitted" in first.stderr
+        assert f"{step}: submitted Job demo-{step}" in first.stderr
     # The target answered every chat first; the drafter learned those answers.
     assert "240 of 240 chats answered by the target" in first.stdout
     assert "extraction: all " in first.stderr and " chunks verified: " in first.stderr
@@ -60,6 +60,7 @@ def test_demo_runs_the_whole_pipeline_into_s3_and_a_rerun_finds_it_done(tmp_path
     assert manifest.tokens > 10_000 and f"{manifest.tokens:,} tokens in {len(manifest.chunks)} chunks" in first.stdout
     report = json.loads(s3.get_object(Bucket=s3_bucket, Key=f"runs/demo/{EVAL_REPORT_KEY}")["Body"].read())
     assert report["lossless"] is True and report["drafters"]["dflash"]["acceptance_length"] >= 1.0
+    assert report["drafters"]["dflash"]["tree"]["lossless"] and "draft trees" in first.stdout
     assert not (directory / "output").exists(), "with --output s3://... nothing goes to the local output directory"
     # How to serve it: in the report, after the table, and in the status of the finished run.
     spec = load_spec(directory / "dflash.yaml")

@@ -11,17 +11,15 @@ import pytest
 import torch
 
 from dflash_jobs.drafter.anchors import anchor_layout
-from dflash_jobs.drafter.checkpoint import TargetCheckpoint, drafter_config_for_target, resolve_mask_token_id
 from dflash_jobs.drafter.masks import build_attention
 from dflash_jobs.drafter.speculative import ModelDrafter, Target, speculative_decode
 from dflash_jobs.evaluate.metrics import acceptance_length, summarize_simulated
 from dflash_jobs.evaluate.simulated import anchors_accepted, document_batch
 from dflash_jobs.spec import DFlash2Spec, TrainSpec
-from dflash_jobs.storage import open_storage
 from dflash_jobs.variants import drafter_variant
 from test_evaluate_consistency import BLOCK, NEW_TOKENS, NO_STOP, PROMPTS, WINDOW, captured
 from test_evaluate_consistency import documents, one_thread, prompts, target_dir, target_model  # noqa: F401 (fixtures)
-from train_fixtures import LAYERS
+from train_fixtures import LAYERS, fresh_drafter
 
 DFLASH2 = drafter_variant("dflash2")
 LAYOUT = anchor_layout("dflash2", block_size=BLOCK)
@@ -30,15 +28,10 @@ LAYOUT = anchor_layout("dflash2", block_size=BLOCK)
 @pytest.fixture(scope="module")
 def drafter(target_dir, target_model, prompts, documents):
     """A DFlash2 drafter taught by its objective through the training forward, in bf16 as exported."""
-    checkpoint = TargetCheckpoint(open_storage(str(target_dir)))
     train = TrainSpec(drafter="dflash2", draft_layers=2, sliding_window_layers=1, sliding_window=WINDOW, block_size=BLOCK,
                       dflash2=DFlash2Spec(selector_rank=32, selector_top_k=8))
-    mask = resolve_mask_token_id(None, checkpoint.tokenizer_size(), checkpoint.text["vocab_size"])
-    config = DFLASH2.build_config(drafter_config_for_target(checkpoint, train, LAYERS, mask), train)
-    torch.manual_seed(0)
-    model = DFLASH2.build_model(config)
-    tensors = checkpoint.read_target_tensors()
-    model.load_target_tensors(tensors.embed_tokens, tensors.lm_head, tensors.final_norm)
+    model = fresh_drafter(target_dir, train)
+    config = model.config
     teaching = anchor_layout("dflash2", block_size=BLOCK, gamma=1.0)  # a drafter strong up front, as test_evaluate_consistency's
     batches = [document_batch(d, len(p), captured(target_model, d), model, teaching) for p, d in zip(prompts, documents)]
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from dflash_jobs.drafter.anchors import anchor_layout
-from dflash_jobs.drafter.checkpoint import TargetCheckpoint, drafter_config_for_target, resolve_mask_token_id
+from dflash_jobs.drafter.checkpoint import TargetCheckpoint
 from dflash_jobs.drafter.dspark_export import DSPARK_MODELING_FILES, export_dspark
 from dflash_jobs.drafter.dspark_model import DSparkConfig, DSparkDrafter
 from dflash_jobs.drafter.export import load_drafter
@@ -36,7 +36,7 @@ from dflash_jobs.storage import open_storage
 from dflash_jobs.train.data import BatchBuilder, ChunkData, DocumentRef
 from dflash_jobs.train.dspark_loss import ChunkedMarkovDistillation, _fused_markov_chunk_terms, _markov_chunk_terms, dspark_objective
 from dflash_jobs.variants import drafter_variant
-from train_fixtures import LAYERS, tiny_target
+from train_fixtures import LAYERS, fresh_drafter, tiny_target
 
 USER_PROCESS = Path(__file__).with_name("deepspec_user_process.py")
 V, D, RANK = 37, 16, 5
@@ -365,16 +365,7 @@ def target_dir(tmp_path_factory):
 
 def tiny_dspark(target_dir: Path, **train):
     """A fresh DSpark drafter for the tiny target, built as training builds it (train: the spec's train section), on the CPU."""
-    checkpoint = TargetCheckpoint(open_storage(str(target_dir)))
-    spec = parse_spec(minimal_spec(**train))
-    variant = drafter_variant("dspark")
-    mask = resolve_mask_token_id(None, checkpoint.tokenizer_size(), checkpoint.text["vocab_size"])
-    config = variant.build_config(drafter_config_for_target(checkpoint, spec.train, LAYERS, mask), spec.train)
-    torch.manual_seed(0)
-    drafter = variant.build_model(config)
-    tensors = checkpoint.read_target_tensors()
-    drafter.load_target_tensors(tensors.embed_tokens, tensors.lm_head, tensors.final_norm)
-    return drafter
+    return fresh_drafter(target_dir, parse_spec(minimal_spec(**train)).train)
 
 
 @pytest.fixture(scope="module")

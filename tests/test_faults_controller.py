@@ -58,7 +58,7 @@ def test_the_controller_survives_dropped_watches_500s_and_its_own_restart(fake_k
     api.add(make_pvc("runs"))
     (tmp_path / "chats.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     spec.write_text(yaml.safe_dump({
-        "name": "chaos", "target": {"model": "/models/tiny", "layers": LAYERS},
+        "name": "chaos", "target": {"model": str(tmp_path / "model"), "layers": LAYERS},  # on the output's claim, as the pods see it
         "data": {"source": str(tmp_path / "chats.jsonl"), "max_length": 64, "chunk_tokens": 1024},
         "output": str(output), "extract": {"shards": SHARDS, "backoff_limit_per_index": 1},
         "cluster": {"output_volume": {"claim": "runs", "mount": str(tmp_path)}},

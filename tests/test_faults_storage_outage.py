@@ -171,7 +171,7 @@ def test_s3_answers_are_classified_by_code_and_status(code, status, expected):
 
 def test_an_outage_is_said_once_in_a_while_not_once_per_waiting_thread(s3_bucket):
     """verify checks chunks on many threads, and each waits out the same outage: one line says it."""
-    spec = parse_spec({"name": "outage", "target": {"model": "/m"}, "data": {"source": "/d.jsonl"}, "output": f"s3://{s3_bucket}/run"})
+    spec = parse_spec({"name": "outage", "target": {"model": f"s3://{s3_bucket}/m"}, "data": {"source": "/d.jsonl"}, "output": f"s3://{s3_bucket}/run"})
     recorder = Recorder()
     storage = pipeline_module.patient_storage(spec, recorder, 60)
     for _ in range(16):

@@ -45,17 +45,17 @@ def scripted(*steps):
 
 def test_submit_creates_then_attaches_and_refuses_a_different_spec(backend, fake_k8s):  # noqa: F811
     objects = render_selection(SPEC, "extract")
-    backend.submit(objects)
+    assert backend.submit(objects) == {EXTRACT: "created"}
     uid = fake_k8s.api.get("Job", EXTRACT)["metadata"]["uid"]
     assert len(fake_k8s.api.all("Pod")) == 3
-    backend.submit(objects)  # the same spec again: attaches
+    assert backend.submit(objects) == {EXTRACT: "attached"}  # the same spec again
     assert fake_k8s.api.get("Job", EXTRACT)["metadata"]["uid"] == uid
     assert len(fake_k8s.api.requests_matching("POST", "/jobs")) == 2  # the second answered 409
     changed = render_selection(make_spec(extract={"shards": 4, "backoff_limit_per_index": 2}), "extract")
     with pytest.raises(Conflict, match="--force") as error:
         backend.submit(changed)
     assert exit_code(error.value) == 2
-    backend.submit(changed, force=True)
+    assert backend.submit(changed, force=True) == {EXTRACT: "replaced"}
     job = fake_k8s.api.get("Job", EXTRACT)
     assert job["metadata"]["uid"] != uid and job["spec"]["completions"] == 4
     assert len(fake_k8s.api.all("Pod")) == 4  # the old Job's pods went with it

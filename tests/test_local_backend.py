@@ -273,11 +273,11 @@ def test_submit_attaches_to_the_same_spec_and_refuses_another(backend, tmp_path)
     counter = tmp_path / "runs"
     script = f"open({str(counter)!r}, 'a').write('x')"
     assert run_job(backend, make_job("once", script)).complete
-    backend.submit([make_job("once", script)])  # attach: the Job exists and is complete, nothing runs again
+    assert backend.submit([make_job("once", script)]) == {"once": "attached"}  # the Job exists and is complete, nothing runs again
     assert backend.wait("once", timeout=WAIT_S).complete and counter.read_text() == "x"
     with pytest.raises(Conflict, match="--force"):
         backend.submit([make_job("once", script, spec_hash="h2")])
-    backend.submit([make_job("once", script, spec_hash="h2")], force=True)
+    assert backend.submit([make_job("once", script, spec_hash="h2")], force=True) == {"once": "replaced"}
     assert backend.wait("once", timeout=WAIT_S).complete and counter.read_text() == "xx"
 
 

@@ -73,7 +73,7 @@ def test_a_port_in_use_is_a_spec_error_naming_the_field():
 
 
 def busy_spec(port: int):
-    return parse_spec({"name": "pipe", "target": {"model": "/m"}, "data": {"source": "/d.jsonl"}, "output": "s3://bucket/o", "cluster": {"metrics_port": port}})
+    return parse_spec({"name": "pipe", "target": {"model": "s3://bucket/m"}, "data": {"source": "/d.jsonl"}, "output": "s3://bucket/o", "cluster": {"metrics_port": port}})
 
 
 def test_a_port_in_use_on_a_laptop_gives_way_to_a_free_one_and_the_reporter_says_which(monkeypatch):

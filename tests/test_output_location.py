@@ -10,8 +10,9 @@ from dflash_jobs.spec import parse_spec
 from dflashctl.render import render_all
 
 
-def spec(output: str, **fields):
-    return parse_spec({"name": "out", "target": {"model": "/models/m"}, "data": {"source": "s3://dflash-data/c.jsonl"}, "output": output, **fields})
+def spec(output: str, cluster: dict | None = None, **fields):
+    return parse_spec({"name": "out", "target": {"model": "/models/m"}, "data": {"source": "s3://dflash-data/c.jsonl"}, "output": output,
+                       "cluster": {"model_volume": {"claim": "models"}, **(cluster or {})}, **fields})
 
 
 @pytest.mark.parametrize("output, allowed", [

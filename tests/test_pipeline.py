@@ -69,7 +69,8 @@ class FakeBackend:
         self.on_wait: dict[str, Callable[[], None]] = {}
         """A running Job's end, played when it is first waited on."""
 
-    def submit(self, objects: list[dict], *, force: bool = False) -> None:
+    def submit(self, objects: list[dict], *, force: bool = False) -> dict[str, str]:
+        outcomes = {}
         for obj in objects:
             if obj["kind"] != "Job":
                 continue
@@ -78,12 +79,15 @@ class FakeBackend:
                 if self.hashes[name] != spec_hash and not force:
                     raise Conflict(f"Job {name} exists with another spec")
                 self.calls.append(("attach", name))
+                outcomes[name] = "attached"
                 continue
             component = obj["metadata"]["labels"]["app.kubernetes.io/component"]
             self.calls.append(("submit", name))
             self.hashes[name] = spec_hash
             self.jobs[name] = self.work[component](self.attempts[component])
             self.attempts[component] += 1
+            outcomes[name] = "created"
+        return outcomes
 
     def job_status(self, job_name: str) -> JobStatus:
         return self.jobs.get(job_name) or JobStatus(name=job_name, exists=False)
@@ -327,9 +331,24 @@ def test_a_complete_job_without_every_marker_never_starts_training(spec, storage
 
     work["extract"] = extract_that_loses_chunk_3
     backend = backend_for(work)
-    with pytest.raises(RunFailed, match="3/4 chunks landed"):
+    with pytest.raises(RunFailed, match="3/4 chunks landed") as caught:
         run_pipeline(spec, backend, storage=storage, refresh_s=0.01)
     assert work["manifest_at_train"] == [] and ("submit", "pipe-train") not in backend.calls
+    # Every shard exited 0 and a chunk is missing: a defect, which running the same pods again would repeat (issue 37, item 5).
+    assert "completed (its 2 shard(s) exited 0) with 3/4 chunks landed: its pods left chunks unwritten, a defect to report" in str(caught.value)
+    assert [call for call in backend.calls if call[1] == "pipe-extract"] == [("submit", "pipe-extract")]
+
+
+def test_a_job_found_complete_with_nothing_landed_is_a_defect_not_run_again(spec, storage):
+    write_dataset(storage)
+    backend = backend_for(pipeline_work(storage))
+    backend.jobs["pipe-extract"] = make_job("pipe-extract", completions=SHARDS)
+    backend.hashes["pipe-extract"] = spec.fingerprint()
+    with pytest.raises(RunFailed) as caught:
+        run_pipeline(spec, backend, storage=storage, refresh_s=0.01)
+    assert exit_code(caught.value) == 1 and "with 0/4 chunks landed: its pods wrote nothing, a defect to report" in str(caught.value)
+    assert "`dflashctl cancel`, then `dflashctl run`" in str(caught.value)
+    assert not [call for call in backend.calls if call[1] == "pipe-extract"] and ("pipe-extract", EVENT_RUN_FAILED) in backend.events
 
 
 def test_a_chunk_that_fails_verification_stops_the_run_before_training(spec, storage):

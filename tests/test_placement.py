@@ -95,7 +95,7 @@ def test_jobs_carry_the_extra_labels_and_keep_the_kueue_queue_label():
 
 
 def test_without_placement_settings_a_gpu_pod_only_tolerates_the_gpu_taint():
-    spec = parse_spec({"name": "plain", "target": {"model": "/models/m"}, "data": {"source": "s3://bucket/c.jsonl"}, "output": "s3://bucket/o"})
+    spec = parse_spec({"name": "plain", "target": {"model": "s3://bucket/m"}, "data": {"source": "s3://bucket/c.jsonl"}, "output": "s3://bucket/o"})
     jobs = {obj["metadata"]["labels"]["app.kubernetes.io/component"]: obj["spec"]["template"]["spec"] for obj in render_all(spec) if obj["kind"] == "Job"}
     assert jobs["extract"]["tolerations"] == [GPU_TOLERATION]
     for pod in jobs.values():

@@ -87,13 +87,14 @@ def test_an_unreadable_source_says_why_each_reason_its_own(tmp_path, s3_server, 
     forget_s3_credentials(monkeypatch)
     assert "(no credentials): no S3 credentials" in basis(f"s3://{s3_bucket}/chats.jsonl")
     local = basis(str(tmp_path / "absent.jsonl"))
-    assert f"{tmp_path / 'absent.jsonl'} cannot be read (no such object)" in local
+    assert f"{tmp_path / 'absent.jsonl'} cannot be read (no such file on this machine)" in local and "Upload" not in local
 
 
 def test_each_pod_is_held_against_the_clusters_nodes(tmp_path, fake_k8s):  # noqa: F811 - the fixture
     spec_file = write_run(tmp_path, tokens=1_000_000)
     spec = yaml.safe_load(open(spec_file))
     spec["backend"] = "kubernetes"
+    spec["cluster"] = {"model_volume": {"claim": "models", "mount": str(tmp_path)}}  # where the checkpoint is, here and in the pods
     spec["output"] = f"s3://dflash-runs/{tmp_path.name}"
     open(spec_file, "w").write(yaml.safe_dump(spec))
     fake_k8s.api.add(make_node("gpu-1", memory="512Gi"))
@@ -110,7 +111,7 @@ def test_each_pod_is_held_against_the_clusters_nodes(tmp_path, fake_k8s):  # noq
 def test_without_a_cluster_the_pods_asks_are_shown_and_why_nodes_were_not_read(tmp_path, monkeypatch):
     spec_file = write_run(tmp_path, tokens=1_000_000)
     spec = yaml.safe_load(open(spec_file))
-    spec.update(backend="kubernetes", output="s3://dflash-runs/x")
+    spec.update(backend="kubernetes", output="s3://dflash-runs/x", cluster={"model_volume": {"claim": "models", "mount": str(tmp_path)}})
     open(spec_file, "w").write(yaml.safe_dump(spec))
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "none"))
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "")

@@ -52,6 +52,25 @@ def test_init_writes_a_valid_spec_with_every_field_at_its_default(tmp_path):
     assert parse_spec(raw).to_dict() == parse_spec(STARTER_VALUES).to_dict()
 
 
+def test_the_starter_says_where_init_filled_in_a_value_and_shows_the_default_everywhere_else():
+    """Issue 37, item 3: the header's promise holds. Every value is its field's default, but the ones
+    whose comment says `dflashctl init` filled them in, and those comments give the default."""
+    lines = starter_spec().splitlines()
+    said, comment = {}, []
+    for line in lines[lines.index("name: qwen36-27b-v1") - 2:]:
+        if line.strip().startswith("#"):
+            comment.append(line.strip().lstrip("# "))
+        elif ":" in line and line.strip():
+            said[line.split(":")[0]] = " ".join(comment)
+            comment = []
+    filled = {key.strip() for key, note in said.items() if "`dflashctl init`" in note}
+    assert filled == {"name", "model", "source", "output", "generate", "model_volume", "claim"}, filled
+    assert "Filled in by `dflashctl init`; the default is null." in said["generate"] and "the default is null" in said["  model_volume"]
+    # Everything else is the default: the starter without init's values differs only there.
+    raw = yaml.safe_load(starter_spec())
+    assert parse_spec(raw) == parse_spec(STARTER_VALUES)
+
+
 def _spec_classes(cls: type) -> list[type]:
     hints = typing.get_type_hints(cls)
     nested = [arg for f in dataclasses.fields(cls) for arg in (hints[f.name], *typing.get_args(hints[f.name])) if dataclasses.is_dataclass(arg)]
@@ -78,7 +97,7 @@ def test_init_explains_each_field_with_its_docstring():
     turned_on = parse_spec({**STARTER_VALUES, "train": {"drafter": "dflash2", **yaml.safe_load("\n".join(block))}})
     assert turned_on.train.dflash2 == parse_spec({**STARTER_VALUES, "train": {"drafter": "dflash2"}}).train.dflash2
     # Only such sections: an optional nested one left off (no model volume) stays a plain null.
-    without_volume = starter_spec({**STARTER_VALUES, "cluster": {}})
+    without_volume = starter_spec({**STARTER_VALUES, "target": {"model": "s3://my-bucket/models/Qwen3.6-27B"}, "cluster": {}})
     assert "  model_volume: null" in without_volume.splitlines() and "  # model_volume:" not in without_volume.splitlines()
 
 
@@ -267,7 +286,8 @@ def test_plan_without_a_readable_checkpoint_assumes_the_27b_and_says_so(tmp_path
     spec_file.write_text(starter_spec({**STARTER_VALUES, "backend": "local", "data": {"source": str(tmp_path / "absent.jsonl")}, "output": str(tmp_path / "out")}))
     plan = plan_json("-f", str(spec_file))
     assert plan["target"]["hidden_size"] == 5120 and plan["target"]["layers"] == [1, 16, 31, 46, 61]
-    assert plan["target"]["basis"].startswith("assumed Qwen3.6-27B")
+    assert plan["target"]["basis"].startswith("assumed Qwen3.6-27B: /models/Qwen3.6-27B/config.json cannot be read (no such file on this machine)")
+    assert "Upload" not in plan["target"]["basis"] and "object" not in plan["target"]["basis"]  # a path, not S3
     assert plan["data"]["tokens"] is None and plan["gpu_hours"] is None
 
 

@@ -28,6 +28,7 @@ def make_spec(**sections):
         "target": {"model": "/models/Qwen3.6-27B"},
         "data": {"source": "s3://bucket/chats.jsonl"},
         "output": "s3://bucket/runs/demo-run",
+        "cluster": {"model_volume": {"claim": "models"}},
     }
     for key, value in sections.items():
         raw[key] = {**raw.get(key, {}), **value} if isinstance(value, dict) else value
@@ -37,6 +38,7 @@ def make_spec(**sections):
 SPECS = {
     "defaults": make_spec(),
     "everything": make_spec(
+        target={"model": "/weights/Qwen3.6-27B"},
         generate={"shards": 4, "gpus_per_shard": 2, "vllm_args": ["--max-num-seqs", "256"]},
         extract={"shards": 3, "backoff_limit_per_index": 5},
         train={"nodes": 2, "gpus_per_node": 4, "cache_storage_class": "local-nvme"},
@@ -193,7 +195,8 @@ def test_gpu_pods_get_a_memory_backed_shm_and_the_model_volume_read_only():
         assert mounts["/dev/shm"]["name"] == "dshm"
         assert mounts["/weights"] == {"name": "model", "mountPath": "/weights", "readOnly": True}
         assert pod["automountServiceAccountToken"] is False
-    assert not any(v["name"] == "model" for v in the_job(render.render_all(SPECS["defaults"]), "extract")["spec"]["template"]["spec"]["volumes"])
+    in_s3 = make_spec(target={"model": "s3://bucket/models/Qwen3.6-27B"}, cluster={"model_volume": None})
+    assert not any(v["name"] == "model" for v in the_job(render.render_all(in_s3), "extract")["spec"]["template"]["spec"]["volumes"])
 
 
 def test_a_model_cache_claim_holds_the_s3_checkpoint_for_every_pod_of_a_node():
@@ -420,10 +423,11 @@ def test_a_run_directory_holds_exactly_one_render_of_one_spec(tmp_path, monkeypa
         assert f"removed {run_dir / f'job-demo-run-{step}.yaml'}" in err
     assert f"next: kubectl apply -f {run_dir}" in err  # which now starts only the controller
 
-    # Rendering the same spec again changes nothing.
-    before = {p.name: p.read_text() for p in run_dir.iterdir()}
-    assert cli(monkeypatch, capsys, "render", "controller", "-f", str(spec_file), "-d", str(run_dir))[0] == 0
-    assert {p.name: p.read_text() for p in run_dir.iterdir()} == before
+    # Rendering the same spec again changes nothing, and says so (issue 37, item 10): not even an mtime.
+    before = {p.name: (p.read_text(), p.stat().st_mtime_ns) for p in run_dir.iterdir()}
+    code, _, err = cli(monkeypatch, capsys, "render", "controller", "-f", str(spec_file), "-d", str(run_dir))
+    assert code == 0 and "wrote" not in err and f"unchanged {run_dir / 'job-demo-run-controller.yaml'}" in err
+    assert {p.name: (p.read_text(), p.stat().st_mtime_ns) for p in run_dir.iterdir()} == before
 
 
 def test_a_changed_spec_under_the_same_run_name_is_refused_with_the_fix_unless_forced(tmp_path, monkeypatch, capsys):

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash_jobs.errors import SpecError
+from dflash_jobs.errors import EXIT_BAD_SPEC, SpecError, pod_exit_code
 from dflash_jobs.spec import default_layers, dump_spec, load_spec, parse_spec, resolve_layers
 
 
 def minimal(**overrides):
-    raw = {"name": "qwen36-27b-v1", "target": {"model": "/models/Qwen3.6-27B"}, "data": {"source": "s3://bucket/chats.jsonl"}, "output": "s3://bucket/dflash/v1"}
+    raw = {"name": "qwen36-27b-v1", "target": {"model": "/models/Qwen3.6-27B"}, "data": {"source": "s3://bucket/chats.jsonl"}, "output": "s3://bucket/dflash/v1",
+           "cluster": {"model_volume": {"claim": "models"}}}
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(raw.get(key), dict):
             raw[key] = {**raw[key], **value}
@@ -154,9 +155,52 @@ def test_default_layers_follow_the_z_lab_rule():
     assert default_layers(36, 1) == [18]
 
 
+def test_a_spec_with_several_errors_reports_each_naming_its_field():
+    """Issue 37, item 12: every bad field at once, each as it would be said alone; one error type, exit 2 in a pod too."""
+    with pytest.raises(SpecError) as caught:
+        parse_spec(minimal(extract={"shards": "x", "dtype": "fp9"}, train={"lr": -1}, cluster={"namespace": "Team_A"}, bogus=1))
+    lines = str(caught.value).splitlines()
+    assert lines[0] == "5 spec fields are invalid:"
+    assert sorted(lines[1:]) == sorted([
+        "  spec field bogus = 1 is invalid. Expected one of the known keys: name, target, data, output, backend, storage, extract, train, "
+        "eval, generate, cluster, local",
+        "  spec field extract.shards = 'x' is invalid. Expected an integer",
+        "  spec field extract.dtype = 'fp9' is invalid. Expected 'bfloat16' | 'float8_e4m3fn'",
+        "  spec field train.lr = -1.0 is invalid. Expected a number > 0",
+        "  spec field cluster.namespace = 'Team_A' is invalid. Expected a DNS-1123 label: lower-case letters, digits and '-', "
+        "starting and ending with a letter or digit, at most 63 characters",
+    ])
+    assert {error.field for error in caught.value.errors} == {"bogus", "extract.shards", "extract.dtype", "train.lr", "cluster.namespace"}
+    assert pod_exit_code(caught.value) == EXIT_BAD_SPEC
+    # One alone is said as before, whole.
+    with pytest.raises(SpecError) as alone:
+        parse_spec(minimal(extract={"shards": "x"}))
+    assert str(alone.value) == "spec field extract.shards = 'x' is invalid. Expected an integer" and alone.value.errors == [alone.value]
+    # In lists too: each bad item.
+    with pytest.raises(SpecError) as items:
+        parse_spec(minimal(cluster={"image_pull_secrets": [1, "ok", 2]}))
+    assert [error.field for error in items.value.errors] == ["cluster.image_pull_secrets[0]", "cluster.image_pull_secrets[2]"]
+
+
+@pytest.mark.parametrize("fields, allowed", [
+    ({"cluster": {"model_volume": None}}, "set cluster.model_volume {claim, mount} to the claim that holds the checkpoint"),
+    ({"cluster": {"model_volume": {"claim": "models", "mount": "/weights"}}}, "a path under cluster.model_volume.mount (/weights), where the pods see claim models"),
+])
+def test_a_kubernetes_target_on_no_volume_the_pods_mount_is_refused_with_the_fix(fields, allowed):
+    """Issue 37, item 3: /models/... with no volume there would run Jobs with no model mounted."""
+    with pytest.raises(SpecError) as refused:
+        parse_spec(minimal(**fields))
+    assert refused.value.field == "target.model" and allowed in refused.value.allowed
+    mounted_by_patch = {"pod_template_patch": {"spec": {"containers": [{"name": "worker", "volumeMounts": [{"name": "nfs", "mountPath": "/models"}]}]}}}
+    for fine in (minimal(), minimal(backend="local", **fields), minimal(target={"model": "s3://bucket/models/Qwen3.6-27B"}, **fields),
+                 minimal(cluster={"model_volume": None, **mounted_by_patch})):
+        assert parse_spec(fine).target.model
+
+
 def test_load_spec_names_the_file_and_round_trips(tmp_path):
-    with pytest.raises(SpecError, match="dflashctl init"):
+    with pytest.raises(SpecError, match="dflashctl init") as missing:
         load_spec(tmp_path / "missing.yaml")
+    assert str(missing.value).startswith(f"spec file {tmp_path / 'missing.yaml'} does not exist.") and "spec field" not in str(missing.value)
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: [unclosed\n")
     with pytest.raises(SpecError, match="invalid YAML at line"):

@@ -31,6 +31,23 @@ def tiny_target(root: Path) -> Path:
     return directory
 
 
+def fresh_drafter(target: Path, train):
+    """A fresh drafter of train.drafter (a TrainSpec) for the tiny target, built as training builds
+    it (seed 0), holding the target's frozen tensors, on the CPU."""
+    from dflash_jobs.drafter.checkpoint import TargetCheckpoint, drafter_config_for_target, resolve_mask_token_id
+    from dflash_jobs.variants import drafter_variant
+
+    checkpoint = TargetCheckpoint(open_storage(str(target)))
+    variant = drafter_variant(train.drafter)
+    mask = resolve_mask_token_id(None, checkpoint.tokenizer_size(), checkpoint.text["vocab_size"])
+    config = variant.build_config(drafter_config_for_target(checkpoint, train, LAYERS, mask), train)
+    torch.manual_seed(0)
+    drafter = variant.build_model(config)
+    tensors = checkpoint.read_target_tensors()
+    drafter.load_target_tensors(tensors.embed_tokens, tensors.lm_head, tensors.final_norm)
+    return drafter
+
+
 def copy_extract(extract: Path, output: Path) -> Path:
     """A run directory of its own holding a copy of the shared tiny extract (tests train in it)."""
     import shutil

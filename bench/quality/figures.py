@@ -126,6 +126,16 @@ def train_serve(figures: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def tree_acceptance(drafter: dict[str, Any]) -> dict[str, Any] | None:
+    """A drafter's tree tau per node budget beside its chain tau (the evaluation's drafters.<variant>.tree,
+    decoded by trees); None for a drafter the evaluation built no trees for."""
+    tree = drafter.get("tree")
+    if tree is None:
+        return None
+    return {"chain": round(tree["chain_acceptance_length"], 3), "lossless": tree["lossless"],
+            "per_budget": {budget: round(decoded["acceptance_length"], 3) for budget, decoded in tree["decoded"].items()}}
+
+
 def above(name: str, value: float, other: str, other_value: float, spread: float | None) -> dict[str, Any]:
     """The claim "`name` > `other` by more than the spread between seeds"; not passed without a spread."""
     return {

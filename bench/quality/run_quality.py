@@ -71,7 +71,7 @@ from dflash_jobs.tiny import teach_tiny_target, write_tiny_target
 import launch
 from chains import ABLATIONS, Chain, ChainRunner, chain_figures, held_out_prompts, part_of, regenerated_rows, share_states, write_spec
 from corpus import ChatSet, chats, drafter_chats, stdlib_sources, vocabulary
-from figures import attribution, claims, data_curve, diversity, goals, plot_curve, seed_spread, train_serve
+from figures import attribution, claims, data_curve, diversity, goals, plot_curve, seed_spread, train_serve, tree_acceptance
 from sizes import SIZES, Size
 
 REPO = Path(__file__).resolve().parents[2]
@@ -308,6 +308,7 @@ def chain_summary(figures: dict[str, Any]) -> dict[str, Any]:
         "tie_tolerance": (figures["eval"].get("tie_tolerance") or {}).get("value"),
         "train_serve": {key: agreement[key] for key in ("passed", "compared", "steps", "relative_gap")},
         "calibration": drafter.get("calibration"),
+        "tree": tree_acceptance(drafter),
     }
 
 

@@ -157,11 +157,12 @@ def submit_outcome(obj: dict, existing: dict | None, *, force: bool) -> str:
 class Backend(Protocol):
     """What `dflashctl` needs from wherever Jobs run."""
 
-    def submit(self, objects: list[dict], *, force: bool = False) -> None:
+    def submit(self, objects: list[dict], *, force: bool = False) -> dict[str, str]:
         """Create every object, or attach to it when it exists with the same `dflash.dev/spec-hash`.
 
         An existing object with a different hash raises `Conflict`, unless `force`, which deletes
-        and recreates it (Jobs are immutable).
+        and recreates it (Jobs are immutable). Returns what became of each Job, by name: "created",
+        "attached" (it exists from this spec) or "replaced".
         """
 
     def job_status(self, job_name: str) -> JobStatus:
@@ -210,6 +211,10 @@ class Backend(Protocol):
 
     def annotate(self, job_name: str, key: str, value: str) -> None:
         """Set one annotation on the Job (e.g. dflash.dev/progress: "12/40")."""
+
+
+SUBMITTED = {"created": "submitted", "attached": "attached to", "replaced": "replaced"}
+"""What a person is told of a Job, by what `Backend.submit` did with it: "submitted Job X", "attached to Job X"."""
 
 
 def parse_indexes(text: str | None) -> set[int]:

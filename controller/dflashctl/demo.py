@@ -48,7 +48,8 @@ def demo_values(directory: Path, output: str | None = None) -> dict[str, Any]:
             # A one-layer drafter of width 64 has no memory to save: recomputing would only cost time.
             "activation_checkpointing": "none",
         },
-        "eval": {"prompts": 8, "max_new_tokens": 32},
+        # One tree budget beside the chain's own: each budget decodes every prompt once more.
+        "eval": {"prompts": 8, "max_new_tokens": 32, "tree_budgets": [16]},
         # The recipe of a real run: the drafter learns the target's own answers. Greedy, as the
         # evaluation decodes; answers cut at the limit are kept (the tiny target is verbose).
         "generate": {
@@ -119,6 +120,8 @@ class DemoSummary:
     train_plot: str
     acceptance_plot: str
     acceptance_length: dict[str, float]
+    tree_acceptance: dict[str, float]
+    """The trained drafter's acceptance length decoding by draft trees (DDTree), per node budget."""
     lossless: bool
 
     @property
@@ -146,5 +149,7 @@ def summarize_demo(spec_file: Path, spec: RunSpec, storage: Storage, result: Pip
         train_plot=f"{where}/{TRAIN_PLOT_KEY}",
         acceptance_plot=f"{where}/{EVAL_PLOT_KEY}",
         acceptance_length={name: s["acceptance_length"] for name, s in (report.get("drafters") or {}).items()},
+        tree_acceptance={budget: d["acceptance_length"] for s in (report.get("drafters") or {}).values()
+                         for budget, d in (s.get("tree") or {}).get("decoded", {}).items()},
         lossless=bool(report.get("lossless")),
     )

@@ -42,10 +42,14 @@ class KubernetesBackend:
 
         return cls(Cluster.connect(namespace))
 
-    def submit(self, objects: list[dict], *, force: bool = False) -> None:
+    def submit(self, objects: list[dict], *, force: bool = False) -> dict[str, str]:
+        jobs = {}
         for obj in objects:
             outcome = self.cluster.create_or_attach(obj, force=force, wait=DELETE_WAIT_S)
             log.info("%s %s: %s", obj["kind"], obj["metadata"]["name"], outcome)
+            if obj["kind"] == "Job":
+                jobs[obj["metadata"]["name"]] = outcome
+        return jobs
 
     def job_status(self, job_name: str) -> JobStatus:
         job = self.cluster.get("Job", job_name)

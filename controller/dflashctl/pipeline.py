@@ -54,6 +54,7 @@ from dflashctl.backend import (
     EVENT_TRAINING_LAUNCHED,
     EVENT_VERIFY_FAILED,
     PROGRESS_ANNOTATION,
+    SUBMITTED,
     Backend,
     JobStatus,
     format_indexes,
@@ -238,14 +239,17 @@ class Pipeline:
         return True
 
     def run_sharded_job(
-        self, component: str, *, what: str, details: str, landed: Callable[[], bool], label: Callable[[], str]
+        self, component: str, *, what: str, details: str, landed: Callable[[], bool], progress: Callable[[], ChunkCount]
     ) -> JobStatus | None:
         """Runs the Indexed Job of `component` (extract, generate) until every chunk has landed.
 
-        A Job that ended with chunks missing, earlier in this run (a failure: retry) or before it,
-        is replaced; landed chunks are skipped. Returns the last Job's status, None when every chunk
-        had landed before this run; raises RunFailed when the last attempt still left chunks missing.
-        `landed` and `label` read storage: whether every chunk is there, and "done/total"."""
+        A Job that failed with chunks missing, earlier in this run or before it, is replaced once
+        (landed chunks are skipped). One that completed (every shard exited 0) with chunks missing is
+        not run again blindly: seen completing in this run, or with none of its chunks, it is a defect
+        (RunFailed, see `completed_without_chunks`); found so with some of them, the rest were deleted
+        since (`verify --delete-bad`) and it is replaced. Returns the last Job's status, None when every
+        chunk had landed before this run; raises RunFailed when the last attempt still left chunks
+        missing. `landed` and `progress` read storage: whether every chunk is there, and how many are."""
         name = job_name(self.spec, component)
         status: JobStatus | None = None
         for attempt in range(1 + SHARDED_JOB_RETRIES):
@@ -253,23 +257,29 @@ class Pipeline:
                 break
             current = self.backend.job_status(name)
             if current.exists and current.finished:
-                landed_label = label()
+                seen = progress()
+                if current.complete and (attempt or not seen.chunks_done):
+                    raise self.failure(name, *completed_without_chunks(component, current, seen))
                 if attempt:
                     self.backend.record_event(
-                        name, EVENT_SHARDS_RETRIED, f"{landed_label} chunks landed; replacing the Job once (landed chunks are skipped)", warning=True,
+                        name, EVENT_SHARDS_RETRIED, f"{seen.label} chunks landed; replacing the Job once (landed chunks are skipped)", warning=True,
                     )
-                self.reporter.say(f"{component} Job {name} ended with {landed_label} chunks landed: submitting it again")
+                why = "completed, and the missing chunks were deleted since" if current.complete else "ended"
+                self.reporter.say(f"{component} Job {name} {why} with {seen.label} chunks landed: submitting it again")
                 self.backend.delete(name)
-            self.backend.submit(render_selection(self.spec, component), force=self.force)
-            self.reporter.say(f"{component}: Job {name} submitted ({details})")
+            outcome = self.backend.submit(render_selection(self.spec, component), force=self.force)[name]
+            self.reporter.say(f"{component}: {SUBMITTED[outcome]} Job {name} ({details})")
             status = self.wait(component, name)
             if status.failed_terminally:
                 self.backend.record_event(name, EVENT_SHARDS_FAILED, describe(status), warning=True)
         else:  # every attempt is spent: did the last one land everything?
             if not landed():
+                seen = progress()
+                if status is not None and status.complete:
+                    raise self.failure(name, *completed_without_chunks(component, status, seen))
                 raise self.failure(
                     name,
-                    f"{what} ended with {label()} chunks landed after {1 + SHARDED_JOB_RETRIES} attempts: {describe(status)}",
+                    f"{what} ended with {seen.label} chunks landed after {1 + SHARDED_JOB_RETRIES} attempts: {describe(status)}",
                     f"`dflashctl logs {component} --shard N` shows why a shard failed; fix it and `dflashctl run` again "
                     "(landed chunks are kept)",
                 )
@@ -286,7 +296,7 @@ class Pipeline:
             status = self.run_sharded_job(
                 "generate", what="generation", details=f"{self.spec.generate.shards} shards, engine {self.spec.generate.engine}",
                 landed=lambda: write_manifest_if_complete(self.storage, self.spec) is not None,
-                label=lambda: self.generation_progress().label,
+                progress=self.generation_progress,
             )
             manifest = current_manifest(self.storage, self.spec)
             assert manifest is not None
@@ -313,7 +323,7 @@ class Pipeline:
     def extract(self) -> bool:
         status = self.run_sharded_job(
             "extract", what="extraction", details=f"{self.spec.extract.shards} shards",
-            landed=lambda: read_progress(self.storage).landed, label=lambda: read_progress(self.storage).label,
+            landed=lambda: read_progress(self.storage).landed, progress=lambda: read_progress(self.storage),
         )
         if status is None:
             return False  # every chunk had landed before this run
@@ -363,10 +373,10 @@ class Pipeline:
             # Ended before this run without its output (failed, or the output was removed): run it anew.
             self.reporter.say(f"{step} Job {name} had ended without {output_key}: submitting it again")
             self.backend.delete(name)
-        self.backend.submit(render_selection(self.spec, step), force=self.force)
-        if launched is not None:
+        outcome = self.backend.submit(render_selection(self.spec, step), force=self.force)[name]
+        if launched is not None and outcome != "attached":
             self.backend.record_event(name, *launched)
-        self.reporter.say(f"{step}: Job {name} submitted")
+        self.reporter.say(f"{step}: {SUBMITTED[outcome]} Job {name}")
         status = self.wait(step, name)
         if status.failed_terminally:
             raise self.failure(
@@ -455,6 +465,29 @@ class Pipeline:
             raise RunFailed(f"{self.storage.url}/{EVAL_REPORT_KEY} does not exist", "Run `dflashctl eval`") from None
         except ValueError:
             raise RunFailed(f"{self.storage.url}/{EVAL_REPORT_KEY} is not valid JSON", "Run `dflashctl eval` again") from None
+
+
+class ChunkCount(Protocol):
+    """How many of a sharded step's chunks landed (extraction's Progress, generation's GenerationProgress)."""
+
+    chunks_done: int
+    chunks_total: int | None
+    """None until the step's chunks are planned (generation's plan, prepare's dataset)."""
+
+    @property
+    def label(self) -> str:
+        """"3/12": chunks done of total."""
+
+
+def completed_without_chunks(step: str, job: JobStatus, progress: ChunkCount) -> tuple[str, str]:
+    """What and fix of a sharded step's Job that completed, every shard having exited 0, with chunks
+    missing: the pods claim work they did not store, which running them again would repeat."""
+    wrote = "wrote nothing" if not progress.chunks_done else "left chunks unwritten"
+    landed = f"{progress.label} chunks" if progress.chunks_total is not None else "no chunk planned or"
+    return (f"{step} Job {job.name} completed (its {job.completions} shard(s) exited 0) with {landed} landed: "
+            f"its pods {wrote}, a defect to report, not a failure a retry fixes",
+            f"`dflashctl logs {step}` shows what they did; to run the step again anyway, `dflashctl cancel`, then `dflashctl run` "
+            "(landed chunks are kept)")
 
 
 def describe(status: JobStatus) -> str:

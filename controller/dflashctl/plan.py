@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from dflash_jobs.errors import DflashError, FormatError, SpecError, StorageError
@@ -22,7 +23,7 @@ from dflash_jobs.generation import PLAN_KEY, GenerationProgress, read_plan
 from dflash_jobs.generation import read_progress as read_generation_progress
 from dflash_jobs.generate.source import parse_prompt
 from dflash_jobs.prepare import BadRow
-from dflash_jobs.spec import RunSpec, default_layers, is_s3, resolve_layers, text_config
+from dflash_jobs.spec import RunSpec, default_layers, is_s3, local_path, resolve_layers, text_config, under
 from dflash_jobs.storage import (
     AccessDenied, BucketNotFound, CredentialsMissing, EndpointUnreachable, ObjectNotFound, Storage, open_storage, read_head,
 )
@@ -87,6 +88,8 @@ class TargetShape:
     hidden_size: int
     layers: list[int]
     basis: str
+    warning: str | None = None
+    """Layers past the depth of the target the plan assumes (its config.json unread)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -396,8 +399,10 @@ UNREADABLE = ((CredentialsMissing, "no credentials"), (EndpointUnreachable, "end
 
 
 def unreadable(url: str, error: StorageError) -> str:
-    """`url cannot be read (no credentials): <what>. <fix>`, the reason first."""
+    """`url cannot be read (no credentials): <what>. <fix>`, the reason first (a path's missing file as a file)."""
     reason = next((label for kind, label in UNREADABLE if isinstance(error, kind)), "unreadable")
+    if isinstance(error, ObjectNotFound) and not is_s3(url):
+        reason = "no such file on this machine"
     return f"{url} cannot be read ({reason}): {error}"
 
 
@@ -503,23 +508,32 @@ def read_generation(spec: RunSpec, source: SourceSample | StorageError) -> tuple
 
 
 def read_target_shape(spec: RunSpec) -> TargetShape:
-    """Hidden size and captured layers from the checkpoint's config.json; else the 27B's, stated as assumed."""
-    try:
-        _, raw = read_head(f"{spec.target.model.rstrip('/')}/config.json", 1 << 20, endpoint_url=spec.storage.endpoint_url,
-                           region=spec.storage.region, max_attempts=S3_ATTEMPTS)
-        config = json.loads(raw)
-        why = "" if isinstance(config, dict) else "config.json is not a JSON object"
-    except StorageError as error:
-        config, why = None, unreadable(f"{spec.target.model}/config.json", error)
-        if spec.cluster.model_volume is not None and not is_s3(spec.target.model):
-            why += f" (on claim {spec.cluster.model_volume.claim}: `dflashctl check` reads it through a pod)"
-    except ValueError as error:
-        config, why = None, f"{spec.target.model}/config.json is not valid JSON ({error})"
+    """Hidden size and captured layers from the checkpoint's config.json; else the 27B's, stated as
+    assumed, and the layers held against its depth."""
+    model, volume = spec.target.model, spec.cluster.model_volume
+    path = local_path(model)
+    if spec.backend == "kubernetes" and path is not None and volume is not None and under(path, volume.mount) and not Path(path).is_dir():
+        config, why = None, f"{model} lies on claim {volume.claim}, not mounted here (`dflashctl check` reads it through a pod)"
+    else:
+        try:
+            _, raw = read_head(f"{model.rstrip('/')}/config.json", 1 << 20, endpoint_url=spec.storage.endpoint_url,
+                               region=spec.storage.region, max_attempts=S3_ATTEMPTS)
+            config = json.loads(raw)
+            why = "" if isinstance(config, dict) else "config.json is not a JSON object"
+        except StorageError as error:
+            config, why = None, unreadable(f"{model}/config.json", error)
+        except ValueError as error:
+            config, why = None, f"{model}/config.json is not valid JSON ({error})"
     hidden_size = text_config(config).get("hidden_size") if isinstance(config, dict) else None
-    if not isinstance(hidden_size, int):
-        layers = spec.target.layers or default_layers(ASSUMED_TARGET["num_hidden_layers"])
-        return TargetShape(ASSUMED_TARGET["hidden_size"], list(layers), basis=f"assumed {ASSUMED_TARGET['name']}: {why or 'config.json has no hidden_size'}")
-    return TargetShape(hidden_size, resolve_layers(spec, config), basis=f"{spec.target.model}/config.json")
+    if isinstance(hidden_size, int):
+        return TargetShape(hidden_size, resolve_layers(spec, config), basis=f"{model}/config.json")
+    name, depth = ASSUMED_TARGET["name"], ASSUMED_TARGET["num_hidden_layers"]
+    layers = spec.target.layers or default_layers(depth)
+    past = [layer for layer in layers if layer >= depth]
+    warning = None if not past else (
+        f"target.layers {layers}: {', '.join(map(str, past))} past the last layer of the assumed {name} ({depth} decoder layers, 0..{depth - 1}); "
+        "`dflashctl check` reads the checkpoint, and `run` refuses them on it if it is that model")
+    return TargetShape(ASSUMED_TARGET["hidden_size"], list(layers), basis=f"assumed {name}: {why or 'config.json has no hidden_size'}", warning=warning)
 
 
 def read_nodes(spec: RunSpec) -> tuple[list[Node] | None, str]:

@@ -19,6 +19,7 @@ from dflash_jobs.spec import RunSpec
 
 from dflashctl.placement import GPU
 from dflashctl.render import render_all
+from dflashctl.tool_pods import tool_pod_specs
 
 RESOURCES = ("cpu", "memory", GPU)
 _QUANTITY = re.compile(r"^([+-]?[0-9.]+)(?:([eE][+-]?[0-9]+)|(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E))?$")
@@ -93,6 +94,20 @@ def pod_asks(spec: RunSpec) -> list[PodAsk]:
         component = obj["metadata"]["labels"]["app.kubernetes.io/component"]
         asks.append(PodAsk(component, totals["cpu"], totals["memory"], int(totals[GPU]), obj["spec"].get("parallelism") or 1, pod))
     return asks
+
+
+def claim_users(spec: RunSpec) -> dict[str, list[tuple[str, dict[str, Any]]]]:
+    """Every pod of the run by the PersistentVolumeClaims it mounts, as (component, pod spec): its
+    Jobs' pods, stage-model's and the probe's."""
+    pods = [(obj["metadata"]["labels"]["app.kubernetes.io/component"], obj["spec"]["template"]["spec"])
+            for obj in render_all(spec) if obj["kind"] == "Job"]
+    users: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    for component, pod in [*pods, *tool_pod_specs(spec)]:
+        for volume in pod.get("volumes") or []:
+            claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")
+            if claim:
+                users.setdefault(claim, []).append((component, pod))
+    return users
 
 
 def _effective(pod: dict[str, Any], resource: str) -> Decimal:

@@ -21,6 +21,9 @@ from dflashctl.render import MANAGED_BY, MANAGED_BY_LABEL, RUN_LABEL, SPEC_HASH,
 @dataclass(frozen=True, slots=True)
 class WrittenDirectory:
     written: list[Path]
+    """Files this render created or changed."""
+    unchanged: list[Path]
+    """Files that already held what this render produces: left as they were (their mtime too)."""
     removed: list[Path]
     """Files of an earlier render that this one does not produce."""
 
@@ -36,12 +39,15 @@ def write_manifests(objects: list[Manifest], directory: Path, *, force: bool = F
     removed = [path for path in ours if path.name not in new]
     for path in removed:
         path.unlink()
-    written = []
+    written, unchanged = [], []
     for name, text in new.items():
         path = directory / name
+        if path.is_file() and path.read_text() == text:
+            unchanged.append(path)
+            continue
         path.write_text(text)
         written.append(path)
-    return WrittenDirectory(written=written, removed=removed)
+    return WrittenDirectory(written=written, unchanged=unchanged, removed=removed)
 
 
 def rendered_files(directory: Path) -> dict[Path, Manifest]:

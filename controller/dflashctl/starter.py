@@ -1,7 +1,8 @@
 """The starter spec `dflashctl init` writes: every section and field, its default, and what it means.
 
 Generated from the spec's dataclasses, so it never drifts from them: a field's comment is its
-docstring in the dflash_jobs.spec package and its value the default, unless the caller sets it.
+docstring in the dflash_jobs.spec package and its value the default, unless the caller sets it;
+then the comment says so, with the default (`filled_in`).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from dflash_jobs.spec import OPTIONAL_SECTIONS, RunSpec, parse_spec
 COMMENT_WIDTH = 100
 
 HEADER = """\
-# dflash.yaml: one DFlash drafter run. Every field below shows its default and what it means;
-# README.md walks through a run on a cluster, examples/qwen36-27b/dflash.yaml is a complete spec.
+# dflash.yaml: one DFlash drafter run. Every field below shows its default and what it means, but
+# where a comment says `dflashctl init` filled it in (the required fields, generation, the model
+# volume); README.md walks through a run on a cluster, examples/qwen36-27b/dflash.yaml is a complete spec.
 #   dflashctl plan      validate it and see the bill (tokens, storage, GPU-hours, upload rate)
 #   dflashctl run       generate, prepare, extract, verify, train and evaluate
 
@@ -77,6 +79,8 @@ def _render(cls: type, values: dict[str, Any], *, indent: int, lines: list[str],
         section = _dataclass_in(hints[f.name])
         value = values[f.name] if f.name in values else _default(f)
         note = SECTION_NOTES.get(f.name) if cls is RunSpec and section else docs.get(f.name) or _choices(hints[f.name])
+        filled = filled_in(f, values, section=section is not None)
+        note = f"{note} {filled}" if note and filled else note or filled
         if section and indent == 0:
             lines.append("")
         if note:
@@ -93,6 +97,21 @@ def _render(cls: type, values: dict[str, Any], *, indent: int, lines: list[str],
             block = [f"{pad}{f.name}:"]
             _render(section, {}, indent=indent + 2, lines=block)
             lines.extend(f"{pad}# {line[len(pad):]}" for line in block)
+
+
+def filled_in(f: dataclasses.Field, values: dict[str, Any], *, section: bool) -> str | None:
+    """What a field's comment says when the starter's value is not its default; None when it is (a
+    section with a default says it of its own fields)."""
+    if f.name not in values:
+        return None
+    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+        return None if section else "Required, no default: `dflashctl init` wrote an example here."
+    default = _default(f)
+    if section and default is not None:
+        return None
+    if not section and values[f.name] == default:
+        return None
+    return f"Filled in by `dflashctl init`; the default is {_scalar(default)}."
 
 
 def _default(f: dataclasses.Field) -> Any:

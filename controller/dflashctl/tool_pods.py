@@ -120,3 +120,15 @@ def render_probe_pod(spec: RunSpec) -> Manifest:
     metadata: dict[str, Any] = {"name": probe_pod_name(spec), "namespace": spec.cluster.namespace, **template["metadata"]}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": template["spec"]}
 
+
+
+def tool_pod_specs(spec: RunSpec) -> list[tuple[str, dict[str, Any]]]:
+    """(component, pod spec) of stage-model's Job and of the probe pod, where target.model lies on the
+    model volume (else neither runs): what they mount and where they go, which stage-model's source
+    does not change."""
+    try:
+        model_directory(spec)
+    except SpecError:
+        return []
+    stage_model_job = render_stage_model_objects(spec, source="hf://")[1]
+    return [(STAGE_MODEL, stage_model_job["spec"]["template"]["spec"]), (PROBE, render_probe_pod(spec)["spec"])]

@@ -29,13 +29,35 @@ class DflashError(Exception):
 
 
 class SpecError(DflashError):
-    """A spec field has a bad value."""
+    """A spec field has a bad value; or several fields have (`errors`, made by `SpecError.of`), each
+    said as it would be alone. `field`, `value` and `allowed` are those of the first."""
 
     def __init__(self, field: str, value: Any, allowed: str) -> None:
         self.field = field
         self.value = value
         self.allowed = allowed
+        self.errors: list[SpecError] = [self]
         super().__init__(f"spec field {field!s} = {value!r} is invalid", f"Expected {allowed}")
+
+    @staticmethod
+    def of(errors: list[SpecError]) -> SpecError:
+        """One error for every bad field found: a single one as it is, several a line each."""
+        found = [each for error in errors for each in error.errors]
+        if len(found) == 1:
+            return found[0]
+        first = found[0]
+        several = SpecError(first.field, first.value, first.allowed)
+        several.errors = found
+        DflashError.__init__(several, f"{len(found)} spec fields are invalid:\n" + "\n".join(f"  {error}" for error in found))
+        return several
+
+
+class SpecFileError(SpecError):
+    """The spec file itself is missing, unreadable or not YAML: a bad spec, named by its path rather than a field."""
+
+    def __init__(self, path: Any, problem: str, fix: str) -> None:
+        super().__init__("-f", str(path), fix)
+        DflashError.__init__(self, f"spec file {path} {problem}", fix)
 
 
 class StorageError(DflashError):

@@ -604,7 +604,8 @@ def read_head(url: str, size: int, *, endpoint_url: str | None = None, region: s
         if info is None:
             # A HEAD answers 404 for a missing bucket as for a missing object: a listing tells them apart.
             storage.list_modified(key)
-            raise ObjectNotFound(f"{url} does not exist", "Upload it there, or fix the URL")
+            fix = "Upload it there, or fix the URL" if url.startswith("s3://") else "Fix the path (it is read on this machine)"
+            raise ObjectNotFound(f"{url} does not exist", fix)
         return info.size, storage.get_bytes(key, 0, min(size, info.size)) if info.size else b""
     except PermissionError as exc:  # a local file this user may not read
         raise AccessDenied(f"{url} is not readable ({exc.strerror})", "Fix its permissions, or run where it is readable") from None

@@ -1,10 +1,15 @@
 """Preflight checks: what a first cluster run gets wrong, found before a GPU is spent.
 
 `dflashctl check` runs every check (as `kubectl auth can-i` or `sky check` do) and prints one line
-per check with what to do when it fails. `dflashctl run` and every `dflashctl submit` run the cheap
-ones first, those of the step about to start, and stop on a failure: nothing there starts a pod, so
-the target's config is checked only where this machine can read it (`check` reads it through a
-probe pod).
+per check with what to do when it fails. `dflashctl run`, every `dflashctl submit`, `retry`, `eval`
+and `stage-model` run the same checks first, those of the step about to start (`preflight`), and
+start nothing when one fails: nothing that `check` refuses starts. Which checks a step needs is
+decided in one place, each check's own `Preflight.needs`/`whole_run`: `run` and `submit controller`
+all of them, a single step its own (its inputs in storage, the Secrets and claims its pods use, its
+pods' nodes), `stage-model` the cluster's and its source's. The target's config on the model volume
+is read through the probe pod, as `check` does, when a run starts (no Job of it exists yet, or
+--force re-specs it); once its Jobs exist it was read then, so re-attaching (and the in-cluster
+controller, which may not create pods) does not start one again.
 
 Each check is a small function of a `Preflight` (the spec, what is about to start, the cluster)
 returning its results: ok, warn (worth a look, not blocking), fail (blocking, with the fix) or
@@ -26,6 +31,7 @@ from dflash_jobs.spec import RunSpec
 from dflash_jobs.storage import Storage, open_storage
 
 from dflashctl.errors import EXIT_CLUSTER, EXIT_STORAGE_UNAVAILABLE, EXIT_USAGE, ChecksFailed, ClusterUnreachable, Forbidden, exit_code
+from dflashctl.render import COMPONENTS, RUN_LABEL, job_name
 
 if TYPE_CHECKING:  # the client is imported where the kubernetes backend is used (backends.py)
     from dflashctl.cluster import Cluster
@@ -53,7 +59,11 @@ class CheckResult:
         return f"{text}. {self.fix}" if self.fix and self.status in ("warn", "fail") else text
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The result for `-o json`: an exit code only on a failure, the only status that has one."""
+        result = asdict(self)
+        if self.status != "fail":
+            del result["exit_code"]
+        return result
 
 
 def ok(name: str, detail: str) -> CheckResult:
@@ -112,7 +122,10 @@ class Preflight:
     """Why the cluster cannot be looked at (unreachable, no such namespace), set by the namespace check: the others then skip."""
     image_pulled: bool | None = None
     """Whether the probe pod pulled cluster.image (None: no probe ran)."""
+    unsafe_claims: set[str] = field(default_factory=set)
+    """ReadWriteOnce claims the volumes check found the run's pods may mount from different nodes: no probe mounts them."""
     _storages: dict[str, Storage] = field(default_factory=dict)
+    _nodes: list[dict[str, Any]] | None = None
 
     def needs(self, *steps: str) -> bool:
         """Whether the step about to start is one of `steps` (`check` covers every step)."""
@@ -121,6 +134,12 @@ class Preflight:
     @property
     def whole_run(self) -> bool:
         return self.step is None or self.step in WHOLE_RUN
+
+    def node_objects(self) -> list[dict[str, Any]]:
+        """The cluster's nodes, listed once for every check (Forbidden where this client may not list them)."""
+        if self._nodes is None:
+            self._nodes = self.cluster.list_cluster_objects("Node")
+        return self._nodes
 
     def storage(self, url: str) -> Storage:
         """Storage rooted at `url`, failing fast (no patience for outages: a check reports them)."""
@@ -176,10 +195,11 @@ def cluster_of(backend: Any) -> Cluster | None:
 
 
 def preflight(spec: RunSpec, step: str, cluster: Cluster | None, *, force: bool, say: Callable[[str], None],
-              stage_source: str | None = None) -> list[CheckResult]:
-    """The cheap checks before `step` starts (`run`, `submit`, `stage-model`): every line that is not
-    ok is said; a failure raises ChecksFailed."""
-    results = run_checks(Preflight(spec, step=step, cluster=cluster, force=force, stage_source=stage_source))
+              stage_source: str | None = None, dry_run: bool = False) -> list[CheckResult]:
+    """The checks before `step` starts (`run`, `submit`, `stage-model`; module docstring): every line
+    that is not ok is said; a failure raises ChecksFailed. A dry run starts no probe pod: it writes nothing."""
+    probe = not dry_run and step != "stage-model" and cluster is not None and (force or not run_has_jobs(cluster, spec))
+    results = run_checks(Preflight(spec, step=step, cluster=cluster, force=force, stage_source=stage_source, probe=probe))
     for result in results:
         if result.status in ("warn", "fail"):
             say(f"check {result.line()}")
@@ -187,3 +207,13 @@ def preflight(spec: RunSpec, step: str, cluster: Cluster | None, *, force: bool,
     if failures:
         raise checks_failed(failures)
     return results
+
+
+def run_has_jobs(cluster: Cluster, spec: RunSpec) -> bool:
+    """Whether a Job of the run's pipeline exists (stage-model's does not count: it starts no run).
+    An unreachable cluster answers False: the namespace check says why."""
+    try:
+        jobs, _ = cluster.list("Job", label_selector=f"{RUN_LABEL}={spec.name}")
+    except DflashError:
+        return False
+    return bool({job["metadata"]["name"] for job in jobs} & {job_name(spec, component) for component in COMPONENTS})

@@ -4,18 +4,26 @@ through the `Cluster` (the official client); Secret values are never read into a
 
 from __future__ import annotations
 
+import json
+
 from dflash_jobs.spec import is_s3
 
 from dflashctl.check import CheckResult, Preflight, fail, ok, skipped, warn
 from dflashctl.check.inputs import source_needed
 from dflashctl.errors import EXIT_CLUSTER, ClusterUnreachable, DflashError, Forbidden
-from dflashctl.pod_fit import Node, PodAsk, place, pod_asks
+from dflashctl.pod_fit import Node, PodAsk, claim_users, place, pod_asks, why_not_placed
 from dflashctl.render import controller_role_rules
 
 S3_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 HF_KEY = "HF_TOKEN"
 PULL_SECRET_TYPES = {"kubernetes.io/dockerconfigjson": ".dockerconfigjson", "kubernetes.io/dockercfg": ".dockercfg"}
 RBAC_GROUP = "rbac.authorization.k8s.io"
+SHARED_MODES = {"ReadWriteMany", "ReadOnlyMany"}
+"""Access modes that let pods of several nodes mount a claim at once."""
+SELECTED_NODE = "volume.kubernetes.io/selected-node"
+"""The annotation the scheduler sets on a WaitForFirstConsumer claim: the node its first pod went to."""
+PLACEMENT = ("nodeSelector", "affinity", "tolerations")
+"""The fields of a pod spec that decide where it may go."""
 SETUP_FIX = "Apply the namespace's objects first: `kubectl apply -k k8s/overlays/<cluster>` (k8s/default for the defaults)"
 
 
@@ -55,7 +63,7 @@ def permissions(pf: Preflight) -> CheckResult:
         return early
     wanted = [(verb, group, resource) for rule in controller_role_rules() for group in rule["apiGroups"]
               for resource in rule["resources"] for verb in rule["verbs"]]
-    if pf.probe:
+    if pf.probe and pf.step is None:  # `check`; a step's target check says it when it may not start the probe pod
         wanted += [("create", "", "pods"), ("delete", "", "pods")]
     denied = []
     for verb, group, resource in wanted:
@@ -85,7 +93,8 @@ def service_account(pf: Preflight) -> CheckResult:
         creatable = all(pf.cluster.can_i("create", resource, group=group)
                         for resource, group in (("serviceaccounts", ""), ("roles", RBAC_GROUP), ("rolebindings", RBAC_GROUP)))
         if creatable:
-            return ok("service account", f"{account}: {', '.join(missing)} missing; `dflashctl submit controller` creates them")
+            return warn("service account", f"{account}: {', '.join(missing)} missing", "`dflashctl submit controller` creates them "
+                        "(`dflashctl render controller` renders them for Git), or apply k8s/components/rbac: `kubectl apply -k k8s/overlays/<cluster>`")
         return fail("service account", f"{account}: {', '.join(missing)} missing, and this client may not create them",
                     f"{SETUP_FIX} (k8s/components/rbac), or set cluster.service_account")
     granted = {(group, resource, verb) for rule in role.get("rules") or [] for group in rule.get("apiGroups") or []
@@ -167,7 +176,7 @@ def pull_secrets(pf: Preflight) -> CheckResult | list[CheckResult]:
 
 
 def volumes(pf: Preflight) -> CheckResult | list[CheckResult]:
-    """Each claim the pods mount: it exists and is bound; shared ones can be mounted on several nodes."""
+    """Each claim the pods mount: it exists and is bound; a ReadWriteOnce one where every pod that mounts it lands on one node."""
     cluster = pf.spec.cluster
     claims = []
     if cluster.model_volume is not None:
@@ -179,7 +188,7 @@ def volumes(pf: Preflight) -> CheckResult | list[CheckResult]:
         return skipped("volumes", "the spec names no PersistentVolumeClaim")
     if (early := _unavailable(pf, "volumes")) is not None:
         return early
-    several_nodes = pf.spec.extract.shards > 1 or pf.spec.train.nodes > 1 or pf.spec.generate is not None
+    users = claim_users(pf.spec)
     results = []
     for field, claim in claims:
         name = f"volume {claim}"
@@ -194,17 +203,56 @@ def volumes(pf: Preflight) -> CheckResult | list[CheckResult]:
         phase = (pvc.get("status") or {}).get("phase", "Pending")
         modes = (pvc.get("status") or {}).get("accessModes") or (pvc.get("spec") or {}).get("accessModes") or []
         capacity = ((pvc.get("status") or {}).get("capacity") or {}).get("storage", "?")
+        one_node = None if not modes or SHARED_MODES & set(modes) else _one_node(pf, claim, pvc, users.get(claim, []))
         if phase == "Lost":
             results.append(fail(name, f"claim {claim} lost its volume", "Recreate the claim and its volume (`kubectl describe pvc`)"))
+        elif one_node is not None:
+            pf.unsafe_claims.add(claim)
+            results.append(one_node)
         elif phase != "Bound":
             results.append(warn(name, f"claim {claim} is {phase}: a WaitForFirstConsumer class binds it with the first pod; otherwise it waits for a volume",
                                 f"`kubectl -n {cluster.namespace} describe pvc {claim}` says which"))
-        elif several_nodes and field in ("model_volume", "output_volume") and not {"ReadWriteMany", "ReadOnlyMany"} & set(modes):
-            results.append(warn(name, f"claim {claim} is {', '.join(modes)}: the pods of one node only can mount it, and this run's pods may land on several",
-                                "Use a ReadWriteMany (or ReadOnlyMany for the model) class, or one node for the whole run"))
         else:
             results.append(ok(name, f"{claim} is Bound ({capacity}, {', '.join(modes) or 'access modes unknown'})"))
     return results
+
+
+def _one_node(pf: Preflight, claim: str, pvc: dict, users: list[tuple[str, dict]]) -> CheckResult | None:
+    """A ReadWriteOnce claim is mounted on one node at a time, and its first pod binds it to that node
+    (a WaitForFirstConsumer class, node-local disk): the failure when the pods that mount it may land on
+    different nodes, or may not go to the node it is bound to; None when they all land on one."""
+    name = f"volume {claim}"
+    bound = ((pvc.get("metadata") or {}).get("annotations") or {}).get(SELECTED_NODE)
+    fix = ("Pin every pod that mounts it to one node: cluster.cpu_placement with the GPU pods' node_selector (and a toleration of their "
+           "taints), as examples/qwen36-27b/dflash.yaml sets for k8s/overlays/rtx-pro-6000; or a ReadWriteMany class (k8s/default)")
+    try:
+        nodes = [Node.of(obj) for obj in pf.node_objects()]
+    except Forbidden:  # where they may go is not known here: whether their placements differ is
+        placements = {json.dumps({key: pod.get(key) for key in PLACEMENT}, sort_keys=True) for _, pod in users}
+        if len(placements) > 1:
+            return warn(name, f"claim {claim} is ReadWriteOnce, and the pods that mount it are placed apart "
+                              f"({', '.join(component for component, _ in users)}): they may land on different nodes", fix)
+        return None
+    where: dict[str, set[str]] = {}
+    for component, pod in users:
+        where.setdefault(component, {node.name for node in nodes if why_not_placed(node, pod) is None})
+    if bound is not None:
+        away = [component for component, names in where.items() if names and bound not in names]
+        if away:
+            return fail(name, f"claim {claim} is ReadWriteOnce and bound to node {bound} (by the first pod that mounted it), where "
+                              f"{', '.join(away)} may not go: those pods cannot mount it",
+                        f"It stays bound there: recreate it (`kubectl -n {pf.spec.cluster.namespace} delete pvc {claim}`, then apply "
+                        f"the overlay again) and stage the model again. {fix}")
+        return None
+    landing = {component: names for component, names in where.items() if names}
+    if len(set().union(*landing.values())) > 1:
+        groups: dict[tuple[str, ...], list[str]] = {}
+        for component, names in landing.items():
+            groups.setdefault(tuple(sorted(names)), []).append(component)
+        spread = "; ".join(f"{', '.join(components)} on {', '.join(names)}" for names, components in groups.items())
+        return fail(name, f"claim {claim} is ReadWriteOnce and its first pod binds it to that pod's node, but the pods that mount it "
+                          f"may land on different nodes ({spread})", fix)
+    return None
 
 
 def nodes(pf: Preflight) -> CheckResult | list[CheckResult]:
@@ -212,7 +260,7 @@ def nodes(pf: Preflight) -> CheckResult | list[CheckResult]:
     if (early := _unavailable(pf, "nodes")) is not None:
         return early
     try:
-        found = [Node.of(obj) for obj in pf.cluster.list_cluster_objects("Node")]
+        found = [Node.of(obj) for obj in pf.node_objects()]
     except Forbidden:
         return warn("nodes", "cannot list nodes here (a cluster-wide permission): whether the pods fit is not checked",
                     "`dflashctl check` as a user who may list nodes checks it; `dflashctl plan` shows what each pod asks")

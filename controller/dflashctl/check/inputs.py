@@ -42,12 +42,21 @@ STEP_BEFORE = {DATASET_KEY: "prepare (`dflashctl run`, or `dflashctl prepare` he
 
 
 def placeholders(pf: Preflight) -> CheckResult:
-    spec = pf.spec
-    left = [f"{name} {url}" for name, url in (("output", spec.output), ("data.source", spec.data.source), ("target.model", spec.target.model))
-            if is_s3(url) and url[len("s3://"):].split("/", 1)[0] in PLACEHOLDER_BUCKETS]
-    if left:
-        return fail("placeholders", f"the starter's placeholder bucket is still there: {', '.join(left)}", "Set them to your bucket")
-    return ok("placeholders", "none of the starter's placeholder values is left")
+    """The starter's bucket (a failure: nothing can be read or written there) and the project's default
+    image names, which nothing publishes (a warning: a mirror may hold them; the probe pod pulls cluster.image)."""
+    spec, defaults = pf.spec, ClusterSpec()
+    buckets = [f"{name} {url}" for name, url in (("output", spec.output), ("data.source", spec.data.source), ("target.model", spec.target.model))
+               if is_s3(url) and url[len("s3://"):].split("/", 1)[0] in PLACEHOLDER_BUCKETS]
+    images = [f"cluster.{name} {value}" for name, value, default in (("image", spec.cluster.image, defaults.image),
+                                                                    ("controller_image", spec.cluster.controller_image, defaults.controller_image))
+              if spec.backend == "kubernetes" and value == default and (name == "image" or pf.whole_run)]
+    found = [(f"the starter's placeholder bucket is still there: {', '.join(buckets)}", "Set them to your bucket")] if buckets else []
+    found += [(f"the project's default image names, which nothing publishes: {', '.join(images)}",
+               "Build and push your images (images/README.md), then set them")] if images else []
+    if not found:
+        return ok("placeholders", "none of the starter's placeholder values is left")
+    detail, fix = "; ".join(what for what, _ in found), "; ".join(fix for _, fix in found)
+    return fail("placeholders", detail, fix) if buckets else warn("placeholders", detail, fix)
 
 
 def pod_template_patch(pf: Preflight) -> CheckResult:
@@ -68,7 +77,7 @@ def output(pf: Preflight) -> CheckResult:
     storage = pf.storage(spec.output)
     try:
         conflict = identity_conflict(storage, spec)
-        if conflict is not None and pf.force:
+        if conflict is not None and pf.force and conflict.force_allowed:
             return warn("output", f"{conflict.what}; --force replaces its run.yaml (what it holds is kept)")
         if conflict is not None:
             return fail("output", conflict.what, conflict.fix)
@@ -204,10 +213,15 @@ def target(pf: Preflight) -> CheckResult:
                 return skipped("target", f"{model} lies on claim {volume.claim}: `dflashctl check` reads it through a pod")
             if pf.cluster is None or pf.cluster_error is not None:
                 return skipped("target", "not checked: see namespace")
+            if volume.claim in pf.unsafe_claims:  # the probe's mount would bind it where the run's pods may not go
+                return skipped("target", f"{model} lies on claim {volume.claim}: not read (see volume {volume.claim})")
+            if pf.step is not None and not pf.cluster.can_i("create", "pods"):
+                return warn("target", f"{model} lies on claim {volume.claim}, read through a pod, and this client may not create pods: not checked",
+                            "`dflashctl check` as a user who may create pods reads it")
             description, where = _read_through_pod(pf), f" (read by pod {probe_pod_name(spec)} on claim {volume.claim})"
-        else:
-            return warn("target", f"{model} is neither here nor on cluster.model_volume: not checked, and the pods must see it there",
-                        "Set cluster.model_volume {claim, mount} with target.model under its mount (or mount it with cluster.pod_template_patch)")
+        else:  # on another volume the pods mount (the spec allows no other path on Kubernetes), not mounted here
+            return warn("target", f"{model} is not readable here: not checked",
+                        "Run `dflashctl check` where its volume is mounted at that path, or put it on cluster.model_volume (read through a pod)")
     except StorageError as error:
         return from_error("target", error, what="cannot read its config.json: ")
     return judge_target(spec, description, where)
@@ -306,11 +320,4 @@ def image(pf: Preflight) -> CheckResult:
         return ok("image", f"{cluster.image} was pulled by the probe pod")
     if pf.image_pulled is False:
         return fail("image", f"{cluster.image} cannot be pulled (see target)", "Push it, or set cluster.image_pull_secrets")
-    defaults = ClusterSpec()
-    left = [f"cluster.{name} {value}" for name, value, default in (("image", cluster.image, defaults.image),
-                                                                  ("controller_image", cluster.controller_image, defaults.controller_image))
-            if value == default and (name == "image" or pf.whole_run)]
-    if left:
-        return warn("image", f"the project's default image names, which nothing here says exist: {', '.join(left)}",
-                    "Build and push yours (images/README.md), then set them; `dflashctl check` pulls cluster.image through a probe pod")
     return skipped("image", "pulled by the first pod (`dflashctl check` pulls cluster.image through a probe pod)")

@@ -27,7 +27,7 @@ def check(
 
     Namespace, permissions, Secrets, volumes, nodes, the output, data.source, the target
     checkpoint, the image. Exit 2 when a check fails (4: the cluster, 5: storage); `run` and
-    `submit` run the cheap ones by themselves.
+    `submit` run those of their step by themselves and start nothing this refuses.
 
     Examples:
 

@@ -69,6 +69,9 @@ def print_summary(summary: DemoSummary) -> None:
     table.add_row("training", f"{summary.train_steps} steps, loss {first:.2f} -> {last:.2f}; curve: {summary.train_plot}")
     lengths = ", ".join(f"{name} {value:.2f}" for name, value in summary.acceptance_length.items())
     table.add_row("acceptance length", f"{lengths} (plain greedy: 1.00); per position: {summary.acceptance_plot}")
+    if summary.tree_acceptance:
+        trees = ", ".join(f"{budget} nodes {value:.2f}" for budget, value in summary.tree_acceptance.items())
+        table.add_row("draft trees", f"{trees} (DDTree: the drafter's likeliest branches verified in one forward a step)")
     table.add_row("lossless", "yes: every output equals plain greedy" if summary.lossless else "[red]NO[/]")
     output.stdout.print(table)
     spec = summary.spec_file

@@ -49,7 +49,9 @@ ShardOpt = Annotated[int | None, typer.Option("--shard", min=0, help="One shard 
 TimeoutOpt = Annotated[
     float | None, typer.Option("--timeout", min=0, help="Give up waiting after this many seconds (exit 3); the Jobs go on.")
 ]
-ForceOpt = Annotated[bool, typer.Option("--force", help="Delete and recreate what a different spec left under this name (its Jobs, run.yaml).")]
+ForceOpt = Annotated[bool, typer.Option(
+    "--force", help="Re-spec this run: replace what a different spec of this run's name left (its Jobs, run.yaml). An output "
+    "another run owns is taken over only once that run has no Jobs left.")]
 
 LocatorSpecOpt = Annotated[
     Path | None,

@@ -13,7 +13,7 @@ from dflash_jobs.units import format_duration
 
 from dflashctl import plan as planning
 from dflashctl.check import Preflight
-from dflashctl.check.inputs import image, placeholders
+from dflashctl.check.inputs import placeholders
 from dflashctl.cli import output
 from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt, Targets, read_spec
 
@@ -69,9 +69,11 @@ def plan(
             data = planning.generated_data_size(spec, generation, source)
     nodes, nodes_basis = planning.read_nodes(spec)
     offline = Preflight(spec)
-    warnings = [result.line() for result in (placeholders(offline), image(offline)) if result.status in ("warn", "fail")]
+    warnings = [result.line() for result in (placeholders(offline),) if result.status in ("warn", "fail")]
+    target = planning.read_target_shape(spec)
+    warnings += [target.warning] if target.warning else []
     result = planning.make_plan(
-        spec, data, planning.read_target_shape(spec), tokens_per_second=tokens_per_second,
+        spec, data, target, tokens_per_second=tokens_per_second,
         train_tokens_per_second=train_tokens_per_second, store_mb_per_s=store_mb_per_s,
         generation=generation, nodes=nodes, nodes_basis=nodes_basis, warnings=warnings,
     )

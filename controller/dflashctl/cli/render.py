@@ -91,6 +91,8 @@ def render(
         output.info(f"removed {path} (an earlier render's; not part of this one)")
     for path in result.written:
         output.info(f"wrote {path}")
+    for path in result.unchanged:
+        output.info(f"unchanged {path}")
     if which is Selection.all:
         # Every step at once would start training before extraction: the controller sequences them.
         output.hint(f"review it; to run it, render the controller instead (`dflashctl render controller -d {directory}`): it creates each step in turn")

@@ -39,8 +39,9 @@ def run(
 
     Run it again after a crash or Ctrl-C: it attaches to the Jobs that exist, skips every step
     whose output is in storage, and goes on. Training starts only once every chunk is verified.
-    The cheap preflight checks run first (`dflashctl check` runs them all): a failure starts nothing.
-    --dry-run runs them, then says which steps storage still lacks and what the first Job would create.
+    `dflashctl check`'s checks run first, the target read through a probe pod when the run starts:
+    a failure starts nothing, not even run.yaml. --dry-run runs them, then says which steps storage
+    still lacks and what the first Job would create.
 
     Examples:
 
@@ -57,7 +58,7 @@ def run(
     """
     spec = read_spec(spec_file)
     backend = open_backend(spec)
-    preflight(spec, "run", cluster_of(backend), force=force, say=output.info)
+    preflight(spec, "run", cluster_of(backend), force=force, say=output.info, dry_run=dry_run)
     if dry_run:
         say_dry_run(spec, backend, force=force)
         return

@@ -15,6 +15,7 @@ import typer
 from dflash_jobs.errors import EXIT_BAD_INPUT, EXIT_BAD_SPEC, EXIT_OK
 from dflash_jobs.stage_model import parse_source
 
+from dflashctl.backend import SUBMITTED
 from dflashctl.backends import open_backend
 from dflashctl.cli import output
 from dflashctl.cli.options import DEFAULT_SPEC, ForceOpt, SpecOpt, TimeoutOpt, read_spec
@@ -53,9 +54,9 @@ def stage_model(
     objects = render_stage_model_objects(spec, source)
     backend = open_backend(spec)
     clear_to_start(spec, backend, STAGE_MODEL, force=force, stage_source=source)
-    backend.submit(objects, force=force)
     name = stage_model_job_name(spec)
-    output.info(f"submitted Job {name}: {source} into {spec.target.model} on claim {spec.cluster.model_volume.claim}")
+    outcome = backend.submit(objects, force=force)[name]
+    output.info(f"{SUBMITTED[outcome]} Job {name}: {source} into {spec.target.model} on claim {spec.cluster.model_volume.claim}")
     if not wait:
         output.hint(f"kubectl -n {spec.cluster.namespace} logs job/{name} -f   (then `dflashctl check`)")
         return

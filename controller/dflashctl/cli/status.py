@@ -24,18 +24,21 @@ from rich.text import Text
 
 from dflash_jobs.drafter.serving import run_serve_command
 from dflash_jobs.errors import FormatError, StorageError
-from dflash_jobs.formats import DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, MANIFEST_KEY
+from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, MANIFEST_KEY
 from dflash_jobs.generation import MANIFEST_KEY as GENERATION_MANIFEST_KEY
-from dflash_jobs.generation import ChunkMarker, GenerationManifest, GenerationProgress, current_manifest
+from dflash_jobs.generation import PLAN_KEY, ChunkMarker, GenerationManifest, GenerationProgress, current_manifest
 from dflash_jobs.generation import read_progress as read_generation_progress
 from dflash_jobs.spec import RunSpec
-from dflash_jobs.storage import Storage, storage_for
+from dflash_jobs.storage import Storage, open_storage
 from dflash_jobs.units import format_duration
 
 from dflashctl.backend import Backend, JobStatus, format_indexes
 from dflashctl.backends import open_backend, targeted
+from dflashctl.check import STORAGE_ATTEMPTS
 from dflashctl.cli import output
 from dflashctl.cli.options import DEFAULT_SPEC, LocatorSpecOpt, OutputFormat, OutputOpt, WatchOpt, locate, read_spec
+from dflashctl.errors import exit_code
+from dflashctl.pipeline import completed_without_chunks
 from dflashctl.progress import (
     Progress, format_rate, generation_rates, generation_time_left, landing_rate, read_progress, time_left,
 )
@@ -61,6 +64,8 @@ class RunReport:
     evaluated: bool
     storage_error: str | None
     next_step: str = ""
+    storage_exit: int = 0
+    """The exit code for `storage_error` (5: unavailable, run again later; 2: credentials, bucket), 0 without one."""
     serve: str | None = None
     """Once the drafter is exported: the vLLM command that serves it (or why it cannot be formatted)."""
     generation: GenerationProgress | None = None
@@ -88,7 +93,28 @@ class RunReport:
 
     @property
     def failed(self) -> bool:
-        return not self.evaluated and any(job.failed_terminally for job in self.jobs.values())
+        return not self.evaluated and (any(job.failed_terminally for job in self.jobs.values()) or self.verdict is not None)
+
+    @property
+    def verdict(self) -> str | None:
+        """A Job that completed (its pods exited 0) without what its step writes: nothing runs, and
+        nothing follows by itself. For generation and extraction, a defect (completed_without_chunks)."""
+        jobs, progress, generation = self.jobs, self.progress, self.generation
+        if progress is None:
+            return None  # storage unreadable: nothing to hold the Jobs against
+        short = None
+        if generation is not None and not self.generated and jobs["generate"].complete and not generation.landed:
+            short = completed_without_chunks("generate", jobs["generate"], generation)
+        elif progress.chunks_total is not None and jobs["extract"].complete and not progress.landed:
+            short = completed_without_chunks("extract", jobs["extract"], progress)
+        if short is not None:
+            return ". ".join(short)
+        for step, done, key in (("prepare", progress.chunks_total is not None, DATASET_KEY), ("train", self.trained, DRAFTER_CONFIG_KEY),
+                                ("eval", self.evaluated, EVAL_REPORT_KEY)):
+            if jobs[step].complete and not done:
+                return (f"{step} Job {jobs[step].name} completed without {key}: its pod wrote nothing (a defect to report: "
+                        f"`dflashctl logs {step}`), or it was deleted since; `dflashctl run` runs the step again")
+        return None
 
     @property
     def step(self) -> str:
@@ -127,18 +153,22 @@ def job_state(job: JobStatus) -> str:
         return "Finishing"  # decided; the remaining pods are being terminated
     if job.suspended:
         return "Queued"
-    return "Running" if job.active else "Pending"
+    running = sum(shard.phase == "Running" for shard in job.shards) if job.shards else job.active
+    return "Running" if running else "Pending"
 
 
 def summarize(step: str, job: JobStatus) -> str:
-    """One line per Job: `extract Running: 5/8 done, 1 failed (3), 2 active`."""
+    """One line per Job: `extract Running: 5/8 done, 1 failed (3), 1 running, 1 pending`."""
     state = job_state(job)
     if not job.exists:
         return f"{step} {state}"
     parts = [f"{len(job.completed_indexes)}/{job.completions} done"]
     if job.failed_indexes:
         parts.append(f"{len(job.failed_indexes)} failed ({format_indexes(job.failed_indexes)})")
-    if job.active:
+    if job.active and job.shards:  # the pods' phases: scheduled and running, or waiting for a node, an image, a volume
+        running = sum(shard.phase == "Running" for shard in job.shards)
+        parts += [f"{count} {phase}" for count, phase in ((running, "running"), (job.active - running, "pending")) if count > 0]
+    elif job.active:
         parts.append(f"{job.active} active")
     return f"{step} {state}: {', '.join(parts)}"
 
@@ -149,9 +179,10 @@ def collect(spec: RunSpec, backend: Backend, markers: dict[str, ChunkMarker] | N
     jobs = job_statuses(spec, backend)
     progress = manifest = trained = evaluated = serve = None
     generation = generation_manifest = generation_error = None
-    storage_error = None
+    storage_error, storage_exit = None, 0
     try:
-        storage = storage_for(spec)
+        storage = open_storage(spec.output, endpoint_url=spec.storage.endpoint_url, region=spec.storage.region,
+                               max_attempts=STORAGE_ATTEMPTS)
         progress = read_progress(storage)
         manifest = storage.exists(MANIFEST_KEY)
         trained = storage.exists(DRAFTER_CONFIG_KEY)
@@ -163,7 +194,7 @@ def collect(spec: RunSpec, backend: Backend, markers: dict[str, ChunkMarker] | N
             too_few = None if generation_manifest is None else generation_manifest.too_few_rows(spec.data.holdout)
             generation_error = None if too_few is None else str(too_few)
     except StorageError as error:
-        storage_error = str(error)
+        storage_error, storage_exit = str(error), exit_code(error)
     extract, generate = jobs["extract"], jobs["generate"]
     rate = None
     if progress is not None and extract.exists and not extract.finished:
@@ -182,6 +213,7 @@ def collect(spec: RunSpec, backend: Backend, markers: dict[str, ChunkMarker] | N
         trained=bool(trained),
         evaluated=bool(evaluated),
         storage_error=storage_error,
+        storage_exit=storage_exit,
         serve=serve,
         generation=generation,
         generation_manifest=generation_manifest,
@@ -213,6 +245,8 @@ def next_step(spec: RunSpec, report: RunReport) -> str:
         return "fix storage access first (see the error above), then `dflashctl status` again"
     if report.evaluated:
         return f"done: the drafter is in {spec.output}/train/drafter, the evaluation in {spec.output}/{EVAL_REPORT_KEY}"
+    if report.verdict is not None:
+        return report.verdict
     if report.generation_error and (progress is None or progress.chunks_total is None):
         return report.generation_error
     if spec.generate is not None and not report.generated and (progress is None or progress.chunks_total is None):
@@ -346,6 +380,8 @@ def generation_line(report: RunReport) -> str | None:
     if progress is None:
         return None
     if progress.prompts_total is None:
+        if report.jobs["generate"].complete:
+            return f"generation: nothing written, not even {PLAN_KEY}, by a generate Job that completed"
         return "generation: not started (no plan yet)"
     share = f" ({progress.prompts_done / progress.prompts_total:.0%})" if progress.prompts_total else ""
     line = f"generation: {progress.label} chunks, {progress.prompts_done:,}/{progress.prompts_total:,} prompts{share}"
@@ -361,6 +397,8 @@ def plain_lines(report: RunReport) -> list[str]:
     for shard in report.jobs[step].shards if step else []:
         reason = f" {shard.exit_reason}" if shard.exit_reason else ""
         lines.append(f"  {step}[{shard.index}] {shard.phase} pod={shard.pod or '-'} node={shard.node or '-'} attempts={shard.attempts}{reason}")
+    if report.storage_error:
+        lines.append(f"storage: {report.storage_error}")
     lines += [line for line in (generation_line(report),) if line]
     if report.generation_warning:
         lines.append(f"warning: {report.generation_warning}")
@@ -449,6 +487,8 @@ def status(
             if fmt in (OutputFormat.json, OutputFormat.yaml) or look != shown:
                 _show(report, fmt)
                 shown = look
+    if report.storage_error:  # the run could not be looked at: README's exit code for storage
+        raise typer.Exit(report.storage_exit)
     if watch and report.failed:
         raise typer.Exit(1)
 

@@ -12,7 +12,7 @@ from dflash_jobs.formats import RUN_KEY
 from dflash_jobs.spec import RunSpec
 from dflash_jobs.storage import storage_for
 
-from dflashctl.backend import Backend, JobStatus, submit_outcome
+from dflashctl.backend import SUBMITTED, Backend, JobStatus, submit_outcome
 from dflashctl.backends import open_backend
 from dflashctl.check import cluster_of, preflight
 from dflashctl.cli import output
@@ -39,7 +39,7 @@ def submit(
 ) -> None:
     """Create the Job of one step. The same spec again attaches to it; a different one is refused without --force.
 
-    The step's cheap checks run first (`dflashctl check` runs them all): a failure starts nothing
+    `dflashctl check`'s checks of the step run first: a failure starts nothing
     and exits 2 (4: the cluster, 5: storage). The output is claimed for this spec (run.yaml): one
     holding another run is refused. --dry-run runs the checks and says what would be created
     (`dflashctl render` prints the objects themselves).
@@ -57,13 +57,13 @@ def submit(
     spec = read_spec(spec_file)
     backend = open_backend(spec)
     if dry_run:
-        preflight(spec, step.value, cluster_of(backend), force=force, say=output.info)
+        preflight(spec, step.value, cluster_of(backend), force=force, say=output.info, dry_run=True)
         say_dry_submit(spec, backend, step.value, force=force)
         return
     clear_to_start(spec, backend, step.value, force=force)
-    backend.submit(render_selection(spec, step.value), force=force)
     name = job_name(spec, step.value)
-    output.info(f"submitted Job {name} ({spec.backend}, spec hash {spec.fingerprint()})")
+    outcome = backend.submit(render_selection(spec, step.value), force=force)[name]
+    output.info(f"{SUBMITTED[outcome]} Job {name} ({spec.backend}, spec hash {spec.fingerprint()})")
     if not wait:
         output.hint("dflashctl status --watch")
         return

@@ -60,11 +60,12 @@ class LocalBackend:
 
     # -- submit --
 
-    def submit(self, objects: list[dict], *, force: bool = False) -> None:
+    def submit(self, objects: list[dict], *, force: bool = False) -> dict[str, str]:
+        jobs = {}
         for obj in objects:
             kind, name = obj["kind"], obj["metadata"]["name"]
             if kind == "Job":
-                self._submit_job(obj, force=force)
+                jobs[name] = self._submit_job(obj, force=force)
                 continue
             path = self._object_path(kind, name)
             existing = read_json(path)
@@ -73,6 +74,7 @@ class LocalBackend:
             write_json(path, obj)
             if kind == "ConfigMap":
                 self._write_configmap(obj)
+        return jobs
 
     def find(self, kind: str, name: str) -> dict | None:
         if kind == "Job":
@@ -103,15 +105,18 @@ class LocalBackend:
         for key, value in configmap.get("data", {}).items():
             (directory / key).write_text(value)
 
-    def _submit_job(self, job: dict[str, Any], *, force: bool) -> None:
+    def _submit_job(self, job: dict[str, Any], *, force: bool) -> str:
+        """Created, attached to (resumed) or replaced: Backend.submit's outcome."""
         files = JobFiles(self.workdir, job["metadata"]["name"])
         existing = JobRecord.load(files)
+        outcome = "created"
         if existing is not None:
             if submit_outcome(job, existing.manifest, force=force) == "replaced":
                 self.delete(files.name)
+                outcome = "replaced"
             else:
                 self._resume(files)
-                return
+                return "attached"
         record = JobRecord(manifest=job, volumes=self._volumes(job), cwd=os.getcwd(), parallelism_cap=self.parallelism_cap)
         for container in record.containers:
             check_container(container, files.name)
@@ -119,6 +124,7 @@ class LocalBackend:
         shutil.rmtree(files.logs, ignore_errors=True)  # a deleted Job's logs, if its deletion was interrupted
         record.save(files)
         self._resume(files)
+        return outcome
 
     def _resume(self, files: JobFiles) -> None:
         """Starts a supervisor unless one runs (or the Job has ended)."""

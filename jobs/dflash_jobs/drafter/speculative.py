@@ -194,16 +194,16 @@ class Target:
         self._hooks.clear()
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _finished(tokens: list[int], max_new_tokens: int, stop_ids: frozenset[int]) -> bool:
+def finished(tokens: list[int], max_new_tokens: int, stop_ids: frozenset[int]) -> bool:
     return len(tokens) >= max_new_tokens or not stop_ids.isdisjoint(tokens)
 
 
-def _through_stop(tokens: list[int], stop_ids: frozenset[int]) -> int:
+def through_stop(tokens: list[int], stop_ids: frozenset[int]) -> int:
     """How many of `tokens` an output keeps: up to and including the first stop token (EOS)."""
     return next((i + 1 for i, token in enumerate(tokens) if token in stop_ids), len(tokens))
 
@@ -219,7 +219,7 @@ def greedy_decode(
     another output (a speculative one) at every position, not only up to its first difference.
     """
     device = target.device
-    _synchronize(device)
+    synchronize(device)
     start = time.perf_counter()
     target.reset()
     logits = target.forward(prompt.to(device), last_only=True)[-1]
@@ -229,12 +229,12 @@ def greedy_decode(
         tokens.append(int(top.indices[0]))
         values.append(top.values)  # read once at the end: one host sync per token (the token), not three
         indices.append(top.indices)
-        done = len(tokens) >= len(forced) if forced is not None else _finished(tokens, max_new_tokens, stop_ids)
+        done = len(tokens) >= len(forced) if forced is not None else finished(tokens, max_new_tokens, stop_ids)
         if done:
             break
         fed = top.indices[:1] if forced is None else torch.tensor(forced[len(tokens) - 1 : len(tokens)], device=device)
         logits = target.forward(fed, last_only=True)[-1]
-    _synchronize(device)
+    synchronize(device)
     seconds = time.perf_counter() - start
     tops = torch.stack(values).tolist()  # [n, 2]: top-1 and top-2 logits
     return Decoded(
@@ -244,7 +244,7 @@ def greedy_decode(
     )
 
 
-class _Context:
+class CommittedContext:
     """The captured target layers of the committed positions, grown in place (no re-concatenation per block)."""
 
     def __init__(self, capacity: int, width: int, like: torch.Tensor) -> None:
@@ -259,6 +259,57 @@ class _Context:
         return self.buffer[: self.length]
 
 
+@dataclass
+class Decoding:
+    """A decoding under way after the prompt: the committed tokens, what the drafter reads, each step's counts."""
+
+    sequence: torch.Tensor
+    """The prompt and the committed tokens, then room for max_new_tokens and a block more."""
+    length: int
+    """Committed tokens (the prompt's included); the last is the anchor of the next block."""
+    context: CommittedContext | None
+    """The captured target layers of the committed positions before the anchor (None without target_layers)."""
+    tokens: list[int]
+    """The new tokens committed so far."""
+    started: float
+    """perf_counter() when the decoding started, the prefill included."""
+    accepted: list[int] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)
+
+    def commit(self, new: torch.Tensor, accepted: int, drafted: int) -> None:
+        """Appends a verify step's new tokens [accepted + 1], and its counts (Decoded.accepted, drafted)."""
+        self.sequence[self.length : self.length + len(new)] = new
+        self.length += len(new)
+        self.tokens.extend(new.tolist())
+        self.accepted.append(accepted)
+        self.drafted.append(drafted)
+
+    def decoded(self) -> Decoded:
+        synchronize(self.sequence.device)
+        return Decoded(tokens=self.tokens, seconds=time.perf_counter() - self.started, accepted=self.accepted, drafted=self.drafted)
+
+
+def prefill(target: Target, drafter: BlockDrafter, prompt: torch.Tensor, *, max_new_tokens: int) -> Decoding:
+    """Starts the clock and runs the prompt through the target (its captured layers: the drafter's
+    first context); the target's first token after it is the first anchor."""
+    if list(target.layers) != list(drafter.target_layers):
+        raise ValueError(f"the target captures layers {target.layers} but the drafter reads {drafter.target_layers}")
+    prompt = prompt.to(target.device)
+    synchronize(target.device)
+    started = time.perf_counter()
+    target.reset()
+    logits = target.forward(prompt, last_only=True)
+    sequence = torch.empty(len(prompt) + max_new_tokens + drafter.block_size, dtype=torch.long, device=prompt.device)
+    sequence[: len(prompt)] = prompt
+    sequence[len(prompt)] = logits[-1].argmax()
+    context: CommittedContext | None = None
+    if target.layers:
+        features = target.features()
+        context = CommittedContext(len(sequence), features.shape[-1], features)
+        context.append(features)
+    return Decoding(sequence, len(prompt) + 1, context, [int(sequence[len(prompt)])], started)
+
+
 @torch.inference_mode()
 def speculative_decode(
     target: Target, drafter: BlockDrafter, prompt: torch.Tensor, *, max_new_tokens: int, stop_ids: frozenset[int]
@@ -269,28 +320,12 @@ def speculative_decode(
     exactly as in training: the prompt's from the prefill, then those of each block's accepted
     tokens (the anchor included); the bonus token has no target state yet and anchors the next block.
     """
-    if list(target.layers) != list(drafter.target_layers):
-        raise ValueError(f"the target captures layers {target.layers} but the drafter reads {drafter.target_layers}")
     device = target.device
-    prompt = prompt.to(device)
-    _synchronize(device)
-    start = time.perf_counter()
-    target.reset()
-    logits = target.forward(prompt, last_only=True)
-    sequence = torch.empty(len(prompt) + max_new_tokens + drafter.block_size, dtype=torch.long, device=device)
-    sequence[: len(prompt)] = prompt
-    sequence[len(prompt)] = logits[-1].argmax()
-    length = len(prompt) + 1  # committed tokens; the last is the anchor of the next block
-    cached = len(prompt)  # committed tokens in the target's cache; those after it lead the next verify forward
-    context: _Context | None = None
-    if target.layers:
-        features = target.features()
-        context = _Context(len(sequence), features.shape[-1], features)
-        context.append(features)
-
-    tokens = [int(sequence[len(prompt)])]
-    accepted_per_step, drafted_per_step = [], []
-    while not _finished(tokens, max_new_tokens, stop_ids):
+    decoding = prefill(target, drafter, prompt, max_new_tokens=max_new_tokens)
+    sequence, context, tokens = decoding.sequence, decoding.context, decoding.tokens
+    cached = decoding.length - 1  # committed tokens in the target's cache; those after it lead the next verify forward
+    while not finished(tokens, max_new_tokens, stop_ids):
+        length = decoding.length
         # A block yields at most len(draft) + 1 tokens: draft no more than the output still needs.
         draft = drafter.propose(sequence[:length], context.view() if context is not None else None)
         draft = draft[: min(drafter.drafts, max_new_tokens - len(tokens) - 1)].to(device, torch.long)
@@ -300,30 +335,18 @@ def speculative_decode(
         predicted = logits[anchor:].argmax(-1)  # predicted[j]: the target's token after the block's j-th (anchor, drafts...)
         accepted = int(torch.cumprod((draft == predicted[:-1]).long(), dim=0).sum())
         block = torch.cat([draft[:accepted], predicted[accepted : accepted + 1]])
-        new = block.tolist()
         # The output ends at a stop token: drafts the target agreed with after it are neither
         # committed nor counted (a stop among the drafts takes the bonus token's place).
-        accepted = _through_stop(new, stop_ids) - 1
-        new = new[: accepted + 1]
+        accepted = through_stop(block.tolist(), stop_ids) - 1
         if context is not None:
             context.append(target.features()[anchor : anchor + accepted + 1])
-        sequence[length : length + len(new)] = block[: len(new)]
-        length += len(new)
+        decoding.commit(block[: accepted + 1], accepted, len(draft))
         if accepted == len(draft):
-            cached = length - 1  # everything but the bonus token went through the cache as it stays
+            cached = decoding.length - 1  # everything but the bonus token went through the cache as it stays
         else:
             # A rejected draft left its state in the GDN layers: back to the checkpoint.
             target.rollback(checkpoint)
-            if length - 1 - cached >= drafter.block_size:
-                target.forward(sequence[cached : length - 1], last_only=True)
-                cached = length - 1
-        tokens.extend(new)
-        accepted_per_step.append(accepted)
-        drafted_per_step.append(len(draft))
-    _synchronize(device)
-    return Decoded(
-        tokens=tokens,
-        seconds=time.perf_counter() - start,
-        accepted=accepted_per_step,
-        drafted=drafted_per_step,
-    )
+            if decoding.length - 1 - cached >= drafter.block_size:
+                target.forward(sequence[cached : decoding.length - 1], last_only=True)
+                cached = decoding.length - 1
+    return decoding.decoded()

@@ -1,9 +1,9 @@
 """`python -m dflash_jobs.evaluate -f dflash.yaml`: the trained drafter's acceptance length and speed.
 
 The last step of `dflashctl run` (and `dflashctl eval`): DFlash speculative decoding with the
-target on held-out prompts, against plain greedy and prompt lookup, and the drafter's training
-forward on the same prompts (teacher forced); writes eval/report.json and eval/acceptance.png and
-prints the report's headline as one JSON line.
+target on held-out prompts, against plain greedy and prompt lookup, decoding by draft trees
+(eval.tree_budgets), and the drafter's training forward on the same prompts (teacher forced);
+writes eval/report.json and eval/acceptance.png and prints the report's headline as one JSON line.
 """
 
 from __future__ import annotations
@@ -38,7 +38,11 @@ def main(argv: list[str] | None = None) -> int:
         return pod_exit_code(exc)
     for line in report_warnings(report):
         log.warning("%s", line)
-    headline = {name: {"acceptance_length": round(s["acceptance_length"], 3), "speedup": round(s["speedup"], 3)} for name, s in report["drafters"].items()}
+    headline = {
+        name: {"acceptance_length": round(s["acceptance_length"], 3), "speedup": round(s["speedup"], 3),
+               **({"tree_acceptance_length": {b: round(d["acceptance_length"], 3) for b, d in s["tree"]["decoded"].items()}} if "tree" in s else {})}
+        for name, s in report["drafters"].items()
+    }
     print(json.dumps({"lossless": report["lossless"], **headline}))
     return EXIT_OK
 

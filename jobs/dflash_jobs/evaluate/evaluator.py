@@ -7,7 +7,10 @@ reference output and speed), DFlash speculative decoding, and prompt lookup (the
 baseline); then the DFlash drafter's training forward runs on the prompt and greedy's output
 (evaluate/simulated.py), the teacher-forced acceptance the decoded one should match, and, untimed,
 the lossless check's figures (evaluate/lossless.py): the target's own verify-against-decode
-rounding, and greedy along each output that differs from greedy's. One untimed
+rounding, and greedy along each output that differs from greedy's. With eval.tree_budgets, the
+trained drafter also decodes by draft trees of each budget (DDTree, drafter/tree_verify.py; timed
+like the chain), and its trees' exact acceptance is computed along greedy's output
+(evaluate/trees.py). One untimed
 warm-up prompt comes first (kernel selection and compilation). With eval.processes > 1, worker
 processes on the same device take the prompts one at a time, each with its own target and
 drafter, and the results are merged in prompt order.
@@ -30,6 +33,7 @@ from dflash_jobs.drafter.export import DRAFTER_PREFIX, exported_config, load_dra
 from dflash_jobs.drafter.model import Drafter, DrafterConfig
 from dflash_jobs.drafter.serving import run_serve_command
 from dflash_jobs.drafter.speculative import BlockDrafter, Decoded, ModelDrafter, Target, greedy_decode, speculative_decode
+from dflash_jobs.drafter.tree_verify import tree_decode
 from dflash_jobs.errors import InputError
 from dflash_jobs.evaluate.baselines import PromptLookupDrafter
 from dflash_jobs.evaluate.calibration import recorder_for
@@ -37,6 +41,7 @@ from dflash_jobs.evaluate.lossless import Divergence, divergences, verify_noise
 from dflash_jobs.evaluate.metrics import acceptance_length
 from dflash_jobs.evaluate.report import build_report, store_report
 from dflash_jobs.evaluate.simulated import anchors_accepted, document_batch
+from dflash_jobs.evaluate.trees import PromptTrees, VariantBranches, exact_trees
 from dflash_jobs.extract.target import local_checkpoint
 from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk
 from dflash_jobs.rows import prompt_length
@@ -96,6 +101,8 @@ class PromptResult:
     """The target's verify-against-decode rounding of greedy's decision margin, per position (evaluate/lossless.py)."""
     confidences: list[list[float]] | None = None
     """A drafter with a confidence head (DSpark): per verify step, its survival probability of each draft (evaluate/calibration.py)."""
+    trees: PromptTrees | None = None
+    """The trained drafter's draft trees, decoded and exact (evaluate/trees.py); None without eval.tree_budgets."""
 
 
 class PromptDecoder:
@@ -112,6 +119,9 @@ class PromptDecoder:
         self.stop = stop_ids(model)
         self.plain = Target(model)
         self.targets = {name: Target(model, d.target_layers) for name, d in self.drafters.items()}
+        self.trees = VariantBranches(drafter, variant.branches, drafts=layout.drafts)
+        # The chain's own budget beside the asked ones: a tree of as many nodes as the chain drafts.
+        self.budgets = sorted({*settings.tree_budgets, layout.drafts}) if settings.tree_budgets else []
 
     def decode(self, prompt: torch.Tensor) -> PromptResult:
         new_tokens = self.settings.max_new_tokens
@@ -121,24 +131,50 @@ class PromptDecoder:
             for name, drafter in self.drafters.items()
         }
         confidences = self.recorder.take() if self.recorder is not None else None
+        tree_decoded = {
+            budget: tree_decode(self.targets[self.variant.name], self.trees, prompt, budget=budget, max_new_tokens=new_tokens, stop_ids=self.stop)
+            for budget in self.budgets
+        }
         # Untimed: the lossless check's figures (the decodings above are what tokens/s measure).
         found = {
             name: divergences(self.plain, prompt, d.tokens, reference, max_new_tokens=new_tokens, stop_ids=self.stop)
             for name, d in drafted.items()
         }
         noise = verify_noise(self.plain, prompt, reference, self.layout.drafts + 1)  # the verify block: the anchor and its drafts
-        return PromptResult(reference, drafted, self.simulate(prompt, reference), found, noise, confidences)
+        document, features = self.captured(prompt, reference)
+        trees = self.tree_figures(prompt, reference, drafted[self.variant.name], document, features, tree_decoded) if self.budgets else None
+        return PromptResult(reference, drafted, self.simulate(prompt, document, features), found, noise, confidences, trees)
 
-    def simulate(self, prompt: torch.Tensor, reference: Decoded) -> list[int]:
-        """The training forward on prompt + greedy's output, with the target's layers captured over it in one forward."""
+    def captured(self, prompt: torch.Tensor, reference: Decoded) -> tuple[torch.Tensor, torch.Tensor]:
+        """prompt + greedy's output, and the drafter's target layers over it [T, L*d], captured in one forward."""
         target = self.targets[self.variant.name]
         document = torch.cat([prompt, torch.tensor(reference.tokens, dtype=prompt.dtype)]).to(target.device)
         with torch.inference_mode():
             target.reset()
             target.forward(document, last_only=True)
-            hidden = target.features().view(len(document), len(target.layers), -1)  # [T, L*d] -> [T, L, d]
+            return document, target.features()
+
+    def simulate(self, prompt: torch.Tensor, document: torch.Tensor, features: torch.Tensor) -> list[int]:
+        """The training forward on the document (prompt + greedy's output) with its captured layers."""
+        hidden = features.view(len(document), len(self.drafter.config.target_layer_ids), -1)  # [T, L*d] -> [T, L, d]
         batch = document_batch(document, len(prompt), hidden, self.drafter, self.layout)
         return anchors_accepted(self.drafter, batch, self.variant.predict, self.layout)
+
+    def tree_figures(self, prompt: torch.Tensor, reference: Decoded, chain: Decoded, document: torch.Tensor, features: torch.Tensor,
+                     decoded: dict[int, Decoded]) -> PromptTrees:
+        """The trees' exact figures along greedy's output (evaluate/trees.py), and the lossless check of their decodings."""
+        def branches_at(anchor: int):
+            position = len(prompt) + anchor  # greedy's anchor-th token, after the prompt
+            return self.trees.branches(document[: position + 1], features[:position])
+
+        trees = exact_trees(branches_at, reference.tokens, chain, budgets=self.budgets, drafts=self.layout.drafts,
+                            max_new_tokens=self.settings.max_new_tokens)
+        trees.decoded = decoded
+        trees.divergences = {
+            budget: divergences(self.plain, prompt, d.tokens, reference, max_new_tokens=self.settings.max_new_tokens, stop_ids=self.stop)
+            for budget, d in decoded.items()
+        }
+        return trees
 
     def close(self) -> None:
         for target in (self.plain, *self.targets.values()):
@@ -247,6 +283,7 @@ def evaluate(spec: RunSpec, storage: Storage, *, device: torch.device) -> dict[s
         verify_noise=[r.verify_noise for r in results],
         simulated={variant.name: [r.simulated for r in results]},
         calibration={variant.name: [r.confidences for r in results]} if results[0].confidences is not None else None,
+        trees={variant.name: [r.trees for r in results]} if results[0].trees is not None else None,
         # The verify block: the anchor and its drafts (a drafter that samples from the anchor drafts block_size of them).
         block_size=layout.drafts + 1, dtype=eval_dtype(device),
         target=spec.target.model, drafter=drafter_url(spec), drafter_variant=variant.name, prompts=len(prompts),

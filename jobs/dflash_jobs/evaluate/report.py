@@ -24,7 +24,15 @@ report.json (format dflash.eval/v1):
     drafters.<variant>.calibration: calibration.summarize_calibration(...)   a drafter with a confidence head
               (DSpark): per draft position, its predicted survival (the product of the confidences up to
               it) against the realized one over the decoded verify steps, with Brier score and ECE
-    lossless: true when no drafter has a real mismatch on any prompt
+    drafters.<variant>.tree: trees.summarize_trees(...)   the drafter's draft trees (DDTree) at each budget of
+              eval.tree_budgets and at the chain's own (chain_budget: as many nodes as the chain drafts):
+              at_chain_steps {steps, chain_acceptance_length, acceptance_length and contains_chain per
+              budget}: exact, at every verify step of the chain's decoding; decoded {budget: the real tree
+              decoding's metrics.summarize(...), with exact_acceptance_length (the same decoding computed
+              along greedy's output), agrees_with_exact, prompts_unlike_exact}; lossless
+    drafters.<variant>.coverage: trees.summarize_coverage(...)   per slot, the share of the chain's verify
+              steps whose greedy token is among the drafter's k likeliest there (k = 1, 2, 4, 8)
+    lossless: true when no drafter, chain or tree, has a real mismatch on any prompt
     vllm_serve: the shell commands that serve this drafter with its target in vLLM (drafter/serving.py)
 """
 
@@ -40,6 +48,7 @@ from dflash_jobs.drafter.speculative import Decoded
 from dflash_jobs.evaluate.calibration import summarize_calibration
 from dflash_jobs.evaluate.lossless import Divergence, tie_tolerance
 from dflash_jobs.evaluate.metrics import summarize, summarize_simulated, tokens_per_second
+from dflash_jobs.evaluate.trees import PromptTrees, summarize_coverage, summarize_trees
 from dflash_jobs.formats import EVAL_PLOT_KEY, EVAL_REPORT_KEY
 
 REPORT_FORMAT = "dflash.eval/v1"
@@ -49,13 +58,15 @@ def build_report(
     *, greedy: Sequence[Decoded], drafters: Mapping[str, Sequence[Decoded]], divergences: Mapping[str, Sequence[Sequence[Divergence]]],
     verify_noise: Sequence[Sequence[float]], block_size: int, dtype: torch.dtype,
     simulated: Mapping[str, Sequence[Sequence[int]]] | None = None,
-    calibration: Mapping[str, Sequence[Sequence[Sequence[float]]]] | None = None, **about: Any,
+    calibration: Mapping[str, Sequence[Sequence[Sequence[float]]]] | None = None,
+    trees: Mapping[str, Sequence[PromptTrees]] | None = None, **about: Any,
 ) -> dict[str, Any]:
     """The report of one evaluation. Per prompt: `divergences` maps a drafter to where its output
     leaves greedy's, `verify_noise` holds the target's verify-against-decode rounding
     (evaluate/lossless.py), `simulated` maps a drafter to its teacher-forced accepted drafts per
     anchor, `calibration` a drafter with a confidence head to its survival probabilities per verify
-    step and draft; `about` holds what was evaluated (target, drafter, prompts, ...)."""
+    step and draft, `trees` a drafter to its draft trees (evaluate/trees.py); `about` holds what was
+    evaluated (target, drafter, prompts, ...)."""
     tolerance = tie_tolerance(verify_noise, block_size)
     summaries = {
         name: summarize(decoded, greedy, block_size, divergences=divergences[name], tie_tolerance=tolerance["value"])
@@ -65,6 +76,10 @@ def build_report(
         summaries[name]["simulated"] = summarize_simulated(anchors, drafters[name], [d.tokens for d in greedy], block_size)
     for name, steps in (calibration or {}).items():
         summaries[name]["calibration"] = summarize_calibration(steps, drafters[name], block_size - 1)
+    for name, prompts in (trees or {}).items():
+        summaries[name]["tree"] = summarize_trees(prompts, drafters[name], greedy, block_size, chain_budget=block_size - 1,
+                                                  tie_tolerance=tolerance["value"])
+        summaries[name]["coverage"] = summarize_coverage([p.ranks for p in prompts], block_size - 1)
     return {
         "format": REPORT_FORMAT,
         **about,
@@ -73,7 +88,7 @@ def build_report(
         "block_size": block_size,
         "greedy": {"tokens": sum(len(d.tokens) for d in greedy), "tokens_per_second": tokens_per_second(greedy)},
         "drafters": summaries,
-        "lossless": all(s["lossless"] for s in summaries.values()),
+        "lossless": all(s["lossless"] and s.get("tree", {}).get("lossless", True) for s in summaries.values()),
     }
 
 
@@ -85,6 +100,11 @@ def report_warnings(report: Mapping[str, Any]) -> list[str]:
         # Beyond a tie: a bug (rollback, positions), never rounding the target does on its own.
         lines.append(f"speculative output differs from plain greedy beyond a tie (tolerance {report['tie_tolerance']['value']:.3g}, "
                      f"measured): {real}")
+    for name, summary in report["drafters"].items():
+        for budget, decoded in summary.get("tree", {}).get("decoded", {}).items():
+            if not decoded["lossless"]:
+                lines.append(f"{name}: decoding by trees of {budget} nodes differs from plain greedy beyond a tie: "
+                             f"{[m for m in decoded['mismatches'] if not m['tie']]}")
     for name, summary in report["drafters"].items():
         simulated = summary.get("simulated")
         if simulated is None:

@@ -89,6 +89,8 @@ class ClusterSpec:
     volumes, env, imagePullSecrets (by name), volumeMounts (by mountPath) and ports (by containerPort)
     merge item by item, an item with `$patch: delete` removes its match; other lists are replaced."""
     model_volume: VolumeSpec | None = None
+    """The PersistentVolumeClaim a local target.model lies on, mounted read-only by every pod (`dflashctl
+    stage-model` fills it); null: target.model is s3://, or on another volume the pods mount."""
     output_volume: OutputVolumeSpec | None = None
     """The claim a local `output` lives on (backend: kubernetes); null: `output` must be s3://."""
     model_cache: str | None = None
@@ -118,6 +120,14 @@ class ClusterSpec:
     metrics at /metrics; rendered as the controller Job's "metrics" port. Run from a laptop where it
     is taken, `dflashctl run` picks a free one and says which. Not part of the run's identity: a
     change keeps the run. null: no metrics."""
+
+    def mounted_paths(self) -> list[str]:
+        """Where the pods see volumes: the model and output volumes' mounts, and the volumeMounts of
+        the containers pod_template_patch adds or patches."""
+        patched = ((self.pod_template_patch or {}).get("spec") or {}).get("containers") or []
+        return [volume.mount for volume in (self.model_volume, self.output_volume) if volume is not None] + [
+            mount["mountPath"] for container in patched if isinstance(container, dict) for mount in container.get("volumeMounts") or []
+            if isinstance(mount, dict) and isinstance(mount.get("mountPath"), str)]
 
     def __post_init__(self) -> None:
         _dns_label("cluster.namespace", self.namespace, limit=63)

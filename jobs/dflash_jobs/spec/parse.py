@@ -1,5 +1,7 @@
 """The edge: a YAML document turned into a RunSpec, every value checked against its field's type
-on the way, so that a bad one fails naming its field, what it is and what is allowed."""
+on the way, so that a bad one fails naming its field, what it is and what is allowed. Every bad
+field is reported, not the first alone: each section gathers its fields' errors (their types here,
+and a nested section's own checks, which its constructor makes), and one SpecError carries them all."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Any, Literal
 
 import yaml
 
-from dflash_jobs.errors import SpecError
+from dflash_jobs.errors import SpecError, SpecFileError
 from dflash_jobs.spec.run import RunSpec
 
 DEFAULT_SPEC_FILE = "dflash.yaml"
@@ -78,7 +80,7 @@ def _convert(path: str, value: Any, tp: Any) -> Any:
         if not isinstance(value, list):
             raise SpecError(path, value, _type_name(tp))
         (item,) = typing.get_args(tp)
-        return [_convert(f"{path}[{i}]", v, item) for i, v in enumerate(value)]
+        return list(_gathered({i: (f"{path}[{i}]", v, item) for i, v in enumerate(value)}, []).values())
     if origin is dict:
         if typing.get_args(tp)[1] is Any:  # Kubernetes objects in their own spelling (affinity, a patch)
             if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
@@ -111,22 +113,33 @@ def _convert(path: str, value: Any, tp: Any) -> Any:
 
 
 def _build(path: str, raw: Any, cls: type) -> Any:
+    """The section `cls` from its mapping; a SpecError with every bad key and field of it (SpecError.of)."""
     prefix = f"{path}." if path else ""
     if not isinstance(raw, dict):
         raise SpecError(path or "spec", raw, "a mapping")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        raise SpecError(f"{prefix}{unknown[0]}", raw[unknown[0]], f"one of the known keys: {', '.join(fields)}")
-    missing = [
-        name for name, f in fields.items()
+    errors = [SpecError(f"{prefix}{key}", raw[key], f"one of the known keys: {', '.join(fields)}") for key in sorted(set(raw) - set(fields))]
+    errors += [
+        SpecError(f"{prefix}{name}", None, f"a value: {name} is required") for name, f in fields.items()
         if name not in raw and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     ]
-    if missing:
-        raise SpecError(f"{prefix}{missing[0]}", None, f"a value: {missing[0]} is required")
-    kwargs = {name: _convert(f"{prefix}{name}", value, hints[name]) for name, value in raw.items()}
-    return cls(**kwargs)
+    known = {name: (f"{prefix}{name}", value, hints[name]) for name, value in raw.items() if name in fields}
+    return cls(**_gathered(known, errors))
+
+
+def _gathered(values: dict[Any, tuple[str, Any, Any]], errors: list[SpecError]) -> dict[Any, Any]:
+    """Each of `values` ({key: (path, value, type)}) converted, by key; every one that is bad added
+    to `errors`, which are raised together (SpecError.of) if there are any."""
+    converted = {}
+    for key, (path, value, tp) in values.items():
+        try:
+            converted[key] = _convert(path, value, tp)
+        except SpecError as error:
+            errors.append(error)
+    if errors:
+        raise SpecError.of(errors)
+    return converted
 
 
 def parse_spec(raw: Any) -> RunSpec:
@@ -135,20 +148,20 @@ def parse_spec(raw: Any) -> RunSpec:
 
 
 def load_spec(path: str | Path) -> RunSpec:
-    """Reads and validates a spec file. Raises SpecError naming the file when it is unreadable."""
+    """Reads and validates a spec file. Raises SpecFileError naming the file when it is unreadable."""
     path = Path(path)
     try:
         text = path.read_text()
     except FileNotFoundError:
-        raise SpecError("-f", str(path), "an existing spec file; `dflashctl init` writes a starter dflash.yaml") from None
+        raise SpecFileError(path, "does not exist", "`dflashctl init` writes a starter dflash.yaml; -f names another file") from None
     except OSError as exc:
-        raise SpecError("-f", str(path), f"a readable spec file ({exc.strerror})") from None
+        raise SpecFileError(path, f"cannot be read ({exc.strerror})", "Fix its permissions, or name another file with -f") from None
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise SpecError(str(path), f"invalid YAML{where}", "a YAML mapping (see `dflashctl init`)") from None
+        raise SpecFileError(path, f"is invalid YAML{where}", "Write a YAML mapping (see `dflashctl init`)") from None
     return parse_spec(raw)
 
 

@@ -50,6 +50,7 @@ class RunSpec:
         _dns_label("name", self.name, limit=MAX_RUN_NAME)
         _check_location("output", self.output, what="where the run writes everything")
         self._check_output_reachable_by_pods()
+        self._check_target_reachable_by_pods()
 
     def _check_output_reachable_by_pods(self) -> None:
         """On Kubernetes every pod writes `output`: an s3:// prefix, or a path on the declared output volume."""
@@ -65,6 +66,24 @@ class RunSpec:
             )
         if not posixpath.isabs(path) or not under(path, volume.mount):
             raise SpecError("output", self.output, f"an absolute path under cluster.output_volume.mount ({volume.mount}), where the pods see the claim")
+
+    def _check_target_reachable_by_pods(self) -> None:
+        """On Kubernetes every pod reads target.model: an s3:// prefix, or a path on a volume they mount."""
+        path = local_path(self.target.model)
+        if self.backend != "kubernetes" or path is None:
+            return
+        if posixpath.isabs(path) and any(under(path, mount) for mount in self.cluster.mounted_paths()):
+            return
+        volume = self.cluster.model_volume
+        if volume is not None:
+            raise SpecError("target.model", self.target.model, f"an s3:// prefix, or a path under cluster.model_volume.mount ({volume.mount}), "
+                                                              f"where the pods see claim {volume.claim}")
+        raise SpecError(
+            "target.model", self.target.model,
+            "an s3:// prefix, or a path on a volume the pods mount (with backend: kubernetes they see no path of this machine): "
+            "set cluster.model_volume {claim, mount} to the claim that holds the checkpoint, target.model under its mount "
+            "(`dflashctl init` writes claim models at /models; `dflashctl stage-model` fills it)",
+        )
 
     @property
     def stores_final_hidden(self) -> bool:

@@ -13,6 +13,10 @@ MODEL_CACHE_ENV = "DFLASH_MODEL_CACHE"
 """Where a pod keeps its copy of an s3:// target.model (the renderer points it at cluster.model_cache)."""
 CHUNK_CACHE_ENV = "DFLASH_CACHE_DIR"
 """Where a training pod keeps its resident hidden-state chunks (the renderer points it at the cache volume)."""
+MAX_TREE_BUDGET = 1024
+"""The largest draft tree the evaluation verifies: its verify forward holds budget + 1 tokens with a
+dense ancestor mask; the DDTree authors sweep budgets up to 1,024, and at that size one verify costs
+what a prefill chunk of as many tokens costs, far past the budgets where their speed-ups peak."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -212,11 +216,24 @@ class EvalSpec:
     the target and drafter: a small target is bound by Python and kernel launches and fits many
     times on one GPU; a 27B one fits once, so keep 1 there. Tokens/s are then measured under the
     workers' contention (greedy and drafters alike, so the speed-ups stay comparable)."""
+    tree_budgets: list[int] = field(default_factory=lambda: [16, 32, 64])
+    """Node budgets of the draft trees (DDTree) the trained drafter is also evaluated with, beside the
+    chain's own budget (as many nodes as it drafts), which is always added: each tree decodes every
+    prompt for real (one verify forward of budget + 1 tokens a step) and its acceptance is computed
+    exactly at every verify step of the chain. [] evaluates the chain alone."""
 
     def __post_init__(self) -> None:
         _positive("eval.prompts", self.prompts, minimum=1)
         _positive("eval.max_new_tokens", self.max_new_tokens, minimum=1)
         _positive("eval.processes", self.processes, minimum=1)
+        if not isinstance(self.tree_budgets, list):
+            raise SpecError("eval.tree_budgets", self.tree_budgets, "a list of node budgets such as [16, 32, 64], or [] for none")
+        for budget in self.tree_budgets:
+            if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_TREE_BUDGET:
+                raise SpecError("eval.tree_budgets", self.tree_budgets,
+                                f"node budgets from 1 to {MAX_TREE_BUDGET} (the tokens one verify forward holds besides the anchor)")
+        if len(set(self.tree_budgets)) != len(self.tree_budgets):
+            raise SpecError("eval.tree_budgets", self.tree_budgets, "distinct node budgets")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -10,8 +10,9 @@ one; `drafter_variant` imports only that one.
 A drafter module keeps the backbone's interface (drafter/model.py `Drafter`): `config`, `fc` (its
 device), `forward(context_hidden, context_positions, block_ids, block_positions, attention)` ->
 final-normed hidden states [N, B, d], `load_target_tensors(embed_tokens, lm_head, final_norm)`,
-`logits(hidden)`, and `draft_block(context_hidden, context_positions, anchor_token,
-anchor_position)` -> the drafted ids of one block (greedy).
+`logits(hidden)`, `block_hidden(context_hidden, context_positions, anchor_token, anchor_position)`
+-> the block's hidden states [B, d], and `draft_block(...)` (the same arguments) -> the drafted ids of
+one block (greedy).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from dflash_jobs.drafter.model import DrafterConfig
+    from dflash_jobs.drafter.tree import Branches
     from dflash_jobs.spec import TrainSpec
     from dflash_jobs.storage import Storage
     from dflash_jobs.train.data import Batch
@@ -62,6 +64,10 @@ class DrafterVariant:
     predict: Predict
     export: Callable[[nn.Module, Storage, str], None]
     """Writes the drafter under a storage prefix in the layout its serving engines load (config.json last)."""
+    branches: Callable[[nn.Module, torch.Tensor, int], Branches]
+    """(drafter, the block's hidden states [B, d], the anchor token) -> each drafted slot's children
+    of a parent, likeliest first (drafter/tree.py): what a draft tree is built from (DDTree). Its
+    first child at every depth is the block `draft_block` drafts."""
     metrics: tuple[str, ...] = ()
     """The objective's own figures (DraftLoss.ratios keys), logged beside loss and acceptance."""
     extra_flops: Callable[[DrafterConfig, int, int], float] = lambda config, slots, supervised: 0.0

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from dflash_jobs.drafter.dflash2_model import DFlash2Config, DFlash2Drafter
 from dflash_jobs.drafter.export import MODELING_FILES, write_export
 from dflash_jobs.drafter.model import DrafterConfig
+from dflash_jobs.drafter.tree import ConditionalBranches
 from dflash_jobs.errors import SpecError
 from dflash_jobs.spec import TrainSpec
 from dflash_jobs.storage import Storage
@@ -44,6 +47,23 @@ def predict(drafter: DFlash2Drafter, hidden, batch):
     return drafter.teacher_forced_tokens(hidden, teacher_forced_predecessors(batch.block_ids, batch.labels))
 
 
+def branches(drafter: DFlash2Drafter, hidden: torch.Tensor, anchor: int) -> ConditionalBranches:
+    """Slot d (depth d) offers its strict top-K unary candidates, ranked by the selector's score of
+    the edge from the parent (the anchor at depth 1): the distribution vLLM samples from at T > 0,
+    whose best child is the greedy walk's choice (ties to the lower candidate index, as the walk)."""
+    slots = hidden[1:]
+    selector = drafter.candidate_selector
+    unary, candidates = selector.candidates(drafter.logits(slots))
+    projected = selector.hidden_projection(slots)
+
+    def edges(depth: int, parent: int) -> tuple[torch.Tensor, torch.Tensor]:
+        slot = depth - 1
+        predecessor = torch.tensor(parent, device=candidates.device)
+        return selector.scores(projected[slot], unary[slot], candidates[slot], predecessor), candidates[slot]
+
+    return ConditionalBranches(edges, anchor, depths=len(slots))
+
+
 def export_dflash2(drafter: DFlash2Drafter, storage: Storage, prefix: str) -> None:
     """z-lab's DFlash2 layout: the weights under its names (bare codebooks), the inference code, config.json."""
     write_export(storage, prefix, drafter.state_dict(), DFLASH2_MODELING_FILES, drafter.config.to_zlab())
@@ -68,6 +88,7 @@ VARIANT = DrafterVariant(
     objective=dflash2_objective,
     predict=predict,
     export=export_dflash2,
+    branches=branches,
     metrics=("selector_loss", "selector_accuracy", "unary_accuracy", "top_k_recall"),
     extra_flops=extra_flops,
 )

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from dflash_jobs.drafter.dspark_export import export_dspark
 from dflash_jobs.drafter.dspark_model import DSparkConfig, DSparkDrafter
 from dflash_jobs.drafter.model import DrafterConfig
+from dflash_jobs.drafter.tree import ConditionalBranches
 from dflash_jobs.spec import TrainSpec
 from dflash_jobs.train.dspark_loss import RATIOS, dspark_objective, previous_tokens
 from dflash_jobs.variants import DrafterVariant
@@ -24,6 +27,20 @@ def build_config(config: DrafterConfig, train: TrainSpec) -> DSparkConfig:
         markov_rank=settings.markov_rank, enable_confidence_head=settings.confidence_head, num_anchors=train.anchors,
         ce_weight=settings.ce_weight, l1_weight=settings.l1_weight, confidence_weight=settings.confidence_weight,
     )
+
+
+def branches(drafter: DSparkDrafter, hidden: torch.Tensor, anchor: int) -> ConditionalBranches:
+    """Slot d - 1 drafts depth d (the anchor's slot drafts the first token): its logits plus the
+    Markov bias W2 W1[parent], computed as `markov_draft` computes them, so the first child at every
+    depth is its greedy draft and a branch's children follow the branch's own last token."""
+    base = drafter.logits(hidden)  # [B, V]
+    head = drafter.markov_head
+
+    def biased(depth: int, parent: int) -> tuple[torch.Tensor, None]:
+        logits = base[depth - 1]
+        return logits + head(head.markov_w1(torch.tensor([parent], device=logits.device)))[0].to(logits.dtype), None
+
+    return ConditionalBranches(biased, anchor, depths=len(base))
 
 
 def extra_flops(config: DSparkConfig, slots: int, supervised: int) -> float:
@@ -43,6 +60,7 @@ VARIANT = DrafterVariant(
     objective=dspark_objective,
     predict=lambda drafter, hidden, batch: drafter.teacher_forced_tokens(hidden, previous_tokens(batch.block_ids, batch.labels)),
     export=export_dspark,
+    branches=branches,
     metrics=RATIOS,
     extra_flops=extra_flops,
 )

@@ -1,0 +1,272 @@
+"""DDTree in the evaluation: draft trees hold the likeliest paths of each variant's distributions
+(DSpark's conditioned on the parent, DFlash2's ranked by its selector), their first children are
+the block the variant drafts, their exact acceptance is what greedy's output says, and the report
+puts tree tau per budget, top-k coverage per slot and a lossless verdict beside the chain's."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dflash_jobs.drafter.anchors import anchor_layout
+from dflash_jobs.drafter.speculative import Decoded
+from dflash_jobs.drafter.tree import ConditionalBranches, MarginalBranches, build_tree
+from dflash_jobs.errors import SpecError
+from dflash_jobs.evaluate.evaluator import PromptDecoder
+from dflash_jobs.evaluate.lossless import Divergence
+from dflash_jobs.evaluate.report import build_report
+from dflash_jobs.evaluate.trees import COVERAGE_K, PromptTrees, committed, summarize_trees
+from dflash_jobs.spec import MAX_TREE_BUDGET, EvalSpec, parse_spec
+from dflash_jobs.variants import drafter_variant
+from train_fixtures import fresh_drafter, tiny_target
+
+V, DEPTHS = 5, 3
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def marginal() -> MarginalBranches:
+    return MarginalBranches(torch.randn(DEPTHS, V, generator=torch.Generator().manual_seed(0)) * 2, anchor=1)
+
+
+def conditional() -> ConditionalBranches:
+    """Every (depth, parent) its own random distribution."""
+    return ConditionalBranches(lambda depth, parent: (torch.randn(V, generator=torch.Generator().manual_seed(10 * depth + parent)) * 2, None), 1, DEPTHS)
+
+
+def path_scores(branches) -> dict[tuple[int, ...], float]:
+    """Every root path up to DEPTHS by brute force, with the sum of its log-probabilities."""
+    scores = {}
+    for depth in range(1, DEPTHS + 1):
+        for path in itertools.product(range(V), repeat=depth):
+            parent, score = branches.anchor, 0.0
+            for d, token in enumerate(path, 1):
+                tokens, log_probs = branches.children(d, parent, V)
+                score += log_probs[tokens.index(token)]
+                parent = token
+            scores[path] = score
+    return scores
+
+
+def node_path(tree, node) -> tuple[int, ...]:
+    path = []
+    while node >= 0:
+        path.append(tree.tokens[node])
+        node = tree.parents[node]
+    return tuple(path[::-1])
+
+
+@pytest.mark.parametrize("make", [marginal, conditional])
+def test_the_tree_holds_the_likeliest_root_paths_best_first(make):
+    branches = make()
+    scores = path_scores(branches)
+    best = sorted(scores, key=scores.get, reverse=True)
+    largest = build_tree(branches, budget=40, depth_limit=DEPTHS)
+    for budget in (1, 2, 7, 40):
+        tree = build_tree(branches, budget=budget, depth_limit=DEPTHS)
+        assert {node_path(tree, n) for n in range(len(tree))} == set(best[:budget])
+        assert tree == largest.prefix(budget)  # a smaller budget's tree is the first nodes of a larger one's
+    assert all(parent < node for node, parent in enumerate(largest.parents))
+    assert largest.scores == sorted(largest.scores, reverse=True)
+    assert all(math.isclose(largest.scores[n], scores[node_path(largest, n)], abs_tol=1e-5) for n in range(len(largest)))
+    # Budget 1 is the chain's first token; the chain is the first child at every depth.
+    chain = branches.chain(DEPTHS)
+    assert build_tree(branches, budget=1, depth_limit=DEPTHS).tokens == chain[:1]
+    assert chain == [branches.children(d, ([branches.anchor] + chain)[d - 1], 1)[0][0] for d in range(1, DEPTHS + 1)]
+
+
+def test_no_node_is_deeper_than_the_limit_or_the_drafted_slots():
+    assert max(build_tree(marginal(), budget=60, depth_limit=2).depths) == 2
+    assert max(build_tree(marginal(), budget=60, depth_limit=9).depths) == DEPTHS
+    assert len(build_tree(marginal(), budget=60, depth_limit=0)) == 0
+
+
+def test_a_step_counts_the_matched_drafts_and_never_past_the_output_end():
+    assert committed(3, anchor=2, output_length=20) == 3
+    # The output's last token (a stop token, or the last max_new_tokens allows) is output index 9:
+    # an anchor at 4 matching 5 drafts reached it, and it takes the next token's place.
+    assert committed(5, anchor=4, output_length=10) == 4
+    assert committed(0, anchor=8, output_length=10) == 0
+
+
+# ---- the variants' distributions ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return tiny_target(tmp_path_factory.getbasetemp() / "train-fixtures")
+
+
+def tiny_drafter(target_dir, name: str, block_size: int, *, boost: bool = True):
+    """A fresh drafter of the variant for the tiny target; `boost`: its own modules made to matter
+    (DFlash2's successor codebook starts at zero, DSpark's Markov bias near it)."""
+    spec = parse_spec({"name": "t", "backend": "local", "target": {"model": "/m"}, "data": {"source": "/d.jsonl"}, "output": "/o",
+                       "train": {"drafter": name, "draft_layers": 2, "block_size": block_size}})
+    drafter = fresh_drafter(target_dir, spec.train)
+    with torch.no_grad():
+        if boost and name == "dflash2":
+            drafter.candidate_selector.successor_codebook.normal_(std=1.0)
+            drafter.candidate_selector.hidden_projection.weight.normal_(std=1.0)
+        if boost and name == "dspark":
+            drafter.markov_head.markov_w2.weight.normal_(std=3.0)
+    return drafter.eval().requires_grad_(False), drafter_variant(name)
+
+
+def block(drafter, anchor: int = 17):
+    context = torch.randn(1, 11, drafter.config.context_features, generator=torch.Generator().manual_seed(4))
+    arguments = (context, torch.arange(11), anchor, 11)
+    return drafter.block_hidden(*arguments), drafter.draft_block(*arguments).tolist()
+
+
+@pytest.mark.parametrize("name", ["dflash", "dflash2", "dspark"])
+def test_each_variants_first_children_are_the_block_it_drafts(target_dir, name):
+    drafter, variant = tiny_drafter(target_dir, name, block_size=6)
+    hidden, drafts = block(drafter)
+    branches = variant.branches(drafter, hidden, 17)
+    assert branches.depths == len(drafts) == anchor_layout(name, block_size=6).drafts
+    assert branches.chain(len(drafts)) == drafts
+    assert build_tree(branches, budget=1, depth_limit=len(drafts)).tokens == drafts[:1]
+
+
+def test_dspark_branches_follow_their_parent(target_dir):
+    """A branch's children are the slot's logits plus the Markov bias of the branch's own token."""
+    drafter, variant = tiny_drafter(target_dir, "dspark", block_size=5)
+    with torch.no_grad():  # a peaked bias: the likeliest paths go deep, and each parent's children are its own
+        drafter.markov_head.markov_w1.weight.normal_(std=1.0)
+    hidden, _ = block(drafter)
+    branches = variant.branches(drafter, hidden, 17)
+    logits = drafter.logits(hidden)
+
+    def expected(depth: int, parent: int, k: int):
+        biased = logits[depth - 1] + drafter.markov_head(drafter.markov_head.markov_w1(torch.tensor([parent])))[0]
+        values, tokens = biased.log_softmax(-1).topk(k)
+        return tokens.tolist(), values.tolist()
+
+    first, second = branches.children(1, 17, 2)[0]
+    assert branches.children(2, first, 8)[0] != branches.children(2, second, 8)[0]
+    tree = build_tree(branches, budget=30, depth_limit=5)
+    assert len({tree.depths[n] for n in range(len(tree)) if tree.parents[n] >= 0}) > 1  # branches below the first depth
+    for node in range(len(tree)):
+        parent = tree.parents[node]
+        parent_token = 17 if parent < 0 else tree.tokens[parent]
+        tokens, log_probs = expected(tree.depths[node], parent_token, 30)
+        gained = tree.scores[node] - (tree.scores[parent] if parent >= 0 else 0.0)
+        assert math.isclose(gained, log_probs[tokens.index(tree.tokens[node])], abs_tol=1e-4)
+
+
+def test_dflash2_branches_rank_the_selectors_candidates_after_the_parent(target_dir):
+    drafter, variant = tiny_drafter(target_dir, "dflash2", block_size=6)
+    hidden, _ = block(drafter)
+    branches = variant.branches(drafter, hidden, 17)
+    selector = drafter.candidate_selector
+    unary, candidates = selector.candidates(drafter.logits(hidden[1:]))
+    projected = selector.hidden_projection(hidden[1:])
+    for depth, parent in ((1, 17), (2, 5), (2, 300), (4, 9)):
+        tokens, log_probs = branches.children(depth, parent, 100)
+        scores = selector.scores(projected[depth - 1], unary[depth - 1], candidates[depth - 1], torch.tensor(parent))
+        assert len(tokens) == selector.top_k and set(tokens) == set(candidates[depth - 1].tolist())
+        assert tokens == candidates[depth - 1][scores.argsort(descending=True, stable=True)].tolist()
+        assert math.isclose(sum(math.exp(p) for p in log_probs), 1.0, rel_tol=1e-5)
+    assert branches.children(2, 5, 4)[0] != branches.children(2, 300, 4)[0]  # the selector's edge from the parent decides
+
+
+# ---- the spec and the report -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budgets, allowed", [
+    ([0, 16], f"from 1 to {MAX_TREE_BUDGET}"),
+    ([MAX_TREE_BUDGET + 1], f"from 1 to {MAX_TREE_BUDGET}"),
+    ([16, 16], "distinct"),
+])
+def test_tree_budgets_are_refused_naming_the_field(budgets, allowed):
+    with pytest.raises(SpecError, match=allowed) as caught:
+        EvalSpec(tree_budgets=budgets)
+    assert caught.value.field == "eval.tree_budgets"
+    assert EvalSpec().tree_budgets == [16, 32, 64] and EvalSpec(tree_budgets=[]).tree_budgets == []
+
+
+@pytest.fixture(scope="module")
+def evaluated(target_dir):
+    """One DSpark drafter decoded on three prompts every way the evaluation decodes, trees of budget 1 and 12 among them."""
+    # As initialised, a DSpark drafter repeats its anchor's neighbourhood, which this target's greedy text does at times.
+    drafter, variant = tiny_drafter(target_dir, "dspark", block_size=5, boost=False)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    layout = anchor_layout("dspark", block_size=5)
+    decoder = PromptDecoder(model, drafter, variant, layout, EvalSpec(max_new_tokens=36, tree_budgets=[1, 12]))
+    try:
+        results = [decoder.decode(torch.randint(0, 900, (12,), generator=torch.Generator().manual_seed(i))) for i in range(3)]
+    finally:
+        decoder.close()
+    report = build_report(
+        greedy=[r.greedy for r in results], drafters={n: [r.drafted[n] for r in results] for n in results[0].drafted},
+        divergences={n: [r.divergences[n] for r in results] for n in results[0].drafted}, verify_noise=[r.verify_noise for r in results],
+        trees={"dspark": [r.trees for r in results]}, block_size=layout.drafts + 1, dtype=torch.float32,
+    )
+    return results, report
+
+
+def test_the_report_puts_tree_tau_per_budget_beside_the_chains(evaluated):
+    results, report = evaluated
+    summary = report["drafters"]["dspark"]
+    tree = summary["tree"]
+    assert tree["budgets"] == [1, 5, 12] and tree["chain_budget"] == 5  # the chain's own budget added
+    assert tree["chain_acceptance_length"] == summary["acceptance_length"]
+    steps = tree["at_chain_steps"]
+    assert steps["steps"] == len([a for r in results for a in r.drafted["dspark"].accepted])
+    assert steps["chain_acceptance_length"] == pytest.approx(summary["acceptance_length"])  # replayed exactly: the chain's own figure
+    for budget, decoded in tree["decoded"].items():
+        assert decoded["lossless"] and decoded["real_mismatches"] == 0 and decoded["agrees_with_exact"]
+        assert decoded["acceptance_length"] == pytest.approx(decoded["exact_acceptance_length"])
+    assert report["lossless"]
+    assert tree["decoded"]["12"]["acceptance_length"] > summary["acceptance_length"] > 1  # the tree buys acceptance here
+    # Budget 1 is the chain's first token alone; where a tree holds the chain it commits at least as much.
+    for r in results:
+        assert r.trees.at_chain_steps[1] == [min(c, 1) for c in r.trees.chain]
+        for budget in (1, 5, 12):
+            for tree_step, chain_step, holds in zip(r.trees.at_chain_steps[budget], r.trees.chain, r.trees.contains_chain[budget]):
+                assert tree_step >= chain_step or not holds
+
+
+def test_coverage_per_slot_grows_with_k_and_counts_the_chains_steps(evaluated):
+    results, report = evaluated
+    coverage = report["drafters"]["dspark"]["coverage"]
+    assert coverage["k"] == list(COVERAGE_K) and len(coverage["per_slot"]) == 5
+    first = coverage["per_slot"][0]
+    assert first["steps"] == sum(len(r.trees.chain) for r in results)  # every chain step has greedy's token at slot 1
+    top1 = sum(step[0] == 0 for r in results for step in r.trees.ranks) / first["steps"]
+    assert first["top_k"]["1"] == top1 > 0
+    for slot in coverage["per_slot"]:
+        rates = [slot["top_k"][str(k)] for k in COVERAGE_K]
+        assert rates == sorted(rates) and rates[-1] <= 1
+
+
+def test_a_tree_decoding_that_leaves_greedy_makes_the_run_not_lossless():
+    greedy = Decoded(tokens=[4, 5, 6, 7], seconds=1.0, accepted=[0, 0, 0], drafted=[3, 3, 3])
+    wrong = Decoded(tokens=[4, 5, 9, 7], seconds=0.5, accepted=[1, 1], drafted=[8, 8])
+    trees = PromptTrees(chain=[0, 0, 0], at_chain_steps={3: [0, 0, 0], 8: [1, 0, 1]}, contains_chain={3: [True] * 3, 8: [True] * 3},
+                        exact={3: [0, 0, 0], 8: [1, 1]}, ranks=[[0], [1], [None]],
+                        decoded={3: greedy, 8: wrong}, divergences={3: [], 8: [Divergence(2, 9, 6, 8, 3.0, 10.0)]})
+    summary = summarize_trees([trees], [greedy], [greedy], 4, chain_budget=3, tie_tolerance=0.1)
+    assert not summary["lossless"] and summary["decoded"]["8"]["real_mismatches"] == 1 and summary["decoded"]["3"]["lossless"]
+    report = build_report(greedy=[greedy], drafters={"dflash": [greedy]}, divergences={"dflash": [[]]}, verify_noise=[[0.1]],
+                          trees={"dflash": [trees]}, block_size=4, dtype=torch.float32)
+    assert report["drafters"]["dflash"]["lossless"] and not report["lossless"]
+
+
+def test_the_quality_benchmark_puts_tree_tau_per_budget_beside_the_chains(evaluated, monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench" / "quality"))
+    from figures import tree_acceptance
+
+    _, report = evaluated
+    summary = report["drafters"]["dspark"]
+    trees = tree_acceptance(summary)
+    assert trees["chain"] == round(summary["acceptance_length"], 3) and trees["lossless"]
+    assert trees["per_budget"] == {b: round(d["acceptance_length"], 3) for b, d in summary["tree"]["decoded"].items()}
+    assert list(trees["per_budget"]) == ["1", "5", "12"]
+    assert tree_acceptance(report["drafters"]["prompt_lookup"]) is None
