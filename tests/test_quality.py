@@ -281,6 +281,12 @@ def test_the_successors_train_at_the_same_verify_block_on_states_with_the_final_
     assert (selector_off.dflash2.selector_alpha, selector_off.dflash2.selector_top_k) == (0.0, 16)
     assert (markov_rank1.dspark.markov_rank, markov_rank1.dspark.confidence_weight) == (1, 1.0)
     assert {spec["eval"]["prompts"] for spec in written.values()} == {size.eval_prompts or size.holdout}
+    # One run name per benchmark directory, the same for its every chain and for a rerun of it.
+    again = chains.write_spec(tmp_path / "regenerated", Path("t"), Path("d"), size, bench.torch.device("cpu"), bench.chains_of(size)[0], final_hidden=True)
+    other = chains.write_spec(tmp_path / "other" / "regenerated", Path("t"), Path("d"), size, bench.torch.device("cpu"), bench.chains_of(size)[0],
+                              final_hidden=True)
+    assert len({spec["name"] for spec in written.values()} | {yaml.safe_load(again.read_text())["name"]}) == 1
+    assert yaml.safe_load(other.read_text())["name"] != written["regenerated"]["name"]
 
 
 # ---- how the steps start -----------------------------------------------------------------------------

@@ -12,6 +12,7 @@ the target's final hidden state when a drafter reading them needs it (DSpark).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shlex
@@ -85,11 +86,18 @@ def drafted_block(drafter: str, verify_block: int) -> int:
     return verify_block - 1 if drafter == "dspark" else verify_block
 
 
+def run_name(benchmark: Path) -> str:
+    """The spec's name, one per benchmark work directory: the generate step keeps its scratch files
+    under the system's temporary directory by run name, and two benchmarks of one name on a machine
+    (a test beside a CPU run) deleted each other's. The same directory keeps its name: a rerun resumes."""
+    return f"quality-{hashlib.sha256(str(benchmark.resolve()).encode()).hexdigest()[:8]}"
+
+
 def write_spec(workdir: Path, target: Path, data: Path, size: Size, device: torch.device, chain: Chain, *, final_hidden: bool) -> Path:
     """The chain's dflash.yaml; `final_hidden`: extraction stores the target's final hidden state
     too (a chain reading these states trains a drafter that needs it)."""
     spec = {
-        "name": "quality",
+        "name": run_name(workdir.parent),
         "backend": "local",
         "target": {"model": str(target), "layers": size.capture},
         "data": {"source": str(data), "max_length": size.max_length, "chunk_tokens": size.chunk_tokens, "holdout": size.holdout},
