@@ -143,6 +143,8 @@ class Stages:
     def __init__(self, workdir: Path, settings: dict[str, Any], report: Callable[[dict[str, Any]], None]) -> None:
         self.path = workdir / "stages.json"
         self.report = report
+        self.ran: set[str] = set()
+        """The stages this call ran (the others an earlier call finished)."""
         self.lock = threading.Lock()
         settings = json.loads(json.dumps(settings))  # as stages.json holds them (tuples as lists)
         self.done: dict[str, Any] = json.loads(self.path.read_text()) if self.path.exists() else {"settings": settings}
@@ -151,6 +153,7 @@ class Stages:
 
     def run(self, name: str, stage: Callable[[], Any]) -> Any:
         if name not in self.done:
+            self.ran.add(name)
             started = time.monotonic()
             figures = stage()
             with self.lock:
@@ -232,9 +235,10 @@ def run_stages(size_name: str, size: Size, device: torch.device, workdir: Path, 
 
     # On a GPU the source chain runs beside generation, then every chain side by side (a chain
     # reading another's states from when they are verified): their small models leave it mostly
-    # idle, and one device call holds more of the run. On a CPU they would only fight over its
-    # cores (the stages run in the order submitted, each after what it reads).
-    with ThreadPoolExecutor(max_workers=len(chains) + 1 if device.type == "cuda" else 1) as pool:
+    # idle, and one device call holds more of the run. On a CPU two at a time: a step trains or
+    # decodes on one thread, so two keep both cores of a small machine busy (the stages start in the
+    # order submitted, each after what it reads).
+    with ThreadPoolExecutor(max_workers=chains_at_once(device, chains)) as pool:
         generated = pool.submit(stages.run, "generation", generation_stage)
         finished = {}
         for chain in chains:
@@ -247,6 +251,14 @@ def run_stages(size_name: str, size: Size, device: torch.device, workdir: Path, 
     if any(p != prompts["regenerated"] for p in prompts.values()):
         raise RuntimeError("the chains were evaluated on different prompts (a held-out chat dropped, or rendered otherwise)")
     return figures_of(size_name, size, device, workdir, stages, chains, runs, chat_set, generation, target_training, started)
+
+
+CPU_CHAINS_AT_ONCE = 2
+
+
+def chains_at_once(device: torch.device, chains: list[Chain]) -> int:
+    """How many stages run side by side: every one on a GPU (generation among them), two on a CPU."""
+    return len(chains) + 1 if device.type == "cuda" else CPU_CHAINS_AT_ONCE
 
 
 def figures_of(size_name: str, size: Size, device: torch.device, workdir: Path, stages: Stages, chains: list[Chain],
@@ -262,11 +274,14 @@ def figures_of(size_name: str, size: Size, device: torch.device, workdir: Path, 
         "size": size_name,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "machine": machine(),
-        "wall_seconds": round(sum(stage["seconds"] for name, stage in stages.done.items() if name != "settings"), 1),
+        # This call's time, plus the stages an earlier call (cut by a device's time limit) finished:
+        # stages run side by side, so the sum of their seconds is no wall time.
+        "wall_seconds": round(time.monotonic() - started + sum(stages.done[name]["seconds"] for name in stages.done
+                                                               if name not in stages.ran and name != "settings"), 1),
         "acceptance_length": {name: figures["acceptance_length"] for name, figures in runs.items()},
         "chains": {name: chain_summary(figures) for name, figures in runs.items()},
         "same_prompts": True,
-        "chains_concurrent": device.type == "cuda",
+        "stages_at_once": chains_at_once(device, chains),
         "data": {
             "vocabulary": len(target_training["vocabulary"]),
             "chats": {"training": len(chat_set.training), "held_out": len(chat_set.held_out),

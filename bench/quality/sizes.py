@@ -82,13 +82,13 @@ class Size:
 SIZES = {
     # Measured in bench/results/quality-cpu.json (its seconds per stage). The target is taught to sort
     # 4-8 of 64 words (1,200 steps); the drafter, two layers as wide as the target, trains on 4,096
-    # chats for 6 epochs.
+    # chats for 4 epochs (636 steps, about 5 minutes of one core).
     "cpu": Size(
         target_layers=4, target_hidden=128, target_heads=4, target_head_dim=32, vocab_size=2048, capture=[1, 3], corpus_files=48,
         document_chars=2500, vocabulary_size=64, min_words=4, max_words=8,
         target_chats=20000, train_steps=1200, train_seconds=10800.0, train_batch=16, train_length=128, lr=1e-2,
         chats=4160, holdout=64, max_answer_tokens=32, regenerate_batch=64,
-        draft_layers=2, block_size=8, anchors=16, epochs=6, draft_lr=3e-3, micro_batch_tokens=1024, micro_batch_blocks=2048, chunk_tokens=16384,
+        draft_layers=2, block_size=8, anchors=16, epochs=4, draft_lr=3e-3, micro_batch_tokens=1024, micro_batch_blocks=2048, chunk_tokens=16384,
         max_length=64, eval_new_tokens=24, seeds=(42, 43), data_fractions=(0.25, 0.5), fp8_chain=True, eval_processes=2,
     ),
     # The test's size, every chain of the others, on a CPU in minutes: a check of the code path (and of
