@@ -103,14 +103,15 @@ SIZES = {
         max_length=64, eval_new_tokens=12, eval_prompts=3, seeds=(42, 43), data_fractions=(0.25, 0.5), fp8_chain=True,
     ),
     # The H200 run, in two device calls of under 10 minutes with the same --workdir (a stage cut by
-    # the first goes on in the second). Its target: 8 layers of hidden 384, taught to sort 6-16 of 256
-    # words; the drafter, three layers as wide, on 32,768 chats for 5 epochs.
+    # the first goes on in the second). Its target: 8 layers of hidden 384, taught to sort 6-12 of
+    # 128 words (up to 300 s); the drafter, three layers as wide, on 24,576 chats for 4 epochs
+    # (about 660 steps of 8,192 tokens: the previous GPU size's drafter stopped undertrained at 399).
     "gpu": Size(
         target_layers=8, target_hidden=384, target_heads=6, target_head_dim=64, vocab_size=4096, capture=[1, 3, 5, 7], corpus_files=None,
-        document_chars=2500, vocabulary_size=256, min_words=6, max_words=16,
-        target_chats=200000, train_steps=2500, train_seconds=300.0, train_batch=32, train_length=256, lr=3e-3,
-        chats=32832, holdout=64, max_answer_tokens=64, regenerate_batch=512,
-        draft_layers=3, block_size=16, anchors=32, epochs=5, draft_lr=1e-3, micro_batch_tokens=8192, micro_batch_blocks=8192, chunk_tokens=65536,
+        document_chars=2500, vocabulary_size=128, min_words=6, max_words=12,
+        target_chats=100000, train_steps=2500, train_seconds=300.0, train_batch=32, train_length=256, lr=3e-3,
+        chats=24640, holdout=64, max_answer_tokens=48, regenerate_batch=512,
+        draft_layers=3, block_size=16, anchors=32, epochs=4, draft_lr=1e-3, micro_batch_tokens=8192, micro_batch_blocks=8192, chunk_tokens=65536,
         max_length=96, eval_new_tokens=48, seeds=(42, 43), data_fractions=(0.25, 0.5), fp8_chain=True, eval_processes=4,
     ),
 }
