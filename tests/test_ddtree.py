@@ -272,3 +272,19 @@ def test_the_quality_benchmark_puts_tree_tau_per_budget_beside_the_chains(evalua
     assert trees["per_budget"] == {b: round(d["acceptance_length"], 3) for b, d in summary["tree"]["decoded"].items()}
     assert list(trees["per_budget"]) == ["1", "5", "12"]
     assert tree_acceptance(report["drafters"]["prompt_lookup"]) is None
+
+
+def test_a_dflash2_drafter_as_the_evaluation_loads_it_grows_its_trees(target_dir):
+    """load_drafter leaves the parameters requiring grad, and DFlash2's branches score the selector's
+    candidates lazily, as the tree grows: every chain of the quality benchmark's DFlash2 failed in
+    evaluate ("Inference tensors cannot be saved for backward") until the tree figures were walked
+    under inference mode, as their branches were made."""
+    drafter, variant = tiny_drafter(target_dir, "dflash2", block_size=5)
+    drafter.requires_grad_(True)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    decoder = PromptDecoder(model, drafter, variant, anchor_layout("dflash2", block_size=5), EvalSpec(max_new_tokens=12, tree_budgets=[6]))
+    try:
+        result = decoder.decode(torch.randint(0, 900, (12,), generator=torch.Generator().manual_seed(0)))
+    finally:
+        decoder.close()
+    assert sorted(result.trees.decoded) == [4, 6] and result.trees.divergences[6] is not None

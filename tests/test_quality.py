@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import random
 from pathlib import Path
 
@@ -35,66 +36,40 @@ def bench(monkeypatch):
     return importlib.import_module("run_quality")
 
 
-# ---- held out at the source ------------------------------------------------------------------------
+# ---- the chats ---------------------------------------------------------------------------------------
 
 
-def test_held_out_chats_come_from_held_out_documents_only_and_every_prompt_once(bench):
+def test_every_prompt_is_a_new_draw_the_held_out_ones_last_and_the_data_sets_writer_is_not_the_targets(bench):
     corpus = importlib.import_module("corpus")
-    boilerplate = ["# Copyright 2001 the authors", "# All rights reserved", "# Licensed as the PSF licence says"]
-
-    def document(name: str, lines: int) -> str:
-        return "\n".join(boilerplate + [f"def {name}_{i}(x):  # line {i} of {name}" for i in range(lines)])
-
-    documents = [document(f"doc{d}", 30) for d in range(40)]
-    split = corpus.split_documents(documents + documents[:3])  # three exact copies
-    assert split.duplicates == 3 and len(split.training) + len(split.held_out) == 40 and len(split.held_out) == 4
-
-    shape = corpus.ChatShape(tuple(corpus.TASKS), prompt_lines=2, answer_lines=1, line_chars=80)
-    chats = corpus.drafter_chats(split, training=600, held_out=40, shape=shape, seed=3)
+    words = [f"w{i:02d}" for i in range(12)]
+    shape = corpus.ChatShape(min_words=3, max_words=5)
+    chats = corpus.drafter_chats(words, training=600, held_out=40, shape=shape, seed=3)
     prompts = [messages[0]["content"] for messages in chats.training + chats.held_out]
-    assert len(prompts) == len(set(prompts)) == 640
-    training_text = "\n".join(split.training)
-    for messages in chats.held_out:
-        window = messages[0]["content"].split("\n", 1)[1]
-        # From a held-out document, and never the licence header every document shares with the training ones.
-        assert any(window in held for held in split.held_out) and window not in training_text
+    assert len(prompts) == len(set(prompts)) == 640 and chats.prompts == set(prompts)
     assert chats.rows[-40:] == [{"messages": messages} for messages in chats.held_out]
-    with pytest.raises(RuntimeError, match="hold out more documents"):
-        corpus.drafter_chats(split, training=10, held_out=400, shape=shape, seed=3)
+    for user, assistant in chats.training + chats.held_out:
+        asked = user["content"].removeprefix("Sort these words: ").split()
+        assert 3 <= len(asked) <= 5 and set(asked) <= set(words) and assistant["content"] == ", ".join(sorted(asked))
+    # The target writes the same words its own way.
+    assert corpus.conversation(["b", "c", "a"], "target")[1]["content"] == "Sorted: a b c"
+    # New draws avoid the prompts taken, until there are none left.
+    taken = set(chats.prompts)
+    more = corpus.chats(words, 50, shape, "target", random.Random(1), taken=taken)
+    assert not {messages[0]["content"] for messages in more} & chats.prompts and len(taken) == 690
+    with pytest.raises(RuntimeError, match="draw from more words"):  # two words make two prompts: "a b" and "b a"
+        corpus.chats(words[:2], 3, corpus.ChatShape(2, 2), "target", random.Random(1), taken=set())
 
 
-def test_a_held_out_continuation_the_training_documents_hold_and_a_short_answer_are_skipped(bench):
+def test_the_vocabulary_is_the_most_frequent_words_of_one_token_in_order(bench):
+    from dflash_jobs.tiny import build_tiny_tokenizer
+
     corpus = importlib.import_module("corpus")
-    shared = "    raise NotImplementedError('subclasses define it')"
-    held = "\n".join(["def held_one(x):", "    return x + 1", shared, "def held_two(y):", "    pass", "end"])
-    training = "\n".join(["def trained(z):", shared])
-    split = corpus.Documents(training=[training], held_out=[held], duplicates=0)
-    shape = corpus.ChatShape(("continue",), prompt_lines=1, answer_lines=1, line_chars=80, min_answer_chars=8)
-    found = [m[1]["content"] for m in corpus.chats(split.held_out, 10, shape, random.Random(0), avoid_text=training)]
-    # The windows after "return x + 1" end in, or start with, a line a training document holds; "pass" is too short.
-    assert found == ["return x + 1"]
-
-
-def test_with_a_unique_cue_every_prompt_ends_in_a_line_the_corpus_holds_once(bench):
-    corpus = importlib.import_module("corpus")
-    documents = [f"def f{d}(x):\n    return None\n    y = {d} * x\n    z{d} = y + 1\n    return z{d} + {d}\nend" for d in range(20)]
-    assert corpus.repeated_lines(documents, 80) == {"return None", "end"}
-    split = corpus.split_documents(documents)
-    for unique_cue in (False, True):
-        shape = corpus.ChatShape(("continue",), prompt_lines=1, answer_lines=1, line_chars=80, unique_cue=unique_cue)
-        chats = corpus.drafter_chats(split, training=30, held_out=2, shape=shape, seed=3)
-        last_lines = {messages[0]["content"].splitlines()[-1].strip() for messages in chats.training + chats.held_out}
-        # "return None" ends no prompt with the cue: every document says "y = ..." after it.
-        assert ("return None" in last_lines) == (not unique_cue)
-
-
-def test_each_task_answers_with_a_function_of_the_prompt(bench):
-    corpus = importlib.import_module("corpus")
-    lines, following = ["a = 1", "b = 2"], ["c = 3"]
-    assert {name: task.answer(lines, following) for name, task in corpus.TASKS.items()} == {
-        "continue": ["c = 3"], "repeat": ["a = 1", "b = 2"], "number": ["1. a = 1", "2. b = 2"],
-        "reverse": ["b = 2", "a = 1"], "comment": ["# a = 1", "# b = 2"],
-    }
+    documents = ["def zebra(apple): return apple", "zebra apple mango = zebra + apple", "x = mango2 + mango_x + zebra"]
+    tokenizer = build_tiny_tokenizer(512, documents * 20)
+    # "zebra" 4 times, "apple" 4, the others once (mango2 and mango_x are not words of letters).
+    assert corpus.vocabulary(documents, tokenizer, 2) == ["apple", "zebra"]
+    with pytest.raises(ValueError, match="read more of them"):
+        corpus.vocabulary(documents, tokenizer, 50)
 
 
 def test_the_target_is_taught_its_answers_only(tmp_path):
@@ -126,6 +101,14 @@ def test_the_target_is_taught_its_answers_only(tmp_path):
         teach_tiny_target(target, [text * 4], steps=1, batch=2, length=length, lr=0.0, supervised=[labels])
 
 
+def test_a_target_window_starts_anywhere_or_where_a_chat_starts():
+    from dflash_jobs.tiny import window_starts
+
+    # Texts of 5, 3 and 4 tokens end to end; a window holds 4 + 1 tokens, so none starts past token 6.
+    assert window_starts([5, 3, 4], 4, from_text_starts=False).tolist() == [0, 1, 2, 3, 4, 5, 6]
+    assert window_starts([5, 3, 4], 4, from_text_starts=True).tolist() == [0, 5]  # the third text starts too late
+
+
 # ---- diversity, from the stored samples -------------------------------------------------------------
 
 
@@ -146,31 +129,32 @@ def test_diversity_counts_what_the_held_out_samples_share_with_the_training_ones
     figures = importlib.import_module("figures")
     tokenizer = build_tiny_tokenizer(512)
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    rows = [{"messages": [{"role": "user", "content": f"Repeat this text:\nline {i}"}]} for i in range(6)]
+    rows = [{"messages": [{"role": "user", "content": f"Sort these words: {words}"}]}
+            for words in ("b a", "d c", "f e", "h g", "a b c", "x y")]
     prompt = [encode(f"ask {i}") for i in range(6)]
-    training = [(prompt[0], encode("<think> the same answer every time, and more")), (prompt[1], encode("<think> another answer"))]
+    think = "<think>\n\n</think>\n\n"
+    training = [(prompt[0], encode(f"{think}Sorted: a b and more")), (prompt[1], encode(f"{think}Sorted: c d"))]
     held = [
-        (prompt[0], encode("<think> the same answer every time")),  # a training prompt; a training answer begins with its answer
-        (prompt[4], encode("<think> something new")),
-        (prompt[5], encode("<think> something new")),  # the same answer to another prompt
+        (prompt[0], encode(f"{think}Sorted: a b")),  # a training prompt; a training answer begins with its answer
+        (prompt[4], encode(f"{think}Sorted: a b c")),  # as taught
+        (prompt[5], encode(f"{think}Sorted: a b c")),  # the same answer to another prompt, not as taught
     ]
     regenerated, source = tmp_path / "regenerated", tmp_path / "source"
     write_samples(regenerated / "run" / "tokens" / "chunks" / "000000.safetensors", training, [0, 1])
     (regenerated / "run" / "tokens" / "dataset.json").write_text(json.dumps({"chunks": [{"path": "tokens/chunks/000000.safetensors"}]}))
-    write_samples(regenerated / "run" / HOLDOUT_KEY, held, [3, 4, 5])
-    write_samples(source / "run" / HOLDOUT_KEY, [(p, encode("<think> something new")) for p, _ in held], [3, 4, 5])
+    write_samples(regenerated / "run" / HOLDOUT_KEY, held, [0, 4, 5])
+    write_samples(source / "run" / HOLDOUT_KEY, [(p, encode(think + answer)) for (p, _), answer in zip(held, ("a, b", "Sorted: a b c", "x, y"))],
+                  [0, 4, 5])
 
-    found = figures.diversity(regenerated, source, rows, training_text="line 0\nline 3\nline 9", tokenizer=tokenizer, answer_tokens=100)
+    found = figures.diversity(regenerated, source, rows, tokenizer=tokenizer, answer_tokens=100)
     assert found["held_out_prompts"] == 3
     assert found["held_out_prompts_equal_to_a_training_prompt"] == 1
-    assert found["held_out_windows_in_training_documents"] == 1  # "line 3"
     assert found["held_out_answers_distinct"] == 2 and found["held_out_answers_found_in_training_answers"] == 1
-    assert found["held_out_answers_equal_to_source"] == 2
-    assert found["per_task"] == {"Repeat this text:": {"prompts": 3, "distinct": 2, "verbatim": 1, "as_source": 2}}
+    assert found["held_out_answers_equal_to_source"] == 1 and found["held_out_answers_as_taught"] == 2
     assert found["verdict"].startswith("degenerate: 2 distinct answers to 3 held-out prompts, 1 found word for word")
     assert found["goals"] == {"distinct_share_at_least": 0.9, "verbatim_share_at_most": 0.05, "met": False}
     # Cut where the evaluation stops decoding: the answers it asked for, here all "<think>", each the start of a training answer.
-    cut = figures.diversity(regenerated, source, rows, training_text="", tokenizer=tokenizer, answer_tokens=1)
+    cut = figures.diversity(regenerated, source, rows, tokenizer=tokenizer, answer_tokens=1)
     assert cut["held_out_answers_distinct"] == 1 and cut["held_out_answers_found_in_training_answers"] == 3
 
 
@@ -191,41 +175,81 @@ def test_claims_need_a_difference_larger_than_the_spread_between_seeds(bench):
                   chains.Chain("regenerated-seed43", True, seed=43, states_of="regenerated"),
                   chains.Chain("source-seed43", False, seed=43, states_of="source"),
                   chains.Chain("regenerated-dflash2", True, drafter="dflash2", states_of="regenerated"),
-                  chains.Chain("regenerated-dspark", True, drafter="dspark", states_of="regenerated")]
+                  chains.Chain("regenerated-dspark", True, drafter="dspark", states_of="regenerated"),
+                  chains.Chain("regenerated-dflash2-selector-off", True, drafter="dflash2", settings=(("selector_alpha", 0.0),), states_of="regenerated"),
+                  chains.Chain("regenerated-dspark-markov-rank1", True, drafter="dspark", settings=(("markov_rank", 1),), states_of="regenerated")]
     runs = {"regenerated": chain_run(3.0, 1.2), "regenerated-seed43": chain_run(3.4, 1.2), "source": chain_run(2.8, 1.2),
             "source-seed43": chain_run(2.9, 1.2), "regenerated-dflash2": chain_run(3.3, 1.2, drafter="dflash2"),
-            "regenerated-dspark": chain_run(2.9, 1.2, drafter="dspark")}
+            "regenerated-dspark": chain_run(2.9, 1.2, drafter="dspark"), "regenerated-dflash2-selector-off": chain_run(3.25, 1.2, drafter="dflash2"),
+            "regenerated-dspark-markov-rank1": chain_run(2.2, 1.2, drafter="dspark")}
     spread = figures.seed_spread(runs, chain_list)
+    curve = [{"supervised_tokens": 1000, "acceptance_length": 2.2}, {"supervised_tokens": 2000, "acceptance_length": 2.7},
+             {"supervised_tokens": 4000, "acceptance_length": 3.0}]
     assert spread["regenerated"] == {"drafter": "dflash", "seeds": [42, 43], "acceptance_length": [3.0, 3.4], "mean": 3.2, "spread": 0.4}
     assert spread["regenerated-dspark"]["acceptance_length"] == [2.9]  # a drafter of its own, not a seed of DFlash's
-    found = figures.claims(runs, spread)
+    # An ablation is a drafter of its own too, not another seed of the successor it ablates.
+    assert spread["regenerated-dflash2"]["acceptance_length"] == [3.3] and spread["regenerated-dflash2-selector-off"] == {
+        "drafter": "dflash2", "settings": {"selector_alpha": 0.0}, "seeds": [42], "acceptance_length": [3.25], "mean": 3.25, "spread": 0.0}
+    found = figures.claims(runs, spread, curve)
     verdicts = {claim["claim"]: claim["passed"] for claim in found}
     assert verdicts == {"regenerated > source by more than the spread between seeds": False,  # 0.35 apart, seeds 0.4 apart
                         "regenerated > prompt lookup by more than the spread between seeds": True,
+                        "regenerated >= 1.5x prompt lookup by more than the spread between seeds": True,  # 3.2 - 0.4 >= 1.8
+                        "rising with data, each step by more than the spread between seeds": False,  # its second step, 0.3, is not
                         "train/serve within 10% per position, every chain": True,
                         "dflash2 >= DFlash on the same states and verify block": True,
                         "dspark >= DFlash on the same states and verify block": False}
-    dspark = found[-1]
+    dspark = found[-1]  # the ablations make no claim of their own
     assert (dspark["difference"], dspark["dflash_seed_spread"], dspark["within_seed_spread"]) == (-0.3, 0.4, True)
     # One seed: no spread, so no claim about a difference holds.
-    single = figures.claims(runs, figures.seed_spread(runs, chain_list[:2]))
-    assert [claim["passed"] for claim in single[:2]] == [False, False]
+    single = figures.claims(runs, figures.seed_spread(runs, chain_list[:2]), curve)
+    assert [claim["passed"] for claim in single[:4]] == [False, False, False, False]
+    steep = [{**point, "acceptance_length": point["acceptance_length"] * 2} for point in curve]
+    rising = next(claim for claim in figures.claims(runs, spread, steep) if claim["claim"].startswith("rising"))
+    assert rising["passed"] and rising["rises"] == [1.0, 0.6] and rising["supervised_tokens"] == [1000, 2000, 4000]
+    # 1.5x prompt lookup within the seeds' spread is not claimed: 3.2 against 1.9, less the seeds' 0.4, is under 1.5x.
+    slower = {name: {**run, "acceptance_length": {**run["acceptance_length"], "prompt_lookup": 1.9}} for name, run in runs.items()}
+    assert not next(claim for claim in figures.claims(slower, spread, curve) if "1.5x" in claim["claim"])["passed"]
     # A chain that disagrees at a position, or whose check compared too few steps, fails the agreement claim.
     too_few = {"steps": 3, "minimum_steps": 24, "compared": False, "verdict": "not compared"}
     for broken in (chain_run(2.9, 1.2, disagreeing=[3]), chain_run(2.9, 1.2, at_anchors=too_few),
                    chain_run(2.9, 1.2, at_anchors="not compared: 3 steps, 24 needed")):
-        verdict = figures.claims({**runs, "source-seed43": broken}, spread)[2]
+        verdict = next(claim for claim in figures.claims({**runs, "source-seed43": broken}, spread, curve) if claim["claim"].startswith("train/serve"))
         assert not verdict["passed"] and not verdict["chains"]["source-seed43"]["passed"]
+
+
+def test_a_successors_lead_is_split_at_its_ablation_into_its_heads_and_its_anchor_paths(bench):
+    figures = importlib.import_module("figures")
+
+    def entry(drafter, values, **settings):
+        return {"drafter": drafter, **({"settings": settings} if settings else {}), "seeds": [42, 43][: len(values)],
+                "acceptance_length": values, "mean": round(sum(values) / len(values), 3), "spread": round(max(values) - min(values), 3)}
+
+    spread = {"regenerated": entry("dflash", [3.0, 3.2]), "regenerated-dflash2": entry("dflash2", [3.6]),
+              "regenerated-dspark": entry("dspark", [3.5]), "regenerated-dflash2-selector-off": entry("dflash2", [3.55], selector_alpha=0.0),
+              "regenerated-dspark-markov-rank1": entry("dspark", [3.2], markov_rank=1)}
+    found = {item["ablation"]: item for item in figures.attribution(spread)}
+    dflash2, dspark = found["regenerated-dflash2-selector-off"], found["regenerated-dspark-markov-rank1"]
+    # DFlash2's lead (0.5) is its anchor path's (0.45), not its selector's (0.05): only the first exceeds the seeds' 0.2.
+    assert (dflash2["lead_over_dflash"], dflash2["from_its_head"], dflash2["from_its_anchor_path"]) == (0.5, 0.05, 0.45)
+    assert (dflash2["head_decides"], dflash2["anchor_path_decides"], dflash2["dflash_seed_spread"]) == (False, True, 0.2)
+    # DSpark's (0.4): its Markov head's 0.3, and nothing its anchor path's.
+    assert (dspark["from_its_head"], dspark["from_its_anchor_path"], dspark["head_decides"], dspark["anchor_path_decides"]) == (0.3, 0.1, True, False)
+    assert dspark["settings"] == {"markov_rank": 1} and dspark["acceptance_length"] == {"successor": 3.5, "ablated": 3.2, "dflash": 3.1}
+    # One seed of DFlash: no spread, so no part decides.
+    single = figures.attribution({**spread, "regenerated": entry("dflash", [3.1])})
+    assert not any(item["head_decides"] or item["anchor_path_decides"] for item in single)
 
 
 def test_every_chain_of_a_size_and_what_it_trains_on(bench):
     sizes = importlib.import_module("sizes")
     names = {c.name: c for c in bench.chains_of(sizes.SIZES["tiny"])}
     assert list(names) == ["regenerated", "source", "regenerated-fp8", "regenerated-0.25", "regenerated-0.5", "regenerated-seed43",
-                           "source-seed43", "regenerated-dflash2", "regenerated-dspark"]
+                           "source-seed43", "regenerated-dflash2", "regenerated-dspark", "regenerated-dflash2-selector-off",
+                           "regenerated-dspark-markov-rank1"]
     assert names["regenerated-seed43"].states_of == "regenerated" and names["source-seed43"].states_of == "source"
     assert [c.name for c in names.values() if c.generates] == ["regenerated"]
-    assert {names[f"regenerated-{d}"].states_of for d in ("dflash2", "dspark")} == {"regenerated"}
+    assert {names[f"regenerated-{d}"].states_of for d in ("dflash2", "dspark", "dflash2-selector-off", "dspark-markov-rank1")} == {"regenerated"}
     for size in sizes.SIZES.values():  # every size runs every chain, the successors on the first chain's states
         assert [c.name for c in bench.chains_of(size)] == list(names)
 
@@ -245,7 +269,62 @@ def test_the_successors_train_at_the_same_verify_block_on_states_with_the_final_
     blocks = {name: (spec["train"]["drafter"], spec["train"]["block_size"]) for name, spec in written.items()}
     # DSpark's block of B drafts B tokens (its anchor is a slot): 7 drafts a step each, verified in blocks of 8.
     assert blocks["regenerated-dflash2"] == ("dflash2", 8) and blocks["regenerated-dspark"] == ("dspark", 7) and blocks["regenerated"] == ("dflash", 8)
-    assert {spec["eval"]["prompts"] for spec in written.values()} == {size.eval_prompts}
+    # The ablations: the same drafters, their own head turned off, every other setting at its default.
+    assert blocks["regenerated-dflash2-selector-off"] == ("dflash2", 8) and blocks["regenerated-dspark-markov-rank1"] == ("dspark", 7)
+    assert written["regenerated-dflash2-selector-off"]["train"]["dflash2"] == {"selector_alpha": 0.0}
+    assert written["regenerated-dspark-markov-rank1"]["train"]["dspark"] == {"markov_rank": 1}
+    assert not {"dflash2", "dspark"} & (set(written["regenerated-dflash2"]["train"]) | set(written["regenerated-dspark"]["train"]))
+    from dflash_jobs.spec import parse_spec
+
+    # As the trainer reads them: the field names exist, the rest of each section is its default.
+    selector_off, markov_rank1 = (parse_spec(written[f"regenerated-{name}"]).train for name in ("dflash2-selector-off", "dspark-markov-rank1"))
+    assert (selector_off.dflash2.selector_alpha, selector_off.dflash2.selector_top_k) == (0.0, 16)
+    assert (markov_rank1.dspark.markov_rank, markov_rank1.dspark.confidence_weight) == (1, 1.0)
+    assert {spec["eval"]["prompts"] for spec in written.values()} == {size.eval_prompts or size.holdout}
+    # One run name per benchmark directory, the same for its every chain and for a rerun of it.
+    again = chains.write_spec(tmp_path / "regenerated", Path("t"), Path("d"), size, bench.torch.device("cpu"), bench.chains_of(size)[0], final_hidden=True)
+    other = chains.write_spec(tmp_path / "other" / "regenerated", Path("t"), Path("d"), size, bench.torch.device("cpu"), bench.chains_of(size)[0],
+                              final_hidden=True)
+    assert len({spec["name"] for spec in written.values()} | {yaml.safe_load(again.read_text())["name"]}) == 1
+    assert yaml.safe_load(other.read_text())["name"] != written["regenerated"]["name"]
+
+
+# ---- how the steps start -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def step_server(bench):
+    """The chains module; the steps' server it starts is stopped after the test."""
+    yield importlib.import_module("chains")
+    importlib.import_module("launch").stop()
+
+
+IMPORTED_PROBE = "import sys\nprint(sorted(name for name in ('torch', 'transformers') if name in sys.modules))\n"
+"""A step that prints which heavy modules its process held before it ran."""
+
+
+def test_a_gpu_step_starts_in_a_fresh_interpreter_and_a_cpu_step_shares_the_servers_imports(step_server, tmp_path, monkeypatch):
+    """A forked child cannot use CUDA once its parent initialised it, and the server's imports did on
+    an H100 (every step of the GPU size failed): a GPU step must inherit nothing of them. A CPU box
+    cannot initialise CUDA, so what is checked is what a step inherits at all."""
+    (tmp_path / "imported_probe.py").write_text(IMPORTED_PROBE)
+    monkeypatch.syspath_prepend(str(tmp_path))  # the server's sys.path is this process's when it starts
+    printed = {}
+    for gpu in (True, False):
+        runner = step_server.ChainRunner(tmp_path / "dflash.yaml", tmp_path, gpu=gpu)
+        runner.env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), runner.env.get("PYTHONPATH", "")])
+        runner.step(f"probe-gpu-{gpu}", ["imported_probe"])
+        printed[gpu] = (tmp_path / f"probe-gpu-{gpu}-0.log").read_text().strip()
+        assert ("OMP_NUM_THREADS" in runner.env) == (not gpu)  # one intra-op thread on a CPU only
+    assert printed == {True: "[]", False: "['torch', 'transformers']"}
+
+
+def test_a_step_that_dies_before_its_log_exists_reports_its_exit_code(step_server, tmp_path):
+    # Its log's directory is missing: the forked child fails opening it, before anything is logged.
+    runner = step_server.ChainRunner(tmp_path / "dflash.yaml", tmp_path / "missing", gpu=False)
+    with pytest.raises(RuntimeError, match=r"(?s)prepare failed \(exit 1\): python -m dflash_jobs.prepare.*died before it opened its log"):
+        runner.step("prepare", ["dflash_jobs.prepare"])
+    assert step_server.exit_status(-9) == "killed by SIGKILL (out of memory?)"
 
 
 # ---- the whole chain --------------------------------------------------------------------------------
@@ -253,7 +332,8 @@ def test_the_successors_train_at_the_same_verify_block_on_states_with_the_final_
 
 def without_wall_time(result: dict) -> dict:
     """A run's figures without what the call itself measured: its seconds and the machine's load."""
-    return {**result, "seconds": {stage: seconds for stage, seconds in result["seconds"].items() if stage != "this_call"},
+    return {**{key: value for key, value in result.items() if key != "wall_seconds"},
+            "seconds": {stage: seconds for stage, seconds in result["seconds"].items() if stage != "this_call"},
             "machine": {key: value for key, value in result["machine"].items() if key != "load_average"}}
 
 
@@ -266,10 +346,13 @@ def test_tiny_chain_runs_every_chain_on_the_same_held_out_prompts_and_says_its_t
     result = bench.run("tiny", tmp_path, report=lambda stages: reports.append(list(stages)[1:]))
     assert torch.get_num_threads() == threads
     stages = ["target_training", "generation", *(c.name for c in bench.chains_of(bench.SIZES["tiny"]))]
-    assert reports == [stages[:n] for n in range(1, len(stages) + 1)]
+    # A report after every stage, each with one stage more (two chains run at once on a CPU, so in either order).
+    assert reports[0] == ["target_training"] and set(reports[-1]) == set(stages) and len(reports) == len(stages)
+    assert all(len(later) == len(earlier) + 1 and set(earlier) < set(later) for earlier, later in zip(reports, reports[1:]))
     # A rerun on the same work directory (a device call cut by its limit) goes on after the finished stages: here, none is left.
     again = bench.run("tiny", tmp_path, report=lambda stages: reports.append(list(stages)[1:]))
     assert without_wall_time(again) == without_wall_time(result) and len(reports) == len(stages)
+    assert again["wall_seconds"] >= sum(seconds for stage, seconds in result["seconds"].items() if stage != "this_call")
     # A chain cut after its extraction goes on: no prepare over extracted states, the same drafter, the same figures.
     done = json.loads((tmp_path / "stages.json").read_text())
     del done["source"]
@@ -281,7 +364,8 @@ def test_tiny_chain_runs_every_chain_on_the_same_held_out_prompts_and_says_its_t
 
     runs = result["runs"]
     assert set(runs) == set(stages[2:]) and {name: run["drafter"] for name, run in runs.items() if run["drafter"] != "dflash"} == {
-        "regenerated-dflash2": "dflash2", "regenerated-dspark": "dspark"}
+        "regenerated-dflash2": "dflash2", "regenerated-dspark": "dspark",
+        "regenerated-dflash2-selector-off": "dflash2", "regenerated-dspark-markov-rank1": "dspark"}
     regenerated, source = runs["regenerated"], runs["source"]
     for run in runs.values():
         assert run["lossless"] and all(d["lossless"] for d in run["drafters"].values()), run["drafters"]
@@ -300,7 +384,8 @@ def test_tiny_chain_runs_every_chain_on_the_same_held_out_prompts_and_says_its_t
 
     # The second seed, DFlash2 and DSpark trained on the first chain's states, hard-linked (one
     # extraction, with the final hidden state DSpark reads), and ran train and evaluate only.
-    for name, origin in (("regenerated-seed43", "regenerated"), ("source-seed43", "source"), ("regenerated-dspark", "regenerated")):
+    for name, origin in (("regenerated-seed43", "regenerated"), ("source-seed43", "source"), ("regenerated-dspark", "regenerated"),
+                         ("regenerated-dspark-markov-rank1", "regenerated")):
         assert list(runs[name]["step_seconds"]) == ["train", "evaluate"]
         chunks = sorted((tmp_path / origin / "run" / "extract" / "chunks").iterdir())
         assert chunks and all((tmp_path / name / "run" / "extract" / "chunks" / c.name).stat().st_ino == c.stat().st_ino for c in chunks)
@@ -313,6 +398,7 @@ def test_tiny_chain_runs_every_chain_on_the_same_held_out_prompts_and_says_its_t
     claims = {claim["claim"]: claim for claim in result["claims"]}
     assert list(claims) == [
         "regenerated > source by more than the spread between seeds", "regenerated > prompt lookup by more than the spread between seeds",
+        "regenerated >= 1.5x prompt lookup by more than the spread between seeds", "rising with data, each step by more than the spread between seeds",
         "train/serve within 10% per position, every chain", "dflash2 >= DFlash on the same states and verify block",
         "dspark >= DFlash on the same states and verify block"]
     over_source = claims["regenerated > source by more than the spread between seeds"]
@@ -324,12 +410,16 @@ def test_tiny_chain_runs_every_chain_on_the_same_held_out_prompts_and_says_its_t
     assert set(train_serve["chains"]) == set(runs)
     assert train_serve["passed"] == all(chain["compared"] and chain["disagreeing_positions"] == [] for chain in train_serve["chains"].values())
     assert result["chains"]["regenerated-dspark"]["calibration"] is not None and set(result["chains"]) == set(runs)
+    # Each successor's lead split at its ablation, trained on the same states.
+    assert [(item["drafter"], item["ablation"]) for item in result["attribution"]] == [
+        ("dflash2", "regenerated-dflash2-selector-off"), ("dspark", "regenerated-dspark-markov-rank1")]
+    assert all(item["acceptance_length"]["dflash"] == seeds["regenerated"]["mean"] for item in result["attribution"])
     assert result["fp8_over_bf16"] > 0 and [p["fraction"] for p in result["data_curve"]] == [0.25, 0.5, 1.0]
 
     # Held out at the source, from the stored samples; and the tiny target's few answers are called what they are.
     diversity = result["diversity"]
     assert diversity["held_out_prompts"] == result["settings"]["holdout"] == result["data"]["chats"]["held_out"]
-    assert diversity["held_out_prompts_equal_to_a_training_prompt"] == 0 and diversity["held_out_windows_in_training_documents"] == 0
+    assert diversity["held_out_prompts_equal_to_a_training_prompt"] == 0
     assert result["data"]["chats"]["duplicate_prompts"] == 0
     assert diversity["verdict"].startswith("degenerate:")
     assert result["wall_seconds"] > 0 and result["machine"]["cpus"] >= 1

@@ -12,10 +12,12 @@ the target's final hidden state when a drafter reading them needs it (DSpark).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shlex
 import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -56,11 +58,24 @@ class Chain:
     """train.seed: the drafter's initialisation, its anchors and its batches."""
     states_of: str | None = None
     """The chain whose extracted states this one trains on (it runs train and evaluate only); None: its own."""
+    settings: tuple[tuple[str, float], ...] = ()
+    """train.<drafter> settings other than their defaults (an ablation: ABLATIONS)."""
 
     @property
     def generates(self) -> bool:
         """The one chain that runs the generate step; the other regenerated chains read its rows."""
         return self.regenerated and self.fraction == 1.0 and self.dtype == "bfloat16" and self.states_of is None
+
+
+ABLATIONS = {
+    "dflash2-selector-off": ("dflash2", (("selector_alpha", 0.0),)),
+    "dspark-markov-rank1": ("dspark", (("markov_rank", 1),)),
+}
+"""Each successor without the part that is its own, on the same states: what is left of its lead
+over DFlash is its anchor path (DFlash2's in-block convolution, DSpark's anchor as the first slot),
+what it loses is its head's. DFlash2's candidate selector never trained (selector_alpha 0: a fresh
+selector ranks as the drafter's own logits do); DSpark's Markov head at rank 1, the smallest the
+spec takes (its bigram bias then one direction, not a table)."""
 
 
 def drafted_block(drafter: str, verify_block: int) -> int:
@@ -71,11 +86,18 @@ def drafted_block(drafter: str, verify_block: int) -> int:
     return verify_block - 1 if drafter == "dspark" else verify_block
 
 
+def run_name(benchmark: Path) -> str:
+    """The spec's name, one per benchmark work directory: the generate step keeps its scratch files
+    under the system's temporary directory by run name, and two benchmarks of one name on a machine
+    (a test beside a CPU run) deleted each other's. The same directory keeps its name: a rerun resumes."""
+    return f"quality-{hashlib.sha256(str(benchmark.resolve()).encode()).hexdigest()[:8]}"
+
+
 def write_spec(workdir: Path, target: Path, data: Path, size: Size, device: torch.device, chain: Chain, *, final_hidden: bool) -> Path:
     """The chain's dflash.yaml; `final_hidden`: extraction stores the target's final hidden state
     too (a chain reading these states trains a drafter that needs it)."""
     spec = {
-        "name": "quality",
+        "name": run_name(workdir.parent),
         "backend": "local",
         "target": {"model": str(target), "layers": size.capture},
         "data": {"source": str(data), "max_length": size.max_length, "chunk_tokens": size.chunk_tokens, "holdout": size.holdout},
@@ -88,6 +110,7 @@ def write_spec(workdir: Path, target: Path, data: Path, size: Size, device: torc
             "gpus_per_node": 1, "draft_layers": size.draft_layers, "anchors": size.anchors, "epochs": size.epochs, "lr": size.draft_lr,
             "micro_batch_tokens": size.micro_batch_tokens, "micro_batch_blocks": size.micro_batch_blocks, "seed": chain.seed,
             "checkpoint_every": 200, "cache_gb": 8.0, "stall_seconds": 120.0,
+            **({chain.drafter: dict(chain.settings)} if chain.settings else {}),
         },
         "eval": {"prompts": size.eval_prompts or size.holdout, "max_new_tokens": size.eval_new_tokens, "processes": size.eval_processes},
         "local": {"workdir": str(workdir / "local"), "device": device.type},
@@ -110,26 +133,28 @@ def write_spec(workdir: Path, target: Path, data: Path, size: Size, device: torc
 class ChainRunner:
     """One chain's steps, each as its pod would run it, each step's seconds kept."""
 
-    def __init__(self, spec: Path, workdir: Path, *, one_thread: bool) -> None:
-        """`one_thread`: every step on one intra-op thread (a CPU: the matrices are tiny, and on a
-        shared machine a second thread spins while it waits, slowing a step many times over)."""
-        self.spec, self.workdir = spec, workdir
+    def __init__(self, spec: Path, workdir: Path, *, gpu: bool) -> None:
+        """`gpu`: every step in a fresh interpreter (launch.py says why); else forked, on one
+        intra-op thread (a CPU: the matrices are tiny, and on a shared machine a second thread
+        spins while it waits, slowing a step many times over)."""
+        self.spec, self.workdir, self.gpu = spec, workdir, gpu
         self.env = {**os.environ, "DFLASH_CACHE_DIR": str(workdir / "cache"), "PYTHONUNBUFFERED": "1",
-                    **({"OMP_NUM_THREADS": "1"} if one_thread else {})}
+                    **({} if gpu else {"OMP_NUM_THREADS": "1"})}
         self.seconds: dict[str, float] = {}
 
     def step(self, name: str, *commands: list[str], extra_env: dict[str, str] | None = None) -> None:
         """Runs `python -m <command>` for each command at once (launch.py), each with its own log."""
         started = time.monotonic()
-        waits = [launch.start(command[0], command[1:], {**self.env, **(extra_env or {})}, self.workdir / f"{name}-{i}.log")
-                 for i, command in enumerate(commands)]
+        logs = [self.workdir / f"{name}-{i}.log" for i in range(len(commands))]
+        waits = [launch.start(command[0], command[1:], {**self.env, **(extra_env or {})}, log, fresh=self.gpu)
+                 for command, log in zip(commands, logs)]
         codes = [wait() for wait in waits]
         self.seconds[name] = round(time.monotonic() - started, 1)
         print(f"quality: {self.workdir.name} {name}: exit {max(codes, key=abs)} after {self.seconds[name]} s", file=sys.stderr, flush=True)
         if any(codes):
             failed = next(i for i, code in enumerate(codes) if code)
-            tail = (self.workdir / f"{name}-{failed}.log").read_text()[-3000:]
-            raise RuntimeError(f"{name} failed (exit {codes[failed]}): {shlex.join(['python', '-m', *commands[failed]])}\n{tail}")
+            raise RuntimeError(f"{name} failed ({exit_status(codes[failed])}): {shlex.join(['python', '-m', *commands[failed]])}\n"
+                               + printed(logs[failed]))
 
     def job(self, module: str, *args: str) -> list[str]:
         return [module, *args, "-f", str(self.spec)]
@@ -156,6 +181,25 @@ class ChainRunner:
         self.step("train", self.job("dflash_jobs.train"))
         self.step("evaluate", self.job("dflash_jobs.evaluate"))
         return self.seconds
+
+
+def exit_status(code: int) -> str:
+    """An exit code as words: a negative one is the signal that ended the process."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}" + (" (out of memory?)" if code == -signal.SIGKILL else "")
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit {code}"
+
+
+def printed(log: Path) -> str:
+    """The end of what a step printed, or why there is nothing: a step that died before its log
+    existed (a forked child that failed to start) printed on the benchmark's own stderr."""
+    if not log.exists():
+        return f"{log} does not exist: the step died before it opened its log; what it printed is on this process's stderr, above"
+    text = log.read_text(errors="replace")
+    return text[-3000:] if text else f"{log} is empty: the step printed nothing"
 
 
 def share_states(origin: Path, workdir: Path) -> None:

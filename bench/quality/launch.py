@@ -1,12 +1,16 @@
-"""Starting the product's entry points as their pods do (`python -m dflash_jobs.<step> ...`), minus
-the import: every step is a process of its own, forked from a server that imported torch,
-transformers and the steps' modules once.
+"""Starting the product's entry points as their pods do (`python -m dflash_jobs.<step> ...`): every
+step is a process of its own, with its own argv, environment and log, and exits with its own code.
 
-A CPU run of the benchmark starts some forty steps; each fresh interpreter spent 7-15 s importing
-torch and transformers (more than most tiny steps compute), so the import was most of the test's
-time. The step still runs in its own process, from the module's own `__main__` with its own
-argv, environment and log, and exits with its own code; only the imports are shared, made before
-any thread or device existed (a forkserver: the benchmark's threads are never forked).
+On a CPU the import is shared: each step is forked from a server that imported torch, transformers
+and the steps' modules once. A CPU run of the benchmark starts some fifty steps; each fresh
+interpreter spent 7-15 s importing torch and transformers (more than most tiny steps compute), so
+the import was most of the test's time. The server imports them before any thread or device
+exists (a forkserver: the benchmark's threads are never forked).
+
+On a GPU every step is a fresh interpreter, exactly `python -m`, nothing inherited: a forked child
+cannot use CUDA once its parent has initialised it, and the server's imports did (the GPU size
+failed every step with "Cannot re-initialize CUDA in forked subprocess", 2026-12-05), which no CPU
+run can see. There the import costs seconds beside steps of minutes, and the steps run side by side.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import runpy
+import subprocess
 import sys
 from pathlib import Path
 from typing import Callable
@@ -22,7 +27,7 @@ PRELOADED = (
     "torch", "transformers", "transformers.models.qwen3_5.modeling_qwen3_5", "safetensors.torch",
     "dflash_jobs.generate.worker", "dflash_jobs.extract.worker", "dflash_jobs.train.trainer", "dflash_jobs.evaluate.evaluator",
 )
-"""What the server imports once (a module that fails to import is left to the step, which then says why)."""
+"""What the CPU server imports once (a module that fails to import is left to the step, which then says why)."""
 
 _context: multiprocessing.context.ForkServerContext | None = None
 
@@ -47,7 +52,7 @@ def stop() -> None:
 
 
 def _entry_point(module: str, args: list[str], env: dict[str, str], log: str) -> None:
-    """In the step's process: its environment, its log on stdout and stderr, then the module as `python -m` runs it."""
+    """In the forked step's process: its environment, its log on stdout and stderr, then the module as `python -m` runs it."""
     os.environ.clear()
     os.environ.update(env)
     with open(log, "w") as file:
@@ -62,13 +67,18 @@ def _entry_point(module: str, args: list[str], env: dict[str, str], log: str) ->
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
-def start(module: str, args: list[str], env: dict[str, str], log: Path) -> Callable[[], int]:
-    """Starts `python -m module args` with `env`, its output in `log`; returns what waits for its exit code."""
-    process = _server().Process(target=_entry_point, args=(module, args, env, str(log)), name=module)
-    process.start()
+def start(module: str, args: list[str], env: dict[str, str], log: Path, *, fresh: bool = False) -> Callable[[], int]:
+    """Starts `python -m module args` with `env`, its output in `log`; returns what waits for its exit
+    code. `fresh`: in a new interpreter (a GPU step), else forked from the server (a CPU step)."""
+    if fresh:
+        with open(log, "w") as file:  # the child holds its own copy of the descriptor
+            process = subprocess.Popen([sys.executable, "-m", module, *args], env=env, stdout=file, stderr=subprocess.STDOUT)
+        return process.wait
+    forked = _server().Process(target=_entry_point, args=(module, args, env, str(log)), name=module)
+    forked.start()
 
     def wait() -> int:
-        process.join()
-        return process.exitcode
+        forked.join()
+        return forked.exitcode
 
     return wait

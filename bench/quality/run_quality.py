@@ -4,33 +4,30 @@ prompts, for several data sets and drafters side by side.
 
     python bench/quality/run_quality.py --size tiny|cpu|gpu [--out bench/results/quality-<size>.json] [--workdir DIR]
 
-1. Documents (corpus.py): the Python standard library's source (cut at 2,500 characters at the cpu
-   and GPU sizes: a corpus the target can learn by heart), optionally with pydoc pages, manual
-   pages and installed package documentation: real text, available offline everywhere. Exact
-   duplicates are dropped and one document in ten is held out of the drafter's data (and of the
-   target's unless it memorises every document); the evaluation's prompts come from those
-   documents only, each window of them whose lines or next lines a training document holds skipped.
-2. Tokenizer and target: a byte-level BPE trained on the training documents (Qwen's pre-tokenizer),
-   and a model of the Qwen3.5/3.6 architecture (`dflash_jobs.tiny`: Gated DeltaNet and gated
-   attention layers 3:1, multimodal checkpoint layout) fine-tuned, on its answers only, on chats
-   that ask for a task on a few lines of a document: at the cpu and GPU sizes to continue them, on
-   every document (the held-out ones too, as a real target has read the web its users' prompts
-   come from), so that it answers from memory what the document says next; at the tiny size also to
-   repeat, number, reverse or comment them out. The report's diversity figures measure whether
-   its answers depend on the prompt (distinct answers per held-out prompt, answers found word for
-   word among the training answers) and call a target that misses the goals degenerate.
-3. Data: other chats of the same kinds, answered by the documents themselves (chat JSONL), every
-   prompt distinct; the held-out chats last.
+1. Text (corpus.py): the Python standard library's source (cut at 2,500 characters at the cpu and
+   GPU sizes), real text available offline everywhere: it trains the tokenizer, and its most
+   frequent one-token words are the vocabulary the chats draw from.
+2. Tokenizer and target: a byte-level BPE trained on that text (Qwen's pre-tokenizer), and a model
+   of the Qwen3.5/3.6 architecture (`dflash_jobs.tiny`: Gated DeltaNet and gated attention layers
+   3:1, multimodal checkpoint layout) fine-tuned, on its answers only, to sort the words a chat
+   gives it ("Sort these words: ..." -> "Sorted: ..."). Every prompt is a new random draw, so the
+   target's answer to a held-out prompt is its own; the report's diversity figures measure it
+   (distinct answers per held-out prompt, answers found word for word among the training answers,
+   answers as the target was taught) and call a target that misses the goals degenerate.
+3. Data: other chats, every prompt distinct, answered by another writer ("a, b, c": the same words
+   in its own format, as a real data set was written by another model than the target); the
+   held-out chats last. No target chat has a prompt of the data set.
 4. The product's chain through its own entry points (`python -m dflash_jobs.generate`, `prepare`,
    `extract --shard i`, `dflashctl verify`, `train`, `evaluate`; chains.py), once per data set (on a
    GPU all at once; their small models leave it mostly idle):
    - regenerated: the target's own answers (generate, transformers engine, greedy) first; its
      extraction stores the target's final hidden state too (DSpark reads it);
-   - source: the documents' answers, as they are;
+   - source: the other writer's answers, as they are;
    - the same stored in fp8 (float8_e4m3fn), and a half and a quarter of the regenerated rows (the
      same held-out prompts at the end);
    - on the same extracted states (train and evaluate only): DFlash again with another seed, for
-     regenerated and source, and DFlash2 and DSpark on the regenerated states, at DFlash's verify block.
+     regenerated and source, and DFlash2 and DSpark on the regenerated states, at DFlash's verify
+     block, each also without its own head (chains.ABLATIONS).
    The held-out prompts are the last chats of the source in every chain, the same tokens (checked).
 5. The figures (figures.py), side by side: how far the held-out prompts are from the training data
    and how much the target's answers depend on them (the verdict says whether the figures mean
@@ -38,7 +35,8 @@ prompts, for several data sets and drafters side by side.
    (training-free n-gram drafting) on the same held-out prompts, tokens/s against plain greedy,
    lossless up to ties (the evaluator's measured tie tolerance), the trainer's simulated acceptance
    against the evaluation's at the same anchors, DSpark's confidence calibration, the spread between
-   seeds and the claims it decides, and acceptance against data size (a PNG beside the JSON).
+   seeds and the claims it decides, each successor's lead split into its head's and its anchor
+   path's, and acceptance against data size (a PNG beside the JSON).
 
 Prints one JSON document (and writes it to --out, after every stage too, marked "complete": false
 until the end). A rerun with the same --workdir goes on after the last finished stage (a device
@@ -71,9 +69,9 @@ from dflash_jobs.spec import TrainSpec
 from dflash_jobs.tiny import teach_tiny_target, write_tiny_target
 
 import launch
-from chains import Chain, ChainRunner, chain_figures, held_out_prompts, part_of, regenerated_rows, share_states, write_spec
-from corpus import ChatSet, Documents, chats, corpus, drafter_chats, split_documents
-from figures import claims, data_curve, diversity, goals, plot_curve, seed_spread, train_serve, tree_acceptance
+from chains import ABLATIONS, Chain, ChainRunner, chain_figures, held_out_prompts, part_of, regenerated_rows, share_states, write_spec
+from corpus import ChatSet, chats, drafter_chats, stdlib_sources, vocabulary
+from figures import attribution, claims, data_curve, diversity, goals, plot_curve, seed_spread, train_serve, tree_acceptance
 from sizes import SIZES, Size
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,32 +80,41 @@ REPO = Path(__file__).resolve().parents[2]
 # ---- the tokenizer and the target ------------------------------------------------------------------
 
 
-def make_target(directory: Path, documents: Documents, size: Size, device: torch.device) -> dict[str, Any]:
-    """A BPE tokenizer trained on the training documents, a random target, then trained in place on
-    chats of them (of every document with `size.target_memorises`), on their answers (as a chat
-    model is fine-tuned); its loss on the answers of other chats of the held-out documents
-    (held out from the target too unless it memorises them)."""
+def data_set(documents: list[str], tokenizer, size: Size) -> tuple[list[str], ChatSet]:
+    """The vocabulary the chats draw from and the drafter's data set, answered by the other writer:
+    the same for the target's stage (whose chats avoid its prompts) and every later one."""
+    words = vocabulary(documents, tokenizer, size.vocabulary_size)
+    return words, drafter_chats(words, size.chats - size.holdout, size.holdout, size.chat_shape, seed=3)
+
+
+def make_target(directory: Path, documents: list[str], size: Size, device: torch.device) -> dict[str, Any]:
+    """A BPE tokenizer trained on the documents, a random target, then trained in place on chats
+    answered as the target answers (its writer), on their answers only (as a chat model is
+    fine-tuned), none of them with a prompt of the drafter's data set; its loss on the answers of
+    other such chats."""
     from transformers import AutoTokenizer
 
     write_tiny_target(directory, num_layers=size.target_layers, hidden_size=size.target_hidden, vocab_size=size.vocab_size,
-                      heads=size.target_heads, head_dim=size.target_head_dim, corpus=documents.training)
+                      heads=size.target_heads, head_dim=size.target_head_dim, corpus=documents)
     encoder = ChatEncoder(AutoTokenizer.from_pretrained(directory))
+    words, chat_set = data_set(documents, encoder.tokenizer, size)
+    taken, rng = set(chat_set.prompts), random.Random(1)
 
-    def rendered(docs: list[str], count: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:
-        """Chats tokenized as prepare tokenizes them, which is as serving does (the prompt apart from
-        the answer), and their answers' tokens: a target taught on whole conversations tokenized at
-        once would be served a generation prompt whose last token it never saw there."""
-        rows = [encoder.render({"messages": messages}) for messages in chats(docs, count, size.chat_shape, random.Random(seed))]
+    def rendered(count: int) -> tuple[list[list[int]], list[list[int]]]:
+        """New chats tokenized as prepare tokenizes them, which is as serving does (the prompt apart
+        from the answer), and their answers' tokens: a target taught on whole conversations tokenized
+        at once would be served a generation prompt whose last token it never saw there."""
+        rows = [encoder.render({"messages": messages}) for messages in chats(words, count, size.chat_shape, "target", rng, taken=taken)]
         encoded = list(encoder.encode(rows))
         return [ids.tolist() for ids, _ in encoded], [mask.tolist() for _, mask in encoded]
 
-    taught_documents = documents.training + documents.held_out if size.target_memorises else documents.training
-    texts, answers = rendered(taught_documents, size.target_chats, 1)
-    held_out, held_out_answers = rendered(documents.held_out, 2000, 2)
+    texts, answers = rendered(size.target_chats)
+    held_out, held_out_answers = rendered(500)
     taught = teach_tiny_target(directory, texts, steps=size.train_steps, batch=size.train_batch, length=size.train_length, lr=size.lr,
                                seconds=size.train_seconds, device=device.type, supervised=answers,
-                               held_out=held_out, held_out_supervised=held_out_answers)
-    return {**taught, "tokenizer_tokens": len(encoder.tokenizer), "chats": len(texts), "held_out_documents_taught": size.target_memorises}
+                               held_out=held_out, held_out_supervised=held_out_answers, from_text_starts=True)
+    return {**taught, "tokenizer_tokens": len(encoder.tokenizer), "chats": len(texts), "vocabulary": words,
+            "corpus": {"documents": len(documents), "chars": sum(map(len, documents))}}
 
 
 # ---- the chains --------------------------------------------------------------------------------
@@ -124,6 +131,8 @@ def chains_of(size: Size) -> list[Chain]:
                for seed in others for name, regenerated in (("regenerated", True), ("source", False))]
     # The successors on the regenerated chain's states (one extraction, its final hidden state stored for DSpark).
     chains += [Chain(f"regenerated-{drafter}", True, drafter=drafter, seed=first, states_of="regenerated") for drafter in size.successors]
+    chains += [Chain(f"regenerated-{name}", True, drafter=ABLATIONS[name][0], settings=ABLATIONS[name][1], seed=first, states_of="regenerated")
+               for name in size.ablations]
     return chains
 
 
@@ -134,6 +143,8 @@ class Stages:
     def __init__(self, workdir: Path, settings: dict[str, Any], report: Callable[[dict[str, Any]], None]) -> None:
         self.path = workdir / "stages.json"
         self.report = report
+        self.ran: set[str] = set()
+        """The stages this call ran (the others an earlier call finished)."""
         self.lock = threading.Lock()
         settings = json.loads(json.dumps(settings))  # as stages.json holds them (tuples as lists)
         self.done: dict[str, Any] = json.loads(self.path.read_text()) if self.path.exists() else {"settings": settings}
@@ -142,6 +153,7 @@ class Stages:
 
     def run(self, name: str, stage: Callable[[], Any]) -> Any:
         if name not in self.done:
+            self.ran.add(name)
             started = time.monotonic()
             figures = stage()
             with self.lock:
@@ -170,13 +182,12 @@ def run(size_name: str, workdir: Path, report: Callable[[dict[str, Any]], None] 
 def run_stages(size_name: str, size: Size, device: torch.device, workdir: Path, report: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     started = time.monotonic()
     stages = Stages(workdir, asdict(size), report)
-    sources = corpus(size.corpus_files, size.installed_text, size.document_chars)
-    documents = split_documents([document for docs in sources.values() for document in docs])
+    from transformers import AutoTokenizer
+
+    documents = stdlib_sources(size.corpus_files, size.document_chars)
     target = workdir / "target"
-    target_training = stages.run("target_training", lambda: {
-        **make_target(target, documents, size, device),
-        "corpus": {name: {"documents": len(docs), "chars": sum(map(len, docs))} for name, docs in sources.items()}})
-    chat_set = drafter_chats(documents, size.chats - size.holdout, size.holdout, size.chat_shape, seed=3)
+    target_training = stages.run("target_training", lambda: make_target(target, documents, size, device))
+    _, chat_set = data_set(documents, AutoTokenizer.from_pretrained(target), size)
     chats_path = workdir / "chats.jsonl"
     chats_path.write_text("".join(json.dumps(row) + "\n" for row in chat_set.rows))
     chains = chains_of(size)
@@ -191,7 +202,7 @@ def run_stages(size_name: str, size: Size, device: torch.device, workdir: Path, 
     def runner(chain: Chain) -> ChainRunner:
         final_hidden = any(TrainSpec(drafter=c.drafter).reads_final_hidden for c in chains if c.states_of == chain.name)
         spec = write_spec(workdir / chain.name, target, data_of(chain), size, device, chain, final_hidden=final_hidden)
-        return ChainRunner(spec, workdir / chain.name, one_thread=device.type == "cpu")
+        return ChainRunner(spec, workdir / chain.name, gpu=device.type == "cuda")
 
     generating = next(c for c in chains if c.generates)
 
@@ -224,9 +235,10 @@ def run_stages(size_name: str, size: Size, device: torch.device, workdir: Path, 
 
     # On a GPU the source chain runs beside generation, then every chain side by side (a chain
     # reading another's states from when they are verified): their small models leave it mostly
-    # idle, and one device call holds more of the run. On a CPU they would only fight over its
-    # cores (the stages run in the order submitted, each after what it reads).
-    with ThreadPoolExecutor(max_workers=len(chains) + 1 if device.type == "cuda" else 1) as pool:
+    # idle, and one device call holds more of the run. On a CPU two at a time: a step trains or
+    # decodes on one thread, so two keep both cores of a small machine busy (the stages start in the
+    # order submitted, each after what it reads).
+    with ThreadPoolExecutor(max_workers=chains_at_once(device, chains)) as pool:
         generated = pool.submit(stages.run, "generation", generation_stage)
         finished = {}
         for chain in chains:
@@ -238,11 +250,19 @@ def run_stages(size_name: str, size: Size, device: torch.device, workdir: Path, 
     prompts = {c.name: held_out_prompts(workdir / c.name) for c in chains}
     if any(p != prompts["regenerated"] for p in prompts.values()):
         raise RuntimeError("the chains were evaluated on different prompts (a held-out chat dropped, or rendered otherwise)")
-    return figures_of(size_name, size, device, workdir, stages, chains, runs, chat_set, documents, generation, target_training, started)
+    return figures_of(size_name, size, device, workdir, stages, chains, runs, chat_set, generation, target_training, started)
+
+
+CPU_CHAINS_AT_ONCE = 2
+
+
+def chains_at_once(device: torch.device, chains: list[Chain]) -> int:
+    """How many stages run side by side: every one on a GPU (generation among them), two on a CPU."""
+    return len(chains) + 1 if device.type == "cuda" else CPU_CHAINS_AT_ONCE
 
 
 def figures_of(size_name: str, size: Size, device: torch.device, workdir: Path, stages: Stages, chains: list[Chain],
-               runs: dict[str, dict[str, Any]], chat_set: ChatSet, documents: Documents, generation: dict[str, Any],
+               runs: dict[str, dict[str, Any]], chat_set: ChatSet, generation: dict[str, Any],
                target_training: dict[str, Any], started: float) -> dict[str, Any]:
     """The run's JSON document, from the chains' figures and their stored samples."""
     from transformers import AutoTokenizer
@@ -254,20 +274,23 @@ def figures_of(size_name: str, size: Size, device: torch.device, workdir: Path, 
         "size": size_name,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "machine": machine(),
-        "wall_seconds": round(sum(stage["seconds"] for name, stage in stages.done.items() if name != "settings"), 1),
+        # This call's time, plus the stages an earlier call (cut by a device's time limit) finished:
+        # stages run side by side, so the sum of their seconds is no wall time.
+        "wall_seconds": round(time.monotonic() - started + sum(stages.done[name]["seconds"] for name in stages.done
+                                                               if name not in stages.ran and name != "settings"), 1),
         "acceptance_length": {name: figures["acceptance_length"] for name, figures in runs.items()},
         "chains": {name: chain_summary(figures) for name, figures in runs.items()},
         "same_prompts": True,
-        "chains_concurrent": device.type == "cuda",
+        "stages_at_once": chains_at_once(device, chains),
         "data": {
-            "documents": {"training": len(documents.training), "held_out": len(documents.held_out), "duplicates_dropped": documents.duplicates},
+            "vocabulary": len(target_training["vocabulary"]),
             "chats": {"training": len(chat_set.training), "held_out": len(chat_set.held_out),
                       "duplicate_prompts": len(chat_set.rows) - len({row["messages"][0]["content"] for row in chat_set.rows})},
         },
-        "diversity": diversity(workdir / "regenerated", workdir / "source", chat_set.rows, "\n".join(documents.training),
-                               tokenizer, size.eval_new_tokens),
+        "diversity": diversity(workdir / "regenerated", workdir / "source", chat_set.rows, tokenizer, size.eval_new_tokens),
         "seeds": spread,
-        "claims": claims(runs, spread),
+        "claims": claims(runs, spread, curve),
+        "attribution": attribution(spread),
         "goals": goals(runs, spread, curve),
         "runs": runs,
         "generation": generation,

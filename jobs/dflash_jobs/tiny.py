@@ -343,6 +343,7 @@ def teach_tiny_target(
     held_out: list[str] | list[list[int]] | None = None,
     supervised: list[list[int]] | None = None,
     held_out_supervised: list[list[int]] | None = None,
+    from_text_starts: bool = False,
 ) -> dict[str, Any]:
     """Trains the checkpoint in `directory` in place, next-token prediction on `texts` concatenated
     (strings, or token ids where the caller tokenizes them as the target will be served).
@@ -351,7 +352,8 @@ def teach_tiny_target(
     fine-tuned on its answers only; None: every token is. Stops after `steps` or `seconds`,
     whichever comes first; returns how far it got, the loss at both ends and, given `held_out`
     texts (with `held_out_supervised` marking their labels), the mean loss over windows of them
-    after training. Only the language model trains: the vision tower is saved as it was, so the
+    after training. `from_text_starts`: every window begins where a text does, so a chat is seen
+    from its prompt (a window cut inside one asks for an answer without its question). Only the language model trains: the vision tower is saved as it was, so the
     checkpoint keeps its multimodal layout."""
     import torch
     import torch.nn.functional as F
@@ -359,17 +361,18 @@ def teach_tiny_target(
 
     tokenizer = AutoTokenizer.from_pretrained(directory)
 
-    def token_stream(texts: list[str] | list[list[int]], labels: list[list[int]] | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The texts end to end, and per token whether it is a label."""
+    def token_stream(texts: list[str] | list[list[int]], labels: list[list[int]] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The texts end to end, per token whether it is a label, and where windows may start."""
         tokenized = texts if isinstance(texts[0], list) else tokenizer(texts, add_special_tokens=False)["input_ids"]
         stream = torch.tensor([t for ids in tokenized for t in ids])
         if len(stream) <= length + 1:
             raise ValueError(f"{len(stream)} tokens of text are too few to train on windows of {length}")
+        starts = window_starts([len(ids) for ids in tokenized], length, from_text_starts)
         if labels is None:
-            return stream, torch.ones(len(stream), dtype=torch.bool)
+            return stream, torch.ones(len(stream), dtype=torch.bool), starts
         if [len(mask) for mask in labels] != [len(ids) for ids in tokenized]:
             raise ValueError("supervised must hold one flag per token of every text")
-        return stream, torch.tensor([flag for mask in labels for flag in mask], dtype=torch.bool)
+        return stream, torch.tensor([flag for mask in labels for flag in mask], dtype=torch.bool), starts
 
     stream = token_stream(texts, supervised)
     model = Qwen3_5ForConditionalGeneration.from_pretrained(directory, dtype=torch.float32).to(device).train()
@@ -387,10 +390,10 @@ def teach_tiny_target(
         optimizer, lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * progress(step))))
     generator = torch.Generator().manual_seed(2)
 
-    def windows_of(stream: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def windows_of(stream: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """`batch` random windows of length + 1 tokens, and which of their tokens are labels."""
-        tokens, labels = stream
-        starts = torch.randint(0, len(tokens) - length - 1, (batch,), generator=generator).tolist()
+        tokens, labels, allowed = stream
+        starts = allowed[torch.randint(0, len(allowed), (batch,), generator=generator)].tolist()
         return (torch.stack([tokens[s : s + length + 1] for s in starts]).to(device),
                 torch.stack([labels[s : s + length + 1] for s in starts]).to(device))
 
@@ -426,6 +429,18 @@ def teach_tiny_target(
                 taught["held_out_tokens"] = len(held_out_stream[0])
     model.save_pretrained(directory)
     return taught
+
+
+def window_starts(lengths: list[int], length: int, from_text_starts: bool):
+    """Where a window of length + 1 tokens may start in the texts of `lengths` laid end to end:
+    anywhere, or only where a text starts."""
+    import torch
+
+    total = sum(lengths)
+    if not from_text_starts:
+        return torch.arange(total - length - 1)
+    starts = torch.cumsum(torch.tensor([0, *lengths[:-1]]), 0)
+    return starts[starts < total - length - 1]
 
 
 # ---- the demo's inputs -----------------------------------------------------------------------

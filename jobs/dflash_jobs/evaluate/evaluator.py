@@ -162,6 +162,7 @@ class PromptDecoder:
         batch = document_batch(document, len(prompt), hidden, self.drafter, self.layout)
         return anchors_accepted(self.drafter, batch, self.variant.predict, self.layout)
 
+    @torch.inference_mode()  # the variants' branches score their children lazily, from tensors made in inference mode
     def tree_figures(self, prompt: torch.Tensor, reference: Decoded, chain: Decoded, document: torch.Tensor, features: torch.Tensor,
                      decoded: dict[int, Decoded]) -> PromptTrees:
         """The trees' exact figures along greedy's output (evaluate/trees.py), and the lossless check of their decodings."""
