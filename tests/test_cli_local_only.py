@@ -26,12 +26,16 @@ def dflashctl_without_kubernetes(tmp_path, *args):
 
 def write_spec(tmp_path, backend):
     spec_file = tmp_path / f"{backend}.yaml"
-    spec_file.write_text(yaml.safe_dump({
+    spec = {
         "name": "local-run", "backend": backend, "target": {"model": str(tmp_path / "model")},
         "data": {"source": str(tmp_path / "chats.jsonl")},
         "output": str(tmp_path / "out") if backend == "local" else "s3://bucket/runs/local-run",
         "local": {"workdir": str(tmp_path / "work")},
-    }))
+    }
+    if backend == "kubernetes":  # a pod's model lies on a volume it mounts, or the spec is refused first
+        spec["target"]["model"] = "/models/tiny"
+        spec["cluster"] = {"model_volume": {"claim": "models", "mount": "/models"}}
+    spec_file.write_text(yaml.safe_dump(spec))
     return spec_file
 
 

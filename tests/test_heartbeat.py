@@ -15,7 +15,7 @@ STUCK_LOOP = textwrap.dedent(
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
 
     def a_step_that_never_returns():
-        time.sleep(3.0)
+        time.sleep(2.4)  # one stall (1.5 s) and not two: a 3 s step raced the second dump against the loop's exit
 
     with Heartbeat(total_steps=100, step=40, quiet_seconds=0.5, stall_seconds=1.5) as heartbeat:
         for step in (41, 42):
