@@ -102,8 +102,8 @@ def test_in_a_pod_the_port_is_the_spec_s_the_one_the_controller_job_declares(mon
 
 
 def test_a_run_with_another_metrics_port_or_namespace_is_the_same_run(tmp_path, monkeypatch):
-    """Changing where the metrics are served (a busy laptop port) or where the Jobs live keeps the
-    run: the same spec hash, and <output>/run.yaml accepts it; anything it makes is another run."""
+    """Changing where the metrics are served (a busy laptop port), where the Jobs live or how many
+    local cores and processes the steps take keeps the run: the same spec hash, and <output>/run.yaml accepts it; anything it makes is another run."""
     from dflash_jobs.storage import open_storage
     from test_pipeline import backend_for
 
@@ -118,7 +118,7 @@ def test_a_run_with_another_metrics_port_or_namespace_is_the_same_run(tmp_path, 
     spec = parse_spec(raw)
     storage = open_storage(spec.output)
     run_pipeline(spec, backend_for(pipeline_work(storage)), storage=storage, refresh_s=0.01)
-    moved = parse_spec({**raw, "cluster": {"metrics_port": 8001, "namespace": "team-b"}})
+    moved = parse_spec({**raw, "cluster": {"metrics_port": 8001, "namespace": "team-b"}, "local": {"cores": 1, "parallelism": 1}})
     assert moved.fingerprint() == spec.fingerprint()
     result = run_pipeline(moved, backend_for(pipeline_work(storage)), storage=storage, refresh_s=0.01)
     assert result.ran == []  # attached to the finished run: every step found done

@@ -22,11 +22,13 @@ from dflash_jobs.spec.train import TrainSpec
 MAX_RUN_NAME = 40
 OPTIONAL_SECTIONS = ("generate", "train.dflash2", "train.dspark", "cluster.output_volume")
 """Sections that are off while absent (dotted paths): a resolved spec without them does not mention them."""
-OUTSIDE_RUN_IDENTITY = ("cluster.namespace", "cluster.metrics_port")
+OUTSIDE_RUN_IDENTITY = ("cluster.namespace", "cluster.metrics_port", "local.cores", "local.parallelism")
 """Settings of where a run is placed and watched from, not of what it makes (dotted paths): changing
 one keeps the run's identity, its spec hash and <output>/run.yaml. The namespace is where the Jobs
 live (`dflashctl -n` moves them; storage is shared); the metrics port is where `dflashctl run`
-serves its progress, a laptop's free port or the controller pod's."""
+serves its progress, a laptop's free port or the controller pod's; the local backend's cores and
+parallelism are how many of this machine's cores and processes its steps take (a run started before
+`local.cores` existed goes on under it)."""
 
 
 @dataclass(kw_only=True, slots=True)
