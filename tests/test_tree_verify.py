@@ -301,7 +301,7 @@ def test_the_benchmarks_tree_check_tells_a_wrong_parent_state_from_rounding(mode
     tree forward lies within it; one whose GDN nodes start from their depth's first state, not their
     parent's (right along the chain, wrong on every other branch), lies far outside."""
     monkeypatch.syspath_prepend(str(BENCH))
-    speedup = importlib.import_module("speedup")
+    speedup = importlib.import_module("speedup_trees")
     tree, _ = speedup.typical_tree(16, 15, model.config.vocab_size, torch.device("cpu"))
     assert len(speedup.root_paths(tree)) > 1 and sorted({row for path in speedup.root_paths(tree) for row in path}) == list(range(17))
     target = Target(model)

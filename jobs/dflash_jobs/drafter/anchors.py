@@ -7,8 +7,6 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-DRAFTERS = ("dflash", "dflash2", "dspark")
-
 
 @dataclass(frozen=True, slots=True)
 class AnchorLayout:
