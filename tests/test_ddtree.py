@@ -282,7 +282,8 @@ def test_a_dflash2_drafter_as_the_evaluation_loads_it_grows_its_trees(target_dir
     drafter, variant = tiny_drafter(target_dir, "dflash2", block_size=5)
     drafter.requires_grad_(True)
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    decoder = PromptDecoder(model, drafter, variant, anchor_layout("dflash2", block_size=5), EvalSpec(max_new_tokens=12, tree_budgets=[6]))
+    decoder = PromptDecoder(model, drafter, variant, anchor_layout("dflash2", block_size=5), EvalSpec(max_new_tokens=12, tree_budgets=[6]),
+                            BigramTable({}, {}))
     try:
         result = decoder.decode(torch.randint(0, 900, (12,), generator=torch.Generator().manual_seed(0)))
     finally:
