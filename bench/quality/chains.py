@@ -247,7 +247,8 @@ def chain_figures(chain_dir: Path) -> dict[str, Any]:
     dataset = json.loads((chain_dir / "run" / DATASET_KEY).read_text())
     train_metrics = [json.loads(line) for line in (chain_dir / "run" / TRAIN_METRICS_KEY).read_text().splitlines() if line]
     wanted = ("acceptance_length", "acceptance_per_position", "tokens_per_second", "speedup", "verify_steps", "lossless",
-              "mismatching_prompts", "ties", "real_mismatches", "mismatches", "simulated", "calibration", "tree", "coverage")
+              "mismatching_prompts", "ties", "real_mismatches", "mismatches", "simulated", "calibration", "tree", "coverage",
+              "conditional_acceptance")
     columns = {name: {key: summary[key] for key in wanted if key in summary} for name, summary in report["drafters"].items()}
     return {
         "drafter": report["drafter_variant"],

@@ -5,9 +5,9 @@ The task: "Sort these words: w1 w2 ... wn", the words drawn at random from a voc
 standard library's most frequent words (each one token after a space), n drawn uniformly. Every
 prompt is a new draw, so the target's answer to a held-out prompt is its own (not one of the
 training answers), and prompt lookup can copy little of it: the prompt holds the words in another
-order. Sorting is what a small target of the real architecture learns on a CPU in minutes: it
-needs the set of the prompt's words, not their positions (bench/README.md has what was measured
-against the tasks that need positions: continuing a memorised document, copying, a cipher).
+order. Sorting is what a small target of the real architecture learns on a CPU in minutes (it
+needs the set of the prompt's words, not their positions); a target taught to continue memorised
+documents recited other documents after a held-out prompt (bench/README.md).
 
 Two writers. The target is taught to answer "Sorted: a b c"; the data set's answers (the source)
 were written by another writer, who answers "a, b, c": the same words in another format, as a real

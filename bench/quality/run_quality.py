@@ -26,8 +26,8 @@ prompts, for several data sets and drafters side by side.
    - the same stored in fp8 (float8_e4m3fn), and a half and a quarter of the regenerated rows (the
      same held-out prompts at the end);
    - on the same extracted states (train and evaluate only): DFlash again with another seed, for
-     regenerated and source, and DFlash2 and DSpark on the regenerated states, at DFlash's verify
-     block, each also without its own head (chains.ABLATIONS).
+     regenerated and source, and (the tiny and cpu sizes) DFlash2 and DSpark on the regenerated
+     states, at DFlash's verify block, each also without its own head (chains.ABLATIONS).
    The held-out prompts are the last chats of the source in every chain, the same tokens (checked).
 5. The figures (figures.py), side by side: how far the held-out prompts are from the training data
    and how much the target's answers depend on them (the verdict says whether the figures mean
@@ -146,10 +146,20 @@ class Stages:
         self.ran: set[str] = set()
         """The stages this call ran (the others an earlier call finished)."""
         self.lock = threading.Lock()
+        self.started = time.monotonic()
         settings = json.loads(json.dumps(settings))  # as stages.json holds them (tuples as lists)
         self.done: dict[str, Any] = json.loads(self.path.read_text()) if self.path.exists() else {"settings": settings}
         if self.done["settings"] != settings:
             raise SystemExit(f"{workdir} holds a quality run of other settings ({self.path}): remove it, or choose another --workdir")
+        # Each call's wall time up to its last finished stage (calls.json): stages run side by side,
+        # so the sum of their seconds is no wall time. A run from before calls.json counts its stages'.
+        self.calls_path = workdir / "calls.json"
+        self.earlier_calls: list[float] = (json.loads(self.calls_path.read_text()) if self.calls_path.exists() else
+                                           [sum(self.done[name]["seconds"] for name in self.done if name != "settings")] if len(self.done) > 1 else [])
+
+    def wall_seconds(self) -> float:
+        """The wall time of every call so far, this one until now."""
+        return round(sum(self.earlier_calls) + time.monotonic() - self.started, 1)
 
     def run(self, name: str, stage: Callable[[], Any]) -> Any:
         if name not in self.done:
@@ -159,6 +169,7 @@ class Stages:
             with self.lock:
                 self.done[name] = {"figures": figures, "seconds": round(time.monotonic() - started, 1)}
                 self.path.write_text(json.dumps(self.done, indent=2) + "\n")
+                self.calls_path.write_text(json.dumps([*self.earlier_calls, round(time.monotonic() - self.started, 1)]) + "\n")
                 self.report(self.done)
         return self.done[name]["figures"]
 
@@ -180,7 +191,6 @@ def run(size_name: str, workdir: Path, report: Callable[[dict[str, Any]], None] 
 
 
 def run_stages(size_name: str, size: Size, device: torch.device, workdir: Path, report: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-    started = time.monotonic()
     stages = Stages(workdir, asdict(size), report)
     from transformers import AutoTokenizer
 
@@ -246,11 +256,13 @@ def run_stages(size_name: str, size: Size, device: torch.device, workdir: Path, 
                 verified[chain.name].set()
             finished[chain.name] = pool.submit(stages.run, chain.name, lambda c=chain: chain_stage(c, generated))
         generation = generated.result()
-        runs = {name: future.result() for name, future in finished.items()}
+        # Read back from the reports the steps stored, so that a rerun after a change to what is read
+        # from them has it without rerunning the steps.
+        runs = {name: {**future.result(), **chain_figures(workdir / name)} for name, future in finished.items()}
     prompts = {c.name: held_out_prompts(workdir / c.name) for c in chains}
     if any(p != prompts["regenerated"] for p in prompts.values()):
         raise RuntimeError("the chains were evaluated on different prompts (a held-out chat dropped, or rendered otherwise)")
-    return figures_of(size_name, size, device, workdir, stages, chains, runs, chat_set, generation, target_training, started)
+    return figures_of(size_name, size, device, workdir, stages, chains, runs, chat_set, generation, target_training)
 
 
 CPU_CHAINS_AT_ONCE = 2
@@ -263,7 +275,7 @@ def chains_at_once(device: torch.device, chains: list[Chain]) -> int:
 
 def figures_of(size_name: str, size: Size, device: torch.device, workdir: Path, stages: Stages, chains: list[Chain],
                runs: dict[str, dict[str, Any]], chat_set: ChatSet, generation: dict[str, Any],
-               target_training: dict[str, Any], started: float) -> dict[str, Any]:
+               target_training: dict[str, Any]) -> dict[str, Any]:
     """The run's JSON document, from the chains' figures and their stored samples."""
     from transformers import AutoTokenizer
 
@@ -274,10 +286,8 @@ def figures_of(size_name: str, size: Size, device: torch.device, workdir: Path, 
         "size": size_name,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "machine": machine(),
-        # This call's time, plus the stages an earlier call (cut by a device's time limit) finished:
-        # stages run side by side, so the sum of their seconds is no wall time.
-        "wall_seconds": round(time.monotonic() - started + sum(stages.done[name]["seconds"] for name in stages.done
-                                                               if name not in stages.ran and name != "settings"), 1),
+        # This call's time and the earlier calls' (cut by a device's time limit, say).
+        "wall_seconds": stages.wall_seconds(),
         "acceptance_length": {name: figures["acceptance_length"] for name, figures in runs.items()},
         "chains": {name: chain_summary(figures) for name, figures in runs.items()},
         "same_prompts": True,
@@ -297,7 +307,7 @@ def figures_of(size_name: str, size: Size, device: torch.device, workdir: Path, 
         "target_training": target_training,
         "settings": asdict(size),
         "seconds": {**{name: stages.done[name]["seconds"] for name in stages.done if name != "settings"},
-                    "this_call": round(time.monotonic() - started, 1)},
+                    "this_call": round(time.monotonic() - stages.started, 1)},
     }
     if len(curve) > 1:
         result["data_curve"] = curve
@@ -314,7 +324,9 @@ def chain_summary(figures: dict[str, Any]) -> dict[str, Any]:
         "drafter": figures["drafter"],
         "acceptance_length": figures["acceptance_length"][figures["drafter"]],
         "prompt_lookup": figures["acceptance_length"]["prompt_lookup"],
+        "bigram": figures["acceptance_length"].get("bigram"),
         "acceptance_per_position": [round(p, 3) for p in drafter["acceptance_per_position"]],
+        "conditional_acceptance": [None if p is None else round(p, 3) for p in drafter["conditional_acceptance"]["rates"]],
         "tokens_per_second": round(drafter["tokens_per_second"], 2),
         "speedup": round(drafter["speedup"], 3),
         "lossless": drafter["lossless"],

@@ -81,14 +81,15 @@ class Size:
 
 SIZES = {
     # Measured in bench/results/quality-cpu.json (its seconds per stage). The target is taught to sort
-    # 4-8 of 64 words (1,200 steps); the drafter, two layers as wide as the target, trains on 4,096
-    # chats for 4 epochs (636 steps, about 5 minutes of one core).
+    # 4-8 of 64 words (1,200 steps, about 10 minutes); the drafter, two layers as wide as the target,
+    # trains on 4,096 chats for one epoch (159 steps of 1,024 tokens, 8 anchors a sample, about 4 minutes
+    # of one core: 16 anchors for 4 epochs took 3 s a step, 33 minutes a chain, past the hour for eleven).
     "cpu": Size(
         target_layers=4, target_hidden=128, target_heads=4, target_head_dim=32, vocab_size=2048, capture=[1, 3], corpus_files=48,
         document_chars=2500, vocabulary_size=64, min_words=4, max_words=8,
         target_chats=20000, train_steps=1200, train_seconds=10800.0, train_batch=16, train_length=128, lr=1e-2,
         chats=4160, holdout=64, max_answer_tokens=32, regenerate_batch=64,
-        draft_layers=2, block_size=8, anchors=16, epochs=4, draft_lr=3e-3, micro_batch_tokens=1024, micro_batch_blocks=2048, chunk_tokens=16384,
+        draft_layers=2, block_size=8, anchors=8, epochs=1, draft_lr=3e-3, micro_batch_tokens=1024, micro_batch_blocks=2048, chunk_tokens=16384,
         max_length=64, eval_new_tokens=24, seeds=(42, 43), data_fractions=(0.25, 0.5), fp8_chain=True, eval_processes=2,
     ),
     # The test's size, every chain of the others, on a CPU in minutes: a check of the code path (and of
@@ -104,14 +105,16 @@ SIZES = {
     ),
     # The H200 run, in two device calls of under 10 minutes with the same --workdir (a stage cut by
     # the first goes on in the second). Its target: 8 layers of hidden 384, taught to sort 6-12 of
-    # 128 words (up to 300 s); the drafter, three layers as wide, on 24,576 chats for 4 epochs
-    # (about 660 steps of 8,192 tokens: the previous GPU size's drafter stopped undertrained at 399).
+    # 128 words (up to 180 s); the drafter, three layers as wide, on 24,576 chats for 3 epochs. It
+    # decides the claims on DFlash alone (seeds, source, the data curve): the successors, their
+    # ablations and the fp8 chain are the CPU size's, so that the run fits a session's device time.
     "gpu": Size(
         target_layers=8, target_hidden=384, target_heads=6, target_head_dim=64, vocab_size=4096, capture=[1, 3, 5, 7], corpus_files=None,
         document_chars=2500, vocabulary_size=128, min_words=6, max_words=12,
-        target_chats=100000, train_steps=2500, train_seconds=300.0, train_batch=32, train_length=256, lr=3e-3,
+        target_chats=100000, train_steps=2500, train_seconds=180.0, train_batch=32, train_length=256, lr=3e-3,
         chats=24640, holdout=64, max_answer_tokens=48, regenerate_batch=512,
-        draft_layers=3, block_size=16, anchors=32, epochs=4, draft_lr=1e-3, micro_batch_tokens=8192, micro_batch_blocks=8192, chunk_tokens=65536,
-        max_length=96, eval_new_tokens=48, seeds=(42, 43), data_fractions=(0.25, 0.5), fp8_chain=True, eval_processes=4,
+        draft_layers=3, block_size=16, anchors=32, epochs=3, draft_lr=1e-3, micro_batch_tokens=8192, micro_batch_blocks=8192, chunk_tokens=65536,
+        max_length=96, eval_new_tokens=48, seeds=(42, 43), data_fractions=(0.25, 0.5), fp8_chain=False, successors=(), ablations=(),
+        eval_processes=4,
     ),
 }
