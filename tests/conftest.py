@@ -166,6 +166,14 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    """The tiny Qwen3.5 target of train_fixtures, written once under the session's base directory."""
+    from train_fixtures import tiny_target
+
+    return tiny_target(tmp_path_factory.getbasetemp() / "train-fixtures")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -23,7 +23,7 @@ from dflash_jobs.evaluate.report import build_report
 from dflash_jobs.evaluate.trees import COVERAGE_K, PromptTrees, committed, summarize_trees
 from dflash_jobs.spec import MAX_TREE_BUDGET, EvalSpec, parse_spec
 from dflash_jobs.variants import drafter_variant
-from train_fixtures import fresh_drafter, tiny_target
+from train_fixtures import fresh_drafter
 
 V, DEPTHS = 5, 3
 
@@ -95,11 +95,6 @@ def test_a_step_counts_the_matched_drafts_and_never_past_the_output_end():
 
 
 # ---- the variants' distributions ---------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return tiny_target(tmp_path_factory.getbasetemp() / "train-fixtures")
 
 
 def tiny_drafter(target_dir, name: str, block_size: int, *, boost: bool = True):

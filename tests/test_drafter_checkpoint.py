@@ -14,7 +14,7 @@ from dflash_jobs.drafter.model import Drafter, RMSNorm
 from dflash_jobs.errors import InputError, SpecError
 from dflash_jobs.spec import TrainSpec
 from dflash_jobs.storage import open_storage
-from train_fixtures import LAYERS, tiny_target
+from train_fixtures import LAYERS
 
 ZLAB_KEYS = {
     "architectures", "attention_bias", "attention_dropout", "auto_map", "block_size", "dflash_config", "dtype",
@@ -23,11 +23,6 @@ ZLAB_KEYS = {
     "num_target_layers", "rms_norm_eps", "rope_parameters", "rope_scaling", "rope_theta", "sliding_window", "tie_word_embeddings",
     "use_cache", "use_sliding_window", "vocab_size",
 }
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return tiny_target(tmp_path_factory.getbasetemp() / "train-fixtures")
 
 
 @pytest.fixture(scope="module")

@@ -19,16 +19,11 @@ from dflash_jobs.drafter.masks import one_block_attention
 from dflash_jobs.drafter.model import Drafter, DrafterConfig
 from dflash_jobs.spec import TrainSpec
 from dflash_jobs.storage import open_storage
-from train_fixtures import LAYERS, tiny_target
+from train_fixtures import LAYERS
 
 USER_PROCESS = Path(__file__).with_name("zlab_user_process.py")
 CONTEXT, SPLIT = 40, 25  # context positions; the cached run feeds them in two steps
 WINDOW = 16  # small enough that the sliding layers' window cuts into the context
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return tiny_target(tmp_path_factory.getbasetemp() / "train-fixtures")
 
 
 @pytest.fixture(scope="module")

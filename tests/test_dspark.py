@@ -360,11 +360,6 @@ def test_drafting_walks_the_markov_chain_left_to_right_as_teacher_forcing_predic
 # ---- the exports --------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return tiny_target(tmp_path_factory.getbasetemp() / "train-fixtures")
-
-
 def tiny_dspark(target_dir: Path, **train):
     """A fresh DSpark drafter for the tiny target, built as training builds it (train: the spec's train section), on the CPU."""
     return fresh_drafter(target_dir, parse_spec(minimal_spec(**train)).train)

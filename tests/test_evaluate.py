@@ -32,13 +32,7 @@ LAYERS = [1, 3, 6]
 NO_STOP = frozenset()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny matrices gain nothing from intra-op threads, which only add synchronisation (badly so on a loaded CI box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: the tiny matrices gain nothing from more threads
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ from dflash_jobs.storage import open_storage
 from dflash_jobs.tiny import tiny_chat_rows
 from dflash_jobs.train.loss import draft_loss
 from dflash_jobs.variants import drafter_variant
-from train_fixtures import LAYERS, tiny_target, write_extract, write_holdout
+from train_fixtures import LAYERS, write_extract, write_holdout
 
 BLOCK = 8
 LAYOUT = anchor_layout(block_size=BLOCK)
@@ -50,17 +50,7 @@ NO_STOP = frozenset()
 VOCAB_PROBE = 64  # enough candidate ids to find one outside a few given ones
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return tiny_target(tmp_path_factory.getbasetemp() / "train-fixtures")
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: the tiny matrices gain nothing from more threads
 
 
 @pytest.fixture(scope="module")
