@@ -103,16 +103,17 @@ SIZES = {
         draft_layers=1, block_size=8, anchors=16, epochs=1, draft_lr=3e-3, micro_batch_tokens=512, micro_batch_blocks=2048, chunk_tokens=2048,
         max_length=64, eval_new_tokens=12, eval_prompts=3, seeds=(42, 43), data_fractions=(0.25, 0.5), fp8_chain=True,
     ),
-    # The H200 run, in two device calls of under 10 minutes with the same --workdir (a stage cut by
-    # the first goes on in the second). Its target: 8 layers of hidden 384, taught to sort 6-12 of
-    # 128 words (up to 180 s); the drafter, three layers as wide, on 24,576 chats for 3 epochs. It
-    # decides the claims on DFlash alone (seeds, source, the data curve): the successors, their
-    # ablations and the fp8 chain are the CPU size's, so that the run fits a session's device time.
+    # The H200 run, meant for one device call of under 10 minutes (a second call with the same
+    # --workdir goes on after the stages the first finished). Its target: 8 layers of hidden 384,
+    # taught to sort 6-12 of 128 words (up to 150 s); the drafter, three layers as wide, on 16,384
+    # chats for 3 epochs. It decides the claims on DFlash alone (seeds, source, the data curve): the
+    # successors, their ablations and the fp8 chain are the CPU size's, so that the run fits the
+    # device time a session has.
     "gpu": Size(
         target_layers=8, target_hidden=384, target_heads=6, target_head_dim=64, vocab_size=4096, capture=[1, 3, 5, 7], corpus_files=None,
         document_chars=2500, vocabulary_size=128, min_words=6, max_words=12,
-        target_chats=100000, train_steps=2500, train_seconds=180.0, train_batch=32, train_length=256, lr=3e-3,
-        chats=24640, holdout=64, max_answer_tokens=48, regenerate_batch=512,
+        target_chats=100000, train_steps=2500, train_seconds=150.0, train_batch=32, train_length=256, lr=3e-3,
+        chats=16448, holdout=64, max_answer_tokens=48, regenerate_batch=512,
         draft_layers=3, block_size=16, anchors=32, epochs=3, draft_lr=1e-3, micro_batch_tokens=8192, micro_batch_blocks=8192, chunk_tokens=65536,
         max_length=96, eval_new_tokens=48, seeds=(42, 43), data_fractions=(0.25, 0.5), fp8_chain=False, successors=(), ablations=(),
         eval_processes=4,
