@@ -18,8 +18,10 @@ from dflash_jobs.evaluate.simulated import anchors_accepted, document_batch
 from dflash_jobs.spec import DFlash2Spec, TrainSpec
 from dflash_jobs.variants import drafter_variant
 from test_evaluate_consistency import BLOCK, NEW_TOKENS, NO_STOP, PROMPTS, WINDOW, captured
-from test_evaluate_consistency import documents, one_thread, prompts, target_dir, target_model  # noqa: F401 (fixtures)
+from test_evaluate_consistency import documents, prompts, target_model  # noqa: F401 (fixtures)
 from train_fixtures import LAYERS, fresh_drafter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 DFLASH2 = drafter_variant("dflash2")
 LAYOUT = anchor_layout("dflash2", block_size=BLOCK)

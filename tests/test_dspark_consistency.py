@@ -24,8 +24,10 @@ from dflash_jobs.evaluate.simulated import anchors_accepted, document_batch
 from dflash_jobs.variants import drafter_variant
 from test_dspark import tiny_dspark
 # The DFlash consistency test's prompts, and the target's greedy answers to them (one thread, as there).
-from test_evaluate_consistency import NEW_TOKENS, NO_STOP, documents, one_thread, prompts, target_dir, target_model  # noqa: F401
+from test_evaluate_consistency import NEW_TOKENS, NO_STOP, documents, prompts, target_model  # noqa: F401
 from train_fixtures import LAYERS
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 BLOCK = 6
 LAYOUT = anchor_layout("dspark", block_size=BLOCK)
