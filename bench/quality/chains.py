@@ -150,7 +150,7 @@ class ChainRunner:
                  for command, log in zip(commands, logs)]
         codes = [wait() for wait in waits]
         self.seconds[name] = round(time.monotonic() - started, 1)
-        print(f"quality: {self.workdir.name} {name}: exit {max(codes, key=abs)} after {self.seconds[name]} s", file=sys.stderr, flush=True)
+        print(f"quality: {self.workdir.name} {name}: {exit_status(max(codes, key=abs))} after {self.seconds[name]} s", file=sys.stderr, flush=True)
         if any(codes):
             failed = next(i for i, code in enumerate(codes) if code)
             raise RuntimeError(f"{name} failed ({exit_status(codes[failed])}): {shlex.join(['python', '-m', *commands[failed]])}\n"

@@ -23,8 +23,8 @@ prompts, for several data sets and drafters side by side.
    - regenerated: the target's own answers (generate, transformers engine, greedy) first; its
      extraction stores the target's final hidden state too (DSpark reads it);
    - source: the other writer's answers, as they are;
-   - the same stored in fp8 (float8_e4m3fn), and a half and a quarter of the regenerated rows (the
-     same held-out prompts at the end);
+   - the same stored in fp8 (float8_e4m3fn; the tiny and cpu sizes), and a half and a quarter of the
+     regenerated rows (the same held-out prompts at the end);
    - on the same extracted states (train and evaluate only): DFlash again with another seed, for
      regenerated and source, and (the tiny and cpu sizes) DFlash2 and DSpark on the regenerated
      states, at DFlash's verify block, each also without its own head (chains.ABLATIONS).

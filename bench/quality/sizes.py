@@ -108,9 +108,9 @@ SIZES = {
     # 6-12 of 128 words (up to 150 s); the drafter, three layers as wide, on 16,384 chats for 3
     # epochs. It decides the claims on DFlash alone (seeds, source, the data curve): the successors,
     # their ablations and the fp8 chain are the CPU size's, so that the run fits the device time a
-    # session has. Measured on an H200 (bench/results/quality-gpu-h200-partial.json): target 194 s,
-    # generation 80 s, then the six chains side by side, each extracted in 20-61 s and trained in
-    # 34-101 s; their evaluations were still running when the first call ended at 500 s.
+    # session has. Measured on an H200 (bench/results/quality-gpu-h200-partial.json and .log): target
+    # 194 s, generation 80 s, then the six chains side by side, each extracted in 20-61 s and trained
+    # in 34-101 s; their evaluations were still running when the first call ended at 500 s.
     "gpu": Size(
         target_layers=8, target_hidden=384, target_heads=6, target_head_dim=64, vocab_size=4096, capture=[1, 3, 5, 7], corpus_files=None,
         document_chars=2500, vocabulary_size=128, min_words=6, max_words=12,

@@ -87,7 +87,7 @@ class Decoded:
     max_new_tokens leaves room for). So 1 + accepted is exactly what the step added to the output
     (empty for plain greedy)."""
     drafted: list[int] = field(default_factory=list)
-    """Per verify step, the tokens proposed."""
+    """Per verify step, the tokens proposed along the block (a draft tree: along its longest root path)."""
     margins: list[float] = field(default_factory=list)
     """Plain greedy only: the target's top-1 minus top-2 logit at each token, to tell a numerical near-tie from a bug."""
     top_logits: list[float] = field(default_factory=list)

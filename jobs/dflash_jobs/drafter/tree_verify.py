@@ -254,7 +254,9 @@ def tree_decode(
     """Greedy decoding by draft trees of `budget` nodes: each step verifies the anchor's tree in one
     forward, commits the longest root path the target agrees with plus its next token, and reads
     the captured layers of the anchor and the accepted nodes as the drafter's next context.
-    `accepted` and `drafted` per step are as speculative_decode's (`drafted`: the tree's nodes)."""
+    `accepted` and `drafted` per step are as speculative_decode's, `drafted` the tree's depth: the
+    drafts along its longest root path, as conditional acceptance reads it (position k is reached
+    only where some path is k deep)."""
     decoding = prefill(target, drafter, prompt, max_new_tokens=max_new_tokens)
     context, tokens = decoding.context, decoding.tokens
     while not finished(tokens, max_new_tokens, stop_ids):
@@ -270,5 +272,5 @@ def tree_decode(
         commit_path(target, verified, rows)
         if context is not None:
             context.append(verified.features[rows])
-        decoding.commit(torch.tensor(new[: accepted + 1], device=target.device), accepted, len(tree))
+        decoding.commit(torch.tensor(new[: accepted + 1], device=target.device), accepted, max(tree.depths, default=0))
     return decoding.decoded()

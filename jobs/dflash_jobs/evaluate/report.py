@@ -14,8 +14,9 @@ report.json (format dflash.eval/v1):
               training-free, and "bigram", the table described under `bigram`;
               acceptance counts only tokens committed (never past a stop token or max_new_tokens);
               acceptance_per_position[k-1]: the share of verify steps that accepted drafts 1..k;
-              conditional_acceptance {rates, steps}: rates[k-1] the share of the steps that drafted k
-              tokens and accepted the first k-1 (steps[k-1] of them) that accepted draft k too, null
+              conditional_acceptance {rates, steps}: rates[k-1] the share of the steps that drafted at
+              least k tokens (a tree: k deep) and accepted the first k-1 (steps[k-1] of them) that
+              accepted draft k too, null
               where none did; lossless (no real mismatch), mismatching_prompts, ties, real_mismatches
               (prompts), mismatches [{prompt, tie, divergences [{position, token, greedy_token,
               greedy_runner_up, greedy_margin, greedy_top_logit, token_logit, greedy_logit_gap, tie}]}]:
