@@ -16,10 +16,12 @@ run can see. There the import costs seconds beside steps of minutes, and the ste
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import os
 import runpy
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -30,6 +32,13 @@ PRELOADED = (
 """What the CPU server imports once (a module that fails to import is left to the step, which then says why)."""
 
 _context: multiprocessing.context.ForkServerContext | None = None
+
+_reading_exit_codes = threading.Lock()
+"""A forked step's exit code is one message on a pipe, and Process.start() polls every earlier child
+(multiprocessing's _cleanup) from whichever thread starts a step: a poll there and a join here could
+both read a step's pipe, one got the code and the other EOF, which multiprocessing reports as exit
+255 (one prepare in three of the tiny size's runs, each of them exiting 0). Starts and the reads
+after a step ended take turns; the blocking wait happens outside."""
 
 
 def _server() -> multiprocessing.context.ForkServerContext:
@@ -75,10 +84,14 @@ def start(module: str, args: list[str], env: dict[str, str], log: Path, *, fresh
             process = subprocess.Popen([sys.executable, "-m", module, *args], env=env, stdout=file, stderr=subprocess.STDOUT)
         return process.wait
     forked = _server().Process(target=_entry_point, args=(module, args, env, str(log)), name=module)
-    forked.start()
+    with _reading_exit_codes:
+        forked.start()
 
     def wait() -> int:
-        forked.join()
+        multiprocessing.connection.wait([forked.sentinel])  # the step ended: its exit code is in the pipe
+        with _reading_exit_codes:
+            forked.join()
         return forked.exitcode
 
     return wait
+
