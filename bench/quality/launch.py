@@ -94,4 +94,3 @@ def start(module: str, args: list[str], env: dict[str, str], log: Path, *, fresh
         return forked.exitcode
 
     return wait
-
