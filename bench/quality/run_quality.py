@@ -152,10 +152,13 @@ class Stages:
         if self.done["settings"] != settings:
             raise SystemExit(f"{workdir} holds a quality run of other settings ({self.path}): remove it, or choose another --workdir")
         # Each call's wall time up to its last finished stage (calls.json): stages run side by side,
-        # so the sum of their seconds is no wall time. A run from before calls.json counts its stages'.
+        # so the sum of their seconds is no wall time.
         self.calls_path = workdir / "calls.json"
-        self.earlier_calls: list[float] = (json.loads(self.calls_path.read_text()) if self.calls_path.exists() else
-                                           [sum(self.done[name]["seconds"] for name in self.done if name != "settings")] if len(self.done) > 1 else [])
+        self.earlier_calls: list[float] = []
+        if self.calls_path.exists():
+            self.earlier_calls = json.loads(self.calls_path.read_text())
+        elif len(self.done) > 1:  # a run from before calls.json: its stages' seconds are all it kept
+            self.earlier_calls = [sum(self.done[name]["seconds"] for name in self.done if name != "settings")]
 
     def wall_seconds(self) -> float:
         """The wall time of every call so far, this one until now."""
