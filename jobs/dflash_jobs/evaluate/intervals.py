@@ -120,7 +120,9 @@ class PairedBootstrap:
         if prompts < 1 or resamples < 1:
             raise ValueError(f"a bootstrap needs at least one prompt and one resample, got {prompts} prompts and {resamples} resamples")
         self.prompts, self.resamples, self.seed = prompts, resamples, seed
-        self.counts = np.random.default_rng(seed).multinomial(prompts, np.full(prompts, 1 / prompts), size=resamples)  # [R, n]
+        taken = np.random.default_rng(seed).integers(0, prompts, size=(resamples, prompts))  # [R, n]: the prompts each draw took
+        rows = np.arange(resamples)[:, None] * prompts
+        self.counts = np.bincount((rows + taken).ravel(), minlength=resamples * prompts).reshape(resamples, prompts)  # [R, n]
 
     def ratio_of_sums(self, numerators: Sequence[float], denominators: Sequence[float], *, name: str = "figure") -> Draws:
         """sum(numerators) / sum(denominators) over the prompts, and over every draw of them (NaN where
