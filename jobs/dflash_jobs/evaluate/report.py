@@ -40,8 +40,9 @@ report.json (format dflash.eval/v1):
               eval.tree_budgets and at the chain's own (chain_budget: as many nodes as the chain drafts):
               at_chain_steps {steps, chain_acceptance_length, acceptance_length and contains_chain per
               budget}: exact, at every verify step of the chain's decoding; decoded {budget: the real tree
-              decoding's metrics.summarize(...), with exact_acceptance_length (the same decoding computed
-              along greedy's output), agrees_with_exact, prompts_unlike_exact}; lossless
+              decoding's metrics.summarize(...), its per_prompt and acceptance_length_interval among them,
+              with exact_acceptance_length (the same decoding computed along greedy's output),
+              agrees_with_exact, prompts_unlike_exact}; lossless
     drafters.<variant>.coverage: trees.summarize_coverage(...)   per slot, the share of the chain's verify
               steps whose greedy token is among the drafter's k likeliest there (k = 1, 2, 4, 8)
     bigram:   what the bigram baseline was fitted on: pairs_counted (which token pairs: the anchor and
