@@ -247,7 +247,8 @@ def test_every_decoding_reports_per_prompt_records_that_sum_to_its_figures_and_i
     assert report["greedy"]["per_prompt"] == {"tokens": [len(r.greedy.tokens) for r in results],
                                               "seconds": [round(r.greedy.seconds, 4) for r in results]}
     assert report["intervals"] == {"method": "paired percentile bootstrap over the held-out prompts", "interval": "percentile",
-                                   "confidence": 0.95, "resamples": 10_000, "seed": 0, "prompts": 3}
+                                   "confidence": 0.95, "resamples": 10_000, "seed": 0, "prompts": 3,
+                                   "minimum_prompts_for_a_verdict": 16}
 
 
 def test_coverage_per_slot_grows_with_k_and_counts_the_chains_steps(evaluated):

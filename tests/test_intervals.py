@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dflash_jobs.evaluate.intervals import (
-    DOES_NOT_HOLD, HOLDS, NOT_DECIDED, RESAMPLES, Draws, PairedBootstrap, mean, verdict,
+    DOES_NOT_HOLD, HOLDS, MIN_PROMPTS, NOT_DECIDED, RESAMPLES, Draws, PairedBootstrap, mean, verdict,
 )
 
 
@@ -39,23 +39,25 @@ def test_tau_is_committed_tokens_over_verify_steps_summed_over_the_prompts_on_ev
     assert 1.0 <= tau.draws.min() and tau.draws.max() <= 4.0
 
 
+@pytest.mark.parametrize("prompts", [60, MIN_PROMPTS])
 @pytest.mark.parametrize("taus", [(3.0, 2.4), (2.5, 2.5)])
-def test_the_interval_covers_a_known_difference_about_95_times_in_100(taus):
-    """Many experiments, each a fresh draw of 60 prompts from the same distributions: the interval of
-    tau_a - tau_b must hold the difference of the distributions' own taus (0 for two alike) about 95%
-    of the time."""
+def test_the_interval_covers_a_known_difference_about_95_times_in_100(taus, prompts):
+    """Many experiments, each a fresh draw of 60 prompts (or as few as a verdict takes) from the same
+    distributions: the interval of tau_a - tau_b must hold the difference of the distributions' own
+    taus (0 for two alike) about 95% of the time."""
     rng = np.random.default_rng(11)
     population = decodings(rng, 200_000, list(taus), shared=0.05)
     truth = [sum(d["committed"]) / sum(d["verify_steps"]) for d in population]
     true_difference = truth[0] - truth[1]
     covered, experiments = 0, 300
     for experiment in range(experiments):
-        a, b = decodings(rng, 60, list(taus), shared=0.05)
-        bootstrap = PairedBootstrap(60, resamples=2000, seed=experiment)
+        a, b = decodings(rng, prompts, list(taus), shared=0.05)
+        bootstrap = PairedBootstrap(prompts, resamples=2000, seed=experiment)
         low, high = (bootstrap.tau(a) - bootstrap.tau(b)).interval()
         covered += low <= true_difference <= high
     # 95% of 300 is 285, its binomial standard deviation 3.8: 0.90-0.985 is more than 3 of them either side.
-    assert 0.90 <= covered / experiments <= 0.985
+    # At 16 prompts the percentile interval runs short (about 92%: MIN_PROMPTS says why it is the floor).
+    assert (0.90 if prompts > MIN_PROMPTS else 0.87) <= covered / experiments <= 0.985
 
 
 def test_a_clear_difference_holds_the_reverse_does_not_and_identical_decodings_or_few_prompts_decide_nothing():
@@ -66,10 +68,15 @@ def test_a_clear_difference_holds_the_reverse_does_not_and_identical_decodings_o
     assert (a - b).interval()[0] > 0.5 and verdict(a - b) == HOLDS and verdict(b - a) == DOES_NOT_HOLD
     # Identical decodings differ by exactly 0 on every draw: the interval is [0, 0], holding zero.
     assert (a - a).interval() == (0.0, 0.0) and verdict(a - a) == NOT_DECIDED
-    # Half the difference, on as few prompts as the tiny size decodes: too few to decide.
-    close, far = decodings(rng, 3, [2.6, 2.4], shared=0.05)
-    few = PairedBootstrap(3)
-    assert verdict(few.tau(close) - few.tau(far)) == NOT_DECIDED
+    # Below MIN_PROMPTS prompts no verdict, whatever the interval: three prompts that each took the
+    # same steps to the same tau (the tiny size's target answers alike) draw an interval of no width.
+    alike = PairedBootstrap(3)
+    one, other = alike.tau({"committed": [10] * 3, "verify_steps": [9] * 3}), alike.tau({"committed": [9] * 3, "verify_steps": [9] * 3})
+    assert (one - other).interval() == pytest.approx((1 / 9, 1 / 9)) and verdict(one - other) == NOT_DECIDED
+    # The clear difference above, on its first MIN_PROMPTS - 1 prompts: its interval is above zero, and no verdict.
+    few = PairedBootstrap(MIN_PROMPTS - 1)
+    a, b = (few.tau({key: values[: MIN_PROMPTS - 1] for key, values in record.items()}) for record in (better, worse))
+    assert (a - b).interval()[0] > 0 and verdict(a - b) == NOT_DECIDED
 
 
 def test_a_ratio_claim_is_decided_as_its_difference_and_the_ratio_has_its_own_interval():
@@ -92,7 +99,7 @@ def test_pairing_narrows_the_interval_of_a_difference_when_the_prompts_move_both
     paired = PairedBootstrap(40)
     paired_low, paired_high = (paired.tau(a) - paired.tau(b)).interval()
     # Unpaired: each decoding's prompts drawn on their own, as two separate experiments would be.
-    unpaired = Draws(0.0, PairedBootstrap(40, seed=1).tau(a).draws - PairedBootstrap(40, seed=2).tau(b).draws)
+    unpaired = Draws(0.0, PairedBootstrap(40, seed=1).tau(a).draws - PairedBootstrap(40, seed=2).tau(b).draws, 40)
     unpaired_low, unpaired_high = unpaired.interval()
     assert paired_high - paired_low < 0.6 * (unpaired_high - unpaired_low)
     # Here it decides what the unpaired interval cannot.

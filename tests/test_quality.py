@@ -499,12 +499,13 @@ def test_tiny_chain_runs_every_chain_on_the_same_held_out_prompts_and_says_its_t
         "regenerated > source", "regenerated > prompt lookup", "regenerated >= 1.5x prompt lookup", "rising with data, at every step",
         "train/serve within 10% per position, every chain", "dflash2 >= DFlash on the same states and verify block",
         "dspark >= DFlash on the same states and verify block"]
-    # Each decided by its interval over the evaluation's prompts (three at this size: rarely decided), the seeds' spread beside it.
-    assert result["intervals"]["prompts"] == result["settings"]["eval_prompts"] and result["intervals"]["rule"] == bench.CLAIM_RULE
-    for claim in claims.values():
-        if "interval" in claim:
-            low, high = claim["interval"]
-            assert claim["passed"] == (low > 0) and claim["verdict"] == ("holds" if low > 0 else "does not hold" if high < 0 else "not decided")
+    # Each decided by its interval over the evaluation's prompts, the seeds' spread beside it: three
+    # prompts are too few for any verdict (the tiny target answers them alike: intervals of no width).
+    intervals = result["intervals"]
+    assert intervals["prompts"] == result["settings"]["eval_prompts"] == 3 < intervals["minimum_prompts_for_a_verdict"]
+    assert intervals["rule"] == bench.CLAIM_RULE
+    assert all(claim["verdict"] == "not decided" and not claim["passed"] for claim in claims.values() if "verdict" in claim)
+    assert not any(item["head_decides"] or item["anchor_path_decides"] for item in result["attribution"])
     over_source = claims["regenerated > source"]
     assert over_source["estimate"] == pytest.approx(seeds["regenerated"]["mean"] - seeds["source"]["mean"], abs=2e-3)
     assert over_source["seed_spread"] == {"regenerated": seeds["regenerated"]["spread"], "source": seeds["source"]["spread"]}

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from dflash_jobs.evaluate.intervals import DOES_NOT_HOLD, HOLDS, NOT_DECIDED, Draws, PairedBootstrap, mean, verdict
+from dflash_jobs.evaluate.intervals import DOES_NOT_HOLD, HOLDS, MIN_PROMPTS, NOT_DECIDED, Draws, PairedBootstrap, mean, verdict
 from dflash_jobs.formats import DATASET_KEY, TokenChunk
 from dflash_jobs.rows import prompt_length
 
@@ -160,8 +160,8 @@ def judged(figure: Draws) -> dict[str, Any]:
 
 CLAIM_RULE = ("a claim passes only where its figure's 95% interval over the held-out prompts (a paired percentile bootstrap: "
               "every chain decodes the same prompts) lies wholly above zero, in the claimed direction: 'holds'; wholly below: "
-              "'does not hold'; holding zero: 'not decided'. A drafter of several seeds enters at its mean over them, and "
-              "the seeds' spread stands beside each claim as training noise, no longer its decider")
+              f"'does not hold'; holding zero, or over fewer than {MIN_PROMPTS} prompts: 'not decided'. A drafter of several seeds "
+              "enters at its mean over them, and the seeds' spread stands beside each claim as training noise, no longer its decider")
 
 
 def decided(claim: str, figure: Draws, formula: str, **beside: Any) -> dict[str, Any]:
@@ -347,18 +347,20 @@ def data_curve(runs: dict[str, dict[str, Any]], chains: Sequence[Chain]) -> list
 
 
 def plot_curve(curve: list[dict[str, Any]], prompt_lookup: float, path: Path) -> None:
-    """The curve with each point's 95% interval over the prompts as its error bar (none where a report had none)."""
+    """The curve with each point's 95% interval over the prompts as a bar (none where a report had none)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    taus = [p["acceptance_length"] for p in curve]
-    intervals = [p.get("interval") or [tau, tau] for p, tau in zip(curve, taus)]
-    below, above = [tau - low for tau, (low, _) in zip(taus, intervals)], [high - tau for tau, (_, high) in zip(taus, intervals)]
-    ax.errorbar([p["supervised_tokens"] / 1e6 for p in curve], taus, yerr=[below, above], fmt="o-", capsize=4,
-                label="DFlash drafter (regenerated answers), 95% interval over prompts")
+    tokens = [p["supervised_tokens"] / 1e6 for p in curve]
+    line, = ax.plot(tokens, [p["acceptance_length"] for p in curve], "o-", label="DFlash drafter (regenerated answers)")
+    # The interval as drawn, not as +- offsets: a percentile interval need not be centred on its estimate.
+    bars = [(x, p["interval"]) for x, p in zip(tokens, curve) if p.get("interval") and None not in p["interval"]]
+    if bars:
+        ax.vlines([x for x, _ in bars], [low for _, (low, _) in bars], [high for _, (_, high) in bars], color=line.get_color(),
+                  alpha=0.6, linewidth=3, label="95% interval over the held-out prompts")
     ax.axhline(prompt_lookup, color="gray", linestyle="--", label="prompt lookup")
     ax.set_xlabel("supervised tokens trained on (millions)")
     ax.set_ylabel("acceptance length (tokens per target step)")

@@ -19,7 +19,9 @@ arithmetic operators of `Draws`.
 
 A claim that a figure is above zero holds when its whole interval is (`verdict`): "holds" above
 zero, "does not hold" below, "not decided" when the interval straddles zero (or touches it: two
-identical decodings differ by exactly 0 on every draw, and decide nothing).
+identical decodings differ by exactly 0 on every draw, and decide nothing), and below MIN_PROMPTS
+prompts whatever the interval: a few prompts make few distinct draws, and the percentile interval
+then holds the truth far less often than it says.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ RESAMPLES = 10_000
 """Bootstrap draws: the 2.5th percentile then rests on 250 of them (its own noise is a few hundredths of the interval)."""
 SEED = 0
 CONFIDENCE = 0.95
+MIN_PROMPTS = 16
+"""Prompts below which no verdict is given. Measured on simulated decodings (tests/test_intervals.py's
+model: prompts of 10-40 verify steps, blocks of 8), the 95% interval of a difference held the true one
+in 84% of 400 trials at 5 prompts, 88-90% at 10, 92-93% at 16 and 94-96% at 60."""
 METHOD = "paired percentile bootstrap over the held-out prompts"
 
 HOLDS, NOT_DECIDED, DOES_NOT_HOLD = "holds", "not decided", "does not hold"
@@ -42,21 +48,23 @@ HOLDS, NOT_DECIDED, DOES_NOT_HOLD = "holds", "not decided", "does not hold"
 @dataclass(frozen=True)
 class Draws:
     """A figure on the prompts as decoded (`estimate`) and on every bootstrap draw of them (`draws`,
-    NaN on a draw where it is undefined: a ratio whose denominator the draw left at zero)."""
+    NaN on a draw where it is undefined: a ratio whose denominator the draw left at zero), of how many
+    `prompts`."""
 
     estimate: float
     draws: np.ndarray
+    prompts: int
 
     def _combine(self, other: Draws | float, operation) -> Draws:
         if not isinstance(other, Draws):
-            other = Draws(float(other), np.full_like(self.draws, float(other)))
-        if other.draws.shape != self.draws.shape:
-            raise ValueError(f"figures of {len(self.draws)} and {len(other.draws)} bootstrap draws cannot be combined: "
-                             "compute both with one PairedBootstrap")
+            other = Draws(float(other), np.full_like(self.draws, float(other)), self.prompts)
+        if other.draws.shape != self.draws.shape or other.prompts != self.prompts:
+            raise ValueError(f"figures of {len(self.draws)} and {len(other.draws)} bootstrap draws of {self.prompts} and {other.prompts} "
+                             "prompts cannot be combined: compute both with one PairedBootstrap")
         with np.errstate(divide="ignore", invalid="ignore"):
             estimate, draws = operation(np.float64(self.estimate), np.float64(other.estimate)), operation(self.draws, other.draws)
         # A ratio whose denominator is zero (on a draw, or on the prompts as decoded) is undefined there.
-        return Draws(float(estimate) if np.isfinite(estimate) else math.nan, np.where(np.isfinite(draws), draws, np.nan))
+        return Draws(float(estimate) if np.isfinite(estimate) else math.nan, np.where(np.isfinite(draws), draws, np.nan), self.prompts)
 
     def __add__(self, other: Draws | float) -> Draws:
         return self._combine(other, np.add)
@@ -93,7 +101,9 @@ def _rounded(value: float, digits: int) -> float | None:
 
 def verdict(figure: Draws, confidence: float = CONFIDENCE) -> str:
     """Whether "`figure` > 0" holds at `confidence`: HOLDS when the whole interval is above zero,
-    DOES_NOT_HOLD when it is below, NOT_DECIDED otherwise."""
+    DOES_NOT_HOLD when it is below, NOT_DECIDED otherwise, and below MIN_PROMPTS prompts."""
+    if figure.prompts < MIN_PROMPTS:
+        return NOT_DECIDED
     low, high = figure.interval(confidence)
     if low > 0:
         return HOLDS
@@ -128,7 +138,8 @@ class PairedBootstrap:
         """sum(numerators) / sum(denominators) over the prompts, and over every draw of them (NaN where
         the denominators sum to zero: a decoding without a verify step has no tau)."""
         numerators, denominators = self._per_prompt(numerators, name), self._per_prompt(denominators, name)
-        return Draws(float(numerators.sum()), self.counts @ numerators) / Draws(float(denominators.sum()), self.counts @ denominators)
+        return (Draws(float(numerators.sum()), self.counts @ numerators, self.prompts)
+                / Draws(float(denominators.sum()), self.counts @ denominators, self.prompts))
 
     def tau(self, per_prompt: Mapping[str, Sequence[int]], *, name: str = "tau") -> Draws:
         """The acceptance length of a decoding from its per-prompt record (metrics.per_prompt): committed
@@ -138,7 +149,7 @@ class PairedBootstrap:
     def describe(self) -> dict[str, Any]:
         """How the intervals were computed, for a report."""
         return {"method": METHOD, "interval": "percentile", "confidence": CONFIDENCE, "resamples": self.resamples, "seed": self.seed,
-                "prompts": self.prompts}
+                "prompts": self.prompts, "minimum_prompts_for_a_verdict": MIN_PROMPTS}
 
     def _per_prompt(self, values: Sequence[float], name: str) -> np.ndarray:
         array = np.asarray(values, dtype=np.float64)
