@@ -307,6 +307,15 @@ def test_the_goals_are_met_only_beyond_their_intervals(bench):
     assert easy["tau"]["met"] and easy["trees_over_chain"]["met"] and easy["over_prompt_lookup"]["met"]
 
 
+def test_the_data_curve_is_drawn_with_its_intervals_even_one_its_rounded_tau_lies_outside(bench, tmp_path):
+    figures = importlib.import_module("figures")
+    curve = [{"supervised_tokens": 1000, "acceptance_length": 1.111, "interval": [1.1111, 1.1111]},  # rounded to 3 digits, the interval to 4
+             {"supervised_tokens": 2000, "acceptance_length": 1.5, "interval": [1.3, 1.8]},
+             {"supervised_tokens": 4000, "acceptance_length": 1.9, "interval": None}]  # a report from before the intervals
+    figures.plot_curve(curve, 1.2, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").read_bytes().startswith(b"\x89PNG")
+
+
 def test_old_reports_without_per_prompt_records_are_refused_with_the_fix(bench):
     figures = importlib.import_module("figures")
     old = quality_runs()
