@@ -45,7 +45,7 @@ METHOD = "paired percentile bootstrap over the held-out prompts"
 HOLDS, NOT_DECIDED, DOES_NOT_HOLD = "holds", "not decided", "does not hold"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # arrays have no one truth value: Draws compare by identity
 class Draws:
     """A figure on the prompts as decoded (`estimate`) and on every bootstrap draw of them (`draws`,
     NaN on a draw where it is undefined: a ratio whose denominator the draw left at zero), of how many

@@ -35,8 +35,8 @@ the context mask are where such bugs were shipped before). Too few verify steps 
 anchors cannot show that either way: the check then says "not compared".
 
 Per prompt, in prompt order (`per_prompt`): each decoding's committed tokens and verify steps (tau
-is the one's sum over the other's), its output tokens and seconds: what a comparison of two
-decodings of the same prompts pairs prompt by prompt, and tau's 95% interval is drawn from
+is the sum of the first over the sum of the second), its output tokens and seconds: what pairs two
+decodings of the same prompts prompt by prompt, and what tau's 95% interval is drawn from
 (evaluate/intervals.py: a paired bootstrap over the prompts).
 """
 
@@ -104,8 +104,7 @@ def acceptance_per_position(decoded: Sequence[Decoded], block_size: int) -> list
 
 def per_prompt(decoded: Sequence[Decoded]) -> dict[str, list]:
     """Per prompt, in prompt order: committed tokens (the verify steps' accepted drafts and bonus
-    tokens: what tau sums), verify steps, output tokens and seconds. Plain greedy has no verify
-    steps: its committed tokens and steps are empty lists' sums, 0."""
+    tokens: what tau sums), verify steps, output tokens and seconds."""
     return {
         "committed": [len(d.accepted) + sum(d.accepted) for d in decoded],
         "verify_steps": [len(d.accepted) for d in decoded],
