@@ -228,6 +228,29 @@ def test_the_report_puts_tree_tau_per_budget_beside_the_chains(evaluated):
                 assert tree_step >= chain_step or not holds
 
 
+def test_every_decoding_reports_per_prompt_records_that_sum_to_its_figures_and_its_tau_interval(evaluated):
+    results, report = evaluated
+    summary = report["drafters"]["dspark"]
+    decodings = {name: (report["drafters"][name], [r.drafted[name] for r in results]) for name in ("dspark", "prompt_lookup", "bigram")}
+    decodings |= {f"trees of {budget}": (figures, [r.trees.decoded[int(budget)] for r in results])
+                  for budget, figures in summary["tree"]["decoded"].items()}
+    for name, (figures, decoded) in decodings.items():
+        prompts = figures["per_prompt"]
+        assert set(prompts) == {"committed", "verify_steps", "tokens", "seconds"} and all(len(v) == 3 for v in prompts.values()), name
+        assert sum(prompts["committed"]) / sum(prompts["verify_steps"]) == pytest.approx(figures["acceptance_length"]), name
+        assert sum(prompts["verify_steps"]) == figures["verify_steps"] and sum(prompts["tokens"]) == figures["tokens"], name
+        # In prompt order: the prefill makes the first token, the verify steps commit every later one.
+        assert prompts["tokens"] == [len(d.tokens) for d in decoded] and prompts["committed"] == [n - 1 for n in prompts["tokens"]], name
+        assert prompts["seconds"] == pytest.approx([d.seconds for d in decoded], abs=1e-4), name
+        low, high = figures["acceptance_length_interval"]
+        assert low <= figures["acceptance_length"] <= high, name
+    assert report["greedy"]["per_prompt"] == {"tokens": [len(r.greedy.tokens) for r in results],
+                                              "seconds": [round(r.greedy.seconds, 4) for r in results]}
+    assert report["intervals"] == {"method": "paired percentile bootstrap over the held-out prompts", "interval": "percentile",
+                                   "confidence": 0.95, "resamples": 10_000, "seed": 0, "prompts": 3,
+                                   "minimum_prompts_for_a_verdict": 16}
+
+
 def test_coverage_per_slot_grows_with_k_and_counts_the_chains_steps(evaluated):
     results, report = evaluated
     coverage = report["drafters"]["dspark"]["coverage"]

@@ -290,6 +290,10 @@ def test_acceptance_accounting():
     assert [(m["prompt"], m["tie"], [d["position"] for d in m["divergences"]]) for m in summary["mismatches"]] == [(1, False, [1])]
     assert summary["tokens_per_second"] == pytest.approx(8 / 2.0)
     assert summary["speedup"] == pytest.approx((8 / 2.0) / (8 / 4.0))
+    # Per prompt: each step commits its accepted drafts and one token more; tau is the sums' ratio.
+    assert summary["per_prompt"] == {"committed": [7, 2], "verify_steps": [3, 1], "tokens": [6, 2], "seconds": [1.0, 1.0]}
+    low, high = summary["acceptance_length_interval"]
+    assert low <= summary["acceptance_length"] == 9 / 4 <= high and (low, high) == (2.0, 2.3333)  # the draws' extremes: prompt 2 twice, prompt 1 twice
     # An output that differs with no divergences to judge it by is refused, never counted lossless.
     with pytest.raises(ValueError, match="prompt 1: the output differs from greedy's"):
         summarize(steps, greedy, 5, divergences=[[], []], tie_tolerance=0.0005)

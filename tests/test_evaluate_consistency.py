@@ -313,8 +313,11 @@ def test_worker_processes_give_the_one_process_report(tmp_path, target_dir, targ
     assert set(one["drafters"]) == {"dflash", "prompt_lookup", "bigram"}
     for name in ("dflash", "prompt_lookup", "bigram"):
         for key in ("acceptance_length", "acceptance_per_position", "conditional_acceptance", "verify_steps", "tokens", "mismatches",
-                    "mismatching_prompts", "ties", "real_mismatches"):
+                    "mismatching_prompts", "ties", "real_mismatches", "acceptance_length_interval"):
             assert one["drafters"][name][key] == two["drafters"][name][key], (name, key)
+        # Per prompt, merged back in prompt order (the seconds are each process's own).
+        for key in ("committed", "verify_steps", "tokens"):
+            assert one["drafters"][name]["per_prompt"][key] == two["drafters"][name]["per_prompt"][key], (name, key)
     # The bigram table was fitted once, on the rows training read, and its every draft was verified.
     assert one["bigram"] == two["bigram"] and (one["bigram"]["chunks_read"], one["bigram"]["chunks"]) == (1, 1)
     assert one["bigram"]["pairs"] == sum(len(d) - len(p) - 1 for p, d in zip(prompts, documents))

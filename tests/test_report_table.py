@@ -26,6 +26,17 @@ def test_each_draft_tree_budget_gets_a_row_under_its_drafter(capsys):
     assert cells["tree of 64"] == ["3.90", "48.25", "1.60x", "NO"]
 
 
+def test_tau_is_shown_with_its_interval_where_the_report_has_one(capsys):
+    report = {"prompts": 32, "block_size": 16, "greedy": {"tokens_per_second": 30.0},
+              "drafters": {"dflash": {**decoding(2.8, 60.0, 2.0, True), "acceptance_length_interval": [2.614, 2.991]},
+                           "bigram": {**decoding(1.3, 35.0, 1.17, True), "acceptance_length_interval": [None, None]}}}
+    print_report(report, OutputFormat.table)
+    printed = capsys.readouterr().out
+    assert "[95% interval]" in printed  # the column's title
+    rows = {row[0].strip(): row[1].strip() for row in (line.strip("│┃ ").split("│") for line in printed.splitlines() if line.count("│") >= 4)}
+    assert rows["dflash"] == "2.80 [2.61, 2.99]" and rows["bigram"] == "1.30"  # no interval (no verify step): tau alone
+
+
 def test_a_report_without_trees_has_no_tree_rows(capsys):
     print_report({"greedy": {}, "drafters": {"dflash": decoding(2.8, 60.0, 2.0, True)}}, OutputFormat.table)
     assert "tree of" not in capsys.readouterr().out

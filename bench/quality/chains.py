@@ -248,7 +248,7 @@ def chain_figures(chain_dir: Path) -> dict[str, Any]:
     train_metrics = [json.loads(line) for line in (chain_dir / "run" / TRAIN_METRICS_KEY).read_text().splitlines() if line]
     wanted = ("acceptance_length", "acceptance_per_position", "tokens_per_second", "speedup", "verify_steps", "lossless",
               "mismatching_prompts", "ties", "real_mismatches", "mismatches", "simulated", "calibration", "tree", "coverage",
-              "conditional_acceptance")
+              "conditional_acceptance", "acceptance_length_interval", "per_prompt")
     columns = {name: {key: summary[key] for key in wanted if key in summary} for name, summary in report["drafters"].items()}
     return {
         "drafter": report["drafter_variant"],

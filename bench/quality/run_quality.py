@@ -25,7 +25,7 @@ prompts, for several data sets and drafters side by side.
    - source: the other writer's answers, as they are;
    - the same stored in fp8 (float8_e4m3fn; the tiny and cpu sizes), and a half and a quarter of the
      regenerated rows (the same held-out prompts at the end);
-   - on the same extracted states (train and evaluate only): DFlash again with another seed, for
+   - on the same extracted states (train and evaluate only): DFlash again with each other seed, for
      regenerated and source, and (the tiny and cpu sizes) DFlash2 and DSpark on the regenerated
      states, at DFlash's verify block, each also without its own head (chains.ABLATIONS).
    The held-out prompts are the last chats of the source in every chain, the same tokens (checked).
@@ -34,9 +34,10 @@ prompts, for several data sets and drafters side by side.
    anything), each drafter's acceptance length and per-position acceptance next to prompt lookup's
    (training-free n-gram drafting) on the same held-out prompts, tokens/s against plain greedy,
    lossless up to ties (the evaluator's measured tie tolerance), the trainer's simulated acceptance
-   against the evaluation's at the same anchors, DSpark's confidence calibration, the spread between
-   seeds and the claims it decides, each successor's lead split into its head's and its anchor
-   path's, and acceptance against data size (a PNG beside the JSON).
+   against the evaluation's at the same anchors, DSpark's confidence calibration, the claims, each
+   decided by its 95% interval over the held-out prompts (a paired bootstrap; figures.CLAIM_RULE)
+   with the spread between seeds beside it, each successor's lead split into its head's and its
+   anchor path's, and acceptance against data size (a PNG beside the JSON).
 
 Prints one JSON document (and writes it to --out, after every stage too, marked "complete": false
 until the end). A rerun with the same --workdir goes on after the last finished stage (a device
@@ -71,7 +72,7 @@ from dflash_jobs.tiny import teach_tiny_target, write_tiny_target
 import launch
 from chains import ABLATIONS, Chain, ChainRunner, chain_figures, held_out_prompts, part_of, regenerated_rows, share_states, write_spec
 from corpus import ChatSet, chats, drafter_chats, stdlib_sources, vocabulary
-from figures import attribution, claims, data_curve, diversity, goals, plot_curve, seed_spread, train_serve, tree_acceptance
+from figures import CLAIM_RULE, Taus, attribution, claims, data_curve, diversity, goals, plot_curve, seed_spread, train_serve, tree_acceptance
 from sizes import SIZES, Size
 
 REPO = Path(__file__).resolve().parents[2]
@@ -285,6 +286,7 @@ def figures_of(size_name: str, size: Size, device: torch.device, workdir: Path, 
     tokenizer = AutoTokenizer.from_pretrained(workdir / "target")
     spread = seed_spread(runs, chains)
     curve = data_curve(runs, chains)
+    taus = Taus(runs)
     result = {
         "size": size_name,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -302,9 +304,10 @@ def figures_of(size_name: str, size: Size, device: torch.device, workdir: Path, 
         },
         "diversity": diversity(workdir / "regenerated", workdir / "source", chat_set.rows, tokenizer, size.eval_new_tokens),
         "seeds": spread,
-        "claims": claims(runs, spread, curve),
-        "attribution": attribution(spread),
-        "goals": goals(runs, spread, curve),
+        "intervals": {**taus.bootstrap.describe(), "rule": CLAIM_RULE},
+        "claims": claims(runs, spread, curve, taus),
+        "attribution": attribution(spread, taus),
+        "goals": goals(runs, spread, curve, taus),
         "runs": runs,
         "generation": generation,
         "target_training": target_training,
@@ -326,6 +329,7 @@ def chain_summary(figures: dict[str, Any]) -> dict[str, Any]:
     return {
         "drafter": figures["drafter"],
         "acceptance_length": figures["acceptance_length"][figures["drafter"]],
+        "acceptance_length_interval": drafter.get("acceptance_length_interval"),
         "prompt_lookup": figures["acceptance_length"]["prompt_lookup"],
         "bigram": figures["acceptance_length"].get("bigram"),
         "acceptance_per_position": [round(p, 3) for p in drafter["acceptance_per_position"]],

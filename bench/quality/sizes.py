@@ -62,8 +62,9 @@ class Size:
     diversity figures read all `holdout` of them (the generate step answers them at little cost);
     decoding is what a CPU run spends most on, nine chains over."""
     seeds: tuple[int, ...] = (42,)
-    """Drafter seeds (train.seed) of the regenerated and the source chain: the later ones train on the
-    first one's extracted states, and their spread is the noise a difference must exceed."""
+    """Drafter seeds (train.seed) of the regenerated and the source chain, as many as given (each later
+    one a chain more of each, trained and evaluated on the first one's extracted states): a claim takes
+    the drafter at its mean over them, and their spread stands beside it as training noise."""
     data_fractions: tuple[float, ...] = ()
     """Chains on part of the regenerated rows (the held-out prompts kept): does more data help?"""
     fp8_chain: bool = False
@@ -84,13 +85,16 @@ SIZES = {
     # 4-8 of 64 words (1,200 steps, about 10 minutes); the drafter, two layers as wide as the target,
     # trains on 4,096 chats for one epoch (159 steps of 1,024 tokens, 8 anchors a sample, about 4 minutes
     # of one core: 16 anchors for 4 epochs took 3 s a step, 33 minutes a chain, past the hour for eleven).
+    # Three seeds: the third adds a regenerated and a source chain, trained and evaluated on the first
+    # seed's states (the second seed's took 149.5 and 147.2 s of one core, two stages at a time: about
+    # 2.5 minutes more of wall time, to some 28-32 minutes).
     "cpu": Size(
         target_layers=4, target_hidden=128, target_heads=4, target_head_dim=32, vocab_size=2048, capture=[1, 3], corpus_files=48,
         document_chars=2500, vocabulary_size=64, min_words=4, max_words=8,
         target_chats=20000, train_steps=1200, train_seconds=10800.0, train_batch=16, train_length=128, lr=1e-2,
         chats=4160, holdout=64, max_answer_tokens=32, regenerate_batch=64,
         draft_layers=2, block_size=8, anchors=8, epochs=1, draft_lr=3e-3, micro_batch_tokens=1024, micro_batch_blocks=2048, chunk_tokens=16384,
-        max_length=64, eval_new_tokens=24, seeds=(42, 43), data_fractions=(0.25, 0.5), fp8_chain=True, eval_processes=2,
+        max_length=64, eval_new_tokens=24, seeds=(42, 43, 44), data_fractions=(0.25, 0.5), fp8_chain=True, eval_processes=2,
     ),
     # The test's size, every chain of the others, on a CPU in minutes: a check of the code path (and of
     # the GPU size's command before device time is spent). Its target, trained for seconds, answers
@@ -101,7 +105,7 @@ SIZES = {
         target_chats=400, train_steps=30, train_seconds=30.0, train_batch=16, train_length=64, lr=1e-2,
         chats=64, holdout=4, max_answer_tokens=12, regenerate_batch=32,
         draft_layers=1, block_size=8, anchors=16, epochs=1, draft_lr=3e-3, micro_batch_tokens=512, micro_batch_blocks=2048, chunk_tokens=2048,
-        max_length=64, eval_new_tokens=12, eval_prompts=3, seeds=(42, 43), data_fractions=(0.25, 0.5), fp8_chain=True,
+        max_length=64, eval_new_tokens=12, eval_prompts=3, seeds=(42, 43, 44), data_fractions=(0.25, 0.5), fp8_chain=True,
     ),
     # The H200 run, in two device calls of under 10 minutes with the same --workdir (the second goes
     # on after the stages the first finished). Its target: 8 layers of hidden 384, taught to sort
@@ -110,7 +114,9 @@ SIZES = {
     # their ablations and the fp8 chain are the CPU size's, so that the run fits the device time a
     # session has. Measured on an H200 (bench/results/quality-gpu-h200-partial.json and .log): target
     # 194 s, generation 80 s, then the six chains side by side, each extracted in 20-61 s and trained
-    # in 34-101 s; their evaluations were still running when the first call ended at 500 s.
+    # in 34-101 s; their evaluations were still running when the first call ended at 500 s. Two seeds:
+    # a third would add two chains (training 78-94 s each beside the others, evaluation not yet
+    # measured at this size) to a run that has yet to finish within a session's device time.
     "gpu": Size(
         target_layers=8, target_hidden=384, target_heads=6, target_head_dim=64, vocab_size=4096, capture=[1, 3, 5, 7], corpus_files=None,
         document_chars=2500, vocabulary_size=128, min_words=6, max_words=12,

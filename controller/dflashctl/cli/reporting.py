@@ -90,13 +90,13 @@ def reporter_for(console: Console) -> Iterator[Reporter]:
 
 def print_report(report: dict[str, Any], fmt: OutputFormat, names: Iterable[str] = ()) -> None:
     """eval/report.json as JSON or YAML (`names` for -o name), or one row per drafter (and per draft
-    tree budget it decoded with) and one for plain greedy."""
+    tree budget it decoded with) and one for plain greedy; tau with its 95% interval over the prompts."""
     if fmt is not OutputFormat.table:
         output.result(fmt, report, names)
         return
     title = f"evaluation: {report.get('prompts', '?')} held-out prompts, block size {report.get('block_size', '?')}"
     table = Table(title=title, title_justify="left")
-    for column in ("decoding", "acceptance length", "tokens/s", "speed-up", "equals greedy"):
+    for column in ("decoding", "acceptance length [95% interval]", "tokens/s", "speed-up", "equals greedy"):
         table.add_column(column, justify="left" if column == "decoding" else "right")
     greedy = report.get("greedy") or {}
     table.add_row("greedy (reference)", "1.00", _number(greedy.get("tokens_per_second")), "1.00x", "-")
@@ -113,11 +113,18 @@ def _decoding_row(table: Table, name: str, figures: dict[str, Any]) -> None:
     """A decoding's row: metrics.summarize's figures (a drafter's, or its draft trees' at one budget)."""
     table.add_row(
         name,
-        _number(figures.get("acceptance_length")),
+        _acceptance(figures),
         _number(figures.get("tokens_per_second")),
         f"{_number(figures.get('speedup'))}x",
         "yes" if figures.get("lossless") else "[red]NO[/]",
     )
+
+
+def _acceptance(figures: dict[str, Any]) -> str:
+    """tau, and its 95% interval over the prompts where the report has one (evaluate/intervals.py)."""
+    low, high = figures.get("acceptance_length_interval") or (None, None)
+    interval = f" [{low:.2f}, {high:.2f}]" if low is not None and high is not None else ""
+    return _number(figures.get("acceptance_length")) + interval
 
 
 def _number(value: float | None) -> str:

@@ -33,6 +33,11 @@ where the output ends as a verify step's is. It should match the decoded accepta
 where it does not, training and serving disagree about what the drafter sees (label offsets and
 the context mask are where such bugs were shipped before). Too few verify steps at the same
 anchors cannot show that either way: the check then says "not compared".
+
+Per prompt, in prompt order (`per_prompt`): each decoding's committed tokens and verify steps (tau
+is the sum of the first over the sum of the second), its output tokens and seconds: what pairs two
+decodings of the same prompts prompt by prompt, and what tau's 95% interval is drawn from
+(evaluate/intervals.py: a paired bootstrap over the prompts).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import math
 from typing import Any, Sequence
 
 from dflash_jobs.drafter.speculative import Decoded
+from dflash_jobs.evaluate.intervals import PairedBootstrap
 from dflash_jobs.evaluate.lossless import Divergence, mismatches
 
 CONSISTENCY_TOLERANCE = 0.10
@@ -94,6 +100,23 @@ def acceptance_length(decoded: Sequence[Decoded]) -> float:
 def acceptance_per_position(decoded: Sequence[Decoded], block_size: int) -> list[float]:
     """rates[k - 1] = the fraction of verify steps that accepted at least k drafted tokens, k = 1..B-1."""
     return rates_per_position(verify_steps(decoded), block_size)
+
+
+def per_prompt(decoded: Sequence[Decoded]) -> dict[str, list]:
+    """Per prompt, in prompt order: committed tokens (the verify steps' accepted drafts and bonus
+    tokens: what tau sums), verify steps, output tokens and seconds."""
+    return {
+        "committed": [len(d.accepted) + sum(d.accepted) for d in decoded],
+        "verify_steps": [len(d.accepted) for d in decoded],
+        "tokens": [len(d.tokens) for d in decoded],
+        "seconds": [round(d.seconds, 4) for d in decoded],
+    }
+
+
+def acceptance_interval(prompts: dict[str, list]) -> list[float | None]:
+    """tau's 95% interval over the prompts (intervals.PairedBootstrap: every decoding of as many
+    prompts is drawn alike, so these intervals are paired), [None, None] without a verify step."""
+    return PairedBootstrap(len(prompts["committed"])).tau(prompts).summary(digits=4)["interval"]
 
 
 def tokens_per_second(decoded: Sequence[Decoded]) -> float:
@@ -187,8 +210,10 @@ def summarize(
     found = mismatches(divergences, tie_tolerance)
     real = sum(not m["tie"] for m in found)
     speed, baseline = tokens_per_second(decoded), tokens_per_second(greedy)
+    prompts = per_prompt(decoded)
     return {
         "acceptance_length": acceptance_length(decoded),
+        "acceptance_length_interval": acceptance_interval(prompts),
         "acceptance_per_position": acceptance_per_position(decoded, block_size),
         "conditional_acceptance": conditional_acceptance(decoded, block_size),
         "verify_steps": sum(len(d.accepted) for d in decoded),
@@ -200,4 +225,5 @@ def summarize(
         "ties": len(found) - real,
         "real_mismatches": real,
         "mismatches": found,
+        "per_prompt": prompts,
     }

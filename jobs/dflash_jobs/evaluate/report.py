@@ -8,7 +8,7 @@ report.json (format dflash.eval/v1):
               rounding, measured on this run (evaluate/lossless.py verify_noise): the largest change a
               verify forward made to greedy's top-1 minus top-2 logit over `positions` positions; `rule`
               says which divergences it makes ties (lossless.TIE_RULE)
-    greedy:   {tokens, tokens_per_second}             plain greedy decoding, the reference
+    greedy:   {tokens, tokens_per_second, per_prompt {tokens, seconds}}   plain greedy decoding, the reference
     drafters: {name: metrics.summarize(...)}          the trained drafter under its variant's name (drafter_variant:
               dflash, dflash2, dspark), and the baselines (evaluate/baselines.py): "prompt_lookup",
               training-free, and "bigram", the table described under `bigram`;
@@ -21,7 +21,12 @@ report.json (format dflash.eval/v1):
               (prompts), mismatches [{prompt, tie, divergences [{position, token, greedy_token,
               greedy_runner_up, greedy_margin, greedy_top_logit, token_logit, greedy_logit_gap, tie}]}]:
               a divergence is a tie only where greedy's top logit minus its logit of the output's token
-              (greedy_logit_gap) is within tie_tolerance.value
+              (greedy_logit_gap) is within tie_tolerance.value;
+              per_prompt {committed, verify_steps, tokens, seconds}: one list each, a value a held-out
+              prompt in prompt order (metrics.per_prompt): committed tokens (accepted drafts and bonus
+              tokens) and verify steps, so that acceptance_length = sum(committed) / sum(verify_steps) and
+              verify_steps is the sum of its list; the output's tokens and the decoding's seconds;
+              acceptance_length_interval [low, high]: tau's 95% interval over the prompts (`intervals`)
     drafters.<variant>.simulated: metrics.summarize_simulated(...)   the training forward's acceptance on
               the same prompts (evaluate/simulated.py): acceptance_length, acceptance_per_position,
               anchors, at_decoded_anchors {steps, minimum_steps, compared, verdict, simulated and
@@ -35,8 +40,9 @@ report.json (format dflash.eval/v1):
               eval.tree_budgets and at the chain's own (chain_budget: as many nodes as the chain drafts):
               at_chain_steps {steps, chain_acceptance_length, acceptance_length and contains_chain per
               budget}: exact, at every verify step of the chain's decoding; decoded {budget: the real tree
-              decoding's metrics.summarize(...), with exact_acceptance_length (the same decoding computed
-              along greedy's output), agrees_with_exact, prompts_unlike_exact}; lossless
+              decoding's metrics.summarize(...), its per_prompt and acceptance_length_interval among them,
+              with exact_acceptance_length (the same decoding computed along greedy's output),
+              agrees_with_exact, prompts_unlike_exact}; lossless
     drafters.<variant>.coverage: trees.summarize_coverage(...)   per slot, the share of the chain's verify
               steps whose greedy token is among the drafter's k likeliest there (k = 1, 2, 4, 8)
     bigram:   what the bigram baseline was fitted on: pairs_counted (which token pairs: the anchor and
@@ -44,6 +50,12 @@ report.json (format dflash.eval/v1):
               whole chunks in a random order, fixed seed, until the next would pass it; the first is
               always read), chunks_read of chunks, tokens_read of tokens, pairs, distinct_pairs,
               previous_tokens (tokens with a successor; the others end a bigram draft)
+    intervals: how every acceptance_length_interval was computed (evaluate/intervals.py): {method (a
+              paired percentile bootstrap over the held-out prompts), interval, confidence, resamples, seed,
+              prompts}; every decoding's interval comes from the same draws of the prompts, and a paired
+              comparison of two decodings (a drafter against a baseline, a tree against its chain, two
+              runs' drafters on the same prompts) draws their per_prompt records alike
+              (intervals.PairedBootstrap)
     lossless: true when no drafter, chain or tree, has a real mismatch on any prompt
     vllm_serve: the shell commands that serve this drafter with its target in vLLM (drafter/serving.py)
 """
@@ -58,8 +70,9 @@ import torch
 
 from dflash_jobs.drafter.speculative import Decoded
 from dflash_jobs.evaluate.calibration import summarize_calibration
+from dflash_jobs.evaluate.intervals import PairedBootstrap
 from dflash_jobs.evaluate.lossless import Divergence, tie_tolerance
-from dflash_jobs.evaluate.metrics import summarize, summarize_simulated, tokens_per_second
+from dflash_jobs.evaluate.metrics import per_prompt, summarize, summarize_simulated, tokens_per_second
 from dflash_jobs.evaluate.trees import PromptTrees, summarize_coverage, summarize_trees
 from dflash_jobs.formats import EVAL_PLOT_KEY, EVAL_REPORT_KEY
 
@@ -98,8 +111,10 @@ def build_report(
         "dtype": str(dtype).removeprefix("torch."),
         "tie_tolerance": tolerance,
         "block_size": block_size,
-        "greedy": {"tokens": sum(len(d.tokens) for d in greedy), "tokens_per_second": tokens_per_second(greedy)},
+        "greedy": {"tokens": sum(len(d.tokens) for d in greedy), "tokens_per_second": tokens_per_second(greedy),
+                   "per_prompt": {key: values for key, values in per_prompt(greedy).items() if key in ("tokens", "seconds")}},
         "drafters": summaries,
+        "intervals": PairedBootstrap(len(greedy)).describe(),
         "lossless": all(s["lossless"] and s.get("tree", {}).get("lossless", True) for s in summaries.values()),
     }
 
