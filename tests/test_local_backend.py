@@ -532,11 +532,11 @@ def running(pid: int) -> bool:
 def live_family(backend: LocalBackend, job: str, pids: Path, pods: int) -> list[ProcessRef]:
     """The Job's supervisor, its pods' workers and their children, once all `pods` have started."""
     deadline = time.monotonic() + WAIT_S
-    while len(list(pids.iterdir())) < pods:
+    while len(recorded := [path.read_text().split() for path in pids.iterdir()]) < pods or any(len(pair) < 2 for pair in recorded):
         assert time.monotonic() < deadline, f"the pods of {job} did not start"
         time.sleep(0.05)
     supervisor = json.loads(JobFiles(backend.workdir, job).pid.read_text())["pid"]
-    family = [ProcessRef.of(pid) for pid in [supervisor, *(int(pid) for path in pids.iterdir() for pid in path.read_text().split())]]
+    family = [ProcessRef.of(pid) for pid in [supervisor, *(int(pid) for pair in recorded for pid in pair)]]
     assert all(process.is_running() for process in family)
     return family
 
