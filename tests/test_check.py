@@ -364,6 +364,36 @@ def test_an_image_that_cannot_be_pulled_fails_target_and_image(first, monkeypatc
     assert first.api.all("Pod") == []
 
 
+@pytest.mark.parametrize("logs", [
+    ["usage: python -m dflash_jobs.stage_model [-h] [-f FILE] [--from SOURCE]"],  # an image older than --describe
+    [],  # a log cut or rotated away
+    ['{"level": "info", "msg": "mounted /models"}', '{"path": "/models/Qwen3.6-27B", "exists": tru'],  # JSON of another kind, a line cut short
+])
+def test_a_probe_pod_that_prints_no_description_fails_target_with_what_it_printed(first, monkeypatch, capsys, logs):
+    """Issue 43, item 1: the probe pod succeeds and its log holds no description of the checkpoint.
+    `check` and `submit` crashed ("generator raised StopIteration"); the target check now fails with
+    the pod's last lines, the image it ran and the fix, and submit refuses as for any failed check."""
+    first.api.kubelet = lambda pod: PodRun(0, logs)
+    code, checks = first.check(monkeypatch, capsys)
+    target = checks["target"]
+    assert code == EXIT_USAGE and target["status"] == "fail" and target["exit_code"] == EXIT_USAGE, target
+    assert "the probe pod first-probe ran registry.example.com/dflash:0.1.0 and printed no description of /models/Qwen3.6-27B" in target["detail"]
+    assert (f"its last lines: {' | '.join(logs)}" if logs else "it printed nothing") in target["detail"], target["detail"]
+    assert "rebuild and push cluster.image" in target["fix"]
+    code, _, err = cli(monkeypatch, capsys, "submit", "prepare", "-f", str(first.spec_file))
+    assert code == EXIT_USAGE and "nothing was started" in err and "printed no description" in err and "StopIteration" not in err, err
+    assert first.api.all("Pod") == [] and first.api.all("Job") == []
+
+
+def test_a_probe_pod_that_fails_fails_target_with_exit_2_as_any_failed_check(first, monkeypatch, capsys):
+    first.api.kubelet = lambda pod: PodRun(1, ["Traceback (most recent call last):", "ModuleNotFoundError: No module named 'dflash_jobs'"])
+    code, checks = first.check(monkeypatch, capsys)
+    assert code == EXIT_USAGE and checks["target"]["exit_code"] == EXIT_USAGE, checks["target"]
+    assert ("the probe pod first-probe failed (exit 1 (Error)) running registry.example.com/dflash:0.1.0; its last lines: "
+            "Traceback (most recent call last): | ModuleNotFoundError: No module named 'dflash_jobs'") in checks["target"]["detail"]
+    assert first.api.all("Pod") == []
+
+
 # ---- run and every submit: the cheap checks first, the output claimed --------------------------
 
 

@@ -136,6 +136,19 @@ def test_single_pod_jobs_retry_up_to_their_backoff_limit_or_fail_at_once_on_a_ba
     assert status.shards[0].attempts == 1
 
 
+def test_a_failed_pod_s_last_words_are_read_from_whatever_its_termination_message_holds(backend, fake_k8s):  # noqa: F811
+    """Issue 43, item 1: the termination message is the kubelet's copy of the log's tail, and a log
+    that ends in blank lines leaves one of blank lines; the status shows no last words then, and
+    does not fail on it."""
+    api = fake_k8s.api
+    backend.submit(render_selection(SPEC, "extract"))
+    api.start(EXTRACT)
+    for index, message in enumerate(("step 3\nError: the chunk is corrupt\nbye\n", "\n \n\n", "plain last line")):
+        api.finish(EXTRACT, index, exit_code=42, message=message)  # bad input: the index fails, no retry
+    shards = backend.job_status(EXTRACT).shards
+    assert [shard.message for shard in shards] == ["Error: the chunk is corrupt", None, "plain last line"]
+
+
 def test_wait_times_out_and_a_deleted_job_is_a_failure(backend, fake_k8s):  # noqa: F811
     backend.submit(render_selection(SPEC, "extract"))
     with pytest.raises(WaitTimeout) as error:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +29,8 @@ from dflashctl.local.processes import ProcessRef, kill_groups, start_time
 from dflashctl.local.state import JobFiles
 from dflashctl.render import SPEC_HASH, render_extract_job, render_selection
 from dflashctl.runs import list_runs, remove_run, spec_of_run
+
+from cli_runner import cli
 
 WAIT_S = 30
 
@@ -504,4 +507,115 @@ def test_runs_are_found_by_their_labels_and_one_is_removed_without_touching_anot
     with pytest.raises(InputError, match="no run 'first' in here.*Runs there: second"):
         spec_of_run(backend, "first", "here")
     remove_run(backend, "second", dry_run=False, say=said.append)
+    assert list_runs(backend) == []
+
+
+# ---- nothing of a local run outlives it (issue 43, item 2) -------------------------------------
+
+FAMILY_SCRIPT = """import os, pathlib, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # in the pod's process group
+pathlib.Path({pids!r}, os.environ.get("JOB_COMPLETION_INDEX", "0")).write_text(f"{{os.getpid()}} {{child.pid}}")
+time.sleep(120)
+"""
+"""A pod's worker that starts a process of its own, then records both pids (outside the workdir)."""
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` still runs: an ended process not yet reaped (a zombie) does not."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+def live_family(backend: LocalBackend, job: str, pids: Path, pods: int) -> list[ProcessRef]:
+    """The Job's supervisor, its pods' workers and their children, once all `pods` have started."""
+    deadline = time.monotonic() + WAIT_S
+    while len(recorded := [path.read_text().split() for path in pids.iterdir()]) < pods or any(len(pair) < 2 for pair in recorded):
+        assert time.monotonic() < deadline, f"the pods of {job} did not start"
+        time.sleep(0.05)
+    supervisor = json.loads(JobFiles(backend.workdir, job).pid.read_text())["pid"]
+    family = [ProcessRef.of(pid) for pid in [supervisor, *(int(pid) for pair in recorded for pid in pair)]]
+    assert all(process.is_running() for process in family)
+    return family
+
+
+def remove_tree(path: Path) -> None:
+    """`rm -rf path`, again while it fails: the live Job inside may write a file meanwhile."""
+    deadline = time.monotonic() + WAIT_S
+    while path.exists():
+        assert time.monotonic() < deadline, f"{path} could not be removed"
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def end_within(family: list[ProcessRef], seconds: float) -> list[ProcessRef]:
+    """Waits up to `seconds` for every process of `family` to end; returns those still running, and
+    kills them (a test leaves no process behind, whatever it found)."""
+    deadline = time.monotonic() + seconds
+    while (left := [p for p in family if p.is_running() and running(p.pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for process in left:
+        os.kill(process.pid, signal.SIGKILL)
+    return left
+
+
+@pytest.mark.parametrize("gone", ["workdir", "job directory"])
+def test_a_job_whose_directory_is_deleted_ends_its_pods_and_its_supervisor(backend, tmp_path, gone):
+    """The workdir (or the Job's own directory) deleted under a live Job: its supervisor ends its
+    workers, their children and itself within seconds, and says why in its log while that is open."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    backend.submit([make_job("orphaned", FAMILY_SCRIPT.format(pids=str(pids)), completions=2)])
+    family = live_family(backend, "orphaned", pids, pods=2)
+    files = JobFiles(backend.workdir, "orphaned")
+    with open(files.supervisor_log) as log:  # read once the file is deleted, as a `tail -f` would
+        remove_tree(backend.workdir if gone == "workdir" else files.dir)
+        assert end_within(family, 10.0) == []
+        said = log.read()
+    assert f"the directory of Job orphaned ({files.dir}) is gone or holds another Job now: ending its 2 running pod(s) and this supervisor" in said
+
+
+def test_a_job_replaced_under_its_supervisor_is_left_to_the_new_one(backend, tmp_path):
+    """The issue's case: the workdir deleted and a run of the same name started again before the old
+    supervisor looked (held here with SIGSTOP): the old one ends its own processes at its next look,
+    and writes nothing into the new Job's directory."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    backend.submit([make_job("again", FAMILY_SCRIPT.format(pids=str(pids)))])
+    family = live_family(backend, "again", pids, pods=1)
+    os.kill(family[0].pid, signal.SIGSTOP)
+    try:
+        remove_tree(backend.workdir)
+        new = run_job(backend, make_job("again", "print('the new run')", spec_hash="h2"))
+        assert new.complete
+    finally:
+        os.kill(family[0].pid, signal.SIGCONT)
+    assert end_within(family, 10.0) == []
+    after = backend.job_status("again")
+    assert after.complete and after.shards[0].attempts == 1 and after.shards[0].phase == "Succeeded"
+    assert list(backend.logs("again", 0)) == ["the new run"]
+
+
+@pytest.mark.parametrize("command", [["cancel"], ["delete", "demo"]])
+def test_cancel_and_delete_end_every_process_of_a_local_run(tmp_path, monkeypatch, capsys, command):
+    """`dflashctl cancel` and `dflashctl delete NAME` on the local backend end the run's supervisors,
+    their workers and the workers' children, as on a cluster deleting the Jobs ends their pods."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    spec = make_spec(tmp_path)
+    spec_file = tmp_path / "dflash.yaml"
+    spec_file.write_text(dump_spec(spec))
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    configmap, job = render_selection(spec, "extract")
+    for container in job["spec"]["template"]["spec"]["initContainers"]:
+        container["command"] = ["python", "-c", "pass"]
+    job["spec"]["template"]["spec"]["containers"][0]["command"] = ["python", "-c", FAMILY_SCRIPT.format(pids=str(pids))]
+    backend = LocalBackend(spec)
+    backend.submit([configmap, job])
+    family = live_family(backend, "demo-extract", pids, pods=3)
+    code, _, err = cli(monkeypatch, capsys, *command, "-f", str(spec_file))
+    assert code == 0 and "job.batch/demo-extract deleted" in err, err
+    assert end_within(family, 10.0) == []
     assert list_runs(backend) == []

@@ -1,6 +1,7 @@
 """How the drafter runs on its ranks (train/parallelize.py, train/launch.py): the loss under DDP is
 the mean over every rank's supervised slots, activation checkpointing changes memory and nothing
-else, and a worker's bad-spec or bad-input verdict survives torchrun to fail the Job at once."""
+else, a worker's bad-spec or bad-input verdict survives torchrun to fail the Job at once, and a
+worker that trained well exits 0, never finalizing its interpreter under the process group's threads."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from dflash_jobs.drafter.model import Drafter
 from dflash_jobs.errors import EXIT_BAD_INPUT, EXIT_BAD_SPEC, EXIT_FAILED
 from dflash_jobs.spec import TrainSpec, parse_spec
-from dflash_jobs.train.launch import pod_code
+from dflash_jobs.train.launch import exit_worker, pod_code
 from dflash_jobs.train.loss import draft_loss
 from dflash_jobs.drafter.masks import build_attention
 from dflash_jobs.train.parallelize import parallelize
-from dflash_jobs.train.trainer import global_loss_normalizer
+from dflash_jobs.train.trainer import global_loss_normalizer, leave_process_group
 
 from conftest import free_port
 from test_drafter import packed_inputs, random_drafter, small_config
@@ -46,8 +47,11 @@ def loss_of(model, drafter: Drafter, inputs, labels, weights, normalizer):
 
 
 def ddp_rank(rank: int, port: int, out: str) -> None:
+    """A training worker's life in short: the process group, a DDP step, and its end as
+    Trainer.close and the worker's entry point end it (a barrier, the group destroyed, exit_worker)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    completed = False
     try:
         config = small_config()
         drafter = random_drafter(config).train()
@@ -56,11 +60,10 @@ def ddp_rank(rank: int, port: int, out: str) -> None:
         loss_of(model, drafter, inputs, labels, weights, global_loss_normalizer(weights, 2)).backward()
         if rank == 0:
             torch.save({n: p.grad for n, p in drafter.named_parameters() if p.requires_grad}, out)
-        # The ranks leave together, as Trainer.train's do: a rank that tears gloo down and exits while
-        # the other still works dies by SIGABRT ("terminate called without an active exception").
-        dist.barrier()
+        completed = True
     finally:
-        dist.destroy_process_group()
+        leave_process_group(together=completed)
+    exit_worker(0)
 
 
 def test_ddp_gradient_is_that_of_one_process_on_every_rank_s_data(tmp_path):
@@ -124,6 +127,63 @@ def test_the_pod_exits_with_the_workers_final_verdict():
     with pytest.raises(Exception, match="micro_batch_blocks"):
         parse_spec({"name": "x", "backend": "local", "target": {"model": "/m"}, "data": {"source": "/d"}, "output": "/o",
                     "train": {"anchors": 512, "micro_batch_blocks": 256}})
+
+
+FINALIZATION_PROBE = """import os, sys, threading
+
+
+def _record_threads():
+    # threading's exit hook runs as the interpreter finalizes; a process that ends by os._exit never gets here.
+    tasks = "/proc/self/task"
+    threads = sorted(open(f"{tasks}/{task}/comm").read().strip() for task in os.listdir(tasks))
+    who = f"rank{os.environ['RANK']}" if "RANK" in os.environ else "other"
+    with open(os.path.join(os.environ["DFLASH_TEST_FINALIZED"], f"{who}-{os.getpid()}"), "w") as f:
+        f.write(" ".join(sys.argv) + "\\n" + " ".join(threads))
+
+
+threading._register_atexit(_record_threads)
+"""
+"""A sitecustomize for every Python process of a pod: a file per process whose interpreter
+finalizes, naming the threads that still ran then."""
+COLLECTIVE_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")
+"""The C++ threads of a gloo process group (by their names in /proc)."""
+
+
+@pytest.mark.slow
+def test_a_two_rank_training_pod_ends_with_exit_0_and_no_worker_finalizes_under_the_group_s_threads(root, extract, tmp_path, monkeypatch):
+    """Issue 43, item 3: the rendered train Job on two CPU ranks (gloo, DDP). DDP keeps the process
+    group and its C++ threads alive past destroy_process_group; a worker whose interpreter finalizes
+    under them can die by SIGABRT at exit (a thread taking the GIL then is ended inside a C++
+    destructor), which fails a pod that trained well. Every worker must end without finalizing, its
+    last log line written."""
+    from dflashctl.local.backend import LocalBackend
+    from dflashctl.render import render_selection
+    from train_fixtures import copy_extract, tiny_target, train_spec_dict
+
+    probe, finalized = tmp_path / "probe", tmp_path / "finalized"
+    probe.mkdir()
+    finalized.mkdir()
+    (probe / "sitecustomize.py").write_text(FINALIZATION_PROBE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(probe), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("DFLASH_TEST_FINALIZED", str(finalized))
+    output = copy_extract(extract, tmp_path / "run")
+    spec = train_spec_dict(tiny_target(root), output, gpus_per_node=2, epochs=1)
+    spec["local"] = {"workdir": str(tmp_path / "work")}
+    spec = parse_spec(spec)
+    monkeypatch.chdir(tmp_path)
+    backend = LocalBackend(spec)
+    objects = render_selection(spec, "train")
+    backend.submit(objects)
+    status = backend.wait(objects[-1]["metadata"]["name"], timeout=600)
+    log = list(backend.logs(objects[-1]["metadata"]["name"], 0))
+    assert status.complete and status.shards[0].attempts == 1, (status.failure_message, log[-20:])
+    assert (output / "train" / "drafter" / "config.json").is_file()
+    assert any("drafter exported to" in line for line in log), log[-20:]  # rank 0's last line, flushed before its exit
+    records = {path.name: path.read_text().split("\n") for path in finalized.iterdir()}
+    assert any(name.startswith("other") for name in records), records  # the probe runs in the pod's processes (torchrun's own finalizes)
+    under_threads = {name: threads for name, (_, threads) in records.items()
+                     if name.startswith("rank") and any(thread in threads.split() for thread in COLLECTIVE_THREADS)}
+    assert under_threads == {}
 
 
 @pytest.mark.slow

@@ -243,13 +243,14 @@ def _shard_from_pod(index: int, attempts: list[dict[str, Any]]) -> ShardStatus:
 
 
 def last_words(pod: dict[str, Any]) -> str | None:
-    """The worker's termination message, down to its `Error: ...` line when it has one."""
+    """The worker's termination message, down to its `Error: ...` line when it has one; None when it
+    has none, or only blank lines (the kubelet's copy of a log that ended in them)."""
     for container in (pod.get("status") or {}).get("containerStatuses") or []:
         terminated = (container.get("state") or {}).get("terminated") or {}
-        if container.get("name") == WORKER and terminated.get("message"):
-            lines = [line.strip() for line in terminated["message"].strip().splitlines() if line.strip()]
+        if container.get("name") == WORKER:
+            lines = [line.strip() for line in (terminated.get("message") or "").splitlines() if line.strip()]
             errors = [line for line in lines if line.startswith("Error:")]
-            return (errors or lines)[-1]
+            return (errors or lines or [None])[-1]
     return None
 
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dflash_jobs.errors import DflashError, InputError, SpecError, StorageError
+from dflash_jobs.errors import InputError, SpecError, StorageError
 from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, MANIFEST_KEY, RUN_KEY, Manifest, check_final_hidden
 from dflash_jobs.generation import current_manifest
 from dflash_jobs.spec import ClusterSpec, RunSpec, is_s3, local_path, resolve_layers, rope_kind, text_config, under
@@ -24,7 +24,7 @@ from dflashctl.kube import exit_reason
 from dflashctl.placement import patch_warnings
 from dflashctl.render import WORKER
 from dflashctl.starter import STARTER_VALUES
-from dflashctl.tool_pods import probe_pod_name, render_probe_pod
+from dflashctl.tool_pods import model_directory, probe_pod_name, render_probe_pod
 
 SOURCE_HEAD_BYTES = 1 << 20
 """Of data.source read to parse its first rows."""
@@ -34,6 +34,9 @@ KNOWN_TARGETS = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 PULL_FAILURES = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
 PLACEHOLDER_BUCKETS = {url[len("s3://"):].split("/", 1)[0] for url in (STARTER_VALUES["output"], STARTER_VALUES["data"]["source"]) if is_s3(url)}
 """The bucket `dflashctl init` writes for the user to replace."""
+PROBE_LINES_SHOWN = 5
+"""Of a probe pod's log, the lines a failed target check quotes."""
+PROBE_LINE_CHARS = 200
 STAGE_FIX = "Stage it: `dflashctl stage-model --from hf://Qwen/Qwen3.6-27B` (or --from s3://...)"
 STEP_INPUTS = {"extract": DATASET_KEY, "train": MANIFEST_KEY, "eval": DRAFTER_CONFIG_KEY}
 """What a step's Job reads from the output and an earlier step writes."""
@@ -273,7 +276,9 @@ def judge_target(spec: RunSpec, description: dict[str, Any], where: str = "") ->
 
 
 def _read_through_pod(pf: Preflight) -> dict[str, Any]:
-    """Starts the probe pod, waits for it, reads the JSON line it logs, and deletes it."""
+    """Starts the probe pod, waits for it, reads the description it logs, and deletes it. Whatever
+    keeps it from answering (no pull, no end, a failure, a log without the description) is an
+    InputError: the check fails, with what the pod printed and the fix."""
     cluster, spec = pf.cluster, pf.spec
     pod = render_probe_pod(spec)
     name = pod["metadata"]["name"]
@@ -283,25 +288,55 @@ def _read_through_pod(pf: Preflight) -> dict[str, Any]:
         current = None
         for current in cluster.watch_object("Pod", name, deadline=time.monotonic() + pf.probe_timeout):
             if current is None:
-                raise DflashError(f"the probe pod {name} was deleted before it ended", "Run `dflashctl check` again")
+                raise InputError(f"the probe pod {name} was deleted before it ended", "Run `dflashctl check` again")
             waiting = _waiting(current)
             if waiting is not None and waiting[0] in PULL_FAILURES:
                 pf.image_pulled = False
-                raise DflashError(f"the probe pod cannot pull {spec.cluster.image}: {waiting[0]} {waiting[1]}".strip(),
-                                  "Push the image there, or give the nodes access: cluster.image_pull_secrets")
+                raise InputError(f"the probe pod cannot pull {spec.cluster.image}: {waiting[0]} {waiting[1]}".strip(),
+                                 "Push the image there, or give the nodes access: cluster.image_pull_secrets")
             if (current.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
                 break
         else:
             why = exit_reason(current) if current is not None else None
-            raise DflashError(f"the probe pod {name} did not finish within {pf.probe_timeout:.0f} s{f' ({why})' if why else ''}",
-                              f"`kubectl -n {spec.cluster.namespace} describe pod {name}` says what it waits for (the volume, the node)")
+            raise InputError(f"the probe pod {name} did not finish within {pf.probe_timeout:.0f} s{f' ({why})' if why else ''}",
+                             f"`kubectl -n {spec.cluster.namespace} describe pod {name}` says what it waits for (the volume, the node)")
         pf.image_pulled = True
         lines = list(cluster.logs(name, container=WORKER, follow=False))
         if current["status"]["phase"] == "Failed":
-            raise DflashError(f"the probe pod failed ({exit_reason(current)}): {' '.join(lines[-3:])}", "The image may predate stage-model: rebuild it (images/)")
-        return json.loads(next(line for line in reversed(lines) if line.startswith("{")))
+            raise InputError(f"the probe pod {name} failed ({exit_reason(current)}) running {spec.cluster.image}; {_last_lines(lines)}",
+                             "The image may predate stage-model: rebuild and push it (images/README.md)")
+        description = _probe_description(lines)
+        if description is None:  # an image older than --describe, a log cut or rotated, other output in the stream
+            raise InputError(f"the probe pod {name} ran {spec.cluster.image} and printed no description of {model_directory(spec)}; "
+                             f"{_last_lines(lines)}",
+                             f"The image may predate `python -m dflash_jobs.stage_model --describe`: rebuild and push cluster.image "
+                             f"(images/README.md), then `dflashctl check` again")
+        return description
     finally:
         cluster.delete("Pod", name)
+
+
+def _probe_description(lines: list[str]) -> dict[str, Any] | None:
+    """The probe's JSON line (`stage_model --describe`), the last one in its log; None when none is
+    there (another program's JSON, or the line cut short, is not it)."""
+    for line in reversed(lines):
+        if not line.startswith("{"):
+            continue
+        try:
+            found = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(found, dict) and isinstance(found.get("exists"), bool):
+            return found
+    return None
+
+
+def _last_lines(lines: list[str]) -> str:
+    """What a pod printed last, on one line, for a check's detail."""
+    if not lines:
+        return "it printed nothing"
+    shown = [line if len(line) <= PROBE_LINE_CHARS else line[:PROBE_LINE_CHARS] + "…" for line in lines[-PROBE_LINES_SHOWN:]]
+    return f"its last lines: {' | '.join(shown)}"
 
 
 def _waiting(pod: dict[str, Any]) -> tuple[str, str] | None:

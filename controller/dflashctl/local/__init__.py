@@ -23,7 +23,8 @@ Each Job is run by a detached supervisor process (`python -m dflashctl.local.sup
 that writes the Job's state as JSON under the workdir. `submit` returns at once; `wait`, `status`
 and `logs`, from this process or another, read that state. The supervisor holds an flock on the
 job's supervisor.lock for its whole life: a free lock means no supervisor, and `submit` of the same
-Job resumes it.
+Job resumes it. Once supervisor.lock is no longer the file it locked (the workdir deleted, a new Job
+of the name in its place), the supervisor ends the Job's pods and itself; `delete` ends both too.
 
 The modules, by responsibility:
 

@@ -104,6 +104,17 @@ def try_lock(path: Path, *, shared: bool = False, patience_s: float = 0.0) -> in
             time.sleep(POLL_S)
 
 
+def holds(fd: int, path: Path) -> bool:
+    """Whether `path` still names the file open as `fd`: not deleted, and not replaced by another
+    file of that name (the same device and inode)."""
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
+
 def record_supervisor(files: JobFiles, pid: int) -> None:
     """supervisor.pid: the supervisor's pid and start time (written by its starter and by itself)."""
     process = ProcessRef.of(pid)

@@ -3,6 +3,11 @@ process (`python -m dflashctl.local.supervisor <job dir> <lock fd>`) started by 
 
 It starts pods up to the Job's parallelism, applies `podFailurePolicy`, the backoff limits and
 `successPolicy` to each pod's end, sets the Job's conditions, and writes the state after every change.
+
+The Job is the supervisor's only while its directory holds the lock file it locked: once that file
+is gone (the workdir was deleted) or is another (a new Job of the same name took the path), it ends
+its pods and itself at the next poll, writing nothing there, as a node's kubelet ends the pods of a
+Job deleted from the API server. Whatever else ends it (SIGTERM from `delete`, a crash) ends its pods too.
 """
 
 from __future__ import annotations
@@ -16,14 +21,16 @@ from typing import Any
 
 from dflashctl.local.pod import Pod, exit_reason, kill_pods
 from dflashctl.local.processes import kill_groups
-from dflashctl.local.state import POLL_S, IndexState, JobFiles, JobRecord, JobState, record_supervisor, write_json
+from dflashctl.local.state import POLL_S, IndexState, JobFiles, JobRecord, JobState, holds, record_supervisor, write_json
 
 
 class Supervisor:
     """Runs one Job's pods to the Job's end, writing its state after every change."""
 
-    def __init__(self, files: JobFiles) -> None:
+    def __init__(self, files: JobFiles, lock_fd: int) -> None:
         self.files = files
+        self.lock_fd = lock_fd
+        """The Job's lock, held: while files.lock is this very file, the Job is this supervisor's."""
         record = JobRecord.load(files)
         assert record is not None, f"{files.job} is written before its supervisor starts"
         self.record = record
@@ -36,6 +43,8 @@ class Supervisor:
             self._adopt_orphans()
         self.pods: dict[int, Pod] = {}
         self.stopping = False
+        self.disowned = False
+        """The Job's directory is gone or another Job's: nothing more is written there."""
 
     def _adopt_orphans(self) -> None:
         """A previous supervisor died: end the pods it left, and run those indexes again.
@@ -52,7 +61,18 @@ class Supervisor:
         if self.state.started_at is None:
             self.state.started_at = time.time()
         self._save()
+        try:
+            self._loop()
+        finally:  # whatever ended the loop (a crash too), no pod outlives its supervisor
+            kill_pods(list(self.pods.values()))
+        for pod in list(self.pods.values()):
+            self._settle(pod, counted=False)
+        self._save()
+
+    def _loop(self) -> None:
         while not self.state.finished and not self.stopping:
+            if self._disowned():
+                return
             changed = self._reap()
             changed |= self._decide()
             if not self.state.finished:
@@ -60,10 +80,6 @@ class Supervisor:
             if changed:
                 self._save()
             time.sleep(POLL_S)
-        kill_pods(list(self.pods.values()))
-        for pod in list(self.pods.values()):
-            self._settle(pod, counted=False)
-        self._save()
 
     def _stop(self, signum: int, frame: Any) -> None:
         self.stopping = True
@@ -168,8 +184,17 @@ class Supervisor:
             shard.phase = "Failed"
             shard.exit_reason = "terminated (the Job ended)"
 
+    def _disowned(self) -> bool:
+        """Whether the Job's directory is gone or another Job's (said once, in this supervisor's log if it still can)."""
+        if not self.disowned and not holds(self.lock_fd, self.files.lock):
+            self.disowned = True
+            print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} the directory of Job {self.files.name} ({self.files.dir}) is gone or holds "
+                  f"another Job now: ending its {len(self.pods)} running pod(s) and this supervisor", file=sys.stderr, flush=True)
+        return self.disowned
+
     def _save(self) -> None:
-        write_json(self.files.state, self.state.to_json())
+        if not self._disowned():  # never into a new Job's directory of the same name
+            write_json(self.files.state, self.state.to_json())
 
 
 def supervise(job_dir: Path, lock_fd: int) -> None:
@@ -177,7 +202,7 @@ def supervise(job_dir: Path, lock_fd: int) -> None:
     files = JobFiles(job_dir.parent.parent, job_dir.name)
     record_supervisor(files, os.getpid())
     try:
-        Supervisor(files).run()
+        Supervisor(files, lock_fd).run()
     finally:
         os.close(lock_fd)
 

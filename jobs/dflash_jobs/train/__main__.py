@@ -11,6 +11,7 @@ from pathlib import Path
 
 from dflash_jobs.errors import EXIT_OK, DflashError, pod_exit_code
 from dflash_jobs.spec import CHUNK_CACHE_ENV, DEFAULT_SPEC_FILE, load_spec
+from dflash_jobs.train.launch import exit_worker
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,4 +37,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_worker(main())

@@ -184,6 +184,8 @@ class Trainer:
         self.attention_backend, self.log_every = attention_backend, log_every
         self.window = MetricsWindow(spec.train.block_size, runtime.device, variant.metrics)
         self.trainable = [p for p in drafter.parameters() if p.requires_grad]
+        self.completed = False
+        """train() ran to its end on this rank (the drafter saved, and exported on rank 0)."""
 
     @classmethod
     def build(cls, spec: RunSpec, runtime: Runtime, *, cache_dir: Path, log_every: int = LOG_EVERY) -> Trainer:
@@ -297,14 +299,25 @@ class Trainer:
         if self.runtime.rank == 0:
             self.variant.export(self.drafter, self.storage, DRAFTER_PREFIX)
             log.info("drafter exported to %s/train/drafter/ after %d steps", self.storage.url, self.state.step)
-        if dist.is_initialized():
-            dist.barrier()  # the ranks leave together: none tears the process group down under another
+        self.completed = True
 
     def close(self) -> None:
+        """The end of a rank, in order: its threads stopped (the batch producer and its downloads; the
+        heartbeat ended with train()), its sinks closed, then the process group left."""
         self.stream.close()
         self.sink.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_process_group(together=self.completed)
+
+
+def leave_process_group(*, together: bool) -> None:
+    """Destroys this rank's process group (if any), after a barrier when `together`: every rank
+    completed, and none tears gloo or NCCL down under another still in a collective (that one would
+    die by SIGABRT). After a failure there is no barrier: the other ranks may never come to it."""
+    if not dist.is_initialized():
+        return
+    if together:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def _broadcast(compute, runtime: Runtime):
