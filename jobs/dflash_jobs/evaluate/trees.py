@@ -20,7 +20,7 @@ figures step for step on every prompt whose output is greedy's (`agrees_with_exa
 drafter, target and tokens. What may still part them: the drafter's context is the target's
 layers from the verify forwards there and from one forward over the output here, equal up to
 rounding, so two of the drafter's scores closer than that rounding (bf16 on a GPU) can rank either
-way; in fp32 that takes scores within ~1e-6 of each other. A prompt whose real output left
+way; in fp32 only scores that all but tie can. A prompt whose real output left
 greedy's (at a tie of the target's) is another text, left out of the comparison and named
 (`prompts_off_greedy`).
 """
