@@ -14,12 +14,13 @@ from transformers import AutoModelForCausalLM
 
 from dflash_jobs.drafter.anchors import anchor_layout
 from dflash_jobs.drafter.speculative import Decoded
+from dflash_jobs.drafter.model import rank_top_k
 from dflash_jobs.drafter.tree import ConditionalBranches, MarginalBranches, build_tree
 from dflash_jobs.errors import SpecError
 from dflash_jobs.evaluate.baselines import BigramTable
 from dflash_jobs.evaluate.evaluator import PromptDecoder
 from dflash_jobs.evaluate.lossless import Divergence
-from dflash_jobs.evaluate.report import build_report
+from dflash_jobs.evaluate.report import build_report, report_warnings
 from dflash_jobs.evaluate.trees import COVERAGE_K, PromptTrees, committed, summarize_trees
 from dflash_jobs.spec import MAX_TREE_BUDGET, EvalSpec, parse_spec
 from dflash_jobs.variants import drafter_variant
@@ -165,9 +166,96 @@ def test_dflash2_branches_rank_the_selectors_candidates_after_the_parent(target_
         tokens, log_probs = branches.children(depth, parent, 100)
         scores = selector.scores(projected[depth - 1], unary[depth - 1], candidates[depth - 1], torch.tensor(parent))
         assert len(tokens) == selector.top_k and set(tokens) == set(candidates[depth - 1].tolist())
-        assert tokens == candidates[depth - 1][scores.argsort(descending=True, stable=True)].tolist()
+        assert tokens == sorted(candidates[depth - 1].tolist(), key=lambda c: (-scores[candidates[depth - 1].tolist().index(c)], c))
         assert math.isclose(sum(math.exp(p) for p in log_probs), 1.0, rel_tol=1e-5)
     assert branches.children(2, 5, 4)[0] != branches.children(2, 300, 4)[0]  # the selector's edge from the parent decides
+
+
+# ---- equal scores -------------------------------------------------------------------------------
+
+
+def tied_scores(*shape: int, seed: int) -> torch.Tensor:
+    """bf16 scores of a few values, every token sharing its score with others: three tie for the best
+    (far above the rest, so the likeliest paths go deep), the rest among -3..3."""
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.randint(-3, 4, shape, generator=generator).float()
+    best = torch.rand(shape, generator=generator).argsort(-1)[..., :3]  # three tokens at random
+    return scores.scatter(-1, best, 8.0).to(torch.bfloat16)
+
+
+def first_path(tree) -> list[int]:
+    """The tokens down the first child of the root, then of each node: the tree's first path."""
+    path, parent = [], -1
+    while (children := [n for n in range(len(tree)) if tree.parents[n] == parent]):
+        parent = children[0]
+        path.append(tree.tokens[parent])
+    return path
+
+
+def test_equal_scores_rank_by_the_lower_token_id_as_argmax_picks():
+    scores = tied_scores(6, 300, seed=0)
+    order = rank_top_k(scores, 300)
+    for row, ranked in zip(scores.tolist(), order.tolist()):
+        assert ranked == sorted(range(300), key=lambda token: (-row[token], token))
+    assert torch.equal(order[:, 0], scores.argmax(-1))  # argmax takes the first maximal index: the lowest id
+    assert torch.equal(rank_top_k(scores, 7), order[:, :7])
+    ids = torch.randperm(300, generator=torch.Generator().manual_seed(1))  # candidates in no particular order
+    for row, ranked in zip(scores.tolist(), rank_top_k(scores, 300, ids.expand(6, 300)).tolist()):
+        assert [ids[i] for i in ranked] == sorted(ids.tolist(), key=lambda token: (-row[ids.tolist().index(token)], token))
+    assert rank_top_k(torch.tensor([-0.0, 0.0, -1.0]), 3).tolist() == [0, 1, 2]  # -0.0 and 0.0 are one score
+
+
+def tied_marginal(seed: int) -> tuple[MarginalBranches, list[int]]:
+    logits = tied_scores(6, 300, seed=seed)
+    return MarginalBranches(logits, anchor=1), logits.argmax(-1).tolist()
+
+
+def tied_conditional(seed: int) -> tuple[ConditionalBranches, list[int]]:
+    """Each (depth, parent) its own tied scores over the vocabulary; the chain takes argmax after its own token."""
+    def scores(depth: int, parent: int):
+        return tied_scores(300, seed=1000 * seed + 10 * depth + parent), None
+
+    chain, parent = [], 1
+    for depth in range(1, 7):
+        parent = int(scores(depth, parent)[0].argmax())
+        chain.append(parent)
+    return ConditionalBranches(scores, 1, 6), chain
+
+
+@pytest.mark.parametrize("make", [tied_marginal, tied_conditional])
+def test_with_equal_scores_the_first_path_is_the_chain_and_a_smaller_tree_the_first_nodes_of_a_larger(make):
+    for seed in range(12):
+        branches, chain = make(seed)
+        largest = build_tree(branches, budget=48, depth_limit=6)
+        path = first_path(largest)
+        assert len(path) >= 3 and path == chain[: len(path)] and chain == branches.chain(6)
+        for budget in (1, 2, 4, 8, 16, 32):
+            assert build_tree(make(seed)[0], budget=budget, depth_limit=6) == largest.prefix(budget)
+
+
+def paired_tokens(drafter, name: str) -> None:
+    """Every odd token scores as the even one before it, in every slot and after every parent: the
+    LM head's rows (and DSpark's Markov bias, DFlash2's successor codebook) equal in pairs."""
+    with torch.no_grad():
+        drafter.lm_head[1::2] = drafter.lm_head[0::2]
+        if name == "dspark":
+            drafter.markov_head.markov_w2.weight[1::2] = drafter.markov_head.markov_w2.weight[0::2]
+        if name == "dflash2":
+            codebook = drafter.candidate_selector.successor_codebook
+            codebook[1::2] = codebook[0::2]
+
+
+@pytest.mark.parametrize("name", ["dflash", "dflash2", "dspark"])
+def test_with_tied_tokens_each_variants_tree_starts_with_the_block_it_drafts(target_dir, name):
+    drafter, variant = tiny_drafter(target_dir, name, block_size=6)
+    paired_tokens(drafter, name)
+    hidden, drafts = block(drafter)
+    assert all(token % 2 == 0 for token in drafts)  # every draft tied with the next token, and argmax took the lower
+    assert variant.branches(drafter, hidden, 17).chain(len(drafts)) == drafts  # the first child at every depth, after the chain's own
+    largest = build_tree(variant.branches(drafter, hidden, 17), budget=40, depth_limit=len(drafts))
+    assert first_path(largest) == drafts[: len(first_path(largest))]
+    for budget in (1, 3, 8, 20):
+        assert build_tree(variant.branches(drafter, hidden, 17), budget=budget, depth_limit=len(drafts)) == largest.prefix(budget)
 
 
 # ---- the spec and the report -------------------------------------------------------------------
@@ -185,25 +273,46 @@ def test_tree_budgets_are_refused_naming_the_field(budgets, allowed):
     assert EvalSpec().tree_budgets == [16, 32, 64] and EvalSpec(tree_budgets=[]).tree_budgets == []
 
 
-@pytest.fixture(scope="module")
-def evaluated(target_dir):
-    """One DSpark drafter decoded on three prompts every way the evaluation decodes, trees of budget 1 and 12 among them."""
-    # As initialised, a DSpark drafter repeats its anchor's neighbourhood, which this target's greedy text does at times.
-    drafter, variant = tiny_drafter(target_dir, "dspark", block_size=5, boost=False)
+def decode_with_trees(target_dir, drafter, variant, *, budgets: list[int], prompts: int):
+    """The drafter (blocks of 5) decoded on `prompts` prompts every way the evaluation decodes, trees
+    of `budgets` among them, and the report of it."""
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    layout = anchor_layout("dspark", block_size=5)
+    layout = anchor_layout(variant.name, block_size=5)
     no_bigrams = BigramTable({}, {})  # the bigram baseline is not under test here: it drafts nothing
-    decoder = PromptDecoder(model, drafter, variant, layout, EvalSpec(max_new_tokens=36, tree_budgets=[1, 12]), no_bigrams)
+    decoder = PromptDecoder(model, drafter, variant, layout, EvalSpec(max_new_tokens=36, tree_budgets=budgets), no_bigrams)
     try:
-        results = [decoder.decode(torch.randint(0, 900, (12,), generator=torch.Generator().manual_seed(i))) for i in range(3)]
+        results = [decoder.decode(torch.randint(0, 900, (12,), generator=torch.Generator().manual_seed(i))) for i in range(prompts)]
     finally:
         decoder.close()
     report = build_report(
         greedy=[r.greedy for r in results], drafters={n: [r.drafted[n] for r in results] for n in results[0].drafted},
         divergences={n: [r.divergences[n] for r in results] for n in results[0].drafted}, verify_noise=[r.verify_noise for r in results],
-        trees={"dspark": [r.trees for r in results]}, block_size=layout.drafts + 1, dtype=torch.float32,
+        trees={variant.name: [r.trees for r in results]}, block_size=layout.drafts + 1, dtype=torch.float32,
     )
     return results, report
+
+
+@pytest.fixture(scope="module")
+def evaluated(target_dir):
+    """One DSpark drafter decoded on three prompts every way the evaluation decodes, trees of budget 1 and 12 among them."""
+    # As initialised, a DSpark drafter repeats its anchor's neighbourhood, which this target's greedy text does at times.
+    drafter, variant = tiny_drafter(target_dir, "dspark", block_size=5, boost=False)
+    return decode_with_trees(target_dir, drafter, variant, budgets=[1, 12], prompts=3)
+
+
+def test_with_tied_tokens_the_real_tree_decoding_commits_what_the_exact_figures_say(target_dir):
+    """The exact figures take each budget's tree as the first nodes of the largest one's, the real
+    decoding builds each budget's own: with equal scores ranked in topk's order they held other
+    tokens (issue 42: 16 of 44 (chain, budget) pairs of quality-cpu.json disagreed)."""
+    drafter, variant = tiny_drafter(target_dir, "dspark", block_size=5, boost=False)
+    paired_tokens(drafter, "dspark")
+    results, report = decode_with_trees(target_dir, drafter, variant, budgets=[2, 3, 6, 12], prompts=4)
+    for budget, decoded in report["drafters"]["dspark"]["tree"]["decoded"].items():
+        assert decoded["agrees_with_exact"] and decoded["lossless"], budget
+        assert decoded["acceptance_length"] == pytest.approx(decoded["exact_acceptance_length"])
+    assert all(r.trees.decoded[b].accepted == r.trees.exact[b] for r in results for b in r.trees.exact)
+    assert sum(a for r in results for a in r.trees.exact[2]) > 0  # the trees commit drafts: the figures say something
+    assert report_warnings(report) == []
 
 
 def test_the_report_puts_tree_tau_per_budget_beside_the_chains(evaluated):
@@ -275,18 +384,40 @@ def test_a_tree_decoding_that_leaves_greedy_makes_the_run_not_lossless():
     report = build_report(greedy=[greedy], drafters={"dflash": [greedy]}, divergences={"dflash": [[]]}, verify_noise=[[0.1]],
                           trees={"dflash": [trees]}, block_size=4, dtype=torch.float32)
     assert report["drafters"]["dflash"]["lossless"] and not report["lossless"]
+    # Its output is another text than greedy's, along which the exact figures were computed: not compared with them.
+    assert summary["decoded"]["8"]["prompts_off_greedy"] == [0] and summary["decoded"]["8"]["agrees_with_exact"]
 
 
-def test_the_quality_benchmark_puts_tree_tau_per_budget_beside_the_chains(evaluated, monkeypatch):
+def quality_figures(monkeypatch):
     from pathlib import Path
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench" / "quality"))
-    from figures import tree_acceptance
+    import figures
 
+    return figures
+
+
+def test_a_tree_decoding_that_commits_other_drafts_than_its_exact_figures_is_warned_about(monkeypatch):
+    greedy = Decoded(tokens=[4, 5, 6, 7], seconds=1.0, accepted=[0, 0, 0], drafted=[3, 3, 3])
+    by_trees = Decoded(tokens=[4, 5, 6, 7], seconds=0.5, accepted=[1, 0], drafted=[3, 3])  # greedy's output, in other steps
+    trees = PromptTrees(chain=[0, 0, 0], at_chain_steps={3: [0, 0, 0]}, contains_chain={3: [True] * 3}, exact={3: [0, 1]},
+                        ranks=[[0], [1], [None]], decoded={3: by_trees}, divergences={3: []})
+    report = build_report(greedy=[greedy], drafters={"dflash": [greedy]}, divergences={"dflash": [[]]}, verify_noise=[[0.1]],
+                          trees={"dflash": [trees]}, block_size=4, dtype=torch.float32)
+    decoded = report["drafters"]["dflash"]["tree"]["decoded"]["3"]
+    assert not decoded["agrees_with_exact"] and decoded["prompts_unlike_exact"] == [0] and decoded["prompts_off_greedy"] == []
+    assert report["lossless"]  # the output is greedy's: lossless, but the tree figures disagree
+    [warning] = report_warnings(report)
+    assert warning.startswith("dflash: decoding by trees of 3 nodes committed other drafts than its exact figures on prompts [0]")
+    assert quality_figures(monkeypatch).tree_acceptance(report["drafters"]["dflash"])["agrees_with_exact"] is False
+
+
+def test_the_quality_benchmark_puts_tree_tau_per_budget_beside_the_chains(evaluated, monkeypatch):
+    tree_acceptance = quality_figures(monkeypatch).tree_acceptance
     _, report = evaluated
     summary = report["drafters"]["dspark"]
     trees = tree_acceptance(summary)
-    assert trees["chain"] == round(summary["acceptance_length"], 3) and trees["lossless"]
+    assert trees["chain"] == round(summary["acceptance_length"], 3) and trees["lossless"] and trees["agrees_with_exact"]
     assert trees["per_budget"] == {b: round(d["acceptance_length"], 3) for b, d in summary["tree"]["decoded"].items()}
     assert list(trees["per_budget"]) == ["1", "5", "12"]
     assert tree_acceptance(report["drafters"]["prompt_lookup"]) is None

@@ -232,9 +232,9 @@ def test_a_slow_store_holds_the_gpu_back_without_losing_or_reordering_anything(c
             gpu_blocked.set()
             raise
 
-    def stuck_until_the_gpu_waits(key, parts):
+    def stuck_until_the_gpu_waits(key, parts, size=None):
         assert gpu_blocked.wait(timeout=120), "the GPU thread never ran out of buffers"
-        return put_parts(key, parts)
+        return put_parts(key, parts, size)
 
     worker.pool.take, storage.put_parts = take_or_report, stuck_until_the_gpu_waits
     try:

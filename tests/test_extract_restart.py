@@ -110,9 +110,9 @@ class SlowChunkUploads:
     def __getattr__(self, name):
         return getattr(self.storage, name)
 
-    def put_parts(self, key, parts):
+    def put_parts(self, key, parts, size=None):
         time.sleep(self.seconds)
-        return self.storage.put_parts(key, parts)
+        return self.storage.put_parts(key, parts, size)
 
 
 def test_an_error_on_the_gpu_thread_waits_for_the_chunks_handed_to_the_writer(tmp_path, tmp_path_factory):

@@ -109,6 +109,54 @@ def test_parts_stream_into_one_object_hashed_as_written(storage, sizes):
         assert [p.name for p in storage.root.joinpath("chunks").iterdir()] == ["parts.bin"]
 
 
+def test_parts_made_as_the_store_goes_are_stored_as_they_come(storage, monkeypatch):
+    """A generator of parts with the size announced (a chunk whose rows are still being filled): its
+    first bytes are stored (S3: sent as a part) before its last part is made, and the object is the
+    parts' bytes with their sha256."""
+    rng = np.random.default_rng(7)
+    parts = [rng.integers(0, 256, size, dtype=np.uint8) for size in (MULTIPART_CHUNK + 5, MULTIPART_CHUNK - 3, 7)]
+    data = b"".join(p.tobytes() for p in parts)
+    first_stored = threading.Event()
+    if isinstance(storage, S3Storage):
+        upload_part = storage.client.upload_part
+
+        def noting(**kwargs):
+            response = upload_part(**kwargs)
+            first_stored.set()
+            return response
+
+        monkeypatch.setattr(storage.client, "upload_part", noting)
+
+    def made_as_they_go():
+        yield parts[0].data
+        yield parts[1].data
+        if isinstance(storage, S3Storage):
+            assert first_stored.wait(timeout=60), "no part was sent before the last one was made"
+        else:
+            assert [p for p in (storage.root / "chunks").iterdir() if p.stat().st_size >= len(parts[0])], "nothing written yet"
+        yield parts[2].data
+
+    result = storage.put_parts("chunks/made.bin", made_as_they_go(), len(data))
+    assert result.size == len(data) and result.sha256 == hashlib.sha256(data).hexdigest()
+    assert storage.get_bytes("chunks/made.bin") == data
+
+
+@pytest.mark.parametrize("fault", ["raises", "short"])
+def test_parts_that_fail_or_fall_short_of_their_size_store_nothing(storage, s3_bucket, fault):
+    def failing():
+        yield memoryview(bytes(MULTIPART_CHUNK + 1))
+        if fault == "raises":
+            raise ValueError("a row failed its integrity check")
+
+    with pytest.raises(ValueError if fault == "raises" else StorageError, match="integrity" if fault == "raises" else "announced"):
+        storage.put_parts("chunks/bad.bin", failing(), 2 * MULTIPART_CHUNK)
+    assert not storage.exists("chunks/bad.bin")
+    if isinstance(storage, S3Storage):
+        assert storage.client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
+    else:
+        assert list((storage.root / "chunks").iterdir()) == []
+
+
 def test_a_failed_multipart_upload_is_aborted_and_stores_nothing(s3_bucket, monkeypatch):
     storage = open_storage(f"s3://{s3_bucket}/runs/abort")
     calls = {"n": 0}

@@ -8,6 +8,8 @@ import hashlib
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from dflash_jobs.drafter.anchors import anchor_layout
 from dflash_jobs.errors import EXIT_BAD_INPUT, FormatError, InputError
 from dflash_jobs.formats import MANIFEST_KEY, HiddenChunk, Manifest, encode_hidden_chunk, header_size, hidden_chunk_key, read_header
 from dflash_jobs.spec import parse_spec
-from dflash_jobs.storage import TEMP_PREFIX, open_storage
+from dflash_jobs.storage import TEMP_PREFIX, StorageUnavailable, open_storage
 from dflash_jobs.train.trainer import Runtime, Trainer
 from train_fixtures import LAYERS, copy_extract, tiny_target, train_spec_dict
 
@@ -116,6 +118,88 @@ def test_the_cache_never_holds_more_than_its_bound_even_with_downloads_in_flight
     assert sum(1 for _ in stream) == sum(len(plan) for plan in plans)
     watched.note()  # the resident chunks, stored by now (the downloads may all have returned before they were)
     assert 0 < watched.peak <= bound if cache_chunks > 1 else watched.peak == 0
+
+
+# ---- reading ahead across chunks ------------------------------------------------------------------
+
+
+class LiveChunks:
+    """A real ChunkCache that counts the chunks opened and not yet closed (each held in memory while
+    streamed, ~3.4 GB at the 27B shape), the most at once, and fails the download of `failing`."""
+
+    def __init__(self, cache, failing: int | None = None) -> None:
+        self.cache, self.failing = cache, failing
+        self.live = self.most = 0
+        self.lock = threading.Lock()
+
+    def open(self, chunk: int):
+        if chunk == self.failing:
+            time.sleep(0.2)  # while the producer waits on it
+            raise StorageUnavailable(f"chunk {chunk}: the store went away")
+        data = self.cache.open(chunk)
+        with self.lock:
+            self.live += 1
+            self.most = max(self.most, self.live)
+        close = data.close
+
+        def closed() -> None:
+            with self.lock:
+                self.live -= 1
+            close()
+
+        data.close = closed
+        return data
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+def fingerprint(batch) -> tuple:
+    return batch.block_ids.tolist(), batch.labels.tolist(), batch.context_hidden.view(torch.uint8).sum().item()
+
+
+@pytest.mark.parametrize("prefetch_chunks", [0, 1, 2, 3])
+def test_reading_ahead_across_chunks_gives_the_same_batches_in_the_same_order_within_its_memory_bound(extract, tmp_path, prefetch_chunks):
+    from dflash_jobs.train.chunks import ChunkCache, ChunkData
+    from dflash_jobs.train.data import BatchBuilder, BatchStream, Budget, plan_epoch, read_document_index
+
+    storage = open_storage(str(extract))
+    manifest = Manifest.from_json(storage.get_bytes(MANIFEST_KEY))
+    index = read_document_index(storage, [c.chunk for c in manifest.chunks])
+    plans = [plan_epoch(index, world_size=1, seed=0, epoch=e, budget=Budget(tokens=700, blocks=10**9, anchors=512))[0] for e in range(2)]
+    builder = BatchBuilder(layout=anchor_layout(block_size=4, gamma=7.0), anchors=8, mask_token_id=999, seed=0, layers=LAYERS)
+    # Without a stream: every batch built in the plan's order from chunks read whole.
+    whole = {c.chunk: ChunkData.from_bytes(storage.get_bytes(hidden_chunk_key(c.chunk)), hidden_chunk_key(c.chunk)) for c in manifest.chunks}
+    expected = [(e, s, fingerprint(builder.build(batch, whole, e))) for e, plan in enumerate(plans) for s, batch in enumerate(plan)]
+    cache = LiveChunks(ChunkCache(storage, tmp_path / "cache", 0, manifest.chunks))  # every chunk streamed through memory
+    stream = BatchStream(plans, cache, builder, prefetch_chunks=prefetch_chunks)
+    assert [(e, s, fingerprint(batch)) for e, s, batch in stream] == expected
+    widest = max(len({doc.chunk for doc in batch}) for plan in plans for batch in plan)
+    assert 0 < cache.most <= widest + prefetch_chunks  # the bound BatchStream states: a batch's chunks and the read-ahead
+    assert cache.live == 0  # every chunk closed once the stream ends
+
+
+def test_a_chunk_that_cannot_be_read_ahead_fails_the_stream_with_its_error_not_a_hang(extract, tmp_path):
+    from dflash_jobs.train.chunks import ChunkCache
+    from dflash_jobs.train.data import BatchBuilder, BatchStream, Budget, plan_epoch, read_document_index
+
+    storage = open_storage(str(extract))
+    manifest = Manifest.from_json(storage.get_bytes(MANIFEST_KEY))
+    index = read_document_index(storage, [c.chunk for c in manifest.chunks])
+    plans = [plan_epoch(index, world_size=1, seed=0, epoch=0, budget=Budget(tokens=700, blocks=10**9, anchors=512))[0]]
+    order = list(dict.fromkeys(doc.chunk for batch in plans[0] for doc in batch))
+    builder = BatchBuilder(layout=anchor_layout(block_size=4, gamma=7.0), anchors=8, mask_token_id=999, seed=0, layers=LAYERS)
+    cache = LiveChunks(ChunkCache(storage, tmp_path / "cache", 0, manifest.chunks), failing=order[-1])  # read ahead, not needed at once
+    stream = BatchStream(plans, cache, builder, prefetch_chunks=2)
+    served = []
+    started = time.monotonic()
+    with pytest.raises(StorageUnavailable, match=f"chunk {order[-1]}: the store went away"):
+        for _, _, batch in stream:
+            served.append({doc.chunk for doc in plans[0][len(served)]})
+    stream.close()
+    assert time.monotonic() - started < 60
+    assert served and order[-1] not in set().union(*served)  # every batch before the failing chunk's was served
+    assert cache.live == 0
 
 
 FAILING_TRAINER = """

@@ -217,6 +217,7 @@ def tree_acceptance(drafter: dict[str, Any]) -> dict[str, Any] | None:
     if tree is None:
         return None
     return {"chain": round(tree["chain_acceptance_length"], 3), "lossless": tree["lossless"],
+            "agrees_with_exact": all(decoded["agrees_with_exact"] for decoded in tree["decoded"].values()),
             "per_budget": {budget: round(decoded["acceptance_length"], 3) for budget, decoded in tree["decoded"].items()},
             "per_budget_interval": {budget: decoded.get("acceptance_length_interval") for budget, decoded in tree["decoded"].items()}}
 

@@ -1,6 +1,6 @@
 """Does the loader keep the GPU fed? The real training step on real chunks against the synthetic step, in one call.
 
-    python bench/train/bench_feed.py [--shape 27b] [--chunks 5] [--workdir DIR] -o $OUT/feed.json
+    python bench/train/bench_feed.py [--shape 27b] [--chunks 5] [--dtypes bfloat16,float8_e4m3fn] [--no-loader] [--workdir DIR] -o $OUT/feed.json
 
 One drafter of the shape (bench_train.py's: random weights, compiled on a GPU with the default
 checkpointing, as Trainer.build sets it up) steps through, side by side:
@@ -14,10 +14,12 @@ checkpointing, as Trainer.build sets it up) steps through, side by side:
 4. `real float8_e4m3fn`: the same with fp8 chunks (half the bytes over PCIe, dequantized on the GPU);
 5. the loader alone (bench_loader.py's cases, no paced case: 2-4 are it, with the real GPU step).
 
-Per pass: step time (median over the measured steps, and the mean, which carries any wait), the
-seconds the loop waited for the loader per step, the real/synthetic ratio. Each step syncs on its
-loss, as the trainer's loss gather does. The JSON is written after every stage. `--shape tiny`
-runs the same on a CPU in a few minutes.
+`--dtypes` picks the real passes (and the loader's cases), `--no-loader` leaves out 5. Per pass:
+step time (median over the measured steps, and the mean, which carries any wait), its percentiles
+and longest (`distribution`: a few steps that wait on a chunk raise the mean as a slower step
+would), the seconds the loop waited for the loader per step, the real/synthetic ratio; a PNG of
+every pass's histogram beside the JSON. Each step syncs on its loss, as the trainer's loss gather
+does. The JSON is written after every stage. `--shape tiny` runs the same on a CPU in a few minutes.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def timed_steps(trainer, batches, device: torch.device, *, warmup: int, wait=lam
             waits.append(waited)
         started, before = now, wait()
     return {"steps": len(times), "step_s": statistics.median(times), "step_s_mean": statistics.fmean(times),
-            "wait_s_per_step": statistics.fmean(waits), "step_s_all": [round(t, 4) for t in times]}
+            "distribution": bench_loader.step_distribution(times), "wait_s_per_step": statistics.fmean(waits),
+            "step_s_all": [round(t, 4) for t in times]}
 
 
 def synthetic_pass(trainer, synthetic, device, steps: int, warmup: int) -> dict:
@@ -92,6 +95,7 @@ def main() -> None:
     bench_loader.add_arguments(parser)
     parser.add_argument("--steps", type=int, default=8, help="measured synthetic steps per pass")
     parser.add_argument("--warmup", type=int, default=3, help="synthetic steps before the first measured one (compiles)")
+    parser.add_argument("--no-loader", action="store_true", help="leave out the loader alone (stage 5)")
     parser.set_defaults(chunks=5, epochs=2)
     args = parser.parse_args()
     shape = bench_loader.SHAPES[args.shape]
@@ -120,19 +124,31 @@ def main() -> None:
     report["passes"]["synthetic"] = synthetic_pass(trainer, synthetic, device, args.steps, args.warmup)
     bench_loader.progress(f"synthetic: {report['passes']['synthetic']['step_s']:.3f} s/step")
     save()
-    report["passes"]["real bfloat16"] = real_pass(trainer, args, shape, "bfloat16", device)
+    dtypes = args.dtypes.split(",")
+    report["passes"][f"real {dtypes[0]}"] = real_pass(trainer, args, shape, dtypes[0], device)
     save()
     report["passes"]["synthetic again"] = synthetic_pass(trainer, synthetic, device, args.steps, 1)
     save()
-    report["passes"]["real float8_e4m3fn"] = real_pass(trainer, args, shape, "float8_e4m3fn", device)
+    for dtype in dtypes[1:]:
+        report["passes"][f"real {dtype}"] = real_pass(trainer, args, shape, dtype, device)
     synthetic_s = statistics.fmean([report["passes"][p]["step_s"] for p in ("synthetic", "synthetic again")])
-    for dtype in ("bfloat16", "float8_e4m3fn"):
+    for dtype in dtypes:
         real = report["passes"][f"real {dtype}"]
         for epoch in ("first_epoch_fetched_and_cached", "second_epoch_from_cache"):
             real[epoch]["x_synthetic"] = real[epoch]["step_s_mean"] / synthetic_s
         bench_loader.progress(f"real {dtype}: {json.dumps({e: real[e]['x_synthetic'] for e in real if isinstance(real[e], dict)})}")
     report["gpu_tokens_per_s"] = shape["batch_tokens"] / synthetic_s
+    if args.output:
+        steps = {"synthetic": report["passes"]["synthetic"]["step_s_all"] + report["passes"]["synthetic again"]["step_s_all"]}
+        for dtype in dtypes:
+            for epoch, label in (("first_epoch_fetched_and_cached", "first epoch"), ("second_epoch_from_cache", "second epoch")):
+                steps[f"{dtype}, {label}"] = report["passes"][f"real {dtype}"][epoch]["step_s_all"]
+        report["plot"] = str(args.output.with_suffix(".png"))
+        bench_loader.plot_step_histograms(steps, args.output.with_suffix(".png"), f"Training steps at the {args.shape} shape: real chunks and synthetic batches")
     save()
+    if args.no_loader:
+        print(json.dumps(report["passes"], indent=2))
+        return
 
     del trainer, synthetic
     if device.type == "cuda":

@@ -52,6 +52,9 @@ SHAPES = {
                 anchors=512, block_size=16, step_s=1.23),
     "tiny": dict(chunk_tokens=2048, document_tokens=256, layers=5, hidden_size=64, vocab_size=1024, batch_tokens=512,
                  anchors=32, block_size=16, step_s=0.02),
+    # The 27B shape's rows in chunks of a quarter (0.84 GB): what a development machine's memory holds a few of.
+    "cpu": dict(chunk_tokens=16384, document_tokens=4096, layers=5, hidden_size=5120, vocab_size=248320, batch_tokens=4096,
+                anchors=64, block_size=16, step_s=0.3),
 }
 CONSUMER = (
     "The consumer moves each batch to the device (fp8 dequantized there) and takes the next; on a CPU the device is the "
@@ -108,6 +111,41 @@ def peak_rss():
         stop.set()
         sampler.join()
         result.update(peak_gib=(peak[0] - start) / 2**30, peak_rss_gib=peak[0] / 2**30)
+
+
+def step_distribution(times: list[float]) -> dict:
+    """A pass's step times beside their mean: the percentiles and the longest, which a mean hides
+    (a few steps that wait on a chunk raise the mean as much as a slower step every time)."""
+    ordered = sorted(times)
+
+    def percentile(q: float) -> float:
+        return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+    return {"mean": sum(times) / len(times), "p50": percentile(50), "p90": percentile(90), "p99": percentile(99), "max": ordered[-1]}
+
+
+def plot_step_histograms(passes: dict[str, list[float]], path: Path, title: str) -> None:
+    """A PNG of each pass's step times: one histogram per pass on shared bins, its mean and p99 in the legend."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on the benchmark machines
+    import matplotlib.pyplot as plt
+
+    every = [t for times in passes.values() for t in times]
+    bins = [min(every) + (max(every) - min(every)) * i / 40 for i in range(41)] if max(every) > min(every) else 10
+    figure, axes = plt.subplots(figsize=(7, 4), dpi=120)
+    for name, times in passes.items():
+        shown = step_distribution(times)
+        axes.hist(times, bins=bins, histtype="step", linewidth=1.5, label=f"{name}: mean {shown['mean']:.3f} s, p99 {shown['p99']:.3f} s")
+    axes.set_xlabel("step time (s)")
+    axes.set_ylabel("steps")
+    axes.set_yscale("log")
+    axes.legend(fontsize=8)
+    axes.set_title(title, fontsize=9)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+    plt.close(figure)
 
 
 def make_stream(storage, manifest: Manifest, shape: dict, cache_dir: Path, cache_bytes: int, epochs: int, *,

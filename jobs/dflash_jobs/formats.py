@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -349,13 +349,19 @@ class RawTensor:
         return _ST_DTYPES[self.dtype]
 
 
+def safetensors_names(tensors: Mapping[str, Any]) -> list[str]:
+    """The order a safetensors file lays its tensors' bytes out in (RawTensor or torch.Tensor, by
+    `itemsize`): widest elements first, so every offset stays aligned, then by name."""
+    return sorted(tensors, key=lambda name: (-tensors[name].itemsize, name))
+
+
 def safetensors_header(tensors: dict[str, RawTensor], metadata: dict[str, str]) -> tuple[bytes, list[str]]:
     """The canonical header (length prefix included) and the order the tensors' bytes follow it in.
 
     Canonical: the same tensors and metadata give the same bytes in any process (the library writes
     __metadata__ in a per-process hash order, so a re-extracted chunk would get another sha256).
-    Tensors are laid out as the library does: widest elements first, so every offset stays aligned."""
-    names = sorted(tensors, key=lambda name: (-tensors[name].itemsize, name))
+    Tensors are laid out as the library does: safetensors_names."""
+    names = safetensors_names(tensors)
     entries, offset = {}, 0
     for name in names:
         tensor = tensors[name]

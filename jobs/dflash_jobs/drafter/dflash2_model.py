@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .model import GREEDY_LOGITS, DecoderLayer, Drafter, DrafterConfig, DraftTrunk
+from .model import GREEDY_LOGITS, DecoderLayer, Drafter, DrafterConfig, DraftTrunk, rank_top_k
 
 
 UNSUPPORTED_SCALES = {"output_multiplier": 1.0, "final_logit_softcapping": 0.0, "input_embedding_scale": 1.0}
@@ -177,9 +177,17 @@ class CandidateSelector(nn.Module):
         nn.init.normal_(self.hidden_projection.weight, std=0.02)
 
     def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits [..., V] -> (unary scores [..., K] in fp32, token ids [..., K]), best first: the strict top-K, as served."""
-        values, ids = logits.topk(self.top_k, dim=-1)
-        return values.float(), ids
+        """logits [..., V] -> (unary scores [..., K] in fp32, token ids [..., K]), best first: the strict
+        top-K, as served, equal logits by the lower token id (rank_top_k), so which of them make the
+        K and in what order does not depend on topk's unspecified order of ties."""
+        ids = rank_top_k(logits, self.top_k)
+        return logits.gather(-1, ids).float(), ids
+
+    @staticmethod
+    def best(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """The position [...] of the best of scores [..., K], equal scores to the lower token id of
+        candidates [..., K]: the choice a draft tree's first child is (drafter/tree.py)."""
+        return rank_top_k(scores, 1, candidates)[..., 0]
 
     def scores(self, projected: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor, predecessors: torch.Tensor) -> torch.Tensor:
         """S [..., K] (fp32) of the edges predecessors [...] -> candidates [..., K], from P h [..., r] and the unary scores [..., K]."""
@@ -189,19 +197,20 @@ class CandidateSelector(nn.Module):
     def choose(self, hidden: torch.Tensor, logits: torch.Tensor, predecessors: torch.Tensor) -> torch.Tensor:
         """Teacher forced: each row's best candidate [R] after its given predecessor [R] (hidden [R, d], logits [R, V])."""
         unary, ids = self.candidates(logits)
-        best = self.scores(self.hidden_projection(hidden), unary, ids, predecessors).argmax(-1)
+        best = self.best(self.scores(self.hidden_projection(hidden), unary, ids, predecessors), ids)
         return ids.gather(-1, best[:, None])[:, 0]
 
     def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_token: int | torch.Tensor) -> torch.Tensor:
         """The greedy path [L] through one block's drafted slots (hidden [L, d], logits [L, V]): each
         slot's best candidate after the token chosen before it, the first after the anchor; the
-        lowest candidate index wins a tie, as vLLM's walk."""
+        lower token id wins a tie (vLLM's walk takes the lower candidate index, the same token
+        wherever the tied candidates' unary logits tie too: the candidates are ranked so)."""
         unary, ids = self.candidates(logits)
         projected = self.hidden_projection(hidden)
         predecessor = torch.as_tensor(anchor_token, dtype=torch.long, device=ids.device)
         path = []
         for slot in range(ids.shape[0]):
-            predecessor = ids[slot, self.scores(projected[slot], unary[slot], ids[slot], predecessor).argmax()]
+            predecessor = ids[slot, self.best(self.scores(projected[slot], unary[slot], ids[slot], predecessor), ids[slot])]
             path.append(predecessor)
         return torch.stack(path)
 

@@ -151,6 +151,23 @@ class DrafterConfig:
         )
 
 
+def rank_top_k(scores: torch.Tensor, k: int, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The positions [..., k] of the k best of scores [..., n], best first, equal scores by the lower
+    token id (ids [..., n], below 2^32; None: a position is its token id).
+
+    argmax's own rule (the first maximal index: the lowest token id) extended to a ranking, so a
+    ranking's first is the greedy choice and a ranking of k the first k of a ranking of more. topk
+    promises no order among equal values, and bf16 logits are often equal: each score and its id
+    become one int64 key, the score's float32 bits made order-preserving in the high half and the
+    id reversed in the low half, whose topk has no ties."""
+    bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes +0.0, an equal score
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # negative floats' bits count down: flip them
+    if ids is None:
+        ids = torch.arange(scores.shape[-1], device=scores.device)
+    key = ordered * 2**32 + (2**32 - 1 - ids.long())  # [..., n]: by score, then by the lower id
+    return key.topk(min(k, scores.shape[-1]), dim=-1).indices
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3's RMSNorm, x / rms(x) * w, in fp32, back in x's dtype."""
     normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)

@@ -12,9 +12,12 @@ The last two condition on the parent (`ConditionalBranches`): two siblings' subt
 
 `build_tree` is DDTree's best-first search: a heap of candidates, each a node's next sibling or its
 first child; popping the best `budget` times gives the `budget` highest-scoring nodes that form a
-tree (a child never scores above its parent, nor a sibling above an earlier one). Ties go to the
-smaller path of ranks, so a smaller budget's tree is the first nodes of a larger one's. The chain a
-variant drafts is the path of first children (rank 0 at every depth).
+tree (a child never scores above its parent, nor a sibling above an earlier one). A parent's
+children are ranked by (score descending, token id ascending) everywhere (`rank_top_k`), the order
+argmax's tie rule gives, whatever order topk returns equal scores in (bf16 makes them common); equal
+path scores go to the smaller path of ranks. So a smaller budget's tree is the first nodes of a
+larger one's, and the path of first children (rank 0 at every depth) is the chain the variant
+drafts greedily, ties included.
 
 Under greedy verification a tree commits its longest root path whose every token is the target's
 greedy choice after the path before it, plus the target's next token (`Tree.follow`).
@@ -27,6 +30,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+
+from dflash_jobs.drafter.model import rank_top_k
 
 Scores = Callable[[int, int], tuple[torch.Tensor, "torch.Tensor | None"]]
 """(depth, parent token) -> the children's scores [n] (log-probabilities up to a constant) and their
@@ -56,15 +61,10 @@ class Branches:
 
 
 def _ranked(scores: torch.Tensor, ids: torch.Tensor | None, k: int) -> tuple[list[int], list[float]]:
-    """The k best of `scores` [n] as (token ids, log-probabilities), best first; equal scores keep
-    their order (the lowest candidate index first, as an argmax picks)."""
-    log_probs = scores.float().log_softmax(-1)
-    k = min(k, len(log_probs))
-    if ids is None:
-        values, order = log_probs.topk(k)
-        return order.tolist(), values.tolist()
-    order = torch.sort(scores.float(), descending=True, stable=True).indices[:k]
-    return ids[order].tolist(), log_probs[order].tolist()
+    """The k best of `scores` [n] as (token ids, log-probabilities), best first, equal scores by the
+    lower token id (rank_top_k: as the variant's greedy choice breaks them)."""
+    order = rank_top_k(scores, k, ids)
+    return (order if ids is None else ids[order]).tolist(), scores.float().log_softmax(-1)[order].tolist()
 
 
 class MarginalBranches(Branches):
@@ -78,9 +78,9 @@ class MarginalBranches(Branches):
         self._k = 0
 
     def children(self, depth: int, parent: int, k: int) -> tuple[list[int], list[float]]:
-        if k > self._k:  # every depth ranked at once: one top-k over the block
-            log_probs = self.logits.float().log_softmax(-1)
-            values, order = log_probs.topk(min(k, log_probs.shape[-1]), dim=-1)
+        if k > self._k:  # every depth ranked at once: one ranking over the block
+            order = rank_top_k(self.logits, k)  # [D, k]
+            values = self.logits.float().log_softmax(-1).gather(-1, order)
             self._ranked, self._k = list(zip(order.tolist(), values.tolist())), k
         tokens, log_probs = self._ranked[depth - 1]
         return tokens[:k], log_probs[:k]

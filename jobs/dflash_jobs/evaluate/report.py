@@ -42,7 +42,8 @@ report.json (format dflash.eval/v1):
               budget}: exact, at every verify step of the chain's decoding; decoded {budget: the real tree
               decoding's metrics.summarize(...), its per_prompt and acceptance_length_interval among them,
               with exact_acceptance_length (the same decoding computed along greedy's output),
-              agrees_with_exact, prompts_unlike_exact}; lossless
+              agrees_with_exact, prompts_unlike_exact (whose real decoding committed otherwise),
+              prompts_off_greedy (whose output left greedy's: not compared)}; lossless
     drafters.<variant>.coverage: trees.summarize_coverage(...)   per slot, the share of the chain's verify
               steps whose greedy token is among the drafter's k likeliest there (k = 1, 2, 4, 8)
     bigram:   what the bigram baseline was fitted on: pairs_counted (which token pairs: the anchor and
@@ -132,6 +133,12 @@ def report_warnings(report: Mapping[str, Any]) -> list[str]:
             if not decoded["lossless"]:
                 lines.append(f"{name}: decoding by trees of {budget} nodes differs from plain greedy beyond a tie: "
                              f"{[m for m in decoded['mismatches'] if not m['tie']]}")
+            if not decoded["agrees_with_exact"]:
+                lines.append(
+                    f"{name}: decoding by trees of {budget} nodes committed other drafts than its exact figures on prompts "
+                    f"{decoded['prompts_unlike_exact']} (tau {decoded['acceptance_length']:.3f}, exact "
+                    f"{decoded['exact_acceptance_length']:.3f}): the drafter's scores ranked otherwise there, within the rounding "
+                    "between the verify forwards' context and one forward's (evaluate/trees.py); in fp32 a tree built otherwise")
     for name, summary in report["drafters"].items():
         simulated = summary.get("simulated")
         if simulated is None:

@@ -14,10 +14,15 @@ simulation's), with the drafter's pass at each anchor:
   of some width can gain before any tree is built.
 Trees are cut as a verify step's block is (no deeper than the output has room for), and a step
 counts only what it commits (up to a stop token). The trees of every budget at an anchor are the
-first nodes of the largest one's (drafter/tree.py). The real tree decoding (drafter/tree_verify.py)
-must accept exactly the exact decoding's figures step for step: the same drafter, target and
-tokens, the captured layers taken from its verify forwards rather than one forward over the output
-(equal up to rounding).
+first nodes of the largest one's (drafter/tree.py: equal scores ranked by token id, never in topk's
+order). The real tree decoding (drafter/tree_verify.py) must accept exactly the exact decoding's
+figures step for step on every prompt whose output is greedy's (`agrees_with_exact`): the same
+drafter, target and tokens. What may still part them: the drafter's context is the target's
+layers from the verify forwards there and from one forward over the output here, equal up to
+rounding, so two of the drafter's scores closer than that rounding (bf16 on a GPU) can rank either
+way; in fp32 only scores that all but tie can. A prompt whose real output left
+greedy's (at a tie of the target's) is another text, left out of the comparison and named
+(`prompts_off_greedy`).
 """
 
 from __future__ import annotations
@@ -171,12 +176,15 @@ def summarize_trees(
     decoded = {}
     for budget in budgets:
         real = [p.decoded[budget] for p in prompts]
-        unlike = [i for i, p in enumerate(prompts) if p.decoded[budget].accepted != p.exact[budget]]
+        # The exact figures walk greedy's output: an output that left it (at a tie, if lossless) is another text.
+        off_greedy = [i for i, p in enumerate(prompts) if p.divergences[budget]]
+        unlike = [i for i, p in enumerate(prompts) if i not in off_greedy and p.decoded[budget].accepted != p.exact[budget]]
         decoded[str(budget)] = {
             **summarize(real, greedy, block_size, divergences=[p.divergences[budget] for p in prompts], tie_tolerance=tie_tolerance),
             "exact_acceptance_length": mean_committed([a for p in prompts for a in p.exact[budget]]),
             "agrees_with_exact": not unlike,
             "prompts_unlike_exact": unlike,
+            "prompts_off_greedy": off_greedy,
         }
     return {
         "budgets": budgets,

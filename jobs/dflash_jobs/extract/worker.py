@@ -283,7 +283,10 @@ class ExtractWorker:
                  self.pool.buffer_bytes / 1e9, " pinned" if self.pool.pinned else "")
         summary.warmup_s = round(self.warm_up(), 1)
         self.progress = Progress(summary, total_tokens=sum(c.tokens for c in pending), interval=self.log_interval)
-        self.writer = ChunkWriter(storage=self.storage, metadata=self.metadata, pool=self.pool, on_commit=self._committed)
+        # Packed batches take a window's samples in order, so the last chunk's rows fill from the first:
+        # it is stored while they do, and the end waits only for its last batch's rows (the drain).
+        self.writer = ChunkWriter(storage=self.storage, metadata=self.metadata, pool=self.pool, on_commit=self._committed,
+                                  streamed=pending[-1].id if self.planner.packed else None)
         self.progress.start()
         try:
             for window in iter_windows(self.storage, pending, self.planner, self.spec.sort_window, pin=self.device.type == "cuda"):

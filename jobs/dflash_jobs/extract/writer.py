@@ -5,10 +5,16 @@
 
 A chunk takes a buffer from the pool when its first sample is captured and gives it back once it
 is stored: the pool bounds host memory, and a store that cannot keep up blocks the GPU thread
-instead of growing it (the time blocked is reported). A writer waits for the chunk's last copy,
-checks it, then streams it to storage straight from its buffer (the local store writes each byte
-once, S3 gets a multipart upload from memory; both hash as they go), then creates its done
-marker: the marker is the commit point, so a chunk is visible only complete.
+instead of growing it (the time blocked is reported). A writer streams the chunk to storage
+straight from its buffer in file order, each tensor the copies fill as far as its leading rows'
+copies have completed (the local store writes each byte once, S3 gets a multipart upload from
+memory; both hash as they go), checks the whole chunk before the store completes, then creates
+its done marker: the marker is the commit point, so a chunk is visible only complete.
+
+A chunk is handed to a writer once complete, except the shard's last one when batches take its
+samples in order (packed): that one from its first sample, so its bytes are written and hashed
+while the forwards that fill it run, and what is left after the last forward (the drain) is only
+the rows of the last batch, not the whole chunk (about 3 GB at the 27B shape).
 """
 
 from __future__ import annotations
@@ -18,23 +24,25 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from dflash_jobs.errors import IntegrityError, StorageError
+from dflash_jobs.errors import DflashError, IntegrityError, StorageError
 from dflash_jobs.extract import integrity
 from dflash_jobs.extract.capture import BufferPool, ChunkBuffer
 from dflash_jobs.formats import (
-    ChunkInfo, DoneMarker, TokenChunk, done_key, hidden_chunk_key, hidden_metadata, hidden_tensors, safetensors_parts,
+    ChunkInfo, DoneMarker, TokenChunk, done_key, hidden_chunk_key, hidden_metadata, hidden_tensors, safetensors_names, safetensors_parts,
 )
 from dflash_jobs.storage import Storage
 
 POLL_S = 1.0
 WRITER_THREADS = 2
 """Chunks stored at once: one can hash and write while the other waits on storage."""
+FILLED_BY_COPIES = ("hidden_states", "hidden_states_scale", "final_hidden_states", "final_hidden_states_scale")
+"""The tensors of a chunk the GPU's copies fill, row by row; the others come from its token chunk."""
 KILL_BEFORE_MARKER_ENV = "DFLASH_TEST_KILL_BEFORE_MARKER"
 """Fault injection for the restart test: SIGKILL this process once chunk N is stored, before its marker."""
 
@@ -54,6 +62,10 @@ class ChunkMetadata:
     """The dtype of the target's final hidden state stored beside the layers; None: not stored."""
 
 
+class ChunkAbandoned(DflashError):
+    """The writer was stopped while a chunk it streams still waited for samples (the GPU thread failed)."""
+
+
 class ChunkAssembly:
     """One chunk's states, written in place by the GPU's copies, sample by sample."""
 
@@ -64,6 +76,9 @@ class ChunkAssembly:
         self.written = np.zeros(tokens.num_samples, dtype=bool)
         self.remaining = tokens.num_samples
         self.copied: torch.cuda.Event | None = None  # recorded after the last copy into this chunk
+        self.leading = 0
+        """Samples 0..leading-1 all have their copies queued: their rows end where the writer may go once `copied` completes."""
+        self._placing = threading.Condition()
 
     def rows(self, index: int) -> tuple[int, int]:
         return int(self.tokens.cu_seqlens[index]), int(self.tokens.cu_seqlens[index + 1])
@@ -72,9 +87,42 @@ class ChunkAssembly:
         """Sample `index` has its copy queued (done once `event` completes)."""
         if self.written[index]:
             raise IntegrityError(f"chunk {self.info.id:06d}: sample {self.tokens.sample_ids[index]} captured twice", integrity.FIX)
-        self.written[index] = True
-        self.remaining -= 1
-        self.copied = event
+        with self._placing:
+            self.written[index] = True
+            self.remaining -= 1
+            self.copied = event  # one copy stream: this event also marks the end of every earlier copy
+            while self.leading < len(self.written) and self.written[self.leading]:
+                self.leading += 1
+            self._placing.notify_all()
+
+    def final_rows(self, beyond: int, stopped: Callable[[], bool]) -> int:
+        """How many leading rows hold their final states, once more than `beyond` do: waits for the
+        GPU thread to queue their copies, then for the copies. Raises ChunkAbandoned if `stopped()`
+        says no more samples will come."""
+        with self._placing:
+            while (rows := int(self.tokens.cu_seqlens[self.leading])) <= beyond:
+                if stopped():
+                    raise ChunkAbandoned(f"chunk {self.info.id:06d}: the extraction stopped with {self.remaining} of its samples not captured")
+                self._placing.wait(POLL_S)
+            copied = self.copied
+        if copied is not None:
+            copied.synchronize()
+        return rows
+
+    def file_bytes(self, names: list[str], parts: list[memoryview], stopped: Callable[[], bool]) -> Iterator[memoryview]:
+        """The chunk's file in order (`parts`: its header, then the tensors `names` in file order) as it
+        becomes final: a tensor the copies fill as far as its leading rows are (final_rows)."""
+        total = self.tokens.num_tokens
+        for name, part in zip([None, *names], parts, strict=True):
+            if name not in FILLED_BY_COPIES:
+                yield part
+                continue
+            row = len(part) // total if total else 0
+            done = 0
+            while done < total:
+                rows = self.final_rows(done, stopped)
+                yield part[done * row : rows * row]
+                done = rows
 
     def view(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         return None if tensor is None else tensor[: self.tokens.num_tokens]
@@ -91,12 +139,17 @@ class ChunkWriter:
         metadata: ChunkMetadata,
         pool: BufferPool,
         on_commit: Callable[[DoneMarker], None] = lambda marker: None,
+        streamed: int | None = None,
     ) -> None:
+        """streamed: the chunk handed to a writer at its first sample, stored as its rows fill (the
+        shard's last, when batches take its samples in order); every other one once complete."""
         self.storage = storage
         self.metadata = metadata
         self.pool = pool
         self.on_commit = on_commit
-        self.complete: queue.Queue = queue.Queue()  # bounded by the pool: a queued chunk holds a buffer
+        self.to_store: queue.Queue = queue.Queue()  # bounded by the pool: a queued chunk holds a buffer
+        self.streamed = streamed
+        self._stopping = threading.Event()
         self.error: BaseException | None = None
         self.waited_s = 0.0  # how long the GPU thread waited for a free buffer
         self.kill_before_marker = os.environ.get(KILL_BEFORE_MARKER_ENV)
@@ -121,12 +174,16 @@ class ChunkWriter:
             except queue.Empty:
                 continue
         self.waited_s += time.monotonic() - started
-        return ChunkAssembly(info, tokens, buffer)
+        assembly = ChunkAssembly(info, tokens, buffer)
+        if info.id == self.streamed:
+            self.to_store.put(assembly)
+        return assembly
 
     def submit(self, assembly: ChunkAssembly) -> None:
-        """Hands over a chunk whose every sample has its copy queued."""
+        """Hands over a chunk whose every sample has its copy queued (the streamed one is already)."""
         self.check()
-        self.complete.put(assembly)
+        if assembly.info.id != self.streamed:
+            self.to_store.put(assembly)
 
     def check(self) -> None:
         """Re-raises, in the caller's thread, the first error of a writer thread."""
@@ -142,9 +199,11 @@ class ChunkWriter:
         """Stores everything submitted, then stops the threads, raising nothing: also what the GPU
         thread does when it fails. Each chunk ends whole (it is complete: every copy was queued) or
         cleans up after itself (the local temporary file removed, the S3 multipart upload aborted);
-        left running, the daemon threads would die with the process mid-store and leave both behind."""
+        left running, the daemon threads would die with the process mid-store and leave both behind.
+        A streamed chunk still missing samples then can never complete: its store is aborted."""
+        self._stopping.set()
         for _ in self.threads:
-            self.complete.put(_DONE)
+            self.to_store.put(_DONE)
         for thread in self.threads:
             while thread.is_alive():
                 thread.join(POLL_S)
@@ -155,7 +214,7 @@ class ChunkWriter:
         try:
             while self.error is None:
                 try:
-                    assembly = self.complete.get(timeout=POLL_S)
+                    assembly = self.to_store.get(timeout=POLL_S)
                 except queue.Empty:
                     continue
                 if assembly is _DONE:
@@ -168,19 +227,22 @@ class ChunkWriter:
 
     def _store(self, assembly: ChunkAssembly) -> None:
         chunk, meta, buffer = assembly.info.id, self.metadata, assembly.buffer
-        if assembly.copied is not None:
-            assembly.copied.synchronize()
         layers, final, view = buffer.layers, buffer.final, assembly.view
-        stats = integrity.check_assembled(
-            chunk, assembly.tokens, view(buffer.ids), view(layers.absmax), assembly.written, view(final and final.absmax),
-        )
-        parts = safetensors_parts(
-            hidden_tensors(assembly.tokens, view(layers.states), view(layers.scale), view(final and final.states), view(final and final.scale)),
-            hidden_metadata(layers=meta.layers, model=meta.model, config_hash=meta.config_hash, dtype=meta.dtype,
-                            compute_dtype=meta.compute_dtype, final_hidden=meta.final_hidden),
-        )
-        integrity.check_encoded(chunk, bytes(parts[0]), sum(len(p) for p in parts), assembly.tokens, meta.layers, meta.final_hidden)
-        put = self.storage.put_parts(hidden_chunk_key(chunk), parts)
+        tensors = hidden_tensors(assembly.tokens, view(layers.states), view(layers.scale), view(final and final.states), view(final and final.scale))
+        parts = safetensors_parts(tensors, hidden_metadata(layers=meta.layers, model=meta.model, config_hash=meta.config_hash, dtype=meta.dtype,
+                                                           compute_dtype=meta.compute_dtype, final_hidden=meta.final_hidden))
+        size = sum(len(p) for p in parts)
+        integrity.check_encoded(chunk, bytes(parts[0]), size, assembly.tokens, meta.layers, meta.final_hidden)
+        stats: dict[str, float] = {}
+
+        def checked() -> Iterator[memoryview]:
+            """The file as it becomes final, then the whole chunk checked: a bad one aborts the store, never visible."""
+            yield from assembly.file_bytes(safetensors_names(tensors), parts, self._stopping.is_set)
+            stats.update(integrity.check_assembled(
+                chunk, assembly.tokens, view(buffer.ids), view(layers.absmax), assembly.written, view(final and final.absmax),
+            ))
+
+        put = self.storage.put_parts(hidden_chunk_key(chunk), checked(), size)
         if self.kill_before_marker == str(chunk):
             os.kill(os.getpid(), signal.SIGKILL)
         marker = DoneMarker(

@@ -4,7 +4,8 @@ follows, and the hashing both stores do while they write."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import queue
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,34 +67,52 @@ def check_key(key: str) -> str:
     return key
 
 
-def byte_views(parts: Sequence[Buffer]) -> list[memoryview]:
-    return [memoryview(part).cast("B") for part in parts]
+def byte_views(parts: Iterable[Buffer]) -> Iterator[memoryview]:
+    """Each part as flat bytes, in place, taken from `parts` only as the caller goes."""
+    for part in parts:
+        yield memoryview(part).cast("B")
 
 
 class Digest:
-    """sha256 of a sequence of buffers, computed on its own thread while the caller moves the bytes
-    (hashlib releases the GIL on large buffers, so both run at once)."""
+    """sha256 of the buffers fed to it in order, computed on its own thread while the caller moves
+    the bytes (hashlib releases the GIL on large buffers, so both run at once): a part is hashed
+    while it is written, and a stream of parts as it comes."""
 
-    def __init__(self, parts: Sequence[memoryview]) -> None:
+    def __init__(self) -> None:
+        self._parts: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
-        self._future = self._pool.submit(self._digest, parts)
+        self._future = self._pool.submit(self._digest)
 
-    @staticmethod
-    def _digest(parts: Sequence[memoryview]) -> str:
+    def _digest(self) -> str:
         digest = hashlib.sha256()
-        for part in parts:
+        while (part := self._parts.get()) is not None:
             for start in range(0, len(part), HASH_BLOCK):
                 digest.update(part[start:start + HASH_BLOCK])
         return digest.hexdigest()
+
+    def fed(self, views: Iterable[memoryview]) -> Iterator[memoryview]:
+        """`views` as they come, each handed to the hashing thread first."""
+        for view in views:
+            self._parts.put(view)
+            yield view
 
     def __enter__(self) -> Digest:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._pool.shutdown()  # after a failed write too: the hashing thread ends with the put
+        self._parts.put(None)  # after a failed write too: the hashing thread ends with the put
+        self._pool.shutdown()
 
     def result(self) -> str:
+        """The digest of everything fed; nothing may be fed after."""
+        self._parts.put(None)
         return self._future.result()
+
+
+def check_size(url: str, written: int, size: int | None) -> None:
+    """A put of parts made as it went stored the size it announced (before the object becomes visible)."""
+    if size is not None and written != size:
+        raise StorageError(f"{url}: the parts held {written} bytes, {size} were announced", "A bug in the writer: report it with this line")
 
 
 def sha256_file(path: str | Path) -> str:
@@ -109,7 +128,10 @@ class Storage(Protocol):
 
     def put_bytes(self, key: str, data: bytes) -> PutResult: ...
     def put_file(self, key: str, path: str | Path) -> PutResult: ...
-    def put_parts(self, key: str, parts: Sequence[Buffer]) -> PutResult: ...
+    def put_parts(self, key: str, parts: Iterable[Buffer], size: int | None = None) -> PutResult:
+        """One object, the parts' bytes in order, each byte read in place once and hashed meanwhile.
+        `parts` may be produced as the store goes (a generator: a chunk whose rows are still being
+        filled), then `size` gives the total; an error it raises aborts the store, leaving nothing."""
     def put_if_absent(self, key: str, data: bytes) -> bool: ...
     def get_bytes(self, key: str, start: int | None = None, end: int | None = None) -> bytes: ...
     def get_file(self, key: str, path: str | Path) -> None: ...

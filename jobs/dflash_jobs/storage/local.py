@@ -6,12 +6,12 @@ import hashlib
 import os
 import shutil
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from dflash_jobs.storage.interface import HASH_BLOCK, TEMP_PREFIX, Buffer, Digest, ObjectInfo, ObjectNotFound, PutResult, byte_views, check_key
+from dflash_jobs.storage.interface import HASH_BLOCK, TEMP_PREFIX, Buffer, Digest, ObjectInfo, ObjectNotFound, PutResult, byte_views, check_key, check_size
 
 
 class LocalStorage:
@@ -58,19 +58,21 @@ class LocalStorage:
             os.replace(temp, target)
         return PutResult(size, digest.hexdigest(), None)
 
-    def put_parts(self, key: str, parts: Sequence[Buffer]) -> PutResult:
-        """One object from buffers written in order, hashed while written: each byte is written once."""
+    def put_parts(self, key: str, parts: Iterable[Buffer], size: int | None = None) -> PutResult:
+        """One object from buffers written in order as they come, hashed while written: each byte is written once."""
         target = self._path(key)
-        views = byte_views(parts)
-        with Digest(views) as digest, self._temp_beside(target) as temp:
+        written = 0
+        with Digest() as digest, self._temp_beside(target) as temp:
             with open(temp, "wb") as f:
-                for view in views:
+                for view in digest.fed(byte_views(parts)):
                     f.write(view)
+                    written += len(view)
                 f.flush()
                 os.fsync(f.fileno())
+            check_size(f"{self.url}/{key}", written, size)
             sha256 = digest.result()
             os.replace(temp, target)
-        return PutResult(sum(len(v) for v in views), sha256, None)
+        return PutResult(written, sha256, None)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         path = self._path(key)

@@ -8,7 +8,7 @@ import io
 import os
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, BinaryIO, Iterator
 from dflash_jobs.errors import StorageError, StorageUnavailable
 from dflash_jobs.storage.interface import (
     TEMP_PREFIX, AccessDenied, Buffer, BucketNotFound, CredentialsMissing, Digest, EndpointUnreachable, ObjectInfo, ObjectNotFound,
-    PutResult, byte_views, check_key, sha256_file,
+    PutResult, byte_views, check_key, check_size, sha256_file,
 )
 
 if TYPE_CHECKING:
@@ -83,9 +83,10 @@ class _BodyReader(io.RawIOBase):
         super().close()
 
 
-def _slices(views: Sequence[memoryview], size: int) -> Iterator[list[memoryview]]:
+def _slices(views: Iterable[memoryview], size: int) -> Iterator[list[memoryview]]:
     """The concatenation of `views` cut into pieces of `size` bytes (the last one shorter), each
-    piece a list of slices of the views: nothing is copied."""
+    piece a list of slices of the views: nothing is copied, and a piece is given as soon as its
+    views have come."""
     piece: list[memoryview] = []
     room = size
     for view in views:
@@ -163,18 +164,21 @@ class S3Storage:
         assert info is not None
         return PutResult(info.size, sha256_file(path), info.etag)
 
-    def put_parts(self, key: str, parts: Sequence[Buffer]) -> PutResult:
-        """One object from buffers in memory: a multipart upload of slices of them, hashed meanwhile
-        (no spool file). A failed part stops the parts not yet sent, and the upload is aborted, so no
-        parts are left behind."""
-        views = byte_views(parts)
-        size = sum(len(v) for v in views)
-        with Digest(views) as digest:
-            return self._put_views(key, views, size, digest)
+    def put_parts(self, key: str, parts: Iterable[Buffer], size: int | None = None) -> PutResult:
+        """One object from buffers in memory: a multipart upload of slices of them, each part sent as
+        soon as its bytes have come, hashed meanwhile (no spool file). A failed part, or an error of
+        `parts`, stops the parts not yet sent, and the upload is aborted, so no parts are left behind."""
+        if size is None:
+            parts = list(byte_views(parts))
+            size = sum(len(v) for v in parts)
+        with Digest() as digest:
+            return self._put_views(key, digest.fed(byte_views(parts)), size, digest)
 
-    def _put_views(self, key: str, views: list[memoryview], size: int, digest: Digest) -> PutResult:
+    def _put_views(self, key: str, views: Iterator[memoryview], size: int, digest: Digest) -> PutResult:
         if size < MULTIPART_THRESHOLD:
-            response = self._call(key, self.client.put_object, Bucket=self.bucket, Key=self._key(key), Body=b"".join(views))
+            body = b"".join(views)
+            check_size(f"{self.url}/{key}", len(body), size)
+            response = self._call(key, self.client.put_object, Bucket=self.bucket, Key=self._key(key), Body=body)
             return PutResult(size, digest.result(), response.get("ETag"))
         full = self._key(key)
         upload = self._call(key, self.client.create_multipart_upload, Bucket=self.bucket, Key=full)["UploadId"]
@@ -195,9 +199,19 @@ class S3Storage:
 
         try:
             with ThreadPoolExecutor(PART_THREADS, thread_name_prefix="s3-part") as pool:
-                sent = [pool.submit(send, n + 1, piece) for n, piece in enumerate(_slices(views, MULTIPART_CHUNK))]
+                sent, sent_bytes = [], 0
+                try:
+                    for number, piece in enumerate(_slices(views, MULTIPART_CHUNK), 1):
+                        if failed.is_set():  # a part failed: its result() below raises; the rest is not sent
+                            break
+                        sent.append(pool.submit(send, number, piece))
+                        sent_bytes += sum(len(view) for view in piece)
+                except BaseException:
+                    failed.set()  # the parts queued behind the error are not sent
+                    raise
                 # A part skipped (None) means another failed, whose result() raises: `done` never holds None.
                 done = [future.result() for future in sent]
+            check_size(f"{self.url}/{key}", sent_bytes, size)
             response = self._call(key, self.client.complete_multipart_upload, Bucket=self.bucket, Key=full, UploadId=upload,
                                   MultipartUpload={"Parts": done})
         except BaseException:

@@ -22,11 +22,11 @@ from dflash_jobs.storage import TEMP_PREFIX, Storage
 
 
 class _MemoryBytes:
-    """A chunk held in host memory (streamed from storage)."""
+    """A chunk held in host memory (streamed from storage), as uint8 [size]."""
 
-    def __init__(self, data: bytearray) -> None:
-        self.size = len(data)
-        self._tensor = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    def __init__(self, data: torch.Tensor) -> None:
+        self.size = data.numel()
+        self._tensor = data
 
     def read(self, start: int, end: int) -> bytes:
         return self._tensor[start:end].numpy().tobytes()
@@ -92,7 +92,8 @@ class ChunkData:
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray, name: str) -> ChunkData:
-        return cls(_MemoryBytes(bytearray(data) if isinstance(data, bytes) else data), name)
+        held = bytearray(data) if isinstance(data, bytes) else data
+        return cls(_MemoryBytes(torch.frombuffer(held, dtype=torch.uint8) if held else torch.empty(0, dtype=torch.uint8)), name)
 
     @classmethod
     def from_file(cls, path: Path) -> ChunkData:
@@ -194,7 +195,7 @@ class ChunkCache:
         """The chunk, from local disk if it is resident and stored there, else from storage (a
         resident one is then stored for the next epochs)."""
         if chunk not in self.resident:
-            return ChunkData.from_bytes(self._download(chunk), hidden_chunk_key(chunk))
+            return ChunkData(_MemoryBytes(self._download(chunk)), hidden_chunk_key(chunk))
         # One opener at a time per resident chunk: two at once (the prefetcher reaching a chunk again
         # while it is still being stored) would both download and write it, and the disk hold it twice.
         with self._storing[chunk]:
@@ -204,22 +205,27 @@ class ChunkCache:
             path = self.path(chunk)
             temp = path.with_name(f"{TEMP_PREFIX}{path.name}")
             try:
-                temp.write_bytes(data)
+                temp.write_bytes(data.numpy())  # the write releases the GIL
                 os.replace(temp, path)
             finally:
                 temp.unlink(missing_ok=True)
             self._on_disk.add(chunk)
-        return ChunkData.from_bytes(data, hidden_chunk_key(chunk))
+        return ChunkData(_MemoryBytes(data), hidden_chunk_key(chunk))
 
     def close(self) -> None:
         """Stops downloads between parts and waits for the parts in flight."""
         self._closed.set()
         self._parts.shutdown(wait=True, cancel_futures=True)
 
-    def _download(self, chunk: int) -> bytearray:
+    def _download(self, chunk: int) -> torch.Tensor:
+        """The chunk's bytes, uint8 [size], fetched by ranged GETs on DOWNLOAD_THREADS threads and checked.
+
+        Nothing here holds the GIL for long, so the training thread launches its kernels meanwhile:
+        the buffer is not zeroed (bytearray(n) zeroes n bytes under the GIL, about a second per GB:
+        the 2-3 s steps of the first epoch), and parts are copied in by numpy, which lets go of it."""
         marker, key = self.markers[chunk], hidden_chunk_key(chunk)
-        data = bytearray(marker.bytes)
-        view = memoryview(data)
+        data = torch.empty(marker.bytes, dtype=torch.uint8)
+        view = data.numpy()
 
         def part(start: int) -> None:
             if self._closed.is_set():
@@ -231,11 +237,11 @@ class ChunkCache:
                     f"{self.storage.url}/{key} ends before byte {end}; its manifest entry says {marker.bytes} bytes",
                     "Run `dflashctl verify` (it names the chunks that changed), re-extract them, then train again",
                 )
-            view[start:end] = piece
+            view[start:end] = np.frombuffer(piece, dtype=np.uint8)
 
         for _ in self._parts.map(part, range(0, marker.bytes, DOWNLOAD_PART)):
             pass
-        if hashlib.sha256(data).hexdigest() != marker.sha256:  # hashlib releases the GIL on large buffers
+        if hashlib.sha256(view).hexdigest() != marker.sha256:  # hashlib releases the GIL on large buffers
             raise InputError(
                 f"{self.storage.url}/{key} does not match its manifest entry (sha256): it changed after verification",
                 "Run `dflashctl verify` (it names the chunks that changed), re-extract them, then train again",

@@ -50,7 +50,7 @@ def predict(drafter: DFlash2Drafter, hidden, batch):
 def branches(drafter: DFlash2Drafter, hidden: torch.Tensor, anchor: int) -> ConditionalBranches:
     """Slot d (depth d) offers its strict top-K unary candidates, ranked by the selector's score of
     the edge from the parent (the anchor at depth 1): the distribution vLLM samples from at T > 0,
-    whose best child is the greedy walk's choice (ties to the lower candidate index, as the walk)."""
+    whose best child is the greedy walk's choice (ties to the lower token id, as the walk)."""
     slots = hidden[1:]
     selector = drafter.candidate_selector
     unary, candidates = selector.candidates(drafter.logits(slots))
