@@ -345,7 +345,9 @@ def test_target_mistakes_on_the_volume_are_found_through_the_probe_pod(first, mo
 
 @pytest.mark.parametrize("config, complete, status, detail", [
     ({**CONFIG, "text_config": {**CONFIG["text_config"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}}, True, "fail", "scales its RoPE ('yarn')"),
-    ({"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096}, True, "warn", "llama is not an architecture dflash-k8s is tested with"),
+    ({"model_type": "llama", "num_hidden_layers": 64, "hidden_size": 4096}, True, "ok", "llama, 64 layers, hidden 4096"),
+    ({"model_type": "mistral", "num_hidden_layers": 64, "hidden_size": 4096}, True, "warn",
+     "mistral is not an architecture the suite proves (qwen3_5, qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text, llama): it runs as the nearest, llama"),
     (CONFIG, False, "fail", "is staged only in part"),
 ])
 def test_the_checkpoint_config_is_judged(first, monkeypatch, capsys, config, complete, status, detail):

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_jobs.drafter.checkpoint import TargetCheckpoint, drafter_config_for_target, resolve_mask_token_id
+from dflash_jobs.drafter.checkpoint import TargetCheckpoint, drafter_config_for_target
 from dflash_jobs.drafter.export import MODELING_FILES, export_dflash
 from dflash_jobs.drafter.masks import one_block_attention
 from dflash_jobs.drafter.model import Drafter, DrafterConfig
 from dflash_jobs.spec import TrainSpec
 from dflash_jobs.storage import open_storage
-from train_fixtures import LAYERS
+from train_fixtures import LAYERS, mask_token_id
 
 USER_PROCESS = Path(__file__).with_name("zlab_user_process.py")
 CONTEXT, SPLIT = 40, 25  # context positions; the cached run feeds them in two steps
@@ -32,7 +32,7 @@ def trained(target_dir):
     weights already bf16-exact as the export stores them."""
     checkpoint = TargetCheckpoint(open_storage(str(target_dir)))
     train = TrainSpec(draft_layers=3, sliding_window_layers=2, sliding_window=WINDOW, block_size=8)
-    mask = resolve_mask_token_id(None, checkpoint.tokenizer_size(), checkpoint.text["vocab_size"])
+    mask = mask_token_id(checkpoint)
     torch.manual_seed(0)
     drafter = Drafter(drafter_config_for_target(checkpoint, train, LAYERS, mask))
     tensors = checkpoint.read_target_tensors()

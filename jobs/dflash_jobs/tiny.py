@@ -171,7 +171,7 @@ def tiny_chat_dataset(path: str | Path, n: int, seed: int = 0) -> Path:
 # ---- the tokenizer ---------------------------------------------------------------------------
 
 
-def _tokenizer_corpus() -> Iterator[str]:
+def tokenizer_corpus() -> Iterator[str]:
     """The BPE training text: turns of the data set's kinds, so its tokens fit the demo data."""
     for row in tiny_chat_rows(1000, seed=12345):
         for message in row["messages"]:
@@ -199,7 +199,7 @@ def build_tiny_tokenizer(vocab_size: int, corpus: Iterable[str] | None = None):
     backend.normalizer = pipeline.normalizer
     backend.pre_tokenizer = pipeline.pre_tokenizer
     trainer = trainers.BpeTrainer(vocab_size=size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    backend.train_from_iterator(_tokenizer_corpus() if corpus is None else corpus, trainer=trainer)
+    backend.train_from_iterator(tokenizer_corpus() if corpus is None else corpus, trainer=trainer)
     bpe = json.loads(backend.to_str())["model"]
     # Special and think tokens take the ids after the BPE vocabulary, in a fixed order (as in Qwen's).
     vocab = dict(bpe["vocab"])

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dflash_jobs.architectures import MODEL_TYPES, architecture_name, model_type, supported
 from dflash_jobs.errors import DflashError, InputError, SpecError, StorageError
 from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, MANIFEST_KEY, RUN_KEY, Manifest, check_final_hidden
 from dflash_jobs.generation import current_manifest
@@ -29,8 +30,6 @@ from dflashctl.tool_pods import probe_pod_name, render_probe_pod
 SOURCE_HEAD_BYTES = 1 << 20
 """Of data.source read to parse its first rows."""
 ROWS_CHECKED = 3
-KNOWN_TARGETS = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
-"""Model types dflash-k8s is built and tested for (Qwen3.5/3.6: Gated DeltaNet + gated attention)."""
 PULL_FAILURES = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
 PLACEHOLDER_BUCKETS = {url[len("s3://"):].split("/", 1)[0] for url in (STARTER_VALUES["output"], STARTER_VALUES["data"]["source"]) if is_s3(url)}
 """The bucket `dflashctl init` writes for the user to replace."""
@@ -262,13 +261,13 @@ def judge_target(spec: RunSpec, description: dict[str, Any], where: str = "") ->
         return fail("target", f"{model} scales its RoPE ({rope_kind(config)!r}){where}, which the DFlash drafter does not implement",
                     "Use a target with plain RoPE (training would run and its export refuse it)")
     text = text_config(config)
-    model_type = text.get("model_type") or config.get("model_type") or "?"
     origin = f"; staged from {staged['source']} at {(staged.get('commit') or '')[:12] or 'its listing'}" if staged else ""
-    detail = f"{model}: {model_type}, {text['num_hidden_layers']} layers, hidden {text.get('hidden_size', '?')}, capturing {layers}{origin}{where}"
+    detail = f"{model}: {model_type(config)}, {text['num_hidden_layers']} layers, hidden {text.get('hidden_size', '?')}, capturing {layers}{origin}{where}"
     if not description.get("tokenizer"):
         return warn("target", f"{detail}; no tokenizer_config.json", "prepare needs the target's tokenizer and chat template beside the weights")
-    if model_type not in KNOWN_TARGETS:
-        return warn("target", f"{detail}; {model_type} is not an architecture dflash-k8s is tested with ({', '.join(KNOWN_TARGETS)})")
+    if not supported(config):
+        return warn("target", f"{detail}; {model_type(config)} is not an architecture the suite proves ({', '.join(MODEL_TYPES)}): "
+                    f"it runs as the nearest, {architecture_name(config)}", "Check the evaluation's lossless figures before trusting it")
     return ok("target", detail)
 
 
