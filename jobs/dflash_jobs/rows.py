@@ -38,6 +38,8 @@ TOKENIZER_FILES = (
 
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 """Where a checkpoint keeps its chat template besides tokenizer_config.json's `chat_template` (Transformers 5 writes the first)."""
+CHAT_TEMPLATE_FIX = ("Use a checkpoint whose tokenizer carries its chat template (an instruction-tuned model's), add one as "
+                     "chat_template.jinja, or give pre-tokenized rows (input_ids, loss_mask)")
 
 
 def chat_template_text(read: Callable[[str], bytes | None]) -> str:
@@ -194,9 +196,7 @@ class ChatEncoder:
         if not tokenizer.chat_template:
             raise InputError(
                 f"target.model {tokenizer.name_or_path}: its tokenizer has no chat template (none in tokenizer_config.json, "
-                f"{' or '.join(CHAT_TEMPLATE_FILES)}), so chat rows cannot be rendered",
-                "Use a checkpoint whose tokenizer carries its chat template (an instruction-tuned model's), add one as chat_template.jinja, "
-                "or give pre-tokenized rows (input_ids, loss_mask)",
+                f"{' or '.join(CHAT_TEMPLATE_FILES)}), so chat rows cannot be rendered", CHAT_TEMPLATE_FIX,
             )
         if not getattr(tokenizer, "is_fast", False):
             raise InputError("the target's tokenizer is not a fast tokenizer", "Chat rows need tokenizer.json in the checkpoint (token offsets)")

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_jobs.errors import DflashError, InputError, SpecError, pod_exit_code
+from dflash_jobs.rows import chat_template_text
 from dflash_jobs.spec import DEFAULT_SPEC_FILE, RunSpec, is_s3, load_spec
 from dflash_jobs.storage import HASH_BLOCK, open_storage, sha256_file
 
@@ -330,7 +331,8 @@ def _complete(record: StageRecord, directory: Path) -> StageRecord:
 
 def describe_checkpoint(path: str) -> dict[str, Any]:
     """What `dflashctl check` needs of a checkpoint directory: its config.json (None if absent or
-    unreadable, with why), its staging record, and its weight and tokenizer files."""
+    unreadable, with why), its staging record, its weight and tokenizer files, and whether its
+    tokenizer carries a chat template."""
     directory = Path(path)
     description: dict[str, Any] = {"path": path, "exists": directory.is_dir()}
     if not directory.is_dir():
@@ -349,6 +351,7 @@ def describe_checkpoint(path: str) -> dict[str, Any]:
     weights = sorted(directory.glob("*.safetensors"))
     description["safetensors"] = {"files": len(weights), "bytes": sum(p.stat().st_size for p in weights)}
     description["tokenizer"] = (directory / "tokenizer_config.json").is_file()
+    description["chat_template"] = bool(chat_template_text(lambda name: (directory / name).read_bytes() if (directory / name).is_file() else None))
     return description
 
 
