@@ -268,15 +268,14 @@ def tiny_target_config(*, num_layers: int, hidden_size: int, vocab_size: int, to
     )
 
 
-def _randomise_degenerate_weights(model, pad_token_id: int) -> None:
+def randomise_degenerate_weights(text_model, pad_token_id: int) -> None:
     """Default init makes norms the identity, dt_bias constant and the pad row zero: tests could pass by accident."""
     import torch
 
-    text_model = model.model.language_model
     with torch.no_grad():
         for name, param in text_model.named_parameters():
             if name.endswith("norm.weight") or name.endswith("dt_bias"):
-                # Adds noise around the init (0 for `x * (1 + w)` norms, 1 for the gated GDN norm).
+                # Adds noise around the init (0 for `x * (1 + w)` norms, 1 for `x * w` ones and the gated GDN norm).
                 param.add_(torch.randn_like(param) * 0.3)
         text_model.embed_tokens.weight[pad_token_id].normal_(0, 0.02)
 
@@ -305,7 +304,7 @@ def write_tiny_target(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3_5ForConditionalGeneration(config).eval()
-        _randomise_degenerate_weights(model, token_ids["<|endoftext|>"])
+        randomise_degenerate_weights(model.model.language_model, token_ids["<|endoftext|>"])
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory

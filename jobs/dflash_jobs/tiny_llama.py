@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
-from dflash_jobs.tiny import DEBUGMODEL, MIN_BPE_VOCAB, tokenizer_corpus
+from dflash_jobs.tiny import DEBUGMODEL, MIN_BPE_VOCAB, randomise_degenerate_weights, tokenizer_corpus
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<file_sep>", "<filename>")
 """SmolLM2's first special tokens, in its order (ids 0..5): end of text, ChatML, then code-repository markers no chat writes."""
@@ -55,17 +55,6 @@ def build_tiny_llama_tokenizer(vocab_size: int, corpus: Iterable[str] | None = N
     tokenizer.add_tokens(list(SPECIAL_TOKENS), special_tokens=True)
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
-
-
-def _randomise_degenerate_weights(model, pad_token_id: int) -> None:
-    """Default init makes the norms the identity and the pad row zero: tests could pass by accident."""
-    import torch
-
-    with torch.no_grad():
-        for name, param in model.model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.add_(torch.randn_like(param) * 0.3)
-        model.model.embed_tokens.weight[pad_token_id].normal_(0, 0.02)
 
 
 def write_tiny_llama(
@@ -107,7 +96,7 @@ def write_tiny_llama(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config).eval()
-        _randomise_degenerate_weights(model, config.pad_token_id)
+        randomise_degenerate_weights(model.model, config.pad_token_id)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
