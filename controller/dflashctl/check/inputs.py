@@ -15,8 +15,8 @@ from dflash_jobs.architectures import MODEL_TYPES, architecture_name, model_type
 from dflash_jobs.errors import DflashError, InputError, SpecError, StorageError
 from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, MANIFEST_KEY, RUN_KEY, Manifest, check_final_hidden
 from dflash_jobs.generation import current_manifest
-from dflash_jobs.spec import ClusterSpec, RunSpec, is_s3, local_path, resolve_layers, rope_kind, text_config, under
 from dflash_jobs.rows import CHAT_TEMPLATE_FILES, CHAT_TEMPLATE_FIX, chat_template_text
+from dflash_jobs.spec import ClusterSpec, RunSpec, is_s3, local_path, resolve_layers, rope_kind, text_config, under
 from dflash_jobs.stage_model import describe_checkpoint
 from dflash_jobs.storage import Storage, read_head
 
