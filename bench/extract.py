@@ -118,7 +118,7 @@ def bare_forward(target: Target, storage, infos, planner: BatchPlanner, window: 
             sync(device)
             started = time.perf_counter()
             for batch in batches:
-                target.model(**packing.forward_kwargs(batch))
+                target.model(**packing.forward_kwargs(batch, target.architecture))
             sync(device)
             elapsed += time.perf_counter() - started
             real += sum(b.real_tokens for b in batches)
@@ -162,7 +162,7 @@ def count_syncs(target: Target, chunk: TokenChunk, planner: BatchPlanner) -> dic
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            target.model(**packing.forward_kwargs(batch))
+            target.model(**packing.forward_kwargs(batch, target.architecture))
         finally:
             torch.cuda.set_sync_debug_mode("default")
     sync(device)
@@ -199,7 +199,7 @@ def capture(target: Target, chunk: TokenChunk, plan: BatchPlanner, refs, capture
     batch = to_device(plan.build(refs, [chunk]), target.device)
     target.model.set_attn_implementation(attention)
     capture_buffer.start(batch.real_index)
-    target.model(**packing.forward_kwargs(batch))
+    target.model(**packing.forward_kwargs(batch, target.architecture))
     sync(target.device)
     return capture_buffer.buffer[: batch.real_tokens].float().clone()
 
@@ -313,7 +313,7 @@ def main() -> int:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total), device)
     fast = FastPaths.detect(device)
-    packed = fast.fla and device.type == "cuda" and packing.can_pack(target.model)
+    packed = packing.can_pack(target.architecture, device, fla=fast.fla)
     chunks = lognormal_chunks(args.samples, mean=args.mean_length, max_length=args.max_length,
                               chunk_tokens=args.chunk_tokens, vocab=target.model.config.vocab_size, seed=0)
     lengths = np.concatenate([c.lengths for c in chunks])
@@ -528,7 +528,7 @@ def warm_pod(args, device: torch.device, workdir: Path) -> int:
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total), device)
     built = time.monotonic() - STARTED
     fast = FastPaths.detect(device)
-    packed = fast.fla and device.type == "cuda" and packing.can_pack(target.model)
+    packed = packing.can_pack(target.architecture, device, fla=fast.fla)
     chunks = lognormal_chunks(args.samples, mean=args.mean_length, max_length=args.max_length,
                               chunk_tokens=args.chunk_tokens, vocab=target.model.config.vocab_size, seed=1)
     storage, infos = write_run(workdir / "store", chunks)

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_jobs.extract.target import Target, conv_gap, load_target, prepare_for_capture
+from dflash_jobs.architectures import qwen3_5
+from dflash_jobs.extract.target import Target, load_target, prepare_for_capture
 from dflash_jobs.formats import DATASET_KEY, DONE_MARKERS, ChunkInfo, DatasetIndex, TokenChunk, chunk_of_key, hidden_chunk_key, token_chunk_key
 from dflash_jobs.spec import TargetSpec, default_layers
 from dflash_jobs.storage import LocalStorage
@@ -53,7 +54,7 @@ def random_27b(device: torch.device) -> Target:
         torch.set_default_dtype(previous)
     return Target(model=prepare_for_capture(model, layers), layers=layers, hidden_size=config.hidden_size,
                   name="random-qwen3.6-27b-shape", config_hash=hashlib.sha256(config.to_json_string().encode()).hexdigest(),
-                  conv_gap=conv_gap(config))
+                  architecture=qwen3_5.ARCHITECTURE, conv_gap=qwen3_5.packing_gap(config))
 
 
 def tiny(device: torch.device, workdir: Path) -> Target:

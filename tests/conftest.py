@@ -17,6 +17,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from dflash_jobs.architectures import ARCHITECTURE_MODULES
+
 GUARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 UNGUARDED_VARIABLES = {
     "PYTEST_CURRENT_TEST",  # pytest sets it per phase (setup, call, teardown)
@@ -248,3 +250,37 @@ def extract(root) -> Path:
     from train_fixtures import tiny_extract
 
     return shared_directory(lambda: tiny_extract(root))
+
+
+@pytest.fixture(scope="session")
+def target_of(root) -> Callable[[str], Path]:
+    """The tiny target of an architecture (train_fixtures.TINY_TARGETS) under the training tests'
+    root, built on first use and shared: read only."""
+    from train_fixtures import tiny_target
+
+    built: dict[str, Path] = {}
+
+    def target(architecture: str) -> Path:
+        if architecture not in built:
+            built[architecture] = shared_directory(lambda: tiny_target(root, architecture))
+        return built[architecture]
+
+    return target
+
+
+@pytest.fixture(scope="module", params=list(ARCHITECTURE_MODULES))
+def architecture(request) -> str:
+    """Each target architecture in turn (dflash_jobs.architectures, train_fixtures.TINY_TARGETS): a test
+    that takes it, or a fixture built on it (`each_target`), runs once per architecture."""
+    return request.param
+
+
+ONE_ARCHITECTURE = pytest.mark.parametrize("architecture", ["qwen3_5"], indirect=True)
+"""For a test, in a module whose fixtures run on each architecture, of mechanics no architecture
+changes (batching, storage, faults, compilation): the hybrid target alone."""
+
+
+@pytest.fixture(scope="module")
+def each_target(architecture, target_of) -> Path:
+    """The tiny target of each architecture in turn."""
+    return target_of(architecture)

@@ -12,19 +12,22 @@ from dflash_jobs.formats import DATASET_KEY, ChunkInfo, DatasetIndex, TokenChunk
 from dflash_jobs.storage import Storage, open_storage
 
 LAYERS = [1, 3, 6]
+VOCAB = 900
+"""Token ids the random chunks draw from: below every tiny target's vocabulary (the tiny Llama's tokenizer has 975 tokens, its every row)."""
 _TARGET: dict[str, Path] = {}
 
 
-def tiny_target(tmp_path_factory) -> Path:
-    """One tiny Qwen3.5 checkpoint per test process (building its tokenizer takes seconds)."""
-    if "path" not in _TARGET:
-        from dflash_jobs.tiny import write_tiny_target
+def tiny_target(tmp_path_factory, architecture: str = "qwen3_5") -> Path:
+    """One tiny checkpoint of each architecture per test process (building its tokenizer takes seconds)."""
+    if architecture not in _TARGET:
+        from train_fixtures import TINY_TARGETS
 
-        _TARGET["path"] = write_tiny_target(tmp_path_factory.mktemp("tiny-target"))
-    return _TARGET["path"]
+        name, write = TINY_TARGETS[architecture]
+        _TARGET[architecture] = write(tmp_path_factory.mktemp(name))
+    return _TARGET[architecture]
 
 
-def random_chunks(seed: int, count: int, *, min_len: int = 2, max_len: int = 48, vocab: int = 1000) -> list[TokenChunk]:
+def random_chunks(seed: int, count: int, *, min_len: int = 2, max_len: int = 48, vocab: int = VOCAB) -> list[TokenChunk]:
     rng = np.random.default_rng(seed)
     chunks, first_sample = [], 0
     for _ in range(count):

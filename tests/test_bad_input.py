@@ -166,6 +166,45 @@ def test_a_shard_index_outside_the_spec_is_a_spec_error(target, tmp_path, capsys
     assert "--shard" in text and "extract.shards = 1" in text
 
 
+# ---- the target: what its architecture lacks ------------------------------------------------------
+
+
+def chat_check(tmp_path, monkeypatch, capsys, spec) -> dict:
+    """`dflashctl check -o json` of a spec whose data.source holds chat rows: its checks by name."""
+    import json
+
+    (tmp_path / "chats.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n')
+    _, out, _ = cli(monkeypatch, capsys, "check", "-f", str(spec), "-o", "json")
+    return {check["name"]: check for check in json.loads(out)["checks"]}
+
+
+def test_a_target_without_a_chat_template_is_refused_for_chat_rows_by_check_and_prepare(target_of, tmp_path, monkeypatch, capsys, caplog):
+    """The tiny Llama with its template removed (chat_template.jinja, where Transformers 5 saves it):
+    `dflashctl check` and prepare name target.model and the ways out, before any GPU runs."""
+    from dflash_jobs.prepare import main as prepare_main
+
+    broken = broken_checkpoint(target_of("llama"), tmp_path, "chat_template.jinja")
+    spec = write(tmp_path, spec_dict(tmp_path))
+    target = chat_check(tmp_path, monkeypatch, capsys, spec)["target"]
+    assert target["status"] == "fail" and f"{broken}: llama, 8 layers" in target["detail"] and "has no chat template" in target["detail"]
+    with caplog.at_level(logging.ERROR):
+        assert prepare_main(["-f", str(spec)]) == EXIT_BAD_SPEC
+    text = logged(capsys, caplog)
+    assert f"target.model {broken}: its tokenizer has no chat template" in text and "chat_template.jinja" in text and "pre-tokenized rows" in text
+
+
+def test_captured_layers_past_the_targets_depth_are_refused_by_check_and_the_pods_selfcheck(target_of, tmp_path, monkeypatch, capsys):
+    """target.layers [1, 3, 8] of the 8-layer tiny Llama: `dflashctl check` fails the target, and the
+    extraction pod's selfcheck (its init container) exits 2 before the target is loaded."""
+    from dflash_jobs.selfcheck import main as selfcheck_main
+
+    spec = write(tmp_path, spec_dict(tmp_path, **{"target.model": str(target_of("llama")), "target.layers": [1, 3, 8]}))
+    target = chat_check(tmp_path, monkeypatch, capsys, spec)["target"]
+    assert target["status"] == "fail" and "target.layers = [1, 3, 8] does not fit the checkpoint: expected layer indices 0..7" in target["detail"]
+    assert selfcheck_main(["-f", str(spec), "--component", "extract"]) == EXIT_BAD_SPEC
+    assert "FAILED target: spec field target.layers = [1, 3, 8] is invalid. Expected layer indices 0..7" in capsys.readouterr().out
+
+
 # ---- storage: unreachable, wrong credentials ---------------------------------------------------
 
 

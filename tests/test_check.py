@@ -32,7 +32,7 @@ def write_checkpoint(directory: Path, config: dict = CONFIG, *, complete: bool =
     directory.mkdir(parents=True)
     (directory / "config.json").write_text(json.dumps(config))
     (directory / "model-00001-of-00001.safetensors").write_bytes(b"\0" * 64)
-    (directory / "tokenizer_config.json").write_text("{}")
+    (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}))
     (directory / RECORD_FILE).write_text(json.dumps({"source": "hf://Qwen/Qwen3.6-27B@main", "revision": "main", "commit": "c" * 40,
                                                      "files": {"config.json": {}}, "complete": complete, "staged_at": None}))
     return directory
@@ -345,7 +345,9 @@ def test_target_mistakes_on_the_volume_are_found_through_the_probe_pod(first, mo
 
 @pytest.mark.parametrize("config, complete, status, detail", [
     ({**CONFIG, "text_config": {**CONFIG["text_config"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}}, True, "fail", "scales its RoPE ('yarn')"),
-    ({"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096}, True, "warn", "llama is not an architecture dflash-k8s is tested with"),
+    ({"model_type": "llama", "num_hidden_layers": 64, "hidden_size": 4096}, True, "ok", "llama, 64 layers, hidden 4096"),
+    ({"model_type": "mistral", "num_hidden_layers": 64, "hidden_size": 4096}, True, "warn",
+     "mistral is not an architecture the suite proves (qwen3_5, qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text, llama): it runs as the nearest, llama"),
     (CONFIG, False, "fail", "is staged only in part"),
 ])
 def test_the_checkpoint_config_is_judged(first, monkeypatch, capsys, config, complete, status, detail):
@@ -353,6 +355,18 @@ def test_the_checkpoint_config_is_judged(first, monkeypatch, capsys, config, com
     write_checkpoint(first.checkpoint, config, complete=complete)
     _, checks = first.check(monkeypatch, capsys)
     assert checks["target"]["status"] == status and detail in checks["target"]["detail"], checks["target"]
+
+
+def test_a_checkpoint_without_a_chat_template_fails_for_chat_rows_only(first, monkeypatch, capsys):
+    """data.source holds chat conversations, which prepare renders with the target's chat template:
+    a tokenizer without one fails here, read through the probe pod, not after generation on the GPUs."""
+    (first.checkpoint / "tokenizer_config.json").write_text("{}")
+    code, checks = first.check(monkeypatch, capsys)
+    assert code == EXIT_USAGE and checks["target"]["status"] == "fail", checks["target"]
+    assert "its tokenizer has no chat template (none in tokenizer_config.json, chat_template.jinja or chat_template.json)" in checks["target"]["detail"]
+    assert "chat_template.jinja" in checks["target"]["fix"] and "pre-tokenized rows" in checks["target"]["fix"]
+    (first.checkpoint / "chat_template.jinja").write_text("{{ messages }}")  # Transformers 5 saves it apart
+    assert first.check(monkeypatch, capsys)[1]["target"]["status"] == "ok"
 
 
 def test_an_image_that_cannot_be_pulled_fails_target_and_image(first, monkeypatch, capsys):

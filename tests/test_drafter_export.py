@@ -1,6 +1,7 @@
 """The exported drafter loads where its users look: z-lab's `AutoModel.from_pretrained(dir,
 trust_remote_code=True)` in a fresh process that cannot import this project, with the logits of
-the training model, z-lab's cached forward convention, and a lossless `spec_generate`."""
+the training model, z-lab's cached forward convention, and a lossless `spec_generate`, for a
+drafter of each tiny target (the hybrid Qwen3.5, the dense Llama with tied embeddings)."""
 
 from __future__ import annotations
 
@@ -13,17 +14,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_jobs.drafter.checkpoint import TargetCheckpoint, drafter_config_for_target, resolve_mask_token_id
+from dflash_jobs.drafter.checkpoint import TargetCheckpoint, drafter_config_for_target
 from dflash_jobs.drafter.export import MODELING_FILES, export_dflash
 from dflash_jobs.drafter.masks import one_block_attention
 from dflash_jobs.drafter.model import Drafter, DrafterConfig
-from dflash_jobs.spec import TrainSpec
+from dflash_jobs.spec import TrainSpec, text_config
 from dflash_jobs.storage import open_storage
-from train_fixtures import LAYERS
+from train_fixtures import LAYERS, mask_token_id
 
 USER_PROCESS = Path(__file__).with_name("zlab_user_process.py")
 CONTEXT, SPLIT = 40, 25  # context positions; the cached run feeds them in two steps
 WINDOW = 16  # small enough that the sliding layers' window cuts into the context
+
+
+@pytest.fixture(scope="module")
+def target_dir(each_target) -> Path:
+    """This module's tests run on each tiny target."""
+    return each_target
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +39,7 @@ def trained(target_dir):
     weights already bf16-exact as the export stores them."""
     checkpoint = TargetCheckpoint(open_storage(str(target_dir)))
     train = TrainSpec(draft_layers=3, sliding_window_layers=2, sliding_window=WINDOW, block_size=8)
-    mask = resolve_mask_token_id(None, checkpoint.tokenizer_size(), checkpoint.text["vocab_size"])
+    mask = mask_token_id(checkpoint)
     torch.manual_seed(0)
     drafter = Drafter(drafter_config_for_target(checkpoint, train, LAYERS, mask))
     tensors = checkpoint.read_target_tensors()
@@ -128,21 +135,22 @@ def test_the_drafter_rotates_with_the_targets_rope_base_stated_in_both_config_fo
     from dflash_jobs.drafter.dflash import DFlashDraftModel
     from dflash_jobs.drafter.export import load_drafter_config
 
-    target_rope = json.loads((target_dir / "config.json").read_text())["text_config"]["rope_parameters"]
-    assert target_rope["rope_type"] == "default" and target_rope["rope_theta"] == 1e7  # no scaling to carry over
-    assert trained.config.rope_theta == 1e7 and trained.rope.theta == 1e7
+    target_rope = text_config(json.loads((target_dir / "config.json").read_text()))["rope_parameters"]
+    theta = target_rope["rope_theta"]  # 1e7 for the tiny Qwen3.5, 1e5 for the tiny Llama (SmolLM2's)
+    assert target_rope["rope_type"] == "default" and theta in (1e7, 1e5)  # no scaling to carry over
+    assert trained.config.rope_theta == theta and trained.rope.theta == theta
     export_dflash(trained, open_storage(str(tmp_path)), prefix="")
     raw = json.loads((tmp_path / "config.json").read_text())
-    assert raw["rope_theta"] == 1e7 and raw["rope_scaling"] is None
-    assert raw["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e7}  # and as Transformers 5 states it
+    assert raw["rope_theta"] == theta and raw["rope_scaling"] is None
+    assert raw["rope_parameters"] == {"rope_type": "default", "rope_theta": theta}  # and as Transformers 5 states it
     hf = AutoConfig.from_pretrained(tmp_path)  # what vLLM and AutoModel read: the Transformers 5 form
-    assert hf.rope_parameters["rope_theta"] == 1e7 and hf.rope_parameters["rope_type"] == "default"
-    assert DFlashDraftModel(hf).rope.theta == 1e7
-    assert load_drafter_config(str(tmp_path)).rope_theta == 1e7
+    assert hf.rope_parameters["rope_theta"] == theta and hf.rope_parameters["rope_type"] == "default"
+    assert DFlashDraftModel(hf).rope.theta == theta
+    assert load_drafter_config(str(tmp_path)).rope_theta == theta
     # A config holding the base only in rope_parameters (a Transformers 5 re-save) keeps it too.
     only_parameters = {key: value for key, value in raw.items() if key not in ("rope_theta", "rope_scaling")}
-    only_parameters["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e7}
-    assert DrafterConfig.from_zlab(only_parameters).rope_theta == 1e7
+    only_parameters["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    assert DrafterConfig.from_zlab(only_parameters).rope_theta == theta
 
 
 def test_the_mask_token_is_read_from_dflash_config(tmp_path, target_dir, trained):

@@ -37,7 +37,7 @@ from dflash_jobs.train.chunks import ChunkData
 from dflash_jobs.train.data import BatchBuilder, DocumentRef
 from dflash_jobs.train.dspark_loss import ChunkedMarkovDistillation, _fused_markov_chunk_terms, _markov_chunk_terms, dspark_objective
 from dflash_jobs.variants import drafter_variant
-from train_fixtures import LAYERS, fresh_drafter, tiny_target
+from train_fixtures import LAYERS, fresh_drafter
 
 USER_PROCESS = Path(__file__).with_name("deepspec_user_process.py")
 V, D, RANK = 37, 16, 5
@@ -270,19 +270,19 @@ def test_fused_markov_chunk_terms_equal_the_eager_ones(with_target):
     assert eager[4].abs().sum() > 0 and not eager[4][[0, 9]].any()
 
 
-def test_the_target_distribution_is_the_targets_own_through_its_final_norm(root):
+def test_the_target_distribution_is_the_targets_own_through_its_final_norm(architecture, each_target):
     """The store's final hidden state is the last decoder layer before the final norm. Through the
-    target's final norm the drafter keeps (zero-centred 1 + w, converted to x * w on load: the tiny
-    target is a Qwen3.5; never the drafter's own, trained norm) and LM head it gives the target's
-    own logits, which is what the L1 term and the confidence labels read."""
+    target's final norm the drafter keeps (Qwen3.5's zero-centred 1 + w, converted to x * w on load;
+    Llama's x * w as it is; never the drafter's own, trained norm) and LM head (Llama's: its tied
+    embedding) it gives the target's own logits, which is what the L1 term and the confidence labels read."""
     from transformers import AutoModelForCausalLM
 
-    target_dir = tiny_target(root)
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    checkpoint = TargetCheckpoint(open_storage(str(target_dir)))
-    assert checkpoint.zero_centred_norm
+    model = AutoModelForCausalLM.from_pretrained(each_target, dtype=torch.float32).eval()
+    checkpoint = TargetCheckpoint(open_storage(str(each_target)))
+    assert checkpoint.architecture.zero_centred_norms == (architecture == "qwen3_5")
     drafter = DSparkDrafter(small_config(hidden_size=checkpoint.text["hidden_size"], vocab_size=checkpoint.text["vocab_size"],
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, mask_token_id=1000))
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, mask_token_id=5,
+                                         rms_norm_eps=checkpoint.text["rms_norm_eps"]))  # the target's, as training's drafter config takes it
     tensors = checkpoint.read_target_tensors()
     drafter.load_target_tensors(tensors.embed_tokens, tensors.lm_head, tensors.final_norm)
 

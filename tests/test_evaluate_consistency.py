@@ -18,7 +18,7 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_jobs.drafter.anchors import anchor_layout
-from dflash_jobs.drafter.checkpoint import TargetCheckpoint, drafter_config_for_target, resolve_mask_token_id
+from dflash_jobs.drafter.checkpoint import TargetCheckpoint, drafter_config_for_target
 from dflash_jobs.drafter.export import export_dflash
 from dflash_jobs.drafter.masks import build_attention
 from dflash_jobs.drafter.model import Drafter
@@ -38,7 +38,7 @@ from dflash_jobs.storage import open_storage
 from dflash_jobs.tiny import tiny_chat_rows
 from dflash_jobs.train.loss import draft_loss
 from dflash_jobs.variants import drafter_variant
-from train_fixtures import LAYERS, write_extract, write_holdout
+from train_fixtures import LAYERS, mask_token_id, write_extract, write_holdout
 
 BLOCK = 8
 LAYOUT = anchor_layout(block_size=BLOCK)
@@ -87,7 +87,7 @@ def drafter(target_dir, target_model, prompts, documents) -> Drafter:
     """A drafter (one sliding-window layer, one full) trained by the training forward on these documents, in bf16 as exported."""
     checkpoint = TargetCheckpoint(open_storage(str(target_dir)))
     train = TrainSpec(draft_layers=2, sliding_window_layers=1, sliding_window=WINDOW, block_size=BLOCK)
-    mask = resolve_mask_token_id(None, checkpoint.tokenizer_size(), checkpoint.text["vocab_size"])
+    mask = mask_token_id(checkpoint)
     torch.manual_seed(0)
     model = Drafter(drafter_config_for_target(checkpoint, train, LAYERS, mask))
     tensors = checkpoint.read_target_tensors()

@@ -1,4 +1,4 @@
-"""The target's final hidden state (extract.final_hidden; DSpark reads it), extracted on the tiny
+"""The target's final hidden state (extract.final_hidden; DSpark reads it), extracted on each tiny
 target through the real path: the output of the last decoder layer BEFORE the final norm, stored
 row for row beside the layers, bf16 or fp8, recorded in the chunk, its marker and the manifest.
 
@@ -33,8 +33,8 @@ BF16_ULP = 2.0**-7
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return tiny_target(tmp_path_factory)
+def checkpoint(architecture, tmp_path_factory):
+    return tiny_target(tmp_path_factory, architecture)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def test_the_stored_final_hidden_state_is_the_last_layer_before_the_final_norm(c
                 assert close(final, pre_norm["last"][0])
                 # ...which is not Transformers' last hidden state: that one is after the final norm...
                 assert not close(final, states[LAST + 1][0])
-                # ...which the norm the trainer holds (Qwen3.5's (1 + w), as x * w) turns ours into.
+                # ...which the norm the trainer holds (Llama's x * w; Qwen3.5's (1 + w), as x * w) turns ours into.
                 assert close(rms_norm(final, final_norm, eps), states[LAST + 1][0])
                 torch.testing.assert_close(model.model.norm(pre_norm["last"]), states[LAST + 1])
                 # The captured layers are what they were without it.

@@ -1,4 +1,4 @@
-"""FP8 compute of the target's linear layers (extract.compute_dtype: float8), on the tiny target.
+"""FP8 compute of the target's linear layers (extract.compute_dtype: float8), on each tiny target.
 
 Row-wise scaled FP8 matmuls run on CPU too in this torch, so the numerics and the bookkeeping are
 tested here; speed and the real shape are measured on the GPU (bench/extract.py)."""
@@ -23,8 +23,8 @@ from extract_helpers import LAYERS, prepared_run, random_chunks, reference_state
 
 
 @pytest.fixture(scope="module")
-def bf16_target(tmp_path_factory):
-    checkpoint = tiny_target(tmp_path_factory)
+def bf16_target(architecture, tmp_path_factory):
+    checkpoint = tiny_target(tmp_path_factory, architecture)
     return load_target(TargetSpec(model=str(checkpoint)), checkpoint=checkpoint, layers=LAYERS, device=torch.device("cpu"))
 
 

@@ -1,4 +1,5 @@
-"""Extraction on the tiny Qwen3.5 target (real multimodal checkpoint layout), on CPU.
+"""Extraction on each tiny target, on CPU: the Qwen3.5 one (real multimodal checkpoint layout) and
+the dense Llama; the worker's mechanics (faults, storage, compilation) on the first alone.
 
 Every captured sample must equal the same sample run alone, unpadded, through the full causal LM
 with output_hidden_states, at layer i = hidden_states[i + 1]."""
@@ -15,7 +16,7 @@ from transformers import AutoModelForCausalLM
 import transformers.models.qwen3_5.modeling_qwen3_5 as qwen3_5
 
 from dflash_jobs.errors import InputError, IntegrityError
-from dflash_jobs.extract import fusion
+from dflash_jobs.extract import fusion, packing
 from dflash_jobs.extract.capture import Run, merge_runs
 from dflash_jobs.extract.progress import Summary
 from dflash_jobs.extract.target import load_target
@@ -24,14 +25,15 @@ from dflash_jobs.extract.writer import WRITER_THREADS
 from dflash_jobs.formats import HiddenChunk, hidden_chunk_key
 from dflash_jobs.spec import ExtractSpec, TargetSpec
 
+from conftest import ONE_ARCHITECTURE
 from extract_helpers import LAYERS, prepared_run, random_chunks, reference_states, tiny_target
 
 BF16_ULP = 2.0**-7  # one unit in the last place of bf16, relative
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return tiny_target(tmp_path_factory)
+def checkpoint(architecture, tmp_path_factory):
+    return tiny_target(tmp_path_factory, architecture)
 
 
 @pytest.fixture(scope="module")
@@ -139,16 +141,24 @@ def varlen_reference_delta_rule(monkeypatch):
 
 def test_packed_rows_equal_single_unpadded_forwards(checkpoint, chunks, references, tmp_path, monkeypatch):
     varlen_reference_delta_rule(monkeypatch)
-    storage, summary = run_worker(checkpoint, tmp_path / "gaps", chunks, packed=True)
-    # Packed waste is the conv gaps only: 3 tokens per sample.
-    assert summary.padded_tokens == summary.tokens + 3 * summary.samples
+    target = fp32_target(checkpoint)
+    storage, summary = run_worker(checkpoint, tmp_path / "packed", chunks, packed=True, target=target)
+    # Packed waste is the gaps only: the hybrid's 3 masked tokens a sample (its conv kernel - 1), none for a dense model.
+    assert target.conv_gap == {"qwen3_5": 3, "llama": 0}[target.architecture.name]
+    assert summary.padded_tokens == summary.tokens + target.conv_gap * summary.samples
     assert max_error_vs_references(storage, chunks, references) <= BF16_ULP
 
-    # Without the masked gaps the causal conv reads the previous sample's last tokens: the check must see it.
-    leaky = fp32_target(checkpoint)
-    leaky.conv_gap = 0
-    storage, _ = run_worker(checkpoint, tmp_path / "no-gaps", chunks, packed=True, target=leaky)
+    # Attention over the whole row reads the earlier samples: the check must see it.
+    per_sample = packing.per_sample_sdpa
+    with monkeypatch.context() as leak:
+        leak.setattr(packing, "per_sample_sdpa", lambda query, key, value, segments, **kwargs: per_sample(query, key, value, ((0, query.shape[2]),), **kwargs))
+        storage, _ = run_worker(checkpoint, tmp_path / "one-segment", chunks, packed=True)
     assert max_error_vs_references(storage, chunks, references) > 10 * BF16_ULP
+    if target.conv_gap:  # Without the masked gaps the causal conv reads the previous sample's last tokens: the check must see it.
+        leaky = fp32_target(checkpoint)
+        leaky.conv_gap = 0
+        storage, _ = run_worker(checkpoint, tmp_path / "no-gaps", chunks, packed=True, target=leaky)
+        assert max_error_vs_references(storage, chunks, references) > 10 * BF16_ULP
 
 
 def test_fp8_round_trip_is_within_e4m3_precision(checkpoint, chunks, baseline, tmp_path):
@@ -165,6 +175,7 @@ def test_fp8_round_trip_is_within_e4m3_precision(checkpoint, chunks, baseline, t
         assert (got - expected).norm() / expected.norm() < 0.05
 
 
+@ONE_ARCHITECTURE
 def test_compiled_norms_and_mlps_store_the_same_states(checkpoint, chunks, references, tmp_path):
     """extract.compile: the worker's batches (several shapes) through the compiled modules give the
     states of every sample run alone, as eagerly; a few graphs serve every layer and shape."""
@@ -182,6 +193,7 @@ def test_compiled_norms_and_mlps_store_the_same_states(checkpoint, chunks, refer
     assert 0 < graphs < min(expected, fusion.RECOMPILE_LIMIT), (graphs, expected)
 
 
+@ONE_ARCHITECTURE
 def test_a_batch_out_of_memory_is_split_and_retried(checkpoint, chunks, baseline, tmp_path):
     target = fp32_target(checkpoint)
     forward = target.model.forward
@@ -204,6 +216,7 @@ def test_a_batch_out_of_memory_is_split_and_retried(checkpoint, chunks, baseline
         run_worker(checkpoint, tmp_path / "again", chunks, target=target)
 
 
+@ONE_ARCHITECTURE
 def test_non_finite_states_stop_the_shard_naming_the_chunk(checkpoint, chunks, tmp_path):
     target = fp32_target(checkpoint)
     with torch.no_grad():
@@ -213,6 +226,7 @@ def test_non_finite_states_stop_the_shard_naming_the_chunk(checkpoint, chunks, t
     assert not (tmp_path / "run" / "extract" / "done").exists()
 
 
+@ONE_ARCHITECTURE
 def test_a_slow_store_holds_the_gpu_back_without_losing_or_reordering_anything(checkpoint, tmp_path):
     """Chunk buffers are the only host memory the states use: while the store is stuck, the GPU
     thread waits for a free buffer (reported as host_wait_s) and every chunk still lands whole."""
@@ -257,6 +271,7 @@ def test_runs_of_consecutive_samples_are_merged_into_one_copy():
     assert merge_runs([Run(first, 0, 10, 5), Run(first, 8, 15, 3)]) == [Run(first, 0, 10, 5), Run(first, 8, 15, 3)]
 
 
+@ONE_ARCHITECTURE
 def test_a_host_buffer_that_cannot_be_allocated_stops_the_shard_instead_of_hanging(checkpoint, tmp_path):
     chunks = random_chunks(seed=8, count=2, max_len=24)
     storage, infos = prepared_run(tmp_path, chunks)

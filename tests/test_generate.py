@@ -41,6 +41,7 @@ from dflash_jobs.rows import TARGET_IDS, TEMPLATE_ERROR, BadRow, Tokenized, prom
 from dflash_jobs.spec import parse_spec
 from dflash_jobs.storage import TEMP_PREFIX, open_storage
 from dflash_jobs.tiny import tiny_chat_rows, write_tiny_target
+from train_fixtures import TINY_TARGETS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -229,6 +230,13 @@ def target(tmp_path_factory) -> Path:
     return write_tiny_target(tmp_path_factory.mktemp("target"), num_layers=4)
 
 
+@pytest.fixture(scope="module")
+def each_target(architecture, tmp_path_factory) -> Path:
+    """A 4-layer tiny target of each architecture in turn."""
+    _, write = TINY_TARGETS[architecture]
+    return write(tmp_path_factory.mktemp(architecture), num_layers=4)
+
+
 def minimal_spec(**sections) -> dict:
     raw = {"name": "gen", "backend": "local", "target": {"model": "/models/x"}, "data": {"source": "/data/chats.jsonl"},
            "output": "/out", "local": {"device": "cpu"}}
@@ -267,9 +275,10 @@ def stored_chunks(output: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("temperature", [0, 1.0])
-def test_transformers_engine_batches_answer_as_each_prompt_alone(target, tmp_path, temperature):
-    """Greedy or sampled, a prompt gets the same answer in a batch of 12 as alone: each request
-    samples with its own seed, so generate.batch_prompts (not in the settings hash) changes nothing."""
+def test_transformers_engine_batches_answer_as_each_prompt_alone(each_target, tmp_path, temperature):
+    """Greedy or sampled, a prompt gets the same answer in a batch of 12 as alone, on each target: each
+    request samples with its own seed, so generate.batch_prompts (not in the settings hash) changes nothing."""
+    target = each_target
     tokenizer = AutoTokenizer.from_pretrained(target)
     import torch
 

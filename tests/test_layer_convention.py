@@ -1,4 +1,4 @@
-"""The layer convention at its edge, pinned on the tiny target through the real extraction path.
+"""The layer convention at its edge, pinned on each tiny target through the real extraction path.
 
 `target.layers: [i, ...]` captures the output of decoder layer i, before the final norm. For every
 layer but the last that is Transformers' output_hidden_states[i + 1]; for the last decoder layer,
@@ -29,8 +29,8 @@ BF16_ULP = 2.0**-7
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return tiny_target(tmp_path_factory)
+def checkpoint(architecture, tmp_path_factory):
+    return tiny_target(tmp_path_factory, architecture)
 
 
 def extract(checkpoint, tmp_path, chunks) -> HiddenChunk:

@@ -106,6 +106,21 @@ def test_loss_mask_covers_exactly_what_the_assistant_generates(target, tokenizer
     assert supervised_runs(tokenizer, ids3, mask3) == ["1 + 1 = 2.<|im_end|>", "Also easy.\n</think>\n\n2 + 2 = 4.<|im_end|>"]
 
 
+def test_a_template_that_adds_a_default_system_prompt_supervises_the_answers_alone(target_of, tmp_path):
+    """The tiny Llama's template, SmolLM2's: ChatML without <think> blocks, and its own system prompt
+    where a conversation brings none. Only the answers and their end token are learned."""
+    target = target_of("llama")
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": TWO_TURNS}, {"messages": TWO_TURNS[1:]}])
+    prepare(make_spec(target, source, tmp_path / "out"), workers=1)
+    (_, ids, mask), (_, ids2, mask2) = all_samples(read_output(tmp_path / "out")[1])
+    assert tokenizer.decode(ids.tolist()) == tokenizer.apply_chat_template(TWO_TURNS, tokenize=False)
+    default_system = tokenizer.decode(ids2.tolist())
+    assert default_system == tokenizer.apply_chat_template(TWO_TURNS[1:], tokenize=False) and "named SmolLM" in default_system
+    for sample, sample_mask in ((ids, mask), (ids2, mask2)):
+        assert supervised_runs(tokenizer, sample, sample_mask) == ["3 + 4 = 7.<|im_end|>", "1, 2, 3, 4.<|im_end|>"]
+
+
 def test_an_assistant_message_of_weight_0_is_context_only(target, tokenizer, tmp_path):
     context_first = [{**m, "weight": 0} if i == 2 else m for i, m in enumerate(TWO_TURNS)]
     every_one_context = [{**m, "weight": 0} if m["role"] == "assistant" else m for m in TWO_TURNS]

@@ -1,5 +1,6 @@
 """The stage-model pod (`python -m dflash_jobs.stage_model`): a checkpoint from the hub (a local double of
-its HTTP API, tests/hub_server.py, through the real huggingface_hub) or from S3 (moto on loopback) into
+its HTTP API, tests/hub_server.py, through the real huggingface_hub), from S3 (moto on loopback), or
+converted from a GGUF file (the tiny Llama written as llama.cpp writes one, tests/gguf_files.py) into
 target.model, every file checked, resumable, the revision recorded beside the weights."""
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import yaml
 from boto3.s3.transfer import TransferConfig
 
 from dflash_jobs.errors import EXIT_BAD_INPUT, EXIT_FAILED
-from dflash_jobs.stage_model import RECORD_FILE, describe_checkpoint, git_blob_sha1, s3_etag_matches
+from dflash_jobs.stage_model import GGUF_DOWNLOAD, RECORD_FILE, describe_checkpoint, git_blob_sha1, s3_etag_matches
+from gguf_files import write_gguf
 from hub_server import HubServer, Repo, git_blob_id
 from k8s_fake_api import fake_k8s, make_pvc, make_secret  # noqa: F401 - the fixture
 from cli_runner import cli
@@ -30,7 +32,7 @@ FILES = {
     "config.json": json.dumps(CONFIG).encode(),
     "model-00001-of-00002.safetensors": os.urandom(12 << 20),  # more than huggingface_hub's 10 MiB read chunk
     "model-00002-of-00002.safetensors": os.urandom(200_000),
-    "tokenizer_config.json": b"{}",
+    "tokenizer_config.json": json.dumps({"chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}).encode(),
 }
 
 
@@ -156,6 +158,71 @@ def test_an_s3_prefix_is_copied_with_single_and_multipart_etags_checked(tmp_path
     assert again.returncode == 0 and "file 1/3" not in again.stdout and "staged 3 files" in again.stdout  # nothing fetched twice
 
 
+@pytest.fixture(scope="module")
+def gguf_file(target_of, tmp_path_factory) -> Path:
+    """The tiny Llama as a GGUF file: Q8_0 weights, its tokenizer, template and metadata as llama.cpp writes them."""
+    return write_gguf(target_of("llama"), tmp_path_factory.mktemp("gguf") / "tiny-llama.Q8_0.gguf")
+
+
+def test_a_gguf_object_is_staged_as_the_checkpoint_it_converts_to(tmp_path, s3_server, s3_bucket, target_of, gguf_file):
+    """From S3: fetched and checked, converted (bf16 weights, the tokenizer and chat template), every
+    file recorded with its sha256, the download gone; the weights are the original's up to Q8_0's and
+    bf16's rounding (0.6% at most, per tensor, here; a query or key left in llama.cpp's rotary layout
+    would be 135% off), and the tokenizer renders and encodes a chat as the original does."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    boto3.client("s3", endpoint_url=s3_server).upload_file(str(gguf_file), s3_bucket, "gguf/tiny-llama.Q8_0.gguf")
+    source = f"s3://{s3_bucket}/gguf/tiny-llama.Q8_0.gguf"
+    result = stage(tmp_path, source)
+    assert result.returncode == 0, result.stdout + result.stderr
+    model = tmp_path / "models" / "Qwen3.6-27B"
+    record = json.loads((model / RECORD_FILE).read_text())
+    assert (record["source"], record["complete"]) == (source, True) and not (model / GGUF_DOWNLOAD).exists()
+    assert set(record["files"]) == {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                                    "chat_template.jinja"}
+    assert record["files"]["model.safetensors"]["checksum"] == "sha256:" + hashlib.sha256((model / "model.safetensors").read_bytes()).hexdigest()
+    described = describe_checkpoint(str(model))
+    assert described["config"]["model_type"] == "llama" and described["config"]["tie_word_embeddings"] and described["chat_template"]
+
+    original = target_of("llama")
+    expected, got = load_file(original / "model.safetensors"), load_file(model / "model.safetensors")
+    assert set(got) == set(expected) and "lm_head.weight" not in got  # tied, as the original
+    for name, weight in expected.items():
+        assert (got[name].float() - weight).norm() <= 0.01 * weight.norm(), name
+    prompt = [{"role": "user", "content": "What is 12 plus 30?"}]
+    tokenizers = [AutoTokenizer.from_pretrained(directory) for directory in (original, model)]
+    texts = [tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True) for tokenizer in tokenizers]
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for tokenizer, text in zip(tokenizers, texts)]
+    assert texts[0] == texts[1] and ids[0] == ids[1] and len(tokenizers[0]) == len(tokenizers[1])
+    again = stage(tmp_path, source)
+    assert again.returncode == 0 and "staged from" in again.stdout and "converting" not in again.stdout  # nothing converted twice
+
+
+def test_a_file_transformers_cannot_read_fails_the_job_naming_it(tmp_path, gguf_file):
+    """Bad input, exit 42 (the Job fails at once): a file that is no GGUF, and a GGUF file of an architecture transformers does not read."""
+    import gguf
+    import numpy as np
+
+    not_gguf = tmp_path / "files" / "weights.gguf"
+    for directory in (not_gguf.parent, tmp_path / "a", tmp_path / "b"):
+        directory.mkdir()
+    not_gguf.write_bytes(b"PK\x03\x04 a zip, not a GGUF file")
+    result = stage(tmp_path / "a", str(not_gguf))
+    assert result.returncode == EXIT_BAD_INPUT and f"{not_gguf} is not a GGUF file" in result.stdout
+    unknown = tmp_path / "files" / "other.gguf"
+    writer = gguf.GGUFWriter(str(unknown), "rwkv7")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.ones((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    result = stage(tmp_path / "b", str(unknown))
+    assert result.returncode == EXIT_BAD_INPUT and f"transformers cannot read GGUF file {unknown}" in result.stdout
+    assert "https://huggingface.co/docs/transformers/gguf" in result.stdout
+
+
 def test_etag_and_blob_checks_against_known_values(tmp_path):
     path = tmp_path / "f"
     path.write_bytes(b"hello\n")
@@ -212,7 +279,22 @@ def test_stage_model_refuses_what_cannot_work_before_any_job(tmp_path, fake_k8s,
     assert code == 2 and "target.model" in err and "under cluster.model_volume.mount (/weights)" in err
     code, _, err = cli(monkeypatch, capsys, "stage-model", "--from", "hf://Qwen/Qwen3.6-27B", "-f", str(cluster_spec(tmp_path)))
     assert code == 2 and "hf secret: Secret hf-token does not exist in dflash" in err
+    code, _, err = cli(monkeypatch, capsys, "stage-model", "--from", "/home/me/SmolLM2.gguf", "-f", str(cluster_spec(tmp_path, hf_secret=None)))
+    assert code == 2 and "--from /home/me/SmolLM2.gguf is a path the stage-model pod cannot see" in err and "under /models" in err
     assert api.all("Job") == []
+
+
+def test_a_gguf_source_gets_a_pod_that_holds_its_model_in_memory(tmp_path):
+    """Converting dequantizes the whole model in the pod: a GGUF source asks for GGUF_STAGE_RESOURCES, from S3 or the volume."""
+    from dflash_jobs.spec import load_spec
+
+    from dflashctl.tool_pods import GGUF_STAGE_RESOURCES, STAGE_RESOURCES, render_stage_model_objects
+
+    spec = load_spec(cluster_spec(tmp_path))
+    for source, resources in (("s3://models/SmolLM2.Q4_1.gguf", GGUF_STAGE_RESOURCES), ("/models/gguf/SmolLM2.Q4_1.gguf", GGUF_STAGE_RESOURCES),
+                              ("s3://models/Qwen3.6-27B", STAGE_RESOURCES)):
+        (worker,) = render_stage_model_objects(spec, source)[1]["spec"]["template"]["spec"]["containers"]
+        assert worker["resources"] == resources and worker["command"][-1] == source
 
 
 def test_stage_model_on_the_local_backend_and_check_sees_it(tmp_path, hub, monkeypatch, capsys):
@@ -228,3 +310,14 @@ def test_stage_model_on_the_local_backend_and_check_sees_it(tmp_path, hub, monke
     assert code == 0, err
     assert checks["target"]["detail"] == (f"{tmp_path}/models/Qwen3.6-27B: qwen3_5_text, 64 layers, hidden 5120, capturing [1, 16, 31, 46, 61]; "
                                           f"staged from hf://Qwen/Qwen3.6-27B@v1 at {COMMIT[:12]}")
+
+
+def test_a_gguf_path_on_the_local_backend_is_staged_and_check_passes_its_llama(tmp_path, gguf_file, monkeypatch, capsys):
+    spec = write_spec(tmp_path)
+    code, _, err = cli(monkeypatch, capsys, "stage-model", "--from", str(gguf_file), "-f", str(spec))
+    assert code == 0, err
+    (tmp_path / "chats.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    code, out, err = cli(monkeypatch, capsys, "check", "-f", str(spec), "-o", "json")
+    target = {check["name"]: check for check in json.loads(out)["checks"]}["target"]
+    assert code == 0 and target["status"] == "ok", err
+    assert target["detail"] == f"{tmp_path}/models/Qwen3.6-27B: llama, 8 layers, hidden 64, capturing [1, 2, 3, 4, 5]; staged from {gguf_file} at its listing"

@@ -1,4 +1,5 @@
-"""The tiny target: the real Qwen3.5 checkpoint layout, loadable both ways, non-degenerate, deterministic."""
+"""The tiny targets: the real Qwen3.5 checkpoint layout, loadable both ways, non-degenerate,
+deterministic; the dense Llama with tied embeddings and a tokenizer that fills every embedding row."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_jobs.tiny import DEBUGMODEL, SPECIAL_TOKENS, tiny_chat_dataset, write_tiny_target
+from dflash_jobs.tiny_llama import SPECIAL_TOKENS as LLAMA_SPECIAL_TOKENS
+from dflash_jobs.tiny_llama import write_tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +80,27 @@ def test_target_is_deterministic(target_dir, tmp_path):
     again = write_tiny_target(tmp_path / "again")
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (again / name).read_bytes() == (target_dir / name).read_bytes(), name
+
+
+def test_the_llama_ties_its_embeddings_fills_every_row_and_is_not_degenerate(target_of, tmp_path):
+    directory = target_of("llama")
+    config = json.loads((directory / "config.json").read_text())
+    with safe_open(directory / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    assert config["model_type"] == "llama" and config["tie_word_embeddings"] and "lm_head.weight" not in keys
+    assert config["num_hidden_layers"] == DEBUGMODEL.num_layers and "model.embed_tokens.weight" in keys
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    assert len(tokenizer) == config["vocab_size"] <= DEBUGMODEL.vocab_size  # no row free for a mask token
+    assert [tokenizer.convert_tokens_to_ids(token) for token in LLAMA_SPECIAL_TOKENS] == list(range(len(LLAMA_SPECIAL_TOKENS)))
+    assert tokenizer.eos_token_id == tokenizer.pad_token_id == config["eos_token_id"] == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    norms = [p for name, p in model.named_parameters() if name.endswith("norm.weight")]
+    assert len(norms) == 2 * DEBUGMODEL.num_layers + 1 and all(weight.std() > 0.1 for weight in norms)
+    assert model.model.embed_tokens.weight[tokenizer.pad_token_id].abs().sum() > 0
+    again = write_tiny_llama(tmp_path / "again")
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (again / name).read_bytes() == (directory / name).read_bytes(), name
 
 
 def test_chat_dataset_is_structured_and_deterministic(tmp_path):

@@ -1,7 +1,8 @@
-"""Tree verification on the tiny hybrid target ([GDN, GDN, GDN, attention] x 2, the torch fallback of
-transformers' qwen3_5): one forward gives every node what a forward of its own root path gives, the
-accepted path's commit leaves the cache as a forward of that path would, and decoding by trees is
-plain greedy decoding whose acceptance is the exact one, step for step. The forward and the commit
+"""Tree verification on each tiny target: the hybrid one ([GDN, GDN, GDN, attention] x 2, the torch
+fallback of transformers' qwen3_5) and the dense Llama (plain attention, tied embeddings): one
+forward gives every node what a forward of its own root path gives, the accepted path's commit
+leaves the cache as a forward of that path would, and decoding by trees is plain greedy decoding
+whose acceptance is the exact one, step for step. On the hybrid target the forward and the commit
 are checked twice: through transformers' torch reference of the recurrent kernel, and through a
 torch port of flash-linear-attention's, called as transformers calls it on the GPU (`fla_recurrent`).
 
@@ -20,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from dflash_jobs.drafter import tree_verify
+from dflash_jobs.architectures import ARCHITECTURE_MODULES, qwen3_5
 from dflash_jobs.drafter.speculative import Target, greedy_decode
 from dflash_jobs.drafter.tree import ConditionalBranches, Tree, build_tree
 from dflash_jobs.drafter.tree_verify import TreeLayout, cached_length, commit_path, tree_decode, verify_tree
@@ -36,8 +37,22 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return AutoModelForCausalLM.from_pretrained(tiny_target(tmp_path_factory.getbasetemp() / "train-fixtures"), dtype=torch.float32).eval()
+def model_of(tmp_path_factory):
+    """The tiny target of an architecture, loaded once."""
+    loaded = {}
+
+    def load(architecture: str):
+        if architecture not in loaded:
+            directory = tiny_target(tmp_path_factory.getbasetemp() / "train-fixtures", architecture)
+            loaded[architecture] = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        return loaded[architecture]
+
+    return load
+
+
+@pytest.fixture(scope="module", params=list(ARCHITECTURE_MODULES))
+def model(request, model_of):
+    return model_of(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -118,12 +133,18 @@ def fla_as_transformers_binds_it(*args, **kwargs):
     return fla_fused_recurrent_gated_delta_rule(*args, **{name: value for name, value in kwargs.items() if name in FLA_PARAMETERS})
 
 
-@pytest.fixture(params=["torch_reference", "fla_recurrent"])
-def recurrent_kernel(request, monkeypatch):
-    """The recurrent kernel the model's module binds: transformers' torch reference, or fla's (ported) as bound on the GPU."""
-    if request.param == "fla_recurrent":
+RECURRENT_KERNELS = {"qwen3_5": ("torch_reference", "fla_recurrent"), "llama": ("no_recurrent_layer",)}
+
+
+@pytest.fixture(params=[(architecture, kernel) for architecture, kernels in RECURRENT_KERNELS.items() for kernel in kernels],
+                ids="-".join)
+def kernel_model(request, model_of, monkeypatch):
+    """Each target, its recurrent layers (the hybrid's) through the kernel their module binds:
+    transformers' torch reference, or fla's (ported) as bound on the GPU."""
+    architecture, kernel = request.param
+    if kernel == "fla_recurrent":
         monkeypatch.setattr(modeling_qwen3_5, "torch_recurrent_gated_delta_rule", fla_as_transformers_binds_it)
-    return request.param
+    return model_of(architecture)
 
 
 def random_tree(seed: int, nodes: int, vocab: int) -> Tree:
@@ -177,7 +198,8 @@ def test_the_fla_port_computes_what_the_torch_reference_does():
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_one_forward_gives_every_node_what_a_forward_of_its_root_path_gives(model, prompt, seed, recurrent_kernel):
+def test_one_forward_gives_every_node_what_a_forward_of_its_root_path_gives(kernel_model, prompt, seed):
+    model = kernel_model
     vocab = model.config.vocab_size
     tree, root = random_tree(seed, 24, vocab), 17
     target, reference = Target(model, LAYERS), Target(model, LAYERS)
@@ -196,9 +218,10 @@ def test_one_forward_gives_every_node_what_a_forward_of_its_root_path_gives(mode
 
 
 @pytest.mark.parametrize("accepted", [0, 2, 6])
-def test_committing_a_path_leaves_the_cache_as_a_forward_of_that_path_would(model, prompt, accepted, recurrent_kernel):
-    """The root and `accepted` nodes down the tree's chain (6: past the 4-wide conv window) are
-    committed; the next forward then sees exactly what it would after the plain path."""
+def test_committing_a_path_leaves_the_cache_as_a_forward_of_that_path_would(kernel_model, prompt, accepted):
+    """The root and `accepted` nodes down the tree's chain (6: past the hybrid's 4-wide conv window)
+    are committed; the next forward then sees exactly what it would after the plain path."""
+    model = kernel_model
     tree, root, after = random_tree(2, 24, model.config.vocab_size), 17, torch.tensor([3, 99, 250])
     path = list(range(accepted))  # nodes 0..5 are the chain 0 -> 1 -> ... -> 5
     target, reference = Target(model), Target(model)
@@ -296,10 +319,11 @@ def test_the_speedup_benchmark_prices_trees_at_the_tiny_shape(tmp_path):
     assert result["tree_summary"]["24"]["16"]["2.5"]["tree"] == priced["table"][0]["tree"]
 
 
-def test_the_benchmarks_tree_check_tells_a_wrong_parent_state_from_rounding(model, prompt, monkeypatch):
+def test_the_benchmarks_tree_check_tells_a_wrong_parent_state_from_rounding(model_of, prompt, monkeypatch):
     """bench/speedup.py's check of the tree forward against the plain computations' own spread: the
     tree forward lies within it; one whose GDN nodes start from their depth's first state, not their
     parent's (right along the chain, wrong on every other branch), lies far outside."""
+    model = model_of("qwen3_5")
     monkeypatch.syspath_prepend(str(BENCH))
     speedup = importlib.import_module("speedup_trees")
     tree, _ = speedup.typical_tree(16, 15, model.config.vocab_size, torch.device("cpu"))
@@ -311,12 +335,12 @@ def test_the_benchmarks_tree_check_tells_a_wrong_parent_state_from_rounding(mode
         checkpoint = target.checkpoint()
         check = speedup.tree_check(target, tree, lambda: target.rollback(checkpoint))
         assert check["within_noise"] and check["rows"] == 17 and check["noise_floor"] < 1e-5
-        right = tree_verify._recurrence
+        right = qwen3_5.recurrence
 
         def from_first_state(module, query, key, value, g, beta, state):
             return right(module, query, key, value, g, beta, state[:1].expand(len(query), *state.shape[1:]))
 
-        monkeypatch.setattr(tree_verify, "_recurrence", from_first_state)
+        monkeypatch.setattr(qwen3_5, "recurrence", from_first_state)
         wrong = speedup.tree_check(target, tree, lambda: target.rollback(checkpoint))
     assert not wrong["within_noise"] and wrong["verdict"].startswith("outside") and wrong["tree_over_floor"] > 100
     assert wrong["stepwise_vs_whole"] == check["stepwise_vs_whole"]  # the plain computations do not go through the tree

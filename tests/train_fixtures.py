@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash_jobs.architectures import ARCHITECTURE_MODULES
 from dflash_jobs.formats import (
     DATASET_KEY, MANIFEST_KEY, DatasetIndex, DoneMarker, Manifest, TokenChunk, done_key, hidden_chunk_key, hidden_metadata, hidden_tensors, quantize_fp8,
     safetensors_parts, token_chunk_key,
@@ -18,34 +19,47 @@ from dflash_jobs.rows import ChatEncoder
 from dflash_jobs.spec import default_layers, parse_spec
 from dflash_jobs.storage import open_storage
 from dflash_jobs.tiny import DEBUGMODEL, tiny_chat_rows, write_tiny_target
+from dflash_jobs.tiny_llama import write_tiny_llama
 
 DOCUMENTS = 48
 CHUNKS = 4
 LAYERS = default_layers(DEBUGMODEL.num_layers)
+TINY_TARGETS = {"qwen3_5": ("tiny-target", write_tiny_target), "llama": ("tiny-llama", write_tiny_llama)}
+"""Each target architecture's tiny checkpoint (dflash_jobs.architectures): its directory under the root, and its writer."""
+ARCHITECTURES = tuple(TINY_TARGETS)
+assert set(ARCHITECTURES) == set(ARCHITECTURE_MODULES), "every target architecture has a tiny target the suite runs it on"
 
 
-def tiny_target(root: Path) -> Path:
-    directory = root / "tiny-target"
+def tiny_target(root: Path, architecture: str = "qwen3_5") -> Path:
+    """The tiny checkpoint of `architecture` under `root`, written once."""
+    name, write = TINY_TARGETS[architecture]
+    directory = root / name
     if not (directory / "config.json").exists():
-        write_tiny_target(directory)
+        write(directory)
     return directory
 
 
 def fresh_drafter(target: Path, train):
     """A fresh drafter of train.drafter (a TrainSpec) for the tiny target, built as training builds
     it (seed 0), holding the target's frozen tensors, on the CPU."""
-    from dflash_jobs.drafter.checkpoint import TargetCheckpoint, drafter_config_for_target, resolve_mask_token_id
+    from dflash_jobs.drafter.checkpoint import TargetCheckpoint, drafter_config_for_target
     from dflash_jobs.variants import drafter_variant
 
     checkpoint = TargetCheckpoint(open_storage(str(target)))
     variant = drafter_variant(train.drafter)
-    mask = resolve_mask_token_id(None, checkpoint.tokenizer_size(), checkpoint.text["vocab_size"])
-    config = variant.build_config(drafter_config_for_target(checkpoint, train, LAYERS, mask), train)
+    config = variant.build_config(drafter_config_for_target(checkpoint, train, LAYERS, mask_token_id(checkpoint)), train)
     torch.manual_seed(0)
     drafter = variant.build_model(config)
     tensors = checkpoint.read_target_tensors()
     drafter.load_target_tensors(tensors.embed_tokens, tensors.lm_head, tensors.final_norm)
     return drafter
+
+
+def mask_token_id(checkpoint) -> int:
+    """The mask token training picks for a target checkpoint (drafter/mask_token.py), over data that holds none of the candidates."""
+    from dflash_jobs.drafter.mask_token import pick_mask_token
+
+    return pick_mask_token(checkpoint, None, data_holds=lambda ids: set()).id
 
 
 def copy_extract(extract: Path, output: Path) -> Path:
@@ -56,15 +70,16 @@ def copy_extract(extract: Path, output: Path) -> Path:
     return output
 
 
-def tiny_extract(root: Path, *, dtype: str = "bfloat16", final_hidden: bool = False) -> Path:
-    """An output directory holding extract/chunks, extract/done and extract/manifest.json (with the
-    target's final hidden state in every chunk: `final_hidden`)."""
-    output = root / f"extract-{dtype}{'-final' if final_hidden else ''}"
+def tiny_extract(root: Path, *, dtype: str = "bfloat16", final_hidden: bool = False, architecture: str = "qwen3_5") -> Path:
+    """An output directory holding tokens/ and extract/ as prepare, extraction and verify leave them:
+    the token chunks, the hidden-state chunks of the tiny target of `architecture` (with its final
+    hidden state in every chunk: `final_hidden`), their done markers and the manifest."""
+    output = root / f"extract-{dtype}{'-final' if final_hidden else ''}{'' if architecture == 'qwen3_5' else f'-{architecture}'}"
     if (output / MANIFEST_KEY).exists():
         return output
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = tiny_target(root)
+    target = tiny_target(root, architecture)
     tokenizer = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     encoder = ChatEncoder(tokenizer)

@@ -14,8 +14,9 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from dflash_jobs.errors import SpecError
+from dflash_jobs.errors import InputError, SpecError
 from dflash_jobs.spec import RunSpec, is_s3, under
+from dflash_jobs.stage_model import parse_source
 
 from dflashctl.placement import finish_pod_template, placement_fields
 from dflashctl.render import (
@@ -27,6 +28,9 @@ STAGE_MODEL = "stage-model"
 PROBE = "probe"
 STAGE_RESOURCES = {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "4Gi"}}
 """Downloads and checksums stream through: neither needs the checkpoint in memory."""
+GGUF_STAGE_RESOURCES = {"requests": {"cpu": "2", "memory": "16Gi"}, "limits": {"memory": "16Gi"}}
+"""Converting a GGUF file holds its model dequantized in float32 and cast to bf16: about 6 bytes a
+parameter, so models up to about 2.5B parameters (SmolLM2, Llama 3.2 1B/3B, Qwen2.5 1.5B)."""
 PROBE_RESOURCES = {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "256Mi"}}
 STAGE_BACKOFF_LIMIT = 4
 """Retries of the stage-model pod: each resumes where the last stopped (the files that landed are kept)."""
@@ -57,16 +61,21 @@ def model_directory(spec: RunSpec) -> str:
 
 
 def render_stage_model_objects(spec: RunSpec, source: str) -> list[Manifest]:
-    """The spec ConfigMap and the Job that stages `source` (hf://org/repo[@revision] or s3://...) into target.model."""
+    """The spec ConfigMap and the Job that stages `source` (hf://org/repo[@revision], s3://..., or a
+    .gguf file in S3 or on the model volume) into target.model."""
     model_directory(spec)
     volume = spec.cluster.model_volume
     assert volume is not None
+    parsed = parse_source(source)
+    if parsed.path is not None and not under(parsed.path, volume.mount):
+        raise InputError(f"--from {source} is a path the stage-model pod cannot see: it mounts claim {volume.claim} at {volume.mount} alone",
+                         f"Put the GGUF file on the model volume (under {volume.mount}), or upload it to S3 and pass its s3:// URL")
     mounts = [spec_mount(), {"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_DIR},
               {"name": "model", "mountPath": volume.mount}]
     worker = make_container(
         spec, name=WORKER, image=spec.cluster.image,
         command=["python", "-m", "dflash_jobs.stage_model", "-f", SPEC_PATH, "--from", source],
-        resources=STAGE_RESOURCES, mounts=mounts,
+        resources=GGUF_STAGE_RESOURCES if parsed.gguf else STAGE_RESOURCES, mounts=mounts,
         # The image is offline by default (pods load checkpoints from paths); this pod is the exception.
         env=[{"name": "HF_HUB_OFFLINE", "value": "0"}, {"name": "HF_HUB_DISABLE_PROGRESS_BARS", "value": "1"}],
     )
@@ -125,10 +134,10 @@ def render_probe_pod(spec: RunSpec) -> Manifest:
 def tool_pod_specs(spec: RunSpec) -> list[tuple[str, dict[str, Any]]]:
     """(component, pod spec) of stage-model's Job and of the probe pod, where target.model lies on the
     model volume (else neither runs): what they mount and where they go, which stage-model's source
-    does not change."""
+    does not change, and what they ask (stage-model's for a checkpoint: a GGUF file asks for more memory)."""
     try:
         model_directory(spec)
     except SpecError:
         return []
-    stage_model_job = render_stage_model_objects(spec, source="hf://")[1]
+    stage_model_job = render_stage_model_objects(spec, source="hf://org/model")[1]
     return [(STAGE_MODEL, stage_model_job["spec"]["template"]["spec"]), (PROBE, render_probe_pod(spec)["spec"])]

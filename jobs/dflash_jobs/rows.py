@@ -12,7 +12,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable, Iterator
+from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -35,6 +35,28 @@ TOKENIZER_FILES = (
     "config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",
 )
+
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+"""Where a checkpoint keeps its chat template besides tokenizer_config.json's `chat_template` (Transformers 5 writes the first)."""
+CHAT_TEMPLATE_FIX = ("Use a checkpoint whose tokenizer carries its chat template (an instruction-tuned model's), add one as "
+                     "chat_template.jinja, or give pre-tokenized rows (input_ids, loss_mask)")
+
+
+def chat_template_text(read: Callable[[str], bytes | None]) -> str:
+    """Every chat template a checkpoint's tokenizer files hold, as one text ("" for none), from
+    read(file name) -> its bytes or None: tokenizer_config.json's chat_template (one, or a list of
+    named ones), chat_template.jinja, chat_template.json."""
+    found = []
+    for name in ("tokenizer_config.json", *CHAT_TEMPLATE_FILES):
+        data = read(name)
+        if data is None:
+            continue
+        if name.endswith(".jinja"):
+            found.append(data.decode())
+            continue
+        template = json.loads(data).get("chat_template")
+        found += [template] if isinstance(template, str) else [entry.get("template", "") for entry in template or []]
+    return "\n".join(found)
 
 
 class BadRow(Exception):
@@ -131,7 +153,9 @@ def load_tokenizer(model: str, *, endpoint_url: str | None = None, region: str |
         for name in TOKENIZER_FILES:
             if name in present:
                 storage.get_file(name, Path(directory) / name)
-        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    tokenizer.name_or_path = model  # where it came from, not the temporary directory, for the messages that name it
+    return tokenizer
 
 
 def embedding_rows(model: str, *, endpoint_url: str | None = None, region: str | None = None) -> int | None:
@@ -170,7 +194,10 @@ class ChatEncoder:
         """`answer_vocab_size`: the token ids a regenerated answer may hold, the target's embedding
         rows (default: the tokenizer's vocabulary)."""
         if not tokenizer.chat_template:
-            raise InputError("the target's tokenizer has no chat template, so chat rows cannot be rendered", "Use pre-tokenized rows, or a checkpoint with a chat template")
+            raise InputError(
+                f"target.model {tokenizer.name_or_path}: its tokenizer has no chat template (none in tokenizer_config.json, "
+                f"{' or '.join(CHAT_TEMPLATE_FILES)}), so chat rows cannot be rendered", CHAT_TEMPLATE_FIX,
+            )
         if not getattr(tokenizer, "is_fast", False):
             raise InputError("the target's tokenizer is not a fast tokenizer", "Chat rows need tokenizer.json in the checkpoint (token offsets)")
         self.tokenizer = tokenizer

@@ -2,17 +2,26 @@
 
     python -m dflash_jobs.stage_model -f dflash.yaml --from hf://Qwen/Qwen3.6-27B[@revision]
     python -m dflash_jobs.stage_model -f dflash.yaml --from s3://bucket/models/Qwen3.6-27B
+    python -m dflash_jobs.stage_model -f dflash.yaml --from s3://bucket/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
     python -m dflash_jobs.stage_model --describe /models/Qwen3.6-27B
 
 The checkpoint lands in target.model, a directory on the model volume:
 - from the Hugging Face Hub (or the mirror HF_ENDPOINT names) with huggingface_hub, HF_TOKEN for
   gated and private repositories. The revision (a branch, a tag or a commit; default main) is
   resolved to its commit once, and every file is downloaded at that commit;
-- from an s3:// prefix, every object under it, through the project's storage layer.
+- from an s3:// prefix, every object under it, through the project's storage layer;
+- from a GGUF file (llama.cpp's format: an s3:// object, or a path on the model volume), converted
+  into a checkpoint (gguf.py: its weights dequantized to bf16 safetensors, its tokenizer and chat
+  template): what every step reads. The weights are the quantized ones made dense: a drafter trained
+  on them drafts for that quantized model. Transformers holds the whole model in float32 while it
+  dequantizes: about 6 bytes a parameter of the pod's memory (the stage-model Job of a GGUF source
+  asks for more: controller/dflashctl/tool_pods.py).
 
 Every file is checked after it lands: against the sha256 the hub lists for an LFS file, the git blob
-id for any other, the size and MD5 (single or multipart ETag) for S3. A file that fails its check
-is deleted and the pod exits 1 (the Job retries it). Resumable: what landed and passed its check is
+id for any other, the size and MD5 (single or multipart ETag) for S3 (a GGUF object before it is
+converted; the files converted from it are recorded with their sha256). A file that fails its check
+is deleted and the pod exits 1 (the Job retries it); a GGUF file transformers cannot read fails the
+Job at once (bad input, exit 42), naming it. Resumable: what landed and passed its check is
 recorded in .dflash-staged.json beside the weights (with the source, the revision and its commit),
 and a restarted pod skips it; huggingface_hub resumes a file a network error interrupted.
 The record says `complete` once every file is there: `dflashctl check` reads it.
@@ -29,6 +38,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import sys
 import threading
 import time
@@ -39,14 +49,19 @@ from pathlib import Path
 from typing import Any
 
 from dflash_jobs.errors import DflashError, InputError, SpecError, pod_exit_code
+from dflash_jobs.gguf import convert_gguf
+from dflash_jobs.rows import chat_template_text
 from dflash_jobs.spec import DEFAULT_SPEC_FILE, RunSpec, is_s3, load_spec
-from dflash_jobs.storage import HASH_BLOCK, open_storage, sha256_file
+from dflash_jobs.storage import HASH_BLOCK, ObjectInfo, Storage, open_storage, open_url, sha256_file
 
 log = logging.getLogger("dflash.stage_model")
 
 RECORD_FILE = ".dflash-staged.json"
 """Beside the weights: where they came from (source, revision, commit), each file's size and checksum, and whether all landed."""
 HUB_SOURCE = re.compile(r"^hf://(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<revision>[^\s@]+))?$")
+GGUF_SUFFIX = ".gguf"
+GGUF_DOWNLOAD = ".dflash-gguf"
+"""Where a GGUF object is fetched to, inside target.model, until it is converted (then deleted)."""
 DEFAULT_REVISION = "main"
 LOG_EVERY_S = 10.0
 MIB = 1 << 20
@@ -65,17 +80,31 @@ class Source:
     def hub(self) -> bool:
         return self.repo is not None
 
+    @property
+    def gguf(self) -> bool:
+        """A single GGUF file, staged as the checkpoint it converts to."""
+        return self.url.endswith(GGUF_SUFFIX)
+
+    @property
+    def path(self) -> str | None:
+        """The GGUF file's path where it is one on a volume (not in S3)."""
+        return None if is_s3(self.url) or self.hub else self.url
+
 
 def parse_source(text: str) -> Source:
-    """`--from`: hf://org/repo[@revision] or s3://bucket/prefix."""
+    """`--from`: hf://org/repo[@revision], s3://bucket/prefix, or a .gguf file (s3://bucket/key.gguf or an absolute path)."""
     match = HUB_SOURCE.match(text)
     if match:
         return Source(text, repo=match["repo"], revision=match["revision"] or DEFAULT_REVISION)
+    path = text.removeprefix("file://")
+    if path.endswith(GGUF_SUFFIX) and path.startswith("/"):
+        return Source(path)
     if is_s3(text) and len(text.rstrip("/")) > len("s3://"):
         return Source(text.rstrip("/"))
     raise InputError(
         f"--from {text!r} is not a checkpoint source",
-        "Use hf://<org>/<repo>[@<revision>] (e.g. hf://Qwen/Qwen3.6-27B@main) or s3://<bucket>/<prefix>",
+        "Use hf://<org>/<repo>[@<revision>] (e.g. hf://Qwen/Qwen3.6-27B@main), s3://<bucket>/<prefix>, "
+        "or a GGUF file: s3://<bucket>/<key>.gguf, or its absolute path on the model volume",
     )
 
 
@@ -237,6 +266,8 @@ def stage(spec: RunSpec, source: Source) -> StageRecord:
     directory = destination(spec)
     if source.hub:
         return stage_from_hub(source, directory)
+    if source.gguf:
+        return stage_from_gguf(spec, source, directory)
     return stage_from_s3(spec, source, directory)
 
 
@@ -293,16 +324,56 @@ def stage_from_s3(spec: RunSpec, source: Source, directory: Path) -> StageRecord
         for number, (key, info) in enumerate(sorted(listing.items()), 1):
             if record.trusted(directory, key, info.size):
                 continue
-            storage.get_file(key, directory / key)
-            etag = (info.etag or "").strip('"')
-            matched = s3_etag_matches(directory / key, etag) if etag else None
-            checksum = "size" if matched is None else f"s3-etag:{etag}"
-            _check(directory, key, info.size, expected=checksum, actual=checksum if matched is not False else "an ETag of other bytes")
-            if matched is None:
-                log.warning("%s: its ETag %r is of a multipart upload with a part size not tried: only its size is checked", key, etag)
+            checksum = fetch_object(storage, key, info, directory)
             record.landed(directory, key, info.size, checksum)
             log.info("file %d/%d %s: %.2f GB, %s verified", number, len(listing), key, info.size / 1e9, checksum.split(":")[0])
     return _complete(record, directory)
+
+
+def fetch_object(storage: Storage, key: str, info: ObjectInfo, directory: Path) -> str:
+    """Downloads the object to directory/key and checks it against its size and ETag: the checksum that passed."""
+    storage.get_file(key, directory / key)
+    etag = (info.etag or "").strip('"')
+    matched = s3_etag_matches(directory / key, etag) if etag else None
+    checksum = "size" if matched is None else f"s3-etag:{etag}"
+    _check(directory, key, info.size, expected=checksum, actual=checksum if matched is not False else "an ETag of other bytes")
+    if matched is None:
+        log.warning("%s: its ETag %r is of a multipart upload with a part size not tried: only its size is checked", key, etag)
+    return checksum
+
+
+def stage_from_gguf(spec: RunSpec, source: Source, directory: Path) -> StageRecord:
+    """The checkpoint a GGUF file converts to: an S3 object is fetched into the directory first (and
+    checked as any S3 object), a path is read where it is; every converted file is recorded."""
+    record = open_record(directory, source, None)
+    if record.complete and all(record.trusted(directory, name, entry["size"]) for name, entry in record.files.items()):
+        log.info("%s is staged from %s already", directory, source.url)
+        return record
+    gguf = Path(source.path) if source.path is not None else fetch_gguf(spec, source, directory)
+    log.info("converting %s (%.2f GB) into %s", gguf, gguf.stat().st_size / 1e9, directory)
+    convert_gguf(gguf, directory)
+    shutil.rmtree(directory / GGUF_DOWNLOAD, ignore_errors=True)
+    for path in sorted(directory.iterdir()):
+        if path.is_file() and path.name != RECORD_FILE:
+            record.landed(directory, path.name, path.stat().st_size, f"sha256:{sha256_file(path)}")
+    return _complete(record, directory)
+
+
+def fetch_gguf(spec: RunSpec, source: Source, directory: Path) -> Path:
+    """The GGUF object, in the directory's download folder, checked against its size and ETag (one
+    already there that passes is kept: a restarted pod converts without fetching again)."""
+    storage, key = open_url(source.url, endpoint_url=spec.storage.endpoint_url, region=spec.storage.region)
+    info = storage.stat(key)
+    if info is None:
+        raise InputError(f"{source.url} does not exist", "Upload the GGUF file there, or fix --from")
+    local = directory / GGUF_DOWNLOAD / key
+    etag = (info.etag or "").strip('"')
+    if local.is_file() and local.stat().st_size == info.size and (not etag or s3_etag_matches(local, etag) is not False):
+        log.info("%s: fetched by an earlier attempt", local)
+        return local
+    local.parent.mkdir(parents=True, exist_ok=True)
+    fetch_object(storage, key, info, local.parent)
+    return local
 
 
 def _check(directory: Path, name: str, size: int, *, expected: str, actual: str) -> None:
@@ -330,7 +401,8 @@ def _complete(record: StageRecord, directory: Path) -> StageRecord:
 
 def describe_checkpoint(path: str) -> dict[str, Any]:
     """What `dflashctl check` needs of a checkpoint directory: its config.json (None if absent or
-    unreadable, with why), its staging record, and its weight and tokenizer files."""
+    unreadable, with why), its staging record, its weight and tokenizer files, and whether its
+    tokenizer carries a chat template."""
     directory = Path(path)
     description: dict[str, Any] = {"path": path, "exists": directory.is_dir()}
     if not directory.is_dir():
@@ -349,13 +421,14 @@ def describe_checkpoint(path: str) -> dict[str, Any]:
     weights = sorted(directory.glob("*.safetensors"))
     description["safetensors"] = {"files": len(weights), "bytes": sum(p.stat().st_size for p in weights)}
     description["tokenizer"] = (directory / "tokenizer_config.json").is_file()
+    description["chat_template"] = bool(chat_template_text(lambda name: (directory / name).read_bytes() if (directory / name).is_file() else None))
     return description
 
 
 def main(argv: list[str] | None = None, *, emit: Callable[[str], None] = print) -> int:
     parser = argparse.ArgumentParser(prog="python -m dflash_jobs.stage_model", description="Stage the target checkpoint into target.model.")
     parser.add_argument("-f", "--file", default=DEFAULT_SPEC_FILE, help="the run spec (default: ./dflash.yaml)")
-    parser.add_argument("--from", dest="source", help="hf://org/repo[@revision] or s3://bucket/prefix")
+    parser.add_argument("--from", dest="source", help="hf://org/repo[@revision], s3://bucket/prefix, or a .gguf file (s3:// or a path)")
     parser.add_argument("--describe", metavar="PATH", help="print one JSON line about the checkpoint directory PATH, and stage nothing")
     args = parser.parse_args(argv)
     if args.describe is not None:

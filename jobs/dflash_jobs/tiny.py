@@ -171,7 +171,7 @@ def tiny_chat_dataset(path: str | Path, n: int, seed: int = 0) -> Path:
 # ---- the tokenizer ---------------------------------------------------------------------------
 
 
-def _tokenizer_corpus() -> Iterator[str]:
+def tokenizer_corpus() -> Iterator[str]:
     """The BPE training text: turns of the data set's kinds, so its tokens fit the demo data."""
     for row in tiny_chat_rows(1000, seed=12345):
         for message in row["messages"]:
@@ -199,7 +199,7 @@ def build_tiny_tokenizer(vocab_size: int, corpus: Iterable[str] | None = None):
     backend.normalizer = pipeline.normalizer
     backend.pre_tokenizer = pipeline.pre_tokenizer
     trainer = trainers.BpeTrainer(vocab_size=size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    backend.train_from_iterator(_tokenizer_corpus() if corpus is None else corpus, trainer=trainer)
+    backend.train_from_iterator(tokenizer_corpus() if corpus is None else corpus, trainer=trainer)
     bpe = json.loads(backend.to_str())["model"]
     # Special and think tokens take the ids after the BPE vocabulary, in a fixed order (as in Qwen's).
     vocab = dict(bpe["vocab"])
@@ -268,15 +268,14 @@ def tiny_target_config(*, num_layers: int, hidden_size: int, vocab_size: int, to
     )
 
 
-def _randomise_degenerate_weights(model, pad_token_id: int) -> None:
+def randomise_degenerate_weights(text_model, pad_token_id: int) -> None:
     """Default init makes norms the identity, dt_bias constant and the pad row zero: tests could pass by accident."""
     import torch
 
-    text_model = model.model.language_model
     with torch.no_grad():
         for name, param in text_model.named_parameters():
             if name.endswith("norm.weight") or name.endswith("dt_bias"):
-                # Adds noise around the init (0 for `x * (1 + w)` norms, 1 for the gated GDN norm).
+                # Adds noise around the init (0 for `x * (1 + w)` norms, 1 for `x * w` ones and the gated GDN norm).
                 param.add_(torch.randn_like(param) * 0.3)
         text_model.embed_tokens.weight[pad_token_id].normal_(0, 0.02)
 
@@ -305,7 +304,7 @@ def write_tiny_target(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3_5ForConditionalGeneration(config).eval()
-        _randomise_degenerate_weights(model, token_ids["<|endoftext|>"])
+        randomise_degenerate_weights(model.model.language_model, token_ids["<|endoftext|>"])
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory

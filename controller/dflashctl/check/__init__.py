@@ -122,6 +122,8 @@ class Preflight:
     """Why the cluster cannot be looked at (unreachable, no such namespace), set by the namespace check: the others then skip."""
     image_pulled: bool | None = None
     """Whether the probe pod pulled cluster.image (None: no probe ran)."""
+    chat_rows: bool = False
+    """Whether the data.source check read chat conversations (the target then needs its chat template)."""
     unsafe_claims: set[str] = field(default_factory=set)
     """ReadWriteOnce claims the volumes check found the run's pods may mount from different nodes: no probe mounts them."""
     _storages: dict[str, Storage] = field(default_factory=dict)

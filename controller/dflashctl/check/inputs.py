@@ -11,9 +11,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dflash_jobs.architectures import MODEL_TYPES, architecture_name, model_type, supported
 from dflash_jobs.errors import InputError, SpecError, StorageError
 from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, MANIFEST_KEY, RUN_KEY, Manifest, check_final_hidden
 from dflash_jobs.generation import current_manifest
+from dflash_jobs.rows import CHAT_TEMPLATE_FILES, CHAT_TEMPLATE_FIX, chat_template_text
 from dflash_jobs.spec import ClusterSpec, RunSpec, is_s3, local_path, resolve_layers, rope_kind, text_config, under
 from dflash_jobs.stage_model import describe_checkpoint
 from dflash_jobs.storage import Storage, read_head
@@ -29,8 +31,7 @@ from dflashctl.tool_pods import model_directory, probe_pod_name, render_probe_po
 SOURCE_HEAD_BYTES = 1 << 20
 """Of data.source read to parse its first rows."""
 ROWS_CHECKED = 3
-KNOWN_TARGETS = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
-"""Model types dflash-k8s is built and tested for (Qwen3.5/3.6: Gated DeltaNet + gated attention)."""
+CHAT_ROWS = "chat conversations"
 PULL_FAILURES = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
 PLACEHOLDER_BUCKETS = {url[len("s3://"):].split("/", 1)[0] for url in (STARTER_VALUES["output"], STARTER_VALUES["data"]["source"]) if is_s3(url)}
 """The bucket `dflashctl init` writes for the user to replace."""
@@ -163,6 +164,7 @@ def data_source(pf: Preflight) -> CheckResult:
     except StorageError as error:
         return from_error("data.source", error, what="cannot read it: ")
     problem, rows = first_rows_problem(head, whole=len(head) >= size)
+    pf.chat_rows = CHAT_ROWS in rows
     if problem is not None:
         return fail("data.source", f"{source}: {problem}", 'Each line must be a JSON object: {"messages": [{"role": ..., "content": ...}, ...]} '
                     'or {"input_ids": [...], "loss_mask": [...]}')
@@ -183,7 +185,7 @@ def first_rows_problem(head: bytes, *, whole: bool) -> tuple[str | None, list[st
         except ValueError as exc:
             return f"line {number} is not JSON ({exc})", kinds
         if isinstance(row, dict) and isinstance(row.get("messages"), list) and all(isinstance(m, dict) and "role" in m for m in row["messages"]):
-            kinds.append("chat conversations")
+            kinds.append(CHAT_ROWS)
         elif isinstance(row, dict) and isinstance(row.get("input_ids"), list) and isinstance(row.get("loss_mask"), list):
             kinds.append("pre-tokenized")
         else:
@@ -227,14 +229,16 @@ def target(pf: Preflight) -> CheckResult:
                         "Run `dflashctl check` where its volume is mounted at that path, or put it on cluster.model_volume (read through a pod)")
     except StorageError as error:
         return from_error("target", error, what="cannot read its config.json: ")
-    return judge_target(spec, description, where)
+    return judge_target(spec, description, where, chat_rows=pf.chat_rows)
 
 
 def _describe_s3(pf: Preflight, model: str) -> dict[str, Any]:
     _, config = read_head(f"{model.rstrip('/')}/config.json", 1 << 20, endpoint_url=pf.spec.storage.endpoint_url,
                           region=pf.spec.storage.region, max_attempts=STORAGE_ATTEMPTS)
-    files = pf.storage(model).list("")
+    storage = pf.storage(model)
+    files = storage.list("")
     description = {"exists": True, "staged": None, "tokenizer": "tokenizer_config.json" in files,
+                   "chat_template": bool(chat_template_text(lambda name: storage.get_bytes(name) if name in files else None)),
                    "safetensors": {"files": sum(key.endswith(".safetensors") for key in files)}}
     try:
         return description | {"config": json.loads(config)}
@@ -242,8 +246,9 @@ def _describe_s3(pf: Preflight, model: str) -> dict[str, Any]:
         return description | {"config": None, "config_error": f"config.json is not valid JSON ({exc})"}
 
 
-def judge_target(spec: RunSpec, description: dict[str, Any], where: str = "") -> CheckResult:
-    """The checkpoint against the spec: there and complete, layers in range, a known architecture, plain RoPE."""
+def judge_target(spec: RunSpec, description: dict[str, Any], where: str = "", *, chat_rows: bool = False) -> CheckResult:
+    """The checkpoint against the spec: there and complete, layers in range, plain RoPE, a chat template
+    where data.source holds chat rows (`chat_rows`), an architecture the suite proves."""
     model = spec.target.model
     if not description.get("exists"):
         return fail("target", f"{model} does not exist{where}", STAGE_FIX)
@@ -265,13 +270,16 @@ def judge_target(spec: RunSpec, description: dict[str, Any], where: str = "") ->
         return fail("target", f"{model} scales its RoPE ({rope_kind(config)!r}){where}, which the DFlash drafter does not implement",
                     "Use a target with plain RoPE (training would run and its export refuse it)")
     text = text_config(config)
-    model_type = text.get("model_type") or config.get("model_type") or "?"
     origin = f"; staged from {staged['source']} at {(staged.get('commit') or '')[:12] or 'its listing'}" if staged else ""
-    detail = f"{model}: {model_type}, {text['num_hidden_layers']} layers, hidden {text.get('hidden_size', '?')}, capturing {layers}{origin}{where}"
+    detail = f"{model}: {model_type(config)}, {text['num_hidden_layers']} layers, hidden {text.get('hidden_size', '?')}, capturing {layers}{origin}{where}"
+    if chat_rows and description.get("chat_template") is False:  # None: a probe of an image that predates the key
+        return fail("target", f"{detail}; its tokenizer has no chat template (none in tokenizer_config.json, {' or '.join(CHAT_TEMPLATE_FILES)}), "
+                    "and data.source holds chat conversations", CHAT_TEMPLATE_FIX)
     if not description.get("tokenizer"):
         return warn("target", f"{detail}; no tokenizer_config.json", "prepare needs the target's tokenizer and chat template beside the weights")
-    if model_type not in KNOWN_TARGETS:
-        return warn("target", f"{detail}; {model_type} is not an architecture dflash-k8s is tested with ({', '.join(KNOWN_TARGETS)})")
+    if not supported(config):
+        return warn("target", f"{detail}; {model_type(config)} is not an architecture the suite proves ({', '.join(MODEL_TYPES)}): "
+                    f"it runs as the nearest, {architecture_name(config)}", "Check the evaluation's lossless figures before trusting it")
     return ok("target", detail)
 
 
@@ -309,8 +317,8 @@ def _read_through_pod(pf: Preflight) -> dict[str, Any]:
         if description is None:  # an image older than --describe, a log cut or rotated, other output in the stream
             raise InputError(f"the probe pod {name} ran {spec.cluster.image} and printed no description of {model_directory(spec)}; "
                              f"{_last_lines(lines)}",
-                             f"The image may predate `python -m dflash_jobs.stage_model --describe`: rebuild and push cluster.image "
-                             f"(images/README.md), then `dflashctl check` again")
+                             "The image may predate `python -m dflash_jobs.stage_model --describe`: rebuild and push cluster.image "
+                             "(images/README.md), then `dflashctl check` again")
         return description
     finally:
         cluster.delete("Pod", name)

@@ -1,4 +1,5 @@
-"""`dflashctl stage-model`: put the target checkpoint on the model volume, from the hub or from S3.
+"""`dflashctl stage-model`: put the target checkpoint on the model volume, from the hub, from S3, or
+converted from a GGUF file.
 
 On Kubernetes a Job does it (tool_pods.py renders it, dflash_jobs/stage_model.py runs in it); on the
 local backend the same module runs here, into target.model.
@@ -25,7 +26,8 @@ from dflashctl.tool_pods import STAGE_MODEL, render_stage_model_objects, stage_m
 
 
 def stage_model(
-    source: Annotated[str, typer.Option("--from", metavar="SOURCE", help="hf://<org>/<repo>[@<revision>] (the hub, or HF_ENDPOINT's mirror) or s3://<bucket>/<prefix>.")],
+    source: Annotated[str, typer.Option("--from", metavar="SOURCE", help="hf://<org>/<repo>[@<revision>] (the hub, or HF_ENDPOINT's mirror), "
+                                        "s3://<bucket>/<prefix>, or a GGUF file: s3://<bucket>/<key>.gguf or its path on the model volume.")],
     spec_file: SpecOpt = DEFAULT_SPEC,
     wait: Annotated[bool, typer.Option("--wait", help="Block until the checkpoint is staged; exit 1 if the Job failed.")] = False,
     force: ForceOpt = False,
@@ -36,7 +38,9 @@ def stage_model(
     A Job downloads it with huggingface_hub (the token from the Secret cluster.hf_secret names, key
     HF_TOKEN) or copies an S3 prefix, checks every file (sha256, git blob id, S3 ETag), resumes
     after a restart, and records the source, revision and commit in .dflash-staged.json beside the
-    weights; `dflashctl check` then reads it.
+    weights; `dflashctl check` then reads it. A GGUF file (llama.cpp's format) is converted into a
+    checkpoint: its weights dequantized to bf16 safetensors (those of the quantized model), its
+    tokenizer and chat template.
 
     Examples:
 
@@ -45,6 +49,8 @@ def stage_model(
       dflashctl stage-model --from hf://Qwen/Qwen3.6-27B@main
 
       dflashctl stage-model --from s3://my-models/Qwen3.6-27B
+
+      dflashctl stage-model --from s3://my-models/SmolLM2-135M-Instruct.Q4_1.gguf
     """
     spec = read_spec(spec_file)
     parse_source(source)  # a malformed source is refused here, not in a pod

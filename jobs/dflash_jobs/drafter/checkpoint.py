@@ -4,13 +4,14 @@ Training never loads the target model (27B): it needs the embedding and the LM h
 drafter shares, and the final norm, through which DSpark's objective reads the target's next-token
 distribution: three tensors read by key name with ranged reads, from a local directory or an s3://
 prefix.
-Key names: Qwen3.5/3.6 multimodal checkpoints nest the text model (`model.language_model.*`),
-text-only ones do not (`model.*`); `lm_head.weight` is absent when the embeddings are tied.
+Key names are the target architecture's (architectures/: `weight_prefixes`): Qwen3.5/3.6 multimodal
+checkpoints nest the text model (`model.language_model.*`), text-only ones and Llama's do not
+(`model.*`); `lm_head.weight` is absent when the embeddings are tied (SmolLM2, Llama 3.2 1B/3B).
 
-Norm semantics: Qwen3.5/3.6 (and Qwen3-Next, Gemma) store a zero-centred final norm applied as
-x * (1 + w) (transformers' Qwen3_5RMSNorm); the drafter applies norms as Qwen3's x * w, so the
-weight is converted here, once, to 1 + w. (The drafter's own final norm, which the export holds and
-vLLM applies as x * w, starts at 1 and is trained: drafter/model.py.)
+Norm semantics: Qwen3.5/3.6 store a zero-centred final norm applied as x * (1 + w) (transformers'
+Qwen3_5RMSNorm; `zero_centred_norms`); the drafter applies norms as Qwen3's x * w, so the weight is
+converted here, once, to 1 + w. (The drafter's own final norm, which the export holds and vLLM
+applies as x * w, starts at 1 and is trained: drafter/model.py.)
 """
 
 from __future__ import annotations
@@ -21,19 +22,13 @@ from typing import Any
 
 import torch
 
-from dflash_jobs.errors import InputError, SpecError
+from dflash_jobs.architectures import target_architecture
+from dflash_jobs.errors import InputError
 from dflash_jobs.formats import fetch_header_bytes, read_header
 from dflash_jobs.spec import TrainSpec, rope_kind, text_config
 from dflash_jobs.storage import Storage
 
-EMBED_KEYS = ("model.language_model.embed_tokens.weight", "model.embed_tokens.weight")
-FINAL_NORM_KEYS = ("model.language_model.norm.weight", "model.norm.weight")
-LM_HEAD_KEYS = ("lm_head.weight",)
-# Model types whose RMSNorm is x * (1 + w) with w initialised at zero.
-ZERO_CENTRED_NORMS = frozenset({
-    "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next",
-    "gemma", "gemma2", "gemma3", "gemma3_text",
-})
+LM_HEAD_KEY = "lm_head.weight"
 _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -53,6 +48,7 @@ class TargetCheckpoint:
         self.storage = storage
         self.config: dict[str, Any] = json.loads(self._get("config.json"))
         self.text = text_config(self.config)
+        self.architecture = target_architecture(self.config)
         self._weight_map = self._read_weight_map()
 
     def _get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
@@ -87,30 +83,27 @@ class TargetCheckpoint:
         return torch.frombuffer(data, dtype=_SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
     def read_target_tensors(self) -> TargetTensors:
-        embed_key, norm_key = self.find(EMBED_KEYS), self.find(FINAL_NORM_KEYS)
+        prefixes = self.architecture.weight_prefixes
+        embed_key, norm_key = (self.find(tuple(prefix + name for prefix in prefixes)) for name in ("embed_tokens.weight", "norm.weight"))
         if embed_key is None or norm_key is None:
+            looked = [prefix + name for name in ("embed_tokens.weight", "norm.weight") for prefix in prefixes]
             raise InputError(
-                f"target checkpoint {self.storage.url} lacks {'the embedding' if embed_key is None else 'the final norm'} (looked for {EMBED_KEYS + FINAL_NORM_KEYS})",
+                f"target checkpoint {self.storage.url} lacks {'the embedding' if embed_key is None else 'the final norm'} (looked for {looked})",
                 "Point target.model at the target's HF checkpoint",
             )
         embed = self.read_tensor(embed_key)
-        head_key = self.find(LM_HEAD_KEYS)
-        if head_key is not None:
-            lm_head = self.read_tensor(head_key)
+        if self.find((LM_HEAD_KEY,)) is not None:
+            lm_head = self.read_tensor(LM_HEAD_KEY)
         elif self.tied_embeddings:
             lm_head = embed
         else:
-            raise InputError(f"target checkpoint {self.storage.url} has no lm_head.weight and does not tie its embeddings", "Use a complete checkpoint")
+            raise InputError(f"target checkpoint {self.storage.url} has no {LM_HEAD_KEY} and does not tie its embeddings", "Use a complete checkpoint")
         norm = self.read_tensor(norm_key).float()
-        return TargetTensors(embed, lm_head, 1.0 + norm if self.zero_centred_norm else norm)
+        return TargetTensors(embed, lm_head, 1.0 + norm if self.architecture.zero_centred_norms else norm)
 
     @property
     def tied_embeddings(self) -> bool:
         return bool(self.text.get("tie_word_embeddings", self.config.get("tie_word_embeddings", False)))
-
-    @property
-    def zero_centred_norm(self) -> bool:
-        return self.text.get("model_type", self.config.get("model_type")) in ZERO_CENTRED_NORMS or self.config.get("model_type") in ZERO_CENTRED_NORMS
 
     @property
     def rope_theta(self) -> float:
@@ -125,6 +118,10 @@ class TargetCheckpoint:
             )
         return float((self.text.get("rope_parameters") or {}).get("rope_theta", self.text.get("rope_theta", 1e6)))
 
+    def read_optional(self, key: str) -> bytes | None:
+        """A file beside the weights (the tokenizer's, the generation config), or None where there is none."""
+        return self.storage.get_bytes(key) if self.storage.exists(key) else None
+
     def tokenizer_size(self) -> int | None:
         """len(tokenizer) of the tokenizer.json beside the weights (added tokens included), or None."""
         if not self.storage.exists("tokenizer.json"):
@@ -132,19 +129,6 @@ class TargetCheckpoint:
         from tokenizers import Tokenizer
 
         return Tokenizer.from_str(self._get("tokenizer.json").decode()).get_vocab_size(with_added_tokens=True)
-
-
-def resolve_mask_token_id(requested: int | None, tokenizer_size: int | None, vocab_rows: int) -> int:
-    """The spec's train.mask_token_id, else the first embedding row the tokenizer does not use."""
-    if requested is not None:
-        if requested >= vocab_rows:
-            raise SpecError("train.mask_token_id", requested, f"a row of the target's embedding (0..{vocab_rows - 1})")
-        return requested
-    if tokenizer_size is None:
-        raise SpecError("train.mask_token_id", None, "a token id: the target checkpoint has no tokenizer to find an unused embedding row")
-    if tokenizer_size >= vocab_rows:
-        raise SpecError("train.mask_token_id", None, f"a token id: the tokenizer uses all {vocab_rows} embedding rows, none is free for the mask token")
-    return tokenizer_size
 
 
 def drafter_config_for_target(target: TargetCheckpoint, train: TrainSpec, layers: list[int], mask_token_id: int):

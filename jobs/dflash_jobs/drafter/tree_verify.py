@@ -1,21 +1,19 @@
-"""Tree verification on the hybrid target: a whole draft tree in one forward, then the accepted path committed.
+"""Tree verification: a whole draft tree in one forward of the target, then the accepted path committed.
 
 The verify forward runs the root (the anchor: the last committed token, not yet in the cache) and
 every node of the tree (drafter/tree.py) after the cached tokens, layer by layer with the target's
-own modules:
+own modules; how each kind of decoder layer runs over the tree is its architecture's
+(architectures/: `TargetArchitecture.tree_mixers`):
 - attention layers: each node at position cached + its depth (RoPE as if its root path were the
-  text), attending to the cache, its ancestors and itself (an ancestor-only mask);
-- Gated DeltaNet layers carry a short convolution window and a recurrent state instead of K/V and
-  take no mask, so they run tree-aware: the projections, the gated norm and the output over all
-  nodes at once; each node's convolution over its own ancestors' inputs (those above the root from
-  the cached window); the recurrence one depth at a time, the nodes of a depth as one batch, each
-  starting from its parent's state (the root from the cached one), through the recurrent kernel
-  transformers binds (flash-linear-attention's fused_recurrent where installed).
-Nothing is written to the cache during the forward. `commit_path` then appends the K/V of the root
-and the accepted nodes (the positions they were computed at are theirs in the text) and sets each
-GDN layer's states to those after the last accepted node, recomputed along the path from the
-per-node inputs the forward kept (keeping every node's recurrent state instead costs nodes x 3 MB
-per GDN layer at the 27B shape). No rollback: a tree step costs one forward and a commit.
+  text), attending to the cache, its ancestors and itself (an ancestor-only mask): `attend_tree`,
+  after the architecture's own projections (Llama's plain ones, Qwen3.5's gated query);
+- recurrent layers (Qwen3.5's Gated DeltaNet) carry a short convolution window and a recurrent
+  state instead of K/V and take no mask, so they run tree-aware: each node from its parent's states
+  (architectures/qwen3_5.py).
+Nothing is written to the cache during the forward. `commit_path` then hands each layer's kept rows
+the root and the accepted nodes: attention appends their K/V (the positions they were computed at
+are theirs in the text), a recurrent layer sets its states to those after the last accepted node.
+No rollback: a tree step costs one forward and a commit.
 
 `tree_decode` is speculative decoding (speculative.py) with a tree in place of the block, the
 committed path deciding the next anchor.
@@ -30,9 +28,9 @@ from typing import Protocol, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer
 
+from dflash_jobs.architectures import target_architecture
 from dflash_jobs.drafter.speculative import Decoded, Target, finished, prefill, through_stop
 from dflash_jobs.drafter.tree import Branches, Tree, build_tree
 
@@ -102,6 +100,31 @@ class TreeLayout:
         return self._windows[width]
 
 
+class KeptRows(Protocol):
+    """What a layer's tree mixer keeps of every row for `commit_path`."""
+
+    def commit(self, cache: Cache, layer_index: int, rows: torch.Tensor) -> None:
+        """Appends these rows (indices: the root, then the accepted nodes by depth) to the layer's cache."""
+        ...
+
+
+@dataclass
+class TreeStep:
+    """What every layer's tree mixer reads in one verify forward."""
+
+    layout: TreeLayout
+    cos: torch.Tensor
+    sin: torch.Tensor
+    """The target's RoPE at the rows' positions."""
+
+
+class TreeMixer(Protocol):
+    def __call__(self, layer: nn.Module, x: torch.Tensor, cached, step: TreeStep) -> tuple[torch.Tensor, KeptRows]:
+        """A decoder layer's token mixer over the tree: x [1, n, d] (its input norm applied) and its cache
+        layer -> the mixer's output [1, n, d], and what the commit needs."""
+        ...
+
+
 @dataclass
 class AttentionRows:
     """An attention layer's K/V of every row, [1, heads, n, head_dim]: the accepted ones go to the cache."""
@@ -109,18 +132,8 @@ class AttentionRows:
     key: torch.Tensor
     value: torch.Tensor
 
-
-@dataclass
-class RecurrentRows:
-    """A GDN layer's per-row inputs: its convolution input [n, C], and the recurrence's inputs (q, k [n, Hk, dk], v [n, Hv, dv], g, beta [n, Hv])."""
-
-    module: nn.Module
-    mixed: torch.Tensor
-    query: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
-    g: torch.Tensor
-    beta: torch.Tensor
+    def commit(self, cache: Cache, layer_index: int, rows: torch.Tensor) -> None:
+        cache.update(self.key[:, :, rows], self.value[:, :, rows], layer_index)
 
 
 @dataclass
@@ -129,7 +142,7 @@ class VerifiedTree:
     """[n, V] the target's logits after each row."""
     features: torch.Tensor | None
     """[n, L * d] the captured layers (Target.layers) at each row."""
-    kept: dict[int, AttentionRows | RecurrentRows]
+    kept: dict[int, KeptRows]
     """Per decoder layer, what commit_path needs."""
 
     @property
@@ -138,15 +151,9 @@ class VerifiedTree:
         return self.logits.argmax(-1)
 
 
-def _kernels(module: nn.Module):
-    """The modeling module `module` comes from: its RoPE and the GDN kernels transformers bound there."""
+def kernels(module: nn.Module):
+    """The modeling module `module` comes from: its RoPE, repeat_kv and the kernels transformers bound there."""
     return sys.modules[type(module).__module__]
-
-
-def _recurrence(module: nn.Module, query, key, value, g, beta, state):
-    """The gated delta rule token by token from `state` (q, k, v positional: fla names them q, k, v, the fallback query, key, value)."""
-    recurrent = _kernels(module).torch_recurrent_gated_delta_rule
-    return recurrent(query, key, value, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
 
 
 def _text_model(model: nn.Module) -> nn.Module:
@@ -159,48 +166,17 @@ def cached_length(target: Target) -> int:
     return next(layer.get_seq_length() for layer in target.cache.layers if isinstance(layer, DynamicLayer))
 
 
-def _tree_attention(attention: nn.Module, x: torch.Tensor, cos, sin, visible: torch.Tensor, cached: DynamicLayer):
-    """Qwen3.5's gated attention over the cache and the tree (x [1, n, d])."""
-    kernels = _kernels(attention)
-    shape = (*x.shape[:-1], -1, attention.head_dim)
-    query, gate = torch.chunk(attention.q_proj(x).view(*x.shape[:-1], -1, attention.head_dim * 2), 2, dim=-1)
-    query = attention.q_norm(query.reshape(shape)).transpose(1, 2)  # [1, H, n, hd]
-    key = attention.k_norm(attention.k_proj(x).view(shape)).transpose(1, 2)
-    value = attention.v_proj(x).view(shape).transpose(1, 2)
-    query, key = kernels.apply_rotary_pos_emb(query, key, cos, sin)
+def attend_tree(attention: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cached: DynamicLayer,
+                step: TreeStep) -> tuple[torch.Tensor, AttentionRows]:
+    """Attention of the rows over the cache and their ancestors, from their projections [1, heads, n,
+    head_dim] before RoPE: the output [1, n, heads * head_dim] before o_proj, and the rows' K/V."""
+    modeling = kernels(attention)
+    query, key = modeling.apply_rotary_pos_emb(query, key, step.cos, step.sin)
     groups = attention.num_key_value_groups
-    keys = kernels.repeat_kv(torch.cat([cached.keys, key], dim=2), groups)  # [1, H, cached + n, hd]
-    values = kernels.repeat_kv(torch.cat([cached.values, value], dim=2), groups)
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=attention.scaling)
-    out = out.transpose(1, 2).reshape(*x.shape[:-1], -1) * torch.sigmoid(gate.reshape(*x.shape[:-1], -1))
-    return attention.o_proj(out), AttentionRows(key, value)
-
-
-def _tree_gated_delta(gdn: nn.Module, x: torch.Tensor, cached, layout: TreeLayout):
-    """Qwen3.5's Gated DeltaNet over the tree (x [n, d]), each row from its parent's states."""
-    n = len(x)
-    mixed = gdn.in_proj_qkv(x)  # [n, C]
-    z = gdn.in_proj_z(x).reshape(n, -1, gdn.head_v_dim)
-    beta = gdn.in_proj_b(x).sigmoid()
-    g = -gdn.A_log.float().exp() * F.softplus(gdn.in_proj_a(x).float() + gdn.dt_bias)
-    window = cached.conv_states[0][0].T  # [width, C]: the cached inputs, newest last
-    inputs = torch.cat([window, mixed])[layout.windows(len(window))]  # [n, width, C]
-    weight = gdn.conv1d.weight[:, 0, -len(window):]  # [C, width]
-    convolved = (inputs.float() * weight.T.float()).sum(1)  # in fp32, as the conv kernels accumulate
-    if gdn.conv1d.bias is not None:
-        convolved = convolved + gdn.conv1d.bias.float()
-    convolved = ACT2FN[gdn.activation](convolved).to(x.dtype)
-    query, key, value = torch.split(convolved, [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
-    rows = RecurrentRows(gdn, mixed, query.reshape(n, -1, gdn.head_k_dim), key.reshape(n, -1, gdn.head_k_dim),
-                         value.reshape(n, -1, gdn.head_v_dim), g, beta)
-    core = torch.empty_like(rows.value)
-    states = cached.recurrent_states[0]  # [1, Hv, dk, dv]
-    for level, up in layout.levels:
-        start = states if up is None else states[up]
-        out, states = _recurrence(gdn, rows.query[level, None], rows.key[level, None], rows.value[level, None], g[level, None], beta[level, None], start)
-        core[level] = out[:, 0]
-    core = gdn.norm(core.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim)).reshape(n, -1)
-    return gdn.out_proj(core)[None], rows
+    keys = modeling.repeat_kv(torch.cat([cached.keys, key], dim=2), groups)  # [1, H, cached + n, hd]
+    values = modeling.repeat_kv(torch.cat([cached.values, value], dim=2), groups)
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=step.layout.visible, scale=attention.scaling)
+    return out.transpose(1, 2).flatten(2), AttentionRows(key, value)
 
 
 @torch.inference_mode()
@@ -208,17 +184,14 @@ def verify_tree(target: Target, root: int, tree: Tree) -> VerifiedTree:
     """The target's greedy token after the root and after every node, in one forward that leaves the cache as it was."""
     model, device = target.model, target.device
     text = _text_model(model)
+    mixers = target_architecture(text.config).tree_mixers
+    layer_types = getattr(text.config, "layer_types", None) or ["full_attention"] * len(text.layers)
     layout = TreeLayout.of(root, tree, cached_length(target), device)
     h = model.get_input_embeddings()(layout.ids)[None]  # [1, n, d]
-    cos, sin = text.rotary_emb(h, layout.positions[None])
+    step = TreeStep(layout, *text.rotary_emb(h, layout.positions[None]))
     captured, kept = {}, {}
     for index, layer in enumerate(text.layers):
-        x = layer.input_layernorm(h)
-        cached = target.cache.layers[index]
-        if hasattr(layer, "linear_attn"):
-            mixed, kept[index] = _tree_gated_delta(layer.linear_attn, x[0], cached, layout)
-        else:
-            mixed, kept[index] = _tree_attention(layer.self_attn, x, cos, sin, layout.visible, cached)
+        mixed, kept[index] = mixers[layer_types[index]](layer, layer.input_layernorm(h), target.cache.layers[index], step)
         h = h + mixed
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         if index in target.layers:
@@ -230,21 +203,11 @@ def verify_tree(target: Target, root: int, tree: Tree) -> VerifiedTree:
 
 @torch.inference_mode()
 def commit_path(target: Target, verified: VerifiedTree, rows: Sequence[int]) -> None:
-    """Appends these rows (the root, then the accepted nodes by depth) to the cache: their K/V, and
-    each GDN layer's conv window and recurrent state after the last of them."""
+    """Appends these rows (the root, then the accepted nodes by depth) to the cache: every layer's kept
+    rows commit themselves (attention their K/V, a recurrent layer its states after the last of them)."""
     index = torch.tensor(list(rows), device=target.device)
     for layer_index, kept in verified.kept.items():
-        layer = target.cache.layers[layer_index]
-        if isinstance(kept, AttentionRows):
-            target.cache.update(kept.key[:, :, index], kept.value[:, :, index], layer_index)
-            continue
-        window = layer.conv_states[0]  # [1, C, width]
-        window.copy_(torch.cat([window[0].T, kept.mixed[index]])[-window.shape[-1]:].T[None])
-        _, state = _recurrence(kept.module, kept.query[index][None], kept.key[index][None], kept.value[index][None],
-                               kept.g[index][None], kept.beta[index][None], layer.recurrent_states[0])
-        layer.recurrent_states[0].copy_(state)
-        if getattr(layer, "cumulative_length_linear", None) is not None:
-            layer.cumulative_length_linear.add_(len(index))
+        kept.commit(target.cache, layer_index, index)
 
 
 @torch.inference_mode()

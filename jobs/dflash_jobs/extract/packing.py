@@ -1,13 +1,13 @@
-"""Running packed rows through a Transformers hybrid model (see batching.py for the layout).
+"""Running packed rows through a Transformers model (see batching.py for the layout).
 
-Packing needs two things from the model: the Gated DeltaNet layers must keep samples apart, which
-FLA's varlen kernel does from `cu_seq_lens_q` (given the same boundaries on the host as
-`cu_seqlens_cpu`, so it never reads them back from the GPU), and every full-attention layer must
-attend within a sample only, which `packed_attention` does with one variable-length FlashAttention
-call per layer on a GPU (torch's varlen_attn), and with causal SDPA per sample elsewhere. The
-masked gap tokens make the causal conv exact without causal-conv1d's `seq_idx`. The mask mapping
-is handed to the model as a dict, which Transformers' Qwen3.5/3.6 text model takes as precomputed
-masks.
+Packing needs every attention layer to attend within a sample only, which `packed_attention` does
+with one variable-length FlashAttention call per layer on a GPU (torch's varlen_attn), and with
+causal SDPA per sample elsewhere; the positions restart at every sample. What else a packed row
+needs is its architecture's (architectures/: `packing_gap`, `packed_inputs`): a dense model nothing;
+Qwen3.5/3.6's Gated DeltaNet layers must keep samples apart too, which FLA's varlen kernel does
+from `cu_seq_lens_q` (given the same boundaries on the host as `cu_seqlens_cpu`, so it never reads
+them back from the GPU), and masked gap tokens make the causal conv exact without causal-conv1d's
+`seq_idx`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from dflash_jobs.architectures import TargetArchitecture
 from dflash_jobs.extract.batching import Batch
 
 log = logging.getLogger("dflash.extract")
@@ -99,17 +100,25 @@ def attention_path(device: torch.device) -> str:
 AttentionInterface.register(PACKED_ATTENTION, packed_attention)
 
 
-def can_pack(model: torch.nn.Module) -> bool:
-    """Packing is wired for hybrid models whose forward takes a precomputed mask mapping (Qwen3.5/3.6)."""
-    layer_types = getattr(model.config, "layer_types", None) or []
-    return "linear_attention" in layer_types and "full_attention" in layer_types
+def can_pack(architecture: TargetArchitecture, device: torch.device, *, fla: bool) -> bool:
+    """Packed rows on a GPU, where padding costs (a CPU runs padded rows, as exact); Gated DeltaNet layers
+    only with flash-linear-attention (`fla`), whose varlen kernel keeps the samples apart."""
+    return device.type == "cuda" and (fla or not architecture.gated_deltanet)
+
+
+def layout(architecture: TargetArchitecture, device: torch.device, *, packed: bool, pad_multiple: int) -> str:
+    """How the batches are laid out, for the logs and benchmarks."""
+    if not packed:
+        return f"right-padded to multiples of {pad_multiple}"
+    recurrent = "FLA varlen + masked conv gaps; " if architecture.gated_deltanet else ""
+    return f"packed ({recurrent}attention: {attention_path(device)})"
 
 
 def use_packed_attention(model: torch.nn.Module) -> None:
     model.set_attn_implementation(PACKED_ATTENTION)
 
 
-def forward_kwargs(batch: Batch) -> dict[str, Any]:
+def forward_kwargs(batch: Batch, architecture: TargetArchitecture) -> dict[str, Any]:
     """The model inputs of a batch already on its device."""
     if not batch.packed:
         # Right padding needs no mask: later pads never reach earlier tokens of a causal model.
@@ -117,11 +126,8 @@ def forward_kwargs(batch: Batch) -> dict[str, Any]:
     return {
         "input_ids": batch.input_ids,
         "position_ids": batch.position_ids,
-        "attention_mask": {"full_attention": None, "linear_attention": batch.token_mask},
-        "cu_seq_lens_q": batch.cu_seqlens,
-        # The same boundaries on the host: FLA would otherwise read them back, a GPU sync per forward.
-        "cu_seqlens_cpu": torch.tensor([start for start, _ in batch.segments] + [batch.segments[-1][1]]),
         "segment_bounds": batch.cu_seqlens.to(torch.int32),
         "segments": batch.segments,
         "use_cache": False,
+        **architecture.packed_inputs(batch),
     }

@@ -23,6 +23,7 @@ from typing import Iterator
 
 import torch
 
+from dflash_jobs.architectures import TargetArchitecture, target_architecture
 from dflash_jobs.errors import InputError, SpecError
 from dflash_jobs.formats import fetch_header_bytes, file_range, read_header
 from dflash_jobs.selfcheck import CAUSAL_CONV1D, FLA, check_fast_path
@@ -65,8 +66,9 @@ class Target:
     hidden_size: int
     name: str
     config_hash: str
+    architecture: TargetArchitecture
     conv_gap: int
-    """Masked tokens between packed samples: the Gated DeltaNet conv kernel - 1 (0 without GDN layers)."""
+    """Masked tokens after every packed sample: the architecture's packing gap (the Gated DeltaNet conv kernel - 1, 0 for a dense model)."""
     final_hidden: bool = False
     """Also capture the output of the model's last decoder layer (the target's last: loaded whole)."""
 
@@ -107,12 +109,6 @@ def prepare_for_capture(model: torch.nn.Module, layers: list[int], *, final_hidd
     # output before the norm): the final norm would only normalise layer `depth - 1` again.
     model.norm = torch.nn.Identity()
     return model.eval().requires_grad_(False)
-
-
-def conv_gap(config) -> int:
-    if "linear_attention" not in (getattr(config, "layer_types", None) or []):
-        return 0
-    return int(config.linear_conv_kernel_dim) - 1
 
 
 def read_config(spec: TargetSpec, checkpoint: Path) -> tuple[str, dict]:
@@ -156,9 +152,10 @@ def load_target(
         missing = sorted(info["missing_keys"])
         raise InputError(
             f"target.model {spec.model}: {len(missing)} weights of the text model are missing from the checkpoint (first: {missing[0]})",
-            "Point target.model at a complete Hugging Face checkpoint of a causal LM (Qwen3.5/3.6, Qwen3, Llama)",
+            "Point target.model at a complete Hugging Face checkpoint of a causal LM (Qwen3.5/3.6, Llama)",
         )
     model = prepare_for_capture(model, layers, final_hidden=final_hidden)
+    architecture = target_architecture(config)
     log.info("loaded %s (%s, %d of %d layers, capturing %s%s) in %.1f s on %s",
              checkpoint, type(model).__name__, depth, text_config(raw_config)["num_hidden_layers"],
              layers, f" and the final hidden state (layer {depth - 1}, before the norm)" if final_hidden else "",
@@ -169,7 +166,8 @@ def load_target(
         hidden_size=int(config.hidden_size),
         name=spec.model.rstrip("/").rsplit("/", 1)[-1] or raw_config.get("_name_or_path", "target"),
         config_hash=hashlib.sha256(config_text.encode()).hexdigest(),
-        conv_gap=conv_gap(config),
+        architecture=architecture,
+        conv_gap=architecture.packing_gap(config),
         final_hidden=final_hidden,
     )
 

@@ -255,7 +255,7 @@ class ExtractWorker:
         with shallow(self.target.model, warmup_depth(self.target.model)):
             for batch in batches:
                 try:
-                    self.target.model(**packing.forward_kwargs(to_device(batch, self.device)))
+                    self.target.model(**packing.forward_kwargs(to_device(batch, self.device), self.target.architecture))
                 except torch.OutOfMemoryError:
                     log.warning("warm-up: a %s batch ran out of GPU memory; extract.token_budget %d is too large "
                                 "for this GPU, so such batches will be split", batch.shape, self.spec.token_budget)
@@ -333,7 +333,7 @@ class ExtractWorker:
     def _forward(self, batch: Batch, window: Window) -> None:
         on_device = to_device(batch, self.device)
         self.capture.start(on_device.real_index)
-        self.target.model(**packing.forward_kwargs(on_device))
+        self.target.model(**packing.forward_kwargs(on_device, self.target.architecture))
         if not self.summary.ready_s:
             self.summary.ready_s = round(time.monotonic() - self.started, 1)
         # While the forward runs: where each sample's rows go (a chunk takes its buffer here, which can wait).
@@ -381,12 +381,11 @@ def build_worker(spec: RunSpec, shard: int, *, summary: Summary, started: float 
     if spec.extract.compiled_on(device.type):
         log.info("compiled: %d norm and MLP modules of the target (torch.compile, graphs shared across layers)",
                  fusion.compile_elementwise(target.decoder_layers))
-    packed = fast.fla and device.type == "cuda" and packing.can_pack(target.model)
+    packed = packing.can_pack(target.architecture, device, fla=fast.fla)
     log.info(
         "device %s; fast paths: flash-linear-attention %s, causal-conv1d %s; batches: %s",
         device, "on" if fast.fla else "OFF (torch fallback)", "on" if fast.causal_conv1d else "off (torch fallback, slower)",
-        f"packed (FLA varlen + masked conv gaps; attention: {packing.attention_path(device)})" if packed
-        else f"right-padded to multiples of {spec.extract.pad_multiple}",
+        packing.layout(target.architecture, device, packed=packed, pad_multiple=spec.extract.pad_multiple),
     )
     return ExtractWorker(
         spec.extract, target=target, storage=storage, chunks=chunks, summary=summary,

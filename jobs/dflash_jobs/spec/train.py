@@ -145,7 +145,10 @@ class TrainSpec:
     step at the 27B shape is 1.23 s compiled against 1.46 s eager, both with mlp checkpointing, and
     51 GiB against 77), off on a CPU."""
     mask_token_id: int | None = None
-    """Mask token; default: the first unused embedding row."""
+    """The token that fills a block's slots after the anchor (a row of the target's embedding). null: the
+    first embedding row the tokenizer does not use, or where it uses every row (SmolLM2), its lowest
+    special token that has no role, no chat template writes and no training sample holds
+    (drafter/mask_token.py); training logs which and why, and the export records it."""
     seed: int = 42
     checkpoint_every: int = 500
     """Optimizer steps between checkpoints (also saved at the end of every epoch)."""
@@ -191,7 +194,7 @@ class TrainSpec:
         if self.cache_storage_class is not None:
             _dns_label("train.cache_storage_class", self.cache_storage_class, limit=63)
         if self.mask_token_id is not None and self.mask_token_id < 0:
-            raise SpecError("train.mask_token_id", self.mask_token_id, "a token id >= 0, or null for the first unused embedding row")
+            raise SpecError("train.mask_token_id", self.mask_token_id, "a token id >= 0, or null to pick an unused one")
 
     def _resolve_drafter(self) -> None:
         """The drafter's own settings section and its layout's defaults, filled in once, here."""

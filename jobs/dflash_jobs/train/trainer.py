@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 
 from dflash_jobs.devices import pick_device
-from dflash_jobs.drafter.checkpoint import TargetCheckpoint, drafter_config_for_target, resolve_mask_token_id
+from dflash_jobs.drafter.checkpoint import TargetCheckpoint, drafter_config_for_target
 from dflash_jobs.drafter.export import DRAFTER_PREFIX
+from dflash_jobs.drafter.mask_token import pick_mask_token, tokens_in_chunks
 from dflash_jobs.drafter.masks import build_attention
 from dflash_jobs.drafter.model import Drafter
 from dflash_jobs.errors import InputError
@@ -102,9 +103,11 @@ def build_drafter(spec: RunSpec, runtime: Runtime, manifest: Manifest, variant: 
             f"the hidden states hold layers {manifest.layers} of width {manifest.hidden_size}; the spec and target want {layers} of width {target.text['hidden_size']}",
             "Re-run extraction for this spec, or restore the target.layers it was extracted with",
         )
-    tokenizer_size = target.tokenizer_size() if train.mask_token_id is None else None
-    mask_token_id = resolve_mask_token_id(train.mask_token_id, tokenizer_size, target.text["vocab_size"])
-    config = variant.build_config(drafter_config_for_target(target, train, layers, mask_token_id), train)
+    storage = storage_for(spec)
+    chunks = [chunk.chunk for chunk in manifest.chunks]
+    mask = _broadcast(lambda: pick_mask_token(target, train.mask_token_id, data_holds=lambda ids: tokens_in_chunks(storage, chunks, ids)), runtime)
+    log.info("mask token %d: %s", mask.id, mask.why)
+    config = variant.build_config(drafter_config_for_target(target, train, layers, mask.id), train)
     torch.manual_seed(train.seed)
     with runtime.device:  # initialised in place: 1.8B parameters for a 27B target
         drafter = variant.build_model(config)
