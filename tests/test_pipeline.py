@@ -133,14 +133,15 @@ class Recorder:
 
 def write_inputs(directory) -> None:
     """What `dflashctl run` checks before it starts anything (its preflight): data.source readable, its
-    rows parsing, and the target's checkpoint (config.json deep enough for LAYERS, weights, tokenizer)
-    in `directory`. The fake backend's Jobs never read them."""
+    rows parsing, and the target's checkpoint (config.json deep enough for LAYERS, weights, a tokenizer
+    with its chat template, as the chat rows need) in `directory`. The fake backend's Jobs never read them."""
     (directory / "chats.jsonl").write_text('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n')
     model = directory / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"model_type": "qwen3_5_text", "num_hidden_layers": max(LAYERS) + 1, "hidden_size": 8}))
     (model / "model.safetensors").write_bytes(b"\0" * 8)
     (model / "tokenizer_config.json").write_text("{}")
+    (model / "chat_template.jinja").write_text("{% for message in messages %}{{ message['content'] }}{% endfor %}")
 
 
 def pipeline_spec(tmp_path, **sections) -> RunSpec:
