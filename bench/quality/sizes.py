@@ -1,44 +1,25 @@
 """The scales of the quality benchmark: everything that differs between the test's run, the CPU
-run, the command check and the H200 run."""
+run, the command check and the H100/H200 run, for each task (tasks.py): sorting words for a small
+target taught here (tiny, cpu, gpu) and real code prompts for a real model (code-tiny, code-cpu,
+code-gpu)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from corpus import ChatShape
+from code_task import CodeTask, RandomTarget, SmolLM2Target
+from sorting import SortingTask
 
 
 @dataclass(frozen=True, slots=True)
 class Size:
-    """One scale of the benchmark."""
+    """One scale of the benchmark: its task (the target and the chats), then the chain's settings, the same for every task."""
 
-    target_layers: int
-    target_hidden: int
-    target_heads: int
-    target_head_dim: int
-    vocab_size: int
-    """Embedding rows of the target; its BPE tokenizer leaves some unused (the drafter's mask token takes one)."""
-    capture: list[int]
-    """Target layers the drafter reads (target.layers)."""
-    corpus_files: int | None
-    """Standard-library modules read (sampled with a fixed seed; None: every one): the tokenizer's text and the vocabulary's."""
-    document_chars: int | None
-    """A module is cut here (None: corpus.DOCUMENT_CHARS)."""
-    vocabulary_size: int
-    """Words the chats sort (corpus.vocabulary): the most frequent one-token words of the modules."""
-    min_words: int
-    max_words: int
-    """Words a prompt asks to sort, drawn uniformly."""
-    target_chats: int
-    """Chats the target is trained on (none with a prompt of the drafter's data set), answered as the target answers."""
-    train_steps: int
-    train_seconds: float
-    """Target training also stops here (the GPU run must fit its device-time budget); the JSON says where."""
-    train_batch: int
-    train_length: int
-    lr: float
+    task: SortingTask | CodeTask
+    capture: list[int] | None
+    """Target layers the drafter reads (target.layers; None: the spec's default for the target's depth)."""
     chats: int
-    """Conversations of the drafter's data set; `holdout` of them, from the held-out documents, are the evaluation prompts."""
+    """Conversations of the drafter's data set; `holdout` of them, held out at their source, are the evaluation prompts."""
     holdout: int
     max_answer_tokens: int
     """generate.max_new_tokens: the target's answers are cut here (and kept)."""
@@ -66,6 +47,9 @@ class Size:
     first one's extracted states, and their spread is the noise a difference must exceed."""
     data_fractions: tuple[float, ...] = ()
     """Chains on part of the regenerated rows (the held-out prompts kept): does more data help?"""
+    step_epochs: tuple[int, ...] = ()
+    """Chains on all the regenerated states trained for fewer epochs than `epochs`, each to the end of
+    its own schedule, evaluated without trees: does training longer help (the steps curve)?"""
     fp8_chain: bool = False
     """A chain on the regenerated rows stored in float8_e4m3fn: acceptance against bf16 storage."""
     successors: tuple[str, ...] = ("dflash2", "dspark")
@@ -74,10 +58,11 @@ class Size:
     """Successors without their own head, on the same states (chains.ABLATIONS): is a lead its head's or its anchor path's?"""
     eval_processes: int = 1
     """eval.processes: held-out prompts decoded in this many processes (a small target fits many times on a GPU)."""
+    tree_budgets: tuple[int, ...] = (16, 32, 64)
+    """eval.tree_budgets: the draft trees every chain (or the first regenerated one: trees_on_every_chain) decodes."""
+    trees_on_every_chain: bool = True
+    device: str = "cpu"
 
-    @property
-    def chat_shape(self) -> ChatShape:
-        return ChatShape(self.min_words, self.max_words)
 
 SIZES = {
     # Measured in bench/results/quality-cpu.json (its seconds per stage). The target is taught to sort
@@ -85,10 +70,10 @@ SIZES = {
     # trains on 4,096 chats for one epoch (159 steps of 1,024 tokens, 8 anchors a sample, about 4 minutes
     # of one core: 16 anchors for 4 epochs took 3 s a step, 33 minutes a chain, past the hour for eleven).
     "cpu": Size(
-        target_layers=4, target_hidden=128, target_heads=4, target_head_dim=32, vocab_size=2048, capture=[1, 3], corpus_files=48,
-        document_chars=2500, vocabulary_size=64, min_words=4, max_words=8,
-        target_chats=20000, train_steps=1200, train_seconds=10800.0, train_batch=16, train_length=128, lr=1e-2,
-        chats=4160, holdout=64, max_answer_tokens=32, regenerate_batch=64,
+        task=SortingTask(target_layers=4, target_hidden=128, target_heads=4, target_head_dim=32, vocab_size=2048, corpus_files=48,
+                         document_chars=2500, vocabulary_size=64, min_words=4, max_words=8,
+                         target_chats=20000, train_steps=1200, train_seconds=10800.0, train_batch=16, train_length=128, lr=1e-2),
+        capture=[1, 3], chats=4160, holdout=64, max_answer_tokens=32, regenerate_batch=64,
         draft_layers=2, block_size=8, anchors=8, epochs=1, draft_lr=3e-3, micro_batch_tokens=1024, micro_batch_blocks=2048, chunk_tokens=16384,
         max_length=64, eval_new_tokens=24, seeds=(42, 43), data_fractions=(0.25, 0.5), fp8_chain=True, eval_processes=2,
     ),
@@ -96,10 +81,10 @@ SIZES = {
     # the GPU size's command before device time is spent). Its target, trained for seconds, answers
     # almost every prompt alike, and its report says so (diversity.verdict "degenerate").
     "tiny": Size(
-        target_layers=4, target_hidden=64, target_heads=4, target_head_dim=16, vocab_size=1024, capture=[1, 3], corpus_files=30,
-        document_chars=None, vocabulary_size=32, min_words=3, max_words=5,
-        target_chats=400, train_steps=30, train_seconds=30.0, train_batch=16, train_length=64, lr=1e-2,
-        chats=64, holdout=4, max_answer_tokens=12, regenerate_batch=32,
+        task=SortingTask(target_layers=4, target_hidden=64, target_heads=4, target_head_dim=16, vocab_size=1024, corpus_files=30,
+                         document_chars=None, vocabulary_size=32, min_words=3, max_words=5,
+                         target_chats=400, train_steps=30, train_seconds=30.0, train_batch=16, train_length=64, lr=1e-2),
+        capture=[1, 3], chats=64, holdout=4, max_answer_tokens=12, regenerate_batch=32,
         draft_layers=1, block_size=8, anchors=16, epochs=1, draft_lr=3e-3, micro_batch_tokens=512, micro_batch_blocks=2048, chunk_tokens=2048,
         max_length=64, eval_new_tokens=12, eval_prompts=3, seeds=(42, 43), data_fractions=(0.25, 0.5), fp8_chain=True,
     ),
@@ -112,12 +97,22 @@ SIZES = {
     # 194 s, generation 80 s, then the six chains side by side, each extracted in 20-61 s and trained
     # in 34-101 s; their evaluations were still running when the first call ended at 500 s.
     "gpu": Size(
-        target_layers=8, target_hidden=384, target_heads=6, target_head_dim=64, vocab_size=4096, capture=[1, 3, 5, 7], corpus_files=None,
-        document_chars=2500, vocabulary_size=128, min_words=6, max_words=12,
-        target_chats=100000, train_steps=2500, train_seconds=150.0, train_batch=32, train_length=256, lr=3e-3,
-        chats=16448, holdout=64, max_answer_tokens=48, regenerate_batch=512,
+        task=SortingTask(target_layers=8, target_hidden=384, target_heads=6, target_head_dim=64, vocab_size=4096, corpus_files=None,
+                         document_chars=2500, vocabulary_size=128, min_words=6, max_words=12,
+                         target_chats=100000, train_steps=2500, train_seconds=150.0, train_batch=32, train_length=256, lr=3e-3),
+        capture=[1, 3, 5, 7], chats=16448, holdout=64, max_answer_tokens=48, regenerate_batch=512,
         draft_layers=3, block_size=16, anchors=32, epochs=3, draft_lr=1e-3, micro_batch_tokens=8192, micro_batch_blocks=8192, chunk_tokens=65536,
         max_length=96, eval_new_tokens=48, seeds=(42, 43), data_fractions=(0.25, 0.5), fp8_chain=False, successors=(), ablations=(),
-        eval_processes=4,
+        eval_processes=4, device="cuda",
+    ),
+    # The code task's test size: the real task's every stage on a tiny random target (its answers are
+    # noise: diversity "degenerate"), in a couple of minutes on a CPU (tests/test_quality.py).
+    "code-tiny": Size(
+        task=CodeTask(RandomTarget(layers=4, hidden=64, heads=4, head_dim=16, vocab_size=1024, corpus_files=30),
+                      max_prompt_tokens=160, max_source_answer_tokens=96),
+        capture=[1, 3], chats=48, holdout=6, max_answer_tokens=12, regenerate_batch=16,
+        draft_layers=1, block_size=8, anchors=8, epochs=2, draft_lr=3e-3, micro_batch_tokens=1024, micro_batch_blocks=2048, chunk_tokens=4096,
+        max_length=288, eval_new_tokens=12, eval_prompts=3, seeds=(42, 43), data_fractions=(0.5,), step_epochs=(1,),
+        successors=(), ablations=(), tree_budgets=(16,), trees_on_every_chain=False,
     ),
 }
