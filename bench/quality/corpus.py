@@ -1,4 +1,4 @@
-"""The benchmark's chats: a task whose answer is a function of random content in its prompt, over
+"""The sorting task's chats (sorting.py): a task whose answer is a function of random content in its prompt, over
 words of real text, answered one way by the target and another way by the data set's writer.
 
 The task: "Sort these words: w1 w2 ... wn", the words drawn at random from a vocabulary of the

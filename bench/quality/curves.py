@@ -71,7 +71,7 @@ def per_kind(workdir: Path, names: Sequence[str], kinds: list[str]) -> dict[str,
     return {"available": True, "kinds": found}
 
 
-def plot_steps(curve: list[dict[str, Any]], prompt_lookup: float, path: Path) -> None:
+def plot_steps(curve: list[dict[str, Any]], prompt_lookup: float, path: Path, about: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -85,14 +85,17 @@ def plot_steps(curve: list[dict[str, Any]], prompt_lookup: float, path: Path) ->
             ax.plot([p["steps"] for p in series], [p["acceptance_length"] for p in series], style, label=label)
         else:
             ax.plot([p["steps"] for p in series], [p["acceptance_length"] for p in series], style, color="tab:orange",
-                    label="parts of the rows, as many epochs" if rows == min(p["rows"] for p in curve) else None)
+                    label=f"part of the rows, {series[0]['epochs']} epochs" if rows == min(p["rows"] for p in curve) else None)
             for p in series:
                 ax.annotate(f"{p['rows']:g} of the rows", (p["steps"], p["acceptance_length"]), fontsize=8, textcoords="offset points", xytext=(4, -10))
     ax.axhline(prompt_lookup, color="gray", linestyle="--", label="prompt lookup")
     ax.set_xscale("log")
-    ax.set_xlabel("optimizer steps (log)")
+    ticks = sorted({p["steps"] for p in curve})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("optimizer steps (log scale)")
     ax.set_ylabel("acceptance length (tokens per target step)")
-    ax.set_title("DFlash acceptance against training steps, same held-out prompts")
+    ax.set_title("DFlash acceptance against training steps, same held-out prompts" + (f"\n{about}" if about else ""), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

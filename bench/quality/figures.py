@@ -262,7 +262,8 @@ def data_curve(runs: dict[str, dict[str, Any]], chains: Sequence[Chain]) -> list
     return sorted(points, key=lambda point: point["fraction"])
 
 
-def plot_curve(curve: list[dict[str, Any]], prompt_lookup: float, path: Path) -> None:
+def plot_curve(curve: list[dict[str, Any]], prompt_lookup: float, path: Path, about: str = "") -> None:
+    """`about`: the target, under the title (a real model's figures say which)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -273,7 +274,7 @@ def plot_curve(curve: list[dict[str, Any]], prompt_lookup: float, path: Path) ->
     ax.axhline(prompt_lookup, color="gray", linestyle="--", label="prompt lookup")
     ax.set_xlabel("supervised tokens trained on (millions)")
     ax.set_ylabel("acceptance length (tokens per target step)")
-    ax.set_title("Acceptance against data size, same held-out prompts")
+    ax.set_title("Acceptance against data size, same held-out prompts" + (f"\n{about}" if about else ""), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

