@@ -91,8 +91,8 @@ def diversity(regenerated: Path, source: Path, tokenizer, answer_tokens: int) ->
     source_answers = [reply(tokenizer.decode(answer)) for _, answer in split_samples(held_out_samples(source))]
     trained_prompts = {prompt for prompt, _ in answers.trained}
     shares = distinct_and_found(answers.cut, answers.found)
-    meaningful, prompts, distinct, verbatim = (shares.pop("met"), shares["held_out_prompts"], shares["held_out_answers_distinct"],
-                                               shares["held_out_answers_found_in_training_answers"])
+    meaningful = shares.pop("met")
+    prompts, distinct, verbatim = (shares[key] for key in ("held_out_prompts", "held_out_answers_distinct", "held_out_answers_found_in_training_answers"))
     return {
         **shares,
         "held_out_prompts_equal_to_a_training_prompt": sum(prompt in trained_prompts for prompt in answers.prompts),
