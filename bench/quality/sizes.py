@@ -144,7 +144,7 @@ SIZES = {
     # and 2 epochs (the steps curve): ten chains, side by side.
     "code-gpu": Size(
         task=CodeTask(SmolLM2Target(), max_prompt_tokens=256, max_source_answer_tokens=256, packages=("torch",)),
-        capture=None, chats=8192, holdout=64, max_answer_tokens=128, regenerate_batch=512,
+        capture=None, chats=8192, holdout=64, max_answer_tokens=128, regenerate_batch=1024,
         draft_layers=3, block_size=16, anchors=32, epochs=4, draft_lr=1e-3, micro_batch_tokens=4096, micro_batch_blocks=8192, chunk_tokens=65536,
         max_length=544, eval_new_tokens=48, seeds=(42, 43), seeded=("regenerated",), data_fractions=(0.25, 0.5), step_epochs=(1, 2),
         successors=("dflash2", "dspark"), ablations=(), eval_processes=2,
