@@ -84,8 +84,12 @@ def test_public_documented_functions_become_chats_of_every_kind_they_have(qualit
     prompts = quality("code_prompts")
     long_body = "def long(x):\n    " + '"""' + "x" * 50 + '"""\n' + "    y = 1\n" * 700
     root = write_root(tmp_path, {"pkg/__init__.py": MODULE, "pkg/sub.py": long_body, "_private.py": MODULE, "tests/test_x.py": MODULE})
-    functions = prompts.read_functions([("lib", root)])
+    functions = prompts.read_functions([prompts.SourceRoot("lib", root)])
     assert [(f.group, f.module, f.qualname) for f in functions] == [("lib:pkg", "pkg", "documented"), ("lib:pkg", "pkg", "Thing.abstract")]
+    # A package's modules are named from the package; its own __init__ is a group of its own.
+    write_root(tmp_path / "torchlike", {"__init__.py": MODULE, "nn/functional.py": MODULE})
+    package = prompts.read_functions([prompts.SourceRoot("torchlike", tmp_path / "torchlike", "torchlike")])
+    assert sorted({(f.group, f.module) for f in package}) == [("torchlike:nn", "torchlike.nn.functional"), ("torchlike:torchlike", "torchlike")]
     documented, abstract = functions
     assert documented.signature == "def documented(a, b=1):" and abstract.signature == "@staticmethod\ndef abstract(x):"
     assert documented.body == "# the code's own comment\nreturn a + b"

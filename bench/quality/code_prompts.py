@@ -70,14 +70,22 @@ def is_private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
-def source_roots(packages: Sequence[str] = ()) -> list[tuple[str, Path]]:
-    """(label, directory) of the standard library, then of each installed package (located, not imported)."""
-    roots = [("stdlib", Path(sysconfig.get_paths()["stdlib"]))]
+@dataclass(frozen=True, slots=True)
+class SourceRoot:
+    label: str
+    directory: Path
+    package: str = ""
+    """Its modules' names start with it (a package's; "" for the standard library's)."""
+
+
+def source_roots(packages: Sequence[str] = ()) -> list[SourceRoot]:
+    """The standard library, then each installed package (located, not imported)."""
+    roots = [SourceRoot("stdlib", Path(sysconfig.get_paths()["stdlib"]))]
     for package in packages:
         spec = importlib.util.find_spec(package)
         if spec is None or not spec.submodule_search_locations:
             raise ValueError(f"package {package!r} is not installed as a package here: drop it from the size's packages or install it")
-        roots.append((package, Path(next(iter(spec.submodule_search_locations)))))
+        roots.append(SourceRoot(package, Path(next(iter(spec.submodule_search_locations))), package))
     return roots
 
 
@@ -88,7 +96,7 @@ def module_files(root: Path) -> list[Path]:
                   and not any(is_private(part) for part in path.relative_to(root).with_suffix("").parts))
 
 
-def functions_in(label: str, root: Path, path: Path) -> Iterator[Function]:
+def functions_in(root: SourceRoot, path: Path) -> Iterator[Function]:
     """The qualifying functions and methods of one module file (none if it does not parse)."""
     text = path.read_text(errors="replace")
     try:
@@ -96,8 +104,10 @@ def functions_in(label: str, root: Path, path: Path) -> Iterator[Function]:
     except (SyntaxError, ValueError):
         return
     lines = text.splitlines()
-    relative = path.relative_to(root)
-    group, module = f"{label}:{relative.with_suffix('').parts[0]}", module_name(relative)
+    relative = path.relative_to(root.directory)
+    top = relative.with_suffix("").parts[0]
+    group = f"{root.label}:{root.label if top == '__init__' else top}"
+    module = ".".join(part for part in (root.package, module_name(relative)) if part)
 
     def text_of(first: int, last: int) -> str:
         """Lines first..last (1-based, inclusive), dedented."""
@@ -126,8 +136,8 @@ def functions_in(label: str, root: Path, path: Path) -> Iterator[Function]:
         yield from (function for function in found if function is not None)
 
 
-def read_functions(roots: Sequence[tuple[str, Path]]) -> list[Function]:
-    return [function for label, root in roots for path in module_files(root) for function in functions_in(label, root, path)]
+def read_functions(roots: Sequence[SourceRoot]) -> list[Function]:
+    return [function for root in roots for path in module_files(root.directory) for function in functions_in(root, path)]
 
 
 # ---- the kinds of chat -------------------------------------------------------------------------
