@@ -244,7 +244,7 @@ def test_the_steps_curve_puts_every_regenerated_dflash_chain_against_its_optimiz
 
 
 def write_report(path: Path, drafters: dict[str, list[tuple[int, int]] | None]) -> None:
-    report = {"drafters": {name: ({} if records is None else {"per_prompt": [{"committed": c, "verify_steps": s} for c, s in records]})
+    report = {"drafters": {name: ({} if records is None else {"per_prompt": {"committed": [c for c, _ in records], "verify_steps": [s for _, s in records]}})
                            for name, records in drafters.items()}}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report))

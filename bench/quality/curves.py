@@ -44,11 +44,12 @@ def rises(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def prompt_records(report: dict[str, Any], drafter: str) -> list[tuple[int, int]] | None:
     """(committed tokens, verify steps) of each evaluated prompt for one drafter, in prompt order, or
-    None where the report holds no per-prompt records (reports before issue 41 item 5)."""
+    None where the report holds no per-prompt records (reports before issue 41 item 5, whose
+    drafters.<name>.per_prompt holds a list a figure, a value a prompt)."""
     records = report["drafters"][drafter].get("per_prompt")
     if records is None:
         return None
-    return [(record["committed"], record["verify_steps"]) for record in records]
+    return list(zip(records["committed"], records["verify_steps"], strict=True))
 
 
 def per_kind(workdir: Path, names: Sequence[str], kinds: list[str]) -> dict[str, Any]:
