@@ -44,8 +44,9 @@ class SmolLM2Target:
 
 @dataclass(frozen=True, slots=True)
 class RandomTarget:
-    """A tiny random target of the real architecture (dflash_jobs.tiny), its BPE tokenizer trained on
-    `corpus_files` standard-library modules: the test's, whose answers are noise."""
+    """A tiny random target (dflash_jobs.tiny), its BPE tokenizer trained on `corpus_files`
+    standard-library modules: the test's, whose answers are noise. The tiny Qwen3.5 until branch
+    `llama` lands; then the tiny random Llama with tied embeddings it adds, SmolLM2's architecture."""
 
     layers: int
     hidden: int
