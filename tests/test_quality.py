@@ -147,7 +147,8 @@ def test_diversity_counts_what_the_held_out_samples_share_with_the_training_ones
     write_samples(source / "run" / HOLDOUT_KEY, [(p, encode(think + answer)) for (p, _), answer in zip(held, ("a, b", "Sorted: a b c", "x, y"))],
                   [0, 4, 5])
 
-    found = figures.diversity(regenerated, source, rows, tokenizer=tokenizer, answer_tokens=100)
+    chat_set = importlib.import_module("tasks").ChatSet([row["messages"] for row in rows], [], ["sort"] * len(rows))
+    found = bench.SIZES["tiny"].task.diversity(regenerated, source, chat_set, tokenizer=tokenizer, answer_tokens=100)
     assert found["held_out_prompts"] == 3
     assert found["held_out_prompts_equal_to_a_training_prompt"] == 1
     assert found["held_out_answers_distinct"] == 2 and found["held_out_answers_found_in_training_answers"] == 1
@@ -155,7 +156,7 @@ def test_diversity_counts_what_the_held_out_samples_share_with_the_training_ones
     assert found["verdict"].startswith("degenerate: 2 distinct answers to 3 held-out prompts, 1 found word for word")
     assert found["goals"] == {"distinct_share_at_least": 0.9, "verbatim_share_at_most": 0.05, "met": False}
     # Cut where the evaluation stops decoding: the answers it asked for, here all "<think>", each the start of a training answer.
-    cut = figures.diversity(regenerated, source, rows, tokenizer=tokenizer, answer_tokens=1)
+    cut = figures.diversity(regenerated, source, tokenizer=tokenizer, answer_tokens=1)
     assert cut["held_out_answers_distinct"] == 1 and cut["held_out_answers_found_in_training_answers"] == 3
 
 
@@ -452,9 +453,9 @@ def test_tiny_chain_runs_every_chain_on_the_same_held_out_prompts_and_says_its_t
     reports = []
     result = bench.run("tiny", tmp_path, report=lambda stages: reports.append(list(stages)[1:]))
     assert torch.get_num_threads() == threads
-    stages = ["target_training", "generation", *(c.name for c in bench.chains_of(bench.SIZES["tiny"]))]
+    stages = ["target", "generation", *(c.name for c in bench.chains_of(bench.SIZES["tiny"]))]
     # A report after every stage, each with one stage more (two chains run at once on a CPU, so in either order).
-    assert reports[0] == ["target_training"] and set(reports[-1]) == set(stages) and len(reports) == len(stages)
+    assert reports[0] == ["target"] and set(reports[-1]) == set(stages) and len(reports) == len(stages)
     assert all(len(later) == len(earlier) + 1 and set(earlier) < set(later) for earlier, later in zip(reports, reports[1:]))
     # A rerun on the same work directory (a device call cut by its limit) goes on after the finished stages: here, none is left.
     again = bench.run("tiny", tmp_path, report=lambda stages: reports.append(list(stages)[1:]))

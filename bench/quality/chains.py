@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import yaml
@@ -34,7 +34,9 @@ from dflash_jobs.rows import prompt_length
 from dflash_jobs.storage import open_storage
 
 import launch
-from sizes import Size
+
+if TYPE_CHECKING:
+    from sizes import Size
 
 SHARED_STATES = ("tokens", "extract")
 """What a chain with `states_of` takes from the other chain's run: the token chunks (the held-out
@@ -60,6 +62,10 @@ class Chain:
     """The chain whose extracted states this one trains on (it runs train and evaluate only); None: its own."""
     settings: tuple[tuple[str, float], ...] = ()
     """train.<drafter> settings other than their defaults (an ablation: ABLATIONS)."""
+    epochs: int | None = None
+    """train.epochs, fewer than the size's for a point of the steps curve (None: the size's)."""
+    trees: bool = True
+    """Its evaluation decodes the size's draft trees too (else the chain and the baselines only)."""
 
     @property
     def generates(self) -> bool:
@@ -107,12 +113,13 @@ def write_spec(workdir: Path, target: Path, data: Path, size: Size, device: torc
                     **({"final_hidden": True} if final_hidden else {})},
         "train": {
             "drafter": chain.drafter, "block_size": drafted_block(chain.drafter, size.block_size),
-            "gpus_per_node": 1, "draft_layers": size.draft_layers, "anchors": size.anchors, "epochs": size.epochs, "lr": size.draft_lr,
+            "gpus_per_node": 1, "draft_layers": size.draft_layers, "anchors": size.anchors, "epochs": chain.epochs or size.epochs, "lr": size.draft_lr,
             "micro_batch_tokens": size.micro_batch_tokens, "micro_batch_blocks": size.micro_batch_blocks, "seed": chain.seed,
             "checkpoint_every": 200, "cache_gb": 8.0, "stall_seconds": 120.0,
             **({chain.drafter: dict(chain.settings)} if chain.settings else {}),
         },
-        "eval": {"prompts": size.eval_prompts or size.holdout, "max_new_tokens": size.eval_new_tokens, "processes": size.eval_processes},
+        "eval": {"prompts": size.eval_prompts or size.holdout, "max_new_tokens": size.eval_new_tokens, "processes": size.eval_processes,
+                 "tree_budgets": list(size.tree_budgets) if chain.trees else []},
         "local": {"workdir": str(workdir / "local"), "device": device.type},
     }
     if chain.generates:

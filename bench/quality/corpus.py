@@ -1,4 +1,4 @@
-"""The benchmark's chats: a task whose answer is a function of random content in its prompt, over
+"""The sorting task's chats (sorting.py): a task whose answer is a function of random content in its prompt, over
 words of real text, answered one way by the target and another way by the data set's writer.
 
 The task: "Sort these words: w1 w2 ... wn", the words drawn at random from a vocabulary of the
@@ -27,9 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from tasks import ChatSet
+
 DOCUMENT_CHARS = 200_000
 """Longest document kept whole; longer ones are cut (a few generated modules would dominate)."""
 INSTRUCTION = "Sort these words:"
+KIND = "sort"
+"""The one kind of prompt of this task."""
 
 
 def stdlib_sources(files: int | None, chars: int | None = None) -> list[str]:
@@ -86,26 +90,9 @@ def chats(words: list[str], count: int, shape: ChatShape, writer: str, rng: rand
     raise RuntimeError(f"{len(made)} distinct prompts of {shape} from {len(words)} words, {count} wanted: draw from more words")
 
 
-@dataclass(frozen=True, slots=True)
-class ChatSet:
-    """The drafter's data set: its training chats, then the held-out ones, every prompt distinct."""
-
-    training: list[list[dict[str, str]]]
-    held_out: list[list[dict[str, str]]]
-
-    @property
-    def rows(self) -> list[dict[str, list[dict[str, str]]]]:
-        """As chat JSONL rows, the held-out chats last (prepare holds out the last rows)."""
-        return [{"messages": messages} for messages in self.training + self.held_out]
-
-    @property
-    def prompts(self) -> set[str]:
-        return {messages[0]["content"] for messages in self.training + self.held_out}
-
-
 def drafter_chats(words: list[str], training: int, held_out: int, shape: ChatShape, seed: int) -> ChatSet:
     """The data set, answered by the other writer: `held_out` chats drawn first, then `training`
     others, every prompt distinct."""
     rng, taken = random.Random(seed), set()
     held = chats(words, held_out, shape, "another", rng, taken=taken)
-    return ChatSet(chats(words, training, shape, "another", rng, taken=taken), held)
+    return ChatSet(chats(words, training, shape, "another", rng, taken=taken), held, [KIND] * (training + held_out))

@@ -17,7 +17,6 @@ from dflash_jobs.formats import DATASET_KEY, TokenChunk
 from dflash_jobs.rows import prompt_length
 
 from chains import Chain, held_out_samples
-from corpus import INSTRUCTION, WRITERS
 
 DISTINCT_GOAL = 0.9
 """Distinct held-out answers per held-out prompt, at least: the target's answers depend on the prompt."""
@@ -48,37 +47,60 @@ def reply(text: str) -> str:
     return text.split(THINK_END)[-1].replace("<|im_end|>", "").strip()
 
 
-def diversity(regenerated: Path, source: Path, rows: list[dict[str, Any]], tokenizer, answer_tokens: int) -> dict[str, Any]:
-    """How far the held-out prompts are from the drafter's training data, and how much the target's
-    answers to them depend on them, from the regenerated chain's stored samples: its held-out
-    samples hold the target's greedy answers (the generate step's), cut here where the evaluation
-    stops decoding (`answer_tokens`); its training samples hold the answers the drafter learnt. A
-    held-out answer is found in the training data when a training answer begins with it, token for
-    token. `rows`: data.source's chats (the held-out samples' sample ids index them): how often the
-    target's answer is the sorted words as it was taught to write them; `source`: the source chain,
-    for how often the target says what the data set's writer says."""
+@dataclass(frozen=True, slots=True)
+class HeldOutAnswers:
+    """The target's greedy answers to the held-out prompts (the generate step's, in the regenerated
+    chain's held-out samples), cut where the evaluation stops decoding, beside what the drafter
+    trained on."""
+
+    sample_ids: list[int]
+    """The data set's row of each (prepare's sample ids)."""
+    prompts: list[tuple[int, ...]]
+    cut: list[tuple[int, ...]]
+    found: list[bool]
+    """Whether a training answer begins with it, token for token."""
+    replies: list[str]
+    """Its text after the (empty) thinking block, not cut."""
+    trained: list[tuple[tuple[int, ...], tuple[int, ...]]]
+    """(prompt, answer) of every training sample."""
+
+
+def held_out_answers(regenerated: Path, tokenizer, answer_tokens: int) -> HeldOutAnswers:
     held = held_out_samples(regenerated)
     held_pairs, trained = split_samples(held), training_samples(regenerated)
+    cut = [answer[:answer_tokens] for _, answer in held_pairs]
+    return HeldOutAnswers(
+        held.sample_ids.tolist(), [prompt for prompt, _ in held_pairs], cut,
+        [any(trained_answer[: len(answer)] == answer for _, trained_answer in trained) for answer in cut],
+        [reply(tokenizer.decode(answer)) for _, answer in held_pairs], trained,
+    )
+
+
+def distinct_and_found(cut: list[tuple[int, ...]], found: list[bool]) -> dict[str, Any]:
+    """How many of these held-out answers are distinct and how many were found among the training answers, against the goals."""
+    prompts, distinct, verbatim = len(cut), len(set(cut)), sum(found)
+    return {"held_out_prompts": prompts, "held_out_answers_distinct": distinct, "held_out_answers_found_in_training_answers": verbatim,
+            "distinct_share": round(distinct / prompts, 3), "verbatim_share": round(verbatim / prompts, 3),
+            "met": distinct >= DISTINCT_GOAL * prompts and verbatim <= VERBATIM_GOAL * prompts}
+
+
+def diversity(regenerated: Path, source: Path, tokenizer, answer_tokens: int) -> dict[str, Any]:
+    """How far the held-out prompts are from the drafter's training data, and how much the target's
+    answers to them depend on them (held_out_answers), with how often the target says what the data
+    set's writer says (`source`: the source chain). A task adds figures of its own (tasks.py)."""
+    answers = held_out_answers(regenerated, tokenizer, answer_tokens)
     source_answers = [reply(tokenizer.decode(answer)) for _, answer in split_samples(held_out_samples(source))]
-    trained_prompts = {prompt for prompt, _ in trained}
-    answers = [answer[:answer_tokens] for _, answer in held_pairs]
-    found = [any(trained_answer[: len(cut)] == cut for _, trained_answer in trained) for cut in answers]
-    replies = [reply(tokenizer.decode(answer)) for _, answer in held_pairs]
-    asked = [rows[i]["messages"][0]["content"].removeprefix(INSTRUCTION).split() for i in held.sample_ids.tolist()]
-    prompts, distinct, verbatim = len(held_pairs), len(set(answers)), sum(found)
-    meaningful = distinct >= DISTINCT_GOAL * prompts and verbatim <= VERBATIM_GOAL * prompts
+    trained_prompts = {prompt for prompt, _ in answers.trained}
+    shares = distinct_and_found(answers.cut, answers.found)
+    meaningful = shares.pop("met")
+    prompts, distinct, verbatim = (shares[key] for key in ("held_out_prompts", "held_out_answers_distinct", "held_out_answers_found_in_training_answers"))
     return {
-        "held_out_prompts": prompts,
-        "held_out_prompts_equal_to_a_training_prompt": sum(prompt in trained_prompts for prompt, _ in held_pairs),
-        "held_out_answers_distinct": distinct,
-        "held_out_answers_found_in_training_answers": verbatim,
-        "distinct_share": round(distinct / prompts, 3),
-        "verbatim_share": round(verbatim / prompts, 3),
-        "held_out_answers_equal_to_source": sum(a == b for a, b in zip(replies, source_answers, strict=True)),
-        "held_out_answers_as_taught": sum(text == WRITERS["target"](words) for text, words in zip(replies, asked, strict=True)),
+        **shares,
+        "held_out_prompts_equal_to_a_training_prompt": sum(prompt in trained_prompts for prompt in answers.prompts),
+        "held_out_answers_equal_to_source": sum(a == b for a, b in zip(answers.replies, source_answers, strict=True)),
         "answer_tokens": answer_tokens,
-        "training_prompts": len(trained),
-        "training_answers_distinct": len({answer for _, answer in trained}),
+        "training_prompts": len(answers.trained),
+        "training_answers_distinct": len({answer for _, answer in answers.trained}),
         "goals": {"distinct_share_at_least": DISTINCT_GOAL, "verbatim_share_at_most": VERBATIM_GOAL, "met": meaningful},
         "verdict": (f"{'meaningful' if meaningful else 'degenerate'}: {distinct} distinct answers to {prompts} held-out prompts, "
                     f"{verbatim} found word for word in a training answer (goals: >= {DISTINCT_GOAL:.0%} distinct, <= {VERBATIM_GOAL:.0%} found)"
@@ -91,9 +113,9 @@ def diversity(regenerated: Path, source: Path, rows: list[dict[str, Any]], token
 
 def seed_groups(chains: Sequence[Chain]) -> dict[str, list[Chain]]:
     """The chains that train one drafter on the same states with other seeds, under the first one's name."""
-    groups: dict[tuple[str, str, tuple], list[Chain]] = {}
+    groups: dict[tuple[str, str, tuple, int | None], list[Chain]] = {}
     for chain in chains:
-        groups.setdefault((chain.states_of or chain.name, chain.drafter, chain.settings), []).append(chain)
+        groups.setdefault((chain.states_of or chain.name, chain.drafter, chain.settings, chain.epochs), []).append(chain)
     return {group[0].name: group for group in groups.values()}
 
 
@@ -339,16 +361,18 @@ def goals(runs: dict[str, dict[str, Any]], spread: dict[str, dict[str, Any]], cu
 
 def data_curve(runs: dict[str, dict[str, Any]], chains: Sequence[Chain]) -> list[dict[str, Any]]:
     """Acceptance length against the supervised tokens the drafter trained on: the regenerated chains
-    in bf16, first seed, DFlash, each with its 95% interval over the prompts (the evaluation's)."""
+    in bf16, first seed, DFlash, trained for every epoch (the steps chains are the steps curve's), each
+    with its 95% interval over the prompts (the evaluation's)."""
     points = [{"chain": c.name, "fraction": c.fraction, "supervised_tokens": runs[c.name]["supervised_tokens"],
                "acceptance_length": runs[c.name]["acceptance_length"]["dflash"],
                "interval": runs[c.name]["drafters"]["dflash"].get("acceptance_length_interval")}
-              for c in chains if c.regenerated and c.dtype == "bfloat16" and c.drafter == "dflash" and c.seed == chains[0].seed]
+              for c in chains if c.regenerated and c.dtype == "bfloat16" and c.drafter == "dflash" and c.seed == chains[0].seed and c.epochs is None]
     return sorted(points, key=lambda point: point["fraction"])
 
 
-def plot_curve(curve: list[dict[str, Any]], prompt_lookup: float, path: Path) -> None:
-    """The curve with each point's 95% interval over the prompts as a bar (none where a report had none)."""
+def plot_curve(curve: list[dict[str, Any]], prompt_lookup: float, path: Path, about: str = "") -> None:
+    """The curve with each point's 95% interval over the prompts as a bar (none where a report had none);
+    `about`: the target, under the title (a real model's figures say which)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -365,7 +389,7 @@ def plot_curve(curve: list[dict[str, Any]], prompt_lookup: float, path: Path) ->
     ax.axhline(prompt_lookup, color="gray", linestyle="--", label="prompt lookup")
     ax.set_xlabel("supervised tokens trained on (millions)")
     ax.set_ylabel("acceptance length (tokens per target step)")
-    ax.set_title("Acceptance against data size, same held-out prompts")
+    ax.set_title("Acceptance against data size, same held-out prompts" + (f"\n{about}" if about else ""), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

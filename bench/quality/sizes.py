@@ -1,44 +1,25 @@
 """The scales of the quality benchmark: everything that differs between the test's run, the CPU
-run, the command check and the H200 run."""
+run, the command check and the H100/H200 run, for each task (tasks.py): sorting words for a small
+target taught here (tiny, cpu, gpu) and real code prompts for a real model (code-tiny, code-cpu,
+code-gpu)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from corpus import ChatShape
+from code_task import CodeTask, RandomTarget, SmolLM2Target
+from sorting import SortingTask
 
 
 @dataclass(frozen=True, slots=True)
 class Size:
-    """One scale of the benchmark."""
+    """One scale of the benchmark: its task (the target and the chats), then the chain's settings, the same for every task."""
 
-    target_layers: int
-    target_hidden: int
-    target_heads: int
-    target_head_dim: int
-    vocab_size: int
-    """Embedding rows of the target; its BPE tokenizer leaves some unused (the drafter's mask token takes one)."""
-    capture: list[int]
-    """Target layers the drafter reads (target.layers)."""
-    corpus_files: int | None
-    """Standard-library modules read (sampled with a fixed seed; None: every one): the tokenizer's text and the vocabulary's."""
-    document_chars: int | None
-    """A module is cut here (None: corpus.DOCUMENT_CHARS)."""
-    vocabulary_size: int
-    """Words the chats sort (corpus.vocabulary): the most frequent one-token words of the modules."""
-    min_words: int
-    max_words: int
-    """Words a prompt asks to sort, drawn uniformly."""
-    target_chats: int
-    """Chats the target is trained on (none with a prompt of the drafter's data set), answered as the target answers."""
-    train_steps: int
-    train_seconds: float
-    """Target training also stops here (the GPU run must fit its device-time budget); the JSON says where."""
-    train_batch: int
-    train_length: int
-    lr: float
+    task: SortingTask | CodeTask
+    capture: list[int] | None
+    """Target layers the drafter reads (target.layers; None: the spec's default for the target's depth)."""
     chats: int
-    """Conversations of the drafter's data set; `holdout` of them, from the held-out documents, are the evaluation prompts."""
+    """Conversations of the drafter's data set; `holdout` of them, held out at their source, are the evaluation prompts."""
     holdout: int
     max_answer_tokens: int
     """generate.max_new_tokens: the target's answers are cut here (and kept)."""
@@ -65,8 +46,13 @@ class Size:
     """Drafter seeds (train.seed) of the regenerated and the source chain, as many as given (each later
     one a chain more of each, trained and evaluated on the first one's extracted states): a claim takes
     the drafter at its mean over them, and their spread stands beside it as training noise."""
+    seeded: tuple[str, ...] = ("regenerated", "source")
+    """The chains trained again with the later seeds."""
     data_fractions: tuple[float, ...] = ()
     """Chains on part of the regenerated rows (the held-out prompts kept): does more data help?"""
+    step_epochs: tuple[int, ...] = ()
+    """Chains on all the regenerated states trained for fewer epochs than `epochs`, each to the end of
+    its own schedule, evaluated without trees: does training longer help (the steps curve)?"""
     fp8_chain: bool = False
     """A chain on the regenerated rows stored in float8_e4m3fn: acceptance against bf16 storage."""
     successors: tuple[str, ...] = ("dflash2", "dspark")
@@ -75,10 +61,11 @@ class Size:
     """Successors without their own head, on the same states (chains.ABLATIONS): is a lead its head's or its anchor path's?"""
     eval_processes: int = 1
     """eval.processes: held-out prompts decoded in this many processes (a small target fits many times on a GPU)."""
+    tree_budgets: tuple[int, ...] = (16, 32, 64)
+    """eval.tree_budgets: the draft trees every chain (or the regenerated DFlash of each seed: trees_on_every_chain) decodes."""
+    trees_on_every_chain: bool = True
+    device: str = "cpu"
 
-    @property
-    def chat_shape(self) -> ChatShape:
-        return ChatShape(self.min_words, self.max_words)
 
 SIZES = {
     # Measured in bench/results/quality-cpu.json (its seconds per stage). The target is taught to sort
@@ -89,10 +76,10 @@ SIZES = {
     # seed's states (the second seed's took 149.5 and 147.2 s of one core, two stages at a time: about
     # 2.5 minutes more of wall time, to some 28-32 minutes).
     "cpu": Size(
-        target_layers=4, target_hidden=128, target_heads=4, target_head_dim=32, vocab_size=2048, capture=[1, 3], corpus_files=48,
-        document_chars=2500, vocabulary_size=64, min_words=4, max_words=8,
-        target_chats=20000, train_steps=1200, train_seconds=10800.0, train_batch=16, train_length=128, lr=1e-2,
-        chats=4160, holdout=64, max_answer_tokens=32, regenerate_batch=64,
+        task=SortingTask(target_layers=4, target_hidden=128, target_heads=4, target_head_dim=32, vocab_size=2048, corpus_files=48,
+                         document_chars=2500, vocabulary_size=64, min_words=4, max_words=8,
+                         target_chats=20000, train_steps=1200, train_seconds=10800.0, train_batch=16, train_length=128, lr=1e-2),
+        capture=[1, 3], chats=4160, holdout=64, max_answer_tokens=32, regenerate_batch=64,
         draft_layers=2, block_size=8, anchors=8, epochs=1, draft_lr=3e-3, micro_batch_tokens=1024, micro_batch_blocks=2048, chunk_tokens=16384,
         max_length=64, eval_new_tokens=24, seeds=(42, 43, 44), data_fractions=(0.25, 0.5), fp8_chain=True, eval_processes=2,
     ),
@@ -100,10 +87,10 @@ SIZES = {
     # the GPU size's command before device time is spent). Its target, trained for seconds, answers
     # almost every prompt alike, and its report says so (diversity.verdict "degenerate").
     "tiny": Size(
-        target_layers=4, target_hidden=64, target_heads=4, target_head_dim=16, vocab_size=1024, capture=[1, 3], corpus_files=30,
-        document_chars=None, vocabulary_size=32, min_words=3, max_words=5,
-        target_chats=400, train_steps=30, train_seconds=30.0, train_batch=16, train_length=64, lr=1e-2,
-        chats=64, holdout=4, max_answer_tokens=12, regenerate_batch=32,
+        task=SortingTask(target_layers=4, target_hidden=64, target_heads=4, target_head_dim=16, vocab_size=1024, corpus_files=30,
+                         document_chars=None, vocabulary_size=32, min_words=3, max_words=5,
+                         target_chats=400, train_steps=30, train_seconds=30.0, train_batch=16, train_length=64, lr=1e-2),
+        capture=[1, 3], chats=64, holdout=4, max_answer_tokens=12, regenerate_batch=32,
         draft_layers=1, block_size=8, anchors=16, epochs=1, draft_lr=3e-3, micro_batch_tokens=512, micro_batch_blocks=2048, chunk_tokens=2048,
         max_length=64, eval_new_tokens=12, eval_prompts=3, seeds=(42, 43, 44), data_fractions=(0.25, 0.5), fp8_chain=True,
     ),
@@ -118,12 +105,55 @@ SIZES = {
     # a third would add two chains (training 78-94 s each beside the others, evaluation not yet
     # measured at this size) to a run that has yet to finish within a session's device time.
     "gpu": Size(
-        target_layers=8, target_hidden=384, target_heads=6, target_head_dim=64, vocab_size=4096, capture=[1, 3, 5, 7], corpus_files=None,
-        document_chars=2500, vocabulary_size=128, min_words=6, max_words=12,
-        target_chats=100000, train_steps=2500, train_seconds=150.0, train_batch=32, train_length=256, lr=3e-3,
-        chats=16448, holdout=64, max_answer_tokens=48, regenerate_batch=512,
+        task=SortingTask(target_layers=8, target_hidden=384, target_heads=6, target_head_dim=64, vocab_size=4096, corpus_files=None,
+                         document_chars=2500, vocabulary_size=128, min_words=6, max_words=12,
+                         target_chats=100000, train_steps=2500, train_seconds=150.0, train_batch=32, train_length=256, lr=3e-3),
+        capture=[1, 3, 5, 7], chats=16448, holdout=64, max_answer_tokens=48, regenerate_batch=512,
         draft_layers=3, block_size=16, anchors=32, epochs=3, draft_lr=1e-3, micro_batch_tokens=8192, micro_batch_blocks=8192, chunk_tokens=65536,
         max_length=96, eval_new_tokens=48, seeds=(42, 43), data_fractions=(0.25, 0.5), fp8_chain=False, successors=(), ablations=(),
-        eval_processes=4,
+        eval_processes=4, device="cuda",
+    ),
+    # The code task's test size: every chain of code-gpu, on a tiny random target (its answers are
+    # noise: diversity "degenerate") in a few minutes on a CPU (tests/test_quality_code.py), as a
+    # check of the GPU size's command before device time is spent.
+    "code-tiny": Size(
+        task=CodeTask(RandomTarget(layers=4, hidden=64, heads=4, head_dim=16, vocab_size=1024, corpus_files=30),
+                      max_prompt_tokens=160, max_source_answer_tokens=96),
+        capture=[1, 3], chats=48, holdout=6, max_answer_tokens=12, regenerate_batch=16,
+        draft_layers=1, block_size=8, anchors=8, epochs=4, draft_lr=3e-3, micro_batch_tokens=1024, micro_batch_blocks=2048, chunk_tokens=4096,
+        max_length=288, eval_new_tokens=12, eval_prompts=3, seeds=(42, 43), seeded=("regenerated",), data_fractions=(0.25, 0.5),
+        step_epochs=(1, 2), successors=("dflash2", "dspark"), ablations=(), tree_budgets=(16,), trees_on_every_chain=False,
+    ),
+    # SmolLM2-135M-Instruct (4-bit Q4_1 weights, dequantized: a slightly degraded SmolLM2) on real
+    # code prompts, on 2 CPU cores in under an hour. Sized from CPU-seconds measured per stage on this
+    # machine while it was loaded (one thread a step, fp32; bench/README.md): generation 0.57 s a
+    # prompt of 32 answer tokens, extraction 560 tokens/s, training 0.9 s a step of 1,024 tokens (the
+    # 49,152-row head is most of it), evaluation 16.6 s a prompt of 32 tokens (greedy, DFlash,
+    # prompt lookup, bigram: about 130 target forwards of 0.13 s). Short prompts (<= 96 tokens),
+    # short answers (source <= 64, the target's cut at 32), 616 training chats, 24 held-out prompts
+    # (8 a kind), four chains: about 3,800 CPU-seconds, 35-45 min on 2 idle cores.
+    "code-cpu": Size(
+        task=CodeTask(SmolLM2Target(), max_prompt_tokens=96, max_source_answer_tokens=64),
+        capture=None, chats=640, holdout=24, max_answer_tokens=32, regenerate_batch=25,
+        draft_layers=2, block_size=8, anchors=8, epochs=4, draft_lr=3e-3, micro_batch_tokens=1024, micro_batch_blocks=2048, chunk_tokens=16384,
+        max_length=192, eval_new_tokens=32, seeds=(42, 43), successors=(), ablations=(),
+        # One budget: a tree decoding costs about a chain's decoding again on a CPU.
+        tree_budgets=(16,), trees_on_every_chain=False,
+    ),
+    # The same on an H100 in two device calls of at most 9 minutes with the same --workdir, from the
+    # GGUF file on the machine (bench/README.md gives the calls and the arithmetic). The standard
+    # library's and torch's functions (about 10,000 chats of prompts <= 256 tokens; the held-out ones
+    # from standard-library modules only), 8,128 training chats answered again by the target (cut at
+    # 128 tokens), 64 held-out prompts decoded for 48 tokens. A 3-layer DFlash at block 16 for 4
+    # epochs of 4,096-token micro-batches (about 1,900 steps); beside it a second seed, the source,
+    # DFlash2 and DSpark on the same states, a quarter and a half of the rows (the data curve) and 1
+    # and 2 epochs (the steps curve): ten chains, side by side.
+    "code-gpu": Size(
+        task=CodeTask(SmolLM2Target(), max_prompt_tokens=256, max_source_answer_tokens=256, packages=("torch",)),
+        capture=None, chats=8192, holdout=64, max_answer_tokens=128, regenerate_batch=1024,
+        draft_layers=3, block_size=16, anchors=32, epochs=4, draft_lr=1e-3, micro_batch_tokens=4096, micro_batch_blocks=8192, chunk_tokens=65536,
+        max_length=544, eval_new_tokens=48, seeds=(42, 43), seeded=("regenerated",), data_fractions=(0.25, 0.5), step_epochs=(1, 2),
+        successors=("dflash2", "dspark"), ablations=(), eval_processes=2,
+        tree_budgets=(16, 32, 64), trees_on_every_chain=False, device="cuda",
     ),
 }
