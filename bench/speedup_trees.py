@@ -54,6 +54,16 @@ def root_paths(tree: Tree) -> list[list[int]]:
     return paths
 
 
+def chain_rows(tree: Tree, nodes: int) -> list[int]:
+    """The root and the chain's first `nodes` nodes (each depth's first child), as verify rows: a committed path."""
+    path, parent = [0], -1
+    for node in range(len(tree)):
+        if tree.parents[node] == parent and len(path) <= nodes:
+            path.append(node + 1)
+            parent = node
+    return path
+
+
 def logit_difference(logits: torch.Tensor, reference: torch.Tensor) -> dict:
     """[rows, V] against [rows, V]: the largest difference relative to the reference's largest logit, and
     the rows whose argmax differ."""
@@ -112,11 +122,7 @@ def time_trees(target: Target, budgets: list[int], depths: int, device: torch.de
         entry["check"] = tree_check(target, tree, reset)
         entry["tree_verify"] = measure(lambda: verify_tree(target, 0, tree).predicted, device, reps=reps, warmup=warmup)
         verified = verify_tree(target, 0, tree)
-        path, parent = [0], -1  # the root and the first COMMITTED_PATH nodes of the chain (each depth's first child)
-        for node in range(len(tree)):
-            if tree.parents[node] == parent and len(path) <= COMMITTED_PATH:
-                path.append(node + 1)
-                parent = node
+        path = chain_rows(tree, COMMITTED_PATH)
         entry["tree_commit"] = measure(lambda: commit_path(target, verified, path), device, reps=reps, warmup=1, before=reset)
         entry["tree_build"] = measure(lambda: build_tree(MarginalBranches(logits, anchor=0), budget=budget, depth_limit=depths), device,
                                       reps=reps, warmup=1)
