@@ -2,7 +2,7 @@
 proxy of bench/speedup.py's tree timings, whose eager batch-1 forward at the 27B shape is bound by
 kernel launches (about 4-5K a forward).
 
-    python bench/tree_launches.py --baseline main --out bench/results/tree-launches-cpu.json
+    python bench/tree_launches.py --baseline 542339a --out bench/results/tree-launches-cpu.json
 
 The target has the Qwen3.6-27B text model's layer structure (64 layers: [3 Gated DeltaNet, 1 gated
 attention] x 16, bench/extract_shapes.py's REAL_27B) at the tiny target's widths (dflash_jobs.tiny):
