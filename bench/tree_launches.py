@@ -132,7 +132,9 @@ def measure(budgets: list[int]) -> dict:
     config = structure_27b()
     model = Qwen3_5ForCausalLM(config).eval()
     target = Target(model)
-    result = {"dflash_jobs": str(Path(dflash_jobs.__file__).parent), "layers": Counter(config.layer_types), "budgets": {}}
+    data_plane = Path(dflash_jobs.__file__).parent  # this checkout's (repository-relative), or a baseline's
+    result = {"dflash_jobs": str(data_plane.relative_to(REPOSITORY) if data_plane.is_relative_to(REPOSITORY) else data_plane),
+              "layers": Counter(config.layer_types), "budgets": {}}
     with torch.inference_mode():
         target.reset()
         target.forward(torch.randint(0, config.vocab_size, (CONTEXT,)), last_only=True)
@@ -173,10 +175,10 @@ def baseline(ref: str, budgets: list[int]) -> dict:
         subprocess.run([sys.executable, __file__, "--budgets", ",".join(map(str, budgets)), "--out", str(out)], check=True, env=env,
                        stdout=subprocess.DEVNULL)
         result = json.loads(out.read_text())["this"]
-        ran = result.pop("dflash_jobs")
-        if not ran.startswith(directory):
-            raise RuntimeError(f"the baseline ran {ran}, not commit {commit}'s data plane: the installed package shadows PYTHONPATH")
-    return {"commit": commit, **result}
+    if not result["dflash_jobs"].startswith(directory):
+        raise RuntimeError(f"the baseline ran {result['dflash_jobs']}, not commit {commit}'s data plane: the installed package shadows PYTHONPATH")
+    # The child's own record of the checkout it ran in is this one's, not the commit's.
+    return {"commit": commit, **{key: value for key, value in result.items() if key not in ("commit", "uncommitted_changes", "dflash_jobs")}}
 
 
 def main() -> int:
@@ -192,8 +194,6 @@ def main() -> int:
     if args.baseline:
         result["baseline"] = baseline(args.baseline, budgets)
     result["this"] = {"commit": git("rev-parse", "HEAD"), "uncommitted_changes": bool(git("status", "--porcelain", "jobs")), **measure(budgets)}
-    if args.baseline:
-        result["this"].pop("dflash_jobs")  # this checkout's
     if args.baseline:
         result["this_over_baseline"] = {
             budget: {kind: round(entry[kind]["launches"] / result["baseline"]["budgets"][budget][kind]["launches"], 3)

@@ -418,7 +418,8 @@ def test_the_launch_benchmark_counts_a_tree_beside_a_flat_forward_and_an_older_c
                    check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
     result = json.loads(out.read_text())
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=BENCH, check=True, capture_output=True, text=True).stdout.strip()
-    assert result["baseline"]["commit"] == head and result["this"]["layers"] == {"linear_attention": 48, "full_attention": 16}
+    assert result["baseline"]["commit"] == result["this"]["commit"] == head and set(result["baseline"]) == {"commit", "layers", "budgets"}
+    assert result["this"]["dflash_jobs"] == "jobs/dflash_jobs" and result["this"]["layers"] == {"linear_attention": 48, "full_attention": 16}
     entry = result["this"]["budgets"]["4"]
     assert entry["shape"]["nodes"] == 4
     assert {name: kernel["calls"] for name, kernel in entry["tree_verify"]["gdn_kernels"].items()} == {"torch_recurrent_gated_delta_rule": 48}
