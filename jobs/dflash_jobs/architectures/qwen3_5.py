@@ -132,8 +132,9 @@ def tree_gated_delta(layer: nn.Module, x: torch.Tensor, cached, step: TreeStep):
     paths = layout.paths  # [P, D]
     # Each part indexed on its own: contiguous, as the kernel reads them (a view of the whole would be copied thrice).
     query, key, value = (part[paths] for part in heads(gdn, convolved))  # [P, D, heads, dim]
-    # The cached state once per path: the kernel makes the broadcast view contiguous (flash-linear-attention's input_guard).
-    start = cached.recurrent_states[0].expand(len(paths), -1, -1, -1)  # [P, Hv, dk, dv]
+    # The cached state once per path, materialised here: fla's kernel reads a state by offset (input_guard copies a broadcast
+    # view in 0.6.0, but a view read as P states would be silently wrong wherever it does not).
+    start = cached.recurrent_states[0].expand(len(paths), -1, -1, -1).contiguous()  # [P, Hv, dk, dv]
     out, _ = recurrence(gdn, query, key, value, g[paths], beta[paths], start, final_state=False)  # [P, D, Hv, dv]
     core = out.flatten(0, 1)[layout.path_slots]  # [n, Hv, dv]
     core = gdn.norm(core.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim)).reshape(n, -1)
