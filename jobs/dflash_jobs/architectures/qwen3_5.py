@@ -125,7 +125,7 @@ def tree_gated_delta(layer: nn.Module, x: torch.Tensor, cached, step: TreeStep):
     window = cached.conv_states[0][0].T  # [width, C]: the cached inputs, newest last
     inputs = torch.cat([window, mixed])[layout.windows(len(window))]  # [n, width, C]
     weight = gdn.conv1d.weight[:, 0, -len(window):]  # [C, width]
-    convolved = (inputs.float() * weight.T.float()).sum(1)  # in fp32, as the conv kernels accumulate
+    convolved = (inputs * weight.T.float()).sum(1)  # in fp32, as the conv kernels accumulate (the product promotes the inputs)
     if gdn.conv1d.bias is not None:
         convolved = convolved + gdn.conv1d.bias.float()
     convolved = ACT2FN[gdn.activation](convolved).to(x.dtype)
