@@ -6,18 +6,20 @@ kernel launches (about 4-5K a forward).
 
 The target has the Qwen3.6-27B text model's layer structure (64 layers: [3 Gated DeltaNet, 1 gated
 attention] x 16, bench/extract_shapes.py's REAL_27B) at the tiny target's widths (dflash_jobs.tiny):
-what a call launches depends on the layers, not on their widths. A context of CONTEXT random tokens
+what a call launches depends on the layers, not on their widths; in bf16 by default, as on the GPU
+(a cast launches a copy, which float32 would hide). A context of CONTEXT random tokens
 is prefilled; then per budget, on DDTree's typical tree (bench/speedup_trees.py's `typical_tree`):
 `tree_verify` (verify_tree), `tree_commit` (commit_path of the root and COMMITTED_PATH nodes, as
 bench/speedup.py times it) and `flat_forward` (a plain forward of budget + 1 tokens with all their
 logits). Counted (`Launches`): every aten operator that computes (a view or a bare allocation
-launches nothing), and each call of a Gated DeltaNet kernel as one launch whatever its torch
+launches nothing; contiguous, reshape or to count where they copy), and each call of a Gated DeltaNet kernel as one launch whatever its torch
 fallback runs on the CPU: on the GPU flash-linear-attention and causal-conv1d run
-`torch_recurrent_gated_delta_rule` as one kernel (plus a copy of each input that is not contiguous,
-counted here too) and `causal_conv1d_fn` / `causal_conv1d_update` as one, while
-`torch_chunk_gated_delta_rule` (the flat forward's) is several (about ten): a flat forward's count is
-therefore a floor. The recurrent kernel's `tokens` are the sequence positions it runs (batch x
-length, padding included).
+`torch_recurrent_gated_delta_rule` as one kernel and `causal_conv1d_fn` / `causal_conv1d_update` as
+one, while `torch_chunk_gated_delta_rule` (the flat forward's) is 8 in fla 0.6 (the l2-norms of q and
+k, a cumsum, the kkt product, solve_tril, w and u, the states, the output): a flat forward's count is
+therefore a floor, by about 7 a GDN layer. fla's two gated delta rule functions also copy each input
+that is not contiguous (its input_guard), counted here too (`input_copies`). Their `tokens` are the
+sequence positions they run (batch x length, a tree's padding included).
 
 `--baseline REF` counts the same calls with the data plane of git commit REF (its jobs/ in a
 temporary directory, a child process of this script), side by side in the one JSON.
@@ -59,6 +61,16 @@ NO_LAUNCH = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.de
              torch.ops.aten.lift_fresh.default}
 
 
+def _first_tensor(values) -> torch.Tensor | None:
+    values = values if isinstance(values, (tuple, list)) else (values,)
+    return next((value for value in values if isinstance(value, torch.Tensor)), None)
+
+
+def _shares_storage(out, args) -> bool:
+    result, source = _first_tensor(out), _first_tensor(args)
+    return result is None or source is None or result.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
+
+
 class Launches(TorchDispatchMode):
     """Counts the operators a call launches, each GDN kernel call as one (see the module docstring)."""
 
@@ -70,15 +82,17 @@ class Launches(TorchDispatchMode):
         self._inside = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self._inside and not func.is_view and func not in NO_LAUNCH:
+        out = func(*args, **(kwargs or {}))
+        # An operator that may alias its input (a view, contiguous, reshape, to) launches a copy where it returns new storage.
+        if not self._inside and func not in NO_LAUNCH and not (func.is_view and _shares_storage(out, args)):
             self.operators[func.name()] += 1
-        return func(*args, **(kwargs or {}))
+        return out
 
     def _counted(self, name: str, kernel):
         def call(*args, **kwargs):
             entry = self.kernels.setdefault(name, {"calls": 0, "tokens": 0, "input_copies": 0})
             entry["calls"] += 1
-            if name == "torch_recurrent_gated_delta_rule":
+            if name.endswith("gated_delta_rule"):
                 key = args[1]  # [B, T, H, K]
                 entry["tokens"] += key.shape[0] * key.shape[1]
                 # flash-linear-attention's input_guard makes every tensor argument contiguous: a copy each that is not.
@@ -124,13 +138,13 @@ def structure_27b():
     return config
 
 
-def measure(budgets: list[int]) -> dict:
+def measure(budgets: list[int], dtype: torch.dtype) -> dict:
     from transformers import Qwen3_5ForCausalLM
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
     torch.manual_seed(0)
     config = structure_27b()
-    model = Qwen3_5ForCausalLM(config).eval()
+    model = Qwen3_5ForCausalLM(config).eval().to(dtype)
     target = Target(model)
     data_plane = Path(dflash_jobs.__file__).parent  # this checkout's (repository-relative), or a baseline's
     result = {"dflash_jobs": str(data_plane.relative_to(REPOSITORY) if data_plane.is_relative_to(REPOSITORY) else data_plane),
@@ -164,7 +178,7 @@ def git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=REPOSITORY, check=True, capture_output=True, text=True).stdout.strip()
 
 
-def baseline(ref: str, budgets: list[int]) -> dict:
+def baseline(ref: str, budgets: list[int], dtype: str) -> dict:
     """This script's figures with the data plane of commit `ref`, from a child process."""
     commit = git("rev-parse", ref)
     with tempfile.TemporaryDirectory() as directory:
@@ -172,7 +186,7 @@ def baseline(ref: str, budgets: list[int]) -> dict:
         subprocess.run(["tar", "-x", "-C", directory], input=archive, check=True)
         out = Path(directory) / "baseline.json"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(directory) / "jobs"), os.environ.get("PYTHONPATH", "")])}
-        subprocess.run([sys.executable, __file__, "--budgets", ",".join(map(str, budgets)), "--out", str(out)], check=True, env=env,
+        subprocess.run([sys.executable, __file__, "--budgets", ",".join(map(str, budgets)), "--dtype", dtype, "--out", str(out)], check=True, env=env,
                        stdout=subprocess.DEVNULL)
         result = json.loads(out.read_text())["this"]
     if not result["dflash_jobs"].startswith(directory):
@@ -185,15 +199,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--budgets", default="16,32,64,128", help="tree node budgets, comma-separated")
     parser.add_argument("--baseline", metavar="REF", help="a git commit whose data plane is counted beside this one's")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="the target's weights and activations")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     budgets = [int(b) for b in args.budgets.split(",")]
     torch.set_num_threads(1)
     result = {"command": shlex.join(["python", "bench/tree_launches.py", *sys.argv[1:]]), "machine": platform.processor() or platform.machine(),
-              "torch": torch.__version__, "context": CONTEXT, "committed_path": COMMITTED_PATH}
+              "torch": torch.__version__, "dtype": args.dtype, "context": CONTEXT, "committed_path": COMMITTED_PATH}
     if args.baseline:
-        result["baseline"] = baseline(args.baseline, budgets)
-    result["this"] = {"commit": git("rev-parse", "HEAD"), "uncommitted_changes": bool(git("status", "--porcelain", "jobs")), **measure(budgets)}
+        result["baseline"] = baseline(args.baseline, budgets, args.dtype)
+    result["this"] = {"commit": git("rev-parse", "HEAD"), "uncommitted_changes": bool(git("status", "--porcelain", "jobs")), **measure(budgets, getattr(torch, args.dtype))}
     if args.baseline:
         result["this_over_baseline"] = {
             budget: {kind: round(entry[kind]["launches"] / result["baseline"]["budgets"][budget][kind]["launches"], 3)
