@@ -10,9 +10,10 @@ of the recurrent kernel transformers binds (flash-linear-attention's fused_recur
 installed): a batch of the tree's root paths (`TreeLayout.paths`), each from the cached state, each
 node's output read from one path that holds it. A shared prefix is run once per path through it:
 the kernel runs P x D positions for n rows (P leaves, D the deepest path's rows; at the typical
-trees of bench/speedup_trees.py 45 for 17 rows, 516 for 129), where a depth at a time would run n in
-D calls; on a GPU a path is more programs of the kernel's grid, a depth one more step of each. No node's recurrent state is materialised (at the 27B shape 3 MiB per node per
-GDN layer in fp32): only P copies of the cached state, the kernel's inputs.
+trees of bench/speedup_trees.py 45 for 17 rows, 516 for 129), where a depth at a time would run n
+in D calls; on a GPU a path is more programs of the kernel's grid, a depth one more step of each.
+No node's recurrent state is materialised (at the 27B shape 3 MiB per node per GDN layer in fp32):
+only P copies of the cached state, the kernel's inputs.
 
 Its commit sets every GDN layer's conv window and recurrent state to those after the last accepted
 node, in one recurrent call for all the layers at once: the accepted rows' inputs, which the verify
