@@ -61,9 +61,10 @@ The speed-up table (per context) has three columns:
 Draft trees (DDTree, `--tree-budgets`, bench/speedup_trees.py, jobs/dflash_jobs/drafter/tree_verify.py): a
 cycle verifies a tree of `budget` nodes below the anchor in one forward instead of the block. Timed per budget, on the
 same cache: `tree_verify` (the forward over the anchor and the nodes: attention with the ancestor
-mask, the Gated DeltaNet layers one depth at a time from each node's parent's states, the logits of
-every node and their argmax), `tree_commit` (the accepted path's K/V appended and the GDN states
-after its last node recomputed: a path of 4 nodes), `tree_build` (DDTree's best-first heap over the
+mask, the Gated DeltaNet layers' recurrence in one call a layer over the tree's root paths, each from
+the cached state, the logits of every node and their argmax), `tree_commit` (the accepted path's K/V
+appended and the GDN states after its last node recomputed, every GDN layer in one recurrent call: a
+path of 4 nodes), `tree_build` (DDTree's best-first heap over the
 drafter's [15, V] slot distributions: the top-k on the device, then the heap on the host), and
 `flat_forward` (a plain causal forward of as many tokens, budget + 1, with all their logits: what
 the forward costs where a kernel takes the tree's recurrence at the price of a sequence); `check`
@@ -78,6 +79,8 @@ nodes per depth). Speed-up per budget and tau (`--tree-acceptance BUDGET=TAU`, f
 report's `drafters.<variant>.tree`, else the tau grid): `tree` = tau * decode1 / (tree_verify +
 tree_commit + tree_build + cached(tau)), and `tree_flat` the same with flat_forward in place of
 tree_verify + tree_commit, shown where the tree-aware recurrence costs more than the flat forward.
+With `--profile-reps` on a GPU, `trees.<budget>.kernels` gives the kernels tree_verify, tree_commit and
+flat_forward launch (bench/tree_launches.py counts the same on a CPU, against an older commit).
 
 Not modelled: batch > 1 (verify is then no longer nearly free against decode: the speed-up shrinks
 as the batch grows), CUDA graphs and fused kernels of a serving engine (vLLM and SGLang run decode
@@ -332,7 +335,7 @@ def main() -> int:
                 save()
                 if tree_budgets:
                     log.info("context %d: timing draft trees of %s nodes", C, tree_budgets)
-                    ctx["trees"] = time_trees(target, tree_budgets, B - 1, device, args.reps, args.warmup, reset, save)
+                    ctx["trees"] = time_trees(target, tree_budgets, B - 1, device, args.reps, args.warmup, args.profile_reps, reset, save)
 
                 ctx["drafter"] = dft = {"cached": {}}
                 log.info("context %d: timing the drafter", C)

@@ -6,7 +6,7 @@ each budget's speed-up. bench/speedup.py's module docstring says what each figur
 from __future__ import annotations
 
 import torch
-from speedup_timing import curve, measure
+from speedup_timing import curve, kernel_profile, measure
 
 from dflash_jobs.drafter.speculative import Target
 from dflash_jobs.drafter.tree import MarginalBranches, Tree, build_tree
@@ -52,6 +52,16 @@ def root_paths(tree: Tree) -> list[list[int]]:
             node = tree.parents[node]
         paths.append([0, *reversed(rows)])
     return paths
+
+
+def chain_rows(tree: Tree, nodes: int) -> list[int]:
+    """The root and the chain's first `nodes` nodes (each depth's first child), as verify rows: a committed path."""
+    path, parent = [0], -1
+    for node in range(len(tree)):
+        if tree.parents[node] == parent and len(path) <= nodes:
+            path.append(node + 1)
+            parent = node
+    return path
 
 
 def logit_difference(logits: torch.Tensor, reference: torch.Tensor) -> dict:
@@ -101,8 +111,10 @@ def tree_check(target: Target, tree: Tree, reset) -> dict:
     return check
 
 
-def time_trees(target: Target, budgets: list[int], depths: int, device: torch.device, reps: int, warmup: int, reset, save) -> dict:
-    """tree_verify, tree_commit, tree_build and flat_forward per budget (see the module docstring), on the target's cache as `reset` leaves it."""
+def time_trees(target: Target, budgets: list[int], depths: int, device: torch.device, reps: int, warmup: int, profile_reps: int, reset,
+               save) -> dict:
+    """tree_verify, tree_commit, tree_build and flat_forward per budget (see the module docstring), on the target's cache as
+    `reset` leaves it; on a GPU with profile_reps, the kernels each of tree_verify, tree_commit and flat_forward launches."""
     vocab = target.model.config.vocab_size
     trees: dict = {}
     for budget in budgets:
@@ -112,17 +124,22 @@ def time_trees(target: Target, budgets: list[int], depths: int, device: torch.de
         entry["check"] = tree_check(target, tree, reset)
         entry["tree_verify"] = measure(lambda: verify_tree(target, 0, tree).predicted, device, reps=reps, warmup=warmup)
         verified = verify_tree(target, 0, tree)
-        path, parent = [0], -1  # the root and the first COMMITTED_PATH nodes of the chain (each depth's first child)
-        for node in range(len(tree)):
-            if tree.parents[node] == parent and len(path) <= COMMITTED_PATH:
-                path.append(node + 1)
-                parent = node
+        path = chain_rows(tree, COMMITTED_PATH)
         entry["tree_commit"] = measure(lambda: commit_path(target, verified, path), device, reps=reps, warmup=1, before=reset)
         entry["tree_build"] = measure(lambda: build_tree(MarginalBranches(logits, anchor=0), budget=budget, depth_limit=depths), device,
                                       reps=reps, warmup=1)
         ids = torch.arange(len(tree) + 1, device=device)
         entry["flat_forward"] = measure(lambda: target.forward(ids).argmax(-1), device, reps=reps, warmup=warmup, before=reset)
         reset()
+        if device.type == "cuda" and profile_reps > 0:
+            # No rollback inside a profile: the commits grow the cache by a few tokens over the reps, then it is rolled back.
+            entry["kernels"] = {"tree_verify": kernel_profile(lambda: verify_tree(target, 0, tree).predicted, device, profile_reps),
+                                "tree_commit": kernel_profile(lambda: commit_path(target, verified, path), device, profile_reps)}
+            reset()
+            entry["kernels"]["flat_forward"] = kernel_profile(lambda: target.forward(ids).argmax(-1), device, profile_reps)
+            reset()
+            for profiled in entry["kernels"].values():
+                profiled.pop("names")
         save()
     return trees
 

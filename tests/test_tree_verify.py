@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from dflash_jobs.architectures import ARCHITECTURE_MODULES, qwen3_5
@@ -147,24 +148,51 @@ def kernel_model(request, model_of, monkeypatch):
     return model_of(architecture)
 
 
+def tree_of(parents: list[int], seed: int, vocab: int) -> Tree:
+    """A tree of these parents, random tokens."""
+    rng = random.Random(seed)
+    depths = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return Tree([rng.randrange(vocab) for _ in parents], parents, depths, [0.0] * len(parents))
+
+
 def random_tree(seed: int, nodes: int, vocab: int) -> Tree:
     """A tree with a chain of 7 (deeper than the conv window) and random branches off it."""
     rng = random.Random(seed)
     parents = [-1, 0, 1, 2, 3, 4, 5]
     for node in range(len(parents), nodes):
         parents.append(rng.randint(-1, node - 1))
-    depths = []
-    for parent in parents:
-        depths.append(1 if parent < 0 else depths[parent] + 1)
-    return Tree([rng.randrange(vocab) for _ in parents], parents, depths, [0.0] * nodes)
+    return tree_of(parents, seed, vocab)
+
+
+TREES = {
+    "random-24": lambda vocab: random_tree(0, 24, vocab),
+    "random-64": lambda vocab: random_tree(1, 64, vocab),
+    "chain-14": lambda vocab: tree_of(list(range(-1, 13)), 2, vocab),  # one path, 15 rows deep
+    "bushy-40": lambda vocab: tree_of([-1] * 8 + [node // 4 for node in range(32)], 3, vocab),  # 8 children of the root, 4 under each
+}
+"""Trees of every shape the verify forward lays out as root paths: branching at random, a chain (one
+path, no padding), bushy (many short paths sharing the root)."""
 
 
 def root_path(tree: Tree, node: int) -> list[int]:
+    """The nodes from depth 1 down to `node`."""
     path = []
     while node >= 0:
-        path.append(tree.tokens[node])
+        path.append(node)
         node = tree.parents[node]
     return path[::-1]
+
+
+def leaves(tree: Tree) -> list[int]:
+    return [node for node in range(len(tree)) if node not in set(tree.parents)]
+
+
+def linear_states(target: Target) -> list[torch.Tensor]:
+    """Every GDN layer's conv window and recurrent state, and its token count."""
+    return [t for layer in target.cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)
+            for t in (*layer.conv_states.values(), *layer.recurrent_states.values(), layer.cumulative_length_linear)]
 
 
 def test_the_layout_sees_ancestors_only_and_places_each_node_at_its_depth():
@@ -173,7 +201,10 @@ def test_the_layout_sees_ancestors_only_and_places_each_node_at_its_depth():
     assert layout.ids.tolist() == [9, 5, 6, 7, 8] and layout.positions.tolist() == [3, 4, 5, 4, 6]
     assert layout.visible[:, :3].all()
     assert layout.visible[:, 3:].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, 0, 1, 0], [1, 1, 1, 0, 1]]
-    assert [(rows.tolist(), None if up is None else up.tolist()) for rows, up in layout.levels] == [([0], None), ([1, 3], [0, 0]), ([2], [0]), ([4], [0])]
+    # The leaves' root paths (rows 3 and 4), the shorter padded with the root; each row read from the first path holding it.
+    assert layout.paths.tolist() == [[0, 3, 0, 0], [0, 1, 2, 4]]
+    assert layout.path_slots.tolist() == [0, 5, 6, 1, 7]
+    assert all(layout.paths.flatten()[slot] == row for row, slot in enumerate(layout.path_slots.tolist()))
     # Oldest first, 4 wide: the cached window's last inputs (indices 0..3) above the root, then the rows (4 + row).
     assert layout.windows(4).tolist() == [[1, 2, 3, 4], [2, 3, 4, 5], [3, 4, 5, 6], [2, 3, 4, 7], [4, 5, 6, 8]]
 
@@ -197,43 +228,96 @@ def test_the_fla_port_computes_what_the_torch_reference_does():
         fla_fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=state[:1])
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_one_forward_gives_every_node_what_a_forward_of_its_root_path_gives(kernel_model, prompt, seed):
+@pytest.mark.parametrize("shape", TREES)
+def test_one_forward_gives_every_node_what_a_forward_of_its_root_path_gives(kernel_model, prompt, shape):
     model = kernel_model
-    vocab = model.config.vocab_size
-    tree, root = random_tree(seed, 24, vocab), 17
+    tree, root = TREES[shape](model.config.vocab_size), 17
     target, reference = Target(model, LAYERS), Target(model, LAYERS)
     with torch.inference_mode():
         target.reset()
         target.forward(prompt, last_only=True)
-        before = [t.clone() for layer in target.cache.layers for t in (*getattr(layer, "conv_states", {}).values(), *getattr(layer, "recurrent_states", {}).values())]
+        before = [t.clone() for t in linear_states(target)]
         verified = verify_tree(target, root, tree)
-        for row in range(len(tree) + 1):
+        checked = set()
+        for leaf in leaves(tree):  # a forward per leaf: the root and every node above it, each at its own position
+            path = root_path(tree, leaf)
             reference.reset()
-            logits = reference.forward(torch.cat([prompt, torch.tensor([root, *(root_path(tree, row - 1) if row else [])])]))
-            torch.testing.assert_close(verified.logits[row], logits[-1], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(verified.features[row], reference.features()[-1], rtol=1e-5, atol=1e-5)
-    after = [t for layer in target.cache.layers for t in (*getattr(layer, "conv_states", {}).values(), *getattr(layer, "recurrent_states", {}).values())]
-    assert cached_length(target) == len(prompt) and all(torch.equal(a, b) for a, b in zip(before, after))  # the forward wrote nothing
+            logits = reference.forward(torch.cat([prompt, torch.tensor([root, *(tree.tokens[node] for node in path)])]))[len(prompt):]
+            rows = [0] + [node + 1 for node in path]
+            torch.testing.assert_close(verified.logits[rows], logits, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(verified.features[rows], reference.features()[len(prompt):], rtol=1e-5, atol=1e-5)
+            checked.update(rows)
+    assert checked == set(range(len(tree) + 1))
+    assert cached_length(target) == len(prompt) and all(torch.equal(a, b) for a, b in zip(before, linear_states(target)))  # the forward wrote nothing
 
 
-@pytest.mark.parametrize("accepted", [0, 2, 6])
-def test_committing_a_path_leaves_the_cache_as_a_forward_of_that_path_would(kernel_model, prompt, accepted):
-    """The root and `accepted` nodes down the tree's chain (6: past the hybrid's 4-wide conv window)
-    are committed; the next forward then sees exactly what it would after the plain path."""
+def committed_paths(tree: Tree) -> dict[str, list[int]]:
+    """Accepted paths (nodes by depth) to commit in each tree: none, short and long down its first
+    path, and down the deepest path off it (the recurrence's state after a node no first path holds)."""
+    first = root_path(tree, leaves(tree)[0])
+    off = max((leaf for leaf in leaves(tree) if tree.parents[leaf] not in first), key=lambda leaf: tree.depths[leaf], default=None)
+    paths = {"none": [], "two": first[:2], "first": first}
+    if off is not None:
+        paths["off_first"] = root_path(tree, off)
+    return paths
+
+
+@pytest.mark.parametrize("shape, accepted", [(shape, accepted) for shape in TREES for accepted in ("none", "two", "first", "off_first")
+                                             if not (shape == "chain-14" and accepted == "off_first")])
+def test_committing_a_path_leaves_the_cache_as_a_forward_of_that_path_would(kernel_model, prompt, shape, accepted):
+    """The root and an accepted path are committed: every layer's cache (K/V, conv windows past the
+    hybrid's 4-wide window, recurrent states, token counts) is what a plain forward of the same
+    tokens leaves, and the next forward sees exactly what it would after the plain path."""
     model = kernel_model
-    tree, root, after = random_tree(2, 24, model.config.vocab_size), 17, torch.tensor([3, 99, 250])
-    path = list(range(accepted))  # nodes 0..5 are the chain 0 -> 1 -> ... -> 5
+    tree, root, after = TREES[shape](model.config.vocab_size), 17, torch.tensor([3, 99, 250])
+    path = committed_paths(tree)[accepted]
+    tokens = torch.cat([prompt, torch.tensor([root, *(tree.tokens[node] for node in path)])])
     target, reference = Target(model), Target(model)
     with torch.inference_mode():
         target.reset()
         target.forward(prompt, last_only=True)
         commit_path(target, verify_tree(target, root, tree), [0] + [node + 1 for node in path])
-        assert cached_length(target) == len(prompt) + 1 + accepted
-        continued = target.forward(after)
         reference.reset()
-        expected = reference.forward(torch.cat([prompt, torch.tensor([root, *(tree.tokens[n] for n in path)]), after]))[-len(after):]
+        reference.forward(tokens)
+        assert cached_length(target) == cached_length(reference) == len(tokens)
+        for mine, plain in zip(target.cache.layers, reference.cache.layers, strict=True):
+            if isinstance(plain, LinearAttentionCacheLayerMixin):
+                for kind in ("conv_states", "recurrent_states"):
+                    torch.testing.assert_close(getattr(mine, kind)[0], getattr(plain, kind)[0], rtol=1e-5, atol=1e-5)
+                assert int(mine.cumulative_length_linear) == int(plain.cumulative_length_linear) == len(tokens)
+            else:
+                torch.testing.assert_close((mine.keys, mine.values), (plain.keys, plain.values), rtol=1e-5, atol=1e-5)
+        continued = target.forward(after)
+        expected = reference.forward(after)
     torch.testing.assert_close(continued, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_recurrence_runs_once_a_layer_in_the_forward_and_once_in_the_commit(model_of, prompt, monkeypatch):
+    """What makes the tree cheap on a GPU: one call of the recurrent kernel per GDN layer for the whole
+    tree (its root paths as one batch), and one for every layer's commit together, whatever the tree's depth."""
+    model = model_of("qwen3_5")
+    gdn_layers = model.config.layer_types.count("linear_attention")
+    calls = []
+    kernel = modeling_qwen3_5.torch_recurrent_gated_delta_rule
+
+    def counted(query, key, value, **kwargs):
+        calls.append((tuple(key.shape[:2]), tuple(kwargs["initial_state"].shape[:1])))
+        return kernel(query, key, value, **kwargs)
+
+    monkeypatch.setattr(modeling_qwen3_5, "torch_recurrent_gated_delta_rule", counted)
+    tree = TREES["random-64"](model.config.vocab_size)
+    paths, deepest = len(leaves(tree)), max(tree.depths) + 1
+    target = Target(model)
+    with torch.inference_mode():
+        target.reset()
+        target.forward(prompt, last_only=True)
+        calls.clear()
+        verified = verify_tree(target, 17, tree)
+        assert calls == [((paths, deepest), (paths,))] * gdn_layers  # [P, D] positions, a state per path
+        calls.clear()
+        path = committed_paths(tree)["first"]
+        commit_path(target, verified, [0] + [node + 1 for node in path])
+        assert calls == [((gdn_layers, len(path) + 1), (gdn_layers,))]  # a sequence per layer, from its own state
 
 
 @pytest.mark.parametrize("ranks, budget", [
@@ -319,10 +403,41 @@ def test_the_speedup_benchmark_prices_trees_at_the_tiny_shape(tmp_path):
     assert result["tree_summary"]["24"]["16"]["2.5"]["tree"] == priced["table"][0]["tree"]
 
 
-def test_the_benchmarks_tree_check_tells_a_wrong_parent_state_from_rounding(model_of, prompt, monkeypatch):
+def test_the_launch_benchmark_counts_a_tree_beside_a_flat_forward_and_an_older_commit(tmp_path):
+    """bench/tree_launches.py on the 27B's 64 layers at tiny widths: per budget what the tree's verify,
+    its commit and a flat forward launch, with this checkout's data plane and (a child process) with a
+    commit's. The GDN kernels are counted as calls: the verify's recurrence once per GDN layer, the
+    commit's once, the flat forward's convolution and chunked recurrence once per GDN layer each."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "launches.json"
+    subprocess.run([sys.executable, str(BENCH / "tree_launches.py"), "--budgets", "4", "--baseline", "HEAD", "--out", str(out)],
+                   check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
+    result = json.loads(out.read_text())
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=BENCH, check=True, capture_output=True, text=True).stdout.strip()
+    assert result["baseline"]["commit"] == result["this"]["commit"] == head and set(result["baseline"]) == {"commit", "layers", "budgets"}
+    assert result["this"]["dflash_jobs"] == "jobs/dflash_jobs" and result["this"]["layers"] == {"linear_attention": 48, "full_attention": 16}
+    entry = result["this"]["budgets"]["4"]
+    assert entry["shape"]["nodes"] == 4
+    assert {name: kernel["calls"] for name, kernel in entry["tree_verify"]["gdn_kernels"].items()} == {"torch_recurrent_gated_delta_rule": 48}
+    assert {name: kernel["calls"] for name, kernel in entry["tree_commit"]["gdn_kernels"].items()} == {"torch_recurrent_gated_delta_rule": 1}
+    assert {name: kernel["calls"] for name, kernel in entry["flat_forward"]["gdn_kernels"].items()} == {
+        "causal_conv1d_fn": 48, "torch_chunk_gated_delta_rule": 48}
+    for kind in ("tree_verify", "tree_commit", "flat_forward"):
+        counted = entry[kind]
+        assert counted["launches"] == counted["aten_operators"] + sum(k["calls"] + k["input_copies"] for k in counted["gdn_kernels"].values())
+        assert result["this_over_baseline"]["4"][kind] == round(counted["launches"] / result["baseline"]["budgets"]["4"][kind]["launches"], 3)
+    assert entry["verify_and_commit_over_flat"] == round((entry["tree_verify"]["launches"] + entry["tree_commit"]["launches"])
+                                                         / entry["flat_forward"]["launches"], 3)
+
+
+def test_the_benchmarks_tree_check_tells_a_wrong_state_from_rounding(model_of, prompt, monkeypatch):
     """bench/speedup.py's check of the tree forward against the plain computations' own spread: the
-    tree forward lies within it; one whose GDN nodes start from their depth's first state, not their
-    parent's (right along the chain, wrong on every other branch), lies far outside."""
+    tree forward lies within it; one whose GDN root paths after the first start from a zero state,
+    not the cached one (right along the first path, wrong on every other branch), lies far outside."""
     model = model_of("qwen3_5")
     monkeypatch.syspath_prepend(str(BENCH))
     speedup = importlib.import_module("speedup_trees")
@@ -337,10 +452,11 @@ def test_the_benchmarks_tree_check_tells_a_wrong_parent_state_from_rounding(mode
         assert check["within_noise"] and check["rows"] == 17 and check["noise_floor"] < 1e-5
         right = qwen3_5.recurrence
 
-        def from_first_state(module, query, key, value, g, beta, state):
-            return right(module, query, key, value, g, beta, state[:1].expand(len(query), *state.shape[1:]))
+        def first_path_from_the_cache(module, query, key, value, g, beta, state, *, final_state):
+            start = torch.cat([state[:1], torch.zeros_like(state[1:])])
+            return right(module, query, key, value, g, beta, start, final_state=final_state)
 
-        monkeypatch.setattr(qwen3_5, "recurrence", from_first_state)
+        monkeypatch.setattr(qwen3_5, "recurrence", first_path_from_the_cache)
         wrong = speedup.tree_check(target, tree, lambda: target.rollback(checkpoint))
     assert not wrong["within_noise"] and wrong["verdict"].startswith("outside") and wrong["tree_over_floor"] > 100
     assert wrong["stepwise_vs_whole"] == check["stepwise_vs_whole"]  # the plain computations do not go through the tree

@@ -5,12 +5,22 @@ Its tree verification: the gated attention (q_proj emits each head's query and i
 query and key normed per head) through `attend_tree`; the Gated DeltaNet tree-aware, since it
 carries a short convolution window and a recurrent state instead of K/V and takes no mask: the
 projections, the gated norm and the output over all nodes at once; each node's convolution over
-its own ancestors' inputs (those above the root from the cached window); the recurrence one depth
-at a time, the nodes of a depth as one batch, each starting from its parent's state (the root from
-the cached one), through the recurrent kernel transformers binds (flash-linear-attention's
-fused_recurrent where installed). Its commit sets the conv window and the recurrent state to those
-after the last accepted node, recomputed along the path from the per-node inputs the forward kept
-(keeping every node's recurrent state instead costs nodes x 3 MB per GDN layer at the 27B shape).
+its own ancestors' inputs (those above the root from the cached window); the recurrence in one call
+of the recurrent kernel transformers binds (flash-linear-attention's fused_recurrent where
+installed): a batch of the tree's root paths (`TreeLayout.paths`), each from the cached state, each
+node's output read from one path that holds it. A shared prefix is run once per path through it:
+the kernel runs P x D positions for n rows (P leaves, D the deepest path's rows; at the typical
+trees of bench/speedup_trees.py 45 for 17 rows, 516 for 129), where a depth at a time would run n
+in D calls; on a GPU a path is more programs of the kernel's grid, a depth one more step of each.
+No node's recurrent state is materialised (at the 27B shape 3 MiB per node per GDN layer in fp32):
+only P copies of the cached state, the kernel's inputs.
+
+Its commit sets every GDN layer's conv window and recurrent state to those after the last accepted
+node, in one recurrent call for all the layers at once: the accepted rows' inputs, which the verify
+forward kept, as a batch of one sequence per layer, each from its layer's cached state (the layers
+depended on each other in the forward, not here: each one's inputs are known). The verify forward
+cannot hand over the states themselves: the kernel gives a sequence's state at its end only, and the
+accepted path ends mid-path in general; keeping every node's instead is the memory above.
 
 Packed extraction rows: each sample is followed by conv kernel - 1 masked tokens, and the GDN
 layers get the boundaries as `cu_seq_lens_q` (extract/batching.py, extract/packing.py).
@@ -19,6 +29,7 @@ layers get the boundaries as `cu_seq_lens_q` (extract/batching.py, extract/packi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -59,38 +70,53 @@ def tree_gated_attention(layer: nn.Module, x: torch.Tensor, cached, step: TreeSt
     return attention.o_proj(out * torch.sigmoid(gate.reshape(*x.shape[:-1], -1))), rows
 
 
-def recurrence(module: nn.Module, query, key, value, g, beta, state):
-    """The gated delta rule token by token from `state` (q, k, v positional: fla names them q, k, v, the fallback query, key, value)."""
+def recurrence(module: nn.Module, query, key, value, g, beta, state, *, final_state: bool):
+    """The gated delta rule token by token over a batch of sequences [B, T, ...], each from its own
+    state [B, Hv, dk, dv] (q, k, v positional: fla names them q, k, v, the fallback query, key, value)."""
     recurrent = kernels(module).torch_recurrent_gated_delta_rule
-    return recurrent(query, key, value, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    return recurrent(query, key, value, g=g, beta=beta, initial_state=state, output_final_state=final_state, use_qk_l2norm_in_kernel=True)
+
+
+def heads(gdn: nn.Module, convolved: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The convolution's output [..., C] as the recurrence's q, k [..., Hk, dk] and v [..., Hv, dv] (views)."""
+    query, key, value = torch.split(convolved, [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
+    return query.unflatten(-1, (-1, gdn.head_k_dim)), key.unflatten(-1, (-1, gdn.head_k_dim)), value.unflatten(-1, (-1, gdn.head_v_dim))
 
 
 @dataclass
 class RecurrentRows:
-    """A GDN layer's per-row inputs: its convolution input [n, C], and the recurrence's inputs (q, k [n, Hk, dk], v [n, Hv, dv], g, beta [n, Hv])."""
+    """A GDN layer's per-row inputs: its convolution's input and output [n, C] (the output q, k and v
+    side by side), and the recurrence's gates g, beta [n, Hv]."""
 
     module: nn.Module
     mixed: torch.Tensor
-    query: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
+    convolved: torch.Tensor
     g: torch.Tensor
     beta: torch.Tensor
 
-    def commit(self, cache: Cache, layer_index: int, rows: torch.Tensor) -> None:
-        """The conv window and the recurrent state after the last of `rows`."""
-        layer = cache.layers[layer_index]
-        window = layer.conv_states[0]  # [1, C, width]
-        window.copy_(torch.cat([window[0].T, self.mixed[rows]])[-window.shape[-1]:].T[None])
-        _, state = recurrence(self.module, self.query[rows][None], self.key[rows][None], self.value[rows][None],
-                              self.g[rows][None], self.beta[rows][None], layer.recurrent_states[0])
-        layer.recurrent_states[0].copy_(state)
-        if getattr(layer, "cumulative_length_linear", None) is not None:
-            layer.cumulative_length_linear.add_(len(rows))
+    @classmethod
+    def commit(cls, cache: Cache, kept: Mapping[int, RecurrentRows], rows: torch.Tensor) -> None:
+        """Every GDN layer's conv window and recurrent state after the last of `rows`, all layers at once."""
+        layers = [cache.layers[index] for index in kept]
+        gdn = next(iter(kept.values())).module  # every GDN layer of a model has the same shape
+        windows = [layer.conv_states[0] for layer in layers]  # [1, C, width] each
+        states = [layer.recurrent_states[0] for layer in layers]  # [1, Hv, dk, dv] each
+
+        def accepted(name: str) -> torch.Tensor:  # [L, r, ...]: the rows of every layer
+            return torch.stack([getattr(layer_rows, name) for layer_rows in kept.values()])[:, rows]
+
+        appended = torch.cat([torch.cat(windows), accepted("mixed").transpose(1, 2)], dim=-1)  # [L, C, width + r], newest last
+        _, after = recurrence(gdn, *heads(gdn, accepted("convolved")), accepted("g"), accepted("beta"), torch.cat(states), final_state=True)
+        torch._foreach_copy_(windows, list(appended[..., -windows[0].shape[-1]:].unsqueeze(1).unbind()))
+        torch._foreach_copy_(states, list(after.unsqueeze(1).unbind()))
+        lengths = [layer.cumulative_length_linear for layer in layers if getattr(layer, "cumulative_length_linear", None) is not None]
+        if lengths:
+            torch._foreach_add_(lengths, len(rows))
 
 
 def tree_gated_delta(layer: nn.Module, x: torch.Tensor, cached, step: TreeStep):
-    """Qwen3.5's Gated DeltaNet over the tree (x [1, n, d]), each row from its parent's states."""
+    """Qwen3.5's Gated DeltaNet over the tree (x [1, n, d]): each row's convolution over its ancestors,
+    the recurrence over the tree's root paths from the cached state."""
     gdn, x, layout = layer.linear_attn, x[0], step.layout
     n = len(x)
     mixed = gdn.in_proj_qkv(x)  # [n, C]
@@ -100,21 +126,20 @@ def tree_gated_delta(layer: nn.Module, x: torch.Tensor, cached, step: TreeStep):
     window = cached.conv_states[0][0].T  # [width, C]: the cached inputs, newest last
     inputs = torch.cat([window, mixed])[layout.windows(len(window))]  # [n, width, C]
     weight = gdn.conv1d.weight[:, 0, -len(window):]  # [C, width]
-    convolved = (inputs.float() * weight.T.float()).sum(1)  # in fp32, as the conv kernels accumulate
+    convolved = (inputs * weight.T.float()).sum(1)  # in fp32, as the conv kernels accumulate (the product promotes the inputs)
     if gdn.conv1d.bias is not None:
         convolved = convolved + gdn.conv1d.bias.float()
     convolved = ACT2FN[gdn.activation](convolved).to(x.dtype)
-    query, key, value = torch.split(convolved, [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
-    rows = RecurrentRows(gdn, mixed, query.reshape(n, -1, gdn.head_k_dim), key.reshape(n, -1, gdn.head_k_dim),
-                         value.reshape(n, -1, gdn.head_v_dim), g, beta)
-    core = torch.empty_like(rows.value)
-    states = cached.recurrent_states[0]  # [1, Hv, dk, dv]
-    for level, up in layout.levels:
-        start = states if up is None else states[up]
-        out, states = recurrence(gdn, rows.query[level, None], rows.key[level, None], rows.value[level, None], g[level, None], beta[level, None], start)
-        core[level] = out[:, 0]
+    paths = layout.paths  # [P, D]
+    # Each part indexed on its own: contiguous, as the kernel reads them (a view of the whole would be copied thrice).
+    query, key, value = (part[paths] for part in heads(gdn, convolved))  # [P, D, heads, dim]
+    # The cached state once per path, materialised here: fla's kernel reads a state by offset (input_guard copies a broadcast
+    # view in 0.6.0, but a view read as P states would be silently wrong wherever it does not).
+    start = cached.recurrent_states[0].expand(len(paths), -1, -1, -1).contiguous()  # [P, Hv, dk, dv]
+    out, _ = recurrence(gdn, query, key, value, g[paths], beta[paths], start, final_state=False)  # [P, D, Hv, dv]
+    core = out.flatten(0, 1)[layout.path_slots]  # [n, Hv, dv]
     core = gdn.norm(core.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim)).reshape(n, -1)
-    return gdn.out_proj(core)[None], rows
+    return gdn.out_proj(core)[None], RecurrentRows(gdn, mixed, convolved, g, beta)
 
 
 ARCHITECTURE = TargetArchitecture(

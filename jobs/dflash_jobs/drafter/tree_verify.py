@@ -8,12 +8,13 @@ own modules; how each kind of decoder layer runs over the tree is its architectu
   text), attending to the cache, its ancestors and itself (an ancestor-only mask): `attend_tree`,
   after the architecture's own projections (Llama's plain ones, Qwen3.5's gated query);
 - recurrent layers (Qwen3.5's Gated DeltaNet) carry a short convolution window and a recurrent
-  state instead of K/V and take no mask, so they run tree-aware: each node from its parent's states
-  (architectures/qwen3_5.py).
-Nothing is written to the cache during the forward. `commit_path` then hands each layer's kept rows
-the root and the accepted nodes: attention appends their K/V (the positions they were computed at
-are theirs in the text), a recurrent layer sets its states to those after the last accepted node.
-No rollback: a tree step costs one forward and a commit.
+  state instead of K/V and take no mask, so they run tree-aware: each node's convolution over its
+  own ancestors, and the recurrence in one call over the tree's root paths, a sequence each
+  (`TreeLayout.paths`, architectures/qwen3_5.py).
+Nothing is written to the cache during the forward. `commit_path` then hands each kind of layer what
+its layers kept, and the root and the accepted nodes: attention appends their K/V (the positions they
+were computed at are theirs in the text), the recurrent layers set their states to those after the
+last accepted node, all layers in one call. No rollback: a tree step costs one forward and a commit.
 
 `tree_decode` is speculative decoding (speculative.py) with a tree in place of the block, the
 committed path deciding the next anchor.
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -58,8 +59,13 @@ class TreeLayout:
     """[n] cached + depth."""
     visible: torch.Tensor
     """[n, cached + n] bool: what each row attends to (the cache, its ancestors, itself)."""
-    levels: list[tuple[torch.Tensor, torch.Tensor | None]]
-    """Per depth 0, 1, ...: its rows, and each one's parent as an index into the previous depth's rows (None at depth 0)."""
+    paths: torch.Tensor
+    """[P, D] every leaf's root path as rows, the root first, those shorter than the deepest (D rows)
+    padded at their end with row 0: the tree as P sequences that share their prefixes, for a
+    recurrence that runs each from the cached state. What a padded position computes comes after its
+    path's last row and is never read."""
+    path_slots: torch.Tensor
+    """[n] where each row is in the paths flattened to [P * D]: in the first path that holds it."""
     lineage: list[list[int]]
     """Per row, itself then its ancestors up to the root."""
     _windows: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -71,20 +77,25 @@ class TreeLayout:
         lineage = [[0]]
         for row in range(1, len(parents)):
             lineage.append([row, *lineage[parents[row]]])
-        visible = torch.zeros(len(parents), cached + len(parents), dtype=torch.bool)
-        visible[:, :cached] = True
+        ancestors = [[False] * len(parents) for _ in parents]  # [n, n]: each row's ancestors and itself
         for row, rows in enumerate(lineage):
-            visible[row, [cached + r for r in rows]] = True
-        levels, place = [], {}
-        for depth in range(max(depths) + 1):
-            rows = [row for row in range(len(parents)) if depths[row] == depth]
-            place.update({row: i for i, row in enumerate(rows)})
-            up = None if depth == 0 else torch.tensor([place[parents[row]] for row in rows], device=device)
-            levels.append((torch.tensor(rows, device=device), up))
+            for seen in rows:
+                ancestors[row][seen] = True
+        visible = torch.cat([torch.ones(len(parents), cached, dtype=torch.bool), torch.tensor(ancestors)], dim=1)  # built on the host at once
+        inner = set(parents)
+        paths = [lineage[row][::-1] for row in range(len(parents)) if row not in inner]  # the leaves' root paths
+        deepest = max(map(len, paths))
+        slots: dict[int, int] = {}
+        for p, path in enumerate(paths):
+            for depth, row in enumerate(path):
+                slots.setdefault(row, p * deepest + depth)
         return cls(
             ids=torch.tensor([root, *tree.tokens], device=device),
             positions=cached + torch.tensor(depths, device=device),
-            visible=visible.to(device), levels=levels, lineage=lineage,
+            visible=visible.to(device),
+            paths=torch.tensor([path + [0] * (deepest - len(path)) for path in paths], device=device),
+            path_slots=torch.tensor([slots[row] for row in range(len(parents))], device=device),
+            lineage=lineage,
         )
 
     def windows(self, width: int) -> torch.Tensor:
@@ -101,10 +112,12 @@ class TreeLayout:
 
 
 class KeptRows(Protocol):
-    """What a layer's tree mixer keeps of every row for `commit_path`."""
+    """What a kind of layer's tree mixer keeps of every row for `commit_path`."""
 
-    def commit(self, cache: Cache, layer_index: int, rows: torch.Tensor) -> None:
-        """Appends these rows (indices: the root, then the accepted nodes by depth) to the layer's cache."""
+    @classmethod
+    def commit(cls, cache: Cache, kept: Mapping[int, KeptRows], rows: torch.Tensor) -> None:
+        """Appends these rows (indices: the root, then the accepted nodes by depth) to the cache of every
+        layer in `kept` (layer index -> what it kept, all of this kind), in as few calls as the kind can."""
         ...
 
 
@@ -132,8 +145,13 @@ class AttentionRows:
     key: torch.Tensor
     value: torch.Tensor
 
-    def commit(self, cache: Cache, layer_index: int, rows: torch.Tensor) -> None:
-        cache.update(self.key[:, :, rows], self.value[:, :, rows], layer_index)
+    @classmethod
+    def commit(cls, cache: Cache, kept: Mapping[int, AttentionRows], rows: torch.Tensor) -> None:
+        """The rows of every layer picked at once; each layer's cache then grows by its own concatenation."""
+        keys = torch.stack([layer_rows.key for layer_rows in kept.values()])[:, :, :, rows]  # [L, 1, heads, r, head_dim]
+        values = torch.stack([layer_rows.value for layer_rows in kept.values()])[:, :, :, rows]
+        for layer_index, key, value in zip(kept, keys, values):
+            cache.update(key, value, layer_index)
 
 
 @dataclass
@@ -203,11 +221,15 @@ def verify_tree(target: Target, root: int, tree: Tree) -> VerifiedTree:
 
 @torch.inference_mode()
 def commit_path(target: Target, verified: VerifiedTree, rows: Sequence[int]) -> None:
-    """Appends these rows (the root, then the accepted nodes by depth) to the cache: every layer's kept
-    rows commit themselves (attention their K/V, a recurrent layer its states after the last of them)."""
+    """Appends these rows (the root, then the accepted nodes by depth) to the cache: each kind of layer
+    commits what its layers kept (attention their K/V, the recurrent layers their states after the
+    last of them)."""
     index = torch.tensor(list(rows), device=target.device)
+    kinds: dict[type, dict[int, KeptRows]] = {}
     for layer_index, kept in verified.kept.items():
-        kept.commit(target.cache, layer_index, index)
+        kinds.setdefault(type(kept), {})[layer_index] = kept
+    for kind, kept_by_layer in kinds.items():
+        kind.commit(target.cache, kept_by_layer, index)
 
 
 @torch.inference_mode()
