@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from dflash_jobs.errors import EXIT_BAD_SPEC, SpecError, pod_exit_code
-from dflash_jobs.spec import default_layers, dump_spec, load_spec, parse_spec, resolve_layers
+from dflash_jobs.spec import OUTSIDE_RUN_IDENTITY, default_layers, dump_spec, load_spec, parse_spec, resolve_layers, run_identity
 
 
 def minimal(**overrides):
@@ -259,3 +259,15 @@ def test_the_data_plane_s_root_modules_import_no_step_s_package():
     for path in JOBS.glob("*.py"):
         reaching_down = {name for name in imported(path) if name.split(".")[:2] in (["dflash_jobs", step] for step in steps)}
         assert not reaching_down, f"{path.name} imports {sorted(reaching_down)}"
+
+
+def test_what_training_resumes_across_keeps_the_run_s_identity():
+    """The trainer resumes across a new checkpoint interval or chunk cache (checkpointer.RESUMABLE_CHANGES),
+    so the output the run writes to takes the changed spec as the same run; a setting of what it makes does not."""
+    from dflash_jobs.train.checkpointer import RESUMABLE_CHANGES
+
+    first = parse_spec(minimal()).to_dict()
+    resumable = parse_spec(minimal(train={"checkpoint_every": 7, "cache_gb": 1.5, "cache_storage_class": "local-nvme"})).to_dict()
+    assert {f"train.{name}" for name in RESUMABLE_CHANGES} <= set(OUTSIDE_RUN_IDENTITY)
+    assert run_identity(resumable) == run_identity(first)
+    assert run_identity(parse_spec(minimal(train={"lr": 1e-4})).to_dict()) != run_identity(first)

@@ -41,6 +41,10 @@ if TYPE_CHECKING:
 SHARED_STATES = ("tokens", "extract")
 """What a chain with `states_of` takes from the other chain's run: the token chunks (the held-out
 prompts among them) and the extracted hidden states with their verified manifest."""
+CHAIN_CACHE_GB = 1.5
+"""train.cache_gb of every chain: a chain trains from its own on-disk chunk cache, and ten chains side
+by side on one machine's disk (64 GiB on the GPU machine, beside their stored states) cannot each
+keep the default's; 1.5 GiB holds the chunk in use and the two read ahead at the GPU size."""
 DEFAULT_SEED = 42
 """train.seed's default: the first seed of every chain."""
 
@@ -115,7 +119,7 @@ def write_spec(workdir: Path, target: Path, data: Path, size: Size, device: torc
             "drafter": chain.drafter, "block_size": drafted_block(chain.drafter, size.block_size),
             "gpus_per_node": 1, "draft_layers": size.draft_layers, "anchors": size.anchors, "epochs": chain.epochs or size.epochs, "lr": size.draft_lr,
             "micro_batch_tokens": size.micro_batch_tokens, "micro_batch_blocks": size.micro_batch_blocks, "seed": chain.seed,
-            "checkpoint_every": 200, "cache_gb": 8.0, "stall_seconds": 120.0,
+            "checkpoint_every": 200, "cache_gb": CHAIN_CACHE_GB, "stall_seconds": 120.0,
             **({chain.drafter: dict(chain.settings)} if chain.settings else {}),
         },
         "eval": {"prompts": size.eval_prompts or size.holdout, "max_new_tokens": size.eval_new_tokens, "processes": size.eval_processes,

@@ -22,13 +22,16 @@ from dflash_jobs.spec.train import TrainSpec
 MAX_RUN_NAME = 40
 OPTIONAL_SECTIONS = ("generate", "train.dflash2", "train.dspark", "cluster.output_volume")
 """Sections that are off while absent (dotted paths): a resolved spec without them does not mention them."""
-OUTSIDE_RUN_IDENTITY = ("cluster.namespace", "cluster.metrics_port", "local.cores", "local.parallelism")
+OUTSIDE_RUN_IDENTITY = ("cluster.namespace", "cluster.metrics_port", "local.cores", "local.parallelism",
+                        "train.checkpoint_every", "train.cache_gb", "train.cache_storage_class")
 """Settings of where a run is placed and watched from, not of what it makes (dotted paths): changing
 one keeps the run's identity, its spec hash and <output>/run.yaml. The namespace is where the Jobs
 live (`dflashctl -n` moves them; storage is shared); the metrics port is where `dflashctl run`
 serves its progress, a laptop's free port or the controller pod's; the local backend's cores and
 parallelism are how many of this machine's cores and processes its steps take (a run started before
-`local.cores` existed goes on under it)."""
+`local.cores` existed goes on under it); how often training checkpoints and how much disk (of which
+storage class) its chunk cache takes are the trainer's resumable changes (train/checkpointer.py
+RESUMABLE_CHANGES): a run resumes across them, so its output does too."""
 
 
 @dataclass(kw_only=True, slots=True)
