@@ -273,6 +273,14 @@ def test_tree_budgets_are_refused_naming_the_field(budgets, allowed):
     assert EvalSpec().tree_budgets == [16, 32, 64] and EvalSpec(tree_budgets=[]).tree_budgets == []
 
 
+@pytest.mark.parametrize("baselines", [["ngram"], ["bigram", "bigram"], "bigram"])
+def test_baselines_are_refused_naming_the_field_and_the_known_ones(baselines):
+    with pytest.raises(SpecError, match="prompt_lookup") as caught:
+        EvalSpec(baselines=baselines)
+    assert caught.value.field == "eval.baselines"
+    assert EvalSpec().baselines == ["prompt_lookup", "bigram"] and EvalSpec(baselines=[]).baselines == []
+
+
 def decode_with_trees(target_dir, drafter, variant, *, budgets: list[int], prompts: int):
     """The drafter (blocks of 5) decoded on `prompts` prompts every way the evaluation decodes, trees
     of `budgets` among them, and the report of it."""
@@ -290,6 +298,22 @@ def decode_with_trees(target_dir, drafter, variant, *, budgets: list[int], promp
         trees={variant.name: [r.trees for r in results]}, block_size=layout.drafts + 1, dtype=torch.float32,
     )
     return results, report
+
+
+def test_an_evaluation_decodes_the_baselines_it_names_and_no_other(target_dir):
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    drafter, variant = tiny_drafter(target_dir, "dflash", block_size=5)
+    layout, prompt = anchor_layout("dflash", block_size=5), torch.randint(0, 900, (12,), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="bigram"):
+        PromptDecoder(model, drafter, variant, layout, EvalSpec(max_new_tokens=8, tree_budgets=[], baselines=["bigram"]), None)
+    for baselines in ([], ["prompt_lookup"]):
+        decoder = PromptDecoder(model, drafter, variant, layout, EvalSpec(max_new_tokens=8, tree_budgets=[], baselines=baselines), None)
+        try:
+            result = decoder.decode(prompt)
+        finally:
+            decoder.close()
+        assert list(result.drafted) == ["dflash", *baselines] and list(result.divergences) == list(result.drafted)
+        assert all(d.tokens == result.greedy.tokens for d in result.drafted.values())
 
 
 @pytest.fixture(scope="module")

@@ -306,6 +306,8 @@ def test_the_code_sizes_chains_and_what_their_specs_ask(bench, tmp_path):
             # Trees on the regenerated DFlash of every seed (a claim takes a drafter at its mean over its seeds).
             assert spec["eval"]["tree_budgets"] == (list(size.tree_budgets) if chain.name in ("regenerated", "regenerated-seed43") else [])
             assert spec["train"]["epochs"] == (chain.epochs or size.epochs) and (chain.epochs is None) == ("epochs" not in chain.name)
+            # Prompt lookup decodes alike in every chain: the first chain alone decodes the baselines.
+            assert spec["eval"]["baselines"] == (["prompt_lookup", "bigram"] if chain.name == "regenerated" else [])
 
 
 @pytest.mark.slow
@@ -318,6 +320,14 @@ def test_the_code_task_runs_every_chain_of_the_gpu_size_on_a_tiny_random_target(
     runs, size = result["runs"], bench.SIZES["code-tiny"]
     assert list(runs) == [c.name for c in bench.chains_of(size)]
     assert all(run["lossless"] for run in runs.values())
+    assert {name: set(run["drafters"]) for name, run in runs.items()} == {
+        name: {run["drafter"], "prompt_lookup", "bigram"} if name == "regenerated" else {run["drafter"]} for name, run in runs.items()}
+    # Every chain's lead per kind is over the first chain's prompt lookup (the same prompts, the same decoding).
+    lookup = {kind: entry["acceptance_length"]["regenerated"]["prompt_lookup"]["estimate"] for kind, entry in result["per_kind"].items()}
+    for kind, entry in result["per_kind"].items():
+        for name, run in runs.items():
+            drafter = entry["acceptance_length"][name][run["drafter"]]["estimate"]
+            assert entry["over_prompt_lookup"][name]["estimate"] == pytest.approx(drafter - lookup[kind], abs=1e-3)
     # Held out at the source, by module: 2 prompts of each kind, the kinds in turn; none a training prompt.
     chats = result["data"]["chats"]
     assert chats["kinds"]["held_out"] == {"write": 2, "explain": 2, "doctest": 2} and chats["duplicate_prompts"] == 0

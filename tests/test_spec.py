@@ -271,3 +271,22 @@ def test_what_training_resumes_across_keeps_the_run_s_identity():
     assert {f"train.{name}" for name in RESUMABLE_CHANGES} <= set(OUTSIDE_RUN_IDENTITY)
     assert run_identity(resumable) == run_identity(first)
     assert run_identity(parse_spec(minimal(train={"lr": 1e-4})).to_dict()) != run_identity(first)
+
+
+def test_a_run_written_before_a_setting_existed_is_the_same_run_under_its_default(tmp_path):
+    from dflashctl.errors import Conflict
+    from dflashctl.identity import claim_output
+    from dflash_jobs.formats import RUN_KEY
+    from dflash_jobs.storage import open_storage
+
+    spec = parse_spec(minimal(output=str(tmp_path / "out"), backend="local"))
+    storage = open_storage(spec.output)
+    written = spec.to_dict()
+    del written["eval"]["baselines"]  # as a dflashctl from before eval.baselines wrote run.yaml
+    storage.put_bytes(RUN_KEY, yaml.safe_dump(written, sort_keys=False).encode())
+    claim_output(storage, spec, force=False, say=print)
+    assert yaml.safe_load(storage.get_bytes(RUN_KEY)) == written  # kept as it was written
+    # A setting written otherwise than its default is another run, as before.
+    storage.put_bytes(RUN_KEY, yaml.safe_dump({**written, "eval": {**written["eval"], "baselines": []}}, sort_keys=False).encode())
+    with pytest.raises(Conflict, match="differs in: eval"):
+        claim_output(storage, spec, force=False, say=print)

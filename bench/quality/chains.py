@@ -47,6 +47,10 @@ by side on one machine's disk (64 GiB on the GPU machine, beside their stored st
 keep the default's; 1.5 GiB holds the chunk in use and the two read ahead at the GPU size."""
 DEFAULT_SEED = 42
 """train.seed's default: the first seed of every chain."""
+BASELINES_OF = "regenerated"
+"""The chain that decodes the baselines (prompt lookup, the bigram table) for every chain: prompt
+lookup decodes alike in each (the same target, the same held-out prompts), and each baseline costs a
+greedy decoding's worth of target forwards a prompt, which ten chains side by side cannot spare."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +74,8 @@ class Chain:
     """train.epochs, fewer than the size's for a point of the steps curve (None: the size's)."""
     trees: bool = True
     """Its evaluation decodes the size's draft trees too (else the chain and the baselines only)."""
+    baselines: bool = True
+    """Its evaluation decodes prompt lookup and the bigram table too (eval.baselines; BASELINES_OF)."""
 
     @property
     def generates(self) -> bool:
@@ -123,7 +129,7 @@ def write_spec(workdir: Path, target: Path, data: Path, size: Size, device: torc
             **({chain.drafter: dict(chain.settings)} if chain.settings else {}),
         },
         "eval": {"prompts": size.eval_prompts or size.holdout, "max_new_tokens": size.eval_new_tokens, "processes": size.eval_processes,
-                 "tree_budgets": list(size.tree_budgets) if chain.trees else []},
+                 "tree_budgets": list(size.tree_budgets) if chain.trees else [], "baselines": ["prompt_lookup", "bigram"] if chain.baselines else []},
         "local": {"workdir": str(workdir / "local"), "device": device.type},
     }
     if chain.generates:

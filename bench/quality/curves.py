@@ -23,9 +23,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from dflash_jobs.evaluate.intervals import PairedBootstrap
+from dflash_jobs.evaluate.intervals import Draws, PairedBootstrap
 
-from chains import Chain
+from chains import BASELINES_OF, Chain
 from figures import Taus, judged, per_prompt
 
 
@@ -50,23 +50,29 @@ def rises(points: list[dict[str, Any]], taus: Taus) -> list[dict[str, Any]]:
 
 def per_kind(runs: dict[str, dict[str, Any]], kinds: list[str]) -> dict[str, Any]:
     """Per prompt kind, every chain's decodings' acceptance on the held-out prompts of that kind, each
-    with its 95% interval over them, and each chain's drafter's lead over prompt lookup there (paired,
-    decided); `kinds`: the kind of each evaluated prompt, in order (the same in every chain)."""
+    with its 95% interval over them, and each chain's drafter's lead there over the prompt lookup of
+    BASELINES_OF (paired, decided; prompt lookup decodes alike in every chain); `kinds`: the kind of
+    each evaluated prompt, in order (the same in every chain)."""
     found: dict[str, dict[str, Any]] = {}
     for kind in dict.fromkeys(kinds):
         mine = [i for i, of in enumerate(kinds) if of == kind]
         bootstrap = PairedBootstrap(len(mine))
         entry = found[kind] = {"prompts": len(mine), "acceptance_length": {}, "over_prompt_lookup": {}}
+        taus = {chain: {name: kind_tau(bootstrap, chain, name, decoding, mine, len(kinds)) for name, decoding in run["drafters"].items()}
+                for chain, run in runs.items()}
+        lookup = taus[BASELINES_OF]["prompt_lookup"]
         for chain, run in runs.items():
-            taus = {}
-            for name, decoding in run["drafters"].items():
-                records = per_prompt(f"{chain} {name}", decoding)
-                if len(records["committed"]) != len(kinds):
-                    raise RuntimeError(f"{chain}: {len(records['committed'])} per-prompt records of {name} for {len(kinds)} evaluated prompts")
-                taus[name] = bootstrap.tau({key: [records[key][i] for i in mine] for key in ("committed", "verify_steps")}, name=f"{chain} {name}")
-            entry["acceptance_length"][chain] = {name: tau.summary() for name, tau in taus.items()}
-            entry["over_prompt_lookup"][chain] = judged(taus[run["drafter"]] - taus["prompt_lookup"])
+            entry["acceptance_length"][chain] = {name: tau.summary() for name, tau in taus[chain].items()}
+            entry["over_prompt_lookup"][chain] = judged(taus[chain][run["drafter"]] - lookup)
     return found
+
+
+def kind_tau(bootstrap: PairedBootstrap, chain: str, name: str, decoding: dict[str, Any], mine: list[int], evaluated: int) -> Draws:
+    """tau of one decoding over the prompts `mine` of one kind, of the `evaluated` prompts its records hold."""
+    records = per_prompt(f"{chain} {name}", decoding)
+    if len(records["committed"]) != evaluated:
+        raise RuntimeError(f"{chain}: {len(records['committed'])} per-prompt records of {name} for {evaluated} evaluated prompts")
+    return bootstrap.tau({key: [records[key][i] for i in mine] for key in ("committed", "verify_steps")}, name=f"{chain} {name}")
 
 
 def plot_steps(curve: list[dict[str, Any]], prompt_lookup: float, path: Path, about: str = "") -> None:

@@ -16,7 +16,7 @@ from dflash_jobs.evaluate.intervals import DOES_NOT_HOLD, HOLDS, MIN_PROMPTS, NO
 from dflash_jobs.formats import DATASET_KEY, TokenChunk
 from dflash_jobs.rows import prompt_length
 
-from chains import Chain, held_out_samples
+from chains import BASELINES_OF, Chain, held_out_samples
 
 DISTINCT_GOAL = 0.9
 """Distinct held-out answers per held-out prompt, at least: the target's answers depend on the prompt."""
@@ -259,7 +259,7 @@ def claims(runs: dict[str, dict[str, Any]], spread: dict[str, dict[str, Any]], c
     (issue 30: as published; "not decided" where the interval holds zero)."""
     regenerated, source = spread["regenerated"], spread["source"]
     dflash, from_source = taus.drafter(regenerated), taus.drafter(source)
-    lookup = taus.decoding("regenerated", "prompt_lookup")
+    lookup = taus.decoding(BASELINES_OF, "prompt_lookup")
     noise = {"regenerated": training_noise(regenerated)}
     agreement = {name: train_serve(figures) for name, figures in runs.items()}
     found = [
@@ -337,7 +337,7 @@ def goals(runs: dict[str, dict[str, Any]], spread: dict[str, dict[str, Any]], cu
     decoded trees of asked.tree_budget nodes."""
     regenerated = spread["regenerated"]
     dflash, source = taus.drafter(regenerated), taus.drafter(spread["source"])
-    lookup = taus.decoding("regenerated", "prompt_lookup")
+    lookup = taus.decoding(BASELINES_OF, "prompt_lookup")
     found = {
         "asked": asdict(asked),
         "tau": {"at_least": asked.tau_at_least, **dflash.summary(), "met": verdict(dflash - asked.tau_at_least) == HOLDS},

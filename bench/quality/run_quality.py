@@ -74,7 +74,7 @@ import torch
 from dflash_jobs.spec import TrainSpec
 
 import launch
-from chains import ABLATIONS, Chain, ChainRunner, chain_figures, held_out_prompts, part_of, regenerated_rows, share_states, write_spec
+from chains import ABLATIONS, BASELINES_OF, Chain, ChainRunner, chain_figures, held_out_prompts, part_of, regenerated_rows, share_states, write_spec
 from curves import per_kind, plot_kinds, plot_steps, rises, steps_curve
 from figures import CLAIM_RULE, Taus, attribution, claims, data_curve, goals, plot_curve, seed_spread, train_serve, tree_acceptance
 from sizes import SIZES, Size
@@ -102,8 +102,10 @@ def chains_of(size: Size) -> list[Chain]:
     chains += [Chain(f"regenerated-epochs{epochs}", True, seed=first, states_of="regenerated", epochs=epochs) for epochs in size.step_epochs]
     # The steps curve's points decode no trees (theirs is the chain's acceptance); the others as the size
     # says, the regenerated DFlash of every seed always (a claim takes a drafter at its mean over its seeds).
+    # The baselines are decoded by the first chain alone: the figures read them there (figures.BASELINES_OF).
     return [replace(c, trees=c.epochs is None and (size.trees_on_every_chain or "regenerated" in (c.name, c.states_of) and c.drafter == "dflash"
-                                                     and not c.settings and c.fraction == 1.0 and c.dtype == "bfloat16"))
+                                                     and not c.settings and c.fraction == 1.0 and c.dtype == "bfloat16"),
+                    baselines=c.name == BASELINES_OF)
             for c in chains]
 
 
@@ -302,7 +304,7 @@ def chain_summary(figures: dict[str, Any]) -> dict[str, Any]:
         "drafter": figures["drafter"],
         "acceptance_length": figures["acceptance_length"][figures["drafter"]],
         "acceptance_length_interval": drafter.get("acceptance_length_interval"),
-        "prompt_lookup": figures["acceptance_length"]["prompt_lookup"],
+        "prompt_lookup": figures["acceptance_length"].get("prompt_lookup"),
         "bigram": figures["acceptance_length"].get("bigram"),
         "acceptance_per_position": [round(p, 3) for p in drafter["acceptance_per_position"]],
         "conditional_acceptance": [None if p is None else round(p, 3) for p in drafter["conditional_acceptance"]["rates"]],
@@ -326,7 +328,7 @@ def machine() -> dict[str, Any]:
 
 def plot_figures(result: dict[str, Any], out: Path) -> None:
     """The curves and the per-kind bars as PNGs beside the JSON, each named in it."""
-    lookup = result["acceptance_length"]["regenerated"]["prompt_lookup"]
+    lookup = result["acceptance_length"][BASELINES_OF]["prompt_lookup"]
     about = result["target"].get("target", "")  # a real model's name and weights
     if "data_curve" in result:
         plot_curve(result["data_curve"], lookup, out.with_name(out.stem + "-data.png"), about)
@@ -336,7 +338,7 @@ def plot_figures(result: dict[str, Any], out: Path) -> None:
         result["steps_curve_plot"] = out.stem + "-steps.png"
     if len(result["per_kind"]) > 1:
         columns = {"DFlash, regenerated": ("regenerated", "dflash"), "DFlash, source": ("source", "dflash"),
-                   "prompt lookup": ("regenerated", "prompt_lookup"), "bigram": ("regenerated", "bigram")}
+                   "prompt lookup": (BASELINES_OF, "prompt_lookup"), "bigram": (BASELINES_OF, "bigram")}
         plot_kinds(result["per_kind"], columns, out.with_name(out.stem + "-kinds.png"),
                    f"Acceptance per prompt kind, same held-out prompts\n{about or result['task'] + ' task'}")
         result["per_kind_plot"] = out.stem + "-kinds.png"

@@ -80,7 +80,7 @@ def _conflict(storage: Storage, spec: RunSpec, existing: str) -> OutputTaken | N
     if existing == dump_spec(spec):
         return None
     old = yaml.safe_load(existing) or {}
-    ours, theirs = run_identity(spec.to_dict()), run_identity(old)
+    ours, theirs = run_identity(spec.to_dict()), run_identity(as_read_now(old))
     if ours == theirs:  # the same run, perhaps in another namespace or serving metrics on another port
         return None
     changed = sorted(key for key, value in ours.items() if theirs.get(key) != value)
@@ -103,6 +103,16 @@ def _conflict(storage: Storage, spec: RunSpec, existing: str) -> OutputTaken | N
         )
     return OutputTaken(what, f"Use another `output` (or `name`) for a new run, restore the spec it was started with, or pass --force "
                              f"to take the output over (run {owner} has no Jobs left)", force_allowed=True)
+
+
+def as_read_now(written: dict[str, Any]) -> dict[str, Any]:
+    """A run.yaml resolved as this version reads it: a setting added since it was written takes its
+    default (a new setting's default is the behaviour before it), so a run started by an older
+    dflashctl is still the same run. One this version cannot read is compared as written."""
+    try:
+        return parse_spec(written).to_dict()
+    except DflashError:
+        return written
 
 
 def owner_jobs(spec: RunSpec, owner: dict[str, Any]) -> tuple[list[str], str]:

@@ -3,8 +3,9 @@
 Prompts are the samples prepare held out of training (tokens/holdout.safetensors), each cut before
 its last supervised run: what the target was asked, never what it answered. For every prompt the
 target decodes four ways, on the same device and in the same loop style: plain greedy (the
-reference output and speed), DFlash speculative decoding, and the baselines (evaluate/baselines.py):
-prompt lookup, training-free, and a bigram table fitted once on the run's training rows; then the
+reference output and speed), DFlash speculative decoding, and the baselines eval.baselines names
+(evaluate/baselines.py): prompt lookup, training-free, and a bigram table fitted once on the run's
+training rows; then the
 DFlash drafter's training forward runs on the prompt and greedy's output
 (evaluate/simulated.py), the teacher-forced acceptance the decoded one should match, and, untimed,
 the lossless check's figures (evaluate/lossless.py): the target's own verify-against-decode
@@ -108,15 +109,18 @@ class PromptResult:
 
 class PromptDecoder:
     """The target and the drafters, ready to decode one prompt at a time (in this process or in a worker):
-    the trained drafter, under its variant's name, and the baselines drafting as many tokens a block."""
+    the trained drafter, under its variant's name, and the baselines eval.baselines names, drafting as
+    many tokens a block; `bigram`: the fitted table (None when the bigram baseline is not asked for)."""
 
-    def __init__(self, model, drafter: Drafter, variant: DrafterVariant, layout: AnchorLayout, settings: EvalSpec, bigram: BigramTable) -> None:
+    def __init__(self, model, drafter: Drafter, variant: DrafterVariant, layout: AnchorLayout, settings: EvalSpec,
+                 bigram: BigramTable | None) -> None:
         self.drafter, self.variant, self.layout = drafter, variant, layout
         self.recorder = recorder_for(drafter, drafts=layout.drafts)
-        self.drafters: dict[str, BlockDrafter] = {
-            variant.name: self.recorder or ModelDrafter(drafter, drafts=layout.drafts),
-            "prompt_lookup": PromptLookupDrafter(layout.drafts + 1), "bigram": BigramDrafter(bigram, layout.drafts + 1),
-        }
+        if "bigram" in settings.baselines and bigram is None:
+            raise ValueError("eval.baselines asks for the bigram baseline: pass its fitted table")
+        made = {"prompt_lookup": lambda: PromptLookupDrafter(layout.drafts + 1), "bigram": lambda: BigramDrafter(bigram, layout.drafts + 1)}
+        baselines: dict[str, BlockDrafter] = {name: made[name]() for name in settings.baselines}
+        self.drafters: dict[str, BlockDrafter] = {variant.name: self.recorder or ModelDrafter(drafter, drafts=layout.drafts), **baselines}
         self.settings = settings
         self.stop = stop_ids(model)
         self.plain = Target(model)
@@ -184,7 +188,7 @@ class PromptDecoder:
             target.close()
 
 
-def load_decoder(spec: RunSpec, bigram: BigramTable, *, device: torch.device) -> PromptDecoder:
+def load_decoder(spec: RunSpec, bigram: BigramTable | None, *, device: torch.device) -> PromptDecoder:
     """The run's target and exported drafter on `device`, and the baselines, as a PromptDecoder."""
     model = load_target(spec, device=device, dtype=eval_dtype(device))
     variant = drafter_variant(spec.train.drafter)
@@ -219,7 +223,7 @@ def decode_prompts(decoder: PromptDecoder, prompts: list[torch.Tensor]) -> list[
 _worker_decoder: PromptDecoder | None = None
 
 
-def _start_worker(spec: RunSpec, bigram: BigramTable, device: torch.device, threads: int, warm_up: torch.Tensor) -> None:
+def _start_worker(spec: RunSpec, bigram: BigramTable | None, device: torch.device, threads: int, warm_up: torch.Tensor) -> None:
     global _worker_decoder
     torch.set_num_threads(threads)
     _worker_decoder = load_decoder(spec, bigram, device=device)
@@ -231,7 +235,7 @@ def _decode_in_worker(prompt: torch.Tensor) -> PromptResult:
     return _worker_decoder.decode(prompt)
 
 
-def decode_in_processes(spec: RunSpec, bigram: BigramTable, prompts: list[torch.Tensor], *, device: torch.device) -> list[PromptResult]:
+def decode_in_processes(spec: RunSpec, bigram: BigramTable | None, prompts: list[torch.Tensor], *, device: torch.device) -> list[PromptResult]:
     """Every prompt decoded by eval.processes workers on `device`, each loading the target and drafter
     and warming up once; a worker takes the next prompt when it is done with one, and the results
     come back in prompt order. The CPU threads are shared out between the workers."""
@@ -270,9 +274,10 @@ def evaluate(spec: RunSpec, storage: Storage, *, device: torch.device) -> dict[s
     config = variant.config_from_export(exported)
     layout = served_layout(spec, config)
     describe(spec, config, device, len(prompts))
-    bigram = fit_bigram(storage)
-    log.info("bigram baseline: %d tokens' successors from %d pairs in %d of %d chunks (%d of %d tokens)", bigram.fit["previous_tokens"],
-             bigram.fit["pairs"], bigram.fit["chunks_read"], bigram.fit["chunks"], bigram.fit["tokens_read"], bigram.fit["tokens"])
+    bigram = fit_bigram(storage) if "bigram" in settings.baselines else None
+    if bigram is not None:
+        log.info("bigram baseline: %d tokens' successors from %d pairs in %d of %d chunks (%d of %d tokens)", bigram.fit["previous_tokens"],
+                 bigram.fit["pairs"], bigram.fit["chunks_read"], bigram.fit["chunks"], bigram.fit["tokens_read"], bigram.fit["tokens"])
     if settings.processes > 1:
         results = decode_in_processes(spec, bigram, prompts, device=device)  # the workers load their own copies
     else:
@@ -294,7 +299,7 @@ def evaluate(spec: RunSpec, storage: Storage, *, device: torch.device) -> dict[s
         block_size=layout.drafts + 1, dtype=eval_dtype(device),
         target=spec.target.model, drafter=drafter_url(spec), drafter_variant=variant.name, prompts=len(prompts),
         max_new_tokens=settings.max_new_tokens, processes=min(settings.processes, len(prompts)), device=str(device),
-        vllm_serve=run_serve_command(spec, exported), bigram=bigram.fit,
+        vllm_serve=run_serve_command(spec, exported), bigram=bigram.fit if bigram is not None else None,
     )
     store_report(storage, report)
     log.info("serve it with vLLM:\n%s", report["vllm_serve"])

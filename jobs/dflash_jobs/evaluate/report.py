@@ -10,8 +10,8 @@ report.json (format dflash.eval/v1):
               says which divergences it makes ties (lossless.TIE_RULE)
     greedy:   {tokens, tokens_per_second, per_prompt {tokens, seconds}}   plain greedy decoding, the reference
     drafters: {name: metrics.summarize(...)}          the trained drafter under its variant's name (drafter_variant:
-              dflash, dflash2, dspark), and the baselines (evaluate/baselines.py): "prompt_lookup",
-              training-free, and "bigram", the table described under `bigram`;
+              dflash, dflash2, dspark), and the baselines eval.baselines names (evaluate/baselines.py):
+              "prompt_lookup", training-free, and "bigram", the table described under `bigram`;
               acceptance counts only tokens committed (never past a stop token or max_new_tokens);
               acceptance_per_position[k-1]: the share of verify steps that accepted drafts 1..k;
               conditional_acceptance {rates, steps}: rates[k-1] the share of the steps that drafted at
@@ -46,7 +46,7 @@ report.json (format dflash.eval/v1):
               prompts_off_greedy (whose output left greedy's: not compared)}; lossless
     drafters.<variant>.coverage: trees.summarize_coverage(...)   per slot, the share of the chain's verify
               steps whose greedy token is among the drafter's k likeliest there (k = 1, 2, 4, 8)
-    bigram:   what the bigram baseline was fitted on: pairs_counted (which token pairs: the anchor and
+    bigram:   null without the bigram baseline; else what it was fitted on: pairs_counted (which token pairs: the anchor and
               first label of every block training may draw), max_tokens (the cap on the token rows read:
               whole chunks in a random order, fixed seed, until the next would pass it; the first is
               always read), chunks_read of chunks, tokens_read of tokens, pairs, distinct_pairs,

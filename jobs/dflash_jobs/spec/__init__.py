@@ -18,12 +18,12 @@ from dflash_jobs.spec.depth import default_layers, resolve_layers, rope_kind, te
 from dflash_jobs.spec.parse import DEFAULT_SPEC_FILE, dump_spec, load_spec, parse_spec
 from dflash_jobs.spec.run import OPTIONAL_SECTIONS, OUTSIDE_RUN_IDENTITY, RunSpec, run_identity
 from dflash_jobs.spec.sections import (
-    CHUNK_CACHE_ENV, MAX_TREE_BUDGET, MODEL_CACHE_ENV, VLLM_IMAGE, DataSpec, EvalSpec, ExtractSpec, GenerateSpec, LocalSpec, StorageSpec, TargetSpec,
+    BASELINES, CHUNK_CACHE_ENV, MAX_TREE_BUDGET, MODEL_CACHE_ENV, VLLM_IMAGE, DataSpec, EvalSpec, ExtractSpec, GenerateSpec, LocalSpec, StorageSpec, TargetSpec,
 )
 from dflash_jobs.spec.train import DFlash2Spec, DSparkSpec, TrainSpec
 
 __all__ = [
-    "BINARY_QUANTITY", "CHUNK_CACHE_ENV", "DEFAULT_SPEC_FILE", "DNS1123_LABEL", "MAX_TREE_BUDGET", "MODEL_CACHE_ENV", "OPTIONAL_SECTIONS",
+    "BASELINES", "BINARY_QUANTITY", "CHUNK_CACHE_ENV", "DEFAULT_SPEC_FILE", "DNS1123_LABEL", "MAX_TREE_BUDGET", "MODEL_CACHE_ENV", "OPTIONAL_SECTIONS",
     "OUTSIDE_RUN_IDENTITY", "VLLM_IMAGE",
     "ClusterSpec", "CpuPlacementSpec", "DFlash2Spec", "DSparkSpec", "DataSpec", "EvalSpec", "ExtractSpec", "GenerateSpec",
     "LocalSpec", "OutputVolumeSpec", "RunSpec", "StorageSpec", "TargetSpec", "TrainSpec", "VolumeSpec",

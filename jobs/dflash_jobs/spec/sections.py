@@ -17,6 +17,8 @@ MAX_TREE_BUDGET = 1024
 """The largest draft tree the evaluation verifies: its verify forward holds budget + 1 tokens with a
 dense ancestor mask; the DDTree authors sweep budgets up to 1,024, and at that size one verify costs
 what a prefill chunk of as many tokens costs, far past the budgets where their speed-ups peak."""
+BASELINES = ("prompt_lookup", "bigram")
+"""The drafters without training an evaluation can decode beside the trained one (evaluate/baselines.py)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -221,6 +223,11 @@ class EvalSpec:
     chain's own budget (as many nodes as it drafts), which is always added: each tree decodes every
     prompt for real (one verify forward of budget + 1 tokens a step) and its acceptance is computed
     exactly at every verify step of the chain. [] evaluates the chain alone."""
+    baselines: list[str] = field(default_factory=lambda: list(BASELINES))
+    """The untrained drafters decoded beside the trained one on the same prompts: prompt_lookup and bigram
+    (a table fitted on the run's training rows). Each decodes every prompt again, about a greedy decoding's
+    worth of target forwards: [] when the figures are had elsewhere (several drafters trained on one data
+    set decode the same prompt lookup)."""
 
     def __post_init__(self) -> None:
         _positive("eval.prompts", self.prompts, minimum=1)
@@ -234,6 +241,8 @@ class EvalSpec:
                                 f"node budgets from 1 to {MAX_TREE_BUDGET} (the tokens one verify forward holds besides the anchor)")
         if len(set(self.tree_budgets)) != len(self.tree_budgets):
             raise SpecError("eval.tree_budgets", self.tree_budgets, "distinct node budgets")
+        if not isinstance(self.baselines, list) or not set(self.baselines) <= set(BASELINES) or len(set(self.baselines)) != len(self.baselines):
+            raise SpecError("eval.baselines", self.baselines, f"a list of distinct baselines from {list(BASELINES)}, or [] for none")
 
 
 @dataclass(kw_only=True, slots=True)
