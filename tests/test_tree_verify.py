@@ -23,10 +23,10 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from dflash_jobs.architectures import ARCHITECTURE_MODULES, qwen3_5
-from dflash_jobs.drafter.speculative import Target, greedy_decode
+from dflash_jobs.drafter.speculative import Decoded, Target, greedy_decode
 from dflash_jobs.drafter.tree import ConditionalBranches, Tree, build_tree
 from dflash_jobs.drafter.tree_verify import TreeLayout, cached_length, commit_path, tree_decode, verify_tree
-from dflash_jobs.evaluate.trees import exact_trees
+from dflash_jobs.evaluate.trees import exact_trees, summarize_trees
 from train_fixtures import LAYERS, tiny_target
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
@@ -346,6 +346,20 @@ def test_tree_decoding_is_greedy_and_accepts_the_exact_figures_step_for_step(mod
         assert sum(exact.at_chain_steps[budget]) > sum(exact.chain) == 0
     if budget == 1:
         assert decoded.accepted == [0] * len(decoded.accepted)
+
+
+def test_a_chain_that_left_greedy_at_its_first_step_has_no_chain_steps_and_still_summarizes(model, prompt, greedy):
+    """bf16 makes exact ties common: a chain whose first verify step took the other token leaves greedy's
+    output at once, and its prompt then has no chain steps to compare trees at (an H100 run crashed on it)."""
+    drafter = OracleTrees(prompt.tolist() + greedy, [0] * 6, model.config.vocab_size)
+    tie = Decoded(tokens=[greedy[0], (greedy[1] + 1) % model.config.vocab_size], accepted=[1], drafted=[6], seconds=1.0)
+    exact = exact_trees(lambda anchor: drafter.branches(torch.tensor(prompt.tolist() + greedy[: anchor + 1]), None), greedy, tie,
+                        budgets=[5, 12], drafts=6, max_new_tokens=NEW_TOKENS)
+    assert exact.chain == [] and exact.at_chain_steps == {5: [], 12: []} and exact.contains_chain == {5: [], 12: []}
+    reference = Decoded(tokens=greedy, accepted=[0] * (len(greedy) - 1), drafted=[0] * (len(greedy) - 1), seconds=1.0)
+    exact.decoded, exact.divergences = {5: reference, 12: reference}, {5: [], 12: []}
+    summary = summarize_trees([exact], [tie], [reference], 7, chain_budget=6, tie_tolerance=0.0)
+    assert summary["at_chain_steps"]["steps"] == 0 and summary["at_chain_steps"]["acceptance_length"] == {"5": 0.0, "12": 0.0}
 
 
 def test_a_stop_token_inside_the_tree_ends_the_output_there(model, prompt, greedy):

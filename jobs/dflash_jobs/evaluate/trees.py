@@ -136,15 +136,16 @@ def exact_trees(
             seen[anchor] = AnchorTrees(build_tree(branches, budget=max(budgets), depth_limit=depth_limit), branches.chain(depth_limit), ranks)
         return seen[anchor]
 
-    figures = PromptTrees()
+    # Every budget has its list of chain steps, empty where the chain's first step already left greedy's output (a tie).
+    figures = PromptTrees(at_chain_steps={budget: [] for budget in budgets}, contains_chain={budget: [] for budget in budgets})
     for anchor in chain_anchors(chain, greedy):
         here = at(anchor)
         figures.chain.append(exact_accepted(Tree.path(here.chain), greedy, anchor))
         figures.ranks.append(here.ranks)
         for budget in budgets:
             tree = here.tree.prefix(budget)
-            figures.at_chain_steps.setdefault(budget, []).append(exact_accepted(tree, greedy, anchor))
-            figures.contains_chain.setdefault(budget, []).append(tree.contains(here.chain))
+            figures.at_chain_steps[budget].append(exact_accepted(tree, greedy, anchor))
+            figures.contains_chain[budget].append(tree.contains(here.chain))
     for budget in budgets:
         steps, anchor = figures.exact.setdefault(budget, []), 0
         while anchor < len(greedy) - 1:
