@@ -360,3 +360,49 @@ def test_a_gap_is_named_only_beyond_ten_percent_and_beyond_the_noise_of_the_veri
     assert verdict["relative_gap"][0] == pytest.approx(0.25) and verdict["relative_gap"][2] is None
     # The same 25% gap over 10 steps is within the noise.
     assert simulated_consistency([0.50, 0.30, 0.001], [0.40, 0.29, 0.0], steps=10)["disagreeing_positions"] == []
+
+
+def test_an_evaluation_stopped_midway_decodes_only_the_prompts_it_lacks_when_run_again(
+    tmp_path, target_dir, target_model, drafter, documents, prompts, monkeypatch,
+):
+    """A pod preempted (or a call cut by its limit) after two prompts: the rerun decodes the other two
+    and its report is the uninterrupted one's, but for the seconds."""
+    from dflash_jobs.drafter.export import DRAFTER_PREFIX
+    from dflash_jobs.evaluate import evaluator
+    from dflash_jobs.evaluate.kept import KEPT_PREFIX, evaluation_key
+
+    cpu, settings = torch.device("cpu"), {"tree_budgets": [4]}
+    whole = evaluate(*finished_training(tmp_path / "whole", target_dir, target_model, drafter, documents, prompts, **settings), device=cpu)
+    spec, storage = finished_training(tmp_path / "stopped", target_dir, target_model, drafter, documents, prompts, **settings)
+    decode, decoded = evaluator.PromptDecoder.decode, []
+
+    def preempted_at_the_third(self, prompt):
+        decoded.append(prompt.tolist())
+        if len(decoded) == 4:  # the warm-up, prompts 0 and 1, then prompt 2
+            raise RuntimeError("the pod was preempted")
+        return decode(self, prompt)
+
+    monkeypatch.setattr(evaluator.PromptDecoder, "decode", preempted_at_the_third)
+    with pytest.raises(RuntimeError, match="preempted"):
+        evaluate(spec, storage, device=cpu)
+    assert len(storage.list(KEPT_PREFIX)) == 2 and not storage.exists("eval/report.json")
+    decoded.clear()
+    monkeypatch.setattr(evaluator.PromptDecoder, "decode", lambda self, prompt: decoded.append(prompt.tolist()) or decode(self, prompt))
+    again = evaluate(spec, storage, device=cpu)
+    assert decoded == [prompts[2].tolist(), prompts[2].tolist(), prompts[3].tolist()]  # its warm-up, then the two it lacked
+    assert storage.list(KEPT_PREFIX) == []  # the report holds them now
+    for name in ("dflash", "prompt_lookup", "bigram"):
+        for key in ("acceptance_length", "acceptance_per_position", "verify_steps", "tokens", "mismatches", "lossless", "acceptance_length_interval"):
+            assert again["drafters"][name][key] == whole["drafters"][name][key], (name, key)
+        for key in ("committed", "verify_steps", "tokens"):
+            assert again["drafters"][name]["per_prompt"][key] == whole["drafters"][name]["per_prompt"][key], (name, key)
+    tree, whole_tree = again["drafters"]["dflash"]["tree"], whole["drafters"]["dflash"]["tree"]
+    assert tree["at_chain_steps"] == whole_tree["at_chain_steps"] and tree["decoded"]["4"]["per_prompt"]["committed"] == \
+        whole_tree["decoded"]["4"]["per_prompt"]["committed"]
+    assert again["drafters"]["dflash"]["simulated"] == whole["drafters"]["dflash"]["simulated"] and again["tie_tolerance"] == whole["tie_tolerance"]
+    # What a kept result depends on: another drafter (exported again) or other settings is another evaluation.
+    key = evaluation_key(spec, storage, DRAFTER_PREFIX, cpu)
+    assert evaluation_key(parse_spec({**yaml.safe_load((tmp_path / "stopped" / "dflash.yaml").read_text()),
+                                      "eval": {"prompts": 4, "max_new_tokens": 12}}), storage, DRAFTER_PREFIX, cpu) != key
+    export_dflash(drafter, storage)
+    assert evaluation_key(spec, storage, DRAFTER_PREFIX, cpu) != key

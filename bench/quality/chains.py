@@ -31,6 +31,7 @@ from dflash_jobs.formats import DATASET_KEY, EVAL_REPORT_KEY, MANIFEST_KEY, TRAI
 from dflash_jobs.generation import generated_lines, read_manifest
 from dflash_jobs.prepare import HOLDOUT_KEY
 from dflash_jobs.rows import prompt_length
+from dflash_jobs.spec import BASELINES
 from dflash_jobs.storage import open_storage
 
 import launch
@@ -129,7 +130,7 @@ def write_spec(workdir: Path, target: Path, data: Path, size: Size, device: torc
             **({chain.drafter: dict(chain.settings)} if chain.settings else {}),
         },
         "eval": {"prompts": size.eval_prompts or size.holdout, "max_new_tokens": size.eval_new_tokens, "processes": size.eval_processes,
-                 "tree_budgets": list(size.tree_budgets) if chain.trees else [], "baselines": ["prompt_lookup", "bigram"] if chain.baselines else []},
+                 "tree_budgets": list(size.tree_budgets) if chain.trees else [], "baselines": list(BASELINES) if chain.baselines else []},
         "local": {"workdir": str(workdir / "local"), "device": device.type},
     }
     if chain.generates:

@@ -102,7 +102,7 @@ def chains_of(size: Size) -> list[Chain]:
     chains += [Chain(f"regenerated-epochs{epochs}", True, seed=first, states_of="regenerated", epochs=epochs) for epochs in size.step_epochs]
     # The steps curve's points decode no trees (theirs is the chain's acceptance); the others as the size
     # says, the regenerated DFlash of every seed always (a claim takes a drafter at its mean over its seeds).
-    # The baselines are decoded by the first chain alone: the figures read them there (figures.BASELINES_OF).
+    # The baselines are decoded by the first chain alone: the figures read them there (chains.BASELINES_OF).
     return [replace(c, trees=c.epochs is None and (size.trees_on_every_chain or "regenerated" in (c.name, c.states_of) and c.drafter == "dflash"
                                                      and not c.settings and c.fraction == 1.0 and c.dtype == "bfloat16"),
                     baselines=c.name == BASELINES_OF)

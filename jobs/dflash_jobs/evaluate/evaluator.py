@@ -5,8 +5,7 @@ its last supervised run: what the target was asked, never what it answered. For 
 target decodes four ways, on the same device and in the same loop style: plain greedy (the
 reference output and speed), DFlash speculative decoding, and the baselines eval.baselines names
 (evaluate/baselines.py): prompt lookup, training-free, and a bigram table fitted once on the run's
-training rows; then the
-DFlash drafter's training forward runs on the prompt and greedy's output
+training rows; then the DFlash drafter's training forward runs on the prompt and greedy's output
 (evaluate/simulated.py), the teacher-forced acceptance the decoded one should match, and, untimed,
 the lossless check's figures (evaluate/lossless.py): the target's own verify-against-decode
 rounding, and greedy along each output that differs from greedy's. With eval.tree_budgets, the
@@ -15,7 +14,8 @@ like the chain), and its trees' exact acceptance is computed along greedy's outp
 (evaluate/trees.py). One untimed
 warm-up prompt comes first (kernel selection and compilation). With eval.processes > 1, worker
 processes on the same device take the prompts one at a time, each with its own target and
-drafter, and the results are merged in prompt order.
+drafter, and the results are merged in prompt order. Each prompt's result is kept in storage as it
+is decoded (evaluate/kept.py): a retried evaluation decodes only the prompts it lacks.
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ import logging
 import multiprocessing
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -39,7 +38,8 @@ from dflash_jobs.drafter.tree_verify import tree_decode
 from dflash_jobs.errors import InputError
 from dflash_jobs.evaluate.baselines import BigramDrafter, BigramTable, PromptLookupDrafter, fit_bigram
 from dflash_jobs.evaluate.calibration import recorder_for
-from dflash_jobs.evaluate.lossless import Divergence, divergences, verify_noise
+from dflash_jobs.evaluate.kept import KeptPrompts, PromptResult, evaluation_key
+from dflash_jobs.evaluate.lossless import divergences, verify_noise
 from dflash_jobs.evaluate.metrics import acceptance_length
 from dflash_jobs.evaluate.report import build_report, store_report
 from dflash_jobs.evaluate.simulated import anchors_accepted, document_batch
@@ -87,24 +87,6 @@ def stop_ids(model) -> frozenset[int]:
     eos = getattr(model.generation_config, "eos_token_id", None)
     eos = model.config.eos_token_id if eos is None else eos
     return frozenset([eos] if isinstance(eos, int) else eos or ())
-
-
-@dataclass
-class PromptResult:
-    """One prompt decoded every way, and the DFlash drafter's teacher-forced acceptance on greedy's output."""
-
-    greedy: Decoded
-    drafted: dict[str, Decoded]
-    simulated: list[int]
-    """Per anchor of the simulation (evaluate/simulated.py), the drafts the training forward gets right in a row."""
-    divergences: dict[str, list[Divergence]]
-    """Per drafter, where its output leaves greedy's (evaluate/lossless.py; empty when it is greedy's)."""
-    verify_noise: list[float]
-    """The target's verify-against-decode rounding of greedy's decision margin, per position (evaluate/lossless.py)."""
-    confidences: list[list[float]] | None = None
-    """A drafter with a confidence head (DSpark): per verify step, its survival probability of each draft (evaluate/calibration.py)."""
-    trees: PromptTrees | None = None
-    """The trained drafter's draft trees, decoded and exact (evaluate/trees.py); None without eval.tree_budgets."""
 
 
 class PromptDecoder:
@@ -212,10 +194,14 @@ def drafter_url(spec: RunSpec) -> str:
     return f"{storage_for(spec).url.rstrip('/')}/{DRAFTER_PREFIX}"
 
 
-def decode_prompts(decoder: PromptDecoder, prompts: list[torch.Tensor]) -> list[PromptResult]:
+def decode_here(spec: RunSpec, bigram: BigramTable | None, prompts: list[torch.Tensor], *, device: torch.device) -> Iterator[PromptResult]:
     """Every prompt decoded in this process, after one untimed warm-up prompt (kernel selection and compilation)."""
-    decoder.decode(prompts[0])
-    return log_progress(map(decoder.decode, prompts), len(prompts))
+    decoder = load_decoder(spec, bigram, device=device)
+    try:
+        decoder.decode(prompts[0])
+        yield from map(decoder.decode, prompts)
+    finally:
+        decoder.close()
 
 
 # ---- worker processes (eval.processes > 1) -------------------------------------------------------
@@ -235,7 +221,7 @@ def _decode_in_worker(prompt: torch.Tensor) -> PromptResult:
     return _worker_decoder.decode(prompt)
 
 
-def decode_in_processes(spec: RunSpec, bigram: BigramTable | None, prompts: list[torch.Tensor], *, device: torch.device) -> list[PromptResult]:
+def decode_in_processes(spec: RunSpec, bigram: BigramTable | None, prompts: list[torch.Tensor], *, device: torch.device) -> Iterator[PromptResult]:
     """Every prompt decoded by eval.processes workers on `device`, each loading the target and drafter
     and warming up once; a worker takes the next prompt when it is done with one, and the results
     come back in prompt order. The CPU threads are shared out between the workers."""
@@ -244,7 +230,7 @@ def decode_in_processes(spec: RunSpec, bigram: BigramTable | None, prompts: list
     # spawn: CUDA cannot be used in a forked child, and a fresh interpreter inherits no threads or locks.
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(processes, mp_context=context, initializer=_start_worker, initargs=(spec, bigram, device, threads, prompts[0])) as pool:
-        return log_progress(pool.map(_decode_in_worker, prompts), len(prompts))
+        yield from pool.map(_decode_in_worker, prompts)
 
 
 def log_progress(results: Iterable[PromptResult], total: int) -> list[PromptResult]:
@@ -278,14 +264,8 @@ def evaluate(spec: RunSpec, storage: Storage, *, device: torch.device) -> dict[s
     if bigram is not None:
         log.info("bigram baseline: %d tokens' successors from %d pairs in %d of %d chunks (%d of %d tokens)", bigram.fit["previous_tokens"],
                  bigram.fit["pairs"], bigram.fit["chunks_read"], bigram.fit["chunks"], bigram.fit["tokens_read"], bigram.fit["tokens"])
-    if settings.processes > 1:
-        results = decode_in_processes(spec, bigram, prompts, device=device)  # the workers load their own copies
-    else:
-        decoder = load_decoder(spec, bigram, device=device)
-        try:
-            results = decode_prompts(decoder, prompts)
-        finally:
-            decoder.close()
+    kept = KeptPrompts(storage, evaluation_key(spec, storage, DRAFTER_PREFIX, device))
+    results = decode_missing(spec, kept, bigram, prompts, device=device)
     names = list(results[0].drafted)
     report = build_report(
         greedy=[r.greedy for r in results],
@@ -302,8 +282,25 @@ def evaluate(spec: RunSpec, storage: Storage, *, device: torch.device) -> dict[s
         vllm_serve=run_serve_command(spec, exported), bigram=bigram.fit if bigram is not None else None,
     )
     store_report(storage, report)
+    kept.clear()  # the report holds them now
     log.info("serve it with vLLM:\n%s", report["vllm_serve"])
     return report
+
+
+def decode_missing(spec: RunSpec, kept: KeptPrompts, bigram: BigramTable | None, prompts: list[torch.Tensor], *,
+                   device: torch.device) -> list[PromptResult]:
+    """Every prompt's result, in prompt order: those an earlier run of this evaluation kept (evaluate/kept.py),
+    the others decoded now (in eval.processes workers, each loading its own target and drafter) and kept as they come."""
+    results = kept.load(prompts)
+    missing = [i for i in range(len(prompts)) if i not in results]
+    if results:
+        log.info("%d of %d prompts were decoded by an earlier run of this evaluation (kept under %s): decoding the other %d",
+                 len(results), len(prompts), kept.prefix, len(missing))
+    if missing:
+        decode = decode_in_processes if min(spec.eval.processes, len(missing)) > 1 else decode_here
+        decoded = decode(spec, bigram, [prompts[i] for i in missing], device=device)
+        results.update(zip(missing, log_progress(kept.keeping(missing, prompts, decoded), len(missing))))
+    return [results[i] for i in range(len(prompts))]
 
 
 def describe(spec: RunSpec, config: DrafterConfig, device: torch.device, prompts: int) -> None:

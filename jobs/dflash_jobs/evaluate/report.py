@@ -46,10 +46,10 @@ report.json (format dflash.eval/v1):
               prompts_off_greedy (whose output left greedy's: not compared)}; lossless
     drafters.<variant>.coverage: trees.summarize_coverage(...)   per slot, the share of the chain's verify
               steps whose greedy token is among the drafter's k likeliest there (k = 1, 2, 4, 8)
-    bigram:   null without the bigram baseline; else what it was fitted on: pairs_counted (which token pairs: the anchor and
-              first label of every block training may draw), max_tokens (the cap on the token rows read:
-              whole chunks in a random order, fixed seed, until the next would pass it; the first is
-              always read), chunks_read of chunks, tokens_read of tokens, pairs, distinct_pairs,
+    bigram:   null without the bigram baseline; else what it was fitted on: pairs_counted (which token
+              pairs: the anchor and first label of every block training may draw), max_tokens (the cap
+              on the token rows read: whole chunks in a random order, fixed seed, until the next would
+              pass it; the first is always read), chunks_read of chunks, tokens_read of tokens, pairs, distinct_pairs,
               previous_tokens (tokens with a successor; the others end a bigram draft)
     intervals: how every acceptance_length_interval was computed (evaluate/intervals.py): {method (a
               paired percentile bootstrap over the held-out prompts), interval, confidence, resamples, seed,

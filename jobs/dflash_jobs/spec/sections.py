@@ -241,7 +241,8 @@ class EvalSpec:
                                 f"node budgets from 1 to {MAX_TREE_BUDGET} (the tokens one verify forward holds besides the anchor)")
         if len(set(self.tree_budgets)) != len(self.tree_budgets):
             raise SpecError("eval.tree_budgets", self.tree_budgets, "distinct node budgets")
-        if not isinstance(self.baselines, list) or not set(self.baselines) <= set(BASELINES) or len(set(self.baselines)) != len(self.baselines):
+        if (not isinstance(self.baselines, list) or not all(isinstance(name, str) and name in BASELINES for name in self.baselines)
+                or len(set(self.baselines)) != len(self.baselines)):
             raise SpecError("eval.baselines", self.baselines, f"a list of distinct baselines from {list(BASELINES)}, or [] for none")
 
 
