@@ -476,9 +476,11 @@ def test_tiny_chain_runs_every_chain_on_the_same_held_out_prompts_and_says_its_t
         "regenerated-dflash2": "dflash2", "regenerated-dspark": "dspark",
         "regenerated-dflash2-selector-off": "dflash2", "regenerated-dspark-markov-rank1": "dspark"}
     regenerated, source = runs["regenerated"], runs["source"]
-    for run in runs.values():
+    for name, run in runs.items():
         assert run["lossless"] and all(d["lossless"] for d in run["drafters"].values()), run["drafters"]
-        assert run["drafters"][run["drafter"]]["acceptance_length"] >= 1.0 and "prompt_lookup" in run["drafters"]
+        assert run["drafters"][run["drafter"]]["acceptance_length"] >= 1.0
+        # The first chain alone decodes the baselines (prompt lookup decodes alike in every chain: the same target and prompts).
+        assert set(run["drafters"]) == ({run["drafter"], "prompt_lookup", "bigram"} if name == "regenerated" else {run["drafter"]})
     assert runs["regenerated-dspark"]["eval"]["block_size"] == runs["regenerated"]["eval"]["block_size"] == 8
     assert "calibration" in runs["regenerated-dspark"]["drafters"]["dspark"]
     # Every chat was answered and kept, so every chain held out, and was evaluated on, the same prompts
@@ -488,8 +490,6 @@ def test_tiny_chain_runs_every_chain_on_the_same_held_out_prompts_and_says_its_t
     assert all(len(runs[name]["held_out_sample_ids"]) == result["settings"]["holdout"] for name in parts)
     assert regenerated["generation"]["rows"] == regenerated["generation"]["lines"] == result["settings"]["chats"] == result["generation"]["rows"]
     assert source["generation"] is None
-    # The same prompts to the same target give the same greedy outputs: prompt lookup drafts alike.
-    assert len({run["acceptance_length"]["prompt_lookup"] for run in runs.values()}) == 1
 
     # The later seeds, DFlash2 and DSpark trained on the first chain's states, hard-linked (one
     # extraction, with the final hidden state DSpark reads), and ran train and evaluate only.
