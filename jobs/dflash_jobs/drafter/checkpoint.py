@@ -124,11 +124,12 @@ class TargetCheckpoint:
 
     def tokenizer_size(self) -> int | None:
         """len(tokenizer) of the tokenizer.json beside the weights (added tokens included), or None."""
-        if not self.storage.exists("tokenizer.json"):
+        data = self.read_optional("tokenizer.json")
+        if data is None:
             return None
         from tokenizers import Tokenizer
 
-        return Tokenizer.from_str(self._get("tokenizer.json").decode()).get_vocab_size(with_added_tokens=True)
+        return Tokenizer.from_str(data.decode()).get_vocab_size(with_added_tokens=True)
 
 
 def drafter_config_for_target(target: TargetCheckpoint, train: TrainSpec, layers: list[int], mask_token_id: int):
