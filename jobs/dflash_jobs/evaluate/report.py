@@ -49,8 +49,8 @@ report.json (format dflash.eval/v1):
     bigram:   null without the bigram baseline; else what it was fitted on: pairs_counted (which token
               pairs: the anchor and first label of every block training may draw), max_tokens (the cap
               on the token rows read: whole chunks in a random order, fixed seed, until the next would
-              pass it; the first is always read), chunks_read of chunks, tokens_read of tokens, pairs, distinct_pairs,
-              previous_tokens (tokens with a successor; the others end a bigram draft)
+              pass it; the first is always read), chunks_read of chunks, tokens_read of tokens, pairs,
+              distinct_pairs, previous_tokens (tokens with a successor; the others end a bigram draft)
     intervals: how every acceptance_length_interval was computed (evaluate/intervals.py): {method (a
               paired percentile bootstrap over the held-out prompts), interval, confidence, resamples, seed,
               prompts}; every decoding's interval comes from the same draws of the prompts, and a paired
