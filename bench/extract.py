@@ -60,12 +60,12 @@ STARTED = time.monotonic()  # a warm pod's clock starts with its process
 import numpy as np
 import torch
 
-from dflash_jobs.extract import fp8, fusion, packing
-from dflash_jobs.extract.batching import BatchPlanner, window_samples
-from dflash_jobs.extract.capture import LayerCapture
+from dflash_jobs.capture import fp8, fusion, packing
+from dflash_jobs.capture.batching import BatchPlanner, window_samples
+from dflash_jobs.capture.hooks import LayerCapture
 from dflash_jobs.extract.progress import Summary
-from dflash_jobs.extract.target import FastPaths, Target
-from dflash_jobs.extract.worker import ExtractWorker, iter_windows, to_device
+from dflash_jobs.capture.target import FastPaths, Target
+from dflash_jobs.extract.worker import ExtractWorker, iter_windows
 from dflash_jobs.formats import TokenChunk
 from dflash_jobs.spec import ExtractSpec
 
@@ -114,7 +114,7 @@ def bare_forward(target: Target, storage, infos, planner: BatchPlanner, window: 
     target.model.set_attn_implementation(packing.PACKED_ATTENTION if planner.packed else "sdpa")
     with torch.inference_mode():
         for win in iter_windows(storage, infos, planner, window):
-            batches = [to_device(batch, device) for batch in win.batches]
+            batches = [batch.to(device) for batch in win.batches]
             sync(device)
             started = time.perf_counter()
             for batch in batches:
@@ -156,7 +156,7 @@ def extractor(target: Target, root: Path, chunks: list[TokenChunk], spec: Extrac
 def count_syncs(target: Target, chunk: TokenChunk, planner: BatchPlanner) -> dict:
     """Host synchronisations in one forward of a real batch, by the Python line that caused them."""
     device = target.device
-    batch = to_device(planner.build(planner.plan(window_samples([chunk]))[0], [chunk]), device)
+    batch = planner.build(planner.plan(window_samples([chunk]))[0], [chunk]).to(device)
     sync(device)
     with torch.inference_mode(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -196,7 +196,7 @@ def profile(target: Target, root: Path, chunks: list[TokenChunk], spec: ExtractS
 
 
 def capture(target: Target, chunk: TokenChunk, plan: BatchPlanner, refs, capture_buffer: LayerCapture, attention: str) -> torch.Tensor:
-    batch = to_device(plan.build(refs, [chunk]), target.device)
+    batch = plan.build(refs, [chunk]).to(target.device)
     target.model.set_attn_implementation(attention)
     capture_buffer.start(batch.real_index)
     target.model(**packing.forward_kwargs(batch, target.architecture))
@@ -312,7 +312,7 @@ def main() -> int:
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total), device)
-    fast = FastPaths.detect(device)
+    fast = FastPaths.detect(device, target.architecture)
     packed = packing.can_pack(target.architecture, device, fla=fast.fla)
     chunks = lognormal_chunks(args.samples, mean=args.mean_length, max_length=args.max_length,
                               chunk_tokens=args.chunk_tokens, vocab=target.model.config.vocab_size, seed=0)
@@ -527,7 +527,7 @@ def warm_pod(args, device: torch.device, workdir: Path) -> int:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total), device)
     built = time.monotonic() - STARTED
-    fast = FastPaths.detect(device)
+    fast = FastPaths.detect(device, target.architecture)
     packed = packing.can_pack(target.architecture, device, fla=fast.fla)
     chunks = lognormal_chunks(args.samples, mean=args.mean_length, max_length=args.max_length,
                               chunk_tokens=args.chunk_tokens, vocab=target.model.config.vocab_size, seed=1)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from dflash_jobs.architectures import qwen3_5
-from dflash_jobs.extract.target import Target, load_target, prepare_for_capture
+from dflash_jobs.capture.target import Target, load_target, prepare_for_capture
 from dflash_jobs.formats import DATASET_KEY, DONE_MARKERS, ChunkInfo, DatasetIndex, TokenChunk, chunk_of_key, hidden_chunk_key, token_chunk_key
 from dflash_jobs.spec import TargetSpec, default_layers
 from dflash_jobs.storage import LocalStorage

@@ -113,7 +113,8 @@ from speedup_trees import time_trees, tree_speedups  # noqa: E402
 
 from dflash_jobs.drafter.model import Drafter, DrafterConfig  # noqa: E402
 from dflash_jobs.drafter.speculative import ModelDrafter, Target  # noqa: E402
-from dflash_jobs.extract.target import FastPaths  # noqa: E402
+from dflash_jobs.architectures import target_architecture  # noqa: E402
+from dflash_jobs.capture.target import FastPaths  # noqa: E402
 
 log = logging.getLogger("bench.speedup")
 
@@ -274,7 +275,7 @@ def main() -> int:
 
     model, drafter, exported, drafter_config = build(args.shape, device, dtype, B)
     sync(device)
-    fast = FastPaths.detect(device)
+    fast = FastPaths.detect(device, target_architecture(model.config))
     result["setup"] = {
         "build_s": round(time.perf_counter() - started, 1), "fast_paths": fast.as_dict(),
         "target": {"layers": model.config.num_hidden_layers, "layer_types": {t: model.config.layer_types.count(t) for t in set(model.config.layer_types)},

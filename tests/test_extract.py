@@ -11,7 +11,7 @@ import torch
 from dflash_jobs.errors import EXIT_BAD_INPUT, EXIT_BAD_SPEC, FormatError, IntegrityError, SpecError, StorageError
 from dflash_jobs.errors import pod_exit_code as exit_code
 from dflash_jobs.shard import shard_index
-from dflash_jobs.extract.batching import BatchPlanner, window_samples
+from dflash_jobs.capture.batching import BatchPlanner, window_samples
 from dflash_jobs.extract.integrity import check_assembled
 from dflash_jobs.extract.progress import Summary
 from dflash_jobs.termination import write_termination_message

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from dflash_jobs.drafter.checkpoint import TargetCheckpoint
 from dflash_jobs.extract.__main__ import main
 from dflash_jobs.extract.progress import Summary
-from dflash_jobs.extract.target import load_target
+from dflash_jobs.capture.target import load_target
 from dflash_jobs.extract.worker import ExtractWorker, pending_chunks
 from dflash_jobs.extract.writer import ChunkMetadata
 from dflash_jobs.formats import DoneMarker, HiddenChunk, done_key, encode_hidden_chunk, hidden_chunk_key, read_header

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from dflash_jobs.errors import SpecError
-from dflash_jobs.extract.fp8 import Float8Linear, quantize_rows, require_fp8, to_float8
+from dflash_jobs.capture.fp8 import Float8Linear, quantize_rows, require_fp8, to_float8
 from dflash_jobs.extract.progress import Summary
-from dflash_jobs.extract.target import load_target
+from dflash_jobs.capture.target import load_target
 from dflash_jobs.extract.worker import ExtractWorker
 from dflash_jobs.formats import DoneMarker, HiddenChunk, done_key, hidden_chunk_key, read_header
 from dflash_jobs.spec import ExtractSpec, TargetSpec, parse_spec

@@ -16,10 +16,10 @@ from transformers import AutoModelForCausalLM
 import transformers.models.qwen3_5.modeling_qwen3_5 as qwen3_5
 
 from dflash_jobs.errors import InputError, IntegrityError
-from dflash_jobs.extract import fusion, packing
-from dflash_jobs.extract.capture import Run, merge_runs
+from dflash_jobs.capture import fusion, packing
+from dflash_jobs.extract.transfer import Run, merge_runs
 from dflash_jobs.extract.progress import Summary
-from dflash_jobs.extract.target import load_target
+from dflash_jobs.capture.target import load_target
 from dflash_jobs.extract.worker import ExtractWorker
 from dflash_jobs.extract.writer import WRITER_THREADS
 from dflash_jobs.formats import HiddenChunk, hidden_chunk_key

@@ -14,10 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from dflash_jobs.errors import FormatError
-from dflash_jobs.extract import target as target_module
+from dflash_jobs.capture import checkpoint as target_module
 from dflash_jobs.extract.__main__ import main
 from dflash_jobs.extract.progress import Summary
-from dflash_jobs.extract.target import CheckpointCache
+from dflash_jobs.capture.checkpoint import CheckpointCache
 from dflash_jobs.extract.worker import build_worker
 from dflash_jobs.extract.writer import KILL_BEFORE_MARKER_ENV
 from dflash_jobs.formats import DoneMarker, HiddenChunk, done_key, hidden_chunk_key

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_jobs.extract.capture import BufferPool
+from dflash_jobs.extract.transfer import BufferPool
 from dflash_jobs.extract.writer import ChunkMetadata, ChunkWriter
 from dflash_jobs.formats import ChunkInfo, DoneMarker, done_key, header_size, hidden_chunk_key, read_header
 from dflash_jobs.storage import TEMP_PREFIX, open_storage

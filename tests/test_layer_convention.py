@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dflash_jobs.extract.progress import Summary
-from dflash_jobs.extract.target import load_target
+from dflash_jobs.capture.target import load_target
 from dflash_jobs.extract.worker import ExtractWorker
 from dflash_jobs.formats import HiddenChunk, hidden_chunk_key
 from dflash_jobs.spec import ExtractSpec, TargetSpec

@@ -32,7 +32,7 @@ from dflash_jobs.spec import text_config
 
 if TYPE_CHECKING:
     from dflash_jobs.drafter.tree_verify import TreeMixer
-    from dflash_jobs.extract.batching import Batch
+    from dflash_jobs.capture.batching import Batch
 
 log = logging.getLogger("dflash.architectures")
 

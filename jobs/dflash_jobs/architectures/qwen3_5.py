@@ -23,7 +23,7 @@ cannot hand over the states themselves: the kernel gives a sequence's state at i
 accepted path ends mid-path in general; keeping every node's instead is the memory above.
 
 Packed extraction rows: each sample is followed by conv kernel - 1 masked tokens, and the GDN
-layers get the boundaries as `cu_seq_lens_q` (extract/batching.py, extract/packing.py).
+layers get the boundaries as `cu_seq_lens_q` (capture/batching.py, capture/packing.py).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from transformers.cache_utils import Cache
 
 from dflash_jobs.architectures import TargetArchitecture
 from dflash_jobs.drafter.tree_verify import TreeStep, attend_tree, kernels
-from dflash_jobs.extract.batching import Batch
+from dflash_jobs.capture.batching import Batch
 
 
 def packing_gap(config) -> int:

@@ -44,7 +44,7 @@ from dflash_jobs.evaluate.metrics import acceptance_length
 from dflash_jobs.evaluate.report import build_report, store_report
 from dflash_jobs.evaluate.simulated import anchors_accepted, document_batch
 from dflash_jobs.evaluate.trees import PromptTrees, VariantBranches, exact_trees
-from dflash_jobs.extract.target import local_checkpoint
+from dflash_jobs.capture.checkpoint import local_checkpoint
 from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk
 from dflash_jobs.rows import prompt_length
 from dflash_jobs.spec import EvalSpec, RunSpec

@@ -15,26 +15,24 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from dflash_jobs.devices import pick_device
 from dflash_jobs.errors import FormatError, InputError
-from dflash_jobs.extract import fp8, fusion, packing
-from dflash_jobs.extract.batching import Batch, BatchPlanner, round_up, window_samples
-from dflash_jobs.extract.capture import BufferPool, DeviceToHost, LayerCapture, Run, merge_runs
+from dflash_jobs.capture.batching import Batch, BatchPlanner, window_samples
+from dflash_jobs.capture.runner import TargetCapture, open_target
+from dflash_jobs.capture.target import Target
+from dflash_jobs.extract.transfer import BufferPool, DeviceToHost, Run, merge_runs
 from dflash_jobs.extract.progress import Progress, Summary
 from dflash_jobs.extract.sharding import shard_chunks
-from dflash_jobs.extract.target import FastPaths, Target, load_target, local_checkpoint, read_config
 from dflash_jobs.extract.writer import WRITER_THREADS, ChunkAssembly, ChunkMetadata, ChunkWriter
 from dflash_jobs.formats import (
     DATASET_KEY, DONE_MARKERS, ChunkInfo, DatasetIndex, DoneMarker, TokenChunk, done_key, hidden_chunk_key, token_chunk_key,
 )
-from dflash_jobs.spec import ExtractSpec, RunSpec, resolve_layers
-from dflash_jobs.storage import ObjectNotFound, Storage, open_storage, storage_for
+from dflash_jobs.spec import ExtractSpec, RunSpec
+from dflash_jobs.storage import ObjectNotFound, Storage, storage_for
 
 log = logging.getLogger("dflash.extract")
 
@@ -99,8 +97,7 @@ def load_window(storage: Storage, chunks: Sequence[ChunkInfo], planner: BatchPla
                 f"tokens/dataset.json says {info.samples} / {info.tokens}", "Re-run prepare",
             )
     batches = [planner.build(samples, tokens) for samples in planner.plan(window_samples(tokens))]
-    # From pageable memory a copy to the GPU waits for the stream to reach it (a sync per batch).
-    return Window(list(chunks), tokens, [pin_batch(batch) for batch in batches] if pin else batches)
+    return Window(list(chunks), tokens, [batch.pin_memory() for batch in batches] if pin else batches)
 
 
 def iter_windows(
@@ -120,83 +117,9 @@ def iter_windows(
 # ---- running batches --------------------------------------------------------------------------
 
 
-BATCH_TENSORS = ("input_ids", "real_index", "position_ids", "token_mask", "cu_seqlens")
-
-
-def _map_tensors(batch: Batch, fn) -> Batch:
-    moved = {name: getattr(batch, name) for name in BATCH_TENSORS}
-    return Batch(batch.samples, packed=batch.packed, segments=batch.segments,
-                 **{name: None if t is None else fn(t) for name, t in moved.items()})
-
-
-def to_device(batch: Batch, device: torch.device) -> Batch:
-    return _map_tensors(batch, lambda t: t.to(device, non_blocking=True))
-
-
-def pin_batch(batch: Batch) -> Batch:
-    return _map_tensors(batch, lambda t: t.pin_memory())
-
-
-def warmup_depth(model: torch.nn.Module) -> int:
-    """The shortest prefix of layers holding every layer type: enough to compile and tune every kernel."""
-    types = list(getattr(model.config, "layer_types", None) or ["decoder"])
-    return max(types.index(kind) for kind in set(types)) + 1
-
-
-@contextmanager
-def shallow(model: torch.nn.Module, depth: int) -> Iterator[None]:
-    """Runs only the first `depth` layers (Transformers' decoders loop over config.num_hidden_layers)."""
-    full = model.config.num_hidden_layers
-    model.config.num_hidden_layers = min(depth, full)
-    try:
-        yield
-    finally:
-        model.config.num_hidden_layers = full
-
-
-def synthetic_chunk(lengths: Sequence[int], vocab_size: int, seed: int = 0) -> TokenChunk:
-    rng = np.random.default_rng(seed)
-    total = int(sum(lengths))
-    return TokenChunk(
-        input_ids=rng.integers(0, vocab_size, total, dtype=np.int32),
-        loss_mask=np.ones(total, dtype=np.uint8),
-        cu_seqlens=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-        sample_ids=np.arange(len(lengths), dtype=np.int64),
-    )
-
-
-PACKED_WARMUP_STEPS = 8
-
-
-def warmup_batches(planner: BatchPlanner, max_length: int, vocab_size: int) -> list[Batch]:
-    """Batches of the shapes the run will use, so Triton compiles and autotunes before the first chunk.
-
-    Padded: one per row length. Packed rows vary in length; FLA specializes a few kernels on
-    quantities derived from it (l2norm: the row length in steps of 4096 tokens; integer
-    arguments: divisibility by 16), so rows of budget * k / 8 tokens, round and odd, cover them."""
-    if planner.packed:
-        batches = []
-        for step in range(1, PACKED_WARMUP_STEPS + 1):
-            total = planner.token_budget * step // PACKED_WARMUP_STEPS
-            for row in (total, total - 3 * step - 1):
-                length = min(max_length, row - planner.gap)
-                if length < 1:
-                    continue
-                count, rest = divmod(row, length + planner.gap)
-                lengths = [length] * count + ([rest - planner.gap] if rest > planner.gap else [])
-                chunk = synthetic_chunk(lengths, vocab_size)
-                batches.append(planner.build(window_samples([chunk]), [chunk]))
-        return batches
-    batches = []
-    for length in range(planner.pad_multiple, round_up(max_length, planner.pad_multiple) + 1, planner.pad_multiple):
-        rows = max(1, planner.token_budget // length)
-        chunk = synthetic_chunk([length] * rows, vocab_size)
-        batches.append(planner.build(window_samples([chunk]), [chunk]))
-    return batches
-
-
 class ExtractWorker:
-    """Extracts the hidden states of one shard's chunks."""
+    """Extracts the hidden states of one shard's chunks: the target's capture (capture/runner.py),
+    its buffers copied to host memory (transfer.py) and stored by the writer (writer.py)."""
 
     def __init__(
         self,
@@ -216,21 +139,11 @@ class ExtractWorker:
         self.storage = storage
         self.chunks = list(chunks)
         self.summary = summary
-        self.max_length = max_length
         self.device = target.device
         self.started = time.monotonic() if started is None else started  # the pod's start, for ready_s
-        self.planner = BatchPlanner(
-            token_budget=spec.token_budget, pad_multiple=spec.pad_multiple, packed=packed, gap=target.conv_gap if packed else 0,
-        )
-        if packed:
-            packing.use_packed_attention(target.model)
-        # A sample longer than the budget still runs, alone: the buffer holds the larger of both.
-        capacity = max(spec.token_budget, round_up(max_length, spec.pad_multiple))
-        self.capture = LayerCapture(
-            target.decoder_layers, target.layers, capacity=capacity, hidden_size=target.hidden_size,
-            dtype=target.dtype, device=self.device, final_layer=target.final_layer,
-        )
-        self.transfer = DeviceToHost(self.capture, storage_dtype=spec.dtype)
+        self.capture = TargetCapture(target, spec, packed=packed, max_length=max_length)
+        self.planner = self.capture.planner
+        self.transfer = DeviceToHost(self.capture.hooks, storage_dtype=spec.dtype)
         # A window's chunks can all be open at once (padded batches mix them), plus those being stored.
         self.pool = BufferPool(
             size=spec.sort_window + WRITER_THREADS, capacity=max((c.tokens for c in self.chunks), default=1),
@@ -247,25 +160,7 @@ class ExtractWorker:
         self.writer: ChunkWriter | None = None
 
     def warm_up(self) -> float:
-        """Compiles and tunes the kernels on every batch shape, through the shortest prefix of layers."""
-        started = time.monotonic()
-        vocab = self.target.model.config.vocab_size
-        batches = warmup_batches(self.planner, self.max_length, vocab)
-        self.capture.start(None)
-        with shallow(self.target.model, warmup_depth(self.target.model)):
-            for batch in batches:
-                try:
-                    self.target.model(**packing.forward_kwargs(to_device(batch, self.device), self.target.architecture))
-                except torch.OutOfMemoryError:
-                    log.warning("warm-up: a %s batch ran out of GPU memory; extract.token_budget %d is too large "
-                                "for this GPU, so such batches will be split", batch.shape, self.spec.token_budget)
-                    if self.device.type == "cuda":
-                        torch.cuda.empty_cache()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        elapsed = time.monotonic() - started
-        log.info("warm-up: %d batch shapes in %.1f s", len(batches), elapsed)
-        return elapsed
+        return self.capture.warm_up()
 
     @torch.inference_mode()
     def run(self) -> Summary:
@@ -331,9 +226,8 @@ class ExtractWorker:
                 self.run_batch(half, window)
 
     def _forward(self, batch: Batch, window: Window) -> None:
-        on_device = to_device(batch, self.device)
-        self.capture.start(on_device.real_index)
-        self.target.model(**packing.forward_kwargs(on_device, self.target.architecture))
+        on_device = batch.to(self.device)
+        self.capture.forward(on_device)
         if not self.summary.ready_s:
             self.summary.ready_s = round(time.monotonic() - self.started, 1)
         # While the forward runs: where each sample's rows go (a chunk takes its buffer here, which can wait).
@@ -351,7 +245,7 @@ class ExtractWorker:
         self.progress.batch(batch.real_tokens, batch.padded_tokens)
 
     def close(self) -> None:
-        self.capture.remove()
+        self.capture.close()
 
 
 # ---- wiring -------------------------------------------------------------------------------------
@@ -365,29 +259,9 @@ def build_worker(spec: RunSpec, shard: int, *, summary: Summary, started: float 
     except ObjectNotFound:
         raise InputError(f"{storage.url}/{DATASET_KEY} does not exist", "Run `dflashctl prepare` first") from None
     chunks = shard_chunks(index.chunks, spec.extract.shards, shard)
-    device = pick_device(spec)
-    if spec.extract.compute_dtype == "float8":
-        fp8.require_fp8(device)  # before minutes of loading: every shard would fail alike
-    fast = FastPaths.detect(device)
-    summary.fast_paths = fast.as_dict()
-    checkpoint = local_checkpoint(
-        spec.target, lambda url: open_storage(url, endpoint_url=spec.storage.endpoint_url, region=spec.storage.region)
-    )
-    _, config = read_config(spec.target, checkpoint)
-    layers = resolve_layers(spec, config)
-    target = load_target(spec.target, checkpoint=checkpoint, layers=layers, device=device, final_hidden=spec.stores_final_hidden)
-    if spec.extract.compute_dtype == "float8":
-        log.info("compute: %d linear layers of the target in FP8 (row-wise scaled)", fp8.to_float8(target.decoder_layers))
-    if spec.extract.compiled_on(device.type):
-        log.info("compiled: %d norm and MLP modules of the target (torch.compile, graphs shared across layers)",
-                 fusion.compile_elementwise(target.decoder_layers))
-    packed = packing.can_pack(target.architecture, device, fla=fast.fla)
-    log.info(
-        "device %s; fast paths: flash-linear-attention %s, causal-conv1d %s; batches: %s",
-        device, "on" if fast.fla else "OFF (torch fallback)", "on" if fast.causal_conv1d else "off (torch fallback, slower)",
-        packing.layout(target.architecture, device, packed=packed, pad_multiple=spec.extract.pad_multiple),
-    )
+    opened = open_target(spec, pick_device(spec), final_hidden=spec.stores_final_hidden)
+    summary.fast_paths = opened.fast.as_dict()
     return ExtractWorker(
-        spec.extract, target=target, storage=storage, chunks=chunks, summary=summary,
-        max_length=spec.data.max_length, packed=packed, started=started,
+        spec.extract, target=opened.target, storage=storage, chunks=chunks, summary=summary,
+        max_length=spec.data.max_length, packed=opened.packed, started=started,
     )

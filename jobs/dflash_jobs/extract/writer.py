@@ -32,7 +32,7 @@ import torch
 
 from dflash_jobs.errors import DflashError, IntegrityError, StorageError
 from dflash_jobs.extract import integrity
-from dflash_jobs.extract.capture import BufferPool, ChunkBuffer
+from dflash_jobs.extract.transfer import BufferPool, ChunkBuffer
 from dflash_jobs.formats import (
     ChunkInfo, DoneMarker, TokenChunk, done_key, hidden_chunk_key, hidden_metadata, hidden_tensors, safetensors_names, safetensors_parts,
 )

@@ -271,7 +271,7 @@ class GenerateWorker:
 
 def build_worker(spec: RunSpec, shard: int, *, summary: Summary) -> GenerateWorker:
     """Everything shard `shard` needs: the plan, the tokenizer, the engine, the output storage."""
-    from dflash_jobs.extract.target import local_checkpoint  # torch: the pods have it (the vLLM image too)
+    from dflash_jobs.capture.checkpoint import local_checkpoint  # torch: the pods have it (the vLLM image too)
     from dflash_jobs.generate.engines import TransformersEngine, VllmEngine
     from dflash_jobs.rows import ChatEncoder, load_tokenizer
 

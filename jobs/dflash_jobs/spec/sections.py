@@ -95,7 +95,7 @@ class ExtractSpec:
     the forward runs 1.28x the bf16 one eager, and 1.64x it compiled (16,801 tokens/s:
     bench/results/extract-fp8-compile-h200.json)."""
     compile: bool | None = None
-    """torch.compile the target's norms and MLPs (extract/fusion.py): fused elementwise work, the
+    """torch.compile the target's norms and MLPs (capture/fusion.py): fused elementwise work, the
     same states up to rounding. Unset: on a GPU (an H200 at the 27B shape runs 1.17x faster in bf16,
     1.28x with FP8 compute: bench/results/extract-compile-h200.json, extract-fp8-compile-h200.json),
     off on a CPU (where compiling takes longer than a small run's whole extraction). Its graphs land

@@ -62,6 +62,21 @@ class Batch:
     def shape(self) -> tuple[int, int]:
         return tuple(self.input_ids.shape)
 
+    def to(self, device: torch.device) -> Batch:
+        return self._map(lambda t: t.to(device, non_blocking=True))
+
+    def pin_memory(self) -> Batch:
+        """Pinned: from pageable memory a copy to the GPU waits for the stream to reach it (a sync per batch)."""
+        return self._map(lambda t: t.pin_memory())
+
+    def _map(self, fn) -> Batch:
+        moved = {name: getattr(self, name) for name in BATCH_TENSORS}
+        return Batch(self.samples, packed=self.packed, segments=self.segments,
+                     **{name: None if t is None else fn(t) for name, t in moved.items()})
+
+
+BATCH_TENSORS = ("input_ids", "real_index", "position_ids", "token_mask", "cu_seqlens")
+
 
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple

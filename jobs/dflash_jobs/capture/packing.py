@@ -21,7 +21,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from dflash_jobs.architectures import TargetArchitecture
-from dflash_jobs.extract.batching import Batch
+from dflash_jobs.capture.batching import Batch
 
 log = logging.getLogger("dflash.extract")
 
