@@ -63,13 +63,14 @@ class Batch:
         return tuple(self.input_ids.shape)
 
     def to(self, device: torch.device) -> Batch:
-        return self._map(lambda t: t.to(device, non_blocking=True))
+        return self.map(lambda t: t.to(device, non_blocking=True))
 
     def pin_memory(self) -> Batch:
         """Pinned: from pageable memory a copy to the GPU waits for the stream to reach it (a sync per batch)."""
-        return self._map(lambda t: t.pin_memory())
+        return self.map(lambda t: t.pin_memory())
 
-    def _map(self, fn) -> Batch:
+    def map(self, fn) -> Batch:
+        """The same batch with `fn` applied to each of its tensors."""
         moved = {name: getattr(self, name) for name in BATCH_TENSORS}
         return Batch(self.samples, packed=self.packed, segments=self.segments,
                      **{name: None if t is None else fn(t) for name, t in moved.items()})

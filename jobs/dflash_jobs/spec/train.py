@@ -106,6 +106,12 @@ class TrainSpec:
     """DFlash2's settings (train.drafter: dflash2; its defaults when left out)."""
     dspark: DSparkSpec | None = None
     """DSpark's settings (train.drafter: dspark; its defaults when left out)."""
+    states: Literal["stored", "online"] = "stored"
+    """Where the drafter's context states come from. stored: extraction's chunks in storage (extract,
+    verify, then train; epochs after the first cost no target forward). online: every training rank
+    loads the target beside the drafter and runs it on each micro-batch (extraction's capture: packing,
+    FP8 compute, the integrity checks in flight); no extract Job, nothing stored but checkpoints and
+    the drafter, a target forward per step of every epoch (`dflashctl plan` prices both)."""
     nodes: int = 1
     """Training nodes; more than one renders an Indexed Job plus a headless Service for rendezvous."""
     gpus_per_node: int = 8

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from dflash_jobs.errors import FormatError, InputError
-from dflash_jobs.formats import DoneMarker, TokenChunk, check_hidden_header, fetch_header_bytes, hidden_chunk_key, read_header
+from dflash_jobs.formats import ChunkInfo, DoneMarker, TokenChunk, check_hidden_header, fetch_header_bytes, hidden_chunk_key, read_header, token_chunk_key
 from dflash_jobs.storage import TEMP_PREFIX, Storage
 
 # ---- chunks as a batch reads them --------------------------------------------------------------
@@ -194,6 +194,13 @@ class ChunkCache:
     def open(self, chunk: int) -> ChunkData:
         """The chunk, from local disk if it is resident and stored there, else from storage (a
         resident one is then stored for the next epochs)."""
+        data = self._open(chunk)
+        if data.layers != self.markers[chunk].layers:
+            data.close()
+            raise FormatError(f"{data.name} holds layers {data.layers}, its manifest entry says {self.markers[chunk].layers}", "Re-run extraction and verify")
+        return data
+
+    def _open(self, chunk: int) -> ChunkData:
         if chunk not in self.resident:
             return ChunkData(_MemoryBytes(self._download(chunk)), hidden_chunk_key(chunk))
         # One opener at a time per resident chunk: two at once (the prefetcher reaching a chunk again
@@ -249,3 +256,39 @@ class ChunkCache:
         with self._lock:
             self.bytes_fetched += marker.bytes
         return data
+
+
+# ---- token chunks: what online training reads --------------------------------------------------
+
+
+class TokenChunkData:
+    """A token chunk as online training reads it (train.states: online): its tokens alone, the target
+    makes the states."""
+
+    def __init__(self, tokens: TokenChunk, name: str) -> None:
+        self.tokens, self.name = tokens, name
+
+    def close(self) -> None:
+        pass
+
+
+class TokenChunks:
+    """prepare's token chunks (5 bytes a token: a 64K-token chunk is 320 KB), each read whole when a
+    batch needs it and checked against its entry in tokens/dataset.json; nothing is kept on disk."""
+
+    def __init__(self, storage: Storage, chunks: list[ChunkInfo]) -> None:
+        self.storage = storage
+        self.infos = {info.id: info for info in chunks}
+
+    def open(self, chunk: int) -> TokenChunkData:
+        key, info = token_chunk_key(chunk), self.infos[chunk]
+        tokens = TokenChunk.decode(self.storage.get_bytes(key), key)
+        if (tokens.num_samples, tokens.num_tokens) != (info.samples, info.tokens):
+            raise InputError(
+                f"{self.storage.url}/{key} holds {tokens.num_samples} samples / {tokens.num_tokens} tokens, "
+                f"tokens/dataset.json says {info.samples} / {info.tokens}", "Re-run prepare, then train again",
+            )
+        return TokenChunkData(tokens, key)
+
+    def close(self) -> None:
+        pass

@@ -24,18 +24,20 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Protocol
 
 import numpy as np
 import torch
 
 from dflash_jobs.balance import balance_by_tokens
+from dflash_jobs.capture.batching import Batch as TargetBatch
+from dflash_jobs.capture.batching import BatchPlanner, SampleRef
 from dflash_jobs.drafter.anchors import AnchorLayout
 from dflash_jobs.errors import FormatError
 from dflash_jobs.formats import DoneMarker, dequantize_fp8, fetch_header_bytes, hidden_chunk_key, object_range, read_header
 from dflash_jobs.storage import Storage
 from dflash_jobs.train.anchors import anchor_candidates, sample_anchors
-from dflash_jobs.train.chunks import ChunkCache, ChunkData
+from dflash_jobs.train.chunks import ChunkCache, ChunkData, TokenChunkData, TokenChunks
 from dflash_jobs.drafter.masks import BlockLayout
 
 # ---- the document index: which documents each chunk holds ----------------------------------
@@ -56,9 +58,10 @@ class ChunkDocuments:
         return self.candidates[index] > 0
 
 
-def read_chunk_documents(storage: Storage, chunk: int) -> ChunkDocuments:
-    """A chunk's document boundaries and loss masks, by ranged reads (never the hidden states)."""
-    key = hidden_chunk_key(chunk)
+def read_chunk_documents(storage: Storage, chunk: int, key_of: Callable[[int], str] = hidden_chunk_key) -> ChunkDocuments:
+    """A chunk's document boundaries and loss masks, by ranged reads (never the hidden states): a
+    hidden-state chunk's, or a token chunk's (`key_of`: token_chunk_key), which holds the same tensors."""
+    key = key_of(chunk)
     prefix = fetch_header_bytes(object_range(storage, key))
     header, length = read_header(prefix, key)[0], len(prefix)
 
@@ -76,9 +79,11 @@ def read_chunk_documents(storage: Storage, chunk: int) -> ChunkDocuments:
     )
 
 
-def read_document_index(storage: Storage, chunks: list[int], *, threads: int = 16) -> list[ChunkDocuments]:
+def read_document_index(
+    storage: Storage, chunks: list[int], *, threads: int = 16, key_of: Callable[[int], str] = hidden_chunk_key,
+) -> list[ChunkDocuments]:
     with ThreadPoolExecutor(threads) as pool:
-        return list(pool.map(lambda chunk: read_chunk_documents(storage, chunk), chunks))
+        return list(pool.map(lambda chunk: read_chunk_documents(storage, chunk, key_of), chunks))
 
 
 # ---- the plan: which documents each rank trains on at each step -----------------------------
@@ -157,7 +162,7 @@ def planned_chunks(chunks: list[DoneMarker], plans: list[list[MicroBatch]]) -> l
 class Batch:
     """One packed micro-batch: the documents' context, and one block per anchor."""
 
-    context_hidden: torch.Tensor  # [C, L*d], the captured layers concatenated per token: bf16, or fp8 as stored
+    context_hidden: torch.Tensor | None  # [C, L*d], the captured layers concatenated per token: bf16, or fp8 as stored; None online until the target ran
     context_positions: torch.Tensor  # int64 [C], positions inside each document
     block_ids: torch.Tensor  # int64 [N, B]: the anchor token, then mask tokens
     block_positions: torch.Tensor  # int64 [N, B]: anchor position + slot
@@ -170,10 +175,12 @@ class Batch:
     """[C, d] the target's final hidden state (its last decoder layer, before the final norm), row for
     row with context_hidden: bf16, or fp8 as stored; only from a builder asked for it."""
     final_scale: torch.Tensor | None = None  # float32 [C] for fp8 final states: dequantized by to(), on the device
+    target_input: TargetInput | None = None
+    """Online states (train.states: online): what the target runs to make context_hidden (None until it has)."""
 
     @property
     def tokens(self) -> int:
-        return self.context_hidden.shape[0]
+        return self.context_positions.shape[0]
 
     def pin_memory(self) -> Batch:
         return self._map(lambda t: t if t.is_pinned() else t.pin_memory())
@@ -210,20 +217,23 @@ class Batch:
             return None if t is None else fn(t)
 
         return Batch(
-            fn(self.context_hidden), fn(self.context_positions), fn(self.block_ids), fn(self.block_positions),
+            optional(self.context_hidden), fn(self.context_positions), fn(self.block_ids), fn(self.block_positions),
             fn(self.labels), fn(self.loss_weights),
             BlockLayout(layout.num_context, layout.block_size, fn(layout.context_start), fn(layout.anchor), fn(layout.key_positions)),
             self.documents, optional(self.context_scale), optional(self.final_hidden), optional(self.final_scale),
+            None if self.target_input is None else self.target_input.map(fn),
         )
 
 
 class BatchBuilder:
-    """Turns a micro-batch plan entry into tensors: samples anchors, lays out the blocks, and reads
-    the documents' states straight into the batch (several documents at once with `readers`), and
-    with `final_hidden` the target's final hidden state beside them (Batch.final_hidden)."""
+    """Turns a micro-batch plan entry into tensors: samples anchors, lays out the blocks, and gives
+    the documents their context through `context`: stored states read straight into the batch
+    (StoredContext, the default: several documents at once with `readers`, with `final_hidden` the
+    target's final hidden state beside them), or the target's input to make them online (TargetContext)."""
 
     def __init__(
         self, *, layout: AnchorLayout, anchors: int, mask_token_id: int, seed: int, layers: list[int], final_hidden: bool = False,
+        context: Context | None = None,
     ) -> None:
         self.layout = layout
         self.block_size = layout.block_size
@@ -231,25 +241,22 @@ class BatchBuilder:
         self.mask_token_id = mask_token_id
         self.seed = seed
         self.layers = layers
-        self.final_hidden = final_hidden
+        self.context = context if context is not None else StoredContext(final_hidden=final_hidden)
         self.decay = np.array(layout.slot_decay())
 
-    def build(self, documents: MicroBatch, chunks: Mapping[int, ChunkData], epoch: int, *,
+    def build(self, documents: MicroBatch, chunks: Mapping[int, ChunkData | TokenChunkData], epoch: int, *,
               pin_memory: bool = False, readers: ThreadPoolExecutor | None = None) -> Batch:
         B = self.block_size
         slots = np.arange(B)
-        first = chunks[documents[0].chunk]
-        spans = []  # (chunk, begin, end, offset in the batch)
+        spans: list[Span] = []
         positions, ids, block_pos, labels, weights, starts, anchors = [], [], [], [], [], [], []
         offset = 0
         for doc in documents:
             chunk = chunks[doc.chunk]
-            if chunk.dtype != first.dtype:
-                raise FormatError(f"{chunk.name} holds {chunk.dtype} states, {first.name} {first.dtype}", "Re-run extraction with one extract.dtype, then verify")
             begin, end = (int(x) for x in chunk.tokens.cu_seqlens[doc.index : doc.index + 2])
             input_ids, loss_mask = chunk.tokens.input_ids[begin:end].astype(np.int64), chunk.tokens.loss_mask[begin:end]
             T = end - begin
-            spans.append((chunk, begin, end, offset))
+            spans.append(Span(chunk, begin, end, offset, doc.sample_id))
             positions.append(np.arange(T))
             a = sample_anchors(loss_mask, self.anchors, seed=self.seed, epoch=epoch, sample_id=doc.sample_id)
             slot_positions = a[:, None] + slots[None, :]  # [n, B]
@@ -268,22 +275,7 @@ class BatchBuilder:
             starts.append(np.full(len(a), offset))
             anchors.append(offset + a)
             offset += T
-        hidden = torch.empty((offset, first.num_layers * first.hidden_size), dtype=first.torch_dtype, pin_memory=pin_memory)
-        scale = torch.empty((offset, first.num_layers), dtype=torch.float32, pin_memory=pin_memory) if first.quantized else None
-        final, final_scale = final_buffers([span[0] for span in spans], offset, pin_memory=pin_memory) if self.final_hidden else (None, None)
-
-        def read(span) -> None:
-            chunk, begin, end, at = span
-            chunk.read_states(begin, end, hidden[at : at + end - begin])
-            if scale is not None:
-                chunk.read_scales(begin, end, scale[at : at + end - begin])
-            if final is not None:
-                chunk.read_final(begin, end, final[at : at + end - begin])
-            if final_scale is not None:
-                chunk.read_final_scales(begin, end, final_scale[at : at + end - begin])
-
-        for _ in (readers.map(read, spans) if readers is not None else map(read, spans)):
-            pass
+        context = self.context.read(spans, offset, pin_memory=pin_memory, readers=readers)
         context_positions = torch.from_numpy(np.concatenate(positions))
         block_positions = torch.from_numpy(np.concatenate(block_pos))
         layout = BlockLayout(
@@ -293,7 +285,6 @@ class BatchBuilder:
             key_positions=torch.cat([context_positions, block_positions.flatten()]),
         )
         batch = Batch(
-            context_hidden=hidden,
             context_positions=context_positions,
             block_ids=torch.from_numpy(np.concatenate(ids)),
             block_positions=block_positions,
@@ -301,11 +292,96 @@ class BatchBuilder:
             loss_weights=torch.from_numpy(np.concatenate(weights).astype(np.float32)),
             layout=layout,
             documents=len(documents),
-            context_scale=scale,
-            final_hidden=final,
-            final_scale=final_scale,
+            **context,
         )
         return batch.pin_memory() if pin_memory else batch  # the small tensors; the states are pinned already
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """One document of a micro-batch: tokens [begin, end) of `chunk`, at row `at` of the batch's context."""
+
+    chunk: ChunkData | TokenChunkData
+    begin: int
+    end: int
+    at: int
+    sample_id: int
+
+
+class Context(Protocol):
+    """How a micro-batch's documents get their context states: the Batch fields it fills."""
+
+    def read(self, spans: list[Span], tokens: int, *, pin_memory: bool, readers: ThreadPoolExecutor | None) -> dict[str, Any]: ...
+
+
+class StoredContext:
+    """The stored states (and with `final_hidden` the final hidden state) of each document's rows,
+    read straight into the batch's (pinned) buffers."""
+
+    def __init__(self, *, final_hidden: bool = False) -> None:
+        self.final_hidden = final_hidden
+
+    def read(self, spans: list[Span], tokens: int, *, pin_memory: bool, readers: ThreadPoolExecutor | None) -> dict[str, Any]:
+        first = spans[0].chunk
+        for span in spans:
+            if span.chunk.dtype != first.dtype:
+                raise FormatError(f"{span.chunk.name} holds {span.chunk.dtype} states, {first.name} {first.dtype}",
+                                  "Re-run extraction with one extract.dtype, then verify")
+        hidden = torch.empty((tokens, first.num_layers * first.hidden_size), dtype=first.torch_dtype, pin_memory=pin_memory)
+        scale = torch.empty((tokens, first.num_layers), dtype=torch.float32, pin_memory=pin_memory) if first.quantized else None
+        final, final_scale = final_buffers([span.chunk for span in spans], tokens, pin_memory=pin_memory) if self.final_hidden else (None, None)
+
+        def read(span: Span) -> None:
+            rows = slice(span.at, span.at + span.end - span.begin)
+            span.chunk.read_states(span.begin, span.end, hidden[rows])
+            if scale is not None:
+                span.chunk.read_scales(span.begin, span.end, scale[rows])
+            if final is not None:
+                span.chunk.read_final(span.begin, span.end, final[rows])
+            if final_scale is not None:
+                span.chunk.read_final_scales(span.begin, span.end, final_scale[rows])
+
+        for _ in (readers.map(read, spans) if readers is not None else map(read, spans)):
+            pass
+        return {"context_hidden": hidden, "context_scale": scale, "final_hidden": final, "final_scale": final_scale}
+
+
+@dataclass
+class TargetInput:
+    """A micro-batch's context as the target's input (online states): its tokens, and the target's
+    rows that make their states (capture/batching.py), each with the context rows its real tokens fill."""
+
+    ids: torch.Tensor  # int64 [C]: the context tokens, documents in the batch's order
+    lengths: torch.Tensor  # int64 [documents]
+    sample_ids: list[int]
+    rows: list[tuple[TargetBatch, slice | torch.Tensor]]
+
+    def map(self, fn) -> TargetInput:
+        return TargetInput(fn(self.ids), fn(self.lengths), self.sample_ids,
+                           [(batch.map(fn), rows if isinstance(rows, slice) else fn(rows)) for batch, rows in self.rows])
+
+
+class TargetContext:
+    """Lays the documents into the target's rows (`planner`, as extraction lays a window's samples),
+    so the training step can run the target on them (train/online.py)."""
+
+    def __init__(self, planner: BatchPlanner) -> None:
+        self.planner = planner
+
+    def read(self, spans: list[Span], tokens: int, *, pin_memory: bool, readers: ThreadPoolExecutor | None) -> dict[str, Any]:
+        pieces = [span.chunk.tokens for span in spans]
+        samples = [SampleRef(slot, 0, span.begin, span.end - span.begin) for slot, span in enumerate(spans)]
+        rows = []
+        for group in self.planner.plan(samples):
+            batch = self.planner.build(group, pieces)
+            targets = [np.arange(spans[s.slot].at, spans[s.slot].at + s.length) for s in group]
+            flat = np.concatenate(targets)
+            contiguous = bool(np.all(np.diff(flat) == 1))
+            rows.append((batch, slice(int(flat[0]), int(flat[-1]) + 1) if contiguous else torch.from_numpy(flat)))
+        ids = np.concatenate([span.chunk.tokens.input_ids[span.begin : span.end] for span in spans]).astype(np.int64)
+        lengths = np.array([span.end - span.begin for span in spans], dtype=np.int64)
+        return {"context_hidden": None,
+                "target_input": TargetInput(torch.from_numpy(ids), torch.from_numpy(lengths), [span.sample_id for span in spans], rows)}
 
 
 def final_buffers(chunks: list[ChunkData], tokens: int, *, pin_memory: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -343,7 +419,7 @@ class BatchStream:
     training thread's launches."""
 
     def __init__(
-        self, plans: list[list[MicroBatch]], cache: ChunkCache, builder: BatchBuilder,
+        self, plans: list[list[MicroBatch]], cache: ChunkCache | TokenChunks, builder: BatchBuilder,
         *, prefetch_batches: int = 2, prefetch_chunks: int = 2, read_threads: int = 4, pin_memory: bool = False,
     ) -> None:
         self.plans = plans  # per epoch: this rank's micro-batches
@@ -423,7 +499,7 @@ class BatchStream:
                         opened.pop(chunk).add_done_callback(_close_chunk)
                     for chunk in wanted:
                         if chunk not in opened:
-                            opened[chunk] = fetch.submit(self._open, chunk)
+                            opened[chunk] = fetch.submit(self.cache.open, chunk)
                     chunks = {chunk: opened[chunk].result() for chunk in batches[i]}
                     batch = self.builder.build(self.plans[epoch][step], chunks, epoch, pin_memory=self.pin_memory, readers=readers)
                     if not self._hand_over(ready, (epoch, step, batch)):
@@ -437,13 +513,6 @@ class BatchStream:
                 for pending in opened.values():
                     pending.cancel()
                     pending.add_done_callback(_close_chunk)
-
-    def _open(self, chunk: int) -> ChunkData:
-        data = self.cache.open(chunk)
-        if data.layers != self.builder.layers:
-            data.close()
-            raise FormatError(f"{data.name} holds layers {data.layers}, the manifest says {self.builder.layers}", "Re-run extraction and verify")
-        return data
 
     def _hand_over(self, ready: queue.Queue, item) -> bool:
         """Puts `item` for the training thread; False once close() was called (nobody takes it)."""

@@ -27,17 +27,16 @@ from dflash_jobs.drafter.mask_token import pick_mask_token, tokens_in_chunks
 from dflash_jobs.drafter.masks import build_attention
 from dflash_jobs.drafter.model import Drafter
 from dflash_jobs.errors import InputError
-from dflash_jobs.formats import MANIFEST_KEY, Manifest, check_final_hidden
 from dflash_jobs.spec import RunSpec, resolve_layers
 from dflash_jobs.storage import Storage, open_storage, storage_for
 from dflash_jobs.train.checkpointer import Checkpointer
-from dflash_jobs.train.chunks import ChunkCache
-from dflash_jobs.train.data import Batch, BatchBuilder, BatchStream, Budget, plan_epoch, planned_chunks, read_document_index
+from dflash_jobs.train.data import Batch, BatchBuilder, BatchStream, Budget, plan_epoch, read_document_index
 from dflash_jobs.train.heartbeat import Heartbeat
 from dflash_jobs.train.loss import DraftLoss, expected_acceptance_length
 from dflash_jobs.train.metrics import ConsoleSink, MetricSink, MultiSink, NullSink, StorageSink, should_log
 from dflash_jobs.train.optim import build_optimizer, build_scheduler
 from dflash_jobs.train.parallelize import parallelize
+from dflash_jobs.train.states import States, open_states
 from dflash_jobs.variants import DrafterVariant, drafter_variant
 
 log = logging.getLogger(__name__)
@@ -81,31 +80,18 @@ class LoopState:
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
 
 
-def load_manifest(storage: Storage) -> Manifest:
-    if not storage.exists(MANIFEST_KEY):
-        raise InputError(
-            f"{storage.url}/{MANIFEST_KEY} does not exist: the hidden states are not verified",
-            "Training starts after extraction: run `dflashctl verify` (or `dflashctl run`) once every shard has landed",
-        )
-    manifest = Manifest.from_json(storage.get_bytes(MANIFEST_KEY))
-    if not manifest.chunks:
-        raise InputError(f"{storage.url}/{MANIFEST_KEY} lists no chunks", "Check data.source and re-run prepare and extraction")
-    return manifest
-
-
-def build_drafter(spec: RunSpec, runtime: Runtime, manifest: Manifest, variant: DrafterVariant) -> Drafter:
+def build_drafter(spec: RunSpec, runtime: Runtime, states: States, variant: DrafterVariant) -> Drafter:
     """A fresh drafter of `variant` shaped for the target, holding the target's frozen tensors, on the device."""
     train = spec.train
     target = TargetCheckpoint(open_storage(spec.target.model, endpoint_url=spec.storage.endpoint_url, region=spec.storage.region))
     layers = resolve_layers(spec, target.config)
-    if manifest.layers != layers or manifest.hidden_size != target.text["hidden_size"]:
+    if states.layers != layers or states.hidden_size != target.text["hidden_size"]:
         raise InputError(
-            f"the hidden states hold layers {manifest.layers} of width {manifest.hidden_size}; the spec and target want {layers} of width {target.text['hidden_size']}",
+            f"the hidden states hold layers {states.layers} of width {states.hidden_size}; the spec and target want {layers} of width {target.text['hidden_size']}",
             "Re-run extraction for this spec, or restore the target.layers it was extracted with",
         )
     storage = storage_for(spec)
-    chunks = [chunk.chunk for chunk in manifest.chunks]
-    mask = _broadcast(lambda: pick_mask_token(target, train.mask_token_id, data_holds=lambda ids: tokens_in_chunks(storage, chunks, ids)), runtime)
+    mask = _broadcast(lambda: pick_mask_token(target, train.mask_token_id, data_holds=lambda ids: tokens_in_chunks(storage, states.chunks, ids)), runtime)
     log.info("mask token %d: %s", mask.id, mask.why)
     config = variant.build_config(drafter_config_for_target(target, train, layers, mask.id), train)
     torch.manual_seed(train.seed)
@@ -178,9 +164,10 @@ class Trainer:
     def __init__(
         self, *, spec: RunSpec, runtime: Runtime, drafter: Drafter, model: torch.nn.Module, optimizer, scheduler,
         stream: BatchStream, checkpointer: Checkpointer, state: LoopState, sink: MetricSink, storage: Storage,
-        total_steps: int, steps_per_epoch: list[int], attention_backend: str, variant: DrafterVariant, log_every: int = LOG_EVERY,
+        total_steps: int, steps_per_epoch: list[int], attention_backend: str, variant: DrafterVariant, states: States,
+        log_every: int = LOG_EVERY,
     ) -> None:
-        self.spec, self.runtime, self.drafter, self.model, self.variant = spec, runtime, drafter, model, variant
+        self.spec, self.runtime, self.drafter, self.model, self.variant, self.states = spec, runtime, drafter, model, variant, states
         self.optimizer, self.scheduler, self.stream = optimizer, scheduler, stream
         self.checkpointer, self.state, self.sink, self.storage = checkpointer, state, sink, storage
         self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
@@ -194,18 +181,17 @@ class Trainer:
     def build(cls, spec: RunSpec, runtime: Runtime, *, cache_dir: Path, log_every: int = LOG_EVERY) -> Trainer:
         train = spec.train
         storage = storage_for(spec)
-        manifest = load_manifest(storage)
-        check_final_hidden(manifest, train, f"{storage.url}/{MANIFEST_KEY}")
         if train.dspark is not None and train.dspark.ce_only:
             log.warning("train.dspark.ce_only: DSpark trains on cross-entropy only, without the target's final hidden state "
                         "(no L1 term, no confidence head)")
+        states = open_states(spec, storage, runtime.device)
         variant = drafter_variant(train.drafter)
-        drafter = build_drafter(spec, runtime, manifest, variant)
+        drafter = build_drafter(spec, runtime, states, variant)
         config, layers = drafter.config, drafter.config.target_layer_ids
         model = parallelize(drafter, train, device=runtime.device, world_size=runtime.world_size)
 
-        log.info("reading the document index of %d chunks (%d samples, %d tokens)", len(manifest.chunks), manifest.samples, manifest.tokens)
-        index = _broadcast(lambda: read_document_index(storage, [c.chunk for c in manifest.chunks]), runtime)
+        log.info("reading the document index of %d chunks", len(states.chunks))
+        index = _broadcast(lambda: read_document_index(storage, states.chunks, key_of=states.key_of), runtime)
         budget = Budget(tokens=train.micro_batch_tokens, blocks=train.micro_batch_blocks, anchors=train.anchors)
         plans = [
             plan_epoch(index, world_size=runtime.world_size, seed=train.seed, epoch=epoch, budget=budget)[runtime.rank]
@@ -224,14 +210,14 @@ class Trainer:
         scheduler = build_scheduler(optimizer, train, total_steps)
         builder = BatchBuilder(
             layout=train.layout, anchors=train.anchors, mask_token_id=config.mask_token_id, seed=train.seed, layers=layers,
-            final_hidden=train.reads_final_hidden,
+            context=states.context(),
         )
-        cache = ChunkCache(storage, cache_dir, int(train.cache_gb * (1 << 30) / runtime.local_world_size), planned_chunks(manifest.chunks, plans))
-        stream = BatchStream(plans, cache, builder, pin_memory=runtime.device.type == "cuda")
+        source = states.source(plans, cache_dir, int(train.cache_gb * (1 << 30) / runtime.local_world_size))
+        stream = BatchStream(plans, source, builder, pin_memory=runtime.device.type == "cuda")
         state = LoopState()
         meta = {
             "train": spec.to_dict()["train"], "drafter": config.to_dict(), "world_size": runtime.world_size,
-            "manifest": {"chunks": len(manifest.chunks), "tokens": manifest.tokens},
+            "data": states.describe(),
         }
         checkpointer = Checkpointer(
             storage, drafter, {"optimizer": optimizer, "scheduler": scheduler, "data": stream, "loop": state},
@@ -249,7 +235,7 @@ class Trainer:
             spec=spec, runtime=runtime, drafter=drafter, model=model, optimizer=optimizer, scheduler=scheduler,
             stream=stream, checkpointer=checkpointer, state=state, sink=sink, storage=storage, total_steps=total_steps,
             steps_per_epoch=steps_per_epoch, attention_backend="flex" if runtime.device.type == "cuda" else "dense",
-            variant=variant, log_every=log_every,
+            variant=variant, states=states, log_every=log_every,
         )
 
     def autocast(self):
@@ -259,7 +245,7 @@ class Trainer:
 
     def train_step(self, batch: Batch) -> DraftLoss:
         """Forward, backward, clip, optimizer and schedule step on one micro-batch."""
-        batch = batch.to(self.runtime.device)
+        batch = self.states.fill(batch.to(self.runtime.device), self.state.step)
         config = self.drafter.config
         attention = build_attention(batch.layout, config.layer_types, config.sliding_window, backend=self.attention_backend, is_causal=config.is_causal)
         with self.autocast():
@@ -288,6 +274,7 @@ class Trainer:
                 step = self.state.step
                 heartbeat.stepped(step)
                 if should_log(step, self.log_every) or step == self.total_steps:
+                    self.states.check()
                     metrics = self.window.read()
                     rate = (time.monotonic() - started) / (step - start_step)
                     metrics.update(epoch=epoch, total_steps=self.total_steps, lr=self.scheduler.get_last_lr()[0], eta_s=int(rate * (self.total_steps - step)))
@@ -295,8 +282,10 @@ class Trainer:
                     heartbeat.logged()
                     self.window.reset()
                 if self.checkpointer.due(step) or step_in_epoch == self.steps_per_epoch[epoch] - 1:
+                    self.states.check()
                     self.checkpointer.save(step)
                     saved = step
+        self.states.check()
         if self.state.step != saved:
             self.checkpointer.save(self.state.step)
         if self.runtime.rank == 0:
