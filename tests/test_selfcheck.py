@@ -174,6 +174,28 @@ def test_a_healthy_gpu_pod_without_fast_paths_fails_extract_and_warns_eval(run):
     assert not evaluate.failures and "flash-linear-attention warn" in evaluate.summary()
 
 
+def test_a_dense_target_s_gpu_pods_pass_without_flash_linear_attention(run):
+    """A Llama target has no Gated DeltaNet layers: its extract pod and its online train pod need no FLA."""
+    (Path(run["target"]["model"]) / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 8}))
+    run["train"] = {"gpus_per_node": 1, "states": "online"}
+    for component in ("extract", "train"):
+        check = SelfCheck(gpu_spec(run), component, probe=lambda: H200)
+        checks = {c.name: c for c in check.run()}
+        assert not check.failures, check.summary()
+        assert checks["flash-linear-attention"].status == "skip" and checks["flash-linear-attention"].detail == "the target has no Gated DeltaNet layers"
+
+
+def test_online_training_runs_the_target_so_its_pod_needs_the_fast_path_as_extract_s_does(run):
+    run["train"] = {"gpus_per_node": 1, "states": "online"}
+    online = SelfCheck(gpu_spec(run), "train", probe=lambda: H200)
+    online.run()
+    assert online.summary().startswith("selfcheck train: FAILED flash-linear-attention:")
+    run["train"]["states"] = "stored"
+    stored = SelfCheck(gpu_spec(run), "train", probe=lambda: H200)
+    stored.run()
+    assert not stored.failures and "flash-linear-attention skip" in stored.summary()
+
+
 def test_train_needs_every_gpu_of_its_node(run):
     checks = check_gpu(H200, 2, "train")
     assert checks[-1].status == "fail"

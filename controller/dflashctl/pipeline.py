@@ -18,6 +18,10 @@ Each step first looks at what exists, in storage and on the backend, and does on
                                                      reads it: else bad input, 2)
     eval     eval/report.json exists                 the eval Job
 
+With train.states: online there is no extract and no verify step (RunSpec.steps): the train Job
+runs the target itself on prepare's token chunks; an output that already holds verified stored
+states is refused (bad spec: 2), as training from them needs no target forward.
+
 Storage decides, never a Job's Complete: with backoffLimitPerIndex one failed index fails the
 whole Job although its chunks may have landed, and a Complete Job proves nothing about its
 objects. The same code runs in a terminal and as the in-cluster controller Job, on either backend.
@@ -36,8 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from dflash_jobs.errors import StorageError, StorageUnavailable
-from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, MANIFEST_KEY, Manifest, check_final_hidden
+from dflash_jobs.errors import SpecError, StorageError, StorageUnavailable
+from dflash_jobs.formats import DATASET_KEY, DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, MANIFEST_KEY, DatasetIndex, Manifest, check_final_hidden
 from dflash_jobs.generation import ChunkMarker, GenerationProgress, current_manifest, write_manifest_if_complete
 from dflash_jobs.generation import read_progress as read_generation_progress
 from dflash_jobs.spec import RunSpec
@@ -206,15 +210,15 @@ class Pipeline:
     def run(self) -> PipelineResult:
         result = PipelineResult()
         self.record_spec()
-        steps: list[tuple[str, Callable[[], bool]]] = [
-            *([("generate", lambda: self.generate(result))] if self.spec.generate is not None else []),
-            ("prepare", lambda: self.step_unless_stored("prepare", DATASET_KEY)),
-            ("extract", self.extract),
-            ("verify", self.verify),
-            ("train", self.train),
-            ("eval", lambda: self.step_unless_stored("eval", EVAL_REPORT_KEY)),
-        ]
-        for step, do in steps:
+        actions: dict[str, Callable[[], bool]] = {
+            "generate": lambda: self.generate(result),
+            "prepare": lambda: self.step_unless_stored("prepare", DATASET_KEY),
+            "extract": self.extract,
+            "verify": self.verify,
+            "train": self.train,
+            "eval": lambda: self.step_unless_stored("eval", EVAL_REPORT_KEY),
+        }
+        for step, do in [(step, actions[step]) for step in self.spec.steps]:
             started = time.monotonic()
             if do():
                 result.ran.append(step)
@@ -353,6 +357,12 @@ class Pipeline:
     def train(self) -> bool:
         if self.storage.exists(DRAFTER_CONFIG_KEY):
             return False
+        if self.spec.train.states == "online":
+            refuse_stored_states(self.spec, self.storage)
+            index = DatasetIndex.from_json(self.storage.get_bytes(DATASET_KEY), DATASET_KEY)
+            self.job_step("train", DRAFTER_CONFIG_KEY, launched=(
+                EVENT_TRAINING_LAUNCHED, f"online: the target runs in the training Job on {len(index.chunks)} token chunks, {index.tokens} tokens"))
+            return True
         manifest = read_manifest(self.storage)
         if manifest is None:  # the order of the steps guarantees it; this guards the invariant itself
             raise RunFailed("training needs extract/manifest.json, which does not exist", "Run `dflashctl verify` first")
@@ -477,6 +487,17 @@ class ChunkCount(Protocol):
     @property
     def label(self) -> str:
         """"3/12": chunks done of total."""
+
+
+def refuse_stored_states(spec: RunSpec, storage: Storage) -> None:
+    """Online training beside stored states would make again what the output holds: refused, nothing touched."""
+    stored = read_manifest(storage)
+    if stored is not None:
+        raise SpecError(
+            "train.states", "online",
+            f"stored: {storage.url} holds {len(stored.chunks)} verified chunks of stored states ({stored.tokens} tokens) "
+            "that train without a target forward; or point output at a new prefix to train online",
+        )
 
 
 def completed_without_chunks(step: str, job: JobStatus, progress: ChunkCount) -> tuple[str, str]:

@@ -95,8 +95,10 @@ def component_needs(spec: RunSpec, component: Component) -> Needs:
     if component == "extract":
         return Needs(gpus=1, fla_missing="fail", weights=True, tokenizer=False, reads_source=False)
     if component == "train":
-        # The drafter reads only the target's embedding and head: no Gated DeltaNet runs in training.
-        return Needs(gpus=spec.train.gpus_per_node, fla_missing="skip", weights=True, tokenizer=False, reads_source=False)
+        # Stored states: the drafter reads only the target's embedding and head, no Gated DeltaNet runs in
+        # training. Online: every rank runs the target as an extract pod does.
+        online = spec.train.states == "online"
+        return Needs(gpus=spec.train.gpus_per_node, fla_missing="fail" if online else "skip", weights=True, tokenizer=False, reads_source=False)
     return Needs(gpus=1, fla_missing="warn", weights=True, tokenizer=True, reads_source=False)
 
 
@@ -314,6 +316,19 @@ def check_target(spec: RunSpec, needs: Needs) -> Check:
     return Check("target", "ok", f"{model}: {model_type}, {text_config(config)['num_hidden_layers']} layers, capturing {layers}")
 
 
+def gated_deltanet(spec: RunSpec) -> bool | None:
+    """Whether the target's architecture has Gated DeltaNet layers, whose fast path is
+    flash-linear-attention (architectures/); None where its config cannot be read (check_target says why)."""
+    from dflash_jobs.architectures import target_architecture
+
+    try:
+        config = json.loads(open_storage(spec.target.model.removeprefix("file://"), endpoint_url=spec.storage.endpoint_url,
+                                         region=spec.storage.region).get_bytes("config.json"))
+    except (StorageError, ValueError):
+        return None
+    return target_architecture(config).gated_deltanet
+
+
 # ---- wiring ------------------------------------------------------------------------------------
 
 
@@ -336,7 +351,10 @@ class SelfCheck:
             checks += [Check(name, "skip", why) for name in ("gpu", FLA.package, CAUSAL_CONV1D.package)]
         else:
             checks += check_gpu(self.probe(), needs.gpus, self.component)
-            checks += [check_fast_path(FLA, needs.fla_missing), check_fast_path(CAUSAL_CONV1D, "warn")]
+            if needs.fla_missing != "skip" and gated_deltanet(self.spec) is False:
+                checks += [Check(path.package, "skip", "the target has no Gated DeltaNet layers") for path in (FLA, CAUSAL_CONV1D)]
+            else:
+                checks += [check_fast_path(FLA, needs.fla_missing), check_fast_path(CAUSAL_CONV1D, "warn")]
         checks.append(check_output(self.spec))
         if needs.reads_source:
             checks.append(check_source(self.spec))

@@ -99,8 +99,7 @@ def pending_steps(spec: RunSpec, storage: Storage) -> list[str]:
         "train": storage.exists(DRAFTER_CONFIG_KEY),
         "eval": storage.exists(EVAL_REPORT_KEY),
     }
-    order = ["generate"] * (spec.generate is not None) + ["prepare", "extract", "verify", "train", "eval"]
-    return [step for step in order if not done[step]]
+    return [step for step in spec.steps if not done[step]]
 
 
 def result_json(result: PipelineResult) -> dict[str, Any]:

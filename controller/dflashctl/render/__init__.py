@@ -59,6 +59,8 @@ def render_selection(spec: RunSpec, which: str) -> list[Manifest]:
     }
     if which not in builders:
         raise SpecError("render", which, " | ".join(SELECTIONS))
+    if which == "extract" and which not in spec.steps:
+        raise SpecError("render", which, f"a step of this run ({', '.join(spec.steps)}): with train.states online the train Job runs the target")
     return [render_configmap(spec), *builders[which]()]
 
 
@@ -68,7 +70,7 @@ def render_all(spec: RunSpec) -> list[Manifest]:
         render_configmap(spec),
         *([render_generate_job(spec)] if spec.generate is not None else []),
         render_prepare_job(spec),
-        render_extract_job(spec),
+        *([render_extract_job(spec)] if "extract" in spec.steps else []),
         *render_train_objects(spec),
         render_eval_job(spec),
         *render_controller_objects(spec),

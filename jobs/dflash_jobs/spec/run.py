@@ -91,6 +91,12 @@ class RunSpec:
         )
 
     @property
+    def steps(self) -> tuple[str, ...]:
+        """The run's steps in order: extract and verify only where the drafter trains on stored states."""
+        stored = ("extract", "verify") if self.train.states == "stored" else ()
+        return (*(("generate",) if self.generate is not None else ()), "prepare", *stored, "train", "eval")
+
+    @property
     def stores_final_hidden(self) -> bool:
         """Whether extraction stores the target's final hidden state beside the captured layers."""
         return self.extract.final_hidden if self.extract.final_hidden is not None else self.train.reads_final_hidden
