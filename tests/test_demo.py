@@ -135,3 +135,26 @@ def test_fresh_refuses_a_directory_that_is_not_a_demo(tmp_path):
 
     assert result.returncode == 2 and "not a demo directory" in result.stderr
     assert (precious / "notes.txt").read_text() == "keep me"
+
+
+def test_the_online_demo_trains_and_evaluates_with_no_hidden_state_stored(tmp_path):
+    """`dflashctl demo --online`: no extract Job, no verify; the training Job runs the target on every
+    step, and the run's output holds no hidden-state chunk, marker or manifest."""
+    directory = tmp_path / "demo"
+    write_small_inputs(directory)
+
+    result = dflashctl("demo", str(directory), "--online", cwd=tmp_path)
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    for step in ("generate", "prepare", "train", "eval"):
+        assert f"{step}: submitted Job demo-{step}" in result.stderr
+    assert "demo-extract" not in result.stderr and "chunks verified" not in result.stderr
+    output = directory / "output"
+    assert not (output / "extract").exists(), "nothing stored but checkpoints, metrics and the drafter"
+    assert (output / DRAFTER_CONFIG_KEY).exists()
+    dataset = json.loads((output / DATASET_KEY).read_text())
+    assert f"{dataset['tokens']:,} tokens in {len(dataset['chunks'])} chunks of tokens: the training Job ran the target" in result.stdout
+    report = json.loads((output / EVAL_REPORT_KEY).read_text())
+    assert report["lossless"] is True and report["drafters"]["dflash"]["acceptance_length"] > 1.0
+    train_log = "\n".join(path.read_text() for path in (directory / ".dflash").rglob("*.log") if "train" in path.name)
+    assert "online states: the target" in train_log

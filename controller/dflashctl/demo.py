@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_jobs.errors import InputError
-from dflash_jobs.formats import EVAL_PLOT_KEY, TRAIN_METRICS_KEY, TRAIN_PLOT_KEY
+from dflash_jobs.formats import DATASET_KEY, EVAL_PLOT_KEY, TRAIN_METRICS_KEY, TRAIN_PLOT_KEY, DatasetIndex
 from dflash_jobs.generation import GenerationManifest, current_manifest
 from dflash_jobs.spec import RunSpec, is_s3
 from dflash_jobs.storage import Storage
@@ -39,8 +39,9 @@ TARGET_DIR = "target"
 CHATS_FILE = "chats.jsonl"
 
 
-def demo_values(directory: Path, output: str | None = None) -> dict[str, Any]:
-    """The demo's spec over the defaults: small enough for a CPU, two shards for generation and extraction."""
+def demo_values(directory: Path, output: str | None = None, *, online: bool = False) -> dict[str, Any]:
+    """The demo's spec over the defaults: small enough for a CPU, two shards for generation and extraction
+    (with `online`, no extraction: the training Job runs the target)."""
     directory = directory.resolve()
     return {
         "name": "demo",
@@ -55,6 +56,7 @@ def demo_values(directory: Path, output: str | None = None) -> dict[str, Any]:
             "warmup_ratio": 0.1, "micro_batch_tokens": 2048, "checkpoint_every": 50, "cache_gb": 1.0,
             # A one-layer drafter of width 64 has no memory to save: recomputing would only cost time.
             "activation_checkpointing": "none",
+            **({"states": "online"} if online else {}),
         },
         # One tree budget beside the chain's own: each budget decodes every prompt once more.
         "eval": {"prompts": 8, "max_new_tokens": 32, "tree_budgets": [16]},
@@ -69,7 +71,7 @@ def demo_values(directory: Path, output: str | None = None) -> dict[str, Any]:
 
 
 def write_demo(directory: Path, spec_file: Path, *, output: str | None = None, fresh: bool = False,
-               overwrite: bool = False) -> None:
+               overwrite: bool = False, online: bool = False) -> None:
     """DIR/target and DIR/chats.jsonl (kept when they exist, unless `fresh`), and the spec at `spec_file`.
 
     An existing spec that differs is replaced only with `overwrite`: it may hold the user's edits."""
@@ -83,7 +85,7 @@ def write_demo(directory: Path, spec_file: Path, *, output: str | None = None, f
     directory.mkdir(parents=True, exist_ok=True)
     if not ((directory / TARGET_DIR / "config.json").exists() and (directory / CHATS_FILE).exists()):
         write_demo_inputs(directory)
-    text = starter_spec(demo_values(directory, output))
+    text = starter_spec(demo_values(directory, output, online=online))
     if spec_file.exists() and spec_file.read_text() != text and not overwrite:
         raise InputError(
             f"{spec_file} exists and differs from the demo's spec (edited, or written for another --output)",
@@ -114,6 +116,8 @@ class DemoSummary:
     spec_file: Path
     output: str
     logs: Path
+    online: bool
+    """The training Job made the states (train.states: online): chunks and tokens are prepare's."""
     chunks: int
     tokens: int
     extract_seconds: float | None
@@ -139,16 +143,19 @@ class DemoSummary:
 
 def summarize_demo(spec_file: Path, spec: RunSpec, storage: Storage, result: PipelineResult) -> DemoSummary:
     records = [json.loads(line) for line in storage.get_bytes(TRAIN_METRICS_KEY).decode().splitlines() if line]
-    manifest, report = result.manifest, result.report or {}
-    if manifest is None or not records:
+    online = spec.train.states == "online"
+    states = DatasetIndex.from_json(storage.get_bytes(DATASET_KEY), DATASET_KEY) if online else result.manifest
+    report = result.report or {}
+    if states is None or not records:
         raise RunFailed(f"the demo's run in {storage.url} has no manifest or no training metrics", "Run the demo again with --fresh")
     where = spec.output if is_s3(spec.output) else str(Path(spec.output).resolve())
     return DemoSummary(
         spec_file=spec_file,
         output=where,
         logs=Path(spec.local.workdir) / "logs",
-        chunks=len(manifest.chunks),
-        tokens=manifest.tokens,
+        online=online,
+        chunks=len(states.chunks),
+        tokens=states.tokens,
         extract_seconds=result.seconds.get("extract"),
         generation=current_manifest(storage, spec) if spec.generate is not None else None,
         generate_seconds=result.seconds.get("generate"),

@@ -25,25 +25,29 @@ DemoOutputOpt = Annotated[
     typer.Option("--output", help="Store the run here instead of DIR/output, e.g. s3://bucket/demo (AWS_ENDPOINT_URL for MinIO)."),
 ]
 FreshOpt = Annotated[bool, typer.Option("--fresh", help="Delete DIR (an earlier demo's) first and start over; an --output elsewhere is kept.")]
+OnlineOpt = Annotated[bool, typer.Option("--online", help="Train on online states: no extraction, the training Job runs the target (train.states: online).")]
 
 
-def demo(directory: DirectoryArg = Path("demo"), output_url: DemoOutputOpt = None, fresh: FreshOpt = False) -> None:
+def demo(directory: DirectoryArg = Path("demo"), output_url: DemoOutputOpt = None, fresh: FreshOpt = False, online: OnlineOpt = False) -> None:
     """Run the whole pipeline on this machine's CPU with a tiny target: a few minutes.
 
     Writes a tiny Qwen3.5-architecture target (Gated DeltaNet and gated attention layers, taught a
     little), 1,200 chats and a local-backend spec into DIR, then regenerates the chats' answers with
-    the target, prepares, extracts in 2 shards, verifies, trains a drafter and evaluates it. Run it
-    again: finished steps are skipped.
+    the target, prepares, extracts in 2 shards, verifies, trains a drafter and evaluates it (with
+    --online no extraction: the training Job runs the target on every step). Run it again: finished
+    steps are skipped.
 
     Examples:
 
       dflashctl demo
 
       dflashctl demo /tmp/dflash-demo --output s3://my-bucket/demo --fresh
+
+      dflashctl demo demo-online --online
     """
     output.info(f"writing the demo's tiny target, data and spec into {directory} (kept for the next run)")
     spec_file = directory / SPEC_NAME
-    write_demo(directory, spec_file, output=output_url, fresh=fresh)
+    write_demo(directory, spec_file, output=output_url, fresh=fresh, online=online)
     spec = load_spec(spec_file)
     with reporter_for(output.stderr) as reporter:
         result = run_pipeline(spec, open_backend(spec), reporter=reporter)
@@ -57,14 +61,16 @@ def print_summary(summary: DemoSummary) -> None:
     table.add_column()
     rate = summary.tokens_per_s
     extracted = f"{summary.tokens:,} tokens in {summary.chunks} chunks"
-    if rate is not None:
+    if summary.online:
+        extracted += " of tokens: the training Job ran the target on them, no hidden state was stored"
+    elif rate is not None:
         extracted += f", {format_rate(rate)} over {summary.extract_seconds:.0f} s (2 CPU shards, start-up included)"
     table.add_row("spec", str(summary.spec_file))
     table.add_row("run output", summary.output)
     table.add_row("pod logs", str(summary.logs))
     if summary.generation is not None:
         table.add_row("regenerated", generated_line(summary))
-    table.add_row("extracted", extracted)
+    table.add_row("online states" if summary.online else "extracted", extracted)
     first, last = summary.train_loss
     table.add_row("training", f"{summary.train_steps} steps, loss {first:.2f} -> {last:.2f}; curve: {summary.train_plot}")
     lengths = ", ".join(f"{name} {value:.2f}" for name, value in summary.acceptance_length.items())
@@ -75,7 +81,8 @@ def print_summary(summary: DemoSummary) -> None:
     table.add_row("lossless", "yes: every output equals plain greedy" if summary.lossless else "[red]NO[/]")
     output.stdout.print(table)
     spec = summary.spec_file
-    for command in (f"dflashctl status -f {spec}", f"dflashctl logs extract --shard 1 -f {spec}", f"dflashctl render all -f {spec} -d manifests/"):
+    logs = f"dflashctl logs train -f {spec}" if summary.online else f"dflashctl logs extract --shard 1 -f {spec}"
+    for command in (f"dflashctl status -f {spec}", logs, f"dflashctl render all -f {spec} -d manifests/"):
         output.hint(command)
 
 

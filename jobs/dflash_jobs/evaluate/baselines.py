@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from dflash_jobs.errors import InputError
-from dflash_jobs.formats import MANIFEST_KEY, Manifest, TokenChunk, token_chunk_key
+from dflash_jobs.formats import DATASET_KEY, MANIFEST_KEY, ChunkInfo, DatasetIndex, Manifest, TokenChunk, token_chunk_key
 from dflash_jobs.storage import Storage
 from dflash_jobs.train.anchors import anchor_candidates
 
@@ -86,27 +86,39 @@ def counted_pairs(chunk: TokenChunk) -> np.ndarray:
     return ids[anchors] << 32 | ids[anchors + 1]
 
 
+def training_chunks(storage: Storage) -> list[ChunkInfo]:
+    """The token chunks training read: the verified ones of stored states, else (online) prepare's."""
+    if storage.exists(MANIFEST_KEY):
+        where, chunks = MANIFEST_KEY, [ChunkInfo(m.chunk, token_chunk_key(m.chunk), m.samples, m.tokens)
+                                       for m in Manifest.from_json(storage.get_bytes(MANIFEST_KEY)).chunks]
+    elif storage.exists(DATASET_KEY):
+        where, chunks = DATASET_KEY, DatasetIndex.from_json(storage.get_bytes(DATASET_KEY), DATASET_KEY).chunks
+    else:
+        raise InputError(f"{storage.url} has no {MANIFEST_KEY} and no {DATASET_KEY}: the bigram baseline is fitted on the rows training read",
+                         "Evaluate a run that was prepared and trained on (`dflashctl run`)")
+    if not chunks:
+        raise InputError(f"{storage.url}/{where} lists no chunks: no training rows to fit the bigram baseline on",
+                         "Check data.source and re-run prepare (and extraction, for stored states)")
+    return chunks
+
+
 def fit_bigram(storage: Storage, *, max_tokens: int = BIGRAM_MAX_TOKENS, seed: int = 0) -> BigramTable:
-    """The bigram table of the rows training read (the chunks extract/manifest.json lists, their token
-    chunks under tokens/chunks/; the held-out samples are not among them): PAIRS_COUNTED, over whole
+    """The bigram table of the rows training read (their token chunks under tokens/chunks/: those
+    extract/manifest.json lists where training read stored states, else, online, those
+    tokens/dataset.json lists; the held-out samples are not among them): PAIRS_COUNTED, over whole
     chunks drawn in a random order until the next would pass `max_tokens` token rows. The pairs are
     counted in one sort at the end: at most 8 bytes a token read (268 MB at the default cap)."""
-    if not storage.exists(MANIFEST_KEY):
-        raise InputError(f"{storage.url} has no {MANIFEST_KEY}: the bigram baseline is fitted on the rows training read",
-                         "Evaluate a run whose hidden states were verified and trained on (`dflashctl run`)")
-    chunks = Manifest.from_json(storage.get_bytes(MANIFEST_KEY)).chunks
-    if not chunks:
-        raise InputError(f"{storage.url}/{MANIFEST_KEY} lists no chunks: no training rows to fit the bigram baseline on",
-                         "Check data.source and re-run prepare and extraction")
+    chunks = training_chunks(storage)
+
     pairs: list[np.ndarray] = []
     tokens_read = chunks_read = 0
     for i in np.random.default_rng(seed).permutation(len(chunks)):
-        marker = chunks[i]
-        if chunks_read and tokens_read + marker.tokens > max_tokens:
+        info = chunks[i]
+        if chunks_read and tokens_read + info.tokens > max_tokens:
             break
-        key = token_chunk_key(marker.chunk)
+        key = token_chunk_key(info.id)
         pairs.append(counted_pairs(TokenChunk.decode(storage.get_bytes(key), key)))
-        tokens_read += marker.tokens
+        tokens_read += info.tokens
         chunks_read += 1
     keys, counts = np.unique(np.concatenate(pairs), return_counts=True)
     previous, following = keys >> 32, keys & 0xFFFFFFFF
