@@ -42,7 +42,7 @@ import torch
 
 from dflash_jobs.drafter.model import DrafterConfig
 from dflash_jobs.formats import TokenChunk, encode_hidden_chunk
-from dflash_jobs.spec import parse_spec
+from dflash_jobs.spec import default_layers, parse_spec
 from dflash_jobs.train.chunks import ChunkData
 from dflash_jobs.train.data import BatchBuilder, DocumentRef
 from dflash_jobs.train.metrics import NullSink
@@ -52,9 +52,11 @@ from dflash_jobs.train.trainer import LoopState, Runtime, Trainer
 from dflash_jobs.variants import DrafterVariant, drafter_variant
 
 PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16 datasheet
-DOCUMENT_TOKENS = {"27b": 4096, "tiny": 512}
-ANCHORS = {"27b": 512, "tiny": 64}
+DOCUMENT_TOKENS = {"27b": 4096, "smollm2": 512, "tiny": 512}
+ANCHORS = {"27b": 512, "smollm2": 64, "tiny": 64}
 SHAPES = {
+    "smollm2": dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536,
+                    vocab_size=49152, num_target_layers=30, target_layer_ids=default_layers(30), rope_theta=1e5),
     "27b": dict(hidden_size=5120, num_attention_heads=24, num_key_value_heads=4, head_dim=256, intermediate_size=17408,
                 vocab_size=248320, num_target_layers=64, target_layer_ids=[1, 16, 31, 46, 61], rope_theta=1e7),
     "tiny": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
@@ -133,8 +135,19 @@ class Case:
                 + (f":drafter={self.drafter}" if self.drafter != "dflash" else "") + (f":block={self.block}" if self.block else ""))
 
 
-def build_trainer(shape: str, case: Case, tokens: int, anchors: int, device: torch.device) -> tuple[Trainer, DrafterConfig]:
-    """The drafter of `shape` with random weights and random frozen tables, set up as training sets it up."""
+class GivenStates:
+    """The states each batch already holds (stored states, read by the batch builder): nothing to fill or check."""
+
+    def fill(self, batch, step: int):
+        return batch
+
+    def check(self) -> None:
+        pass
+
+
+def build_trainer(shape: str, case: Case, tokens: int, anchors: int, device: torch.device, states=None) -> tuple[Trainer, DrafterConfig]:
+    """The drafter of `shape` with random weights and random frozen tables, set up as training sets it up;
+    `states` fills each batch's context (default: the stored states it holds)."""
     spec = parse_spec({
         "name": "bench", "backend": "local", "target": {"model": "/unused"}, "data": {"source": "/unused"}, "output": "/unused",
         "train": {"anchors": anchors, "sliding_window_layers": case.sliding, "micro_batch_tokens": case.docs * tokens,
@@ -162,7 +175,7 @@ def build_trainer(shape: str, case: Case, tokens: int, anchors: int, device: tor
         spec=spec, runtime=Runtime(0, 1, device), drafter=drafter, model=model, optimizer=optimizer,
         scheduler=build_scheduler(optimizer, spec.train, 1000), stream=None, checkpointer=None, state=LoopState(),
         sink=NullSink(), storage=None, total_steps=1000, steps_per_epoch=[1000],
-        attention_backend="flex" if device.type == "cuda" else "dense", variant=variant,
+        attention_backend="flex" if device.type == "cuda" else "dense", variant=variant, states=states or GivenStates(),
     )
     return trainer, config
 

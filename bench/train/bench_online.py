@@ -1,0 +1,180 @@
+"""An online training step (train.states: online) against a stored-states step plus a bare target
+forward of the same tokens, side by side in one run (issue 47's goal: online <= 1.10x their sum).
+
+    python bench/train/bench_online.py --shape smollm2 [--docs 8] [--fp8] [--rounds 3] -o $OUT/online-smollm2.json
+    python bench/train/bench_online.py --shape 27b --docs 2 --fp8 -o $OUT/online-27b.json
+    python bench/train/bench_online.py --shape tiny        # the same on a CPU, in about a minute
+
+Random weights of the target's real shape (Qwen3.6-27B's text model cut after its deepest captured
+layer, bench/extract_shapes.py; SmolLM2-135M's Llama shape) and of the drafter's (bench_train.py's
+shapes, compiled on a GPU). One micro-batch of `docs` documents of the shape's document length,
+the same tokens and anchors on every path:
+- bare: the target's forward over the capture's rows (the planner's packing), nothing captured;
+- stored: Trainer.train_step on the batch built from stored states (read into pinned memory);
+- online: Trainer.train_step with the target run in the step (train/online.py: capture, checks).
+Every path is warmed first (Triton autotuning, torch.compile), then timed in rounds in both orders
+(bare, stored, online, then online, stored, bare), the median of each reported with the ratio
+online / (stored + bare). JSON after every stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import bench_train  # noqa: E402
+from extract_shapes import random_27b  # noqa: E402
+
+from dflash_jobs.architectures import llama  # noqa: E402
+from dflash_jobs.capture import fp8, packing  # noqa: E402
+from dflash_jobs.capture.runner import TargetCapture  # noqa: E402
+from dflash_jobs.capture.target import FastPaths, Target, prepare_for_capture  # noqa: E402
+from dflash_jobs.spec import ExtractSpec  # noqa: E402
+from dflash_jobs.train.chunks import TokenChunkData  # noqa: E402
+from dflash_jobs.train.data import BatchBuilder, DocumentRef, TargetContext  # noqa: E402
+from dflash_jobs.train.online import OnlineStates  # noqa: E402
+
+SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+               head_dim=64, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192, rope_theta=1e5)
+DOCS = {"27b": 2, "smollm2": 8, "tiny": 2}
+
+
+def random_llama(config_values: dict, layers: list[int], device: torch.device, dtype: torch.dtype) -> Target:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaModel
+
+    config = LlamaConfig(**config_values)
+    config._attn_implementation = "sdpa"
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaModel(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return Target(model=prepare_for_capture(model, layers), layers=layers, hidden_size=config.hidden_size, name="random-llama",
+                  config_hash="random", architecture=llama.ARCHITECTURE, conv_gap=0)
+
+
+def build_target(shape: str, device: torch.device, layers: list[int]) -> Target:
+    if shape == "27b":
+        return random_27b(device)
+    if shape == "smollm2":
+        return random_llama(SMOLLM2, layers, device, torch.bfloat16)
+    tiny = dict(SMOLLM2, hidden_size=64, num_hidden_layers=8, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, vocab_size=1024)
+    return random_llama(tiny, layers, device, torch.bfloat16)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=["27b", "smollm2", "tiny"], default="smollm2")
+    parser.add_argument("--docs", type=int)
+    parser.add_argument("--fp8", action="store_true", help="the target's linear layers in FP8 (extract.compute_dtype: float8)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--memory-gib", type=float, default=96.0)
+    parser.add_argument("-o", "--output", type=Path)
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
+    docs, tokens = args.docs or DOCS[args.shape], bench_train.DOCUMENT_TOKENS[args.shape]
+    drafter_shape = args.shape if args.shape in bench_train.SHAPES else "tiny"
+    result: dict = {"command": " ".join(["python", *sys.argv]), "shape": args.shape, "docs": docs, "tokens_per_doc": tokens,
+                    "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "fp8_target": args.fp8}
+
+    def save() -> None:
+        if args.output:
+            args.output.parent.mkdir(parents=True, exist_ok=True)
+            args.output.write_text(json.dumps(result, indent=2) + "\n")
+
+    if cuda:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total), device)
+    started = time.perf_counter()
+    case = bench_train.Case(docs=docs, checkpointing="none" if cuda else "mlp", compile=cuda)
+    layers = bench_train.SHAPES[drafter_shape]["target_layer_ids"]
+    target = build_target(args.shape, device, layers)
+    if args.fp8:
+        fp8.require_fp8(device)
+        fp8.to_float8(target.decoder_layers)
+    fast = FastPaths.detect(device, target.architecture)
+    packed = packing.can_pack(target.architecture, device, fla=fast.fla)
+    capture = TargetCapture(target, ExtractSpec(token_budget=docs * tokens + 64 * docs), packed=packed, max_length=tokens,
+                            capacity=docs * tokens)
+    stored_trainer, config = bench_train.build_trainer(drafter_shape, case, tokens, bench_train.ANCHORS[drafter_shape], device)
+    online_trainer, _ = bench_train.build_trainer(drafter_shape, case, tokens, bench_train.ANCHORS[drafter_shape], device,
+                                                  states=OnlineStates(capture))
+    chunk = bench_train.synthetic_chunk(docs, tokens, config)
+    documents = [DocumentRef(0, i, i, tokens) for i in range(docs)]
+    layout = stored_trainer.spec.train.layout
+    anchors = bench_train.ANCHORS[drafter_shape]
+    stored_batch = BatchBuilder(layout=layout, anchors=anchors, mask_token_id=config.mask_token_id, seed=0, layers=layers).build(
+        documents, {0: chunk}, 0, pin_memory=cuda)
+    online_batch = BatchBuilder(layout=layout, anchors=anchors, mask_token_id=config.mask_token_id, seed=0, layers=layers,
+                                context=TargetContext(capture.planner)).build(documents, {0: TokenChunkData(chunk.tokens, "synthetic")}, 0, pin_memory=cuda)
+    rows = [batch.to(device) for batch, _ in online_batch.target_input.rows]
+    result["setup"] = {"seconds": round(time.perf_counter() - started, 1), "fast_paths": fast.as_dict(), "packed": packed,
+                       "context_tokens": stored_batch.tokens, "target_rows": len(rows), "blocks": int(stored_batch.block_ids.shape[0])}
+    save()
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def bare() -> None:
+        capture.hooks.start(None)
+        with torch.no_grad():
+            for batch in rows:
+                target.model(**packing.forward_kwargs(batch, target.architecture))
+
+    def stored() -> None:
+        stored_trainer.train_step(stored_batch)
+
+    def online() -> None:
+        online_trainer.train_step(online_batch)
+
+    paths = {"bare": bare, "stored": stored, "online": online}
+
+    def timed(fn) -> float:
+        sync()
+        begin = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - begin
+
+    warm = time.perf_counter()
+    for name, fn in paths.items():
+        for _ in range(3):
+            timed(fn)
+    online_trainer.states.check()
+    result["warmup_s"] = round(time.perf_counter() - warm, 1)
+    save()
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for round_ in range(args.rounds):
+        order = list(paths) if round_ % 2 == 0 else list(reversed(paths))
+        for name in order:
+            times[name].append(timed(paths[name]))
+        online_trainer.states.check()
+        result["seconds"] = times
+        save()
+    median = {name: statistics.median(values) for name, values in times.items()}
+    result["median_s"] = median
+    result["online_over_stored_plus_bare"] = round(median["online"] / (median["stored"] + median["bare"]), 4)
+    result["tokens_per_s"] = {name: round(stored_batch.tokens / value, 1) for name, value in median.items()}
+    if cuda:
+        result["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    save()
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
