@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflash_jobs.generate.decoding import cache_argument
+
 
 class Recorder:
     """Greedy (torch.argmax: the lowest id at an exact tie), keeping each step's top two [B, 2]."""
@@ -42,17 +44,17 @@ def plain_greedy(model, input_ids: torch.Tensor, attention: torch.Tensor, limit:
     """`limit` tokens of each left-padded row [B, P], one forward a step: [B, limit]."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
+    cache = {cache_argument(model): DynamicCache(config=model.config)}
     mask = attention.clone()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **cache)
     tokens = []
     for _ in range(limit):
         token = pick(out.logits[:, -1].float())
         tokens.append(token)
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         positions = positions[:, -1:] + 1
-        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=positions, use_cache=True, **cache)
     return torch.stack(tokens, dim=1)
 
 

@@ -184,18 +184,20 @@ def build(cache: Path, out: Path, *, pins: tuple[str, ...] = PACKAGES, held_out:
         rows[split].extend((name, chat) for chat in kept)
         packages[name] = {"version": version, "archive": archive.name, "split": split, **counts,
                           "chats": dict(sorted(Counter(chat.kind for chat in kept).items()))}
-    # A prompt asked in two packages (a copied function) is kept once; a held-out one asked in training too goes.
-    seen: set[str] = set()
+    # A chat asked in two packages (a copied function: the same code and answer under another
+    # module's name) is kept once; a held-out one asked in training too goes.
+    seen: set[tuple[str, str, str]] = set()
     dropped = Counter()
     for split, reason in (("train", "duplicate"), ("held_out", "shared_with_training")):
         unique = []
         for name, chat in rows[split]:
-            if chat.prompt in seen:
+            key = (chat.kind, chat.prompt.split("\n", 1)[-1], chat.answer)  # the first line names the module
+            if key in seen:
                 dropped[reason] += 1
                 continue
             unique.append((name, chat))
             if split == "train":
-                seen.add(chat.prompt)
+                seen.add(key)
         rows[split] = unique
     rng = random.Random(seed)
     lines = []

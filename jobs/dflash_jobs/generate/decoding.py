@@ -80,15 +80,21 @@ class PickedScores:
         return torch.full_like(scores, float("-inf")).scatter_(1, chosen, 0.0)
 
 
-class HfGenerate:
-    """Transformers' `generate`: any target, one Python step a token."""
+class BatchDecoder:
+    """A target, the tokens that end an answer, and the token that fills a row after its end."""
 
-    name = "generate"
+    name = ""
 
     def __init__(self, model, *, stop_ids: set[int], pad_id: int) -> None:
         self.model = model
         self.stop_ids = stop_ids
         self.pad_id = pad_id
+
+
+class HfGenerate(BatchDecoder):
+    """Transformers' `generate`: any target, one Python step a token."""
+
+    name = "generate"
 
     def __call__(self, input_ids, attention, limit, pick):
         # The checkpoint's default temperature, top-k and top-p apply only to do_sample, which stays off:
@@ -105,17 +111,12 @@ class HfGenerate:
         return output[:, input_ids.shape[1]:]
 
 
-class StaticDecoder:
+class StaticDecoder(BatchDecoder):
     """A static KV cache of the batch's length, the prompt in one forward, then one forward a step
     (captured once as a CUDA graph on a GPU and replayed, eager elsewhere), for a target of full
     attention only (static_cache_supported)."""
 
     name = "static"
-
-    def __init__(self, model, *, stop_ids: set[int], pad_id: int) -> None:
-        self.model = model
-        self.stop_ids = stop_ids
-        self.pad_id = pad_id
 
     def __call__(self, input_ids, attention, limit, pick):
         import torch
