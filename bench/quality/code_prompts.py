@@ -89,11 +89,15 @@ def source_roots(packages: Sequence[str] = ()) -> list[SourceRoot]:
     return roots
 
 
+def is_public_module(relative: Path) -> bool:
+    """A module of the API: not a test's, a vendored copy's or a demo's, nor private."""
+    return (relative.suffix == ".py" and not SKIPPED_DIRECTORIES & set(relative.parts)
+            and not any(is_private(part) for part in relative.with_suffix("").parts))
+
+
 def module_files(root: Path) -> list[Path]:
-    """The root's public modules, tests and vendored code left out, in path order."""
-    return sorted(path for path in root.rglob("*.py")
-                  if not SKIPPED_DIRECTORIES & set(path.relative_to(root).parts)
-                  and not any(is_private(part) for part in path.relative_to(root).with_suffix("").parts))
+    """The root's public modules, in path order."""
+    return sorted(path for path in root.rglob("*.py") if is_public_module(path.relative_to(root)))
 
 
 def functions_in(root: SourceRoot, path: Path) -> Iterator[Function]:
@@ -103,11 +107,16 @@ def functions_in(root: SourceRoot, path: Path) -> Iterator[Function]:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):
         return
+    yield from functions_in_tree(root.label, root.package, path.relative_to(root.directory), text, tree)
+
+
+def functions_in_tree(label: str, package: str, relative: Path, text: str, tree: ast.Module) -> Iterator[Function]:
+    """The qualifying functions and methods of one parsed module, at `relative` in the source root
+    `label` whose modules' names start with `package`."""
     lines = text.splitlines()
-    relative = path.relative_to(root.directory)
     top = relative.with_suffix("").parts[0]
-    group = f"{root.label}:{root.label if top == '__init__' else top}"
-    module = ".".join(part for part in (root.package, module_name(relative)) if part)
+    group = f"{label}:{label if top == '__init__' else top}"
+    module = ".".join(part for part in (package, module_name(relative)) if part)
 
     def text_of(first: int, last: int) -> str:
         """Lines first..last (1-based, inclusive), dedented."""
@@ -186,7 +195,53 @@ def doctest_chat(function: Function) -> tuple[str, str] | None:
     return prompt, examples
 
 
+def returns_chat(function: Function) -> tuple[str, str] | None:
+    """The code without its docstring, and a doctest call of it: what does it show? Answered by the
+    doctest's own expected output (its first example with one, after the statements before it)."""
+    if not function.body.strip():
+        return None
+    lines = function.docstring.splitlines()
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        expected = lines[i + 1].strip() if i + 1 < len(lines) else ""
+        if (stripped.startswith(DOCTEST_PROMPT + " ") and expected and not expected.startswith((DOCTEST_PROMPT, "...", "Traceback"))):
+            setup = [l.strip() for l in lines[:i] if l.strip().startswith((DOCTEST_PROMPT, "... "))]
+            session = "\n".join([*setup, stripped])
+            code = function.signature + "\n" + textwrap.indent(function.body, " " * 4)
+            prompt = f"Given {where(function)}:\n\n{fenced(code)}\n\nWhat does the last line of this session show?\n\n{fenced(session)}"
+            return prompt, expected
+    return None
+
+
+def without_annotations(source: str) -> str | None:
+    """The function's code with every parameter's and the return's annotation taken out (None if it
+    has none, or its text does not parse alone: a string literal that dedenting could not shift)."""
+    try:
+        node = ast.parse(source).body[0]
+    except SyntaxError:
+        return None
+    assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    arguments = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs, *filter(None, (node.args.vararg, node.args.kwarg))]
+    if node.returns is None and all(argument.annotation is None for argument in arguments):
+        return None
+    node.returns = None
+    for argument in arguments:
+        argument.annotation = None
+    return ast.unparse(node)
+
+
+def annotate_chat(function: Function) -> tuple[str, str] | None:
+    """The code without its type hints (as `ast.unparse` writes it), "add them"; answered by the
+    signature its writer annotated."""
+    bare = without_annotations(function.source)
+    if bare is None:
+        return None
+    return f"Add type hints to the signature of {where(function)}:\n\n{fenced(bare)}", fenced(function.signature)
+
+
 KINDS: dict[str, Callable[[Function], tuple[str, str] | None]] = {"write": write_chat, "explain": explain_chat, "doctest": doctest_chat}
+MORE_KINDS: dict[str, Callable[[Function], tuple[str, str] | None]] = {"returns": returns_chat, "annotate": annotate_chat}
+"""Kinds the packages' source gives (package_prompts.py); the code task's sizes keep to KINDS."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,13 +258,14 @@ class CodeChat:
 
 def code_chats(functions: Sequence[Function], kinds: Sequence[str]) -> list[CodeChat]:
     """Every chat of the given kinds, each prompt once (the first function that asks it)."""
-    unknown = set(kinds) - set(KINDS)
+    every = KINDS | MORE_KINDS
+    unknown = set(kinds) - set(every)
     if unknown:
-        raise ValueError(f"unknown prompt kinds {sorted(unknown)}: the kinds are {list(KINDS)}")
+        raise ValueError(f"unknown prompt kinds {sorted(unknown)}: the kinds are {list(every)}")
     chats, seen = [], set()
     for function in functions:
         for kind in kinds:
-            made = KINDS[kind](function)
+            made = every[kind](function)
             if made is not None and made[0] not in seen:
                 seen.add(made[0])
                 chats.append(CodeChat(kind, function.group, *made))

@@ -6,8 +6,9 @@ not know which one ran:
 - `VllmEngine` runs vLLM's own batch runner in the vLLM image, one process per chunk (the model
   loads once per chunk: generate.chunk_prompts trades that against what a killed pod loses);
 - `TransformersEngine` renders each conversation with the chat template, as vLLM does, and decodes
-  prompts of similar length together with left padding (for the demo, tests and small runs); it
-  returns each answer's token ids as vLLM does for `return_token_ids`.
+  prompts of similar length together with left padding (decoding.py: a static cache and CUDA graphs
+  where the target's attention allows, generate otherwise); it returns each answer's token ids as
+  vLLM does for `return_token_ids`.
 
 Output lines are written as answers complete, so a watcher of the output file sees progress.
 """
@@ -23,6 +24,7 @@ from typing import Any, Protocol
 
 from dflash_jobs.errors import SpecError
 from dflash_jobs.generate.batch import EngineError, completion_line, error_line
+from dflash_jobs.generate.decoding import Decoder, greedy, pick_decoder
 from dflash_jobs.spec import GenerateSpec
 
 log = logging.getLogger("dflash.generate")
@@ -72,8 +74,7 @@ class VllmEngine:
 
 
 class SeededSampling:
-    """A logits processor that samples each row of a batch with its own request's seed, temperature
-    and top_p, and leaves only the drawn token a finite score.
+    """Picks each row of a batch with its own request's seed, temperature and top_p (a decoding.Pick).
 
     Transformers' own sampling draws every row from one generator, so a prompt's answer would
     depend on which prompts share its batch, and generate.batch_prompts is a throughput knob,
@@ -86,24 +87,24 @@ class SeededSampling:
         self.top_p = torch.tensor([[r["top_p"]] for r in requests], device=device)
         self.generators = [torch.Generator(device).manual_seed(r["seed"]) for r in requests]
 
-    def __call__(self, input_ids, scores):
+    def __call__(self, logits):
         import torch
 
-        probs = torch.softmax(scores.float() / self.temperature, dim=-1)  # [B, V]
+        probs = torch.softmax(logits / self.temperature, dim=-1)  # [B, V]
         ranked, order = probs.sort(dim=-1, descending=True)
         # Nucleus: the most likely tokens until their mass reaches top_p (the first always stays).
         ranked[ranked.cumsum(-1) - ranked >= self.top_p] = 0
         picks = torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(ranked, self.generators)])  # [B]
-        chosen = order.gather(1, picks[:, None])  # [B, 1]
-        return torch.full_like(scores, float("-inf")).scatter_(1, chosen, 0.0)
+        return order.gather(1, picks[:, None])[:, 0]  # [B]
 
 
 class TransformersEngine:
-    """Batched `generate` with a Transformers causal LM: prompts sorted by length, left-padded."""
+    """A Transformers causal LM answering batches of prompts sorted by length, left-padded, each
+    batch decoded by `decoder` (default: the fastest that fits the target, decoding.pick_decoder)."""
 
     name = "transformers"
 
-    def __init__(self, settings: GenerateSpec, *, model, tokenizer, device) -> None:
+    def __init__(self, settings: GenerateSpec, *, model, tokenizer, device, decoder: Decoder | None = None) -> None:
         self.settings = settings
         self.model = model
         self.tokenizer = tokenizer
@@ -112,6 +113,8 @@ class TransformersEngine:
         eos = model.config.eos_token_id if eos is None else eos
         self.stop_ids = set([eos] if isinstance(eos, int) else eos or ()) | ({tokenizer.eos_token_id} - {None})
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.stop_ids)
+        self.decoder = decoder or pick_decoder(model, stop_ids=self.stop_ids, pad_id=self.pad_id)
+        log.info("transformers engine: decoding with %s", self.decoder.name)
 
     @classmethod
     def load(cls, settings: GenerateSpec, checkpoint: Path, *, tokenizer, device, attn_implementation: str) -> TransformersEngine:
@@ -159,21 +162,11 @@ class TransformersEngine:
             attention[row, longest - len(ids):] = 1
         requests = [body for _, _, body in batch]
         limit = max(body["max_completion_tokens"] for body in requests)
-        # Greedy over the scores SeededSampling leaves: one token per row, drawn with the row's own
-        # seed (and the checkpoint's default temperature, top-k and top-p, which apply only to
-        # do_sample, stay off: sampling is what the spec says).
-        options: dict[str, Any] = {"do_sample": False}
-        if requests[0]["temperature"] > 0:
-            from transformers import LogitsProcessorList
-
-            options["logits_processor"] = LogitsProcessorList([SeededSampling(requests, self.device)])
-        output = self.model.generate(
-            input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device), max_new_tokens=limit,
-            eos_token_id=sorted(self.stop_ids), pad_token_id=self.pad_id, **options,
-        )
+        pick = SeededSampling(requests, self.device) if requests[0]["temperature"] > 0 else greedy
+        output = self.decoder(input_ids.to(self.device), attention.to(self.device), limit, pick).tolist()
         answers = []
         for row, (request_id, ids, request) in enumerate(batch):
-            generated = output[row, longest:].tolist()
+            generated = output[row]
             stop = next((i for i, token in enumerate(generated) if token in self.stop_ids), None)
             own_limit = request["max_completion_tokens"]
             # As vLLM answers: the ids end with the end token the target stopped on, the text leaves it out.

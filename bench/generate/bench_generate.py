@@ -1,0 +1,148 @@
+"""Answers per second of the generate step's two decoders side by side (issue 48 item 2), and the
+fast one's tokens against the plain greedy loop's.
+
+    python bench/generate/bench_generate.py --shape smollm2 --out $OUT/generate-h100.json   # one H100, about 2 minutes
+    python bench/generate/bench_generate.py --shape tiny --out generate-tiny.json           # the same on a CPU, a minute
+
+The target is a random-weight Llama of the shape asked (smollm2: SmolLM2-135M's, tied embeddings,
+bf16 on a GPU): no checkpoint, no tokenizer, so that the machine needs nothing carried. Random
+weights never end an answer, so every answer runs to --new-tokens: the longest, slowest case.
+Prompts are random token ids of seeded random lengths (--min-prompt..--max-prompt, about the code
+prompts' with their chat template), sorted by length and cut into batches of --batch, each padded on
+the left to its longest, as the Transformers engine batches them (jobs/dflash_jobs/generate/engines.py).
+
+Stages, the JSON written after each:
+1. agreement: the first batch decoded by the plain greedy loop (bench/generate/reference.py), by
+   the static decoder and by generate, each keeping every step's two best scores; where a row parts
+   from the plain loop, the scores there class it (an exact tie, within one bf16 step, or other).
+2. throughput: each decoder warmed on one batch, then timed on its prompts in the order
+   static, generate, generate, static (both orders: a later run gains nothing from an earlier one);
+   answers/s = prompts / seconds of the run, tokens counted as decoded (prompts x new tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from dflash_jobs.generate.decoding import HfGenerate, StaticDecoder, greedy
+from reference import Recorder, partings, plain_greedy
+
+SHAPES = {
+    "smollm2": {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                "intermediate_size": 1536, "vocab_size": 49152, "max_position_embeddings": 8192},
+    "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 1024},
+}
+STOP_ID = 2
+PAD_ID = 0
+
+
+def random_target(shape: str, device: torch.device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**SHAPES[shape], tie_word_embeddings=True, bos_token_id=1, eos_token_id=STOP_ID, pad_token_id=PAD_ID,
+                         rms_norm_eps=1e-5, rope_theta=100000.0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with device:
+        model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=dtype)
+    return model.eval()
+
+
+def batches(count: int, size: int, lengths: tuple[int, int], vocab: int, seed: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`count` random prompts sorted by length, in left-padded batches of `size`: (ids, attention) each."""
+    rng = random.Random(seed)
+    prompts = sorted(([rng.randrange(3, vocab) for _ in range(rng.randint(*lengths))] for _ in range(count)), key=len)
+    made = []
+    for begin in range(0, count, size):
+        part = prompts[begin : begin + size]
+        longest = max(map(len, part))
+        ids = torch.full((len(part), longest), PAD_ID, dtype=torch.long)
+        attention = torch.zeros((len(part), longest), dtype=torch.long)
+        for row, prompt in enumerate(part):
+            ids[row, longest - len(prompt):] = torch.tensor(prompt)
+            attention[row, longest - len(prompt):] = 1
+        made.append((ids.to(device), attention.to(device)))
+    return made
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+@torch.inference_mode()
+def timed(decoder, work, new_tokens: int, device: torch.device) -> dict:
+    synchronize(device)
+    started = time.perf_counter()
+    decoded = sum(decoder(ids, attention, new_tokens, greedy).numel() for ids, attention in work)
+    synchronize(device)
+    seconds = time.perf_counter() - started
+    prompts = sum(ids.shape[0] for ids, _ in work)
+    return {"decoder": decoder.name, "prompts": prompts, "seconds": round(seconds, 3), "answers_per_s": round(prompts / seconds, 1),
+            "tokens_per_s": round(decoded / seconds, 1)}
+
+
+@torch.inference_mode()
+def agreement(model, decoders, work, new_tokens: int) -> dict:
+    ids, attention = work[0]
+    plain = Recorder()
+    reference = plain_greedy(model, ids, attention, new_tokens, plain)
+    found = {}
+    for decoder in decoders:
+        recorder = Recorder()
+        tokens = decoder(ids, attention, new_tokens, recorder)
+        found[decoder.name] = asdict(partings(reference, plain, tokens, recorder))
+    return {"prompts": ids.shape[0], "new_tokens": new_tokens, "against_plain_greedy": found}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--batch", type=int, default=None, help="prompts a batch (default: 1024 on a GPU, 16 on a CPU)")
+    parser.add_argument("--static-prompts", type=int, default=None, help="prompts the static decoder is timed on (default 8 batches)")
+    parser.add_argument("--generate-prompts", type=int, default=None, help="prompts generate is timed on (default 1 batch)")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--min-prompt", type=int, default=48)
+    parser.add_argument("--max-prompt", type=int, default=288)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    size = args.batch or (1024 if device.type == "cuda" else 16)
+    model = random_target(args.shape, device)
+    lengths = (args.min_prompt, args.max_prompt)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    static = StaticDecoder(model, stop_ids={STOP_ID}, pad_id=PAD_ID)
+    generate = HfGenerate(model, stop_ids={STOP_ID}, pad_id=PAD_ID)
+    report = {"shape": args.shape, "config": SHAPES[args.shape], "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "dtype": str(model.dtype), "torch": torch.__version__, "batch": size, "new_tokens": args.new_tokens,
+              "prompt_lengths": list(lengths), "stop": "random weights: no answer stops before new_tokens"}
+
+    def write(stage: str, value) -> None:
+        report[stage] = value
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+    write("agreement", agreement(model, [static, generate], batches(size, size, lengths, vocab, 1, device), args.new_tokens))
+    static_work = batches(args.static_prompts or 8 * size, size, lengths, vocab, 2, device)
+    generate_work = batches(args.generate_prompts or size, size, lengths, vocab, 3, device)
+    for decoder in (static, generate):
+        timed(decoder, batches(size, size, lengths, vocab, 4, device)[:1], args.new_tokens, device)  # warm-up
+    runs = [timed(decoder, work, args.new_tokens, device)
+            for decoder, work in ((static, static_work), (generate, generate_work), (generate, generate_work), (static, static_work))]
+    best = {name: max(run["answers_per_s"] for run in runs if run["decoder"] == name) for name in ("static", "generate")}
+    write("throughput", {"runs": runs, "best_answers_per_s": best, "speedup": round(best["static"] / best["generate"], 2)})
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""The Transformers engine's decoders (dflash_jobs/generate/decoding.py) against the plain greedy loop
+(bench/generate/reference.py): the static-cache decoder gives its tokens, greedy or sampled, stops
+where it stops, and a target it cannot serve exactly gets generate. On a CPU in float32 (the CUDA
+graph is the GPU's: bench/generate/bench_generate.py runs it against the same loop)."""
+
+from __future__ import annotations
+
+import importlib
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_jobs.generate.decoding import HfGenerate, StaticDecoder, greedy, pick_decoder
+from dflash_jobs.generate.engines import SeededSampling
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "generate"
+
+
+@pytest.fixture
+def reference(monkeypatch):
+    """bench/generate/reference.py, imported as the benchmark imports it."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    return importlib.import_module("reference")
+
+
+@pytest.fixture(scope="module")
+def llama(target_of):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(target_of("llama"), dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def left_padded(lengths: list[int], vocab: int, pad: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    rng = random.Random(seed)
+    longest = max(lengths)
+    ids = torch.full((len(lengths), longest), pad, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, longest - length:] = torch.tensor([rng.randrange(3, vocab) for _ in range(length)])
+        attention[row, longest - length:] = 1
+    return ids, attention
+
+
+LENGTHS = [1, 5, 9, 17, 30, 3, 12, 30]
+
+
+@torch.inference_mode()
+def test_the_static_decoder_gives_the_plain_greedy_loops_tokens(llama, reference):
+    """Rows of every length, one of a single token: each row's tokens are the plain loop's, and
+    where a row parts from it (only at an exact tie can it, in float32) the scores there say so."""
+    vocab = llama.config.vocab_size
+    ids, attention = left_padded(LENGTHS, vocab, pad=0)
+    plain, fast = reference.Recorder(), reference.Recorder()
+    expected = reference.plain_greedy(llama, ids, attention, 24, plain)
+    got = StaticDecoder(llama, stop_ids={vocab + 1}, pad_id=0)(ids, attention, 24, fast)
+    assert got.shape == expected.shape == (len(LENGTHS), 24)
+    found = reference.partings(expected, plain, got, fast)
+    assert found.other == 0 and found.within_one_step == 0
+    assert found.identical + found.exact_ties == len(LENGTHS) and found.identical >= len(LENGTHS) - 1
+    # Greedy as the engine asks it: the same tokens without a recorder.
+    assert torch.equal(StaticDecoder(llama, stop_ids={vocab + 1}, pad_id=0)(ids, attention, 24, greedy), got)
+
+
+@torch.inference_mode()
+def test_the_static_decoder_stops_where_generate_does_and_ends_when_every_row_has(llama, reference):
+    """A token the plain loop emits mid-answer made the stop token: both decoders stop each row on
+    it (padding after), and once every row has stopped the static decoder decodes no further."""
+    vocab = llama.config.vocab_size
+    ids, attention = left_padded(LENGTHS, vocab, pad=0, seed=1)
+    free = reference.plain_greedy(llama, ids, attention, 40, greedy)
+    stop = int(free[0, 3])
+    static = StaticDecoder(llama, stop_ids={stop}, pad_id=0)(ids, attention, 40, greedy)
+    generated = HfGenerate(llama, stop_ids={stop}, pad_id=0)(ids, attention, 40, greedy)
+    steps = min(static.shape[1], generated.shape[1])
+    assert torch.equal(static[:, :steps], generated[:, :steps])
+    for row in range(len(LENGTHS)):
+        tokens = static[row].tolist()
+        if stop in tokens:
+            end = tokens.index(stop)
+            assert tokens[: end + 1] == free[row, : end + 1].tolist() and set(tokens[end + 1:]) <= {0}
+        else:
+            assert tokens == free[row, : len(tokens)].tolist()
+    # A stop every row reaches early: the decoder ends at the next look, long before the limit.
+    always = StaticDecoder(llama, stop_ids=set(free[:, 0].tolist()), pad_id=0)(ids, attention, 200, greedy)
+    assert always.shape[1] < 200 and (always[:, 1:] == 0).all()
+
+
+@torch.inference_mode()
+def test_sampling_draws_the_same_tokens_in_both_decoders(llama):
+    """temperature > 0: the seeded sampler picks alike in the static decoder and in generate, and
+    each row draws from its own seed (another seed, another answer)."""
+    vocab = llama.config.vocab_size
+    ids, attention = left_padded(LENGTHS, vocab, pad=0, seed=2)
+
+    def sampler(seed: int) -> SeededSampling:
+        return SeededSampling([{"temperature": 1.0, "top_p": 0.9, "seed": seed + row} for row in range(len(LENGTHS))], torch.device("cpu"))
+
+    static = StaticDecoder(llama, stop_ids={vocab + 1}, pad_id=0)(ids, attention, 16, sampler(1))
+    generated = HfGenerate(llama, stop_ids={vocab + 1}, pad_id=0)(ids, attention, 16, sampler(1))
+    assert torch.equal(static, generated)
+    other = StaticDecoder(llama, stop_ids={vocab + 1}, pad_id=0)(ids, attention, 16, sampler(100))
+    assert (other != static).any(dim=1).sum() >= len(LENGTHS) // 2
+
+
+def test_a_hybrid_target_decodes_with_generate_and_a_dense_one_with_the_static_cache(llama, target_of):
+    from transformers import AutoModelForCausalLM
+
+    hybrid = AutoModelForCausalLM.from_pretrained(target_of("qwen3_5"), dtype=torch.float32)
+    assert isinstance(pick_decoder(hybrid, stop_ids={1}, pad_id=0), HfGenerate)
+    assert isinstance(pick_decoder(llama, stop_ids={1}, pad_id=0), StaticDecoder)
