@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_train  # noqa: E402
-from extract_shapes import random_27b  # noqa: E402
+from extract_shapes import bench_device, random_27b  # noqa: E402
 
 from dflash_jobs.architectures import llama  # noqa: E402
 from dflash_jobs.capture import fp8, packing  # noqa: E402
@@ -83,7 +83,7 @@ def main() -> int:
     parser.add_argument("--memory-gib", type=float, default=96.0)
     parser.add_argument("-o", "--output", type=Path)
     args = parser.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = bench_device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
     docs, tokens = args.docs or DOCS[args.shape], bench_train.DOCUMENT_TOKENS[args.shape]
     drafter_shape = args.shape if args.shape in bench_train.SHAPES else "tiny"
@@ -95,83 +95,91 @@ def main() -> int:
             args.output.parent.mkdir(parents=True, exist_ok=True)
             args.output.write_text(json.dumps(result, indent=2) + "\n")
 
-    if cuda:
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total), device)
-    started = time.perf_counter()
-    case = bench_train.Case(docs=docs, checkpointing="none" if cuda else "mlp", compile=cuda)
-    layers = bench_train.SHAPES[drafter_shape]["target_layer_ids"]
-    target = build_target(args.shape, device, layers)
-    if args.fp8:
-        fp8.require_fp8(device)
-        fp8.to_float8(target.decoder_layers)
-    fast = FastPaths.detect(device, target.architecture)
-    packed = packing.can_pack(target.architecture, device, fla=fast.fla)
-    capture = TargetCapture(target, ExtractSpec(token_budget=docs * tokens + 64 * docs), packed=packed, max_length=tokens,
-                            capacity=docs * tokens)
-    stored_trainer, config = bench_train.build_trainer(drafter_shape, case, tokens, bench_train.ANCHORS[drafter_shape], device)
-    online_trainer, _ = bench_train.build_trainer(drafter_shape, case, tokens, bench_train.ANCHORS[drafter_shape], device,
-                                                  states=OnlineStates(capture))
-    chunk = bench_train.synthetic_chunk(docs, tokens, config)
-    documents = [DocumentRef(0, i, i, tokens) for i in range(docs)]
-    layout = stored_trainer.spec.train.layout
-    anchors = bench_train.ANCHORS[drafter_shape]
-    stored_batch = BatchBuilder(layout=layout, anchors=anchors, mask_token_id=config.mask_token_id, seed=0, layers=layers).build(
-        documents, {0: chunk}, 0, pin_memory=cuda)
-    online_batch = BatchBuilder(layout=layout, anchors=anchors, mask_token_id=config.mask_token_id, seed=0, layers=layers,
-                                context=TargetContext(capture.planner)).build(documents, {0: TokenChunkData(chunk.tokens, "synthetic")}, 0, pin_memory=cuda)
-    rows = [batch.to(device) for batch, _ in online_batch.target_input.rows]
-    result["setup"] = {"seconds": round(time.perf_counter() - started, 1), "fast_paths": fast.as_dict(), "packed": packed,
-                       "context_tokens": stored_batch.tokens, "target_rows": len(rows), "blocks": int(stored_batch.block_ids.shape[0])}
     save()
-
-    def sync() -> None:
+    try:
         if cuda:
-            torch.cuda.synchronize(device)
-
-    def bare() -> None:
-        capture.hooks.start(None)
-        with torch.no_grad():
-            for batch in rows:
-                target.model(**packing.forward_kwargs(batch, target.architecture))
-
-    def stored() -> None:
-        stored_trainer.train_step(stored_batch)
-
-    def online() -> None:
-        online_trainer.train_step(online_batch)
-
-    paths = {"bare": bare, "stored": stored, "online": online}
-
-    def timed(fn) -> float:
-        sync()
-        begin = time.perf_counter()
-        fn()
-        sync()
-        return time.perf_counter() - begin
-
-    warm = time.perf_counter()
-    for name, fn in paths.items():
-        for _ in range(3):
-            timed(fn)
-    online_trainer.states.check()
-    result["warmup_s"] = round(time.perf_counter() - warm, 1)
-    save()
-    times: dict[str, list[float]] = {name: [] for name in paths}
-    for round_ in range(args.rounds):
-        order = list(paths) if round_ % 2 == 0 else list(reversed(paths))
-        for name in order:
-            times[name].append(timed(paths[name]))
-        online_trainer.states.check()
-        result["seconds"] = times
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total), device)
+        started = time.perf_counter()
+        case = bench_train.Case(docs=docs, checkpointing="none" if cuda else "mlp", compile=cuda)
+        layers = bench_train.SHAPES[drafter_shape]["target_layer_ids"]
+        target = build_target(args.shape, device, layers)
+        if args.fp8:
+            fp8.require_fp8(device)
+            fp8.to_float8(target.decoder_layers)
+        fast = FastPaths.detect(device, target.architecture)
+        packed = packing.can_pack(target.architecture, device, fla=fast.fla)
+        capture = TargetCapture(target, ExtractSpec(token_budget=docs * tokens + 64 * docs), packed=packed, max_length=tokens,
+                                capacity=docs * tokens)
+        # One drafter for both paths (two would not fit beside a 27B target): each path sets where its states come from.
+        trainer, config = bench_train.build_trainer(drafter_shape, case, tokens, bench_train.ANCHORS[drafter_shape], device)
+        given, online_states = trainer.states, OnlineStates(capture)
+        chunk = bench_train.synthetic_chunk(docs, tokens, config)
+        documents = [DocumentRef(0, i, i, tokens) for i in range(docs)]
+        layout = trainer.spec.train.layout
+        anchors = bench_train.ANCHORS[drafter_shape]
+        stored_batch = BatchBuilder(layout=layout, anchors=anchors, mask_token_id=config.mask_token_id, seed=0, layers=layers).build(
+            documents, {0: chunk}, 0, pin_memory=cuda)
+        online_batch = BatchBuilder(layout=layout, anchors=anchors, mask_token_id=config.mask_token_id, seed=0, layers=layers,
+                                    context=TargetContext(capture.planner)).build(documents, {0: TokenChunkData(chunk.tokens, "synthetic")}, 0, pin_memory=cuda)
+        rows = [batch.to(device) for batch, _ in online_batch.target_input.rows]
+        result["setup"] = {"seconds": round(time.perf_counter() - started, 1), "fast_paths": fast.as_dict(), "packed": packed,
+                           "context_tokens": stored_batch.tokens, "target_rows": len(rows), "blocks": int(stored_batch.block_ids.shape[0])}
         save()
-    median = {name: statistics.median(values) for name, values in times.items()}
-    result["median_s"] = median
-    result["online_over_stored_plus_bare"] = round(median["online"] / (median["stored"] + median["bare"]), 4)
-    result["tokens_per_s"] = {name: round(stored_batch.tokens / value, 1) for name, value in median.items()}
-    if cuda:
-        result["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-    save()
+
+        def sync() -> None:
+            if cuda:
+                torch.cuda.synchronize(device)
+
+        def bare() -> None:
+            capture.hooks.start(None)
+            with torch.no_grad():
+                for batch in rows:
+                    target.model(**packing.forward_kwargs(batch, target.architecture))
+
+        def stored() -> None:
+            trainer.states = given
+            trainer.train_step(stored_batch)
+
+        def online() -> None:
+            trainer.states = online_states
+            trainer.train_step(online_batch)
+
+        paths = {"bare": bare, "stored": stored, "online": online}
+
+        def timed(fn) -> float:
+            sync()
+            begin = time.perf_counter()
+            fn()
+            sync()
+            return time.perf_counter() - begin
+
+        warm = time.perf_counter()
+        for name, fn in paths.items():
+            for _ in range(3):
+                timed(fn)
+        online_states.check()
+        result["warmup_s"] = round(time.perf_counter() - warm, 1)
+        save()
+        times: dict[str, list[float]] = {name: [] for name in paths}
+        for round_ in range(args.rounds):
+            order = list(paths) if round_ % 2 == 0 else list(reversed(paths))
+            for name in order:
+                times[name].append(timed(paths[name]))
+            online_states.check()
+            result["seconds"] = times
+            save()
+        median = {name: statistics.median(values) for name, values in times.items()}
+        result["median_s"] = median
+        result["online_over_stored_plus_bare"] = round(median["online"] / (median["stored"] + median["bare"]), 4)
+        result["tokens_per_s"] = {name: round(stored_batch.tokens / value, 1) for name, value in median.items()}
+        if cuda:
+            result["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+        save()
+    except Exception as exc:  # what a GPU run cut short measured stays, with why it stopped
+        result["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+        save()
+        raise
     print(json.dumps(result, indent=2))
     return 0
 
