@@ -539,3 +539,22 @@ def test_a_failed_in_cluster_controller_says_why_in_status(first, monkeypatch, c
     assert code == 0 and report["jobs"]["controller"]["state"] == "Failed"
     assert report["next"] == ("the in-cluster controller failed: Error: 1 preflight check(s) failed, nothing was started: "
                               "output: s3://b/runs/first already holds run 'someone-else'; fix that, then `dflashctl retry controller`")
+
+
+def test_check_refuses_an_online_target_that_does_not_fit_beside_the_drafter():
+    """Before a GPU is spent: a 27B checkpoint's bf16 weights beside its drafter pass a 96 GB card; with
+    FP8 compute and mlp checkpointing they fit, and the check says so."""
+    from dflashctl.check.inputs import judge_target
+
+    config = {"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text", "hidden_size": 5120, "num_hidden_layers": 64,
+                                                       "vocab_size": 248320}}
+    description = {"exists": True, "staged": None, "config": config, "safetensors": {"files": 12, "bytes": 54_000_000_000},
+                   "tokenizer": True, "chat_template": True}
+    raw = {"name": "fit", "backend": "local", "target": {"model": "/models/q"}, "data": {"source": "/d.jsonl"}, "output": "/o"}
+    bf16 = judge_target(parse_spec({**raw, "train": {"states": "online"}}), description)
+    assert bf16.status == "fail" and "train.states online: online, the target (bfloat16) beside the drafter takes" in bf16.detail
+    assert "with extract.compute_dtype: float8 and train.activation_checkpointing: mlp it takes" in bf16.detail
+    assert "train.states: stored" in bf16.fix
+    fp8 = judge_target(parse_spec({**raw, "train": {"states": "online", "activation_checkpointing": "mlp"}, "extract": {"compute_dtype": "float8"}}), description)
+    assert fp8.status == "ok", fp8.detail
+    assert judge_target(parse_spec(raw), description).status == "ok"  # stored states: the target never sits beside the drafter

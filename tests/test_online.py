@@ -155,3 +155,22 @@ def test_in_flight_checks_name_the_step_the_sample_and_what_failed():
     with pytest.raises(IntegrityError, match=r"step 4: token ids differ from the input, all-zero final hidden states for sample 31"):
         checks.check()
     np.testing.assert_equal(len(checks.pending), 0)
+
+
+def test_an_online_run_on_an_output_holding_stored_states_is_refused_and_nothing_is_touched(root, tmp_path, monkeypatch, capfd):
+    """Training online would make again what the output holds: `dflashctl run` exits 2 before any Job and
+    names both ways out; the stored chunks and their manifest stay as they were."""
+    from dflash_jobs.formats import MANIFEST_KEY
+
+    output = tmp_path / "run"
+    shutil.copytree(tiny_extract(root), output)
+    before = sorted((p.relative_to(output), p.stat().st_size) for p in output.rglob("*") if p.is_file())
+    spec = spec_dict(tiny_target(root), output, "online")
+    spec["local"] = {"workdir": str(tmp_path / "work"), "device": "cpu"}
+    open_storage(str(output)).put_bytes(DATASET_KEY, DatasetIndex(samples=1, tokens=1, vocab_size=1, chunks=[]).to_json().encode())
+    code, out, err = cli(monkeypatch, capfd, "run", "-f", str(write_spec(tmp_path / "online.yaml", spec)))
+    assert code == 2, out + err
+    assert "train.states" in err and "verified chunks of stored states" in err and "a new prefix" in err
+    assert (output / MANIFEST_KEY).exists() and not (tmp_path / "work" / "jobs").joinpath("tiny-train-train").exists()
+    after = sorted((p.relative_to(output), p.stat().st_size) for p in output.rglob("*") if p.is_file() and "extract" in str(p.relative_to(output)))
+    assert after == [entry for entry in before if "extract" in str(entry[0])]

@@ -353,3 +353,35 @@ def test_plan_refuses_a_drafter_that_reads_the_final_hidden_state_on_verified_st
     plan_json("-f", with_settings(spec_file, train={"drafter": "dspark", "dspark": {"ce_only": True}}))
     output.put_bytes(MANIFEST_KEY, Manifest(**{**manifest.__dict__, "final_hidden": "bfloat16"}).to_json().encode())
     plan_json("-f", with_settings(spec_file, train={"drafter": "dspark"}))
+
+
+def test_plan_prices_stored_and_online_states_side_by_side_and_picks(tmp_path):
+    """A 27B target (54 GB of weights, an untied head) beside its drafter on a 96 GB card: bf16 does not
+    fit online, FP8 compute with mlp checkpointing does; where it fits, the cheaper path at the stated prices."""
+    spec_file = write_run(tmp_path, tokens=1_000_000_000)
+    model = tmp_path / "model"
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": {
+        "hidden_size": 5120, "num_hidden_layers": 64, "vocab_size": 248320, "tie_word_embeddings": False}}))
+    with open(model / "model.safetensors", "wb") as weights:
+        weights.truncate(54_000_000_000)  # sparse: the size is what the plan reads
+    plan = plan_json("-f", spec_file)
+    states = plan["states"]
+    head = 248320 * 5120 * 2
+    # bf16: (54e9 - the head) bytes of weights (capture never loads the head), the drafter's compiled peak 66.7 GiB,
+    # the capture buffer of 16,384 tokens x 5 layers x 5120 x 2 bytes, and 4 GiB of activations.
+    capture = 16384 * 5 * 5120 * 2 / 2**30
+    assert states["target_gib"]["bfloat16"] == pytest.approx((54e9 - head) / 2**30)
+    assert states["target_gib"]["float8"] == pytest.approx(((54e9 - 2 * head) / 2 + head) / 2**30)
+    assert states["rank_gib"]["bfloat16"] == pytest.approx(states["target_gib"]["bfloat16"] + 66.7 + capture + 4.0)
+    assert states["fits"] == {"bfloat16": False, "float8": False} and states["card_gib"] == 96.0
+    assert states["pick"] == "stored" and "extract.compute_dtype: float8 and train.activation_checkpointing: mlp" in states["why"]
+    # 6 epochs of the target's forward (at the extractor's rate: 23.2 GPU-hours an epoch) against 51.2 TB and one extraction.
+    assert states["online_forward_gpu_hours"] == pytest.approx(6 * 23.200349)
+    assert states["stored_tb"] == pytest.approx(51.205)
+
+    online = plan_json("-f", with_settings(spec_file, extract={"compute_dtype": "float8"}, train={"activation_checkpointing": "mlp", "states": "online"}),
+                       "--gpu-hour-usd", "1", "--tb-month-usd", "1000")
+    assert online["states"]["fits"]["float8"] and online["states"]["states"] == "online"
+    assert online["states"]["pick"] == "online" and online["states"]["online_usd"] < online["states"]["stored_usd"]
+    stored = plan_json("-f", spec_file, "--gpu-hour-usd", "100", "--tb-month-usd", "1")
+    assert stored["states"]["pick"] == "stored" and "epochs of target forwards cost more" in stored["states"]["why"]

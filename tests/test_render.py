@@ -471,3 +471,18 @@ def test_the_spec_hash_is_what_the_run_makes_not_where_it_runs_or_serves_metrics
     assert make_spec(cluster={"namespace": "team-b", "metrics_port": 9100}).fingerprint() == base.fingerprint()
     for changed in ({"extract": {"shards": 9}}, {"cluster": {"image": "registry/dflash:2"}}, {"train": {"epochs": 2}}):
         assert make_spec(**changed).fingerprint() != base.fingerprint(), changed
+
+
+def test_online_states_render_no_extract_job_and_the_train_pods_mount_the_model():
+    spec = make_spec(train={"states": "online"})
+    assert spec.steps == ("prepare", "train", "eval")
+    objects = render.render_all(spec)
+    names = [o["metadata"]["name"] for o in objects if o["kind"] == "Job"]
+    assert "demo-run-extract" not in names and "demo-run-train" in names and "demo-run-prepare" in names
+    train = next(o for o in objects if o["metadata"]["name"] == "demo-run-train")
+    pod = train["spec"]["template"]["spec"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod["volumes"]
+    assert any(m["name"] == "model" for m in pod["containers"][0]["volumeMounts"])
+    with pytest.raises(SpecError, match="with train.states online the train Job runs the target"):
+        render.render_selection(spec, "extract")
+    assert make_spec().steps == ("prepare", "extract", "verify", "train", "eval")

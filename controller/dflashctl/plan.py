@@ -30,6 +30,7 @@ from dflash_jobs.storage import (
 
 from dflashctl.backends import open_backend
 from dflashctl.check import cluster_of
+from dflashctl.plan_states import ASSUMED_WEIGHTS, Prices, StatesCost, TargetWeights, read_target_weights, states_cost
 from dflashctl.pod_fit import Node, place, pod_asks
 
 EXTRACT_TOKENS_PER_SECOND = {
@@ -90,6 +91,8 @@ class TargetShape:
     basis: str
     warning: str | None = None
     """Layers past the depth of the target the plan assumes (its config.json unread)."""
+    weights: TargetWeights = ASSUMED_WEIGHTS
+    """What its weights take on a GPU (online training holds them beside the drafter)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +197,8 @@ class Plan:
     """What training reads from storage, at what rate, and whether the store keeps up."""
     final_hidden: FinalHiddenCost
     """The target's final hidden state: what it adds to the figures above when stored, what it would add when not."""
+    states: StatesCost
+    """train.states' two paths, stored and online, side by side, and the one the plan picks."""
     generation: GenerationCost | None = None
     """With a generate section: the generation step's bill, before prepare's tokens exist."""
     pods: list[PodBill] = field(default_factory=list)
@@ -273,7 +278,7 @@ def make_plan(
     spec: RunSpec, data: DataSize, target: TargetShape, *, tokens_per_second: float | None = None,
     train_tokens_per_second: float | None = None, generation: GenerationCost | None = None,
     store_mb_per_s: float = STORE_READ_MB_PER_S_PER_NODE, nodes: list[Node] | None = None, nodes_basis: str = "",
-    warnings: list[str] = (),
+    warnings: list[str] = (), prices: Prices = Prices(),
 ) -> Plan:
     tokens_per_second = extraction_rate(spec) if tokens_per_second is None else tokens_per_second
     train_tokens_per_second = training_rate(spec) if train_tokens_per_second is None else train_tokens_per_second
@@ -306,6 +311,11 @@ def make_plan(
                                       store_limit=store_mb_per_s),
         final_hidden=final_hidden_cost(spec, data, target, tokens_per_second=tokens_per_second,
                                        train_tokens_per_second=train_tokens_per_second, gpus_per_node=gpus_per_node),
+        states=states_cost(
+            spec, tokens=data.tokens, hidden_size=target.hidden_size, captured=len(target.layers),
+            stored_tb=None if data.tokens is None else data.tokens * per_token[spec.extract.dtype] / TB,
+            extract_tokens_per_second=tokens_per_second, train_tokens_per_second=train_tokens_per_second, weights=target.weights, prices=prices,
+        ),
         generation=generation,
         pods=pod_bills(spec, nodes),
         nodes_basis=nodes_basis,
@@ -526,7 +536,7 @@ def read_target_shape(spec: RunSpec) -> TargetShape:
             config, why = None, f"{model}/config.json is not valid JSON ({error})"
     hidden_size = text_config(config).get("hidden_size") if isinstance(config, dict) else None
     if isinstance(hidden_size, int):
-        return TargetShape(hidden_size, resolve_layers(spec, config), basis=f"{model}/config.json")
+        return TargetShape(hidden_size, resolve_layers(spec, config), basis=f"{model}/config.json", weights=read_target_weights(spec, config))
     name, depth = ASSUMED_TARGET["name"], ASSUMED_TARGET["num_hidden_layers"]
     layers = spec.target.layers or default_layers(depth)
     past = [layer for layer in layers if layer >= depth]

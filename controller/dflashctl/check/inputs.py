@@ -24,6 +24,7 @@ from dflashctl.check import STORAGE_ATTEMPTS, CheckResult, Preflight, fail, from
 from dflashctl.identity import identity_conflict, output_elsewhere
 from dflashctl.kube import exit_reason
 from dflashctl.placement import patch_warnings
+from dflashctl.plan_states import online_fit
 from dflashctl.render import WORKER
 from dflashctl.starter import STARTER_VALUES
 from dflashctl.tool_pods import model_directory, probe_pod_name, render_probe_pod
@@ -40,7 +41,7 @@ PROBE_LINES_SHOWN = 5
 PROBE_LINE_CHARS = 200
 STAGE_FIX = "Stage it: `dflashctl stage-model --from hf://Qwen/Qwen3.6-27B` (or --from s3://...)"
 STEP_INPUTS = {"extract": DATASET_KEY, "train": MANIFEST_KEY, "eval": DRAFTER_CONFIG_KEY}
-"""What a step's Job reads from the output and an earlier step writes."""
+"""What a step's Job reads from the output and an earlier step writes (online training reads prepare's: step_input)."""
 STEP_BEFORE = {DATASET_KEY: "prepare (`dflashctl run`, or `dflashctl prepare` here)", MANIFEST_KEY: "extraction, then `dflashctl verify`",
                DRAFTER_CONFIG_KEY: "training (`dflashctl submit train`)"}
 
@@ -97,9 +98,14 @@ def next_step(storage: Storage, spec: RunSpec) -> str:
     """The first step whose output is not in storage: what `dflashctl run` would start."""
     if not storage.exists(DATASET_KEY):
         return "generate" if spec.generate is not None and current_manifest(storage, spec) is None else "prepare"
-    if not storage.exists(MANIFEST_KEY):
+    if "extract" in spec.steps and not storage.exists(MANIFEST_KEY):
         return "extract"
     return "train" if not storage.exists(DRAFTER_CONFIG_KEY) else "eval"
+
+
+def step_input(spec: RunSpec, step: str) -> str:
+    """What `step`'s Job reads from the output: online training reads prepare's token chunks, not verified states."""
+    return DATASET_KEY if step == "train" and spec.train.states == "online" else STEP_INPUTS[step]
 
 
 def step_order(pf: Preflight) -> CheckResult:
@@ -116,11 +122,11 @@ def step_order(pf: Preflight) -> CheckResult:
                 return fail("step order", "prepare reads the regenerated answers, and generate/manifest.json of these settings does not exist",
                             "Generate them first: `dflashctl submit generate --wait` (or `dflashctl run`, which does every step in turn)")
             return ok("step order", "the answers are generated")
-        needed = STEP_INPUTS[step]
+        needed = step_input(spec, step)
         if not storage.exists(needed):
             return fail("step order", f"{storage.url}/{needed} does not exist, and {step} reads it",
                         f"Run {STEP_BEFORE[needed]} first, or `dflashctl run`, which does every step in turn")
-        if step == "train":  # the states are there: do they hold what this drafter reads?
+        if needed == MANIFEST_KEY and step == "train":  # the states are there: do they hold what this drafter reads?
             check_final_hidden(Manifest.from_json(storage.get_bytes(MANIFEST_KEY)), spec.train, f"{storage.url}/{MANIFEST_KEY}")
     except InputError as error:
         return fail("step order", error.what, error.fix)
@@ -237,9 +243,10 @@ def _describe_s3(pf: Preflight, model: str) -> dict[str, Any]:
                           region=pf.spec.storage.region, max_attempts=STORAGE_ATTEMPTS)
     storage = pf.storage(model)
     files = storage.list("")
+    weights = [key for key in files if key.endswith(".safetensors")]
     description = {"exists": True, "staged": None, "tokenizer": "tokenizer_config.json" in files,
                    "chat_template": bool(chat_template_text(lambda name: storage.get_bytes(name) if name in files else None)),
-                   "safetensors": {"files": sum(key.endswith(".safetensors") for key in files)}}
+                   "safetensors": {"files": len(weights), "bytes": sum(storage.stat(key).size for key in weights)}}
     try:
         return description | {"config": json.loads(config)}
     except ValueError as exc:
@@ -277,6 +284,11 @@ def judge_target(spec: RunSpec, description: dict[str, Any], where: str = "", *,
                     "and data.source holds chat conversations", CHAT_TEMPLATE_FIX)
     if not description.get("tokenizer"):
         return warn("target", f"{detail}; no tokenizer_config.json", "prepare needs the target's tokenizer and chat template beside the weights")
+    if spec.train.states == "online" and isinstance(text.get("hidden_size"), int):
+        fit = online_fit(spec, config, description["safetensors"].get("bytes"))
+        if not fit.fits[spec.extract.compute_dtype]:
+            return fail("target", f"{detail}; train.states online: {fit.why}",
+                        "Set train.states: stored (extract once, then train from storage), or the settings named, or a card with more memory")
     if not supported(config):
         return warn("target", f"{detail}; {model_type(config)} is not an architecture the suite proves ({', '.join(MODEL_TYPES)}): "
                     f"it runs as the nearest, {architecture_name(config)}", "Check the evaluation's lossless figures before trusting it")

@@ -16,6 +16,7 @@ from dflashctl.check import Preflight
 from dflashctl.check.inputs import placeholders
 from dflashctl.cli import output
 from dflashctl.cli.options import DEFAULT_SPEC, OutputFormat, OutputOpt, SpecOpt, Targets, read_spec
+from dflashctl.plan_states import DEFAULT_PRICES, Prices, StatesCost
 
 
 def plan(
@@ -34,10 +35,17 @@ def plan(
     store_mb_per_s: Annotated[
         float, typer.Option("--store-mb-per-s", help="What one training node can read from the object store, sustained, in MB/s: above it the plan warns.")
     ] = planning.STORE_READ_MB_PER_S_PER_NODE,
+    gpu_memory_gib: Annotated[
+        float, typer.Option("--gpu-memory-gib", help="One GPU's memory, which online training fills with the target beside the drafter.")
+    ] = DEFAULT_PRICES.gpu_memory_gib,
+    gpu_hour_usd: Annotated[float, typer.Option("--gpu-hour-usd", help="What a GPU-hour costs, for the stored/online pick.")] = DEFAULT_PRICES.gpu_hour_usd,
+    tb_month_usd: Annotated[float, typer.Option("--tb-month-usd", help="What a TB stored for a month costs, for the stored/online pick.")] = DEFAULT_PRICES.tb_month_usd,
 ) -> None:
     """Validate the spec and show what the run costs: tokens, storage (TB), GPU-hours of extraction and training, upload rate,
     and what training reads from storage: each rank's share against its cache, TB per epoch and in all, MB/s per node;
-    and the target's final hidden state's share of them (stored for DSpark, or with extract.final_hidden: true).
+    and the target's final hidden state's share of them (stored for DSpark, or with extract.final_hidden: true);
+    stored and online states (train.states) side by side: the target's forwards every epoch against the TB stored
+    and one extraction, memory per rank with the target beside the drafter, and which the plan would pick and why.
     Refuses a drafter that reads the final hidden state when the run's verified states lack it.
 
     Exact once `dflashctl prepare` wrote tokens/dataset.json; before that, estimated from the size
@@ -53,6 +61,8 @@ def plan(
       dflashctl plan --generate-tokens-per-second 2500
 
       dflashctl plan --store-mb-per-s 5000
+
+      dflashctl plan --gpu-memory-gib 80 --gpu-hour-usd 3.5
     """
     spec = read_spec(spec_file)
     planning.check_stored_states(spec)
@@ -76,6 +86,7 @@ def plan(
         spec, data, target, tokens_per_second=tokens_per_second,
         train_tokens_per_second=train_tokens_per_second, store_mb_per_s=store_mb_per_s,
         generation=generation, nodes=nodes, nodes_basis=nodes_basis, warnings=warnings,
+        prices=Prices(gpu_memory_gib=gpu_memory_gib, gpu_hour_usd=gpu_hour_usd, tb_month_usd=tb_month_usd),
     )
     if output_format is not OutputFormat.table:
         output.result(output_format, result.to_dict(), [f"run/{spec.name}"])
@@ -86,8 +97,10 @@ def plan(
         output.info(f"generation rate: {result.generation.rate_basis}")
     for warning in result.training_reads.warnings:
         output.info(f"warning: {warning}")
+    output.info(f"states: {result.states.pick} ({result.states.why})")
     output.info(f"data: {result.data.basis}")
     output.info(f"target: {result.target.basis}")
+    output.info(f"stored or online: {result.states.basis}")
     output.info(f"nodes: {result.nodes_basis}")
     for warning in result.warnings:
         output.info(f"warning: {escape(warning)}")
@@ -126,6 +139,7 @@ def plan_table(result: planning.Plan) -> Table:
     table.add_row("training", _amount(result.train_gpu_hours, f" GPU-hours at {result.train_tokens_per_second_per_gpu:,.0f} tokens/s per GPU"))
     table.add_row("training wall clock", _duration(result.train_wall_clock_hours))
     _training_read_rows(table, result.training_reads)
+    _states_rows(table, result.states)
     for pod in result.pods:
         gpus = f"{pod.gpus} GPU, " if pod.gpus else ""
         where = f": {pod.detail}" if pod.detail else ""
@@ -144,6 +158,16 @@ def _training_read_rows(table: Table, reads: planning.TrainingReads) -> None:
         f"{reads.consumed_mb_per_s_per_gpu:,.0f} MB/s per GPU; from storage per node ({reads.gpus_per_node} GPUs): "
         f"{reads.store_mb_per_s_per_node_first_epoch:,.0f} MB/s the first epoch, {_amount(reads.store_mb_per_s_per_node_later_epochs, ' MB/s')} later"
     ))
+
+
+def _states_rows(table: Table, cost: StatesCost) -> None:
+    memory = ", ".join(f"{dtype} {cost.rank_gib[dtype]:,.1f} GiB ({'fits' if cost.fits[dtype] else 'does not fit'})" for dtype in cost.rank_gib)
+    table.add_row("online: target forwards", _amount(cost.online_forward_gpu_hours, " GPU-hours over every epoch, no extraction, nothing stored"))
+    table.add_row("online: memory per GPU", f"{memory} of {cost.card_gib:g}: target {cost.target_gib['bfloat16']:,.1f} / "
+                                            f"{cost.target_gib['float8']:,.1f} GiB + drafter {cost.drafter_gib:,.1f} GiB + capture and activations")
+    usd = "" if cost.stored_usd is None else f" (${cost.stored_usd:,.0f} stored, ${cost.online_usd:,.0f} online)"
+    chosen = "" if cost.pick == cost.states else f", not train.states: {cost.states}"
+    table.add_row("states", f"the plan picks {cost.pick}{chosen}{usd}")
 
 
 def _final_hidden_row(table: Table, cost: planning.FinalHiddenCost) -> None:
