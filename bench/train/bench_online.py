@@ -24,6 +24,8 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -74,6 +76,95 @@ def build_target(shape: str, device: torch.device, layers: list[int]) -> Target:
     return random_llama(tiny, layers, device, torch.bfloat16)
 
 
+@dataclass
+class Report:
+    """The JSON of the run, written after every stage: a run cut short keeps what it measured."""
+
+    output: Path | None
+    result: dict
+
+    def save(self) -> None:
+        if self.output:
+            self.output.parent.mkdir(parents=True, exist_ok=True)
+            self.output.write_text(json.dumps(self.result, indent=2) + "\n")
+
+
+def build_paths(args, device: torch.device, report: Report) -> tuple[dict[str, Callable[[], None]], Callable[[], None], int]:
+    """The three paths over one micro-batch (bare, stored, online), the online checks' reader, and the batch's context tokens."""
+    cuda = device.type == "cuda"
+    docs, tokens = report.result["docs"], report.result["tokens_per_doc"]
+    drafter_shape = args.shape if args.shape in bench_train.SHAPES else "tiny"
+    started = time.perf_counter()
+    case = bench_train.Case(docs=docs, checkpointing="none" if cuda else "mlp", compile=cuda)
+    layers = bench_train.SHAPES[drafter_shape]["target_layer_ids"]
+    target = build_target(args.shape, device, layers)
+    if args.fp8:
+        fp8.require_fp8(device)
+        fp8.to_float8(target.decoder_layers)
+    fast = FastPaths.detect(device, target.architecture)
+    packed = packing.can_pack(target.architecture, device, fla=fast.fla)
+    capture = TargetCapture(target, ExtractSpec(token_budget=docs * tokens + 64 * docs), packed=packed, max_length=tokens, capacity=docs * tokens)
+    # One drafter for both paths (two would not fit beside a 27B target): each path sets where its states come from.
+    trainer, config = bench_train.build_trainer(drafter_shape, case, tokens, bench_train.ANCHORS[drafter_shape], device)
+    given, online_states = trainer.states, OnlineStates(capture)
+    chunk = bench_train.synthetic_chunk(docs, tokens, config)
+    documents = [DocumentRef(0, i, i, tokens) for i in range(docs)]
+
+    def builder(**context) -> BatchBuilder:
+        return BatchBuilder(layout=trainer.spec.train.layout, anchors=bench_train.ANCHORS[drafter_shape], mask_token_id=config.mask_token_id,
+                            seed=0, layers=layers, **context)
+
+    stored_batch = builder().build(documents, {0: chunk}, 0, pin_memory=cuda)
+    online_batch = builder(context=TargetContext(capture.planner)).build(documents, {0: TokenChunkData(chunk.tokens, "synthetic")}, 0, pin_memory=cuda)
+    rows = [batch.to(device) for batch, _ in online_batch.target_input.rows]
+    report.result["setup"] = {"seconds": round(time.perf_counter() - started, 1), "fast_paths": fast.as_dict(), "packed": packed,
+                              "context_tokens": stored_batch.tokens, "target_rows": len(rows), "blocks": int(stored_batch.block_ids.shape[0])}
+
+    def bare() -> None:
+        capture.hooks.start(None)
+        with torch.no_grad():
+            for batch in rows:
+                target.model(**packing.forward_kwargs(batch, target.architecture))
+
+    def stored() -> None:
+        trainer.states = given
+        trainer.train_step(stored_batch)
+
+    def online() -> None:
+        trainer.states = online_states
+        trainer.train_step(online_batch)
+
+    return {"bare": bare, "stored": stored, "online": online}, online_states.check, stored_batch.tokens
+
+
+def time_paths(paths: dict[str, Callable[[], None]], check: Callable[[], None], *, rounds: int, device: torch.device, report: Report) -> dict[str, float]:
+    """Every path warmed (three runs each), then `rounds` rounds in alternating orders; the median seconds of each."""
+    def timed(fn) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        begin = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - begin
+
+    warm = time.perf_counter()
+    for fn in paths.values():
+        for _ in range(3):
+            timed(fn)
+    check()
+    report.result["warmup_s"] = round(time.perf_counter() - warm, 1)
+    report.save()
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for round_ in range(rounds):
+        for name in (list(paths) if round_ % 2 == 0 else list(reversed(paths))):
+            times[name].append(timed(paths[name]))
+        check()
+        report.result["seconds"] = times
+        report.save()
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=["27b", "smollm2", "tiny"], default="smollm2")
@@ -85,102 +176,30 @@ def main() -> int:
     args = parser.parse_args()
     device = bench_device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
-    docs, tokens = args.docs or DOCS[args.shape], bench_train.DOCUMENT_TOKENS[args.shape]
-    drafter_shape = args.shape if args.shape in bench_train.SHAPES else "tiny"
-    result: dict = {"command": " ".join(["python", *sys.argv]), "shape": args.shape, "docs": docs, "tokens_per_doc": tokens,
-                    "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "fp8_target": args.fp8}
-
-    def save() -> None:
-        if args.output:
-            args.output.parent.mkdir(parents=True, exist_ok=True)
-            args.output.write_text(json.dumps(result, indent=2) + "\n")
-
-    save()
+    report = Report(args.output, {
+        "command": " ".join(["python", *sys.argv]), "shape": args.shape, "docs": args.docs or DOCS[args.shape],
+        "tokens_per_doc": bench_train.DOCUMENT_TOKENS[args.shape], "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__, "fp8_target": args.fp8,
+    })
+    report.save()
     try:
         if cuda:
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total), device)
-        started = time.perf_counter()
-        case = bench_train.Case(docs=docs, checkpointing="none" if cuda else "mlp", compile=cuda)
-        layers = bench_train.SHAPES[drafter_shape]["target_layer_ids"]
-        target = build_target(args.shape, device, layers)
-        if args.fp8:
-            fp8.require_fp8(device)
-            fp8.to_float8(target.decoder_layers)
-        fast = FastPaths.detect(device, target.architecture)
-        packed = packing.can_pack(target.architecture, device, fla=fast.fla)
-        capture = TargetCapture(target, ExtractSpec(token_budget=docs * tokens + 64 * docs), packed=packed, max_length=tokens,
-                                capacity=docs * tokens)
-        # One drafter for both paths (two would not fit beside a 27B target): each path sets where its states come from.
-        trainer, config = bench_train.build_trainer(drafter_shape, case, tokens, bench_train.ANCHORS[drafter_shape], device)
-        given, online_states = trainer.states, OnlineStates(capture)
-        chunk = bench_train.synthetic_chunk(docs, tokens, config)
-        documents = [DocumentRef(0, i, i, tokens) for i in range(docs)]
-        layout = trainer.spec.train.layout
-        anchors = bench_train.ANCHORS[drafter_shape]
-        stored_batch = BatchBuilder(layout=layout, anchors=anchors, mask_token_id=config.mask_token_id, seed=0, layers=layers).build(
-            documents, {0: chunk}, 0, pin_memory=cuda)
-        online_batch = BatchBuilder(layout=layout, anchors=anchors, mask_token_id=config.mask_token_id, seed=0, layers=layers,
-                                    context=TargetContext(capture.planner)).build(documents, {0: TokenChunkData(chunk.tokens, "synthetic")}, 0, pin_memory=cuda)
-        rows = [batch.to(device) for batch, _ in online_batch.target_input.rows]
-        result["setup"] = {"seconds": round(time.perf_counter() - started, 1), "fast_paths": fast.as_dict(), "packed": packed,
-                           "context_tokens": stored_batch.tokens, "target_rows": len(rows), "blocks": int(stored_batch.block_ids.shape[0])}
-        save()
-
-        def sync() -> None:
-            if cuda:
-                torch.cuda.synchronize(device)
-
-        def bare() -> None:
-            capture.hooks.start(None)
-            with torch.no_grad():
-                for batch in rows:
-                    target.model(**packing.forward_kwargs(batch, target.architecture))
-
-        def stored() -> None:
-            trainer.states = given
-            trainer.train_step(stored_batch)
-
-        def online() -> None:
-            trainer.states = online_states
-            trainer.train_step(online_batch)
-
-        paths = {"bare": bare, "stored": stored, "online": online}
-
-        def timed(fn) -> float:
-            sync()
-            begin = time.perf_counter()
-            fn()
-            sync()
-            return time.perf_counter() - begin
-
-        warm = time.perf_counter()
-        for name, fn in paths.items():
-            for _ in range(3):
-                timed(fn)
-        online_states.check()
-        result["warmup_s"] = round(time.perf_counter() - warm, 1)
-        save()
-        times: dict[str, list[float]] = {name: [] for name in paths}
-        for round_ in range(args.rounds):
-            order = list(paths) if round_ % 2 == 0 else list(reversed(paths))
-            for name in order:
-                times[name].append(timed(paths[name]))
-            online_states.check()
-            result["seconds"] = times
-            save()
-        median = {name: statistics.median(values) for name, values in times.items()}
-        result["median_s"] = median
-        result["online_over_stored_plus_bare"] = round(median["online"] / (median["stored"] + median["bare"]), 4)
-        result["tokens_per_s"] = {name: round(stored_batch.tokens / value, 1) for name, value in median.items()}
+        paths, check, tokens = build_paths(args, device, report)
+        report.save()
+        median = time_paths(paths, check, rounds=args.rounds, device=device, report=report)
+        report.result["median_s"] = median
+        report.result["online_over_stored_plus_bare"] = round(median["online"] / (median["stored"] + median["bare"]), 4)
+        report.result["tokens_per_s"] = {name: round(tokens / value, 1) for name, value in median.items()}
         if cuda:
-            result["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-        save()
+            report.result["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+        report.save()
     except Exception as exc:  # what a GPU run cut short measured stays, with why it stopped
-        result["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
-        save()
+        report.result["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+        report.save()
         raise
-    print(json.dumps(result, indent=2))
+    print(json.dumps(report.result, indent=2))
     return 0
 
 

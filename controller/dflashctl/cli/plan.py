@@ -91,6 +91,12 @@ def plan(
     if output_format is not OutputFormat.table:
         output.result(output_format, result.to_dict(), [f"run/{spec.name}"])
         return
+    print_plan(result)
+    output.hint(next_command(spec, result))
+
+
+def print_plan(result: planning.Plan) -> None:
+    """The table, then where each figure comes from and what to mind."""
     output.stdout.print(plan_table(result))
     if result.generation is not None:
         output.info(f"prompts: {result.generation.prompts_basis}")
@@ -104,7 +110,6 @@ def plan(
     output.info(f"nodes: {result.nodes_basis}")
     for warning in result.warnings:
         output.info(f"warning: {escape(warning)}")
-    output.hint(next_command(spec, result))
 
 
 def next_command(spec, result: planning.Plan) -> str:
