@@ -15,10 +15,9 @@ Reported per case: step time (median after warm-up), context tokens/s, model TFL
 against the 989 TFLOP/s bf16 datasheet peak, peak memory; --profile adds torch.profiler's top
 operators of one steady step of that case.
 
-FLOPs counted: every matmul of the trainable layers x3 (forward, input and weight gradients), fc
-x3 on the context, attention over the visible (query, key) pairs only x3 (4 * head_dim per pair
-forward), the frozen LM head x2 on supervised slots (logits, and the hidden-state gradient; no
-weight gradient), and the variant's own modules (DrafterVariant.extra_flops: DFlash2's
+FLOPs counted as the trainer's log counts them (jobs/dflash_jobs/train/flops.py): every matmul of
+the trainable layers x3, fc x3 on the context, attention over the visible pairs only, the frozen LM
+head x2 on supervised slots, and the variant's own modules (DrafterVariant.extra_flops: DFlash2's
 convolutions and candidate selector; DSpark's Markov projection and confidence head, and the
 target's logits its objective reads). `--shape tiny` runs the same on CPU in about a minute, with
 512-token documents and 64 anchors by default: the CPU's dense attention mask grows with tokens x
@@ -45,13 +44,14 @@ from dflash_jobs.formats import TokenChunk, encode_hidden_chunk
 from dflash_jobs.spec import default_layers, parse_spec
 from dflash_jobs.train.chunks import ChunkData
 from dflash_jobs.train.data import BatchBuilder, DocumentRef
+from dflash_jobs.train.flops import PEAK_BF16_FLOPS_BY_GPU, step_flops
 from dflash_jobs.train.metrics import NullSink
 from dflash_jobs.train.optim import build_optimizer, build_scheduler
 from dflash_jobs.train.parallelize import parallelize
 from dflash_jobs.train.trainer import LoopState, Runtime, Trainer
-from dflash_jobs.variants import DrafterVariant, drafter_variant
+from dflash_jobs.variants import drafter_variant
 
-PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16 datasheet
+PEAK_BF16_FLOPS = PEAK_BF16_FLOPS_BY_GPU["H100"]  # the benchmark's cards: H100/H200 SXM
 DOCUMENT_TOKENS = {"27b": 4096, "smollm2": 512, "tiny": 512}
 ANCHORS = {"27b": 512, "smollm2": 64, "tiny": 64}
 SHAPES = {
@@ -80,32 +80,6 @@ def synthetic_chunk(docs: int, tokens: int, config: DrafterConfig, seed: int = 0
     final = torch.randn(docs * tokens, config.hidden_size, generator=g).to(torch.bfloat16) if final_hidden else None
     encoded = encode_hidden_chunk(token_chunk, hidden, layers=config.target_layer_ids, model="synthetic", config_hash="synthetic", final_hidden=final)
     return ChunkData.from_bytes(encoded, "synthetic")
-
-
-def visible_pairs(layout, window: int | None) -> int:
-    """Visible (query, key) pairs of one layer, from the block layout (no dense mask)."""
-    B = layout.block_size
-    before = (layout.anchor - layout.context_start)[:, None].double()  # [N, 1] context tokens before each anchor
-    slot = torch.arange(B, device=before.device, dtype=torch.float64)[None, :]
-    if window is None:
-        return int((before + B).sum().item() * B)
-    context = torch.minimum(before, (window - 1 - slot).clamp(min=0))
-    return int((context + slot + 1).sum().item())
-
-
-def step_flops(config: DrafterConfig, batch, variant: DrafterVariant) -> float:
-    d, hd, I = config.hidden_size, config.head_dim, config.intermediate_size
-    q_width, kv_width = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    C, Q = batch.tokens, batch.block_ids.numel()
-    supervised = int((batch.loss_weights > 0).sum())
-    per_layer = 2 * Q * d * q_width + 2 * 2 * (C + Q) * d * kv_width + 2 * Q * q_width * d + 3 * 2 * Q * d * I
-    attention = sum(
-        4 * hd * config.num_attention_heads * visible_pairs(batch.layout, config.sliding_window if kind == "sliding_attention" else None)
-        for kind in config.layer_types
-    )
-    fc = 2 * C * config.context_features * d
-    backbone = 3 * (config.num_layers * per_layer + attention + fc) + 2 * 2 * supervised * d * config.vocab_size
-    return backbone + variant.extra_flops(config, Q, supervised)
 
 
 def progress(line: str) -> None:
@@ -140,6 +114,9 @@ class GivenStates:
 
     def fill(self, batch, step: int):
         return batch
+
+    def step_flops(self, batch) -> float:
+        return 0.0
 
     def check(self) -> None:
         pass

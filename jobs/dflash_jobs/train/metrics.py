@@ -44,10 +44,12 @@ class ConsoleSink:
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         own = "".join(f" {name} {metrics[name]:.4g}" for name in self.extra)
+        mfu = "" if metrics.get("mfu") is None else f", MFU {metrics['mfu']:.1%}"
         log.info(
-            "step %d/%d epoch %d | loss %.4f acc@1 %.3f tau %.2f%s | lr %.2e | %.0f tok/s | eta %s",
+            "step %d/%d epoch %d | loss %.4f acc@1 %.3f tau %.2f%s | lr %.2e | %.0f tok/s, %.1f TFLOP/s%s | eta %s",
             step, metrics["total_steps"], metrics["epoch"], metrics["loss"], metrics["accuracy"][self.first_draft],
-            metrics["acceptance_length"], f" |{own}" if own else "", metrics["lr"], metrics["tokens_per_s"], format_duration(metrics.get("eta_s")),
+            metrics["acceptance_length"], f" |{own}" if own else "", metrics["lr"], metrics["tokens_per_s"],
+            metrics.get("tflop_per_s", 0.0), mfu, format_duration(metrics.get("eta_s")),
         )
 
     def close(self) -> None:

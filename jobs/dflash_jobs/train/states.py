@@ -46,6 +46,8 @@ class States(Protocol):
 
     def fill(self, batch: Batch, step: int) -> Batch: ...
 
+    def step_flops(self, batch: Batch) -> float: ...
+
     def check(self) -> None: ...
 
     def describe(self) -> dict[str, Any]: ...
@@ -85,6 +87,9 @@ class StoredStates:
     def fill(self, batch: Batch, step: int) -> Batch:
         return batch
 
+    def step_flops(self, batch: Batch) -> float:
+        return 0.0
+
     def check(self) -> None:
         """Stored chunks were checked by verify and are checked against it when fetched."""
 
@@ -109,6 +114,7 @@ class TargetStates:
         opened = open_target(spec, device, final_hidden=spec.train.reads_final_hidden)
         target = opened.target
         self.layers, self.hidden_size = target.layers, target.hidden_size
+        self.target_parameters = sum(p.numel() for p in target.decoder_layers.parameters())
         # The context of one micro-batch, or a document longer than its budget, which comes alone.
         capacity = max(spec.train.micro_batch_tokens, spec.data.max_length)
         self.capture = TargetCapture(target, spec.extract, packed=opened.packed, max_length=spec.data.max_length, capacity=capacity)
@@ -129,6 +135,10 @@ class TargetStates:
 
     def fill(self, batch: Batch, step: int) -> Batch:
         return self.online.fill(batch, step)
+
+    def step_flops(self, batch: Batch) -> float:
+        """The target's forward: 2 FLOPs a parameter a token (its attention's pairs left out)."""
+        return 2.0 * self.target_parameters * batch.tokens
 
     def check(self) -> None:
         self.online.check()

@@ -31,6 +31,7 @@ from dflash_jobs.spec import RunSpec, resolve_layers
 from dflash_jobs.storage import Storage, open_storage, storage_for
 from dflash_jobs.train.checkpointer import Checkpointer
 from dflash_jobs.train.data import Batch, BatchBuilder, BatchStream, Budget, plan_epoch, read_document_index
+from dflash_jobs.train.flops import peak_flops, step_flops
 from dflash_jobs.train.heartbeat import Heartbeat
 from dflash_jobs.train.loss import DraftLoss, expected_acceptance_length
 from dflash_jobs.train.metrics import ConsoleSink, MetricSink, MultiSink, NullSink, StorageSink, should_log
@@ -120,16 +121,19 @@ class MetricsWindow:
 
     def __init__(self, block_size: int, device: torch.device, ratios: tuple[str, ...] = ()) -> None:
         self.block_size, self.device, self.ratios = block_size, device, ratios
+        self.peak = peak_flops(device)
         self.reset()
 
     def reset(self) -> None:
         # [loss sum, steps, accepted, blocks, tokens, correct per slot (B), supervised per slot (B),
         #  then a numerator and a denominator per variant ratio]
         self.sums = torch.zeros(5 + 2 * self.block_size + 2 * len(self.ratios), dtype=torch.float64, device=self.device)
+        self.flops = 0.0  # on the host: counted from the batches' layouts (train/flops.py)
         self.started = time.monotonic()
 
-    def add(self, out: DraftLoss, tokens: int) -> None:
+    def add(self, out: DraftLoss, tokens: int, flops: float = 0.0) -> None:
         B = self.block_size
+        self.flops += flops
         self.sums[0] += out.loss.detach().double()
         self.sums[1] += 1
         self.sums[2] += out.accepted
@@ -155,6 +159,8 @@ class MetricsWindow:
             "acceptance_length": expected_acceptance_length(sums[2], sums[3]),
             "accuracy": [c / s if s else math.nan for c, s in zip(correct, supervised)],
             "tokens_per_s": sums[4] / elapsed,
+            "tflop_per_s": self.flops / elapsed / 1e12,
+            "mfu": None if self.peak is None else self.flops / elapsed / self.peak,
             "blocks": int(sums[3]),
             **{name: pairs[2 * i] / pairs[2 * i + 1] if pairs[2 * i + 1] else math.nan for i, name in enumerate(self.ratios)},
         }
@@ -269,8 +275,9 @@ class Trainer:
             for epoch, step_in_epoch, batch in self.stream:
                 self.state.step += 1
                 self.state.tokens += batch.tokens
+                flops = step_flops(self.drafter.config, batch, self.variant) + self.states.step_flops(batch)
                 out = self.train_step(batch)
-                self.window.add(out, batch.tokens)
+                self.window.add(out, batch.tokens, flops)
                 step = self.state.step
                 heartbeat.stepped(step)
                 if should_log(step, self.log_every) or step == self.total_steps:
