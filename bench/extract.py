@@ -478,7 +478,7 @@ def main() -> int:
 
         with eager():
             reference = sample_states()
-        out: dict = {"compute": compute, "modules": fusion.compile_elementwise(target.decoder_layers)}
+        out: dict = {"compute": compute, "modules": fusion.compile_elementwise(target.decoder_layers, target.architecture.fused_submodules)}
         out["warmup_s"] = round(warm(compile_spec)[0], 1)
         out["relative_error_per_layer"] = dict(zip(map(str, target.layers), layer_errors(reference, sample_states())))
         save_partial("compile", out)
@@ -535,7 +535,7 @@ def warm_pod(args, device: torch.device, workdir: Path) -> int:
     spec = ExtractSpec(shards=1, token_budget=args.token_budget, pad_multiple=args.pad_multiple, sort_window=args.sort_window)
     compiled = spec.compiled_on(device.type)
     if compiled:  # as the extraction job's worker does
-        fusion.compile_elementwise(target.decoder_layers)
+        fusion.compile_elementwise(target.decoder_layers, target.architecture.fused_submodules)
     worker = ExtractWorker(spec, target=target, storage=storage, chunks=infos, summary=Summary(shard=0, shards=1),
                            max_length=args.max_length, packed=packed, started=STARTED)
     try:

@@ -807,3 +807,20 @@ def test_every_bad_argument_exits_2(run, monkeypatch, capsys, args):
     code, _, err = cli(monkeypatch, capsys, *args)
     assert code == 2, err
     assert err.strip()
+
+
+def test_status_of_an_online_run_goes_from_prepare_to_its_training_job(run, monkeypatch, capsys):
+    """train.states: online: no extract or verify step to wait for; the train Job is the next step and
+    shows as any Job does."""
+    spec_file, _, api = run
+    spec = yaml.safe_load(spec_file.read_text())
+    spec["train"] = {"states": "online"}
+    spec_file.write_text(yaml.safe_dump(spec))
+    code, out, _ = cli(monkeypatch, capsys, "status", "-f", str(spec_file), "-o", "json")
+    report = json.loads(out)
+    assert code == 0 and report["step"] == "train" and report["next"] == "start train: `dflashctl submit train`"
+    code, _, err = cli(monkeypatch, capsys, "submit", "train", "-f", str(spec_file))
+    assert code == 0 and "submitted Job demo-run-train" in err, err
+    api.start("demo-run-train")
+    code, out, _ = cli(monkeypatch, capsys, "status", "-f", str(spec_file))
+    assert code == 0 and "train Running" in out, out

@@ -184,7 +184,7 @@ def test_compiled_norms_and_mlps_store_the_same_states(checkpoint, chunks, refer
     expected = sum(3 + (2 if hasattr(layer, "self_attn") else 1) for layer in layers)  # 2 norms + MLP, + the mixer's norms
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    assert fusion.compile_elementwise(layers) == expected
+    assert fusion.compile_elementwise(layers, target.architecture.fused_submodules) == expected
     storage, summary = run_worker(checkpoint, tmp_path, chunks, target=target)
     assert summary.chunks_done == len(chunks)
     assert max_error_vs_references(storage, chunks, references) <= BF16_ULP

@@ -312,8 +312,9 @@ def check_target(spec: RunSpec, needs: Needs) -> Check:
     missing = [what for what, needed in wanted.items() if needed and not present[what]]
     if missing:
         return Check("target", "fail", f"target.model {model} has no {' and no '.join(missing)}", fix)
-    model_type = text_config(config).get("model_type", "?")
-    return Check("target", "ok", f"{model}: {model_type}, {text_config(config)['num_hidden_layers']} layers, capturing {layers}")
+    from dflash_jobs.architectures import model_type
+
+    return Check("target", "ok", f"{model}: {model_type(config)}, {text_config(config)['num_hidden_layers']} layers, capturing {layers}")
 
 
 def gated_deltanet(spec: RunSpec) -> bool | None:

@@ -76,6 +76,8 @@ class RunReport:
     """Why the run cannot go on from that manifest (it keeps no more rows than data.holdout), with the fix."""
     generation_tokens_per_s: float | None = None
     generation_eta_s: float | None = None
+    stored_states: bool = True
+    """train.states stored: extraction and verify come between prepare and training (online: neither)."""
 
     @property
     def generated(self) -> bool:
@@ -125,9 +127,9 @@ class RunReport:
             return "unknown (storage unreachable)"
         if self.progress.chunks_total is None:
             return "generate" if self.generation is not None and (not self.generated or self.generation_error) else "prepare"
-        if not self.progress.landed:
+        if self.stored_states and not self.progress.landed:
             return "extract"
-        if not self.manifest:
+        if self.stored_states and not self.manifest:
             return "verify"
         return "train" if not self.trained else "eval"
 
@@ -220,6 +222,7 @@ def collect(spec: RunSpec, backend: Backend, markers: dict[str, ChunkMarker] | N
         generation_error=generation_error,
         generation_tokens_per_s=generation_tokens_per_s,
         generation_eta_s=None if generation is None else generation_time_left(generation, prompts_per_s),
+        stored_states=spec.train.states == "stored",
     )
     report.next_step = next_step(spec, report)
     return report
@@ -253,12 +256,12 @@ def next_step(spec: RunSpec, report: RunReport) -> str:
         return generation_hint(jobs["generate"], report.generation) + by
     if progress is None or progress.chunks_total is None:
         return _step_hint("prepare", jobs["prepare"], running="prepare is tokenizing data.source", start="`dflashctl run`, or `dflashctl prepare` alone") + by
-    if not progress.landed:
+    if report.stored_states and not progress.landed:
         return _sharded_step_hint(
             "extract", jobs["extract"], noun="extraction", landed=progress.label, follows="verify and training follow",
             start="`dflashctl submit extract` (or `dflashctl run`)",
         ) + by
-    if not report.manifest:
+    if report.stored_states and not report.manifest:
         return f"every chunk landed: `dflashctl verify` checks them and writes {MANIFEST_KEY}, then training starts{by}"
     if not report.trained:
         nodes = f"{spec.train.nodes} node(s) x {spec.train.gpus_per_node} GPUs"

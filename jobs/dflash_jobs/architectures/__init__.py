@@ -32,7 +32,6 @@ from dflash_jobs.spec import text_config
 
 if TYPE_CHECKING:
     from dflash_jobs.drafter.tree_verify import TreeMixer
-    from dflash_jobs.capture.batching import Batch
 
 log = logging.getLogger("dflash.architectures")
 
@@ -64,8 +63,12 @@ class TargetArchitecture:
     packing_gap: Callable[[Any], int]
     """(the text config) -> masked tokens after every sample of a packed extraction row: what keeps a
     sample's causal convolution from reading the one before (0: nothing to keep apart but attention)."""
-    packed_inputs: Callable[[Batch], dict[str, Any]]
-    """A packed row's model inputs beyond its ids, positions and segments (which the packed attention reads)."""
+    packed_inputs: Callable[[Any, Any, tuple[tuple[int, int], ...]], dict[str, Any]]
+    """(token mask [1, T], segment bounds [samples + 1], the same bounds as (start, end) pairs) -> a packed
+    row's model inputs beyond its ids, positions and segments (which the packed attention reads)."""
+    fused_submodules: tuple[str, ...]
+    """Where its decoder layers keep their elementwise-heavy modules (norms, the MLP): what extract.compile
+    compiles, each on its own (capture/fusion.py); absent ones are skipped."""
     tree_mixers: Mapping[str, TreeMixer]
     """Decoder layer type (the config's layer_types; "full_attention" where it has none) -> how that
     layer's token mixer runs over a draft tree and what it keeps for the commit."""

@@ -30,6 +30,7 @@ ARCHITECTURE = TargetArchitecture(
     zero_centred_norms=False,
     gated_deltanet=False,
     packing_gap=lambda config: 0,
-    packed_inputs=lambda batch: {},
+    packed_inputs=lambda token_mask, cu_seqlens, segments: {},
     tree_mixers={"full_attention": tree_attention},
+    fused_submodules=("input_layernorm", "post_attention_layernorm", "mlp"),
 )

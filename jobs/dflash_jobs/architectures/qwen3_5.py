@@ -39,7 +39,6 @@ from transformers.cache_utils import Cache
 
 from dflash_jobs.architectures import TargetArchitecture
 from dflash_jobs.drafter.tree_verify import TreeStep, attend_tree, kernels
-from dflash_jobs.capture.batching import Batch
 
 
 def packing_gap(config) -> int:
@@ -47,14 +46,14 @@ def packing_gap(config) -> int:
     return int(config.linear_conv_kernel_dim) - 1
 
 
-def packed_inputs(batch: Batch) -> dict:
+def packed_inputs(token_mask: torch.Tensor, cu_seqlens: torch.Tensor, segments: tuple[tuple[int, int], ...]) -> dict:
     """The GDN layers' mask (zero on the gap tokens, before their bias-free projections) and boundaries;
     the text model takes the mask mapping as precomputed masks."""
     return {
-        "attention_mask": {"full_attention": None, "linear_attention": batch.token_mask},
-        "cu_seq_lens_q": batch.cu_seqlens,
+        "attention_mask": {"full_attention": None, "linear_attention": token_mask},
+        "cu_seq_lens_q": cu_seqlens,
         # The same boundaries on the host: FLA would otherwise read them back, a GPU sync per forward.
-        "cu_seqlens_cpu": torch.tensor([start for start, _ in batch.segments] + [batch.segments[-1][1]]),
+        "cu_seqlens_cpu": torch.tensor([start for start, _ in segments] + [segments[-1][1]]),
     }
 
 
@@ -150,4 +149,5 @@ ARCHITECTURE = TargetArchitecture(
     packing_gap=packing_gap,
     packed_inputs=packed_inputs,
     tree_mixers={"full_attention": tree_gated_attention, "linear_attention": tree_gated_delta},
+    fused_submodules=("input_layernorm", "post_attention_layernorm", "mlp", "self_attn.q_norm", "self_attn.k_norm", "linear_attn.norm"),
 )

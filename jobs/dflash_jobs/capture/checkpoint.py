@@ -20,8 +20,8 @@ from typing import Iterator
 
 from dflash_jobs.errors import InputError, SpecError
 from dflash_jobs.formats import fetch_header_bytes, file_range, read_header
-from dflash_jobs.spec import MODEL_CACHE_ENV, TargetSpec, is_s3
-from dflash_jobs.storage import Storage, sha256_file
+from dflash_jobs.spec import MODEL_CACHE_ENV, RunSpec, TargetSpec, is_s3
+from dflash_jobs.storage import Storage, open_storage, sha256_file
 
 log = logging.getLogger("dflash.checkpoint")
 
@@ -47,14 +47,16 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash" / "models"
 
 
-def local_checkpoint(spec: TargetSpec, open_storage_fn) -> Path:
-    """A local directory holding the checkpoint: target.model itself, or its per-node cached copy."""
-    if not is_s3(spec.model):
-        path = Path(spec.model.removeprefix("file://"))
+def local_checkpoint(spec: RunSpec) -> Path:
+    """A local directory holding the run's target checkpoint: target.model itself, or its per-node cached copy."""
+    model = spec.target.model
+    if not is_s3(model):
+        path = Path(model.removeprefix("file://"))
         if not (path / "config.json").is_file():
-            raise SpecError("target.model", spec.model, "a checkpoint directory containing config.json")
+            raise SpecError("target.model", model, "a checkpoint directory containing config.json")
         return path
-    return CheckpointCache(cache_root()).fetch(spec.model, open_storage_fn(spec.model))
+    storage = open_storage(model, endpoint_url=spec.storage.endpoint_url, region=spec.storage.region)
+    return CheckpointCache(cache_root()).fetch(model, storage)
 
 
 class CheckpointCache:

@@ -13,20 +13,19 @@ from __future__ import annotations
 
 import torch
 
-FUSED_SUBMODULES = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn.q_norm", "self_attn.k_norm", "linear_attn.norm")
-"""Where Qwen3.5/3.6 decoder layers keep their elementwise-heavy modules; absent ones are skipped."""
 RECOMPILE_LIMIT = 32
 
 
-def compile_elementwise(decoder_layers: torch.nn.ModuleList) -> int:
-    """Compiles each present FUSED_SUBMODULES module of every layer in place; returns how many."""
+def compile_elementwise(decoder_layers: torch.nn.ModuleList, submodules: tuple[str, ...]) -> int:
+    """Compiles each present module of `submodules` (its architecture's fused_submodules) of every layer
+    in place; returns how many."""
     # One RMSNorm class serves the layer norms ([batch, tokens, hidden]) and the attention's head
     # norms (4-D strided views), each also specialised for batch 1 (packed rows) and more: about
     # eight graphs, dynamo's default limit, past which it would run the module eagerly unannounced.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     compiled = 0
     for layer in decoder_layers:
-        for path in FUSED_SUBMODULES:
+        for path in submodules:
             try:
                 module = layer.get_submodule(path)
             except AttributeError:

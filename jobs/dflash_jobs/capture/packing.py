@@ -129,5 +129,5 @@ def forward_kwargs(batch: Batch, architecture: TargetArchitecture) -> dict[str, 
         "segment_bounds": batch.cu_seqlens.to(torch.int32),
         "segments": batch.segments,
         "use_cache": False,
-        **architecture.packed_inputs(batch),
+        **architecture.packed_inputs(batch.token_mask, batch.cu_seqlens, batch.segments),
     }

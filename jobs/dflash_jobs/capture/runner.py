@@ -28,7 +28,6 @@ from dflash_jobs.capture.hooks import LayerCapture
 from dflash_jobs.capture.target import FastPaths, Target, load_target
 from dflash_jobs.formats import TokenChunk
 from dflash_jobs.spec import ExtractSpec, RunSpec, resolve_layers
-from dflash_jobs.storage import open_storage
 
 log = logging.getLogger("dflash.capture")
 
@@ -46,9 +45,7 @@ def open_target(spec: RunSpec, device: torch.device, *, final_hidden: bool) -> O
     extract = spec.extract
     if extract.compute_dtype == "float8":
         fp8.require_fp8(device)  # before minutes of loading: every pod would fail alike
-    checkpoint = local_checkpoint(
-        spec.target, lambda url: open_storage(url, endpoint_url=spec.storage.endpoint_url, region=spec.storage.region)
-    )
+    checkpoint = local_checkpoint(spec)
     _, config = read_config(spec.target, checkpoint)
     target = load_target(spec.target, checkpoint=checkpoint, layers=resolve_layers(spec, config), device=device, final_hidden=final_hidden)
     fast = FastPaths.detect(device, target.architecture)
@@ -56,7 +53,7 @@ def open_target(spec: RunSpec, device: torch.device, *, final_hidden: bool) -> O
         log.info("compute: %d linear layers of the target in FP8 (row-wise scaled)", fp8.to_float8(target.decoder_layers))
     if extract.compiled_on(device.type):
         log.info("compiled: %d norm and MLP modules of the target (torch.compile, graphs shared across layers)",
-                 fusion.compile_elementwise(target.decoder_layers))
+                 fusion.compile_elementwise(target.decoder_layers, target.architecture.fused_submodules))
     packed = packing.can_pack(target.architecture, device, fla=fast.fla)
     log.info("device %s; fast paths: %s; batches: %s", device, fast.describe(target.architecture),
              packing.layout(target.architecture, device, packed=packed, pad_multiple=extract.pad_multiple))

@@ -48,7 +48,7 @@ from dflash_jobs.capture.checkpoint import local_checkpoint
 from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk
 from dflash_jobs.rows import prompt_length
 from dflash_jobs.spec import EvalSpec, RunSpec
-from dflash_jobs.storage import Storage, open_storage, storage_for
+from dflash_jobs.storage import Storage, storage_for
 from dflash_jobs.variants import DrafterVariant, drafter_variant
 
 log = logging.getLogger("dflash.eval")
@@ -76,8 +76,7 @@ def load_target(spec: RunSpec, *, device: torch.device, dtype: torch.dtype):
     """The target's whole text model (LM head included) in eval mode; an s3:// checkpoint is fetched once per node."""
     from transformers import AutoModelForCausalLM
 
-    location = {"endpoint_url": spec.storage.endpoint_url, "region": spec.storage.region}
-    checkpoint = local_checkpoint(spec.target, lambda url: open_storage(url, **location))
+    checkpoint = local_checkpoint(spec)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, attn_implementation=spec.target.attn_implementation)
     return model.to(device).eval()
 

@@ -35,7 +35,7 @@ from dflash_jobs.generate.source import Prompt, Source, load_plan, prompts_of
 from dflash_jobs.rows import TEMPLATE_ERROR, BadRow
 from dflash_jobs.errors import SpecError
 from dflash_jobs.spec import VLLM_IMAGE, GenerateSpec, RunSpec
-from dflash_jobs.storage import Storage, open_storage, storage_for
+from dflash_jobs.storage import Storage, storage_for
 
 log = logging.getLogger("dflash.generate")
 
@@ -280,8 +280,7 @@ def build_worker(spec: RunSpec, shard: int, *, summary: Summary) -> GenerateWork
     storage = storage_for(spec)
     source = Source(spec)
     plan = load_plan(storage, spec, source)
-    location = {"endpoint_url": spec.storage.endpoint_url, "region": spec.storage.region}
-    checkpoint = local_checkpoint(spec.target, lambda url: open_storage(url, **location))
+    checkpoint = local_checkpoint(spec)
     tokenizer = load_tokenizer(str(checkpoint))
     ChatEncoder(tokenizer)  # refuses a tokenizer without a chat template, or not a fast one, naming the fix
     if settings.thinking is not None and "enable_thinking" not in tokenizer.chat_template:
