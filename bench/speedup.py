@@ -101,6 +101,7 @@ import platform
 import shlex
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -217,10 +218,68 @@ def speedups(ctx: dict, taus: list[float], block_size: int) -> dict:
     }
 
 
-# ---- main -------------------------------------------------------------------------------------------
+# ---- the run ----------------------------------------------------------------------------------------
 
 
-def main() -> int:
+@dataclass
+class Bench:
+    """What every context's timings work on: the settings, the models built once, and the one result
+    document, written after every timing so a run cut short keeps what it measured."""
+
+    args: argparse.Namespace
+    device: torch.device
+    taus: list[float]
+    tree_budgets: list[int]
+    tree_acceptance: dict[int, float]
+    started: float
+    result: dict
+    model: torch.nn.Module
+    drafter: Drafter
+    exported: torch.nn.Module
+    drafter_config: DrafterConfig
+    target: Target
+    full: ModelDrafter
+    generator: torch.Generator
+
+    def save(self) -> None:
+        self.result["elapsed_s"] = round(time.perf_counter() - self.started, 1)
+        self.args.out.parent.mkdir(parents=True, exist_ok=True)
+        self.args.out.write_text(json.dumps(self.result, indent=2) + "\n")
+
+    def ids(self, n: int) -> torch.Tensor:
+        return torch.randint(0, self.model.config.vocab_size - 64, (n,), generator=self.generator).to(self.device)
+
+
+@dataclass
+class Context:
+    """One context length in the target's cache: the prompt prefilled, what the drafter reads, the block to verify."""
+
+    length: int
+    target: Target
+    checkpoint: object
+    tokens: torch.Tensor
+    """Committed: the prompt, then the anchor."""
+    features: torch.Tensor
+    """[C, L*d]: the drafter's context."""
+    block: torch.Tensor
+    cached: object = None
+    """dflash.py's CachedDrafter, once the drafter's timings build it."""
+
+    def reset(self) -> None:
+        self.target.rollback(self.checkpoint)
+
+    def prime(self, kept: int) -> None:
+        """The cached drafter holding the K/V of the first `kept` context tokens."""
+        cached = self.cached
+        if cached.cached > kept:
+            cached.cache.crop(kept - cached.cache.get_seq_length())
+            cached.cached = kept
+        elif cached.cached < kept:
+            cached.propose(self.tokens[: kept + 1], self.features[:kept])
+        assert cached.cached == kept == cached.cache.get_seq_length(), (cached.cached, kept, cached.cache.get_seq_length())
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=("27b", "tiny"), default="27b")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -237,172 +296,184 @@ def main() -> int:
                         help="measured tree acceptance lengths (the evaluation's drafters.<variant>.tree) to state speed-ups for")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
-    device = bench_device(args.device)
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     args.reps = args.reps or DEFAULT_REPS[args.shape][0]
     args.warmup = args.warmup if args.warmup is not None else DEFAULT_REPS[args.shape][1]
-    contexts = [int(c) for c in (args.contexts or DEFAULT_CONTEXTS[args.shape]).split(",")]
-    taus = sorted(set(DEFAULT_TAUS) | set(args.acceptance))
-    tree_budgets = [int(b) for b in args.tree_budgets.split(",") if b]
-    tree_acceptance = {int(budget): float(tau) for budget, tau in (pair.split("=") for pair in args.tree_acceptance)}
-    B = args.block_size
-    started = time.perf_counter()
+    return args
 
-    def version(name: str) -> str | None:
-        try:
-            return getattr(importlib.import_module(name), "__version__", "?")
-        except Exception:
-            return None
 
+def version(name: str) -> str | None:
+    try:
+        return getattr(importlib.import_module(name), "__version__", "?")
+    except Exception:
+        return None
+
+
+def open_bench(args: argparse.Namespace, device: torch.device, started: float) -> Bench:
+    """The result's header, the models built and described in its setup (saved), the target ready to time."""
     import transformers
 
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    tree_budgets = [int(b) for b in args.tree_budgets.split(",") if b]
+    tree_acceptance = {int(budget): float(tau) for budget, tau in (pair.split("=") for pair in args.tree_acceptance)}
     result: dict = {
         "command": "python bench/speedup.py " + shlex.join(sys.argv[1:]),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
         "torch": torch.__version__, "transformers": transformers.__version__,
         "fla": version("fla"), "causal_conv1d": version("causal_conv1d"),
-        "shape": args.shape, "dtype": str(dtype).removeprefix("torch."), "batch": 1, "block_size": B,
+        "shape": args.shape, "dtype": str(dtype).removeprefix("torch."), "batch": 1, "block_size": args.block_size,
         "reps": args.reps, "warmup": args.warmup, "acceptance": args.acceptance,
         "tree_budgets": tree_budgets, "tree_acceptance": tree_acceptance,
         "contexts": {},
     }
-
-    def save() -> None:
-        result["elapsed_s"] = round(time.perf_counter() - started, 1)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-
-    model, drafter, exported, drafter_config = build(args.shape, device, dtype, B)
+    model, drafter, exported, drafter_config = build(args.shape, device, dtype, args.block_size)
     sync(device)
+    b = Bench(args=args, device=device, taus=sorted(set(DEFAULT_TAUS) | set(args.acceptance)), tree_budgets=tree_budgets,
+              tree_acceptance=tree_acceptance, started=started, result=result, model=model, drafter=drafter, exported=exported,
+              drafter_config=drafter_config, target=Target(model, drafter_config.target_layer_ids),
+              full=ModelDrafter(drafter, drafts=drafter_config.block_size - 1), generator=torch.Generator().manual_seed(0))
+    describe_setup(b)
+    return b
+
+
+def describe_setup(b: Bench) -> None:
+    model, device = b.model, b.device
     fast = FastPaths.detect(device, target_architecture(model.config))
-    result["setup"] = {
-        "build_s": round(time.perf_counter() - started, 1), "fast_paths": fast.as_dict(),
+    b.result["setup"] = {
+        "build_s": round(time.perf_counter() - b.started, 1), "fast_paths": fast.as_dict(),
         "target": {"layers": model.config.num_hidden_layers, "layer_types": {t: model.config.layer_types.count(t) for t in set(model.config.layer_types)},
                    "hidden_size": model.config.hidden_size, "vocab_size": model.config.vocab_size, "weights_gib": parameter_gib(model),
                    "attention": model.config._attn_implementation},
-        "drafter": {**{k: v for k, v in drafter_config.to_dict().items() if k != "layer_types"},
-                    "trainable_gib": round(sum(p.numel() * p.element_size() for n, p in drafter.named_parameters()
+        "drafter": {**{k: v for k, v in b.drafter_config.to_dict().items() if k != "layer_types"},
+                    "trainable_gib": round(sum(p.numel() * p.element_size() for n, p in b.drafter.named_parameters()
                                                if n not in ("embed_tokens", "lm_head")) / 2**30, 2)},
     }
     if device.type == "cuda":
-        result["setup"]["memory_allocated_gib"] = round(torch.cuda.memory_allocated(device) / 2**30, 2)
-    save()
-    log.info("built in %.1fs: target %.1f GiB, fast paths %s", time.perf_counter() - started, result["setup"]["target"]["weights_gib"], fast.as_dict())
+        b.result["setup"]["memory_allocated_gib"] = round(torch.cuda.memory_allocated(device) / 2**30, 2)
+    b.save()
+    log.info("built in %.1fs: target %.1f GiB, fast paths %s", time.perf_counter() - b.started, b.result["setup"]["target"]["weights_gib"], fast.as_dict())
 
+
+def prefill(b: Bench, C: int, ctx: dict) -> Context:
+    """C random tokens into the target's cache, checkpointed: every timing starts from exactly these C."""
+    target = b.target
+    prompt = b.ids(C)
+    sync(b.device)
+    t0 = time.perf_counter()
+    target.reset()
+    bonus = target.forward(prompt, last_only=True)[-1].argmax()
+    features = target.features()
+    sync(b.device)
+    ctx["prefill_s"] = round(time.perf_counter() - t0, 3)
+    checkpoint = target.checkpoint()
+    return Context(length=C, target=target, checkpoint=checkpoint, tokens=torch.cat([prompt, bonus[None]]), features=features,
+                   block=b.ids(b.args.block_size))
+
+
+def time_target(b: Bench, c: Context, ctx: dict) -> None:
+    args, target, block, reset = b.args, b.target, c.block, c.reset
+    ctx["target"] = tgt = {}
+    log.info("context %d: prefill %.2fs; timing the target", c.length, ctx["prefill_s"])
+    tgt["decode1"] = measure(lambda: target.forward(block[:1], last_only=True).argmax(-1), b.device,
+                             reps=args.reps, warmup=args.warmup, before=reset)
+    b.save()
+    tgt["verify16"] = measure(lambda: target.forward(block).argmax(-1), b.device, reps=args.reps, warmup=args.warmup, before=reset)
+    b.save()
+    tgt["forward_last_only"] = {}
+    for n in NEW_CONTEXT:
+        tgt["forward_last_only"][str(n)] = measure(lambda: target.forward(block[:n], last_only=True).argmax(-1), b.device,
+                                                   reps=args.reps, warmup=1, before=reset)
+    tgt["checkpoint"] = measure(target.checkpoint, b.device, reps=args.reps, warmup=1, before=reset)
+    tgt["rollback"] = measure(reset, b.device, reps=args.reps, warmup=1, before=lambda: target.forward(block, last_only=True))
+    reset()
+    b.save()
+
+
+def time_drafter(b: Bench, c: Context, ctx: dict) -> None:
     # Imported after the build: dflash.py needs transformers' Qwen3 classes, nothing of the GPU.
     from dflash_jobs.drafter.dflash import CachedDrafter
 
-    target = Target(model, drafter_config.target_layer_ids)
-    full = ModelDrafter(drafter, drafts=drafter_config.block_size - 1)
-    generator = torch.Generator().manual_seed(0)
-    V = model.config.vocab_size
+    args, C = b.args, c.length
+    ctx["drafter"] = dft = {"cached": {}}
+    log.info("context %d: timing the drafter", C)
+    c.cached = CachedDrafter(b.exported, b.model)
+    for n in NEW_CONTEXT:
+        if n >= C:
+            continue
+        dft["cached"][str(n)] = measure(lambda: c.cached.propose(c.tokens, c.features), b.device,
+                                        reps=args.reps, warmup=args.warmup, before=lambda: c.prime(C - n))
+        b.save()
+    dft["full_recompute"] = measure(lambda: b.full.propose(c.tokens, c.features), b.device, reps=args.reps, warmup=args.warmup)
+    b.save()
 
-    def ids(n: int) -> torch.Tensor:
-        return torch.randint(0, V - 64, (n,), generator=generator).to(device)
 
-    for C in contexts:
-        ctx: dict = {}
-        result["contexts"][str(C)] = ctx
-        try:
-            with torch.inference_mode():
-                prompt = ids(C)
-                sync(device)
-                t0 = time.perf_counter()
-                target.reset()
-                bonus = target.forward(prompt, last_only=True)[-1].argmax()
-                features = target.features()  # [C, L*d]: the drafter's context
-                sync(device)
-                ctx["prefill_s"] = round(time.perf_counter() - t0, 3)
-                checkpoint = target.checkpoint()
-                tokens = torch.cat([prompt, bonus[None]])  # committed: the prompt, then the anchor
-                block = ids(B)
-                reset = lambda: target.rollback(checkpoint)  # noqa: E731
-                ctx["target"] = tgt = {}
-                log.info("context %d: prefill %.2fs; timing the target", C, ctx["prefill_s"])
+def profile_kernels(b: Bench, c: Context, ctx: dict) -> None:
+    target, block, device, reps = b.target, c.block, b.device, b.args.profile_reps
+    log.info("context %d: kernel profiles", c.length)
+    ctx["kernels"] = kern = {}
+    try:
+        # No rollback inside a profile: the cache grows by a few tokens over the reps, then is rolled back.
+        kern["decode1"] = kernel_profile(lambda: target.forward(block[:1], last_only=True).argmax(-1), device, reps)
+        c.reset()
+        kern["verify16"] = kernel_profile(lambda: target.forward(block).argmax(-1), device, reps)
+        c.reset()
+        kern["cached"] = {}
+        for n in (1, 4, 16):
+            if n < c.length:
+                def step(n=n):
+                    c.prime(c.length - n)
+                    c.cached.propose(c.tokens, c.features)
+                c.prime(c.length - n)
+                kern["cached"][str(n)] = kernel_profile(step, device, reps)
+        kern["full_recompute"] = kernel_profile(lambda: b.full.propose(c.tokens, c.features), device, reps)
+        names = set(kern["decode1"]["names"]) | set(kern["verify16"]["names"])
+        kern["gdn_kernels_seen"] = sorted(n[:100] for n in names if any(h in n.lower() for h in GDN_KERNEL_HINTS))
+        for entry in [kern["decode1"], kern["verify16"], kern["full_recompute"], *kern["cached"].values()]:
+            entry.pop("names")
+    except Exception as exc:  # the timings above still stand
+        log.exception("kernel profile failed")
+        kern["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+    b.save()
 
-                tgt["decode1"] = measure(lambda: target.forward(block[:1], last_only=True).argmax(-1), device,
-                                         reps=args.reps, warmup=args.warmup, before=reset)
-                save()
-                tgt["verify16"] = measure(lambda: target.forward(block).argmax(-1), device, reps=args.reps, warmup=args.warmup, before=reset)
-                save()
-                tgt["forward_last_only"] = {}
-                for n in NEW_CONTEXT:
-                    tgt["forward_last_only"][str(n)] = measure(lambda: target.forward(block[:n], last_only=True).argmax(-1), device,
-                                                               reps=args.reps, warmup=1, before=reset)
-                tgt["checkpoint"] = measure(target.checkpoint, device, reps=args.reps, warmup=1, before=reset)
-                tgt["rollback"] = measure(reset, device, reps=args.reps, warmup=1, before=lambda: target.forward(block, last_only=True))
-                reset()
-                save()
-                if tree_budgets:
-                    log.info("context %d: timing draft trees of %s nodes", C, tree_budgets)
-                    ctx["trees"] = time_trees(target, tree_budgets, B - 1, device, args.reps, args.warmup, args.profile_reps, reset, save)
 
-                ctx["drafter"] = dft = {"cached": {}}
-                log.info("context %d: timing the drafter", C)
-                cached = CachedDrafter(exported, model)
+def measure_context(b: Bench, C: int, ctx: dict) -> None:
+    """Every timing at context C into ctx, then its speed-ups; the cache and the drafter's go when it returns."""
+    with torch.inference_mode():
+        c = prefill(b, C, ctx)
+        time_target(b, c, ctx)
+        if b.tree_budgets:
+            log.info("context %d: timing draft trees of %s nodes", C, b.tree_budgets)
+            ctx["trees"] = time_trees(b.target, b.tree_budgets, b.args.block_size - 1, b.device, b.args.reps, b.args.warmup,
+                                      b.args.profile_reps, c.reset, b.save)
+        time_drafter(b, c, ctx)
+        if b.device.type == "cuda" and b.args.profile_reps > 0:
+            profile_kernels(b, c, ctx)
+        ctx["speedup"] = speedups(ctx, b.taus, b.args.block_size)
+        if "trees" in ctx:
+            ctx["tree_speedup"] = tree_speedups(ctx, b.taus, b.tree_acceptance)
 
-                def prime(kept: int) -> None:
-                    """The cached drafter holding the K/V of the first `kept` context tokens."""
-                    if cached.cached > kept:
-                        cached.cache.crop(kept - cached.cache.get_seq_length())
-                        cached.cached = kept
-                    elif cached.cached < kept:
-                        cached.propose(tokens[: kept + 1], features[:kept])
-                    assert cached.cached == kept == cached.cache.get_seq_length(), (cached.cached, kept, cached.cache.get_seq_length())
 
-                for n in NEW_CONTEXT:
-                    if n >= C:
-                        continue
-                    dft["cached"][str(n)] = measure(lambda: cached.propose(tokens, features), device,
-                                                    reps=args.reps, warmup=args.warmup, before=lambda: prime(C - n))
-                    save()
-                dft["full_recompute"] = measure(lambda: full.propose(tokens, features), device, reps=args.reps, warmup=args.warmup)
-                save()
+def time_context(b: Bench, C: int) -> None:
+    """Context C into result["contexts"][C]; a failure keeps what was measured, and the next context still runs."""
+    ctx: dict = {}
+    b.result["contexts"][str(C)] = ctx
+    try:
+        measure_context(b, C, ctx)
+    except Exception as exc:
+        log.exception("context %d failed", C)
+        ctx["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+        if "target" in ctx and "decode1" in ctx["target"] and "verify16" in ctx["target"] and ctx.get("drafter", {}).get("cached"):
+            ctx["speedup"] = speedups(ctx, b.taus, b.args.block_size)
+    if b.device.type == "cuda":
+        ctx["peak_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated(b.device) / 2**30, 2)
+        torch.cuda.empty_cache()
+    b.save()
 
-                if device.type == "cuda" and args.profile_reps > 0:
-                    log.info("context %d: kernel profiles", C)
-                    ctx["kernels"] = kern = {}
-                    try:
-                        # No rollback inside a profile: the cache grows by a few tokens over the reps, then is rolled back.
-                        kern["decode1"] = kernel_profile(lambda: target.forward(block[:1], last_only=True).argmax(-1), device, args.profile_reps)
-                        reset()
-                        kern["verify16"] = kernel_profile(lambda: target.forward(block).argmax(-1), device, args.profile_reps)
-                        reset()
-                        kern["cached"] = {}
-                        for n in (1, 4, 16):
-                            if n < C:
-                                def step(n=n):
-                                    prime(C - n)
-                                    cached.propose(tokens, features)
-                                prime(C - n)
-                                kern["cached"][str(n)] = kernel_profile(step, device, args.profile_reps)
-                        kern["full_recompute"] = kernel_profile(lambda: full.propose(tokens, features), device, args.profile_reps)
-                        names = set(kern["decode1"]["names"]) | set(kern["verify16"]["names"])
-                        kern["gdn_kernels_seen"] = sorted(n[:100] for n in names if any(h in n.lower() for h in GDN_KERNEL_HINTS))
-                        for entry in [kern["decode1"], kern["verify16"], kern["full_recompute"], *kern["cached"].values()]:
-                            entry.pop("names")
-                    except Exception as exc:  # the timings above still stand
-                        log.exception("kernel profile failed")
-                        kern["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
-                    save()
-                ctx["speedup"] = speedups(ctx, taus, B)
-                if "trees" in ctx:
-                    ctx["tree_speedup"] = tree_speedups(ctx, taus, tree_acceptance)
-                del cached, features, checkpoint
-        except Exception as exc:  # report what was measured; the next context may still run
-            log.exception("context %d failed", C)
-            ctx["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
-            if "target" in ctx and "decode1" in ctx["target"] and "verify16" in ctx["target"] and ctx.get("drafter", {}).get("cached"):
-                ctx["speedup"] = speedups(ctx, taus, B)
-        if device.type == "cuda":
-            ctx["peak_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-            torch.cuda.empty_cache()
-        save()
 
+def summarise(result: dict, acceptance: list[float]) -> None:
+    """Speed-ups by context and tau (only the measured taus, where given), of the block and of each tree budget."""
     result["summary"] = {
         str(C): {str(row["tau"]): {k: row[k] for k in ("engine", "engine_full_recompute", "hf_loop", "engine_kernels") if k in row}
-                 for row in ctx["speedup"]["table"] if not args.acceptance or row["tau"] in args.acceptance}
+                 for row in ctx["speedup"]["table"] if not acceptance or row["tau"] in acceptance}
         for C, ctx in result["contexts"].items() if "speedup" in ctx
     }
     result["tree_summary"] = {
@@ -411,9 +482,9 @@ def main() -> int:
                  for budget, tree in ctx["tree_speedup"].items()}
         for C, ctx in result["contexts"].items() if "tree_speedup" in ctx
     }
-    result["total_s"] = round(time.perf_counter() - started, 1)
-    save()
-    print(json.dumps({k: v for k, v in result.items() if k != "contexts"}, indent=2))
+
+
+def print_tables(result: dict) -> None:
     for C, ctx in result["contexts"].items():
         if "speedup" not in ctx:
             continue
@@ -432,6 +503,21 @@ def main() -> int:
             check = ctx["trees"][budget]["check"]
             print(f"    check: {check['verdict']} (tree {check['tree_vs_whole']['max_relative_logit_difference']} from whole, "
                   f"{check['tree_vs_stepwise']['max_relative_logit_difference']} from stepwise; floor {check['noise_floor']})")
+
+
+def main() -> int:
+    args = parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    device = bench_device(args.device)
+    contexts = [int(c) for c in (args.contexts or DEFAULT_CONTEXTS[args.shape]).split(",")]
+    b = open_bench(args, device, time.perf_counter())
+    for C in contexts:
+        time_context(b, C)
+    summarise(b.result, args.acceptance)
+    b.result["total_s"] = round(time.perf_counter() - b.started, 1)
+    b.save()
+    print(json.dumps({k: v for k, v in b.result.items() if k != "contexts"}, indent=2))
+    print_tables(b.result)
     return 0
 
 
