@@ -21,10 +21,14 @@ import ast
 import io
 import json
 import lzma
+import os
+import platform
 import random
+import shlex
 import subprocess
 import sys
 import tarfile
+import time
 import zipfile
 from collections import Counter
 from pathlib import Path, PurePosixPath
@@ -239,8 +243,14 @@ def main(argv: list[str] | None = None) -> int:
         for pin, why in fetch(args.cache).items():
             print(f"skipped {pin}: {why}")
         return 0
+    started = time.perf_counter()
     summary = build(args.cache, args.out, max_prompt_chars=args.max_prompt_chars)
-    print(json.dumps({key: summary[key] for key in ("chats", "per_kind", "dropped", "skipped_packages", "unparsable_modules", "file")}, indent=1))
+    # Where the figures come from, as bench/results/ records it: the command, the machine, the wall time.
+    summary = {"command": shlex.join(["python", "bench/quality/package_prompts.py", *(sys.argv[1:] if argv is None else argv)]),
+               "machine": {"cpus": os.cpu_count(), "processor": platform.machine(), "python": platform.python_version()},
+               "seconds": round(time.perf_counter() - started, 1), **summary}
+    (args.out / SUMMARY).write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps({key: summary[key] for key in ("seconds", "chats", "per_kind", "dropped", "skipped_packages", "unparsable_modules", "file")}, indent=1))
     return 0
 
 
