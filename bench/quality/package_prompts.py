@@ -21,10 +21,14 @@ import ast
 import io
 import json
 import lzma
+import os
+import platform
 import random
+import shlex
 import subprocess
 import sys
 import tarfile
+import time
 import zipfile
 from collections import Counter
 from pathlib import Path, PurePosixPath
@@ -33,34 +37,38 @@ from typing import Iterator
 from code_prompts import KINDS, MORE_KINDS, CodeChat, code_chats, functions_in_tree, is_public_module
 
 PACKAGES = (
-    "accelerate==1.16.0", "aiohttp==3.14.5", "alembic==1.20.1", "altair==6.3.0", "arrow==1.4.0", "astroid==4.4.0",
-    "astropy==8.0.2", "attrs==26.1.0", "babel==2.19.0", "beautifulsoup4==4.15.0", "biopython==1.88", "black==26.10.1",
-    "bokeh==3.9.2", "boltons==26.2.0", "boto3==1.44.18", "botocore==1.44.18", "bottle==0.13.5", "bottleneck==1.6.1",
-    "catboost==1.2.10", "category-encoders==2.11.2", "celery==5.7.0", "cffi==2.1.1", "cirq-core==1.7.0", "click==8.5.1",
-    "cloudpickle==3.1.3", "corner==2.3.0", "coverage==7.18.0", "cryptography==51.0.1", "dask==2026.11.0", "datasets==5.2.0",
-    "diffusers==0.42.1", "dill==0.4.1", "django==5.2.19", "docutils==0.23.1", "eli5==0.16.0", "emcee==3.1.6", "falcon==4.4.0",
-    "fastapi==0.165.0", "flask==3.1.3", "flax==0.12.8", "folium==0.20.0", "fsspec==2026.9.0", "gensim==4.4.0",
-    "geopandas==1.2.0", "google-api-core==2.44.0", "gunicorn==27.0.1", "h5py==3.16.0", "healpy==1.20.1", "holoviews==1.23.2",
-    "html5lib==1.1", "httpx==0.29.0", "hyperopt==0.3.0", "hypothesis==6.170.27", "imbalanced-learn==0.14.2", "ipython==9.19.1",
-    "jax==0.10.2", "jedi==0.20.1", "jinja2==3.1.6", "joblib==1.6.0", "jupyter-client==8.10.0", "jupyter-core==5.9.1",
-    "keras==3.15.1", "kombu==5.7.0", "lark==1.3.1", "lightgbm==4.7.0", "lime==0.2.0.1", "lmfit==1.3.4", "lxml==6.2.0",
-    "marshmallow==4.4.0", "matplotlib==3.11.2", "mlflow==3.18.0", "more-itertools==11.2.1", "mpmath==1.4.1", "msgpack==1.2.4",
-    "mypy==2.4.1", "nbconvert==7.17.2", "nbformat==5.11.1", "networkx==3.6.1", "nltk==3.10.4", "notebook==7.6.5",
-    "nox==2026.10.20", "numba==0.68.1", "numexpr==2.14.2", "numpy==2.4.6", "openpyxl==3.1.5", "optax==0.2.8", "optuna==5.1.0",
-    "packaging==26.4", "pandas==3.1.1", "panel==1.9.4", "param==2.4.2", "paramiko==5.1.0", "parso==0.8.7", "patsy==1.0.3",
-    "peft==0.21.2", "pennylane==0.45.1", "pexpect==4.9.0", "pillow==13.0.0", "pint==0.25.3", "pip==26.3", "plotly==7.1.0",
-    "polars==2.1.0", "prompt-toolkit==3.0.53", "protobuf==7.36.2", "psutil==7.2.2", "pyarrow==26.0.1", "pycparser==3.12",
-    "pydantic==2.14.4", "pygments==2.21.0", "pylint==4.1.5", "pymc==5.28.5", "pymongo==4.20.1", "pyparsing==3.3.3",
-    "pyproj==3.7.2", "pyramid==2.1", "pytensor==3.0.7", "pytest==9.2.0", "python-dateutil==4.0.0", "pytz==2026.6",
-    "pyyaml==6.0.4", "qiskit==2.6.2", "ray==2.60.0", "redis==8.2.0", "reportlab==5.1.0", "requests==2.34.2", "rich==15.0.0",
-    "sagemaker==3.27.0", "sanic==25.12.1", "scikit-image==0.26.0", "scikit-learn==1.9.1", "scipy==1.17.1", "scrapy==2.19.0",
-    "seaborn==0.13.2", "setuptools==84.2.1", "shap==0.51.0", "shapely==2.2.0", "simplejson==4.3.0", "sklearn-pandas==2.2.0",
-    "sortedcontainers==2.4.0", "spacy==3.8.18", "sphinx==9.0.4", "sphinx-rtd-theme==3.1.0", "sqlalchemy==2.1.9",
-    "sqlglot==30.31.0", "sqlparse==0.6.1", "starlette==1.10.0", "statsmodels==0.15.0", "sunpy==7.0.5", "sympy==1.14.0",
-    "tables==3.11.1", "textblob==0.20.1", "toml==0.10.2", "tomlkit==0.15.3", "toolz==1.2.0", "torchvision==0.29.1",
-    "tornado==6.6.1", "tox==4.67.17", "tqdm==4.70.1", "traitlets==5.16.1", "transformers==5.25.0", "twisted==26.10.0",
-    "typer==0.29.2", "ujson==6.1.0", "uncertainties==3.2.3", "urllib3==2.8.0", "uvicorn==0.55.0", "virtualenv==21.15.14",
-    "werkzeug==3.1.9", "wheel==0.48.0", "xarray==2026.9.0", "xgboost==3.2.0", "xlsxwriter==3.3.1", "zarr==3.1.6",
+    "accelerate==1.16.0", "aiohttp==3.14.5", "alembic==1.20.1", "altair==6.3.0", "apache-beam==2.78.0", "arrow==1.4.0",
+    "ase==3.29.0", "astroid==4.4.0", "astropy==8.0.2", "attrs==26.1.0", "babel==2.19.0", "beautifulsoup4==4.15.0",
+    "biopython==1.88", "black==26.10.1", "bokeh==3.9.2", "boltons==26.2.0", "boto3==1.44.18", "botocore==1.44.18",
+    "bottle==0.13.5", "bottleneck==1.6.1", "catboost==1.2.10", "category-encoders==2.11.2", "celery==5.7.0", "cffi==2.1.1",
+    "cirq-core==1.7.0", "click==8.5.1", "cloudpickle==3.1.3", "corner==2.3.0", "coverage==7.18.0", "cryptography==51.0.1",
+    "cvxpy==1.9.3", "dask==2026.11.0", "datasets==5.2.0", "diffusers==0.42.1", "dill==0.4.1", "django==5.2.19",
+    "docutils==0.23.1", "eli5==0.16.0", "emcee==3.1.6", "falcon==4.4.0", "fastapi==0.165.0", "flask==3.1.3", "flax==0.12.8",
+    "folium==0.20.0", "fsspec==2026.9.0", "gensim==4.4.0", "geopandas==1.2.0", "google-api-core==2.44.0", "gunicorn==27.0.1",
+    "h5py==3.16.0", "healpy==1.20.1", "holoviews==1.23.2", "html5lib==1.1", "httpx==0.29.0", "hyperopt==0.3.0",
+    "hypothesis==6.170.27", "ibis-framework==12.0.0", "imbalanced-learn==0.14.2", "ipython==9.19.1", "jax==0.10.2",
+    "jedi==0.20.1", "jinja2==3.1.6", "joblib==1.6.0", "jupyter-client==8.10.0", "jupyter-core==5.9.1", "keras==3.15.1",
+    "kombu==5.7.0", "kornia==0.9.0", "langchain-core==1.8.4", "lark==1.3.1", "lightgbm==4.7.0", "lime==0.2.0.1",
+    "lmfit==1.3.4", "lxml==6.2.0", "marshmallow==4.4.0", "matplotlib==3.11.2", "mlflow==3.18.0", "more-itertools==11.2.1",
+    "mpmath==1.4.1", "msgpack==1.2.4", "music21==10.5.1", "mypy==2.4.1", "narwhals==2.29.0", "nbconvert==7.17.2",
+    "nbformat==5.11.1", "networkx==3.6.1", "nltk==3.10.4", "notebook==7.6.5", "nox==2026.10.20", "numba==0.68.1",
+    "numexpr==2.14.2", "numpy==2.4.6", "obspy==1.5.1", "openpyxl==3.1.5", "optax==0.2.8", "optuna==5.1.0", "packaging==26.4",
+    "pandas==3.1.1", "panel==1.9.4", "param==2.4.2", "paramiko==5.1.0", "parso==0.8.7", "patsy==1.0.3", "peft==0.21.2",
+    "pennylane==0.45.1", "pexpect==4.9.0", "pillow==13.0.0", "pint==0.25.3", "pip==26.3", "plotly==7.1.0", "polars==2.1.0",
+    "prefect==3.9.1", "prompt-toolkit==3.0.53", "protobuf==7.36.2", "psutil==7.2.2", "pyarrow==26.0.1", "pycparser==3.12",
+    "pydantic==2.14.4", "pygments==2.21.0", "pylint==4.1.5", "pymatgen==2026.10.24", "pymc==5.28.5", "pymongo==4.20.1",
+    "pyomo==6.10.1", "pyparsing==3.3.3", "pyproj==3.7.2", "pyqtgraph==0.14.0", "pyramid==2.1", "pytensor==3.0.7",
+    "pytest==9.2.0", "python-dateutil==4.0.0", "pytz==2026.6", "pyyaml==6.0.4", "qiskit==2.6.2", "ray==2.60.0",
+    "redis==8.2.0", "reportlab==5.1.0", "requests==2.34.2", "rich==15.0.0", "sagemaker==3.27.0", "sanic==25.12.1",
+    "scapy==2.8.0", "scikit-image==0.26.0", "scikit-learn==1.9.1", "scipy==1.17.1", "scrapy==2.19.0", "seaborn==0.13.2",
+    "setuptools==84.2.1", "shap==0.51.0", "shapely==2.2.0", "simplejson==4.3.0", "sklearn-pandas==2.2.0", "sktime==1.2.0",
+    "sortedcontainers==2.4.0", "spacy==3.8.18", "sphinx-rtd-theme==3.1.0", "sphinx==9.0.4", "sqlalchemy==2.1.9",
+    "sqlglot==30.31.0", "sqlparse==0.6.1", "starlette==1.10.0", "statsmodels==0.15.0", "streamlit==1.67.0", "sunpy==7.0.5",
+    "sympy==1.14.0", "tables==3.11.1", "tensorflow-probability==0.25.0", "textblob==0.20.1", "toml==0.10.2",
+    "tomlkit==0.15.3", "toolz==1.2.0", "torchmetrics==1.9.0", "torchvision==0.29.1", "tornado==6.6.1", "tox==4.67.17",
+    "tqdm==4.70.1", "traitlets==5.16.1", "transformers==5.25.0", "twisted==26.10.0", "typer==0.29.2", "ujson==6.1.0",
+    "uncertainties==3.2.3", "urllib3==2.8.0", "uvicorn==0.55.0", "virtualenv==21.15.14", "werkzeug==3.1.9", "wheel==0.48.0",
+    "xarray==2026.9.0", "xgboost==3.2.0", "xlsxwriter==3.3.1", "zarr==3.1.6",
 )
 """Pinned, so that a build of another day reads the same source. Pure-Python-heavy, documented code."""
 HELD_OUT = ("boltons", "more-itertools", "sortedcontainers", "toolz")
@@ -235,8 +243,14 @@ def main(argv: list[str] | None = None) -> int:
         for pin, why in fetch(args.cache).items():
             print(f"skipped {pin}: {why}")
         return 0
+    started = time.perf_counter()
     summary = build(args.cache, args.out, max_prompt_chars=args.max_prompt_chars)
-    print(json.dumps({key: summary[key] for key in ("chats", "per_kind", "dropped", "skipped_packages", "unparsable_modules", "file")}, indent=1))
+    # Where the figures come from, as bench/results/ records it: the command, the machine, the wall time.
+    summary = {"command": shlex.join(["python", "bench/quality/package_prompts.py", *(sys.argv[1:] if argv is None else argv)]),
+               "machine": {"cpus": os.cpu_count(), "processor": platform.machine(), "python": platform.python_version()},
+               "seconds": round(time.perf_counter() - started, 1), **summary}
+    (args.out / SUMMARY).write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps({key: summary[key] for key in ("seconds", "chats", "per_kind", "dropped", "skipped_packages", "unparsable_modules", "file")}, indent=1))
     return 0
 
 
