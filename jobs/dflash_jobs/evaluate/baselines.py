@@ -19,7 +19,7 @@ is what its context (the target's states) buys. It runs in the same verify loop 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -31,9 +31,11 @@ from dflash_jobs.train.anchors import anchor_candidates
 
 
 class PromptLookupDrafter:
-    """A `BlockDrafter` that copies continuations of the trailing n-gram from earlier in the sequence."""
+    """A `BlockDrafter` that copies continuations of the trailing n-gram from earlier in the sequence;
+    it reads the committed tokens on the host (a search on the device would wait for it every step)."""
 
     target_layers: list[int] = []
+    reads_host = True
 
     def __init__(self, block_size: int, max_ngram: int = 2) -> None:
         if block_size < 2 or max_ngram < 1:
@@ -42,17 +44,19 @@ class PromptLookupDrafter:
         self.drafts = block_size - 1
         self.max_ngram = max_ngram
 
-    def propose(self, tokens: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+    def propose(self, tokens: Sequence[int], context: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.tensor(self.draft(tokens), dtype=torch.long)
+
+    def draft(self, tokens: Sequence[int]) -> list[int]:
+        """The drafts after `tokens` (the committed ids, the anchor last)."""
         length = len(tokens)
         for n in range(min(self.max_ngram, length - 1), 0, -1):
-            windows = tokens.unfold(0, n, 1)  # [length - n + 1, n]: every n-gram, by start position
-            starts = (windows == tokens[-n:]).all(dim=1).nonzero()[:, 0]
-            # The last window is the trailing n-gram itself, with nothing after it.
-            starts = starts[starts + n < length]
-            if len(starts):
-                begin = int(starts[0]) + n
-                return tokens[begin : begin + self.drafts]
-        return tokens[:0]
+            trailing = list(tokens[-n:])
+            # The earliest start with something after its n-gram: the trailing n-gram itself has nothing.
+            begin = next((start + n for start in range(length - n) if tokens[start : start + n] == trailing), None)
+            if begin is not None:
+                return list(tokens[begin : begin + self.drafts])
+        return []
 
 
 # ---- the bigram table ------------------------------------------------------------------------
@@ -122,9 +126,10 @@ def fit_bigram(storage: Storage, *, max_tokens: int = BIGRAM_MAX_TOKENS, seed: i
 
 class BigramDrafter:
     """A `BlockDrafter` that chains the bigram table's most likely next token from the anchor, up to
-    `drafts` tokens, stopping early at a token the table never saw followed."""
+    `drafts` tokens, stopping early at a token the table never saw followed; it reads the anchor on the host."""
 
     target_layers: list[int] = []
+    reads_host = True
 
     def __init__(self, table: BigramTable, block_size: int) -> None:
         if block_size < 2:
@@ -133,8 +138,12 @@ class BigramDrafter:
         self.block_size = block_size
         self.drafts = block_size - 1
 
-    def propose(self, tokens: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
-        drafts, token = [], int(tokens[-1])
+    def propose(self, tokens: Sequence[int], context: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.tensor(self.draft(tokens), dtype=torch.long)
+
+    def draft(self, tokens: Sequence[int]) -> list[int]:
+        """The drafts after `tokens` (the committed ids, the anchor last)."""
+        drafts, token = [], tokens[-1]
         while len(drafts) < self.drafts and (token := self.successors.get(token)) is not None:
             drafts.append(token)
-        return torch.tensor(drafts, dtype=torch.long)
+        return drafts
