@@ -17,7 +17,7 @@ from dflash_jobs.drafter.anchors import anchor_layout
 from dflash_jobs.drafter.host_reads import HostReads
 from dflash_jobs.drafter.speculative import Decoded, ModelDrafter, Target, greedy_decode, speculative_decode
 from dflash_jobs.drafter.tree_verify import tree_decode
-from dflash_jobs.evaluate.baselines import BigramDrafter, PromptLookupDrafter
+from dflash_jobs.evaluate.baselines import BigramDrafter, PromptLookupDrafter, along_greedy
 from dflash_jobs.evaluate.calibration import recorder_for
 from dflash_jobs.evaluate.lossless import divergences, is_tie, mismatches
 from dflash_jobs.evaluate.trees import VariantBranches
@@ -67,6 +67,26 @@ def test_a_verify_step_reads_the_device_once(model, each_target, variant):
             decoded = speculative_decode(Target(model, layers), block_drafter, prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
         assert decoded.tokens == greedy.tokens, name
         assert reads.total == len(decoded.accepted) + 2, (name, dict(reads.counts))
+
+
+@pytest.mark.parametrize("stop_at", [None, 9])
+def test_the_baselines_acceptance_along_greedys_output_is_the_verify_loops(model, stop_at):
+    """prompt lookup and the bigram table, decoded by the verify loop and computed along greedy's
+    output, step for step alike on every prompt: without a stop token, and with greedy's 10th token
+    as one (steps cut where a stop token among the drafts ends the output)."""
+    asked = prompts(model.config.vocab_size)
+    unbounded = [greedy_decode(Target(model), p, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP).tokens for p in asked]
+    stop = NO_STOP if stop_at is None else frozenset([unbounded[0][stop_at]])
+    table = bigram_of(unbounded)
+    compared = 0
+    for prompt in asked:
+        greedy = greedy_decode(Target(model), prompt, max_new_tokens=NEW_TOKENS, stop_ids=stop)
+        for baseline in (PromptLookupDrafter(BLOCK), BigramDrafter(table, BLOCK)):
+            decoded = speculative_decode(Target(model), baseline, prompt, max_new_tokens=NEW_TOKENS, stop_ids=stop)
+            computed = along_greedy(baseline, prompt.tolist(), greedy.tokens, max_new_tokens=NEW_TOKENS, stop_ids=stop)
+            assert (computed.tokens, computed.accepted, computed.drafted) == (decoded.tokens, decoded.accepted, decoded.drafted)
+            compared += sum(decoded.accepted)
+    assert compared > 0, "some drafts were accepted"
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,11 @@ pairs the drafter's first slot is trained on (PAIRS_COUNTED). It drafts a block 
 successors from the anchor. A drafter whose first drafted token does no better than the table has
 learned no more about the next token than the data's pair counts hold; the gap at later positions
 is what its context (the target's states) buys. It runs in the same verify loop as the others.
+
+Both draft from the committed tokens alone, on the host (`reads_host`), so along greedy's output
+their decoding is known without the target (`along_greedy`, tested equal to the verify loop): the
+evaluation computes their acceptance so on every prompt and decodes them for real on the timed
+subset only, for their speed.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from dflash_jobs.drafter.speculative import Decoded, accepted_prefix, finished, through_stop
 from dflash_jobs.errors import InputError
 from dflash_jobs.formats import MANIFEST_KEY, Manifest, TokenChunk, token_chunk_key
 from dflash_jobs.storage import Storage
@@ -57,6 +63,26 @@ class PromptLookupDrafter:
             if begin is not None:
                 return list(tokens[begin : begin + self.drafts])
         return []
+
+
+def along_greedy(drafter: PromptLookupDrafter | BigramDrafter, prompt: Sequence[int], greedy: Sequence[int], *, max_new_tokens: int,
+                 stop_ids: frozenset[int]) -> Decoded:
+    """The verify loop's decoding with `drafter` (its drafts a function of the committed tokens
+    alone), computed along greedy's output without running the target: a lossless loop's output is
+    greedy's, so each step commits the drafts greedy's output agrees with and greedy's next token,
+    cut at a stop token and drafted no further than the output has room for, exactly as
+    `speculative_decode` steps (`seconds` is 0: nothing was decoded; the timed subset gives the speed)."""
+    history = [*prompt, *greedy[:1]]
+    accepted, drafted = [], []
+    while not finished(history[len(prompt) :], max_new_tokens, stop_ids):
+        position = len(history) - len(prompt)  # output tokens committed; the next step's anchor is the last
+        drafts = drafter.draft(history)[: min(drafter.drafts, max_new_tokens - position - 1)]
+        matched = accepted_prefix(drafts, greedy[position:])
+        block = [*drafts[:matched], *greedy[position + matched : position + matched + 1]]
+        accepted.append(through_stop(block, stop_ids) - 1)
+        drafted.append(len(drafts))
+        history.extend(block[: accepted[-1] + 1])
+    return Decoded(tokens=history[len(prompt) :], seconds=0.0, accepted=accepted, drafted=drafted)
 
 
 # ---- the bigram table ------------------------------------------------------------------------
