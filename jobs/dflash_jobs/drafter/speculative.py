@@ -28,6 +28,7 @@ torch and transformers only.
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -139,6 +140,9 @@ class Target:
         self.cache: DynamicCache | None = None
         self.length = 0
         """Tokens in the cache, counted on the host: a hybrid cache's own count is a device tensor (a sync to read)."""
+        # transformers 5.25 renamed the forward's past_key_values to cache (the old name goes in 5.40);
+        # the releases before it, which pyproject.toml still allows, know only the old one.
+        self._cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self._captured: dict[int, torch.Tensor] = {}
         decoder_layers = _decoder_layers(model)
         self._hooks = [decoder_layers[i].register_forward_hook(partial(self._capture, i)) for i in self.layers]
@@ -156,7 +160,7 @@ class Target:
 
     def forward(self, ids: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
         """Runs ids [n] after the cached tokens: logits [n, V], or [1, V] for the last position only."""
-        output = self.model(input_ids=ids[None], cache=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0)
+        output = self.model(input_ids=ids[None], **{self._cache_argument: self.cache}, use_cache=True, logits_to_keep=1 if last_only else 0)
         self.length += len(ids)
         return output.logits[0]
 

@@ -81,7 +81,9 @@ class MarginalBranches(Branches):
         if k > self._k:  # every depth ranked at once: one ranking over the block
             order = rank_top_k(self.logits, k)  # [D, k]
             values = self.logits.float().log_softmax(-1).gather(-1, order)
-            self._ranked, self._k = list(zip(order.tolist(), values.tolist())), k
+            # One read of both (ids below 2^53 and float32 values are exact as float64), not two.
+            ids, log_probs = torch.stack([order.double(), values.double()]).tolist()
+            self._ranked, self._k = [([int(i) for i in row], row_values) for row, row_values in zip(ids, log_probs)], k
         tokens, log_probs = self._ranked[depth - 1]
         return tokens[:k], log_probs[:k]
 
