@@ -14,7 +14,9 @@ its last supervised run: what the target was asked, never what it answered. Two 
   their exact acceptance computed along greedy's output (evaluate/trees.py). With eval.processes > 1,
   worker processes on the same device take the prompts one at a time, each with its own target and
   drafter, and the results are merged in prompt order. Each prompt's result is kept in storage as it
-  is decoded (evaluate/kept.py): a retried evaluation decodes only the prompts it lacks.
+  is decoded (evaluate/kept.py): a retried evaluation decodes only the prompts it lacks; greedy's
+  decoding of each is kept for every evaluation on the same target and prompts (evaluate/reference.py).
+  The same for each named set of eval.prompt_sets (evaluate/prompt_sets.py), a table each.
 - The speeds, on the first eval.timed_prompts prompts: greedy and every drafter as served (the
   chain without the confidence recorder, the baselines in the real verify loop) decode each prompt
   one after another in this process alone, after a warm-up prompt: tokens/s and speed-ups of an
