@@ -301,6 +301,50 @@ def finished_training(tmp_path, target_dir, target_model, drafter, documents, pr
     return parse_spec(spec), storage
 
 
+def test_a_prompt_set_gets_a_table_of_its_own_and_speeds_from_the_timed_subset(tmp_path, target_dir, target_model, drafter, documents, prompts):
+    """eval.prompt_sets beside the held-out prompts: the set's rows as chat prompts (one without a
+    user turn counted, not decoded), tau with its interval, acceptance per position, and speeds from
+    the first eval.timed_prompts prompts of each."""
+    from dflash_jobs.evaluate.kept import KEPT_PREFIX
+
+    source = tmp_path / "chats.jsonl"
+    rows = [*tiny_chat_rows(3, seed=9), {"messages": [{"role": "assistant", "content": "no question"}]}]
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    spec, storage = finished_training(tmp_path, target_dir, target_model, drafter, documents, prompts, tree_budgets=[], timed_prompts=2,
+                                      prompt_sets={"chats": str(source)})
+    report = evaluate(spec, storage, device=torch.device("cpu"))
+    table = report["prompt_sets"]["chats"]
+    assert (table["source"], table["rows"], table["prompts"], table["refused"], table["timed_prompts"]) == (str(source), 4, 3, {"no_user_turn": 1}, 2)
+    assert set(table["drafters"]) == {"dflash", "prompt_lookup", "bigram"} and table["lossless"] and report["lossless"]
+    for name, figures in table["drafters"].items():
+        low, high = figures["acceptance_length_interval"]
+        assert low <= figures["acceptance_length"] <= high and len(figures["acceptance_per_position"]) == BLOCK - 1, name
+        assert figures["tokens_per_second"] > 0 and figures["speedup"] > 0, name
+    assert table["greedy_tokens_per_second"] > 0 and report["timed"]["prompts"] == 2
+    assert storage.list(KEPT_PREFIX) == []  # every set's kept results went with the report
+
+
+def test_an_evaluation_on_the_same_target_and_prompts_takes_greedys_decodings_from_an_earlier_one(
+        tmp_path, target_dir, target_model, drafter, documents, prompts, monkeypatch):
+    """Two runs' evaluations sharing eval.reference_cache: the second decodes greedy only for its timed
+    subset (its warm-up and its one prompt), and its figures are the first's."""
+    from dflash_jobs.evaluate import evaluator
+    from dflash_jobs.evaluate.reference import REFERENCE_PREFIX
+
+    cpu, settings = torch.device("cpu"), {"tree_budgets": [], "timed_prompts": 1, "reference_cache": str(tmp_path / "shared")}
+    first = evaluate(*finished_training(tmp_path / "first", target_dir, target_model, drafter, documents, prompts, **settings), device=cpu)
+    assert len(open_storage(str(tmp_path / "shared")).list(REFERENCE_PREFIX)) == 4  # eval.prompts
+    decoded, greedy_decode = [], evaluator.greedy_decode
+    monkeypatch.setattr(evaluator, "greedy_decode", lambda *args, **kwargs: decoded.append(args[1]) or greedy_decode(*args, **kwargs))
+    second = evaluate(*finished_training(tmp_path / "second", target_dir, target_model, drafter, documents, prompts, **settings), device=cpu)
+    assert len(decoded) == 2
+    assert second["tie_tolerance"] == first["tie_tolerance"] and second["greedy"]["tokens"] == first["greedy"]["tokens"]
+    for name, figures in first["drafters"].items():
+        for key in ("acceptance_length", "acceptance_per_position", "verify_steps", "tokens", "mismatches", "lossless"):
+            assert second["drafters"][name][key] == figures[key], (name, key)
+    assert second["drafters"]["dflash"]["simulated"] == first["drafters"]["dflash"]["simulated"]
+
+
 def test_worker_processes_give_the_one_process_report(tmp_path, target_dir, target_model, drafter, documents, prompts):
     reports = {}
     for processes in (1, 2):
@@ -376,18 +420,18 @@ def test_an_evaluation_stopped_midway_decodes_only_the_prompts_it_lacks_when_run
     spec, storage = finished_training(tmp_path / "stopped", target_dir, target_model, drafter, documents, prompts, **settings)
     decode, decoded = evaluator.PromptDecoder.decode, []
 
-    def preempted_at_the_third(self, prompt):
+    def preempted_at_the_third(self, prompt, known=None):
         decoded.append(prompt.tolist())
         if len(decoded) == 4:  # the warm-up, prompts 0 and 1, then prompt 2
             raise RuntimeError("the pod was preempted")
-        return decode(self, prompt)
+        return decode(self, prompt, known)
 
     monkeypatch.setattr(evaluator.PromptDecoder, "decode", preempted_at_the_third)
     with pytest.raises(RuntimeError, match="preempted"):
         evaluate(spec, storage, device=cpu)
     assert len(storage.list(KEPT_PREFIX)) == 2 and not storage.exists("eval/report.json")
     decoded.clear()
-    monkeypatch.setattr(evaluator.PromptDecoder, "decode", lambda self, prompt: decoded.append(prompt.tolist()) or decode(self, prompt))
+    monkeypatch.setattr(evaluator.PromptDecoder, "decode", lambda self, prompt, known=None: decoded.append(prompt.tolist()) or decode(self, prompt, known))
     again = evaluate(spec, storage, device=cpu)
     assert decoded == [prompts[2].tolist(), prompts[2].tolist(), prompts[3].tolist()]  # its warm-up, then the two it lacked
     assert storage.list(KEPT_PREFIX) == []  # the report holds them now

@@ -105,8 +105,26 @@ def print_report(report: dict[str, Any], fmt: OutputFormat, names: Iterable[str]
         for budget, decoded in ((summary.get("tree") or {}).get("decoded") or {}).items():
             _decoding_row(table, f"  tree of {budget}", decoded)  # under its drafter
     output.stdout.print(table)
+    for name, prompt_set in (report.get("prompt_sets") or {}).items():
+        output.stdout.print(_prompt_set_table(name, prompt_set))
     if report.get("vllm_serve"):
         output.stdout.print(f"serve it with vLLM:\n{report['vllm_serve']}", markup=False, highlight=False)
+
+
+def _prompt_set_table(name: str, prompt_set: dict[str, Any]) -> Table:
+    """A named prompt set's table (eval.prompt_sets): a row per drafter, its acceptance per position beside tau."""
+    refused = ", ".join(f"{rows} {reason}" for reason, rows in (prompt_set.get("refused") or {}).items()) or "none"
+    title = (f"prompt set {name}: {prompt_set.get('prompts', '?')} prompts of {prompt_set.get('rows', '?')} rows ({prompt_set.get('source')}; "
+             f"refused: {refused}), speeds on {prompt_set.get('timed_prompts', '?')}")
+    table = Table(title=title, title_justify="left")
+    for column in ("decoding", "acceptance length [95% interval]", "accepted per position", "tokens/s", "speed-up", "equals greedy"):
+        table.add_column(column, justify="left" if column == "decoding" else "right")
+    table.add_row("greedy (reference)", "1.00", "-", _number(prompt_set.get("greedy_tokens_per_second")), "1.00x", "-")
+    for drafter, figures in (prompt_set.get("drafters") or {}).items():
+        table.add_row(drafter, _acceptance(figures), " ".join(f"{rate:.2f}" for rate in figures.get("acceptance_per_position") or []),
+                      _number(figures.get("tokens_per_second")), f"{_number(figures.get('speedup'))}x",
+                      "yes" if figures.get("lossless") else "[red]NO[/]")
+    return table
 
 
 def _decoding_row(table: Table, name: str, figures: dict[str, Any]) -> None:

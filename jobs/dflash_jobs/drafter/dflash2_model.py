@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .model import GREEDY_LOGITS, DecoderLayer, Drafter, DrafterConfig, DraftTrunk, rank_top_k
+from .model import GREEDY_LOGITS, DecoderLayer, Drafter, DrafterConfig, DraftTrunk, anchor_ids, rank_top_k
 
 
 UNSUPPORTED_SCALES = {"output_multiplier": 1.0, "final_logit_softcapping": 0.0, "input_embedding_scale": 1.0}
@@ -191,7 +191,7 @@ class CandidateSelector(nn.Module):
 
     def scores(self, projected: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor, predecessors: torch.Tensor) -> torch.Tensor:
         """S [..., K] (fp32) of the edges predecessors [...] -> candidates [..., K], from P h [..., r] and the unary scores [..., K]."""
-        context = self.predecessor_codebook[predecessors] * projected  # [..., r]
+        context = self.predecessor_codebook[predecessors.reshape(-1)].view(*projected.shape) * projected  # [..., r]
         return unary + torch.einsum("...r,...kr->...k", context, self.successor_codebook[candidates]).float()
 
     def choose(self, hidden: torch.Tensor, logits: torch.Tensor, predecessors: torch.Tensor) -> torch.Tensor:
@@ -207,12 +207,15 @@ class CandidateSelector(nn.Module):
         wherever the tied candidates' unary logits tie too: the candidates are ranked so)."""
         unary, ids = self.candidates(logits)
         projected = self.hidden_projection(hidden)
-        predecessor = torch.as_tensor(anchor_token, dtype=torch.long, device=ids.device)
+        predecessor = anchor_ids(anchor_token, ids.device)  # [1]
         path = []
         for slot in range(ids.shape[0]):
-            predecessor = ids[slot, self.best(self.scores(projected[slot], unary[slot], ids[slot], predecessor), ids[slot])]
+            # Tensors index tensors here (gather, [1]-shaped ids): a 0-d index tensor is read back to
+            # the host, a sync a slot; the walk stays on the device.
+            best = self.best(self.scores(projected[slot], unary[slot], ids[slot], predecessor), ids[slot])
+            predecessor = ids[slot].gather(0, best.reshape(1))
             path.append(predecessor)
-        return torch.stack(path)
+        return torch.cat(path)
 
 
 class DFlash2Trunk(DraftTrunk):
@@ -235,7 +238,7 @@ class DFlash2Drafter(DFlash2Trunk, Drafter):
             if isinstance(module, (GroupedDynamicCausalConv, CandidateSelector)):
                 module.reset_parameters()
 
-    def block_drafts(self, hidden: torch.Tensor, anchor_token: int) -> torch.Tensor:
+    def block_drafts(self, hidden: torch.Tensor, anchor_token: int | torch.Tensor) -> torch.Tensor:
         """The selector's greedy walk over slots 1..B-1 of one block's hidden states [B, d] -> [B-1]."""
         return self.candidate_selector.walk(hidden[1:], self.logits(hidden[1:]), anchor_token)
 

@@ -53,4 +53,4 @@ class CachedDSparkDrafter(CachedDrafter):
 
     def propose(self, tokens: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
         hidden = self.block_hidden(tokens, context)  # [B, d]
-        return self.model.markov_draft(self.model.compute_logits(hidden, self.head), int(tokens[-1]))[0]
+        return self.model.markov_draft(self.model.compute_logits(hidden, self.head), tokens[-1])[0]

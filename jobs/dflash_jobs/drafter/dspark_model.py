@@ -27,7 +27,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from .model import GREEDY_LOGITS, Drafter, DrafterConfig
+from .model import GREEDY_LOGITS, Drafter, DrafterConfig, anchor_ids
 
 ARCHITECTURE = "Qwen3DSparkModel"
 """DeepSpec's class name, which vLLM maps to its Qwen3 DSpark drafter (never `DSparkDraftModel`:
@@ -128,11 +128,11 @@ class DSparkHeads:
         self.markov_head = MarkovHead(config.vocab_size, config.markov_rank)
         self.confidence_head = ConfidenceHead(config.hidden_size, config.markov_rank) if config.enable_confidence_head else None
 
-    def markov_draft(self, base_logits: torch.Tensor, anchor_token: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def markov_draft(self, base_logits: torch.Tensor, anchor_token: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy drafting of one block from the backbone's logits [B, V]: slot k takes the argmax of
         its logits plus the Markov bias of the token before it (the anchor, then slot k - 1's draft).
         Returns the drafts, int64 [B], and each slot's W1[prev] [B, r] (the confidence head's input)."""
-        previous = torch.tensor([anchor_token], device=base_logits.device)
+        previous = anchor_ids(anchor_token, base_logits.device)
         drafts, embedded = [], []
         for logits in base_logits:
             embedding = self.markov_head.markov_w1(previous)  # [1, r]
@@ -162,14 +162,14 @@ class DSparkDrafter(DSparkHeads, Drafter):
 
     @torch.no_grad()
     def draft_block(
-        self, context_hidden: torch.Tensor, context_positions: torch.Tensor, anchor_token: int, anchor_position: int
+        self, context_hidden: torch.Tensor, context_positions: torch.Tensor, anchor_token: int | torch.Tensor, anchor_position: int
     ) -> torch.Tensor:
         """Greedy draft of one block: the B tokens after `anchor_token`, int64 [B] (Drafter.draft_block's arguments)."""
         return self.draft_scored(context_hidden, context_positions, anchor_token, anchor_position)[0]
 
     @torch.no_grad()
     def draft_scored(
-        self, context_hidden: torch.Tensor, context_positions: torch.Tensor, anchor_token: int, anchor_position: int
+        self, context_hidden: torch.Tensor, context_positions: torch.Tensor, anchor_token: int | torch.Tensor, anchor_position: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The block's B greedy drafts, and the confidence head's survival probability of each
         (float32 [B]; None without a confidence head)."""

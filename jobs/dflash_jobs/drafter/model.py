@@ -168,6 +168,14 @@ def rank_top_k(scores: torch.Tensor, k: int, ids: torch.Tensor | None = None) ->
     return key.topk(min(k, scores.shape[-1]), dim=-1).indices
 
 
+def anchor_ids(anchor: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The anchor token as int64 [1] on `device`: a host int filled in there, a device tensor kept
+    there (reading it back, or copying an int from pageable memory, waits for the device)."""
+    if isinstance(anchor, torch.Tensor):
+        return anchor.reshape(1).to(device, torch.long)
+    return torch.full((1,), anchor, dtype=torch.long, device=device)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3's RMSNorm, x / rms(x) * w, in fp32, back in x's dtype."""
     normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
@@ -370,7 +378,7 @@ class Drafter(DraftTrunk, nn.Module):
 
     @torch.no_grad()
     def draft_block(
-        self, context_hidden: torch.Tensor, context_positions: torch.Tensor, anchor_token: int, anchor_position: int
+        self, context_hidden: torch.Tensor, context_positions: torch.Tensor, anchor_token: int | torch.Tensor, anchor_position: int
     ) -> torch.Tensor:
         """Greedy draft of one block: the B-1 tokens after `anchor_token`, as int64 [B-1].
 
@@ -385,7 +393,7 @@ class Drafter(DraftTrunk, nn.Module):
 
     @torch.no_grad()
     def block_hidden(
-        self, context_hidden: torch.Tensor, context_positions: torch.Tensor, anchor_token: int, anchor_position: int
+        self, context_hidden: torch.Tensor, context_positions: torch.Tensor, anchor_token: int | torch.Tensor, anchor_position: int
     ) -> torch.Tensor:
         """The final-normed hidden states [B, d] of the block [anchor, mask x (B-1)] drafted after the
         context (draft_block's arguments), slot k at position anchor_position + k."""
@@ -402,7 +410,7 @@ class Drafter(DraftTrunk, nn.Module):
 
         return self.run_trunk(context_hidden.to(device), h, positions, attention)[0]
 
-    def block_drafts(self, hidden: torch.Tensor, anchor_token: int) -> torch.Tensor:
+    def block_drafts(self, hidden: torch.Tensor, anchor_token: int | torch.Tensor) -> torch.Tensor:
         """The drafts of one block from its final-normed hidden states [B, d]: DFlash's are the
         greedy tokens of slots 1..B-1 ([B-1, d] -> [B-1]); a variant with a head of its own reads them its way."""
         return self.greedy_tokens(hidden[1:])

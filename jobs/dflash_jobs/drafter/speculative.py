@@ -28,6 +28,7 @@ torch and transformers only.
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -36,6 +37,8 @@ from typing import Protocol, Sequence
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache, DynamicLayer, LinearAttentionCacheLayerMixin
+
+from .model import rank_top_k
 
 
 class BlockDrafter(Protocol):
@@ -51,9 +54,13 @@ class BlockDrafter(Protocol):
     def propose(self, tokens: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
         """Draft ids to follow `tokens`.
 
-        tokens: the committed ids [n]; the last one is the anchor, which the target has not run yet.
+        tokens: the committed ids [n] on the target's device; the last one is the anchor, which the
+        target has not run yet. A drafter whose class sets `reads_host = True` (one that drafts on the
+        CPU: prompt lookup, a table) gets them as a host list instead, so reading them costs no sync.
         context: the captured target layers at positions 0..n-2, [n - 1, L * d] (None without target_layers).
-        Returns a 1-D tensor of at most `drafts` ids (possibly empty).
+        Returns a 1-D tensor of at most `drafts` ids (possibly empty), on any device. Reading a
+        device tensor back (`int()`, `.tolist()`) waits for the device: the verify loop reads once a
+        step, a drafter should not read at all.
         """
         ...
 
@@ -70,7 +77,7 @@ class ModelDrafter:
     def propose(self, tokens: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
         anchor_position = len(tokens) - 1
         positions = torch.arange(anchor_position, device=context.device)
-        return self.drafter.draft_block(context[None], positions, int(tokens[-1]), anchor_position)
+        return self.drafter.draft_block(context[None], positions, tokens[-1], anchor_position)  # the anchor stays on the device
 
 
 @dataclass
@@ -131,6 +138,11 @@ class Target:
         self.model = model
         self.layers = list(layers)
         self.cache: DynamicCache | None = None
+        self.length = 0
+        """Tokens in the cache, counted on the host: a hybrid cache's own count is a device tensor (a sync to read)."""
+        # transformers 5.25 renamed the forward's past_key_values to cache (the old name goes in 5.40);
+        # the releases before it, which pyproject.toml still allows, know only the old one.
+        self._cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self._captured: dict[int, torch.Tensor] = {}
         decoder_layers = _decoder_layers(model)
         self._hooks = [decoder_layers[i].register_forward_hook(partial(self._capture, i)) for i in self.layers]
@@ -144,10 +156,12 @@ class Target:
 
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config)
+        self.length = 0
 
     def forward(self, ids: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
         """Runs ids [n] after the cached tokens: logits [n, V], or [1, V] for the last position only."""
-        output = self.model(input_ids=ids[None], past_key_values=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0)
+        output = self.model(input_ids=ids[None], **{self._cache_argument: self.cache}, use_cache=True, logits_to_keep=1 if last_only else 0)
+        self.length += len(ids)
         return output.logits[0]
 
     def features(self) -> torch.Tensor:
@@ -167,7 +181,7 @@ class Target:
                 states.append(None)
             else:
                 raise TypeError(f"cannot roll back a {type(layer).__name__} cache layer: only full attention and linear attention are supported")
-        return CacheCheckpoint(int(self.cache.get_seq_length()), states)
+        return CacheCheckpoint(self.length, states)
 
     def rollback(self, checkpoint: CacheCheckpoint) -> None:
         """Puts the cache back to `checkpoint`: K/V cropped, GDN states restored in place (their addresses stay static)."""
@@ -181,9 +195,11 @@ class Target:
                     layer.cumulative_length_linear.copy_(saved["length"])
             if isinstance(layer, DynamicLayer):
                 DynamicLayer.crop(layer, checkpoint.length - layer.get_seq_length())
-        # The cache's own length (read from its first layer) and every attention layer's.
-        lengths = {int(self.cache.get_seq_length())} | {int(layer.get_seq_length()) for layer in self.cache.layers if isinstance(layer, DynamicLayer)}
-        if lengths != {checkpoint.length}:
+        # Every attention layer's length, from its K/V's shape (a GDN layer's count is a device tensor,
+        # restored above from the checkpoint: reading it back would cost a sync a step).
+        lengths = {DynamicLayer.get_seq_length(layer) for layer in self.cache.layers if isinstance(layer, DynamicLayer)}
+        self.length = checkpoint.length
+        if lengths - {checkpoint.length}:
             raise RuntimeError(
                 f"rolling the cache back left {max(lengths - {checkpoint.length})} tokens, not {checkpoint.length}: this "
                 "transformers version keeps cache state that Target.checkpoint does not save; install the version "
@@ -228,16 +244,18 @@ def greedy_decode(
     logits = target.forward(prompt.to(device), last_only=True)[-1]
     tokens, values, indices, forced_values = [], [], [], []
     while True:
-        top = logits.float().topk(2)
-        tokens.append(int(top.indices[0]))
-        values.append(top.values)  # read once at the end: one host sync per token (the token), not three
-        indices.append(top.indices)
+        # rank_top_k, not topk: at an exact tie topk may rank the higher token id first, the verify
+        # loop's argmax takes the lower; every loop must commit the same token there.
+        top = rank_top_k(logits, 2)
+        tokens.append(int(top[0]))
+        values.append(logits[top].float())  # read once at the end: one host sync per token (the token), not three
+        indices.append(top)
         if forced is not None:
             forced_values.append(logits[forced[len(tokens) - 1]].float())
         done = len(tokens) >= len(forced) if forced is not None else finished(tokens, max_new_tokens, stop_ids)
         if done:
             break
-        fed = top.indices[:1] if forced is None else torch.tensor(forced[len(tokens) - 1 : len(tokens)], device=device)
+        fed = top[:1] if forced is None else torch.tensor(forced[len(tokens) - 1 : len(tokens)], device=device)
         logits = target.forward(fed, last_only=True)[-1]
     synchronize(device)
     seconds = time.perf_counter() - start
@@ -271,8 +289,8 @@ class Decoding:
 
     sequence: torch.Tensor
     """The prompt and the committed tokens, then room for max_new_tokens and a block more."""
-    length: int
-    """Committed tokens (the prompt's included); the last is the anchor of the next block."""
+    history: list[int]
+    """The same committed tokens (the prompt's included) on the host: what a host drafter reads, without a sync."""
     context: CommittedContext | None
     """The captured target layers of the committed positions before the anchor (None without target_layers)."""
     tokens: list[int]
@@ -282,11 +300,20 @@ class Decoding:
     accepted: list[int] = field(default_factory=list)
     drafted: list[int] = field(default_factory=list)
 
-    def commit(self, new: torch.Tensor, accepted: int, drafted: int) -> None:
-        """Appends a verify step's new tokens [accepted + 1], and its counts (Decoded.accepted, drafted)."""
-        self.sequence[self.length : self.length + len(new)] = new
-        self.length += len(new)
-        self.tokens.extend(new.tolist())
+    @property
+    def length(self) -> int:
+        """Committed tokens (the prompt's included); the last is the anchor of the next block."""
+        return len(self.history)
+
+    def committed(self, drafter) -> torch.Tensor | list[int]:
+        """What `drafter.propose` reads as its tokens: the host list for a host drafter, else the device tensor."""
+        return self.history if getattr(drafter, "reads_host", False) else self.sequence[: self.length]
+
+    def commit(self, new: torch.Tensor, new_ids: list[int], accepted: int, drafted: int) -> None:
+        """Appends a verify step's new tokens (on the device and their ids on the host: [accepted + 1]), and its counts (Decoded.accepted, drafted)."""
+        self.sequence[self.length : self.length + len(new_ids)] = new
+        self.history.extend(new_ids)
+        self.tokens.extend(new_ids)
         self.accepted.append(accepted)
         self.drafted.append(drafted)
 
@@ -295,11 +322,23 @@ class Decoding:
         return Decoded(tokens=self.tokens, seconds=time.perf_counter() - self.started, accepted=self.accepted, drafted=self.drafted)
 
 
+def on_device(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """ids as int64 on `device`; a host drafter's are copied from pinned memory without waiting (a
+    pageable copy to a GPU blocks the host until the copy is done: a sync a step)."""
+    ids = ids.to(dtype=torch.long)
+    if ids.device == device:
+        return ids
+    if device.type == "cuda":
+        ids = ids.pin_memory()
+    return ids.to(device, non_blocking=True)
+
+
 def prefill(target: Target, drafter: BlockDrafter, prompt: torch.Tensor, *, max_new_tokens: int) -> Decoding:
     """Starts the clock and runs the prompt through the target (its captured layers: the drafter's
     first context); the target's first token after it is the first anchor."""
     if list(target.layers) != list(drafter.target_layers):
         raise ValueError(f"the target captures layers {target.layers} but the drafter reads {drafter.target_layers}")
+    history = prompt.tolist()
     prompt = prompt.to(target.device)
     synchronize(target.device)
     started = time.perf_counter()
@@ -308,12 +347,18 @@ def prefill(target: Target, drafter: BlockDrafter, prompt: torch.Tensor, *, max_
     sequence = torch.empty(len(prompt) + max_new_tokens + drafter.block_size, dtype=torch.long, device=prompt.device)
     sequence[: len(prompt)] = prompt
     sequence[len(prompt)] = logits[-1].argmax()
+    first = int(sequence[len(prompt)])
     context: CommittedContext | None = None
     if target.layers:
         features = target.features()
         context = CommittedContext(len(sequence), features.shape[-1], features)
         context.append(features)
-    return Decoding(sequence, len(prompt) + 1, context, [int(sequence[len(prompt)])], started)
+    return Decoding(sequence, [*history, first], context, [first], started)
+
+
+def accepted_prefix(drafts: list[int], predicted: list[int]) -> int:
+    """How many drafts lead `drafts` that equal the target's token before them (predicted[j]: its token after the block's j-th)."""
+    return next((j for j, (draft, token) in enumerate(zip(drafts, predicted)) if draft != token), len(drafts))
 
 
 @torch.inference_mode()
@@ -325,34 +370,39 @@ def speculative_decode(
     The drafter sees the captured target layers of every committed position before the anchor,
     exactly as in training: the prompt's from the prefill, then those of each block's accepted
     tokens (the anchor included); the bonus token has no target state yet and anchors the next block.
+    A step reads the device once: its drafts and the target's tokens, together, after the verify
+    forward; everything else it needs (the anchor, the lengths, the cache's) the host already has.
     """
     device = target.device
     decoding = prefill(target, drafter, prompt, max_new_tokens=max_new_tokens)
-    sequence, context, tokens = decoding.sequence, decoding.context, decoding.tokens
+    context, tokens = decoding.context, decoding.tokens
     cached = decoding.length - 1  # committed tokens in the target's cache; those after it lead the next verify forward
     while not finished(tokens, max_new_tokens, stop_ids):
         length = decoding.length
         # A block yields at most len(draft) + 1 tokens: draft no more than the output still needs.
-        draft = drafter.propose(sequence[:length], context.view() if context is not None else None)
-        draft = draft[: min(drafter.drafts, max_new_tokens - len(tokens) - 1)].to(device, torch.long)
+        draft = drafter.propose(decoding.committed(drafter), context.view() if context is not None else None)
+        draft = on_device(draft[: min(drafter.drafts, max_new_tokens - len(tokens) - 1)], device)
         anchor = length - 1 - cached  # the anchor's index in the verify forward, after the uncached committed tokens
         checkpoint = target.checkpoint()
-        logits = target.forward(torch.cat([sequence[cached:length], draft]))
+        logits = target.forward(torch.cat([decoding.sequence[cached:length], draft]))
         predicted = logits[anchor:].argmax(-1)  # predicted[j]: the target's token after the block's j-th (anchor, drafts...)
-        accepted = int(torch.cumprod((draft == predicted[:-1]).long(), dim=0).sum())
-        block = torch.cat([draft[:accepted], predicted[accepted : accepted + 1]])
+        read = torch.cat([draft, predicted]).tolist()  # the step's one sync
+        drafts, greedy = read[: len(draft)], read[len(draft) :]
+        accepted = accepted_prefix(drafts, greedy)
+        block = [*drafts[:accepted], greedy[accepted]]
         # The output ends at a stop token: drafts the target agreed with after it are neither
         # committed nor counted (a stop among the drafts takes the bonus token's place).
-        accepted = through_stop(block.tolist(), stop_ids) - 1
+        accepted = through_stop(block, stop_ids) - 1
         if context is not None:
             context.append(target.features()[anchor : anchor + accepted + 1])
-        decoding.commit(block[: accepted + 1], accepted, len(draft))
+        # On the device as on the host: the agreed drafts, then the target's token (a stop draft equals it).
+        decoding.commit(torch.cat([draft[:accepted], predicted[accepted : accepted + 1]]), block[: accepted + 1], accepted, len(draft))
         if accepted == len(draft):
             cached = decoding.length - 1  # everything but the bonus token went through the cache as it stays
         else:
             # A rejected draft left its state in the GDN layers: back to the checkpoint.
             target.rollback(checkpoint)
             if decoding.length - 1 - cached >= drafter.block_size:
-                target.forward(sequence[cached : decoding.length - 1], last_only=True)
+                target.forward(decoding.sequence[cached : decoding.length - 1], last_only=True)
                 cached = decoding.length - 1
     return decoding.decoded()

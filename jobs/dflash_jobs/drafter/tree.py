@@ -64,7 +64,15 @@ def _ranked(scores: torch.Tensor, ids: torch.Tensor | None, k: int) -> tuple[lis
     """The k best of `scores` [n] as (token ids, log-probabilities), best first, equal scores by the
     lower token id (rank_top_k: as the variant's greedy choice breaks them)."""
     order = rank_top_k(scores, k, ids)
-    return (order if ids is None else ids[order]).tolist(), scores.float().log_softmax(-1)[order].tolist()
+    return read_ranked(order if ids is None else ids[order], scores.float().log_softmax(-1)[order])
+
+
+def read_ranked(ids: torch.Tensor, log_probs: torch.Tensor) -> tuple[list, list]:
+    """ids and their log-probabilities ([k], or [D, k] as rows) on the host in one read, not two: a
+    read waits for the device (ids below 2^53 and float32 values are exact as float64)."""
+    ids_read, values = torch.stack([ids.double(), log_probs.double()]).tolist()
+    integral = (lambda row: [int(i) for i in row]) if ids.dim() == 2 else int
+    return [integral(row) for row in ids_read], values
 
 
 class MarginalBranches(Branches):
@@ -81,7 +89,7 @@ class MarginalBranches(Branches):
         if k > self._k:  # every depth ranked at once: one ranking over the block
             order = rank_top_k(self.logits, k)  # [D, k]
             values = self.logits.float().log_softmax(-1).gather(-1, order)
-            self._ranked, self._k = list(zip(order.tolist(), values.tolist())), k
+            self._ranked, self._k = list(zip(*read_ranked(order, values))), k
         tokens, log_probs = self._ranked[depth - 1]
         return tokens[:k], log_probs[:k]
 

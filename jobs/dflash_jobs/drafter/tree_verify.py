@@ -32,7 +32,7 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
 from dflash_jobs.architectures import target_architecture
-from dflash_jobs.drafter.speculative import Decoded, Target, finished, prefill, through_stop
+from dflash_jobs.drafter.speculative import Decoded, Target, finished, on_device, prefill, through_stop
 from dflash_jobs.drafter.tree import Branches, Tree, build_tree
 
 
@@ -230,6 +230,7 @@ def commit_path(target: Target, verified: VerifiedTree, rows: Sequence[int]) -> 
         kinds.setdefault(type(kept), {})[layer_index] = kept
     for kind, kept_by_layer in kinds.items():
         kind.commit(target.cache, kept_by_layer, index)
+    target.length += len(index)
 
 
 @torch.inference_mode()
@@ -245,10 +246,10 @@ def tree_decode(
     decoding = prefill(target, drafter, prompt, max_new_tokens=max_new_tokens)
     context, tokens = decoding.context, decoding.tokens
     while not finished(tokens, max_new_tokens, stop_ids):
-        branches = drafter.branches(decoding.sequence[: decoding.length], context.view() if context is not None else None)
+        branches = drafter.branches(decoding.committed(drafter), context.view() if context is not None else None)
         # As a block: no deeper than the output still has room for, the next token included.
         tree = build_tree(branches, budget=budget, depth_limit=min(drafter.drafts, max_new_tokens - len(tokens) - 1))
-        verified = verify_tree(target, int(decoding.sequence[decoding.length - 1]), tree)
+        verified = verify_tree(target, decoding.history[-1], tree)
         predicted = verified.predicted.tolist()
         path = tree.follow(predicted.__getitem__)
         new = [tree.tokens[node] for node in path] + [predicted[path[-1] + 1 if path else 0]]
@@ -257,5 +258,5 @@ def tree_decode(
         commit_path(target, verified, rows)
         if context is not None:
             context.append(verified.features[rows])
-        decoding.commit(torch.tensor(new[: accepted + 1], device=target.device), accepted, max(tree.depths, default=0))
+        decoding.commit(on_device(torch.tensor(new[: accepted + 1]), target.device), new[: accepted + 1], accepted, max(tree.depths, default=0))
     return decoding.decoded()

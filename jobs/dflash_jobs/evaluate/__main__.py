@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
                **({"tree_acceptance_length": {b: round(d["acceptance_length"], 3) for b, d in s["tree"]["decoded"].items()}} if "tree" in s else {})}
         for name, s in report["drafters"].items()
     }
-    print(json.dumps({"lossless": report["lossless"], **headline}))
+    sets = {name: {drafter: round(figures["acceptance_length"], 3) for drafter, figures in table["drafters"].items()}
+            for name, table in report["prompt_sets"].items()}
+    print(json.dumps({"lossless": report["lossless"], **headline, **({"prompt_sets": sets} if sets else {})}))
     return EXIT_OK
 
 

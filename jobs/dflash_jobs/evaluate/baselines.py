@@ -14,16 +14,22 @@ pairs the drafter's first slot is trained on (PAIRS_COUNTED). It drafts a block 
 successors from the anchor. A drafter whose first drafted token does no better than the table has
 learned no more about the next token than the data's pair counts hold; the gap at later positions
 is what its context (the target's states) buys. It runs in the same verify loop as the others.
+
+Both draft from the committed tokens alone, on the host (`reads_host`), so along greedy's output
+their decoding is known without the target (`along_greedy`, tested equal to the verify loop): the
+evaluation computes their acceptance so on every prompt and decodes them for real on the timed
+subset only, for their speed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
+from dflash_jobs.drafter.speculative import Decoded, accepted_prefix, finished, through_stop
 from dflash_jobs.errors import InputError
 from dflash_jobs.formats import DATASET_KEY, MANIFEST_KEY, ChunkInfo, DatasetIndex, Manifest, TokenChunk, token_chunk_key
 from dflash_jobs.storage import Storage
@@ -31,9 +37,11 @@ from dflash_jobs.train.anchors import anchor_candidates
 
 
 class PromptLookupDrafter:
-    """A `BlockDrafter` that copies continuations of the trailing n-gram from earlier in the sequence."""
+    """A `BlockDrafter` that copies continuations of the trailing n-gram from earlier in the sequence;
+    it reads the committed tokens on the host (a search on the device would wait for it every step)."""
 
     target_layers: list[int] = []
+    reads_host = True
 
     def __init__(self, block_size: int, max_ngram: int = 2) -> None:
         if block_size < 2 or max_ngram < 1:
@@ -42,17 +50,39 @@ class PromptLookupDrafter:
         self.drafts = block_size - 1
         self.max_ngram = max_ngram
 
-    def propose(self, tokens: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+    def propose(self, tokens: Sequence[int], context: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.tensor(self.draft(tokens), dtype=torch.long)
+
+    def draft(self, tokens: Sequence[int]) -> list[int]:
+        """The drafts after `tokens` (the committed ids, the anchor last)."""
         length = len(tokens)
         for n in range(min(self.max_ngram, length - 1), 0, -1):
-            windows = tokens.unfold(0, n, 1)  # [length - n + 1, n]: every n-gram, by start position
-            starts = (windows == tokens[-n:]).all(dim=1).nonzero()[:, 0]
-            # The last window is the trailing n-gram itself, with nothing after it.
-            starts = starts[starts + n < length]
-            if len(starts):
-                begin = int(starts[0]) + n
-                return tokens[begin : begin + self.drafts]
-        return tokens[:0]
+            trailing = list(tokens[-n:])
+            # The earliest start with something after its n-gram: the trailing n-gram itself has nothing.
+            begin = next((start + n for start in range(length - n) if tokens[start : start + n] == trailing), None)
+            if begin is not None:
+                return list(tokens[begin : begin + self.drafts])
+        return []
+
+
+def along_greedy(drafter: PromptLookupDrafter | BigramDrafter, prompt: Sequence[int], greedy: Sequence[int], *, max_new_tokens: int,
+                 stop_ids: frozenset[int]) -> Decoded:
+    """The verify loop's decoding with `drafter` (its drafts a function of the committed tokens
+    alone), computed along greedy's output without running the target: a lossless loop's output is
+    greedy's, so each step commits the drafts greedy's output agrees with and greedy's next token,
+    cut at a stop token and drafted no further than the output has room for, exactly as
+    `speculative_decode` steps (`seconds` is 0: nothing was decoded; the timed subset gives the speed)."""
+    history = [*prompt, *greedy[:1]]
+    accepted, drafted = [], []
+    while not finished(history[len(prompt) :], max_new_tokens, stop_ids):
+        position = len(history) - len(prompt)  # output tokens committed; the next step's anchor is the last
+        drafts = drafter.draft(history)[: min(drafter.drafts, max_new_tokens - position - 1)]
+        matched = accepted_prefix(drafts, greedy[position:])
+        block = [*drafts[:matched], *greedy[position + matched : position + matched + 1]]
+        accepted.append(through_stop(block, stop_ids) - 1)
+        drafted.append(len(drafts))
+        history.extend(block[: accepted[-1] + 1])
+    return Decoded(tokens=history[len(prompt) :], seconds=0.0, accepted=accepted, drafted=drafted)
 
 
 # ---- the bigram table ------------------------------------------------------------------------
@@ -134,9 +164,10 @@ def fit_bigram(storage: Storage, *, max_tokens: int = BIGRAM_MAX_TOKENS, seed: i
 
 class BigramDrafter:
     """A `BlockDrafter` that chains the bigram table's most likely next token from the anchor, up to
-    `drafts` tokens, stopping early at a token the table never saw followed."""
+    `drafts` tokens, stopping early at a token the table never saw followed; it reads the anchor on the host."""
 
     target_layers: list[int] = []
+    reads_host = True
 
     def __init__(self, table: BigramTable, block_size: int) -> None:
         if block_size < 2:
@@ -145,8 +176,12 @@ class BigramDrafter:
         self.block_size = block_size
         self.drafts = block_size - 1
 
-    def propose(self, tokens: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
-        drafts, token = [], int(tokens[-1])
+    def propose(self, tokens: Sequence[int], context: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.tensor(self.draft(tokens), dtype=torch.long)
+
+    def draft(self, tokens: Sequence[int]) -> list[int]:
+        """The drafts after `tokens` (the committed ids, the anchor last)."""
+        drafts, token = [], tokens[-1]
         while len(drafts) < self.drafts and (token := self.successors.get(token)) is not None:
             drafts.append(token)
-        return torch.tensor(drafts, dtype=torch.long)
+        return drafts

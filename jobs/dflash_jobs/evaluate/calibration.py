@@ -30,19 +30,19 @@ class ConfidenceRecorder(ModelDrafter):
 
     def __init__(self, drafter, *, drafts: int) -> None:
         super().__init__(drafter, drafts=drafts)
-        self.steps: list[list[float]] = []
+        self.steps: list[torch.Tensor] = []
 
     def propose(self, tokens: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
         anchor_position = len(tokens) - 1
         positions = torch.arange(anchor_position, device=context.device)
-        drafts, survival = self.drafter.draft_scored(context[None], positions, int(tokens[-1]), anchor_position)
-        self.steps.append(survival.tolist())
+        drafts, survival = self.drafter.draft_scored(context[None], positions, tokens[-1], anchor_position)
+        self.steps.append(survival)  # read at take(): reading it here would cost the verify step a sync
         return drafts
 
     def take(self) -> list[list[float]]:
         """The steps recorded since the last call (one decoded prompt's), in verify order."""
         steps, self.steps = self.steps, []
-        return steps
+        return [step.tolist() for step in steps]
 
 
 def recorder_for(drafter, *, drafts: int) -> ConfidenceRecorder | None:

@@ -1,21 +1,26 @@
 """The evaluation job's work: the trained drafter against plain greedy decoding, on held-out prompts.
 
 Prompts are the samples prepare held out of training (tokens/holdout.safetensors), each cut before
-its last supervised run: what the target was asked, never what it answered. For every prompt the
-target decodes four ways, on the same device and in the same loop style: plain greedy (the
-reference output and speed), DFlash speculative decoding, and the baselines eval.baselines names
-(evaluate/baselines.py): prompt lookup, training-free, and a bigram table fitted once on the run's
-training rows; then the DFlash drafter's training forward runs on the prompt and greedy's output
-(evaluate/simulated.py), the teacher-forced acceptance the decoded one should match, and, untimed,
-the lossless check's figures (evaluate/lossless.py): the target's own verify-against-decode
-rounding, and greedy along each output that differs from greedy's. With eval.tree_budgets, the
-trained drafter also decodes by draft trees of each budget (DDTree, drafter/tree_verify.py; timed
-like the chain), and its trees' exact acceptance is computed along greedy's output
-(evaluate/trees.py). One untimed
-warm-up prompt comes first (kernel selection and compilation). With eval.processes > 1, worker
-processes on the same device take the prompts one at a time, each with its own target and
-drafter, and the results are merged in prompt order. Each prompt's result is kept in storage as it
-is decoded (evaluate/kept.py): a retried evaluation decodes only the prompts it lacks.
+its last supervised run: what the target was asked, never what it answered. Two passes:
+
+- The figures, on every prompt: plain greedy (the reference output); the trained drafter's chain,
+  decoded for real (its drafts read the target's states as the loop makes them: the figure users
+  compare); the baselines eval.baselines names (evaluate/baselines.py: prompt lookup, and a bigram
+  table fitted once on the run's training rows), whose drafts depend on the committed tokens alone,
+  computed exactly along greedy's output without decoding; the drafter's training forward on the
+  prompt and greedy's output (evaluate/simulated.py), the teacher-forced acceptance the decoded one
+  should match; untimed, the lossless check's figures (evaluate/lossless.py); and with
+  eval.tree_budgets the draft trees (DDTree, drafter/tree_verify.py) decoded for real per budget,
+  their exact acceptance computed along greedy's output (evaluate/trees.py). With eval.processes > 1,
+  worker processes on the same device take the prompts one at a time, each with its own target and
+  drafter, and the results are merged in prompt order. Each prompt's result is kept in storage as it
+  is decoded (evaluate/kept.py): a retried evaluation decodes only the prompts it lacks; greedy's
+  decoding of each is kept for every evaluation on the same target and prompts (evaluate/reference.py).
+  The same for each named set of eval.prompt_sets (evaluate/prompt_sets.py), a table each.
+- The speeds, on the first eval.timed_prompts prompts: greedy and every drafter as served (the
+  chain without the confidence recorder, the baselines in the real verify loop) decode each prompt
+  one after another in this process alone, after a warm-up prompt: tokens/s and speed-ups of an
+  uncontended device. The trees' speeds come from their decodings in the first pass.
 """
 
 from __future__ import annotations
@@ -36,12 +41,14 @@ from dflash_jobs.drafter.serving import run_serve_command
 from dflash_jobs.drafter.speculative import BlockDrafter, Decoded, ModelDrafter, Target, greedy_decode, speculative_decode
 from dflash_jobs.drafter.tree_verify import tree_decode
 from dflash_jobs.errors import InputError
-from dflash_jobs.evaluate.baselines import BigramDrafter, BigramTable, PromptLookupDrafter, fit_bigram
+from dflash_jobs.evaluate.baselines import BigramDrafter, BigramTable, PromptLookupDrafter, along_greedy, fit_bigram
 from dflash_jobs.evaluate.calibration import recorder_for
 from dflash_jobs.evaluate.kept import KeptPrompts, PromptResult, evaluation_key
 from dflash_jobs.evaluate.lossless import divergences, verify_noise
 from dflash_jobs.evaluate.metrics import acceptance_length
-from dflash_jobs.evaluate.report import build_report, store_report
+from dflash_jobs.evaluate.prompt_sets import read_prompt_sets
+from dflash_jobs.evaluate.reference import KeptReferences, Reference
+from dflash_jobs.evaluate.report import GREEDY, build_report, prompt_set_table, store_report
 from dflash_jobs.evaluate.simulated import anchors_accepted, document_batch
 from dflash_jobs.evaluate.trees import PromptTrees, VariantBranches, exact_trees
 from dflash_jobs.capture.checkpoint import local_checkpoint
@@ -54,6 +61,8 @@ from dflash_jobs.variants import DrafterVariant, drafter_variant
 log = logging.getLogger("dflash.eval")
 
 LOG_EVERY_S = 5.0
+HELD_OUT = ""
+"""The held-out prompts' name beside eval.prompt_sets' (which are never empty)."""
 
 
 def held_out_prompts(storage: Storage, count: int) -> list[torch.Tensor]:
@@ -99,23 +108,34 @@ class PromptDecoder:
         self.recorder = recorder_for(drafter, drafts=layout.drafts)
         if "bigram" in settings.baselines and bigram is None:
             raise ValueError("eval.baselines asks for the bigram baseline: pass its fitted table")
+        self.bigram = bigram
         made = {"prompt_lookup": lambda: PromptLookupDrafter(layout.drafts + 1), "bigram": lambda: BigramDrafter(bigram, layout.drafts + 1)}
-        baselines: dict[str, BlockDrafter] = {name: made[name]() for name in settings.baselines}
-        self.drafters: dict[str, BlockDrafter] = {variant.name: self.recorder or ModelDrafter(drafter, drafts=layout.drafts), **baselines}
+        self.baselines = {name: made[name]() for name in settings.baselines}
+        # What a server runs, timed: the trained drafter without the confidence recorder's extra work.
+        self.served: dict[str, BlockDrafter] = {variant.name: ModelDrafter(drafter, drafts=layout.drafts), **self.baselines}
         self.settings = settings
         self.stop = stop_ids(model)
         self.plain = Target(model)
-        self.targets = {name: Target(model, d.target_layers) for name, d in self.drafters.items()}
+        self.targets = {name: Target(model, d.target_layers) for name, d in self.served.items()}
         self.trees = VariantBranches(drafter, variant.branches, drafts=layout.drafts)
         # The chain's own budget beside the asked ones: a tree of as many nodes as the chain drafts.
         self.budgets = sorted({*settings.tree_budgets, layout.drafts}) if settings.tree_budgets else []
 
-    def decode(self, prompt: torch.Tensor) -> PromptResult:
+    def decode(self, prompt: torch.Tensor, known: Reference | None = None) -> PromptResult:
+        """The prompt's figures: greedy, the trained drafter's chain decoded for real (its drafts read
+        the target's states as the loop makes them), the baselines along greedy's output, the trees.
+        known: greedy's decoding and verify noise of this prompt from an earlier evaluation on the
+        same target and settings (evaluate/reference.py), not decoded again."""
         new_tokens = self.settings.max_new_tokens
-        reference = greedy_decode(self.plain, prompt, max_new_tokens=new_tokens, stop_ids=self.stop)
+        block = self.layout.drafts + 1  # the verify block: the anchor and its drafts
+        reference, noise = known or (greedy_decode(self.plain, prompt, max_new_tokens=new_tokens, stop_ids=self.stop), None)
+        if noise is None:
+            noise = verify_noise(self.plain, prompt, reference, block)
+        chain = self.recorder or self.served[self.variant.name]
         drafted = {
-            name: speculative_decode(self.targets[name], drafter, prompt, max_new_tokens=new_tokens, stop_ids=self.stop)
-            for name, drafter in self.drafters.items()
+            self.variant.name: speculative_decode(self.targets[self.variant.name], chain, prompt, max_new_tokens=new_tokens, stop_ids=self.stop),
+            **{name: along_greedy(baseline, prompt.tolist(), reference.tokens, max_new_tokens=new_tokens, stop_ids=self.stop)
+               for name, baseline in self.baselines.items()},
         }
         confidences = self.recorder.take() if self.recorder is not None else None
         tree_decoded = {
@@ -127,10 +147,15 @@ class PromptDecoder:
             name: divergences(self.plain, prompt, d.tokens, reference, max_new_tokens=new_tokens, stop_ids=self.stop)
             for name, d in drafted.items()
         }
-        noise = verify_noise(self.plain, prompt, reference, self.layout.drafts + 1)  # the verify block: the anchor and its drafts
         document, features = self.captured(prompt, reference)
         trees = self.tree_figures(prompt, reference, drafted[self.variant.name], document, features, tree_decoded) if self.budgets else None
         return PromptResult(reference, drafted, self.simulate(prompt, document, features), found, noise, confidences, trees)
+
+    def timed(self, prompt: torch.Tensor) -> dict[str, Decoded]:
+        """The prompt decoded by greedy and by every drafter as served, one after another: what tokens/s measure."""
+        settings = {"max_new_tokens": self.settings.max_new_tokens, "stop_ids": self.stop}
+        return {GREEDY: greedy_decode(self.plain, prompt, **settings),
+                **{name: speculative_decode(self.targets[name], drafter, prompt, **settings) for name, drafter in self.served.items()}}
 
     def captured(self, prompt: torch.Tensor, reference: Decoded) -> tuple[torch.Tensor, torch.Tensor]:
         """prompt + greedy's output, and the drafter's target layers over it [T, L*d], captured in one forward."""
@@ -193,14 +218,21 @@ def drafter_url(spec: RunSpec) -> str:
     return f"{storage_for(spec).url.rstrip('/')}/{DRAFTER_PREFIX}"
 
 
-def decode_here(spec: RunSpec, bigram: BigramTable | None, prompts: list[torch.Tensor], *, device: torch.device) -> Iterator[PromptResult]:
-    """Every prompt decoded in this process, after one untimed warm-up prompt (kernel selection and compilation)."""
-    decoder = load_decoder(spec, bigram, device=device)
-    try:
-        decoder.decode(prompts[0])
-        yield from map(decoder.decode, prompts)
-    finally:
-        decoder.close()
+def decode_here(decoder: PromptDecoder, asked: list[tuple[torch.Tensor, Reference | None]]) -> Iterator[PromptResult]:
+    """Every prompt's figures (each with its known reference or None) decoded in this process, after
+    one warm-up prompt (kernel selection and compilation)."""
+    decoder.decode(*asked[0])
+    for prompt, known in asked:
+        yield decoder.decode(prompt, known)
+
+
+def time_prompts(decoder: PromptDecoder, prompts: list[torch.Tensor]) -> dict[str, list[Decoded]]:
+    """The timed subset: each prompt decoded by greedy and every drafter as served (PromptDecoder.timed),
+    after one warm-up prompt, in this process alone (worker processes, if any, are gone): the speeds of
+    an uncontended device."""
+    decoder.timed(prompts[0])
+    runs = [decoder.timed(prompt) for prompt in prompts]
+    return {name: [run[name] for run in runs] for name in runs[0]}
 
 
 # ---- worker processes (eval.processes > 1) -------------------------------------------------------
@@ -215,21 +247,22 @@ def _start_worker(spec: RunSpec, bigram: BigramTable | None, device: torch.devic
     _worker_decoder.decode(warm_up)
 
 
-def _decode_in_worker(prompt: torch.Tensor) -> PromptResult:
+def _decode_in_worker(asked: tuple[torch.Tensor, Reference | None]) -> PromptResult:
     assert _worker_decoder is not None
-    return _worker_decoder.decode(prompt)
+    return _worker_decoder.decode(*asked)
 
 
-def decode_in_processes(spec: RunSpec, bigram: BigramTable | None, prompts: list[torch.Tensor], *, device: torch.device) -> Iterator[PromptResult]:
-    """Every prompt decoded by eval.processes workers on `device`, each loading the target and drafter
+def decode_in_processes(spec: RunSpec, bigram: BigramTable | None, asked: list[tuple[torch.Tensor, Reference | None]], *,
+                        device: torch.device) -> Iterator[PromptResult]:
+    """Every prompt (with its known reference or None) decoded by eval.processes workers on `device`, each loading the target and drafter
     and warming up once; a worker takes the next prompt when it is done with one, and the results
     come back in prompt order. The CPU threads are shared out between the workers."""
-    processes = min(spec.eval.processes, len(prompts))
+    processes = min(spec.eval.processes, len(asked))
     threads = max(1, torch.get_num_threads() // processes)
     # spawn: CUDA cannot be used in a forked child, and a fresh interpreter inherits no threads or locks.
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(processes, mp_context=context, initializer=_start_worker, initargs=(spec, bigram, device, threads, prompts[0])) as pool:
-        yield from pool.map(_decode_in_worker, prompts)
+    with ProcessPoolExecutor(processes, mp_context=context, initializer=_start_worker, initargs=(spec, bigram, device, threads, asked[0][0])) as pool:
+        yield from pool.map(_decode_in_worker, asked)
 
 
 def log_progress(results: Iterable[PromptResult], total: int) -> list[PromptResult]:
@@ -251,53 +284,87 @@ def progress_line(results: list[PromptResult]) -> str:
 
 
 def evaluate(spec: RunSpec, storage: Storage, *, device: torch.device) -> dict[str, Any]:
-    """Evaluates the exported drafter of the run; writes eval/report.json and eval/acceptance.png; returns the report."""
+    """Evaluates the exported drafter of the run on the held-out prompts and on each of eval.prompt_sets;
+    writes eval/report.json and eval/acceptance.png; returns the report."""
     prompts = held_out_prompts(storage, spec.eval.prompts)
+    sets = read_prompt_sets(spec)  # a bad set is refused before the target loads
     settings = spec.eval
     variant = drafter_variant(spec.train.drafter)
     exported = exported_config(drafter_url(spec), endpoint_url=spec.storage.endpoint_url, region=spec.storage.region)
     config = variant.config_from_export(exported)
     layout = served_layout(spec, config)
     describe(spec, config, device, len(prompts))
+    for prompt_set in sets:
+        log.info("prompt set %s: %s", prompt_set.name, prompt_set.describe())
     bigram = fit_bigram(storage) if "bigram" in settings.baselines else None
     if bigram is not None:
         log.info("bigram baseline: %d tokens' successors from %d pairs in %d of %d chunks (%d of %d tokens)", bigram.fit["previous_tokens"],
                  bigram.fit["pairs"], bigram.fit["chunks_read"], bigram.fit["chunks"], bigram.fit["tokens_read"], bigram.fit["tokens"])
-    kept = KeptPrompts(storage, evaluation_key(spec, storage, DRAFTER_PREFIX, device))
-    results = decode_missing(spec, kept, bigram, prompts, device=device)
-    names = list(results[0].drafted)
+    key = evaluation_key(spec, storage, DRAFTER_PREFIX, device)
+    # The held-out prompts under the evaluation's key, each set under its own beside it.
+    asked = {HELD_OUT: prompts, **{s.name: s.prompts for s in sets}}
+    kept = {name: KeptPrompts(storage, key if name == HELD_OUT else f"{key}-{name}") for name in asked}
+    references = KeptReferences.of(spec, storage, device, layout.drafts + 1)
+    decoder = load_decoder(spec, bigram, device=device)
+    try:
+        decoded = {name: (decode_missing(spec, kept[name], references, decoder, p, device=device), time_prompts(decoder, p[: settings.timed_prompts]))
+                   for name, p in asked.items()}
+    finally:
+        decoder.close()
+    results, timed = decoded[HELD_OUT]
+    block_size = layout.drafts + 1  # the verify block: the anchor and its drafts (DSpark drafts block_size of them)
     report = build_report(
-        greedy=[r.greedy for r in results],
-        drafters={name: [r.drafted[name] for r in results] for name in names},
-        divergences={name: [r.divergences[name] for r in results] for name in names},
-        verify_noise=[r.verify_noise for r in results],
+        **figures(results), timed=timed,
         simulated={variant.name: [r.simulated for r in results]},
         calibration={variant.name: [r.confidences for r in results]} if results[0].confidences is not None else None,
         trees={variant.name: [r.trees for r in results]} if results[0].trees is not None else None,
-        # The verify block: the anchor and its drafts (a drafter that samples from the anchor drafts block_size of them).
-        block_size=layout.drafts + 1, dtype=eval_dtype(device),
+        prompt_sets={s.name: prompt_set_table(s.describe(), **figures(decoded[s.name][0]), timed=decoded[s.name][1], block_size=block_size)
+                     for s in sets},
+        block_size=block_size, dtype=eval_dtype(device),
         target=spec.target.model, drafter=drafter_url(spec), drafter_variant=variant.name, prompts=len(prompts),
         max_new_tokens=settings.max_new_tokens, processes=min(settings.processes, len(prompts)), device=str(device),
         vllm_serve=run_serve_command(spec, exported), bigram=bigram.fit if bigram is not None else None,
     )
     store_report(storage, report)
-    kept.clear()  # the report holds them now
+    for results_kept in kept.values():
+        results_kept.clear()  # the report holds them now
     log.info("serve it with vLLM:\n%s", report["vllm_serve"])
     return report
 
 
-def decode_missing(spec: RunSpec, kept: KeptPrompts, bigram: BigramTable | None, prompts: list[torch.Tensor], *,
+def figures(results: list[PromptResult]) -> dict[str, Any]:
+    """The decodings of every prompt, by drafter, as build_report and prompt_set_table take them."""
+    names = list(results[0].drafted)
+    return {
+        "greedy": [r.greedy for r in results],
+        "drafters": {name: [r.drafted[name] for r in results] for name in names},
+        "divergences": {name: [r.divergences[name] for r in results] for name in names},
+        "verify_noise": [r.verify_noise for r in results],
+    }
+
+
+def decode_missing(spec: RunSpec, kept: KeptPrompts, references: KeptReferences, decoder: PromptDecoder, prompts: list[torch.Tensor], *,
                    device: torch.device) -> list[PromptResult]:
     """Every prompt's result, in prompt order: those an earlier run of this evaluation kept (evaluate/kept.py),
-    the others decoded now (in eval.processes workers, each loading its own target and drafter) and kept as they come."""
+    the others decoded now (by `decoder`, or in eval.processes workers, each loading its own target and
+    drafter) and kept as they come; greedy's decoding of each is taken from `references` where an
+    evaluation on the same target and prompts computed it, and kept there where not."""
     results = kept.load(prompts)
     missing = [i for i in range(len(prompts)) if i not in results]
     if results:
         log.info("%d of %d prompts were decoded by an earlier run of this evaluation (kept under %s): decoding the other %d",
                  len(results), len(prompts), kept.prefix, len(missing))
     if missing:
-        decode = decode_in_processes if min(spec.eval.processes, len(missing)) > 1 else decode_here
-        decoded = decode(spec, bigram, [prompts[i] for i in missing], device=device)
+        known = references.load(prompts)
+        if known:
+            log.info("greedy's decodings of %d prompts were computed by an earlier evaluation on the same target (kept under %s)",
+                     len(known), references.kept.prefix)
+        asked = [(prompts[i], known.get(i)) for i in missing]
+        if min(spec.eval.processes, len(missing)) > 1:
+            decoded = decode_in_processes(spec, decoder.bigram, asked, device=device)
+        else:
+            decoded = decode_here(decoder, asked)
+        decoded = references.keeping(missing, prompts, known, decoded)
         results.update(zip(missing, log_progress(kept.keeping(missing, prompts, decoded), len(missing))))
     return [results[i] for i in range(len(prompts))]
 

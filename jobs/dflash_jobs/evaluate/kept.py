@@ -6,7 +6,7 @@ the baselines and by trees, on a target that can be 27B), and the report is buil
 at the end: an evaluation stopped one prompt before its report lost every prompt before. Each
 prompt's result is stored when it is decoded, as JSON (storage holds data, never code: no pickle),
 under eval/prompts/<key>/, and removed once the report is stored. `key` fingerprints what the
-results depend on: the evaluation's settings (but not how many prompts or worker processes), the
+results depend on: the evaluation's settings (but not how many prompts, timed or not, or worker processes), the
 target, the exported drafter's files (their sizes and modification times: a retrained drafter is
 another evaluation) and the device's kind; each file also holds its prompt's tokens, checked when it
 is read back, so a result is never taken for another prompt. A resumed prompt keeps the seconds its
@@ -20,7 +20,7 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -54,19 +54,27 @@ class PromptResult:
     """The trained drafter's draft trees, decoded and exact (evaluate/trees.py); None without eval.tree_budgets."""
 
 
+EVALUATION_ONLY = ("prompts", "processes", "timed_prompts", "prompt_sets", "reference_cache")
+"""eval settings a prompt's result does not depend on: how many prompts, timed or not, worker processes,
+the other prompt sets (each set's results are kept under a key of their own), where greedy's are shared."""
+
+
 def evaluation_key(spec: RunSpec, storage: Storage, drafter_prefix: str, device: torch.device) -> str:
     """What a prompt's result depends on besides the prompt, as 16 hex digits (the module docstring)."""
-    settings = {name: value for name, value in dataclasses.asdict(spec.eval).items() if name not in ("prompts", "processes")}
+    settings = {name: value for name, value in dataclasses.asdict(spec.eval).items() if name not in EVALUATION_ONLY}
     drafter = {key: [modified, getattr(storage.stat(key), "size", None)] for key, modified in sorted(storage.list_modified(drafter_prefix).items())}
     about = {"eval": settings, "target": dataclasses.asdict(spec.target), "drafter": drafter, "device": device.type}
     return hashlib.sha256(json.dumps(about, sort_keys=True).encode()).hexdigest()[:16]
 
 
 class KeptPrompts:
-    """The results of one evaluation (`key`) that storage already holds, and the keeping of new ones."""
+    """The results of one evaluation (`key`) that storage already holds, and the keeping of new ones.
+    `prefix` and the codec (to JSON, from JSON) keep other per-prompt records alike (evaluate/reference.py)."""
 
-    def __init__(self, storage: Storage, key: str) -> None:
-        self.storage, self.prefix = storage, f"{KEPT_PREFIX}{key}/"
+    def __init__(self, storage: Storage, key: str, *, prefix: str = KEPT_PREFIX,
+                 codec: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None) -> None:
+        self.storage, self.prefix = storage, f"{prefix}{key}/"
+        self.to_json, self.from_json = codec or (result_to_json, result_from_json)
 
     def load(self, prompts: list[torch.Tensor]) -> dict[int, PromptResult]:
         """The kept result of each prompt that has one, by its index; a file of another prompt's tokens is ignored."""
@@ -75,15 +83,18 @@ class KeptPrompts:
             document = json.loads(self.storage.get_bytes(key))
             index = document["index"]
             if document.get("format") == FORMAT and index < len(prompts) and document["prompt"] == prompts[index].tolist():
-                found[index] = result_from_json(document["result"])
+                found[index] = self.from_json(document["result"])
         return found
 
     def keeping(self, indices: list[int], prompts: list[torch.Tensor], results: Iterable[PromptResult]) -> Iterator[PromptResult]:
         """`results` (of prompts[i] for i in indices, in that order), each stored as it comes."""
         for index, result in zip(indices, results):
-            document = {"format": FORMAT, "index": index, "prompt": prompts[index].tolist(), "result": result_to_json(result)}
-            self.storage.put_bytes(f"{self.prefix}{index:06d}.json", json.dumps(document).encode())
+            self.keep(index, prompts[index], result)
             yield result
+
+    def keep(self, index: int, prompt: torch.Tensor, result: Any) -> None:
+        document = {"format": FORMAT, "index": index, "prompt": prompt.tolist(), "result": self.to_json(result)}
+        self.storage.put_bytes(f"{self.prefix}{index:06d}.json", json.dumps(document).encode())
 
     def clear(self) -> None:
         for key in self.storage.list(self.prefix):

@@ -98,7 +98,14 @@ def divergences(
 ) -> list[Divergence]:
     """Every position of `output` that greedy would not choose after the output's own prefix; [] when
     `output` is greedy's (`reference`). Greedy runs along the output one token per step, as plain
-    greedy does, so its record at the first difference is the reference's own."""
+    greedy does, so its record at the first difference is the reference's own.
+
+    Where greedy along the output agrees with every one of its tokens and the output is still not
+    the reference, greedy itself chose otherwise over the same prefix in its two runs (a tie its
+    rounding broke both ways): the first position where the two differ is judged, by the
+    reference's record there and the output's token's logit over that same prefix. Only outputs
+    that agree up to the shorter one's end differ by their lengths (a loop that went past a stop
+    token or max_new_tokens, or stopped short of both)."""
     output = list(output)
     if output == reference.tokens:
         return []
@@ -109,9 +116,11 @@ def divergences(
     ]
     if found:
         return found
-    # Every token greedy's choice, and still not greedy's output: the two end at different lengths
-    # (a loop that went past a stop token or max_new_tokens, or stopped short of both).
     end = min(len(output), len(reference.tokens))
+    first = next((i for i in range(end) if output[i] != reference.tokens[i]), None)
+    if first is not None:
+        return [Divergence(first, output[first], reference.tokens[first], reference.runners_up[first], reference.margins[first],
+                           reference.top_logits[first], along.forced_logits[first])]
     return [Divergence(end, output[end] if end < len(output) else None, None, None, None, None)]
 
 

@@ -200,16 +200,19 @@ def summarize_simulated(
 
 def summarize(
     decoded: Sequence[Decoded], greedy: Sequence[Decoded], block_size: int, *, divergences: Sequence[Sequence[Divergence]], tie_tolerance: float,
+    timed: tuple[Sequence[Decoded], Sequence[Decoded]] | None = None,
 ) -> dict[str, Any]:
     """The figures of one drafter against plain greedy on the same prompts; `divergences` holds, per
-    prompt, where its output leaves greedy's (lossless.divergences), judged at `tie_tolerance`."""
+    prompt, where its output leaves greedy's (lossless.divergences), judged at `tie_tolerance`.
+    tokens_per_second and speedup come from `timed` (the drafter's and greedy's decodings of the
+    timed subset) where given, else from `decoded` and `greedy` themselves."""
     for prompt, (d, g, found_here) in enumerate(zip(decoded, greedy, divergences, strict=True)):
         if (d.tokens != g.tokens) != bool(found_here):
             raise ValueError(f"prompt {prompt}: the output {'differs from' if d.tokens != g.tokens else 'equals'} greedy's, "
                              f"but its divergences say otherwise ({len(found_here)}): pass lossless.divergences of this output")
     found = mismatches(divergences, tie_tolerance)
     real = sum(not m["tie"] for m in found)
-    speed, baseline = tokens_per_second(decoded), tokens_per_second(greedy)
+    speed, baseline = (tokens_per_second(d) for d in (timed or (decoded, greedy)))
     prompts = per_prompt(decoded)
     return {
         "acceptance_length": acceptance_length(decoded),

@@ -8,7 +8,11 @@ report.json (format dflash.eval/v1):
               rounding, measured on this run (evaluate/lossless.py verify_noise): the largest change a
               verify forward made to greedy's top-1 minus top-2 logit over `positions` positions; `rule`
               says which divergences it makes ties (lossless.TIE_RULE)
-    greedy:   {tokens, tokens_per_second, per_prompt {tokens, seconds}}   plain greedy decoding, the reference
+    timed:    {prompts, warm_up, processes, figures}: the speeds' source: the first `prompts` held-out prompts
+              decoded by greedy and by every drafter as served, one after another in one process, after
+              `warm_up` untimed prompt(s) (evaluator.time_prompts); every other figure comes from all prompts
+    greedy:   {tokens, tokens_per_second, per_prompt {tokens, seconds}}   plain greedy decoding, the reference;
+              tokens_per_second from the timed subset, per_prompt from the figures' pass
     drafters: {name: metrics.summarize(...)}          the trained drafter under its variant's name (drafter_variant:
               dflash, dflash2, dspark), and the baselines eval.baselines names (evaluate/baselines.py):
               "prompt_lookup", training-free, and "bigram", the table described under `bigram`;
@@ -25,7 +29,9 @@ report.json (format dflash.eval/v1):
               per_prompt {committed, verify_steps, tokens, seconds}: one list each, a value a held-out
               prompt in prompt order (metrics.per_prompt): committed tokens (accepted drafts and bonus
               tokens) and verify steps, so that acceptance_length = sum(committed) / sum(verify_steps) and
-              verify_steps is the sum of its list; the output's tokens and the decoding's seconds;
+              verify_steps is the sum of its list; the output's tokens and the decoding's seconds (0 for
+              a baseline, computed along greedy's output: baselines.along_greedy); tokens_per_second and
+              speedup (over greedy's) from the timed subset (`timed`);
               acceptance_length_interval [low, high]: tau's 95% interval over the prompts (`intervals`)
     drafters.<variant>.simulated: metrics.summarize_simulated(...)   the training forward's acceptance on
               the same prompts (evaluate/simulated.py): acceptance_length, acceptance_per_position,
@@ -57,7 +63,10 @@ report.json (format dflash.eval/v1):
               comparison of two decodings (a drafter against a baseline, a tree against its chain, two
               runs' drafters on the same prompts) draws their per_prompt records alike
               (intervals.PairedBootstrap)
-    lossless: true when no drafter, chain or tree, has a real mismatch on any prompt
+    prompt_sets: {name: prompt_set_table(...)} per set of eval.prompt_sets ({} without): source, rows read,
+              prompts, refused {reason: rows} (evaluate/prompt_sets.py), tie_tolerance, timed_prompts,
+              greedy_tokens_per_second, drafters {name: SET_FIGURES}, lossless
+    lossless: true when no drafter, chain or tree, has a real mismatch on any prompt, of any set
     vllm_serve: the shell commands that serve this drafter with its target in vLLM (drafter/serving.py)
 """
 
@@ -78,6 +87,8 @@ from dflash_jobs.evaluate.trees import PromptTrees, summarize_coverage, summariz
 from dflash_jobs.formats import EVAL_PLOT_KEY, EVAL_REPORT_KEY
 
 REPORT_FORMAT = "dflash.eval/v1"
+GREEDY = "greedy"
+"""The timed subset's key of plain greedy decoding, beside the drafters' names."""
 
 
 def build_report(
@@ -85,17 +96,21 @@ def build_report(
     verify_noise: Sequence[Sequence[float]], block_size: int, dtype: torch.dtype,
     simulated: Mapping[str, Sequence[Sequence[int]]] | None = None,
     calibration: Mapping[str, Sequence[Sequence[Sequence[float]]]] | None = None,
-    trees: Mapping[str, Sequence[PromptTrees]] | None = None, **about: Any,
+    trees: Mapping[str, Sequence[PromptTrees]] | None = None, timed: Mapping[str, Sequence[Decoded]] | None = None,
+    prompt_sets: Mapping[str, dict[str, Any]] | None = None, **about: Any,
 ) -> dict[str, Any]:
     """The report of one evaluation. Per prompt: `divergences` maps a drafter to where its output
     leaves greedy's, `verify_noise` holds the target's verify-against-decode rounding
     (evaluate/lossless.py), `simulated` maps a drafter to its teacher-forced accepted drafts per
     anchor, `calibration` a drafter with a confidence head to its survival probabilities per verify
-    step and draft, `trees` a drafter to its draft trees (evaluate/trees.py); `about` holds what was
-    evaluated (target, drafter, prompts, ...)."""
+    step and draft, `trees` a drafter to its draft trees (evaluate/trees.py), `timed` greedy
+    (GREEDY) and each drafter to their decodings of the timed subset (the speeds; None: from the
+    figures' own decodings), `prompt_sets` each named set's table (prompt_set_table); `about`
+    holds what was evaluated (target, drafter, prompts, ...)."""
     tolerance = tie_tolerance(verify_noise, block_size)
     summaries = {
-        name: summarize(decoded, greedy, block_size, divergences=divergences[name], tie_tolerance=tolerance["value"])
+        name: summarize(decoded, greedy, block_size, divergences=divergences[name], tie_tolerance=tolerance["value"],
+                        timed=(timed[name], timed[GREEDY]) if timed else None)
         for name, decoded in drafters.items()
     }
     for name, anchors in (simulated or {}).items():
@@ -112,11 +127,37 @@ def build_report(
         "dtype": str(dtype).removeprefix("torch."),
         "tie_tolerance": tolerance,
         "block_size": block_size,
-        "greedy": {"tokens": sum(len(d.tokens) for d in greedy), "tokens_per_second": tokens_per_second(greedy),
+        "timed": {"prompts": len(timed[GREEDY]) if timed else len(greedy), "warm_up": 1, "processes": 1 if timed else about.get("processes"),
+                  "figures": "tokens_per_second and speedup" if timed else "every figure, speeds included, from every prompt"},
+        "greedy": {"tokens": sum(len(d.tokens) for d in greedy), "tokens_per_second": tokens_per_second(timed[GREEDY] if timed else greedy),
                    "per_prompt": {key: values for key, values in per_prompt(greedy).items() if key in ("tokens", "seconds")}},
         "drafters": summaries,
         "intervals": PairedBootstrap(len(greedy)).describe(),
-        "lossless": all(s["lossless"] and s.get("tree", {}).get("lossless", True) for s in summaries.values()),
+        "prompt_sets": dict(prompt_sets or {}),
+        "lossless": (all(s["lossless"] and s.get("tree", {}).get("lossless", True) for s in summaries.values())
+                     and all(table["lossless"] for table in (prompt_sets or {}).values())),
+    }
+
+
+SET_FIGURES = ("acceptance_length", "acceptance_length_interval", "acceptance_per_position", "verify_steps", "tokens",
+               "tokens_per_second", "speedup", "lossless", "mismatching_prompts", "real_mismatches")
+"""A drafter's figures in a prompt set's table, as summarize gives them."""
+
+
+def prompt_set_table(about: Mapping[str, Any], *, greedy: Sequence[Decoded], drafters: Mapping[str, Sequence[Decoded]],
+                     divergences: Mapping[str, Sequence[Sequence[Divergence]]], verify_noise: Sequence[Sequence[float]],
+                     timed: Mapping[str, Sequence[Decoded]], block_size: int) -> dict[str, Any]:
+    """One named prompt set's table (eval.prompt_sets), as published tables give a drafter: per drafter
+    tau with its interval over the set's prompts, acceptance per position, and tokens/s and speed-up
+    over greedy on the set's timed subset; the lossless verdict at the set's own tie tolerance."""
+    tolerance = tie_tolerance(verify_noise, block_size)
+    summaries = {name: summarize(decoded, greedy, block_size, divergences=divergences[name], tie_tolerance=tolerance["value"],
+                                 timed=(timed[name], timed[GREEDY])) for name, decoded in drafters.items()}
+    return {
+        **about, "tie_tolerance": tolerance["value"], "timed_prompts": len(timed[GREEDY]),
+        "greedy_tokens_per_second": tokens_per_second(timed[GREEDY]),
+        "drafters": {name: {key: summary[key] for key in SET_FIGURES} for name, summary in summaries.items()},
+        "lossless": all(summary["lossless"] for summary in summaries.values()),
     }
 
 

@@ -50,8 +50,11 @@ class VariantBranches:
         self.drafts = drafts
         self.target_layers = list(drafter.config.target_layer_ids)
 
+    reads_host = True
+    """A tree is built on the host from the anchor's token: tree_decode gives the committed tokens as a host list."""
+
     @torch.inference_mode()
-    def branches(self, tokens: torch.Tensor, context: torch.Tensor | None) -> Branches:
+    def branches(self, tokens: torch.Tensor | Sequence[int], context: torch.Tensor | None) -> Branches:
         anchor_position = len(tokens) - 1
         positions = torch.arange(anchor_position, device=context.device)
         hidden = self.drafter.block_hidden(context[None], positions, int(tokens[-1]), anchor_position)

@@ -3,6 +3,7 @@ eval and local, each validating its own fields."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -206,6 +207,10 @@ class GenerateSpec:
 
 
 
+PROMPT_SET_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
+"""An eval.prompt_sets name: a key of the report and of the kept results."""
+
+
 @dataclass(kw_only=True, slots=True)
 class EvalSpec:
     prompts: int = 32
@@ -216,13 +221,26 @@ class EvalSpec:
     processes: int = 1
     """Worker processes decoding prompts at once on the evaluation's device, each with its own copy of
     the target and drafter: a small target is bound by Python and kernel launches and fits many
-    times on one GPU; a 27B one fits once, so keep 1 there. Tokens/s are then measured under the
-    workers' contention (greedy and drafters alike, so the speed-ups stay comparable)."""
+    times on one GPU; a 27B one fits once, so keep 1 there. Only the figures come from them: the
+    speeds come from eval.timed_prompts, decoded in one process after the workers are done."""
+    timed_prompts: int = 16
+    """Held-out prompts (the first ones) that greedy and every drafter decode again one after another,
+    alone on the device after a warm-up: the tokens/s and speed-ups of the report come from them."""
     tree_budgets: list[int] = field(default_factory=lambda: [16, 32, 64])
     """Node budgets of the draft trees (DDTree) the trained drafter is also evaluated with, beside the
     chain's own budget (as many nodes as it drafts), which is always added: each tree decodes every
     prompt for real (one verify forward of budget + 1 tokens a step) and its acceptance is computed
     exactly at every verify step of the chain. [] evaluates the chain alone."""
+    prompt_sets: dict[str, str] = field(default_factory=dict)
+    """Named prompt sets evaluated beside the held-out prompts, a table each (tau with its interval,
+    acceptance per position, speed-up): name -> a chat JSONL file or s3:// object ({"messages": [...]}
+    rows, as MT-Bench, HumanEval or GSM8K are given), each row's prompt its conversation through its
+    last user turn; up to eval.prompts prompts a set, rows without a user turn or too long counted.
+    `dflashctl eval --prompt-set NAME=FILE` adds one."""
+    reference_cache: str | None = None
+    """Where greedy's decodings of the prompts are kept for every evaluation on the same target, prompts
+    and settings (evaluate/reference.py): a local path or s3:// prefix several runs share (the quality
+    benchmark's chains, `dflashctl eval` of several drafters); null: the run's own output."""
     baselines: list[str] = field(default_factory=lambda: list(BASELINES))
     """The untrained drafters decoded beside the trained one on the same prompts: prompt_lookup and bigram
     (a table fitted on the run's training rows). Each decodes every prompt again, about a greedy decoding's
@@ -233,6 +251,7 @@ class EvalSpec:
         _positive("eval.prompts", self.prompts, minimum=1)
         _positive("eval.max_new_tokens", self.max_new_tokens, minimum=1)
         _positive("eval.processes", self.processes, minimum=1)
+        _positive("eval.timed_prompts", self.timed_prompts, minimum=1)
         if not isinstance(self.tree_budgets, list):
             raise SpecError("eval.tree_budgets", self.tree_budgets, "a list of node budgets such as [16, 32, 64], or [] for none")
         for budget in self.tree_budgets:
@@ -241,6 +260,14 @@ class EvalSpec:
                                 f"node budgets from 1 to {MAX_TREE_BUDGET} (the tokens one verify forward holds besides the anchor)")
         if len(set(self.tree_budgets)) != len(self.tree_budgets):
             raise SpecError("eval.tree_budgets", self.tree_budgets, "distinct node budgets")
+        if not isinstance(self.prompt_sets, dict):
+            raise SpecError("eval.prompt_sets", self.prompt_sets, "a mapping of set names to chat JSONL files, e.g. {mt_bench: s3://bucket/mt_bench.jsonl}")
+        for name, source in self.prompt_sets.items():
+            if not isinstance(name, str) or not PROMPT_SET_NAME.fullmatch(name):
+                raise SpecError("eval.prompt_sets", name, "set names of letters, digits, '_' and '-', starting with a letter (report keys)")
+            _check_location(f"eval.prompt_sets.{name}", source, what="a chat JSONL file")
+        if self.reference_cache is not None:
+            _check_location("eval.reference_cache", self.reference_cache, what="where greedy's decodings are shared")
         if (not isinstance(self.baselines, list) or not all(isinstance(name, str) and name in BASELINES for name in self.baselines)
                 or len(set(self.baselines)) != len(self.baselines)):
             raise SpecError("eval.baselines", self.baselines, f"a list of distinct baselines from {list(BASELINES)}, or [] for none")

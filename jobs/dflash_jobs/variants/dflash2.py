@@ -11,7 +11,7 @@ import torch
 
 from dflash_jobs.drafter.dflash2_model import DFlash2Config, DFlash2Drafter
 from dflash_jobs.drafter.export import MODELING_FILES, write_export
-from dflash_jobs.drafter.model import DrafterConfig
+from dflash_jobs.drafter.model import DrafterConfig, anchor_ids
 from dflash_jobs.drafter.tree import ConditionalBranches
 from dflash_jobs.errors import SpecError
 from dflash_jobs.spec import TrainSpec
@@ -58,7 +58,7 @@ def branches(drafter: DFlash2Drafter, hidden: torch.Tensor, anchor: int) -> Cond
 
     def edges(depth: int, parent: int) -> tuple[torch.Tensor, torch.Tensor]:
         slot = depth - 1
-        predecessor = torch.tensor(parent, device=candidates.device)
+        predecessor = anchor_ids(parent, candidates.device)  # filled on the device: no copy from the host to wait on
         return selector.scores(projected[slot], unary[slot], candidates[slot], predecessor), candidates[slot]
 
     return ConditionalBranches(edges, anchor, depths=len(slots))

@@ -12,7 +12,7 @@ import torch
 
 from dflash_jobs.drafter.dspark_export import export_dspark
 from dflash_jobs.drafter.dspark_model import DSparkConfig, DSparkDrafter
-from dflash_jobs.drafter.model import DrafterConfig
+from dflash_jobs.drafter.model import DrafterConfig, anchor_ids
 from dflash_jobs.drafter.tree import ConditionalBranches
 from dflash_jobs.spec import TrainSpec
 from dflash_jobs.train.dspark_loss import RATIOS, dspark_objective, previous_tokens
@@ -38,7 +38,7 @@ def branches(drafter: DSparkDrafter, hidden: torch.Tensor, anchor: int) -> Condi
 
     def biased(depth: int, parent: int) -> tuple[torch.Tensor, None]:
         logits = base[depth - 1]
-        return logits + head(head.markov_w1(torch.tensor([parent], device=logits.device)))[0].to(logits.dtype), None
+        return logits + head(head.markov_w1(anchor_ids(parent, logits.device)))[0].to(logits.dtype), None  # filled on the device
 
     return ConditionalBranches(biased, anchor, depths=len(base))
 

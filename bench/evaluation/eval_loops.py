@@ -1,0 +1,192 @@
+"""The evaluation's verify loop before and after issue 49, side by side: speculative decoding's
+tokens/s against plain greedy's at batch 1, with the host syncs and kernel launches that explain it.
+
+    python bench/evaluation/eval_loops.py --shape tiny --before /tmp/before_speculative.py --out /tmp/eval-loops-tiny.json
+    python bench/evaluation/eval_loops.py --shape smollm2 --before before_speculative.py --out $OUT/eval-loops-h100.json
+
+`--before` is drafter/speculative.py as it was before (it imports torch and transformers only, so it
+loads beside today's): `git show dd571ce:jobs/dflash_jobs/drafter/speculative.py > before_speculative.py`.
+Each loop decodes with its own module's Target, greedy_decode, speculative_decode and ModelDrafter.
+
+What is built (random weights: timing does not depend on their values): the target, a Llama of
+SmolLM2-135M's shape (hidden 576, 30 layers, 9 heads, 3 KV heads, intermediate 1536, vocab 49152,
+tied embeddings), bf16 on a GPU; or `--shape tiny`, a small Llama in fp32 on the CPU. The drafter,
+dflash_jobs.drafter.model.Drafter of the target's width (5 layers, blocks of 16, 5 target layers),
+runs its real forward every step; its drafts are then replaced, on the device, by greedy's next
+tokens for the first `--right` slots and wrong ones after (PacedDrafter): acceptance is set (tau =
+1 + right, 2 by default) while the drafter's cost stays real.
+
+Stages, each written to the JSON as it ends: `before`, `after`, `after`, `before` (both orders, each
+after one untimed warm-up prompt), each timing greedy and speculative decoding over the same
+prompts; then `counts`, per loop: host reads (drafter/host_reads.py, every device) and, on a GPU,
+CUDA's own count of syncs (torch.cuda.set_sync_debug_mode) and the kernels launched (the profiler),
+per greedy token and per verify step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from dflash_jobs.drafter import speculative as after_module
+from dflash_jobs.drafter.host_reads import HostReads
+from dflash_jobs.drafter.model import Drafter, DrafterConfig
+
+SHAPES = {
+    "smollm2": {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                "intermediate_size": 1536, "vocab_size": 49152},
+    "tiny": {"hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 128, "vocab_size": 512},
+}
+RUNS = {"smollm2": {"prompts": 8, "prompt_tokens": 128, "new_tokens": 128}, "tiny": {"prompts": 3, "prompt_tokens": 16, "new_tokens": 24}}
+BLOCK = 16
+ORDER = ("before", "after", "after", "before")
+
+
+def build(shape: str, device: torch.device, dtype: torch.dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dims = SHAPES[shape]
+    torch.manual_seed(0)
+    config = LlamaConfig(**dims, head_dim=dims["hidden_size"] // dims["num_attention_heads"], tie_word_embeddings=True,
+                         max_position_embeddings=8192, rope_theta=100000.0)
+    model = LlamaForCausalLM(config).to(device, dtype).eval()
+    depth = dims["num_hidden_layers"]
+    layers = sorted({1 + round(i * (depth - 4) / 4) for i in range(5)})  # evenly spaced 1..n-3, the z-lab rule
+    drafter_config = DrafterConfig(hidden_size=dims["hidden_size"], num_attention_heads=dims["num_attention_heads"],
+                                   num_key_value_heads=dims["num_key_value_heads"], head_dim=config.head_dim,
+                                   intermediate_size=dims["intermediate_size"], vocab_size=dims["vocab_size"], target_layer_ids=layers,
+                                   num_target_layers=depth, block_size=BLOCK, mask_token_id=dims["vocab_size"] - 1)
+    drafter = Drafter(drafter_config)
+    drafter.load_target_tensors(model.get_input_embeddings().weight, model.get_output_embeddings().weight, model.model.norm.weight)
+    return model, drafter.to(device, dtype).eval(), layers
+
+
+class PacedDrafter:
+    """A BlockDrafter that runs the real drafter, then drafts greedy's next tokens in its first `right`
+    slots and a wrong token in the others (on the device: no read)."""
+
+    def __init__(self, served, continuation: torch.Tensor, right: int, vocab_size: int) -> None:
+        self.served, self.continuation, self.right, self.vocab_size = served, continuation, right, vocab_size
+        self.block_size, self.drafts, self.target_layers = served.block_size, served.drafts, served.target_layers
+
+    def propose(self, tokens, context):
+        drafts = self.served.propose(tokens, context)
+        truth = self.continuation[len(tokens) : len(tokens) + len(drafts)]
+        right = torch.arange(len(truth), device=truth.device) < self.right
+        return torch.where(right, truth, (truth + 1) % self.vocab_size)
+
+
+def load_before(path: str):
+    spec = importlib.util.spec_from_file_location("before_speculative", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def decode_all(loop, model, drafter, layers, prompts, continuations, *, new_tokens: int, right: int):
+    """Greedy then speculative decoding of every prompt with `loop`'s functions: their decodings."""
+    greedy = [loop.greedy_decode(loop.Target(model), p, max_new_tokens=new_tokens, stop_ids=frozenset()) for p in prompts]
+    target = loop.Target(model, layers)
+    try:
+        spec = [loop.speculative_decode(target, PacedDrafter(loop.ModelDrafter(drafter, drafts=BLOCK - 1), c, right, model.config.vocab_size),
+                                        p, max_new_tokens=new_tokens, stop_ids=frozenset()) for p, c in zip(prompts, continuations)]
+    finally:
+        target.close()
+    return greedy, spec
+
+
+def speeds(greedy, spec) -> dict:
+    rate = lambda decoded: sum(len(d.tokens) for d in decoded) / sum(d.seconds for d in decoded)  # noqa: E731
+    steps = sum(len(d.accepted) for d in spec)
+    return {"greedy_tokens_per_second": rate(greedy), "speculative_tokens_per_second": rate(spec), "speedup": rate(spec) / rate(greedy),
+            "acceptance_length": sum(len(d.tokens) - 1 for d in spec) / steps, "verify_steps": steps,
+            "outputs_equal_greedy": sum(s.tokens == g.tokens for s, g in zip(spec, greedy))}
+
+
+def counted(run, device: torch.device) -> dict:
+    """Host reads and ops dispatched (any device); CUDA's syncs and kernels on a GPU."""
+    with HostReads() as reads:
+        run()
+    found = {"host_reads": reads.total, "ops": reads.ops}
+    if device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                run()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        found["cuda_syncs"] = sum("synchroniz" in str(w.message) for w in caught)
+        with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+            run()
+        found["kernels"] = sum(1 for e in profiler.events() if e.device_type.name == "CUDA")
+    return found
+
+
+def counts(loop, model, drafter, layers, prompt, continuation, *, new_tokens: int, right: int, device: torch.device) -> dict:
+    greedy = counted(lambda: loop.greedy_decode(loop.Target(model), prompt, max_new_tokens=new_tokens, stop_ids=frozenset()), device)
+    decoded = []
+    spec = counted(lambda: decoded.append(decode_all(loop, model, drafter, layers, [prompt], [continuation], new_tokens=new_tokens,
+                                                     right=right)[1][0]), device)
+    # decode_all's greedy decoding is in `spec` too: take the greedy run's counts off.
+    spec = {key: value - greedy[key] for key, value in spec.items()}
+    steps = len(decoded[-1].accepted)
+    return {"greedy_per_token": {k: v / new_tokens for k, v in greedy.items()}, "speculative_per_step": {k: v / steps for k, v in spec.items()},
+            "verify_steps": steps}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="smollm2")
+    parser.add_argument("--before", required=True, help="drafter/speculative.py as it was before (see the module docstring)")
+    parser.add_argument("--right", type=int, default=1, help="greedy's tokens drafted a block: tau = 1 + right")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    run = RUNS[args.shape]
+    loops = {"before": load_before(args.before), "after": after_module}
+    model, drafter, layers = build(args.shape, device, dtype)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, SHAPES[args.shape]["vocab_size"] - 1, (run["prompt_tokens"],), generator=generator) for _ in range(run["prompts"])]
+    with torch.inference_mode():
+        reference = [after_module.greedy_decode(after_module.Target(model), p, max_new_tokens=run["new_tokens"], stop_ids=frozenset()) for p in prompts]
+    continuations = [torch.cat([p, torch.tensor(r.tokens)]).to(device) for p, r in zip(prompts, reference)]
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    result = {"command": " ".join(sys.argv), "shape": args.shape, "device": machine,
+              "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."), "batch": 1, "block_size": BLOCK, "right": args.right,
+              **run, "runs": []}
+    out = Path(args.out)
+    decode = dict(new_tokens=run["new_tokens"], right=args.right)
+    for name in ORDER:
+        loop = loops[name]
+        decode_all(loop, model, drafter, layers, prompts[:1], continuations[:1], **decode)  # warm-up
+        started = time.perf_counter()
+        result["runs"].append({"loop": name, **speeds(*decode_all(loop, model, drafter, layers, prompts, continuations, **decode)),
+                               "wall_seconds": time.perf_counter() - started})
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    result["summary"] = {name: {key: sum(r[key] for r in result["runs"] if r["loop"] == name) / 2
+                                for key in ("greedy_tokens_per_second", "speculative_tokens_per_second", "speedup", "acceptance_length")}
+                         for name in loops}
+    result["counts"] = {name: counts(loop, model, drafter, layers, prompts[0], continuations[0], device=device, **decode)
+                        for name, loop in loops.items()}
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({"summary": result["summary"], "counts": result["counts"]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
