@@ -110,23 +110,3 @@ def test_a_hybrid_target_decodes_with_generate_and_a_dense_one_with_the_static_c
     hybrid = AutoModelForCausalLM.from_pretrained(target_of("qwen3_5"), dtype=torch.float32)
     assert isinstance(pick_decoder(hybrid, stop_ids={1}, pad_id=0), HfGenerate)
     assert isinstance(pick_decoder(llama, stop_ids={1}, pad_id=0), StaticDecoder)
-
-
-def test_grouped_decode_attention_equals_transformers_sdpa_without_copying_the_cache():
-    """One query token a row, 9 query heads on 3 key/value heads, a mask hiding some columns: the same
-    output as Transformers' SDPA (which repeats every key/value head three times first)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    from dflash_jobs.generate.decoding import grouped_decode_attention
-
-    generator = torch.Generator().manual_seed(0)
-    query = torch.randn(4, 9, 1, 16, generator=generator)
-    key, value = torch.randn(4, 3, 24, 16, generator=generator), torch.randn(4, 3, 24, 16, generator=generator)
-    mask = torch.rand(4, 1, 1, 24, generator=generator) > 0.3
-    mask[..., 0] = True
-    module = torch.nn.Module()
-    module.num_key_value_groups, module.is_causal = 3, False
-    ours, _ = grouped_decode_attention(module, query, key, value, mask, scaling=0.25)
-    theirs, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
-    assert ours.shape == theirs.shape == (4, 1, 9, 16)
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)

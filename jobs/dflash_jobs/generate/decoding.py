@@ -13,10 +13,6 @@ Why a decoder of our own for a small target: `generate` launches some 15 kernels
 Python and recomputes its masks every step, so a 135M-parameter target leaves an H100 idle between
 launches (issue 48: 160 answers/s). One CUDA graph a step replays the launches at once; the static
 cache gives the graph fixed addresses; the mask is ours, built once, and grows by one column a step.
-A decode step attends through `grouped_decode_attention`: with a mask, Transformers' SDPA path copies
-every key/value head once per query head it serves before the kernel (repeat_kv: for SmolLM2, 3x
-the whole static cache of every layer written and read again each step, most of a step's memory
-traffic); one query token a row needs no copy, as the query heads of a group are that group's queries.
 """
 
 from __future__ import annotations
@@ -54,33 +50,6 @@ def static_cache_supported(model) -> bool:
     text = model.config.get_text_config(decoder=True)
     layer_types = getattr(text, "layer_types", None) or ["full_attention"]
     return all(kind == "full_attention" for kind in layer_types) and getattr(text, "sliding_window", None) in (None, 0)
-
-
-GROUPED_DECODE = "sdpa_grouped_decode"
-"""The attention implementation of the static decoder (registered with Transformers below)."""
-
-
-def grouped_decode_attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0, **kwargs):
-    """SDPA without repeat_kv for one query token a row (query [B, H, 1, d], key/value [B, Hkv, L, d],
-    mask [B, 1, 1, L]): the G = H / Hkv query heads sharing a key/value head are its G queries, in
-    repeat_kv's order (query head h reads key/value head h // G). Anything else goes to Transformers' SDPA."""
-    import torch.nn.functional as F
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    B, H, T, D = query.shape
-    groups = H // key.shape[1]
-    if T != 1 or groups == 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    out = F.scaled_dot_product_attention(query.view(B, key.shape[1], groups, D), key, value, attn_mask=attention_mask, scale=scaling)
-    return out.reshape(B, H, 1, D).transpose(1, 2), None
-
-
-def register_grouped_decode() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(GROUPED_DECODE, grouped_decode_attention)
-    AttentionMaskInterface.register(GROUPED_DECODE, sdpa_mask)
 
 
 def cache_argument(model) -> str:
@@ -155,9 +124,6 @@ class StaticDecoder(BatchDecoder):
 
         B, P = input_ids.shape
         device = input_ids.device
-        if self.model.config._attn_implementation != GROUPED_DECODE:
-            register_grouped_decode()
-            self.model.set_attn_implementation(GROUPED_DECODE)
         length = -(-(P + limit) // CACHE_ALIGN) * CACHE_ALIGN
         cache = StaticCache(config=self.model.config, max_cache_len=length)
         real = attention.bool()
