@@ -118,6 +118,13 @@ def test_a_drafter_trained_online_equals_one_trained_on_stored_states(runs, capl
     steps = [json.loads(line)["step"] for line in (online / "train/metrics.jsonl").read_text().splitlines()]
     assert steps and steps == [json.loads(line)["step"] for line in (stored / "train/metrics.jsonl").read_text().splitlines()]
 
+    # The stored run's checkpoint resumes under online states (the same chunks, the same order): nothing left to train.
+    with caplog.at_level(logging.INFO):
+        assert train_main(["-f", str(write_spec(stored.parent / "so.yaml", spec_dict(target, stored, "online")))]) == EXIT_OK
+    assert f"resumed from checkpoint step {steps[-1]}" in caplog.text
+    again = load_file(stored / "train/drafter/model.safetensors")
+    assert all(torch.equal(first[name], again[name]) for name in first)
+
 
 def test_a_target_that_gives_zeros_fails_the_training_job_as_bad_input(root, tmp_path, caplog):
     broken = tmp_path / "broken-target"

@@ -38,8 +38,10 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> Any: ...
 
 
-RESUMABLE_CHANGES = frozenset({"checkpoint_every", "cache_gb", "cache_storage_class"})
-"""Train settings a resumed run may change: neither touches the data order or the schedule."""
+RESUMABLE_CHANGES = frozenset({"checkpoint_every", "cache_gb", "cache_storage_class", "states"})
+"""Train settings a resumed run may change: none touches the data order or the schedule (online states
+are the stored ones bit for bit, over the same chunks; a checkpoint saved before train.states existed
+resumes under either)."""
 
 
 def _comparable(key: str, value: Any) -> Any:

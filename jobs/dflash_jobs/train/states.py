@@ -50,7 +50,8 @@ class States(Protocol):
 
     def check(self) -> None: ...
 
-    def describe(self) -> dict[str, Any]: ...
+    def describe(self) -> dict[str, Any]:
+        """The chunks and tokens trained on, which a checkpoint records and a resumed run must match."""
 
 
 def load_manifest(storage: Storage) -> Manifest:
@@ -94,7 +95,7 @@ class StoredStates:
         """Stored chunks were checked by verify and are checked against it when fetched."""
 
     def describe(self) -> dict[str, Any]:
-        return {"states": "stored", "chunks": len(self.chunks), "tokens": self.manifest.tokens}
+        return {"chunks": len(self.chunks), "tokens": self.manifest.tokens}
 
 
 class TargetStates:
@@ -144,7 +145,7 @@ class TargetStates:
         self.online.check()
 
     def describe(self) -> dict[str, Any]:
-        return {"states": "online", "chunks": len(self.chunks), "tokens": self.index.tokens}
+        return {"chunks": len(self.chunks), "tokens": self.index.tokens}
 
 
 def open_states(spec: RunSpec, storage: Storage, device: torch.device) -> StoredStates | TargetStates:

@@ -223,7 +223,7 @@ class Trainer:
         state = LoopState()
         meta = {
             "train": spec.to_dict()["train"], "drafter": config.to_dict(), "world_size": runtime.world_size,
-            "data": states.describe(),
+            "manifest": states.describe(),  # the chunks trained on, stored or online (the key checkpoints have always had)
         }
         checkpointer = Checkpointer(
             storage, drafter, {"optimizer": optimizer, "scheduler": scheduler, "data": stream, "loop": state},
