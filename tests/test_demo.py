@@ -156,5 +156,5 @@ def test_the_online_demo_trains_and_evaluates_with_no_hidden_state_stored(tmp_pa
     assert "online states" in result.stdout and f"{dataset['tokens']:,} tokens in {len(dataset['chunks'])} chunks" in result.stdout
     report = json.loads((output / EVAL_REPORT_KEY).read_text())
     assert report["lossless"] is True and report["drafters"]["dflash"]["acceptance_length"] > 1.0
-    train_log = "\n".join(path.read_text() for path in (directory / ".dflash").rglob("*.log") if "train" in path.name)
+    train_log = "\n".join(path.read_text() for path in (directory / ".dflash/logs/demo-train").glob("*.log"))
     assert "online states: the target" in train_log
