@@ -25,7 +25,8 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 from dflash_jobs.architectures import ARCHITECTURE_MODULES, qwen3_5
 from dflash_jobs.drafter.speculative import Decoded, Target, greedy_decode
 from dflash_jobs.drafter.tree import ConditionalBranches, Tree, build_tree
-from dflash_jobs.drafter.tree_verify import TreeLayout, cached_length, commit_path, tree_decode, verify_tree
+from dflash_jobs.architectures.tree import TreeLayout
+from dflash_jobs.drafter.tree_verify import cached_length, commit_path, tree_decode, verify_tree
 from dflash_jobs.evaluate.trees import exact_trees, summarize_trees
 from train_fixtures import LAYERS, tiny_target
 
