@@ -4,7 +4,8 @@ The verify forward runs the root (the anchor: the last committed token, not yet 
 every node of the tree (drafter/tree.py) after the cached tokens, layer by layer with the target's
 own modules; how each kind of decoder layer runs over the tree is its architecture's, by the tree
 protocol of the architecture seam (architectures/tree.py: `TreeLayout`, `TreeStep`, a `TreeMixer`
-per layer type in `TargetArchitecture.tree_mixers`). Nothing is written to the cache during the forward.
+per layer type in `TargetArchitecture.tree_mixers`), which the target carries (`Target.architecture`,
+resolved once when it is built: `tree_target`). Nothing is written to the cache during the forward.
 `commit_path` then hands each kind of layer what its layers kept, and the root and the accepted nodes:
 attention appends their K/V (the positions they were computed at are theirs in the text), the
 recurrent layers set their states to those after the last accepted node, all layers in one call. No
@@ -25,7 +26,7 @@ from transformers.cache_utils import DynamicLayer
 
 from dflash_jobs.architectures import target_architecture
 from dflash_jobs.architectures.tree import KeptRows, TreeLayout, TreeStep
-from dflash_jobs.drafter.speculative import Decoded, Target, finished, on_device, prefill, through_stop
+from dflash_jobs.drafter.speculative import Decoded, Target, finished, on_device, prefill, text_model, through_stop
 from dflash_jobs.drafter.tree import Branches, Tree, build_tree
 
 
@@ -57,9 +58,10 @@ class VerifiedTree:
         return self.logits.argmax(-1)
 
 
-def _text_model(model: nn.Module) -> nn.Module:
-    inner = model.model
-    return getattr(inner, "language_model", inner)
+def tree_target(model: nn.Module, layers: Sequence[int] = ()) -> Target:
+    """The decode-time Target that tree decoding takes: its architecture resolved here, once (from the text
+    model's config, as the checkpoint nests it)."""
+    return Target(model, layers, architecture=target_architecture(text_model(model).config))
 
 
 def cached_length(target: Target) -> int:
@@ -70,9 +72,10 @@ def cached_length(target: Target) -> int:
 @torch.inference_mode()
 def verify_tree(target: Target, root: int, tree: Tree) -> VerifiedTree:
     """The target's greedy token after the root and after every node, in one forward that leaves the cache as it was."""
-    model, device = target.model, target.device
-    text = _text_model(model)
-    mixers = target_architecture(text.config).tree_mixers
+    if target.architecture is None:
+        raise ValueError("tree decoding runs each layer by its architecture: build the target with tree_target(model, layers)")
+    model, device, text = target.model, target.device, target.text
+    mixers = target.architecture.tree_mixers
     layer_types = getattr(text.config, "layer_types", None) or ["full_attention"] * len(text.layers)
     layout = TreeLayout.of(root, tree, cached_length(target), device)
     h = model.get_input_embeddings()(layout.ids)[None]  # [1, n, d]
