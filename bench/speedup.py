@@ -312,6 +312,9 @@ def open_bench(args: argparse.Namespace, device: torch.device, started: float) -
     """The result's header, the models built and described in its setup (saved), the target ready to time."""
     import transformers
 
+    # Here, not at the top: bench/tree_launches.py imports this module under a --baseline's older data plane.
+    from dflash_jobs.drafter.tree_verify import tree_target
+
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     tree_budgets = [int(b) for b in args.tree_budgets.split(",") if b]
     tree_acceptance = {int(budget): float(tau) for budget, tau in (pair.split("=") for pair in args.tree_acceptance)}
@@ -329,7 +332,7 @@ def open_bench(args: argparse.Namespace, device: torch.device, started: float) -
     sync(device)
     b = Bench(args=args, device=device, taus=sorted(set(DEFAULT_TAUS) | set(args.acceptance)), tree_budgets=tree_budgets,
               tree_acceptance=tree_acceptance, started=started, result=result, model=model, drafter=drafter, exported=exported,
-              drafter_config=drafter_config, target=Target(model, drafter_config.target_layer_ids),
+              drafter_config=drafter_config, target=tree_target(model, drafter_config.target_layer_ids),
               full=ModelDrafter(drafter, drafts=drafter_config.block_size - 1), generator=torch.Generator().manual_seed(0))
     describe_setup(b)
     return b

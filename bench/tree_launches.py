@@ -48,8 +48,12 @@ from speedup import target_config  # noqa: E402
 from speedup_trees import COMMITTED_PATH, chain_rows, tree_shape, typical_tree  # noqa: E402
 
 import dflash_jobs  # noqa: E402
-from dflash_jobs.drafter.speculative import Target  # noqa: E402
 from dflash_jobs.drafter.tree_verify import commit_path, verify_tree  # noqa: E402
+
+try:
+    from dflash_jobs.drafter.tree_verify import tree_target
+except ImportError:  # a --baseline's data plane from before the target carried its architecture (issue 51)
+    from dflash_jobs.drafter.speculative import Target as tree_target
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 CONTEXT = 64
@@ -145,7 +149,7 @@ def measure(budgets: list[int], dtype: torch.dtype) -> dict:
     torch.manual_seed(0)
     config = structure_27b()
     model = Qwen3_5ForCausalLM(config).eval().to(dtype)
-    target = Target(model)
+    target = tree_target(model)
     data_plane = Path(dflash_jobs.__file__).parent  # this checkout's (repository-relative), or a baseline's
     result = {"dflash_jobs": str(data_plane.relative_to(REPOSITORY) if data_plane.is_relative_to(REPOSITORY) else data_plane),
               "layers": Counter(config.layer_types), "budgets": {}}

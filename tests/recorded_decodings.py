@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from dflash_jobs.drafter.anchors import anchor_layout
 from dflash_jobs.drafter.speculative import Decoded, ModelDrafter, Target, greedy_decode, speculative_decode
-from dflash_jobs.drafter.tree_verify import tree_decode
+from dflash_jobs.drafter.tree_verify import tree_decode, tree_target
 from dflash_jobs.evaluate.baselines import BigramDrafter, BigramTable, PromptLookupDrafter
 from dflash_jobs.evaluate.trees import VariantBranches
 from dflash_jobs.spec import TrainSpec
@@ -71,7 +71,7 @@ def decode_every_loop(target: Path) -> dict[str, Any]:
             out[variant_name] = record(speculative_decode(Target(model, LAYERS), chain, prompt, max_new_tokens=NEW_TOKENS, stop_ids=stop))
             for budget in BUDGETS:
                 out[f"{variant_name}-tree-{budget}"] = record(
-                    tree_decode(Target(model, LAYERS), branches, prompt, budget=budget, max_new_tokens=NEW_TOKENS, stop_ids=stop))
+                    tree_decode(tree_target(model, LAYERS), branches, prompt, budget=budget, max_new_tokens=NEW_TOKENS, stop_ids=stop))
     for prompt, out in zip(asked, recorded):
         for name, baseline in (("prompt_lookup", PromptLookupDrafter(BLOCK)), ("bigram", BigramDrafter(table, BLOCK))):
             out[name] = record(speculative_decode(Target(model), baseline, prompt, max_new_tokens=NEW_TOKENS, stop_ids=stop))

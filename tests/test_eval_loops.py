@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from dflash_jobs.drafter.anchors import anchor_layout
 from dflash_jobs.drafter.host_reads import HostReads
 from dflash_jobs.drafter.speculative import Decoded, ModelDrafter, Target, greedy_decode, speculative_decode
-from dflash_jobs.drafter.tree_verify import tree_decode
+from dflash_jobs.drafter.tree_verify import tree_decode, tree_target
 from dflash_jobs.evaluate.baselines import BigramDrafter, PromptLookupDrafter, along_greedy
 from dflash_jobs.evaluate.calibration import recorder_for
 from dflash_jobs.evaluate.lossless import divergences, is_tie, mismatches
@@ -119,7 +119,7 @@ def test_every_loop_takes_the_lower_token_id_at_an_exact_tie(tied, each_target):
     table = bigram_of([greedy.tokens, [high if t == low else t for t in greedy.tokens]])
     decoded = {
         "chain": speculative_decode(Target(model, LAYERS), ModelDrafter(drafter, drafts=drafts), prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP),
-        "tree": tree_decode(Target(model, LAYERS), VariantBranches(drafter, drafter_variant("dflash").branches, drafts=drafts), prompt,
+        "tree": tree_decode(tree_target(model, LAYERS), VariantBranches(drafter, drafter_variant("dflash").branches, drafts=drafts), prompt,
                             budget=8, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP),
         "prompt_lookup": speculative_decode(Target(model), PromptLookupDrafter(BLOCK), prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP),
         "bigram": speculative_decode(Target(model), BigramDrafter(table, BLOCK), prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP),

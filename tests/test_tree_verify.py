@@ -25,7 +25,8 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 from dflash_jobs.architectures import ARCHITECTURE_MODULES, qwen3_5
 from dflash_jobs.drafter.speculative import Decoded, Target, greedy_decode
 from dflash_jobs.drafter.tree import ConditionalBranches, Tree, build_tree
-from dflash_jobs.drafter.tree_verify import TreeLayout, cached_length, commit_path, tree_decode, verify_tree
+from dflash_jobs.architectures.tree import TreeLayout
+from dflash_jobs.drafter.tree_verify import cached_length, commit_path, tree_decode, tree_target, verify_tree
 from dflash_jobs.evaluate.trees import exact_trees, summarize_trees
 from train_fixtures import LAYERS, tiny_target
 
@@ -232,7 +233,7 @@ def test_the_fla_port_computes_what_the_torch_reference_does():
 def test_one_forward_gives_every_node_what_a_forward_of_its_root_path_gives(kernel_model, prompt, shape):
     model = kernel_model
     tree, root = TREES[shape](model.config.vocab_size), 17
-    target, reference = Target(model, LAYERS), Target(model, LAYERS)
+    target, reference = tree_target(model, LAYERS), Target(model, LAYERS)
     with torch.inference_mode():
         target.reset()
         target.forward(prompt, last_only=True)
@@ -272,7 +273,7 @@ def test_committing_a_path_leaves_the_cache_as_a_forward_of_that_path_would(kern
     tree, root, after = TREES[shape](model.config.vocab_size), 17, torch.tensor([3, 99, 250])
     path = committed_paths(tree)[accepted]
     tokens = torch.cat([prompt, torch.tensor([root, *(tree.tokens[node] for node in path)])])
-    target, reference = Target(model), Target(model)
+    target, reference = tree_target(model), Target(model)
     with torch.inference_mode():
         target.reset()
         target.forward(prompt, last_only=True)
@@ -307,7 +308,7 @@ def test_the_recurrence_runs_once_a_layer_in_the_forward_and_once_in_the_commit(
     monkeypatch.setattr(modeling_qwen3_5, "torch_recurrent_gated_delta_rule", counted)
     tree = TREES["random-64"](model.config.vocab_size)
     paths, deepest = len(leaves(tree)), max(tree.depths) + 1
-    target = Target(model)
+    target = tree_target(model)
     with torch.inference_mode():
         target.reset()
         target.forward(prompt, last_only=True)
@@ -328,7 +329,7 @@ def test_the_recurrence_runs_once_a_layer_in_the_forward_and_once_in_the_commit(
 ])
 def test_tree_decoding_is_greedy_and_accepts_the_exact_figures_step_for_step(model, prompt, greedy, ranks, budget):
     drafter = OracleTrees(prompt.tolist() + greedy, ranks, model.config.vocab_size)
-    target = Target(model)
+    target = tree_target(model)
     decoded = tree_decode(target, drafter, prompt, budget=budget, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
     chain = tree_decode(target, drafter, prompt, budget=1, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
     assert decoded.tokens == greedy and sum(decoded.accepted) + len(decoded.accepted) == len(greedy) - 1
@@ -367,7 +368,7 @@ def test_a_stop_token_inside_the_tree_ends_the_output_there(model, prompt, greed
     expected = greedy_decode(Target(model), prompt, max_new_tokens=NEW_TOKENS, stop_ids=frozenset([stop])).tokens
     assert expected[-1] == stop and len(expected) < len(greedy)
     drafter = OracleTrees(prompt.tolist() + greedy, [0] * 6, model.config.vocab_size)
-    decoded = tree_decode(Target(model), drafter, prompt, budget=12, max_new_tokens=NEW_TOKENS, stop_ids=frozenset([stop]))
+    decoded = tree_decode(tree_target(model), drafter, prompt, budget=12, max_new_tokens=NEW_TOKENS, stop_ids=frozenset([stop]))
     assert decoded.tokens == expected
     # Committed per step: the accepted nodes and the next token, never past the stop token.
     assert sum(a + 1 for a in decoded.accepted) == len(expected) - 1
@@ -379,7 +380,7 @@ def test_a_stop_token_inside_the_tree_ends_the_output_there(model, prompt, greed
 def test_trees_are_cut_where_the_output_has_no_room(model, prompt, greedy):
     """As a verify block: with k tokens left, no node deeper than k - 1 (the next token fills the last)."""
     drafter = OracleTrees(prompt.tolist() + greedy, [0] * 6, model.config.vocab_size)
-    decoded = tree_decode(Target(model), drafter, prompt, budget=8, max_new_tokens=9, stop_ids=NO_STOP)
+    decoded = tree_decode(tree_target(model), drafter, prompt, budget=8, max_new_tokens=9, stop_ids=NO_STOP)
     assert decoded.tokens == greedy[:9] and decoded.accepted == [6, 0]  # 1 + 7 tokens, then one left: an empty tree
     assert decoded.drafted[-1] == 0
     tree = build_tree(drafter.branches(torch.tensor(prompt.tolist() + greedy[:2]), None), budget=50, depth_limit=3)
@@ -457,7 +458,7 @@ def test_the_benchmarks_tree_check_tells_a_wrong_state_from_rounding(model_of, p
     speedup = importlib.import_module("speedup_trees")
     tree, _ = speedup.typical_tree(16, 15, model.config.vocab_size, torch.device("cpu"))
     assert len(speedup.root_paths(tree)) > 1 and sorted({row for path in speedup.root_paths(tree) for row in path}) == list(range(17))
-    target = Target(model)
+    target = tree_target(model)
     with torch.inference_mode():
         target.reset()
         target.forward(prompt, last_only=True)

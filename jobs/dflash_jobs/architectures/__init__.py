@@ -4,9 +4,9 @@ Transformers runs any causal LM's forward; what the pipeline must know beyond it
 architecture's: where its checkpoint keeps the tensors the drafter borrows (the embedding, the LM
 head, the final norm) and how its norms store their weights; what a packed extraction row needs
 (masked tokens between samples, the masks its forward takes); and how each kind of decoder layer
-runs over a draft tree, which tree verification computes layer by layer with the target's own
-modules (drafter/tree_verify.py). Each entry fills those fields; everything else reads the target
-through this record.
+runs over a draft tree, by the tree protocol of this seam (tree.py), which tree verification drives
+layer by layer with the target's own modules (drafter/tree_verify.py). Each entry fills those fields;
+everything else reads the target through this record.
 
 Two architectures, each proven step by step by the suite on a tiny random target of its own
 (tiny.py, tiny_llama.py):
@@ -17,7 +17,7 @@ Two architectures, each proven step by step by the suite on a tiny random target
 
 This module is part of the contract both planes read (the controller's `check` names what is
 supported): it imports neither torch nor transformers. An entry module, which does, is imported
-only when its architecture is asked for.
+only when its architecture is asked for; so is the tree protocol (tree.py), which an entry imports.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from dflash_jobs.spec import text_config
 
 if TYPE_CHECKING:
-    from dflash_jobs.drafter.tree_verify import TreeMixer
+    from dflash_jobs.architectures.tree import TreeMixer
 
 log = logging.getLogger("dflash.architectures")
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from dflash_jobs.architectures import TargetArchitecture
-from dflash_jobs.drafter.tree_verify import TreeStep, attend_tree
+from dflash_jobs.architectures.tree import TreeStep, attend_tree
 
 
 def tree_attention(layer: nn.Module, x: torch.Tensor, cached, step: TreeStep):

@@ -38,7 +38,7 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
 
 from dflash_jobs.architectures import TargetArchitecture
-from dflash_jobs.drafter.tree_verify import TreeStep, attend_tree, kernels
+from dflash_jobs.architectures.tree import TreeStep, attend_tree, kernels
 
 
 def packing_gap(config) -> int:

@@ -120,11 +120,11 @@ def _linear_layer_length(layer: LinearAttentionCacheLayerMixin) -> torch.Tensor 
     return None if length is None else length.clone()
 
 
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layers of an HF causal LM (`model.model.layers`; multimodal wrappers nest a language model)."""
+def text_model(model: nn.Module) -> nn.Module:
+    """The text model of an HF causal LM, which holds the decoder layers: `model.model`, or the language
+    model a multimodal wrapper nests there (`model.model.language_model`)."""
     inner = model.model
-    inner = getattr(inner, "language_model", inner)
-    return inner.layers
+    return getattr(inner, "language_model", inner)
 
 
 class Target:
@@ -134,9 +134,15 @@ class Target:
     captured layers of those positions, concatenated in `layers` order: [n, L * d].
     """
 
-    def __init__(self, model: nn.Module, layers: Sequence[int] = ()) -> None:
+    def __init__(self, model: nn.Module, layers: Sequence[int] = (), *, architecture=None) -> None:
         self.model = model
         self.layers = list(layers)
+        self.text = text_model(model)
+        """The text model, which holds the decoder layers."""
+        self.architecture = architecture
+        """The target's architecture (architectures/: a TargetArchitecture), which tree decoding reads; the
+        block loop needs none, and this module, exported beside dflash.py, imports no architecture: the
+        caller resolves it (drafter/tree_verify.py's tree_target)."""
         self.cache: DynamicCache | None = None
         self.length = 0
         """Tokens in the cache, counted on the host: a hybrid cache's own count is a device tensor (a sync to read)."""
@@ -144,8 +150,7 @@ class Target:
         # the releases before it, which pyproject.toml still allows, know only the old one.
         self._cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self._captured: dict[int, torch.Tensor] = {}
-        decoder_layers = _decoder_layers(model)
-        self._hooks = [decoder_layers[i].register_forward_hook(partial(self._capture, i)) for i in self.layers]
+        self._hooks = [self.text.layers[i].register_forward_hook(partial(self._capture, i)) for i in self.layers]
 
     @property
     def device(self) -> torch.device:

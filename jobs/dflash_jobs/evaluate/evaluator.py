@@ -39,7 +39,7 @@ from dflash_jobs.drafter.export import DRAFTER_PREFIX, exported_config, load_dra
 from dflash_jobs.drafter.model import Drafter, DrafterConfig
 from dflash_jobs.drafter.serving import run_serve_command
 from dflash_jobs.drafter.speculative import BlockDrafter, Decoded, ModelDrafter, Target, greedy_decode, speculative_decode
-from dflash_jobs.drafter.tree_verify import tree_decode
+from dflash_jobs.drafter.tree_verify import tree_decode, tree_target
 from dflash_jobs.errors import InputError
 from dflash_jobs.evaluate.baselines import BigramDrafter, BigramTable, PromptLookupDrafter, along_greedy, fit_bigram
 from dflash_jobs.evaluate.calibration import recorder_for
@@ -116,7 +116,7 @@ class PromptDecoder:
         self.settings = settings
         self.stop = stop_ids(model)
         self.plain = Target(model)
-        self.targets = {name: Target(model, d.target_layers) for name, d in self.served.items()}
+        self.targets = {name: tree_target(model, d.target_layers) for name, d in self.served.items()}  # the trained drafter's decodes trees too
         self.trees = VariantBranches(drafter, variant.branches, drafts=layout.drafts)
         # The chain's own budget beside the asked ones: a tree of as many nodes as the chain drafts.
         self.budgets = sorted({*settings.tree_budgets, layout.drafts}) if settings.tree_budgets else []
