@@ -23,16 +23,18 @@ MAX_RUN_NAME = 40
 OPTIONAL_SECTIONS = ("generate", "train.dflash2", "train.dspark", "cluster.output_volume")
 """Sections that are off while absent (dotted paths): a resolved spec without them does not mention them."""
 OUTSIDE_RUN_IDENTITY = ("cluster.namespace", "cluster.metrics_port", "local.cores", "local.parallelism",
-                        "train.checkpoint_every", "train.cache_gb", "train.cache_storage_class", "eval.prompt_sets", "eval.timed_prompts",
-                        "eval.reference_cache")
+                        "train.checkpoint_every", "train.cache_gb", "train.cache_storage_class", "train.states", "eval.prompt_sets",
+                        "eval.timed_prompts", "eval.reference_cache")
 """Settings of where a run is placed and watched from, not of what it makes (dotted paths): changing
 one keeps the run's identity, its spec hash and <output>/run.yaml. The namespace is where the Jobs
 live (`dflashctl -n` moves them; storage is shared); the metrics port is where `dflashctl run`
 serves its progress, a laptop's free port or the controller pod's; the local backend's cores and
 parallelism are how many of this machine's cores and processes its steps take (a run started before
 `local.cores` existed goes on under it); how often training checkpoints and how much disk (of which
-storage class) its chunk cache takes are the trainer's resumable changes (train/checkpointer.py
-RESUMABLE_CHANGES): a run resumes across them, so its output does too. Which prompt sets an
+storage class) its chunk cache takes, and whether its states are stored or made online (the same
+states bit for bit), are the trainer's resumable changes (train/checkpointer.py RESUMABLE_CHANGES): a
+run resumes across them, so its output does too (an output that already holds verified states
+refuses online training on its own: pipeline.refuse_stored_states). Which prompt sets an
 evaluation also decodes, how many prompts it times and where it shares greedy's decodings say
 nothing of what the run made (`dflashctl eval --prompt-set` adds a set to a finished run)."""
 
