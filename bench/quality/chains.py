@@ -39,9 +39,11 @@ import launch
 if TYPE_CHECKING:
     from sizes import Size
 
-SHARED_STATES = ("tokens", "extract")
-"""What a chain with `states_of` takes from the other chain's run: the token chunks (the held-out
-prompts among them) and the extracted hidden states with their verified manifest."""
+SHARED_TOKENS = ("tokens",)
+"""What a chain with `states_of` takes from the other chain's run when the states are online: the
+token chunks (the held-out prompts among them)."""
+SHARED_STATES = (*SHARED_TOKENS, "extract")
+"""What it takes when they are stored: the token chunks and the extracted hidden states with their verified manifest."""
 CHAIN_CACHE_GB = 1.5
 """train.cache_gb of every chain: a chain trains from its own on-disk chunk cache, and ten chains side
 by side on one machine's disk (64 GiB on the GPU machine, beside their stored states) cannot each
@@ -123,7 +125,7 @@ def write_spec(workdir: Path, target: Path, data: Path, size: Size, device: torc
         "extract": {"shards": 2, "token_budget": 8192, "dtype": chain.dtype, "pad_multiple": 128, "compile": False,
                     **({"final_hidden": True} if final_hidden else {})},
         "train": {
-            "drafter": chain.drafter, "block_size": drafted_block(chain.drafter, size.block_size),
+            "states": size.states, "drafter": chain.drafter, "block_size": drafted_block(chain.drafter, size.block_size),
             "gpus_per_node": 1, "draft_layers": size.draft_layers, "anchors": size.anchors, "epochs": chain.epochs or size.epochs, "lr": size.draft_lr,
             "micro_batch_tokens": size.micro_batch_tokens, "micro_batch_blocks": size.micro_batch_blocks, "seed": chain.seed,
             "checkpoint_every": 200, "cache_gb": CHAIN_CACHE_GB, "stall_seconds": 120.0,
@@ -151,11 +153,12 @@ def write_spec(workdir: Path, target: Path, data: Path, size: Size, device: torc
 class ChainRunner:
     """One chain's steps, each as its pod would run it, each step's seconds kept."""
 
-    def __init__(self, spec: Path, workdir: Path, *, gpu: bool) -> None:
+    def __init__(self, spec: Path, workdir: Path, *, gpu: bool, online: bool = False) -> None:
         """`gpu`: every step in a fresh interpreter (launch.py says why); else forked, on one
         intra-op thread (a CPU: the matrices are tiny, and on a shared machine a second thread
-        spins while it waits, slowing a step many times over)."""
-        self.spec, self.workdir, self.gpu = spec, workdir, gpu
+        spins while it waits, slowing a step many times over). `online`: train.states is online,
+        so nothing is extracted or verified (the trainer runs the target)."""
+        self.spec, self.workdir, self.gpu, self.online = spec, workdir, gpu, online
         self.env = {**os.environ, "DFLASH_CACHE_DIR": str(workdir / "cache"), "PYTHONUNBUFFERED": "1",
                     **({} if gpu else {"OMP_NUM_THREADS": "1"})}
         self.seconds: dict[str, float] = {}
@@ -182,16 +185,17 @@ class ChainRunner:
         self.step("generate", *[self.job("dflash_jobs.generate", "--shard", str(i)) for i in range(2)], extra_env={"OMP_NUM_THREADS": "1"})
 
     def run(self, states_verified: Callable[[], None] = lambda: None) -> dict[str, float]:
-        """Every step; `states_verified` is called once the extracted states are verified (chains
-        reading them may start)."""
+        """Every step; `states_verified` is called once the extracted states are verified, or once
+        the token chunks are prepared when the states are online (chains reading them may start)."""
         # As `dflashctl run` does: prepare refuses to re-chunk tokens that hidden states were extracted
         # from, so a chain cut after it (a device call's limit) goes on from the stored data set.
         if (self.workdir / "run" / DATASET_KEY).exists():
             print(f"quality: {self.workdir.name} prepare: skipped, {DATASET_KEY} is stored", file=sys.stderr, flush=True)
         else:
             self.step("prepare", self.job("dflash_jobs.prepare"))
-        self.step("extract", *[self.job("dflash_jobs.extract", "--shard", str(i)) for i in range(2)], extra_env={"OMP_NUM_THREADS": "1"})
-        self.step("verify", self.job("dflashctl.cli.main", "verify"))
+        if not self.online:
+            self.step("extract", *[self.job("dflash_jobs.extract", "--shard", str(i)) for i in range(2)], extra_env={"OMP_NUM_THREADS": "1"})
+            self.step("verify", self.job("dflashctl.cli.main", "verify"))
         states_verified()
         return self.train_and_evaluate()
 
@@ -220,12 +224,14 @@ def printed(log: Path) -> str:
     return text[-3000:] if text else f"{log} is empty: the step printed nothing"
 
 
-def share_states(origin: Path, workdir: Path) -> None:
-    """Hard-links the origin chain's tokens/ and extract/ into workdir/run: every stored file is
-    written once and renamed into place, never changed, so the two runs can share its bytes."""
-    if not (origin / "run" / MANIFEST_KEY).exists():
-        raise RuntimeError(f"{origin.name} has no verified states ({origin / 'run' / MANIFEST_KEY}) for {workdir.name} to train on: it failed before")
-    for name in SHARED_STATES:
+def share_states(origin: Path, workdir: Path, *, online: bool = False) -> None:
+    """Hard-links the origin chain's tokens/ and extract/ (its tokens/ alone when the states are
+    online) into workdir/run: every stored file is written once and renamed into place, never
+    changed, so the two runs can share its bytes."""
+    needed = origin / "run" / (DATASET_KEY if online else MANIFEST_KEY)
+    if not needed.exists():
+        raise RuntimeError(f"{origin.name} has no {'token chunks' if online else 'verified states'} ({needed}) for {workdir.name} to train on: it failed before")
+    for name in SHARED_TOKENS if online else SHARED_STATES:
         if not (workdir / "run" / name).exists():
             shutil.copytree(origin / "run" / name, workdir / "run" / name, copy_function=os.link)
 

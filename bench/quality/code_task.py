@@ -12,7 +12,7 @@ import platform
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from dflash_jobs.tiny_llama import write_tiny_llama
 
@@ -72,6 +72,8 @@ class CodeTask:
     """Installed packages read beside the standard library (located, never imported): more data."""
     seed: int = 0
     name: str = "code"
+    source_answers: ClassVar[bool] = True
+    """The code's own writer answered every chat: a source chain beside the regenerated one."""
 
     @property
     def goals(self) -> Goals:
@@ -108,10 +110,15 @@ class CodeTask:
         training, held_out, _ = self.code_chats(AutoTokenizer.from_pretrained(target), size)
         return ChatSet([chat.messages for chat in training], [chat.messages for chat in held_out], [chat.kind for chat in training + held_out])
 
-    def diversity(self, regenerated: Path, source: Path, chat_set: ChatSet, tokenizer, answer_tokens: int) -> dict[str, Any]:
-        """figures.diversity, and the same shares per prompt kind."""
-        answers = held_out_answers(regenerated, tokenizer, answer_tokens)
-        kinds = [chat_set.kinds[i] for i in answers.sample_ids]
-        per_kind = {kind: distinct_and_found([c for c, k in zip(answers.cut, kinds) if k == kind], [f for f, k in zip(answers.found, kinds) if k == kind])
-                    for kind in self.kinds if kind in kinds}
-        return {**diversity(regenerated, source, tokenizer, answer_tokens), "per_kind": per_kind}
+    def diversity(self, regenerated: Path, source: Path | None, chat_set: ChatSet, tokenizer, answer_tokens: int) -> dict[str, Any]:
+        return diversity_per_kind(regenerated, source, chat_set, tokenizer, answer_tokens, self.kinds)
+
+
+def diversity_per_kind(regenerated: Path, source: Path | None, chat_set: ChatSet, tokenizer, answer_tokens: int,
+                       kinds: tuple[str, ...]) -> dict[str, Any]:
+    """figures.diversity, and the same shares per prompt kind."""
+    answers = held_out_answers(regenerated, tokenizer, answer_tokens)
+    of_answer = [chat_set.kinds[i] for i in answers.sample_ids]
+    per_kind = {kind: distinct_and_found([c for c, k in zip(answers.cut, of_answer) if k == kind], [f for f, k in zip(answers.found, of_answer) if k == kind])
+                for kind in kinds if kind in of_answer}
+    return {**diversity(regenerated, source, tokenizer, answer_tokens), "per_kind": per_kind}

@@ -5,6 +5,7 @@ the answers: the generate step) and a JSON of where every count comes from.
 
     python bench/quality/package_prompts.py fetch CACHE                 # pip download, the pinned versions
     python bench/quality/package_prompts.py build CACHE OUT             # OUT/code-prompts.jsonl.xz, OUT/code-prompts.json
+    python bench/quality/package_prompts.py subset OUT PART --train N   # the first N training prompts and every held-out one
 
 A line: {"messages": [{"role": "user", "content": ...}], "kind", "package", "split": "train" | "held_out"}.
 Held out by package: the held-out prompts come from HELD_OUT's packages, and no training prompt does
@@ -211,11 +212,8 @@ def build(cache: Path, out: Path, *, pins: tuple[str, ...] = PACKAGES, held_out:
     lines = []
     for split in ("train", "held_out"):
         rng.shuffle(rows[split])
-        lines.extend(json.dumps({"messages": [{"role": "user", "content": chat.prompt}], "kind": chat.kind, "package": name, "split": split},
-                                ensure_ascii=False) + "\n" for name, chat in rows[split])
-    data = "".join(lines).encode()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / OUTPUT).write_bytes(lzma.compress(data, format=lzma.FORMAT_XZ, preset=XZ_PRESET))
+        lines.extend(prompt_line(chat, name, split) for name, chat in rows[split])
+    data = write_lines(out, lines)
     summary = {
         "kinds": list(kinds), "seed": seed, "max_prompt_chars": max_prompt_chars, "held_out_packages": list(held_out),
         "chats": {split: len(rows[split]) for split in rows},
@@ -229,6 +227,49 @@ def build(cache: Path, out: Path, *, pins: tuple[str, ...] = PACKAGES, held_out:
     return summary
 
 
+def prompt_line(chat: CodeChat, package: str, split: str) -> str:
+    """A chat of the file, its prompt alone (the target writes the answers)."""
+    return json.dumps({"messages": [{"role": "user", "content": chat.prompt}], "kind": chat.kind, "package": package, "split": split},
+                      ensure_ascii=False) + "\n"
+
+
+def write_lines(out: Path, lines: list[str]) -> bytes:
+    """OUT/code-prompts.jsonl.xz of these JSON lines; returns them uncompressed."""
+    data = "".join(lines).encode()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / OUTPUT).write_bytes(lzma.compress(data, format=lzma.FORMAT_XZ, preset=XZ_PRESET))
+    return data
+
+
+def read_lines(directory: Path) -> list[dict]:
+    """The rows of a built DIRECTORY/code-prompts.jsonl.xz, in file order (shuffled, seeded, at build)."""
+    path = directory / OUTPUT
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: build it first (`package_prompts.py build CACHE {directory}`)")
+    with lzma.open(path, "rt", encoding="utf-8") as lines:
+        return [json.loads(line) for line in lines]
+
+
+def subset(source: Path, out: Path, *, train: int, max_prompt_chars: int) -> dict:
+    """OUT/code-prompts.jsonl.xz: the first `train` training prompts of SOURCE's of at most
+    `max_prompt_chars` characters, then every held-out prompt of SOURCE: a part that travels where
+    the whole does not fit (the GPU machine takes 64 MiB a call). A prefix of a shuffled file, so any
+    smaller part is a prefix of a larger one."""
+    rows = read_lines(source)
+    short = [row for row in rows if row["split"] == "train" and len(row["messages"][0]["content"]) <= max_prompt_chars]
+    if len(short) < train:
+        raise ValueError(f"{source / OUTPUT} holds {len(short)} training prompts of at most {max_prompt_chars} characters, "
+                         f"not {train}: ask for fewer, or allow longer prompts (--max-prompt-chars)")
+    kept = short[:train] + [row for row in rows if row["split"] == "held_out"]
+    data = write_lines(out, [json.dumps(row, ensure_ascii=False) + "\n" for row in kept])
+    summary = {"of": str(source / OUTPUT), "max_prompt_chars": max_prompt_chars,
+               "chats": dict(Counter(row["split"] for row in kept)),
+               "per_kind": {split: dict(sorted(Counter(row["kind"] for row in kept if row["split"] == split).items())) for split in ("train", "held_out")},
+               "file": {"name": OUTPUT, "bytes": (out / OUTPUT).stat().st_size, "uncompressed_bytes": len(data)}}
+    (out / SUMMARY).write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -238,10 +279,18 @@ def main(argv: list[str] | None = None) -> int:
     build_parser.add_argument("cache", type=Path)
     build_parser.add_argument("out", type=Path)
     build_parser.add_argument("--max-prompt-chars", type=int, default=MAX_PROMPT_CHARS)
+    subset_parser = commands.add_parser("subset", help="the first N training prompts of SOURCE's file and every held-out one, into PART")
+    subset_parser.add_argument("source", type=Path)
+    subset_parser.add_argument("part", type=Path)
+    subset_parser.add_argument("--train", type=int, required=True)
+    subset_parser.add_argument("--max-prompt-chars", type=int, default=MAX_PROMPT_CHARS)
     args = parser.parse_args(argv)
     if args.command == "fetch":
         for pin, why in fetch(args.cache).items():
             print(f"skipped {pin}: {why}")
+        return 0
+    if args.command == "subset":
+        print(json.dumps(subset(args.source, args.part, train=args.train, max_prompt_chars=args.max_prompt_chars), indent=1))
         return 0
     started = time.perf_counter()
     summary = build(args.cache, args.out, max_prompt_chars=args.max_prompt_chars)

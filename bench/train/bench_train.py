@@ -5,11 +5,11 @@
 
 The drafter has the shape z-lab uses for Qwen3.5/3.6-27B (hidden 5120, 24/4 heads of 256, FFN
 17408, vocab 248,320, 5 captured layers) with random weights; the frozen embedding and LM head are
-random bf16 tables. A case is DOCS:CHECKPOINTING[:compile][:sliding=N][:drafter=NAME][:block=B]: `docs` documents of `tokens`
-tokens (10% prompt, the rest supervised) packed into one micro-batch through the real
+random bf16 tables. A case is DOCS:CHECKPOINTING[:compile][:sliding=N][:drafter=NAME][:block=B][:layers=L]: `docs`
+documents of `tokens` tokens (10% prompt, the rest supervised) packed into one micro-batch through the real
 BatchBuilder, the drafter set up by train/parallelize.py (activation checkpointing none, mlp or
 layers; compiled layers and loss or not; the drafter variant, dflash by default, at its default
-block size or B), then train_step timed: flex attention, the variant's objective,
+block size or B, of the spec's default depth or L layers), then train_step timed: flex attention, the variant's objective,
 AdamW, bf16 autocast. GPU memory is capped at --memory-gib for every case (96: an RTX PRO 6000).
 Reported per case: step time (median after warm-up), context tokens/s, model TFLOP/s and MFU
 against the 989 TFLOP/s bf16 datasheet peak, peak memory; --profile adds torch.profiler's top
@@ -94,19 +94,21 @@ class Case:
     sliding: int = 0
     drafter: str = "dflash"
     block: int | None = None
+    layers: int | None = None
+    """train.draft_layers (None: the spec's default)."""
 
     @classmethod
     def parse(cls, text: str) -> Case:
-        """DOCS:CHECKPOINTING[:compile][:sliding=N][:drafter=NAME][:block=B], e.g. 4:mlp or 4:none:compile:drafter=dspark:block=16."""
+        """DOCS:CHECKPOINTING[:compile][:sliding=N][:drafter=NAME][:block=B][:layers=L], e.g. 4:mlp or 4:none:compile:drafter=dspark:block=16."""
         docs, checkpointing, *flags = text.split(":") + ([] if ":" in text else ["none"])
         values = dict(flag.split("=", 1) for flag in flags if "=" in flag)
-        block = values.get("block")
+        block, layers = values.get("block"), values.get("layers")
         return cls(int(docs), checkpointing, "compile" in flags, int(values.get("sliding", 0)), values.get("drafter", "dflash"),
-                   None if block is None else int(block))
+                   None if block is None else int(block), None if layers is None else int(layers))
 
     def __str__(self) -> str:
         return (f"{self.docs}:{self.checkpointing}" + (":compile" if self.compile else "") + (f":sliding={self.sliding}" if self.sliding else "")
-                + (f":drafter={self.drafter}" if self.drafter != "dflash" else "") + (f":block={self.block}" if self.block else ""))
+                + (f":drafter={self.drafter}" if self.drafter != "dflash" else "") + (f":block={self.block}" if self.block else "") + (f":layers={self.layers}" if self.layers else ""))
 
 
 class GivenStates:
@@ -129,7 +131,8 @@ def build_trainer(shape: str, case: Case, tokens: int, anchors: int, device: tor
         "name": "bench", "backend": "local", "target": {"model": "/unused"}, "data": {"source": "/unused"}, "output": "/unused",
         "train": {"anchors": anchors, "sliding_window_layers": case.sliding, "micro_batch_tokens": case.docs * tokens,
                   "micro_batch_blocks": max(anchors, case.docs * anchors), "activation_checkpointing": case.checkpointing,
-                  "compile": case.compile, "drafter": case.drafter, "block_size": case.block},
+                  "compile": case.compile, "drafter": case.drafter, "block_size": case.block,
+                  **({"draft_layers": case.layers} if case.layers else {})},
     })
     variant = drafter_variant(spec.train.drafter)
     config = variant.build_config(DrafterConfig(
@@ -235,7 +238,7 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="27b")
     parser.add_argument("--tokens", type=int, help=f"tokens per document (default by shape: {DOCUMENT_TOKENS})")
     parser.add_argument("--cases", default="4:none,4:mlp,4:layers,4:mlp:compile,1:none",
-                        help="DOCS:CHECKPOINTING[:compile][:sliding=N][:drafter=NAME][:block=B], comma-separated")
+                        help="DOCS:CHECKPOINTING[:compile][:sliding=N][:drafter=NAME][:block=B][:layers=L], comma-separated")
     parser.add_argument("--anchors", type=int, help=f"anchors per document (default by shape: {ANCHORS})")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)

@@ -1,0 +1,149 @@
+"""The quality benchmark at scale (issue 48): the packages' prompts (bench/quality/package_prompts.py)
+as a task of their own (package_task.py: prompts alone, answered by the target, no source chain), a
+part of the file that travels, the code-scale size's chains with online states, and, slow, every
+chain of code-scale end to end on a tiny random target (SmolLM2 on 131K chats is the GPU's: the
+code-scale size, bench/README.md).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sysconfig
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "quality"
+TRAIN_MODULES = ("textwrap.py", "json/decoder.py", "json/encoder.py", "shlex.py", "fractions.py", "statistics.py", "colorsys.py")
+HELD_OUT_MODULES = ("calendar.py", "difflib.py")
+
+
+@pytest.fixture
+def quality(monkeypatch):
+    """Imports a benchmark module as the script imports it (its directory on sys.path)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    return importlib.import_module
+
+
+def write_prompts(quality, out: Path) -> dict[str, int]:
+    """A prompts file in package_prompts.py's format from real standard-library modules: the training
+    prompts from some, the held-out ones from others (as the packages are held out); its split counts."""
+    code_prompts, package_prompts = quality("code_prompts"), quality("package_prompts")
+    root = code_prompts.SourceRoot("stdlib", Path(sysconfig.get_paths()["stdlib"]))
+    kinds = (*code_prompts.KINDS, *code_prompts.MORE_KINDS)
+    lines, counts = [], {}
+    for split, modules in (("train", TRAIN_MODULES), ("held_out", HELD_OUT_MODULES)):
+        functions = [f for module in modules for f in code_prompts.functions_in(root, root.directory / module)]
+        chats = code_prompts.code_chats(functions, kinds)
+        lines += [package_prompts.prompt_line(chat, chat.group, split) for chat in chats]
+        counts[split] = len(chats)
+    package_prompts.write_lines(out, lines)
+    return counts
+
+
+def test_a_part_of_the_prompts_file_is_a_prefix_of_its_short_training_prompts_and_every_held_out_one(quality, tmp_path):
+    package_prompts = quality("package_prompts")
+    counts = write_prompts(quality, tmp_path / "all")
+    rows = package_prompts.read_lines(tmp_path / "all")
+    summary = package_prompts.subset(tmp_path / "all", tmp_path / "part", train=10, max_prompt_chars=600)
+    part = package_prompts.read_lines(tmp_path / "part")
+    short = [row for row in rows if row["split"] == "train" and len(row["messages"][0]["content"]) <= 600]
+    assert part[:10] == short[:10] and part[10:] == [row for row in rows if row["split"] == "held_out"]
+    assert summary["chats"] == {"train": 10, "held_out": counts["held_out"]}
+    assert json.loads((tmp_path / "part" / package_prompts.SUMMARY).read_text()) == summary
+    with pytest.raises(ValueError, match=r"holds \d+ training prompts of at most 600 characters, not 100000: ask for fewer"):
+        package_prompts.subset(tmp_path / "all", tmp_path / "more", train=100_000, max_prompt_chars=600)
+    assert not (tmp_path / "more").exists()  # refused before anything was written
+    with pytest.raises(FileNotFoundError, match="build it first"):
+        package_prompts.read_lines(tmp_path / "nothing")
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tmp_path_factory):
+    """The tiny random target's BPE tokenizer (trained on standard-library modules), as code-scale-tiny makes it."""
+    from transformers import AutoTokenizer
+
+    from dflash_jobs.tiny_llama import write_tiny_llama
+
+    directory = tmp_path_factory.mktemp("tiny-target")
+    write_tiny_llama(directory, num_layers=1, hidden_size=32, vocab_size=1024, heads=2, head_dim=16,
+                     corpus=[(Path(sysconfig.get_paths()["stdlib"]) / module).read_text() for module in TRAIN_MODULES])
+    return AutoTokenizer.from_pretrained(directory)
+
+
+def test_the_package_task_takes_the_first_short_prompts_and_holds_out_the_kinds_in_turn(quality, tmp_path, tiny_tokenizer):
+    package_task = quality("package_task")
+    counts = write_prompts(quality, tmp_path / "p")
+    rows = quality("package_prompts").read_lines(tmp_path / "p")
+    task = package_task.PackagePromptsTask(package_task.RandomTarget(1, 32, 2, 16, 1024, 1), max_prompt_tokens=120, prompts=str(tmp_path / "p"))
+    training, held_out, about = task.split(tiny_tokenizer, 24, 6)
+    length = {row["messages"][0]["content"]: len(tiny_tokenizer(row["messages"][0]["content"], add_special_tokens=False)["input_ids"]) for row in rows}
+    short = [row for row in rows if row["split"] == "train" and length[row["messages"][0]["content"]] <= 120]
+    assert training == short[:24] and about["left_out_over_max_prompt_tokens"] > 0
+    kinds = [row["kind"] for row in held_out]
+    assert len(held_out) == 6 and all(row["split"] == "held_out" and length[row["messages"][0]["content"]] <= 120 for row in held_out)
+    assert kinds[: len(set(kinds))] == sorted(set(kinds)) and len(set(kinds)) >= 3  # one of each kind in turn
+    with pytest.raises(ValueError, match=r"the size asks \d+ and 6: build a larger part \(package_prompts.py subset --train N\)"):
+        task.split(tiny_tokenizer, counts["train"], 6)
+    missing = replace(task, prompts=str(tmp_path / "none"))
+    with pytest.raises(ValueError, match="pass --prompts DIR"):
+        missing.split(tiny_tokenizer, 24, 6)
+
+
+def test_the_code_scale_sizes_chains_train_online_without_a_source_chain(quality, tmp_path):
+    import yaml
+
+    import torch
+
+    chains, sizes, bench = quality("chains"), quality("sizes"), quality("run_quality")
+    for size_name in ("code-scale", "code-scale-tiny"):
+        size = sizes.SIZES[size_name]
+        names = [c.name for c in bench.chains_of(size)]
+        assert names == ["regenerated", *[f"regenerated-{f:g}" for f in size.data_fractions]]  # no source: the target wrote every answer
+        for chain in bench.chains_of(size):
+            spec = yaml.safe_load(chains.write_spec(tmp_path / size_name / chain.name, Path("t"), Path("d"), size, torch.device("cpu"),
+                                                    chain, final_hidden=False).read_text())
+            assert spec["train"]["states"] == "online"
+            assert spec["eval"]["tree_budgets"] == (list(size.tree_budgets) if chain.name == "regenerated" else [])
+            assert spec["eval"]["baselines"] == (["prompt_lookup", "bigram"] if chain.name == "regenerated" else [])
+    # The sizes that store their states say so in every spec too.
+    code_gpu = sizes.SIZES["code-gpu"]
+    spec = yaml.safe_load(chains.write_spec(tmp_path / "g", Path("t"), Path("d"), code_gpu, torch.device("cpu"), bench.chains_of(code_gpu)[0],
+                                            final_hidden=False).read_text())
+    assert spec["train"]["states"] == "stored"
+    with pytest.raises(SystemExit, match="--prompts .*: the code-gpu size's task \\(code\\) reads no prompts file"):
+        bench.with_prompts(code_gpu, "code-gpu", tmp_path)
+
+
+@pytest.mark.slow
+def test_code_scale_runs_every_chain_online_on_a_tiny_random_target(quality, tmp_path):
+    bench = quality("run_quality")
+    try:
+        write_prompts(quality, tmp_path / "prompts")
+        out, workdir = tmp_path / "quality-code-scale-tiny.json", tmp_path / "w"
+        assert bench.main(["--size", "code-scale-tiny", "--workdir", str(workdir), "--out", str(out), "--prompts", str(tmp_path / "prompts")]) == 0
+        result = json.loads(out.read_text())
+        size = bench.SIZES["code-scale-tiny"]
+        assert result["complete"] and result["task"] == "package code" and result["same_prompts"]
+        runs = result["runs"]
+        assert list(runs) == ["regenerated", "regenerated-0.25"] and all(run["lossless"] for run in runs.values())
+        for name in runs:  # online: the target ran in the training step, nothing extracted or stored
+            run = workdir / name / "run"
+            assert (run / "tokens").is_dir() and not (run / "extract").exists() and (run / "train" / "drafter" / "config.json").is_file()
+        assert set(runs["regenerated"]["drafters"]) == {"dflash", "prompt_lookup", "bigram"}
+        chats = result["data"]["chats"]
+        assert chats["training"] == size.chats - size.holdout and chats["held_out"] == size.holdout and chats["duplicate_prompts"] == 0
+        assert result["target"]["prompts"]["packages"]["held_out"] == ["stdlib:calendar", "stdlib:difflib"]
+        assert "held_out_answers_equal_to_source" not in result["diversity"]  # no other writer to compare with
+        assert [claim["claim"] for claim in result["claims"]][:1] == ["regenerated > prompt lookup"]
+        assert "regenerated_over_source" not in result["goals"] and result["goals"]["asked"]["tau_at_least"] == 3.5
+        assert result["goals"]["asked"]["over_prompt_lookup_at_least"] == 1.5
+        assert [point["chain"] for point in result["data_curve"]] == ["regenerated-0.25", "regenerated"]
+        assert (out.parent / result["data_curve_plot"]).is_file()
+        # A second call on the same work directory finds every stage done and reads the same figures.
+        again = bench.run("code-scale-tiny", workdir, prompts=tmp_path / "prompts")
+        assert again["acceptance_length"] == result["acceptance_length"] and again["data"] == result["data"]
+    finally:
+        quality("launch").stop()
