@@ -161,17 +161,17 @@ SIZES = {
         tree_budgets=(16, 32, 64), trees_on_every_chain=False, device="cuda",
     ),
     # Issue 48: SmolLM2 on the packages' prompts (package_prompts.py), answered again by the target, in
-    # three device calls of at most 10 minutes on an H100 with the same --workdir (bench/README.md
-    # gives the calls and the arithmetic). Its states are online: 131,072 chats of about 240 tokens
-    # at SmolLM2's five captured layers would take some 180 GB stored, three times the machine's disk.
-    # As many rows as the device time holds (the arithmetic in bench/README.md), one epoch each (at a
-    # fixed budget of steps more rows beat more passes over fewer), the data curve at 1/16 and 1/4 of
-    # them (8,192 and 32,768 rows); 128 held-out prompts from four packages no training prompt comes from.
+    # at most three device calls of under 10 minutes on one GPU with the same --workdir (bench/README.md
+    # gives the calls and the arithmetic). Its states are online: 65,536 chats of about 280 tokens at
+    # SmolLM2's five captured layers would take some 100 GB stored, more than the machine's disk. As
+    # many rows as the session's device time held once the machine's starts had spent a third of it
+    # (bench/README.md), two epochs, the data curve at 1/8 and 1/2 of them (8,192 and 32,768 rows);
+    # 128 held-out prompts from four packages no training prompt comes from, the kinds in turn.
     "code-scale": Size(
         task=PackagePromptsTask(SmolLM2Target(), max_prompt_tokens=256),
-        capture=None, chats=131_200, holdout=128, max_answer_tokens=128, regenerate_batch=1024,
-        draft_layers=3, block_size=16, anchors=32, epochs=1, draft_lr=1e-3, micro_batch_tokens=16384, micro_batch_blocks=8192,
-        chunk_tokens=262_144, max_length=448, eval_new_tokens=48, seeds=(42,), seeded=(), data_fractions=(0.0625, 0.25),
+        capture=None, chats=65_664, holdout=128, max_answer_tokens=128, regenerate_batch=1024,
+        draft_layers=3, block_size=16, anchors=32, epochs=2, draft_lr=1e-3, micro_batch_tokens=16384, micro_batch_blocks=8192,
+        chunk_tokens=262_144, max_length=448, eval_new_tokens=48, seeds=(42,), seeded=(), data_fractions=(0.125, 0.5),
         successors=(), ablations=(), eval_processes=2, tree_budgets=(16, 32, 64), trees_on_every_chain=False, states="online",
         device="cuda",
     ),
