@@ -3,9 +3,9 @@
 
     mkdir -p before && git archive bca2ea4 jobs | tar -x -C before/
     python bench/evaluation/eval_chain.py --shape tiny --device cpu --before before/jobs --out /tmp/eval-chain-tiny.json
-    python bench/evaluation/eval_chain.py --shape smollm2 --before before/jobs --forms first --out $OUT/eval-chain-first-h100.json
-    python bench/evaluation/eval_chain.py --shape smollm2 --before before/jobs --forms plain --out $OUT/eval-chain-plain-h100.json
-    python bench/evaluation/eval_chain.py --shape smollm2 --before before/jobs --forms later --out $OUT/eval-chain-later-h100.json
+    python bench/evaluation/eval_chain.py --shape smollm2 --before before/jobs --forms first --prompts 4 --out $OUT/eval-chain-first-h100.json
+    python bench/evaluation/eval_chain.py --shape smollm2 --before before/jobs --forms plain --prompts 12 --out $OUT/eval-chain-plain-h100.json
+    python bench/evaluation/eval_chain.py --shape smollm2 --before before/jobs --forms later --prompts 8 --out $OUT/eval-chain-later-h100.json
 
 `--before` is the data plane as it was before (bca2ea4: main just before issue 49's branch was
 merged, its other work in; the branch left it at dd571ce), an untracked copy of its `jobs/` tree.
