@@ -395,6 +395,9 @@ def test_the_successors_train_at_the_same_verify_block_on_states_with_the_final_
                               final_hidden=True)
     assert len({spec["name"] for spec in written.values()} | {yaml.safe_load(again.read_text())["name"]}) == 1
     assert yaml.safe_load(other.read_text())["name"] != written["regenerated"]["name"]
+    # Greedy's decodings are kept once for every chain of a benchmark directory, and apart from another directory's.
+    assert {spec["eval"]["reference_cache"] for spec in written.values()} == {str(tmp_path / chains.REFERENCES)}
+    assert yaml.safe_load(other.read_text())["eval"]["reference_cache"] == str(tmp_path / "other" / chains.REFERENCES)
 
 
 # ---- how the steps start -----------------------------------------------------------------------------

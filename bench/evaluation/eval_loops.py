@@ -16,11 +16,12 @@ runs its real forward every step; its drafts are then replaced, on the device, b
 tokens for the first `--right` slots and wrong ones after (PacedDrafter): acceptance is set (tau =
 1 + right, 2 by default) while the drafter's cost stays real.
 
-Stages, each written to the JSON as it ends: `before`, `after`, `after`, `before` (both orders, each
-after one untimed warm-up prompt), each timing greedy and speculative decoding over the same
-prompts; then `counts`, per loop: host reads (drafter/host_reads.py, every device) and, on a GPU,
-CUDA's own count of syncs (torch.cuda.set_sync_debug_mode) and the kernels launched (the profiler),
-per greedy token and per verify step.
+Stages (`--stages`, both by default), each written to the JSON as it ends: `runs`: `before`,
+`after`, `after`, `before` (both orders, each after one untimed warm-up prompt), each timing greedy
+and speculative decoding over the same prompts; then `counts`, per loop: host reads
+(drafter/host_reads.py, every device) and, on a GPU, CUDA's own count of syncs
+(torch.cuda.set_sync_debug_mode) and the kernels launched (the profiler), per greedy token and per
+verify step. `--stages counts` runs the counts alone.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ SHAPES = {
 RUNS = {"smollm2": {"prompts": 8, "prompt_tokens": 128, "new_tokens": 128}, "tiny": {"prompts": 3, "prompt_tokens": 16, "new_tokens": 24}}
 BLOCK = 16
 ORDER = ("before", "after", "after", "before")
+STAGES = ("runs", "counts")
+"""`runs`: the timed decodings in both orders; `counts`: the reads, syncs and launches (`--stages counts` alone needs no runs)."""
 
 
 def build(shape: str, device: torch.device, dtype: torch.dtype):
@@ -153,6 +156,7 @@ def main() -> int:
     parser.add_argument("--before", required=True, help="drafter/speculative.py as it was before (see the module docstring)")
     parser.add_argument("--right", type=int, default=1, help="greedy's tokens drafted a block: tau = 1 + right")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES), help="which stages run (default: both)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -171,20 +175,22 @@ def main() -> int:
               **run, "runs": []}
     out = Path(args.out)
     decode = dict(new_tokens=run["new_tokens"], right=args.right)
-    for name in ORDER:
+    for name in ORDER if "runs" in args.stages else ():
         loop = loops[name]
         decode_all(loop, model, drafter, layers, prompts[:1], continuations[:1], **decode)  # warm-up
         started = time.perf_counter()
         result["runs"].append({"loop": name, **speeds(*decode_all(loop, model, drafter, layers, prompts, continuations, **decode)),
                                "wall_seconds": time.perf_counter() - started})
         out.write_text(json.dumps(result, indent=2) + "\n")
-    result["summary"] = {name: {key: sum(r[key] for r in result["runs"] if r["loop"] == name) / 2
-                                for key in ("greedy_tokens_per_second", "speculative_tokens_per_second", "speedup", "acceptance_length")}
-                         for name in loops}
-    result["counts"] = {name: counts(loop, model, drafter, layers, prompts[0], continuations[0], device=device, **decode)
-                        for name, loop in loops.items()}
+    if "runs" in args.stages:
+        result["summary"] = {name: {key: sum(r[key] for r in result["runs"] if r["loop"] == name) / 2
+                                    for key in ("greedy_tokens_per_second", "speculative_tokens_per_second", "speedup", "acceptance_length")}
+                             for name in loops}
+    if "counts" in args.stages:
+        result["counts"] = {name: counts(loop, model, drafter, layers, prompts[0], continuations[0], device=device, **decode)
+                            for name, loop in loops.items()}
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({"summary": result["summary"], "counts": result["counts"]}, indent=2))
+    print(json.dumps({key: result[key] for key in ("summary", "counts") if key in result}, indent=2))
     return 0
 
 

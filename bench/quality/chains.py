@@ -50,6 +50,12 @@ by side on one machine's disk (64 GiB on the GPU machine, beside their stored st
 keep the default's; 1.5 GiB holds the chunk in use and the two read ahead at the GPU size."""
 DEFAULT_SEED = 42
 """train.seed's default: the first seed of every chain."""
+REFERENCES = "references"
+"""eval.reference_cache of every chain, in the benchmark's directory beside the chains': greedy's
+decodings of the held-out prompts, kept by the first evaluation that decodes each and read by every
+other (evaluate/reference.py; the key holds the target, the new tokens, the verify block and the
+device): every chain evaluates on the same target and prompts, so greedy decodes each prompt once, not
+once a chain."""
 BASELINES_OF = "regenerated"
 """The chain that decodes the baselines (prompt lookup, the bigram table) for every chain: prompt
 lookup decodes alike in each (the same target, the same held-out prompts), and each baseline costs a
@@ -132,7 +138,8 @@ def write_spec(workdir: Path, target: Path, data: Path, size: Size, device: torc
             **({chain.drafter: dict(chain.settings)} if chain.settings else {}),
         },
         "eval": {"prompts": size.eval_prompts or size.holdout, "max_new_tokens": size.eval_new_tokens, "processes": size.eval_processes,
-                 "tree_budgets": list(size.tree_budgets) if chain.trees else [], "baselines": list(BASELINES) if chain.baselines else []},
+                 "tree_budgets": list(size.tree_budgets) if chain.trees else [], "baselines": list(BASELINES) if chain.baselines else [],
+                 "reference_cache": str(workdir.parent / REFERENCES)},
         "local": {"workdir": str(workdir / "local"), "device": device.type},
     }
     if chain.generates:
