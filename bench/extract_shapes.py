@@ -59,7 +59,7 @@ def random_27b(device: torch.device) -> Target:
 
 def tiny(device: torch.device, workdir: Path) -> Target:
     """The tiny target through the real loading path (save_pretrained layout -> load_target)."""
-    from dflash_jobs.tiny import write_tiny_target
+    from dflash_jobs.architectures.tiny import write_tiny_target
 
     checkpoint = write_tiny_target(workdir / "tiny-target")
     return load_target(TargetSpec(model=str(checkpoint)), checkpoint=checkpoint, layers=[1, 3, 6], device=device)

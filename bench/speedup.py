@@ -132,13 +132,14 @@ DEFAULT_TREE_BUDGETS = "16,32,64,128"
 
 
 def target_config(shape: str):
-    """Qwen3.6-27B's text config (all 64 layers), or the tiny target's (dflash_jobs.tiny, 8 layers)."""
+    """Qwen3.6-27B's text config (all 64 layers), or the tiny target's (dflash_jobs.architectures.tiny, 8 layers)."""
     from transformers import Qwen3_5TextConfig
 
     if shape == "27b":
         config = Qwen3_5TextConfig(**REAL_27B)
     else:
-        from dflash_jobs.tiny import DEBUGMODEL, tiny_target_config
+        from dflash_jobs.architectures.tiny import DEBUGMODEL
+        from dflash_jobs.architectures.tiny.qwen3_5 import tiny_target_config
 
         names = ("<|endoftext|>", "<|im_end|>", "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
         ids = {name: DEBUGMODEL.vocab_size - 32 + i for i, name in enumerate(names)}

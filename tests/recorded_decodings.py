@@ -25,7 +25,7 @@ from dflash_jobs.evaluate.baselines import BigramDrafter, BigramTable, PromptLoo
 from dflash_jobs.evaluate.trees import VariantBranches
 from dflash_jobs.spec import TrainSpec
 from dflash_jobs.variants import drafter_variant
-from train_fixtures import LAYERS, TINY_TARGETS, fresh_drafter, tiny_target
+from train_fixtures import ARCHITECTURES, LAYERS, fresh_drafter, tiny_target
 
 VARIANTS = ("dflash", "dflash2", "dspark")
 BLOCK = 6
@@ -81,7 +81,7 @@ def decode_every_loop(target: Path) -> dict[str, Any]:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as scratch:
-        recorded = {architecture: decode_every_loop(tiny_target(Path(scratch), architecture)) for architecture in TINY_TARGETS}
+        recorded = {architecture: decode_every_loop(tiny_target(Path(scratch), architecture)) for architecture in ARCHITECTURES}
     text = json.dumps(recorded, indent=1)
     # A list of ids on one line: a decoding a few lines, not an id a line.
     Path(sys.argv[1]).write_text(re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text) + "\n")

@@ -35,7 +35,7 @@ from dflash_jobs.evaluate.simulated import anchors_accepted, blocks_per_call, do
 from dflash_jobs.rows import ChatEncoder, prompt_length
 from dflash_jobs.spec import EvalSpec, TrainSpec, parse_spec
 from dflash_jobs.storage import open_storage
-from dflash_jobs.tiny import tiny_chat_rows
+from dflash_jobs.architectures.tiny.chats import tiny_chat_rows
 from dflash_jobs.train.loss import draft_loss
 from dflash_jobs.variants import drafter_variant
 from train_fixtures import LAYERS, mask_token_id, write_extract, write_holdout

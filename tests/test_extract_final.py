@@ -22,7 +22,7 @@ from dflash_jobs.extract.writer import ChunkMetadata
 from dflash_jobs.formats import DoneMarker, HiddenChunk, done_key, encode_hidden_chunk, hidden_chunk_key, read_header
 from dflash_jobs.spec import ExtractSpec, TargetSpec, load_spec
 from dflash_jobs.storage import open_storage
-from dflash_jobs.tiny import DEBUGMODEL
+from dflash_jobs.architectures.tiny import DEBUGMODEL
 
 from dflashctl.verify import Expected, verify_run
 from extract_helpers import prepared_run, random_chunks, tiny_target, write_prepared, write_spec

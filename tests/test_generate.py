@@ -40,8 +40,8 @@ from dflash_jobs.prepare import Preparer, prepare
 from dflash_jobs.rows import TARGET_IDS, TEMPLATE_ERROR, BadRow, Tokenized, prompt_length
 from dflash_jobs.spec import parse_spec
 from dflash_jobs.storage import TEMP_PREFIX, open_storage
-from dflash_jobs.tiny import tiny_chat_rows, write_tiny_target
-from train_fixtures import TINY_TARGETS
+from dflash_jobs.architectures.tiny import write_tiny_target
+from dflash_jobs.architectures.tiny.chats import tiny_chat_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -233,8 +233,7 @@ def target(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def each_target(architecture, tmp_path_factory) -> Path:
     """A 4-layer tiny target of each architecture in turn."""
-    _, write = TINY_TARGETS[architecture]
-    return write(tmp_path_factory.mktemp(architecture), num_layers=4)
+    return write_tiny_target(tmp_path_factory.mktemp(architecture), architecture=architecture, num_layers=4)
 
 
 def minimal_spec(**sections) -> dict:

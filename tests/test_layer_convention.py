@@ -19,7 +19,7 @@ from dflash_jobs.capture.target import load_target
 from dflash_jobs.extract.worker import ExtractWorker
 from dflash_jobs.formats import HiddenChunk, hidden_chunk_key
 from dflash_jobs.spec import ExtractSpec, TargetSpec
-from dflash_jobs.tiny import DEBUGMODEL
+from dflash_jobs.architectures.tiny import DEBUGMODEL
 
 from extract_helpers import prepared_run, random_chunks, tiny_target
 

@@ -1,6 +1,6 @@
-"""A tiny random dense target of the Llama family, the suite's second architecture (tiny.py has the first).
+"""The tiny dense Llama target (`llama`), the suite's second architecture (qwen3_5.py has the first).
 
-`write_tiny_llama` saves a random-weight `llama` checkpoint shaped as SmolLM2-135M-Instruct is, scaled
+`write_checkpoint` saves a random-weight `llama` checkpoint shaped as SmolLM2-135M-Instruct is, scaled
 down: plain attention with grouped K/V heads, tied embeddings (no `lm_head.weight` in the
 checkpoint), a byte-level BPE tokenizer whose special tokens come first (`<|endoftext|>`,
 `<|im_start|>`, `<|im_end|>`, then unused code-repository markers) and that fills every embedding
@@ -16,7 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
-from dflash_jobs.tiny import DEBUGMODEL, MIN_BPE_VOCAB, randomise_degenerate_weights, tokenizer_corpus
+from dflash_jobs.architectures.tiny import DEBUGMODEL, MIN_BPE_VOCAB, randomise_degenerate_weights
+from dflash_jobs.architectures.tiny.chats import tokenizer_corpus
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<file_sep>", "<filename>")
 """SmolLM2's first special tokens, in its order (ids 0..5): end of text, ChatML, then code-repository markers no chat writes."""
@@ -33,7 +34,7 @@ You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>
 """SmolLM2-135M-Instruct's chat template, unchanged."""
 
 
-def build_tiny_llama_tokenizer(vocab_size: int, corpus: Iterable[str] | None = None):
+def build_tokenizer(vocab_size: int, corpus: Iterable[str] | None = None):
     """A byte-level BPE tokenizer of at most `vocab_size` tokens (SmolLM2's pipeline: byte-level
     pre-tokenizer and decoder, no normaliser), its special tokens first, trained on `corpus`
     (default: turns of the demo's kinds of conversation)."""
@@ -57,7 +58,7 @@ def build_tiny_llama_tokenizer(vocab_size: int, corpus: Iterable[str] | None = N
     return tokenizer
 
 
-def write_tiny_llama(
+def write_checkpoint(
     directory: str | Path,
     *,
     seed: int = 0,
@@ -75,7 +76,7 @@ def write_tiny_llama(
     from transformers import LlamaConfig, LlamaForCausalLM
 
     directory = Path(directory)
-    tokenizer = build_tiny_llama_tokenizer(vocab_size, corpus)
+    tokenizer = build_tokenizer(vocab_size, corpus)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     config = LlamaConfig(
         vocab_size=len(tokenizer),  # every row a token: no row is free for the mask
