@@ -710,7 +710,7 @@ def test_prepare_trains_on_the_tokens_the_target_generated_after_the_prompt_it_w
     the answer's text cuts it into the tokenizer's pieces where this random target emits others."""
     import torch
 
-    from dflash_jobs.drafter.speculative import Target, greedy_decode
+    from dflash_jobs.drafter.speculative import DecodeTarget, greedy_decode
 
     rows = list(tiny_chat_rows(14, seed=8))
     spec_file = write_run(tmp_path, target, ["not json"] + rows, shards=1, thinking=thinking)
@@ -723,7 +723,7 @@ def test_prepare_trains_on_the_tokens_the_target_generated_after_the_prompt_it_w
     assert index.generation["dropped"] == {"malformed_json": 1}
     tokenizer = AutoTokenizer.from_pretrained(target)
     engine = TransformersEngine.load(spec.generate, target, tokenizer=tokenizer, device=torch.device("cpu"), attn_implementation="sdpa")
-    reference = Target(engine.model)
+    reference = DecodeTarget(engine.model)
     switch = {} if thinking is None else {"chat_template_kwargs": {"enable_thinking": thinking}}  # as the request carries it
     greedy = {}
     for sample_id, row in enumerate(rows, 1):
