@@ -5,9 +5,10 @@ its last supervised run: what the target was asked, never what it answered. Two 
 
 - The figures, on every prompt: plain greedy (the reference output); the trained drafter's chain,
   decoded for real (its drafts read the target's states as the loop makes them: the figure users
-  compare); the baselines eval.baselines names (evaluate/baselines.py: prompt lookup, and a bigram
-  table fitted once on the run's training rows), whose drafts depend on the committed tokens alone,
-  computed exactly along greedy's output without decoding; the drafter's training forward on the
+  compare), a drafter with a confidence head recording each draft's predicted survival as it goes
+  (evaluate/calibration.py); the baselines eval.baselines names (evaluate/baselines.py: prompt
+  lookup, and a bigram table fitted once on the run's training rows), whose drafts depend on the
+  committed tokens alone, computed exactly along greedy's output without decoding; the drafter's training forward on the
   prompt and greedy's output (evaluate/simulated.py), the teacher-forced acceptance the decoded one
   should match; untimed, the lossless check's figures (evaluate/lossless.py); and with
   eval.tree_budgets the draft trees (DDTree, drafter/tree_verify.py) decoded for real per budget,
