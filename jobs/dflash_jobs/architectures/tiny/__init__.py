@@ -2,10 +2,10 @@
 per entry of the architecture seam, in the module of the entry's name (`tiny/qwen3_5.py` beside
 `architectures/qwen3_5.py`), so the architectures' registry (ARCHITECTURE_MODULES) is theirs too.
 
-Each module's `write_checkpoint(directory, *, seed, num_layers, hidden_size, vocab_size, heads,
-head_dim, corpus)` saves a random-weight checkpoint of its architecture and a byte-level BPE
-tokenizer with its family's chat template, built offline and deterministically from `seed`, that
-`AutoModelForCausalLM` and `AutoTokenizer` load as they load the real model. Beside them: the chat
+Each module builds its architecture's two halves, `build_tokenizer(vocab_size, corpus)` (a byte-level
+BPE with its family's special tokens and chat template) and `random_model(shape, tokenizer)`;
+`write_tiny_target` seeds and saves them, built offline and deterministically from `seed`, for
+`AutoModelForCausalLM` and `AutoTokenizer` to load as they load the real model. Beside them: the chat
 data set they are tested and taught on (chats.py), the short training that makes a target say
 something a drafter can learn (teach.py), and the demo's inputs (demo.py).
 
@@ -19,7 +19,7 @@ import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Iterable
 
 from dflash_jobs.architectures import ARCHITECTURE_MODULES
 
@@ -33,6 +33,10 @@ class TinyTargetShape:
     hidden_size: int
     vocab_size: int
     """Embedding rows; the tokenizer uses fewer, so the drafter has free rows for its mask token."""
+    heads: int = 4
+    """Query heads of the attention layers, half as many key/value heads (and Qwen3.5's Gated DeltaNet
+    layers: as many value heads, half as many key heads)."""
+    head_dim: int = 16
 
 
 DEBUGMODEL = TinyTargetShape(num_layers=8, hidden_size=64, vocab_size=1024)
@@ -48,10 +52,32 @@ def tiny_target_module(architecture: str) -> ModuleType:
     return importlib.import_module(f"{__name__}.{architecture}")
 
 
-def write_tiny_target(directory: str | Path, *, architecture: str = "qwen3_5", **options: Any) -> Path:
-    """Writes the tiny target of `architecture` (float32 weights and its tokenizer) into `directory`;
-    `options`: its builder's (seed, num_layers, hidden_size, vocab_size, heads, head_dim, corpus)."""
-    return tiny_target_module(architecture).write_checkpoint(Path(directory), **options)
+def write_tiny_target(
+    directory: str | Path,
+    *,
+    architecture: str = "qwen3_5",
+    seed: int = 0,
+    num_layers: int = DEBUGMODEL.num_layers,
+    hidden_size: int = DEBUGMODEL.hidden_size,
+    vocab_size: int = DEBUGMODEL.vocab_size,
+    heads: int = DEBUGMODEL.heads,
+    head_dim: int = DEBUGMODEL.head_dim,
+    corpus: Iterable[str] | None = None,
+) -> Path:
+    """Writes the tiny target of `architecture` (float32 weights, from `seed`) and its tokenizer into
+    `directory`; `corpus`: the text the tokenizer's BPE is trained on (default: the demo's kinds of
+    conversation)."""
+    import torch
+
+    builder = tiny_target_module(architecture)
+    tokenizer = builder.build_tokenizer(vocab_size, corpus)
+    shape = TinyTargetShape(num_layers=num_layers, hidden_size=hidden_size, vocab_size=vocab_size, heads=heads, head_dim=head_dim)
+    with torch.random.fork_rng(devices=[]):  # the caller's random state untouched
+        torch.manual_seed(seed)
+        model = builder.random_model(shape, tokenizer)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return Path(directory)
 
 
 def randomise_degenerate_weights(text_model, pad_token_id: int) -> None:

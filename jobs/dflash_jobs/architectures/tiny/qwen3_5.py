@@ -11,10 +11,9 @@ embedding row are randomised, otherwise tests of padding and masking pass spurio
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Iterable
 
-from dflash_jobs.architectures.tiny import DEBUGMODEL, MIN_BPE_VOCAB, randomise_degenerate_weights
+from dflash_jobs.architectures.tiny import MIN_BPE_VOCAB, TinyTargetShape, randomise_degenerate_weights
 from dflash_jobs.architectures.tiny.chats import tokenizer_corpus
 
 UNUSED_EMBEDDING_ROWS = 16
@@ -161,33 +160,14 @@ def tiny_target_config(*, num_layers: int, hidden_size: int, vocab_size: int, to
     )
 
 
-
-def write_checkpoint(
-    directory: str | Path,
-    *,
-    seed: int = 0,
-    num_layers: int = DEBUGMODEL.num_layers,
-    hidden_size: int = DEBUGMODEL.hidden_size,
-    vocab_size: int = DEBUGMODEL.vocab_size,
-    heads: int = 4,
-    head_dim: int = 16,
-    corpus: Iterable[str] | None = None,
-) -> Path:
-    """Writes a random-weight Qwen3.5 checkpoint (float32) and its tokenizer into `directory`;
-    `corpus`: the text the tokenizer's BPE is trained on (default: the demo's kinds of conversation)."""
-    import torch
+def random_model(shape: TinyTargetShape, tokenizer):
+    """A Qwen3.5 model of `shape` (the multimodal one: the checkpoint keeps the real layout) with random
+    weights, the degenerate ones randomised too; the caller seeds torch."""
     from transformers import Qwen3_5ForConditionalGeneration
 
-    directory = Path(directory)
-    tokenizer = build_tokenizer(vocab_size, corpus)
     token_ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
-    config = tiny_target_config(num_layers=num_layers, hidden_size=hidden_size, vocab_size=vocab_size, token_ids=token_ids,
-                                heads=heads, head_dim=head_dim)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen3_5ForConditionalGeneration(config).eval()
-        randomise_degenerate_weights(model.model.language_model, token_ids["<|endoftext|>"])
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
-
+    config = tiny_target_config(num_layers=shape.num_layers, hidden_size=shape.hidden_size, vocab_size=shape.vocab_size,
+                                token_ids=token_ids, heads=shape.heads, head_dim=shape.head_dim)
+    model = Qwen3_5ForConditionalGeneration(config).eval()
+    randomise_degenerate_weights(model.model.language_model, token_ids["<|endoftext|>"])
+    return model
