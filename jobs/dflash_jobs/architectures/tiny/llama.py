@@ -1,13 +1,14 @@
 """The tiny dense Llama target (`llama`), the suite's second architecture (qwen3_5.py has the first).
 
-A random-weight `llama` checkpoint shaped as SmolLM2-135M-Instruct is, scaled down: plain attention
-with grouped K/V heads, tied embeddings (no `lm_head.weight` in the checkpoint), a byte-level BPE
-tokenizer whose special tokens come first (`<|endoftext|>`, `<|im_start|>`, `<|im_end|>`, then
-unused code-repository markers) and that fills every embedding row, and SmolLM2's ChatML template (a default system prompt where a conversation has none). A
-tokenizer that leaves no row free is what makes the mask-token rule pick an unused special token
-(drafter/mask_token.py): `<repo_name>` here, as on SmolLM2. Built offline and deterministically from
-`seed`; the norm weights and the pad embedding are randomised (default init would make the norms
-the identity and the pad row zero, and tests of norms and padding pass by accident).
+A random-weight `llama` checkpoint shaped as SmolLM2-135M-Instruct is, scaled down: plain attention with
+grouped K/V heads, tied embeddings (no `lm_head.weight` in the checkpoint), a byte-level BPE tokenizer
+whose special tokens come first (`<|endoftext|>`, `<|im_start|>`, `<|im_end|>`, then unused
+code-repository markers) and that fills every embedding row, and SmolLM2's ChatML template (a default
+system prompt where a conversation has none). A tokenizer that leaves no row free is what makes the
+mask-token rule pick an unused special token (drafter/mask_token.py): `<repo_name>` here, as on SmolLM2.
+Built offline and deterministically from write_tiny_target's `seed`; the norm weights and the pad
+embedding are randomised (default init would make the norms the identity and the pad row zero, and tests
+of norms and padding pass by accident).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 (`model.language_model.*`, `model.visual.*`, `lm_head.*`) plus a byte-level BPE tokenizer with a
 Qwen3.5-style ChatML template, so the code paths that load Qwen3.6-27B load it unchanged:
 `AutoModelForCausalLM.from_pretrained(dir)` gives the text model and `AutoTokenizer.from_pretrained(dir)`
-the tokenizer. Everything is built offline and deterministically from `seed`.
+the tokenizer. Everything is built offline and deterministically from write_tiny_target's `seed`.
 
 Recipe of the weights: shared/reference/qwen_gdn.md section 5 (norm weights, dt_bias and the pad
 embedding row are randomised, otherwise tests of padding and masking pass spuriously).
