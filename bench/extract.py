@@ -63,7 +63,7 @@ from dflash_jobs.capture import fp8, fusion, packing
 from dflash_jobs.capture.batching import BatchPlanner, window_samples
 from dflash_jobs.capture.hooks import LayerCapture
 from dflash_jobs.extract.progress import Summary
-from dflash_jobs.capture.target import FastPaths, Target
+from dflash_jobs.capture.target import CaptureTarget, FastPaths
 from dflash_jobs.extract.worker import ExtractWorker
 from dflash_jobs.formats import TokenChunk
 from dflash_jobs.spec import ExtractSpec
@@ -94,7 +94,7 @@ class Bench:
     workdir: Path
     started: float
     result: dict
-    target: Target
+    target: CaptureTarget
     fast: FastPaths
     packed: bool
     chunks: list[TokenChunk]
@@ -126,7 +126,7 @@ class Bench:
     def bare(self) -> dict:
         return bare_forward(self.target, *write_run(self.workdir / "bare", self.chunks), self.planner, self.spec.sort_window)
 
-    def extract(self, root: Path, spec: ExtractSpec | None = None, target: Target | None = None) -> dict:
+    def extract(self, root: Path, spec: ExtractSpec | None = None, target: CaptureTarget | None = None) -> dict:
         target, spec = self.target if target is None else target, self.spec if spec is None else spec
         return extractor(target, root, self.chunks, spec, self.args, packed=self.packed)
 

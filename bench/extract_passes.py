@@ -18,7 +18,7 @@ import torch
 from dflash_jobs.capture import packing
 from dflash_jobs.capture.batching import BatchPlanner, window_samples
 from dflash_jobs.capture.hooks import LayerCapture
-from dflash_jobs.capture.target import Target
+from dflash_jobs.capture.target import CaptureTarget
 from dflash_jobs.extract.progress import Summary
 from dflash_jobs.extract.worker import ExtractWorker, iter_windows
 from dflash_jobs.formats import TokenChunk
@@ -51,7 +51,7 @@ def write_speed(directory: Path, gigabytes: float) -> dict:
     return {"path": str(directory), "filesystem": filesystem, "gb_per_s": round(size / elapsed / 1e9, 2)}
 
 
-def bare_forward(target: Target, storage, infos, planner: BatchPlanner, window: int) -> dict:
+def bare_forward(target: CaptureTarget, storage, infos, planner: BatchPlanner, window: int) -> dict:
     """The extractor's batches through the model, forward only, nothing captured."""
     device = target.device
     real = padded = 0
@@ -72,7 +72,7 @@ def bare_forward(target: Target, storage, infos, planner: BatchPlanner, window: 
             "tokens_per_s": round(real / elapsed, 1), "padding_waste": round(1 - real / padded, 4)}
 
 
-def extractor(target: Target, root: Path, chunks: list[TokenChunk], spec: ExtractSpec, args, *, packed: bool) -> dict:
+def extractor(target: CaptureTarget, root: Path, chunks: list[TokenChunk], spec: ExtractSpec, args, *, packed: bool) -> dict:
     """ExtractWorker.run() end to end: chunks, integrity, store with fsync, done markers."""
     storage, infos = write_run(root, chunks)
     device = target.device
@@ -98,7 +98,7 @@ def extractor(target: Target, root: Path, chunks: list[TokenChunk], spec: Extrac
     return out
 
 
-def count_syncs(target: Target, chunk: TokenChunk, planner: BatchPlanner) -> dict:
+def count_syncs(target: CaptureTarget, chunk: TokenChunk, planner: BatchPlanner) -> dict:
     """Host synchronisations in one forward of a real batch, by the Python line that caused them."""
     device = target.device
     batch = planner.build(planner.plan(window_samples([chunk]))[0], [chunk]).to(device)
@@ -119,7 +119,7 @@ def count_syncs(target: Target, chunk: TokenChunk, planner: BatchPlanner) -> dic
     return {"per_forward": len(syncs), "where": where}
 
 
-def profile(target: Target, root: Path, chunks: list[TokenChunk], spec: ExtractSpec, args, *, packed: bool) -> dict:
+def profile(target: CaptureTarget, root: Path, chunks: list[TokenChunk], spec: ExtractSpec, args, *, packed: bool) -> dict:
     """torch.profiler over a short, warm extractor run: the top operators by GPU and by CPU time."""
     from torch.profiler import ProfilerActivity
 
@@ -140,7 +140,7 @@ def profile(target: Target, root: Path, chunks: list[TokenChunk], spec: ExtractS
             "top_device": top("self_device_time_total"), "top_cpu": top("self_cpu_time_total")}
 
 
-def capture(target: Target, chunk: TokenChunk, plan: BatchPlanner, refs, capture_buffer: LayerCapture, attention: str) -> torch.Tensor:
+def capture(target: CaptureTarget, chunk: TokenChunk, plan: BatchPlanner, refs, capture_buffer: LayerCapture, attention: str) -> torch.Tensor:
     batch = plan.build(refs, [chunk]).to(target.device)
     target.model.set_attn_implementation(attention)
     capture_buffer.start(batch.real_index)
@@ -149,7 +149,7 @@ def capture(target: Target, chunk: TokenChunk, plan: BatchPlanner, refs, capture
     return capture_buffer.buffer[: batch.real_tokens].float().clone()
 
 
-def capture_errors(target: Target, chunk: TokenChunk, planner: BatchPlanner, samples: int) -> dict:
+def capture_errors(target: CaptureTarget, chunk: TokenChunk, planner: BatchPlanner, samples: int) -> dict:
     """Max |batched - single| / max|single| per sample, for one batch of `samples` samples."""
     device = target.device
     refs = window_samples([chunk])[:samples]

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from dflash_jobs.architectures import qwen3_5
-from dflash_jobs.capture.target import Target, load_target, prepare_for_capture
+from dflash_jobs.capture.target import CaptureTarget, load_capture_target, prepare_for_capture
 from dflash_jobs.formats import DATASET_KEY, DONE_MARKERS, ChunkInfo, DatasetIndex, TokenChunk, chunk_of_key, hidden_chunk_key, token_chunk_key
 from dflash_jobs.spec import TargetSpec, default_layers
 from dflash_jobs.storage import LocalStorage
@@ -35,7 +35,7 @@ def bench_device(name: str) -> torch.device:
     return device
 
 
-def random_27b(device: torch.device) -> Target:
+def random_27b(device: torch.device) -> CaptureTarget:
     """Random weights of the real Qwen3.6-27B text shape, cut after layer 61 (throughput ignores the values)."""
     from transformers import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel
@@ -52,20 +52,20 @@ def random_27b(device: torch.device) -> Target:
             model = Qwen3_5TextModel(config)
     finally:
         torch.set_default_dtype(previous)
-    return Target(model=prepare_for_capture(model, layers), layers=layers, hidden_size=config.hidden_size,
+    return CaptureTarget(model=prepare_for_capture(model, layers), layers=layers, hidden_size=config.hidden_size,
                   name="random-qwen3.6-27b-shape", config_hash=hashlib.sha256(config.to_json_string().encode()).hexdigest(),
                   architecture=qwen3_5.ARCHITECTURE, conv_gap=qwen3_5.packing_gap(config))
 
 
-def tiny(device: torch.device, workdir: Path) -> Target:
-    """The tiny target through the real loading path (save_pretrained layout -> load_target)."""
-    from dflash_jobs.tiny import write_tiny_target
+def tiny(device: torch.device, workdir: Path) -> CaptureTarget:
+    """The tiny target through the real loading path (save_pretrained layout -> load_capture_target)."""
+    from dflash_jobs.architectures.tiny import write_tiny_target
 
     checkpoint = write_tiny_target(workdir / "tiny-target")
-    return load_target(TargetSpec(model=str(checkpoint)), checkpoint=checkpoint, layers=[1, 3, 6], device=device)
+    return load_capture_target(TargetSpec(model=str(checkpoint)), checkpoint=checkpoint, layers=[1, 3, 6], device=device)
 
 
-def build_target(shape: str, device: torch.device, workdir: Path) -> Target:
+def build_target(shape: str, device: torch.device, workdir: Path) -> CaptureTarget:
     return random_27b(device) if shape == "27b" else tiny(device, workdir)
 
 
@@ -116,7 +116,7 @@ def write_run(root: Path, chunks: list[TokenChunk]) -> tuple[DiscardingStorage, 
     return storage, infos
 
 
-def model_flops(target: Target, chunks: list[TokenChunk]) -> float:
+def model_flops(target: CaptureTarget, chunks: list[TokenChunk]) -> float:
     """2 x non-embedding parameters per token, plus causal attention on the full-attention layers."""
     model, config = target.model, target.model.config
     params = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)

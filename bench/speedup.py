@@ -27,8 +27,8 @@ What is built (random weights: timing does not depend on their values):
 
 What is timed, at each context length C (the prompt, random ids, prefilled into the target's real
 cache with use_cache: attention K/V of C tokens, GDN conv and recurrent states), batch 1, eager:
-- target `decode1`: one token through the target and its LM head, argmax (speculative.Target.forward,
-  last_only), the cache rolled back (speculative.Target.rollback) before each rep, untimed, so every
+- target `decode1`: one token through the target and its LM head, argmax (speculative.DecodeTarget.forward,
+  last_only), the cache rolled back (speculative.DecodeTarget.rollback) before each rep, untimed, so every
   rep starts from exactly C tokens;
 - target `verify16`: 16 tokens on the same cache, logits of all 16 positions and their argmax, same
   rollback; `forward_last_only[n]`: n tokens, last logits only (n = 1 is decode1): the re-run of
@@ -113,7 +113,7 @@ from speedup_timing import curve, kernel_profile, measure, sync  # noqa: E402
 from speedup_trees import time_trees, tree_speedups  # noqa: E402
 
 from dflash_jobs.drafter.model import Drafter, DrafterConfig  # noqa: E402
-from dflash_jobs.drafter.speculative import ModelDrafter, Target  # noqa: E402
+from dflash_jobs.drafter.speculative import DecodeTarget, ModelDrafter  # noqa: E402
 from dflash_jobs.architectures import target_architecture  # noqa: E402
 from dflash_jobs.capture.target import FastPaths  # noqa: E402
 
@@ -132,13 +132,14 @@ DEFAULT_TREE_BUDGETS = "16,32,64,128"
 
 
 def target_config(shape: str):
-    """Qwen3.6-27B's text config (all 64 layers), or the tiny target's (dflash_jobs.tiny, 8 layers)."""
+    """Qwen3.6-27B's text config (all 64 layers), or the tiny target's (dflash_jobs.architectures.tiny, 8 layers)."""
     from transformers import Qwen3_5TextConfig
 
     if shape == "27b":
         config = Qwen3_5TextConfig(**REAL_27B)
     else:
-        from dflash_jobs.tiny import DEBUGMODEL, tiny_target_config
+        from dflash_jobs.architectures.tiny import DEBUGMODEL
+        from dflash_jobs.architectures.tiny.qwen3_5 import tiny_target_config
 
         names = ("<|endoftext|>", "<|im_end|>", "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
         ids = {name: DEBUGMODEL.vocab_size - 32 + i for i, name in enumerate(names)}
@@ -237,7 +238,7 @@ class Bench:
     drafter: Drafter
     exported: torch.nn.Module
     drafter_config: DrafterConfig
-    target: Target
+    target: DecodeTarget
     full: ModelDrafter
     generator: torch.Generator
 
@@ -255,7 +256,7 @@ class Context:
     """One context length in the target's cache: the prompt prefilled, what the drafter reads, the block to verify."""
 
     length: int
-    target: Target
+    target: DecodeTarget
     checkpoint: object
     tokens: torch.Tensor
     """Committed: the prompt, then the anchor."""

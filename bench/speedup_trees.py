@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from speedup_timing import curve, kernel_profile, measure
 
-from dflash_jobs.drafter.speculative import Target
+from dflash_jobs.drafter.speculative import DecodeTarget
 from dflash_jobs.drafter.tree import MarginalBranches, Tree, build_tree
 from dflash_jobs.drafter.tree_verify import commit_path, verify_tree
 
@@ -72,7 +72,7 @@ def logit_difference(logits: torch.Tensor, reference: torch.Tensor) -> dict:
             "argmax_disagreements": int((logits.argmax(-1) != reference.argmax(-1)).sum())}
 
 
-def tree_check(target: Target, tree: Tree, reset) -> dict:
+def tree_check(target: DecodeTarget, tree: Tree, reset) -> dict:
     """The tree verify forward's logits at every row against two plain computations of the rows' root
     paths (every leaf's), each a legitimate order of the same sums: `whole`, a path in one forward
     after the cache (on the GPU flash-linear-attention's chunk kernel), and `stepwise`, the path
@@ -111,7 +111,7 @@ def tree_check(target: Target, tree: Tree, reset) -> dict:
     return check
 
 
-def time_trees(target: Target, budgets: list[int], depths: int, device: torch.device, reps: int, warmup: int, profile_reps: int, reset,
+def time_trees(target: DecodeTarget, budgets: list[int], depths: int, device: torch.device, reps: int, warmup: int, profile_reps: int, reset,
                save) -> dict:
     """tree_verify, tree_commit, tree_build and flat_forward per budget (see the module docstring), on the target's cache as
     `reset` leaves it; on a GPU with profile_reps, the kernels each of tree_verify, tree_commit and flat_forward launches."""

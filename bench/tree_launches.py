@@ -5,7 +5,7 @@ kernel launches (about 4-5K a forward).
     python bench/tree_launches.py --baseline 542339a --out bench/results/tree-launches-cpu.json
 
 The target has the Qwen3.6-27B text model's layer structure (64 layers: [3 Gated DeltaNet, 1 gated
-attention] x 16, bench/extract_shapes.py's REAL_27B) at the tiny target's widths (dflash_jobs.tiny):
+attention] x 16, bench/extract_shapes.py's REAL_27B) at the tiny target's widths (dflash_jobs.architectures.tiny):
 what a call launches depends on the layers, not on their widths; in bf16 by default, as on the GPU
 (a cast launches a copy, which float32 would hide). A context of CONTEXT random tokens
 is prefilled; then per budget, on DDTree's typical tree (bench/speedup_trees.py's `typical_tree`):

@@ -254,7 +254,7 @@ def extract(root) -> Path:
 
 @pytest.fixture(scope="session")
 def target_of(root) -> Callable[[str], Path]:
-    """The tiny target of an architecture (train_fixtures.TINY_TARGETS) under the training tests'
+    """The tiny target of an architecture (dflash_jobs.architectures.tiny) under the training tests'
     root, built on first use and shared: read only."""
     from train_fixtures import tiny_target
 
@@ -270,7 +270,7 @@ def target_of(root) -> Callable[[str], Path]:
 
 @pytest.fixture(scope="module", params=list(ARCHITECTURE_MODULES))
 def architecture(request) -> str:
-    """Each target architecture in turn (dflash_jobs.architectures, train_fixtures.TINY_TARGETS): a test
+    """Each target architecture in turn (dflash_jobs.architectures, each with its tiny target): a test
     that takes it, or a fixture built on it (`each_target`), runs once per architecture."""
     return request.param
 

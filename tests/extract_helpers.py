@@ -20,10 +20,9 @@ _TARGET: dict[str, Path] = {}
 def tiny_target(tmp_path_factory, architecture: str = "qwen3_5") -> Path:
     """One tiny checkpoint of each architecture per test process (building its tokenizer takes seconds)."""
     if architecture not in _TARGET:
-        from train_fixtures import TINY_TARGETS
+        from dflash_jobs.architectures.tiny import write_tiny_target
 
-        name, write = TINY_TARGETS[architecture]
-        _TARGET[architecture] = write(tmp_path_factory.mktemp(name))
+        _TARGET[architecture] = write_tiny_target(tmp_path_factory.mktemp(f"tiny-{architecture}"), architecture=architecture)
     return _TARGET[architecture]
 
 

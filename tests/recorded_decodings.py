@@ -19,13 +19,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dflash_jobs.drafter.anchors import anchor_layout
-from dflash_jobs.drafter.speculative import Decoded, ModelDrafter, Target, greedy_decode, speculative_decode
+from dflash_jobs.drafter.speculative import Decoded, DecodeTarget, ModelDrafter, greedy_decode, speculative_decode
 from dflash_jobs.drafter.tree_verify import tree_decode, tree_target
 from dflash_jobs.evaluate.baselines import BigramDrafter, BigramTable, PromptLookupDrafter
 from dflash_jobs.evaluate.trees import VariantBranches
 from dflash_jobs.spec import TrainSpec
 from dflash_jobs.variants import drafter_variant
-from train_fixtures import LAYERS, TINY_TARGETS, fresh_drafter, tiny_target
+from train_fixtures import ARCHITECTURES, LAYERS, fresh_drafter, tiny_target
 
 VARIANTS = ("dflash", "dflash2", "dspark")
 BLOCK = 6
@@ -59,7 +59,7 @@ def decode_every_loop(target: Path) -> dict[str, Any]:
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     stop = NO_STOP
     asked = prompts(model.config.vocab_size)
-    greedy = [greedy_decode(Target(model), p, max_new_tokens=NEW_TOKENS, stop_ids=stop) for p in asked]
+    greedy = [greedy_decode(DecodeTarget(model), p, max_new_tokens=NEW_TOKENS, stop_ids=stop) for p in asked]
     table = bigram_of([g.tokens for g in greedy])
     recorded: list[dict[str, Any]] = [{"greedy": record(g)} for g in greedy]
     for variant_name in VARIANTS:
@@ -68,20 +68,20 @@ def decode_every_loop(target: Path) -> dict[str, Any]:
         chain = ModelDrafter(drafter, drafts=drafts)
         branches = VariantBranches(drafter, drafter_variant(variant_name).branches, drafts=drafts)
         for prompt, out in zip(asked, recorded):
-            out[variant_name] = record(speculative_decode(Target(model, LAYERS), chain, prompt, max_new_tokens=NEW_TOKENS, stop_ids=stop))
+            out[variant_name] = record(speculative_decode(DecodeTarget(model, LAYERS), chain, prompt, max_new_tokens=NEW_TOKENS, stop_ids=stop))
             for budget in BUDGETS:
                 out[f"{variant_name}-tree-{budget}"] = record(
                     tree_decode(tree_target(model, LAYERS), branches, prompt, budget=budget, max_new_tokens=NEW_TOKENS, stop_ids=stop))
     for prompt, out in zip(asked, recorded):
         for name, baseline in (("prompt_lookup", PromptLookupDrafter(BLOCK)), ("bigram", BigramDrafter(table, BLOCK))):
-            out[name] = record(speculative_decode(Target(model), baseline, prompt, max_new_tokens=NEW_TOKENS, stop_ids=stop))
+            out[name] = record(speculative_decode(DecodeTarget(model), baseline, prompt, max_new_tokens=NEW_TOKENS, stop_ids=stop))
     return {"prompts": [p.tolist() for p in asked], "decodings": recorded}
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as scratch:
-        recorded = {architecture: decode_every_loop(tiny_target(Path(scratch), architecture)) for architecture in TINY_TARGETS}
+        recorded = {architecture: decode_every_loop(tiny_target(Path(scratch), architecture)) for architecture in ARCHITECTURES}
     text = json.dumps(recorded, indent=1)
     # A list of ids on one line: a decoding a few lines, not an id a line.
     Path(sys.argv[1]).write_text(re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text) + "\n")

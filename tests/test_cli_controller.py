@@ -36,7 +36,7 @@ from dflashctl.errors import ClusterUnreachable, Conflict, Forbidden, RunFailed,
 from dflash_jobs.units import format_duration
 from dflashctl.progress import Progress, landing_rate, read_progress, time_left
 from dflashctl.render import render_selection
-from dflashctl.target import Target, current_target
+from dflashctl.target import ClusterTarget, current_target
 
 CHUNK_TOKENS = 1000
 RUN = {
@@ -775,7 +775,7 @@ def test_context_and_namespace_override_the_kubeconfig_and_the_spec_before_or_af
     assert code == 0 and json.loads(out)["jobs"]["extract"]["exists"]
     assert api.requests_matching("GET", "/namespaces/team-a/jobs/demo-run-extract")
     # After a command, the process talks where it did before (tests and callers in one process).
-    assert current_target() == Target()
+    assert current_target() == ClusterTarget()
     code, _, err = cli(monkeypatch, capsys, "status", "-f", str(spec_file), "-n", "Team_A")
     assert code == 2 and "not a namespace name" in err
 

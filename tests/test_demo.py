@@ -30,7 +30,7 @@ def dflashctl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 def write_small_inputs(directory: Path) -> None:
     subprocess.run(
-        [sys.executable, "-m", "dflash_jobs.tiny", str(directory), "--conversations", "240", "--teaching-steps", "30"],
+        [sys.executable, "-m", "dflash_jobs.architectures.tiny.demo", str(directory), "--conversations", "240", "--teaching-steps", "30"],
         check=True, capture_output=True, timeout=300,
     )
 

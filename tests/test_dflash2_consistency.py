@@ -12,7 +12,7 @@ import torch
 
 from dflash_jobs.drafter.anchors import anchor_layout
 from dflash_jobs.drafter.masks import build_attention
-from dflash_jobs.drafter.speculative import ModelDrafter, Target, speculative_decode
+from dflash_jobs.drafter.speculative import DecodeTarget, ModelDrafter, speculative_decode
 from dflash_jobs.evaluate.metrics import acceptance_length, summarize_simulated
 from dflash_jobs.evaluate.simulated import anchors_accepted, document_batch
 from dflash_jobs.spec import DFlash2Spec, TrainSpec
@@ -55,7 +55,7 @@ def test_the_training_forward_accepts_what_the_selector_s_walk_accepts_when_deco
     simulated = [anchors_accepted(drafter, batch, DFLASH2.predict, LAYOUT) for batch in batches]
     assert [len(anchors) for anchors in simulated] == [NEW_TOKENS - 1] * PROMPTS
 
-    target = Target(target_model, LAYERS)
+    target = DecodeTarget(target_model, LAYERS)
     served = [speculative_decode(target, ModelDrafter(drafter, drafts=BLOCK - 1), p, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP) for p in prompts]
     greedy = [d[len(p):].tolist() for p, d in zip(prompts, documents)]
     assert [d.tokens for d in served] == greedy  # lossless

@@ -3,7 +3,8 @@ link of the README and the docs resolves (the file, and the heading of an #ancho
 path they name in code exists, every `dflashctl` command they show parses with the real command line
 (the command in `dflashctl --help`, its options, its argument's choices), every spec key they name is
 a field of the spec, every benchmark and every measured result is in bench/README.md, figures cite
-result files that exist, and the README's test command is what CI runs. Each check is also run on a
+result files that exist, docs/development.md's map of the code lists every module and folder of both
+planes and no other, and the README's test command is what CI runs. Each check is also run on a
 broken document, to show it finds what it is there to find."""
 
 from __future__ import annotations
@@ -243,6 +244,47 @@ def test_every_benchmark_and_every_result_is_in_the_bench_readme():
     assert scripts and [script for script in scripts if f"`{script}`" not in text] == []
     results = sorted(path.name for path in (bench / "results").iterdir())
     assert results and [name for name in results if f"`{name}`" not in text] == []
+
+
+MAPPED_PACKAGES = ("jobs/dflash_jobs", "controller/dflashctl")
+"""The packages whose every module and folder docs/development.md's map of the code lists."""
+
+
+def map_entries(text: str, package: str) -> list[list[str]]:
+    """The code spans of each line of the map's list under `package` (a line starts at its `- `):
+    the first names a module or folder of the package, the others what it holds."""
+    block = text.split(f"`{package}/`,", 1)[1].split("\n\n", 2)[1]  # the heading line, a blank line, the list
+    lines = re.split(r"^- ", block, flags=re.M)[1:]
+    return [[span.strip("`") for span in INLINE_CODE.findall(line)] for line in lines]
+
+
+def map_errors(text: str, package: str, root: Path) -> list[str]:
+    """What the map of `package` (its files under `root`) gets wrong: a module or folder it does not list,
+    one it lists that is not there, and a module a folder's line names that the folder does not hold."""
+    entries = map_entries(text, package)
+    listed = [spans[0] for spans in entries]
+    present = {f"{path.name}/" if path.is_dir() else path.name for path in root.iterdir()
+               if (path.is_dir() and path.name not in ("__pycache__",) and not path.name.startswith("."))
+               or (path.suffix == ".py" and path.name not in ("__init__.py", "__main__.py"))}
+    errors = [f"{name}: not in the map" for name in sorted(present - set(listed))]
+    errors += [f"{name}: listed, not in {package}" for name in listed if name not in present]
+    errors += [f"{spans[0]}{held}: not there" for spans in entries if spans[0].endswith("/") and (root / spans[0]).is_dir()
+               for held in spans[1:] if held.endswith(".py") and not (root / spans[0] / held).is_file()]
+    return errors
+
+
+@pytest.mark.parametrize("package", MAPPED_PACKAGES)
+def test_the_code_map_lists_every_module_and_folder_that_is_there(package):
+    assert map_errors((REPO / "docs" / "development.md").read_text(), package, REPO / package) == []
+
+
+def test_the_code_map_check_finds_a_missing_an_extra_and_a_misplaced_module(tmp_path):
+    (tmp_path / "pkg" / "capture").mkdir(parents=True)
+    for name in ("__init__.py", "shard.py", "units.py", "capture/runner.py"):
+        (tmp_path / "pkg" / name).write_text("")
+    text = ("`pkg/`, a package.\n\n- `shard.py`: what every shard does.\n- `tiny.py`: gone.\n"
+            "- `capture/`: the target run\n  (`runner.py`, `target.py`).\n\nBeside the code:\n")
+    assert map_errors(text, "pkg", tmp_path / "pkg") == ["units.py: not in the map", "tiny.py: listed, not in pkg", "capture/target.py: not there"]
 
 
 RESULT_NAME = re.compile(r"`(?:bench/results/)?([\w.-]+-(?:h200|cpu|gpu)[\w.-]*\.(?:json|png)|prepare\.json)`")

@@ -17,7 +17,7 @@ from dflash_jobs.drafter.model import Drafter, RMSNorm
 from dflash_jobs.errors import InputError, SpecError
 from dflash_jobs.spec import TrainSpec
 from dflash_jobs.storage import open_storage
-from dflash_jobs.tiny_llama import SPECIAL_TOKENS, UNUSED_MARKER
+from dflash_jobs.architectures.tiny.llama import SPECIAL_TOKENS, UNUSED_MARKER
 from train_fixtures import LAYERS, mask_token_id
 
 ZLAB_KEYS = {

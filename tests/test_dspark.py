@@ -26,7 +26,7 @@ from dflash_jobs.drafter.dspark_export import DSPARK_MODELING_FILES, export_dspa
 from dflash_jobs.drafter.dspark_model import DSparkConfig, DSparkDrafter
 from dflash_jobs.drafter.export import load_drafter
 from dflash_jobs.drafter.masks import BlockLayout, build_attention
-from dflash_jobs.drafter.speculative import Target, greedy_decode, speculative_decode
+from dflash_jobs.drafter.speculative import DecodeTarget, greedy_decode, speculative_decode
 from dflash_jobs.errors import SpecError
 from dflash_jobs.evaluate.calibration import ConfidenceRecorder, recorder_for, summarize_calibration
 from dflash_jobs.drafter.speculative import Decoded
@@ -494,10 +494,10 @@ def test_speculative_decoding_with_dspark_is_lossless_and_records_each_steps_con
     recorder = recorder_for(trained, drafts=trained.config.block_size)
     assert isinstance(recorder, ConfidenceRecorder) and recorder_for(DSparkDrafter(small_config(enable_confidence_head=False)), drafts=4) is None
     prompt = torch.randint(0, 200, (10,), generator=torch.Generator().manual_seed(6))
-    target = Target(model, trained.config.target_layer_ids)
+    target = DecodeTarget(model, trained.config.target_layer_ids)
     try:
         decoded = speculative_decode(target, recorder, prompt, max_new_tokens=40, stop_ids=frozenset())
-        greedy = greedy_decode(Target(model), prompt, max_new_tokens=40, stop_ids=frozenset())
+        greedy = greedy_decode(DecodeTarget(model), prompt, max_new_tokens=40, stop_ids=frozenset())
     finally:
         target.close()
     assert decoded.tokens == greedy.tokens

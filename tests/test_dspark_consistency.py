@@ -17,7 +17,7 @@ import torch
 
 from dflash_jobs.drafter.anchors import anchor_layout
 from dflash_jobs.drafter.masks import build_attention
-from dflash_jobs.drafter.speculative import ModelDrafter, Target, speculative_decode
+from dflash_jobs.drafter.speculative import DecodeTarget, ModelDrafter, speculative_decode
 from dflash_jobs.evaluate.calibration import ConfidenceRecorder, summarize_calibration
 from dflash_jobs.evaluate.metrics import acceptance_length, acceptance_per_position, summarize_simulated
 from dflash_jobs.evaluate.simulated import anchors_accepted, document_batch
@@ -36,7 +36,7 @@ DSPARK = drafter_variant("dspark")
 
 def captured(target_model, document: torch.Tensor, layers: list[int]) -> torch.Tensor:
     """The target's decoder-layer outputs (before any norm) over a document, [T, len(layers), d], from one forward."""
-    target = Target(target_model, layers)
+    target = DecodeTarget(target_model, layers)
     try:
         with torch.inference_mode():
             target.reset()
@@ -82,7 +82,7 @@ def test_the_training_forward_accepts_what_dspark_decoding_accepts_and_a_fill_in
         anchors_accepted(drafter, document_batch(d, len(p), captured(target_model, d, LAYERS), drafter, LAYOUT), DSPARK.predict, LAYOUT)
         for p, d in zip(prompts, documents)
     ]
-    target = Target(target_model, LAYERS)
+    target = DecodeTarget(target_model, LAYERS)
     recorder = ConfidenceRecorder(drafter, drafts=BLOCK)  # the ModelDrafter the evaluation serves a confidence head through
     served, confidences = [], []
     for prompt in prompts:

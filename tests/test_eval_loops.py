@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from dflash_jobs.drafter.anchors import anchor_layout
 from dflash_jobs.drafter.host_reads import HostReads
-from dflash_jobs.drafter.speculative import Decoded, ModelDrafter, Target, greedy_decode, speculative_decode
+from dflash_jobs.drafter.speculative import Decoded, DecodeTarget, ModelDrafter, greedy_decode, speculative_decode
 from dflash_jobs.drafter.tree_verify import tree_decode, tree_target
 from dflash_jobs.evaluate.baselines import BigramDrafter, PromptLookupDrafter, along_greedy
 from dflash_jobs.evaluate.calibration import recorder_for
@@ -57,14 +57,14 @@ def test_a_verify_step_reads_the_device_once(model, each_target, variant):
     prompt = prompts(model.config.vocab_size)[2]
     drafter = fresh_drafter(each_target, TrainSpec(drafter=variant, block_size=BLOCK)).eval()
     drafts = anchor_layout(variant, block_size=BLOCK).drafts
-    greedy = greedy_decode(Target(model), prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
+    greedy = greedy_decode(DecodeTarget(model), prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
     loops = {"chain": (ModelDrafter(drafter, drafts=drafts), LAYERS),
              "prompt_lookup": (PromptLookupDrafter(BLOCK), []), "bigram": (BigramDrafter(bigram_of([greedy.tokens]), BLOCK), [])}
     if (recorder := recorder_for(drafter, drafts=drafts)) is not None:
         loops["recorder"] = (recorder, LAYERS)
     for name, (block_drafter, layers) in loops.items():
         with HostReads() as reads:
-            decoded = speculative_decode(Target(model, layers), block_drafter, prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
+            decoded = speculative_decode(DecodeTarget(model, layers), block_drafter, prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
         assert decoded.tokens == greedy.tokens, name
         assert reads.total == len(decoded.accepted) + 2, (name, dict(reads.counts))
 
@@ -75,14 +75,14 @@ def test_the_baselines_acceptance_along_greedys_output_is_the_verify_loops(model
     output, step for step alike on every prompt: without a stop token, and with greedy's 10th token
     as one (steps cut where a stop token among the drafts ends the output)."""
     asked = prompts(model.config.vocab_size)
-    unbounded = [greedy_decode(Target(model), p, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP).tokens for p in asked]
+    unbounded = [greedy_decode(DecodeTarget(model), p, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP).tokens for p in asked]
     stop = NO_STOP if stop_at is None else frozenset([unbounded[0][stop_at]])
     table = bigram_of(unbounded)
     compared = 0
     for prompt in asked:
-        greedy = greedy_decode(Target(model), prompt, max_new_tokens=NEW_TOKENS, stop_ids=stop)
+        greedy = greedy_decode(DecodeTarget(model), prompt, max_new_tokens=NEW_TOKENS, stop_ids=stop)
         for baseline in (PromptLookupDrafter(BLOCK), BigramDrafter(table, BLOCK)):
-            decoded = speculative_decode(Target(model), baseline, prompt, max_new_tokens=NEW_TOKENS, stop_ids=stop)
+            decoded = speculative_decode(DecodeTarget(model), baseline, prompt, max_new_tokens=NEW_TOKENS, stop_ids=stop)
             computed = along_greedy(baseline, prompt.tolist(), greedy.tokens, max_new_tokens=NEW_TOKENS, stop_ids=stop)
             assert (computed.tokens, computed.accepted, computed.drafted) == (decoded.tokens, decoded.accepted, decoded.drafted)
             compared += sum(decoded.accepted)
@@ -96,7 +96,7 @@ def tied(each_target):
     and the context after either is the same. `high` is greedy's first token on the prompt."""
     model = AutoModelForCausalLM.from_pretrained(each_target, dtype=torch.float32).eval()
     prompt = prompts(model.config.vocab_size)[1]
-    high = greedy_decode(Target(model), prompt, max_new_tokens=1, stop_ids=NO_STOP).tokens[0]
+    high = greedy_decode(DecodeTarget(model), prompt, max_new_tokens=1, stop_ids=NO_STOP).tokens[0]
     if high == 0:
         pytest.fail("greedy's first token is 0: no lower id to tie it with; pick another prompt")
     low = high // 2
@@ -110,7 +110,7 @@ def tied(each_target):
 
 def test_every_loop_takes_the_lower_token_id_at_an_exact_tie(tied, each_target):
     model, prompt, low, high = tied
-    greedy = greedy_decode(Target(model), prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
+    greedy = greedy_decode(DecodeTarget(model), prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
     assert greedy.tokens[0] == low and greedy.runners_up[0] == high and greedy.margins[0] == 0.0
     assert high not in greedy.tokens  # every later tie too
     drafter = fresh_drafter(each_target, TrainSpec(drafter="dflash", block_size=BLOCK)).eval()
@@ -118,11 +118,11 @@ def test_every_loop_takes_the_lower_token_id_at_an_exact_tie(tied, each_target):
     # A drafter that proposes the other token of the tie: the verify forward must still commit the lower one.
     table = bigram_of([greedy.tokens, [high if t == low else t for t in greedy.tokens]])
     decoded = {
-        "chain": speculative_decode(Target(model, LAYERS), ModelDrafter(drafter, drafts=drafts), prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP),
+        "chain": speculative_decode(DecodeTarget(model, LAYERS), ModelDrafter(drafter, drafts=drafts), prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP),
         "tree": tree_decode(tree_target(model, LAYERS), VariantBranches(drafter, drafter_variant("dflash").branches, drafts=drafts), prompt,
                             budget=8, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP),
-        "prompt_lookup": speculative_decode(Target(model), PromptLookupDrafter(BLOCK), prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP),
-        "bigram": speculative_decode(Target(model), BigramDrafter(table, BLOCK), prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP),
+        "prompt_lookup": speculative_decode(DecodeTarget(model), PromptLookupDrafter(BLOCK), prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP),
+        "bigram": speculative_decode(DecodeTarget(model), BigramDrafter(table, BLOCK), prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP),
     }
     for name, output in decoded.items():
         assert output.tokens == greedy.tokens, name
@@ -141,11 +141,11 @@ def test_the_lossless_check_judges_a_tie_greedy_broke_the_other_way_as_a_tie(tie
     (the reference is the other break): the check judges the first position where output and
     reference differ, not their lengths."""
     model, prompt, low, high = tied
-    greedy = greedy_decode(Target(model), prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
+    greedy = greedy_decode(DecodeTarget(model), prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
     other = other_break(greedy, low, high)
     assert len(other.tokens) == len(greedy.tokens) and other.tokens != greedy.tokens
     for output, reference in ((greedy.tokens, other), (other.tokens, greedy)):
-        found = divergences(Target(model), prompt, output, reference, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
+        found = divergences(DecodeTarget(model), prompt, output, reference, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
         assert found[0].position == 0 and found[0].token == output[0] and found[0].greedy_token == reference.tokens[0]
         assert found[0].greedy_logit_gap == 0.0
         assert all(is_tie(d, 0.0) for d in found)
@@ -154,8 +154,8 @@ def test_the_lossless_check_judges_a_tie_greedy_broke_the_other_way_as_a_tie(tie
 
 def test_the_lossless_check_says_lengths_differ_only_where_they_do(tied):
     model, prompt, _, _ = tied
-    greedy = greedy_decode(Target(model), prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
+    greedy = greedy_decode(DecodeTarget(model), prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
     short = greedy.tokens[:5]
-    found = divergences(Target(model), prompt, short, greedy, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
+    found = divergences(DecodeTarget(model), prompt, short, greedy, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
     assert [(d.position, d.token, d.greedy_token) for d in found] == [(5, None, None)]
     assert not is_tie(found[0], 1.0)

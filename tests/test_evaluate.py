@@ -21,7 +21,7 @@ from dflash_jobs.evaluate.lossless import TIE_RULE, TOLERANCE_STATISTIC, Diverge
 from dflash_jobs.evaluate.metrics import acceptance_length, acceptance_per_position, conditional_acceptance, same_anchor_pairs, summarize
 from dflash_jobs.evaluate.report import build_report, store_report
 from dflash_jobs.formats import EVAL_PLOT_KEY as PLOT_KEY, EVAL_REPORT_KEY as REPORT_KEY
-from dflash_jobs.drafter.speculative import Decoded, Target, greedy_decode, speculative_decode
+from dflash_jobs.drafter.speculative import Decoded, DecodeTarget, greedy_decode, speculative_decode
 from dflash_jobs.formats import DATASET_KEY, MANIFEST_KEY, DatasetIndex, TokenChunk
 from dflash_jobs.storage import open_storage
 from train_fixtures import write_extract
@@ -61,7 +61,7 @@ def prompt():
 @pytest.fixture(scope="module")
 def reference(model, prompt) -> list[int]:
     """Plain greedy output: 1 + 4 full blocks of new tokens."""
-    return greedy_decode(Target(model), prompt, max_new_tokens=1 + 4 * BLOCK, stop_ids=NO_STOP).tokens
+    return greedy_decode(DecodeTarget(model), prompt, max_new_tokens=1 + 4 * BLOCK, stop_ids=NO_STOP).tokens
 
 
 class OracleDrafter:
@@ -98,7 +98,7 @@ def test_greedy_decode_equals_transformers_generate(model, prompt, reference):
 
 
 def test_random_drafter_is_lossless_and_mostly_rejected(model, prompt, reference):
-    decoded = speculative_decode(Target(model), RandomDrafter(), prompt, max_new_tokens=len(reference), stop_ids=NO_STOP)
+    decoded = speculative_decode(DecodeTarget(model), RandomDrafter(), prompt, max_new_tokens=len(reference), stop_ids=NO_STOP)
     assert decoded.tokens == reference
     assert acceptance_length([decoded]) < 1.5
     assert len(decoded.accepted) >= len(reference) // 2
@@ -106,7 +106,7 @@ def test_random_drafter_is_lossless_and_mostly_rejected(model, prompt, reference
 
 def test_oracle_drafter_reaches_the_block_size(model, prompt, reference):
     continuation = torch.cat([prompt, torch.tensor(reference)])
-    decoded = speculative_decode(Target(model, LAYERS), OracleDrafter(continuation, right=BLOCK - 1), prompt, max_new_tokens=len(reference), stop_ids=NO_STOP)
+    decoded = speculative_decode(DecodeTarget(model, LAYERS), OracleDrafter(continuation, right=BLOCK - 1), prompt, max_new_tokens=len(reference), stop_ids=NO_STOP)
     assert decoded.tokens == reference
     assert decoded.accepted == [BLOCK - 1] * 4
     assert acceptance_length([decoded]) == BLOCK
@@ -117,7 +117,7 @@ def test_oracle_drafter_reaches_the_block_size(model, prompt, reference):
 def test_partly_right_drafter_rolls_back_exactly(model, prompt, reference, right):
     continuation = torch.cat([prompt, torch.tensor(reference)])
     drafter = OracleDrafter(continuation, right=right)
-    decoded = speculative_decode(Target(model, LAYERS), drafter, prompt, max_new_tokens=len(reference), stop_ids=NO_STOP)
+    decoded = speculative_decode(DecodeTarget(model, LAYERS), drafter, prompt, max_new_tokens=len(reference), stop_ids=NO_STOP)
     assert decoded.tokens == reference
     # Every step but the last (cut to what the output still needs) accepts exactly `right` drafts.
     assert decoded.accepted[:-1] == [right] * (len(decoded.accepted) - 1)
@@ -136,10 +136,10 @@ def test_partly_right_drafter_rolls_back_exactly(model, prompt, reference, right
 
 
 def test_a_rollback_that_misses_cache_state_is_refused(model, prompt, monkeypatch):
-    # A transformers release that keeps more per-layer state than Target.checkpoint saves (5.25 added
+    # A transformers release that keeps more per-layer state than DecodeTarget.checkpoint saves (5.25 added
     # a token count to the GDN layers) must fail loudly, not decode at shifted positions: stand in
     # for it with attention layers whose crop does nothing.
-    target = Target(model, LAYERS)
+    target = DecodeTarget(model, LAYERS)
     with torch.inference_mode():
         target.reset()
         target.forward(prompt)
@@ -154,8 +154,8 @@ def test_generation_stops_at_the_stop_token(model, prompt, reference):
     stop = frozenset([reference[9]])
     expected = reference[: reference.index(reference[9]) + 1]
     continuation = torch.cat([prompt, torch.tensor(reference)])
-    assert greedy_decode(Target(model), prompt, max_new_tokens=len(reference), stop_ids=stop).tokens == expected
-    decoded = speculative_decode(Target(model, LAYERS), OracleDrafter(continuation, right=BLOCK - 1), prompt, max_new_tokens=len(reference), stop_ids=stop)
+    assert greedy_decode(DecodeTarget(model), prompt, max_new_tokens=len(reference), stop_ids=stop).tokens == expected
+    decoded = speculative_decode(DecodeTarget(model, LAYERS), OracleDrafter(continuation, right=BLOCK - 1), prompt, max_new_tokens=len(reference), stop_ids=stop)
     assert decoded.tokens == expected
     # What the steps count is what they committed: the first token comes from the prefill.
     assert 1 + sum(accepted + 1 for accepted in decoded.accepted) == len(expected)
@@ -167,13 +167,13 @@ def test_acceptance_counts_only_what_was_committed_before_the_stop_token(model, 
     target agrees with all of them, but only 3 were committed (the third is the stop): acceptance 3.0,
     not 8.0, and the train/serve check compares 3 with 3 at that anchor."""
     block, new_tokens = 8, 16
-    unbounded = greedy_decode(Target(model), prompt, max_new_tokens=new_tokens, stop_ids=NO_STOP).tokens
+    unbounded = greedy_decode(DecodeTarget(model), prompt, max_new_tokens=new_tokens, stop_ids=NO_STOP).tokens
     stop = frozenset([unbounded[3]])
     assert unbounded[3] not in unbounded[:3]
-    greedy = greedy_decode(Target(model), prompt, max_new_tokens=new_tokens, stop_ids=stop)
+    greedy = greedy_decode(DecodeTarget(model), prompt, max_new_tokens=new_tokens, stop_ids=stop)
     assert greedy.tokens == unbounded[:4]
     oracle = OracleDrafter(torch.cat([prompt, torch.tensor(unbounded)]), right=block - 1, block_size=block)
-    decoded = speculative_decode(Target(model, LAYERS), oracle, prompt, max_new_tokens=new_tokens, stop_ids=stop)
+    decoded = speculative_decode(DecodeTarget(model, LAYERS), oracle, prompt, max_new_tokens=new_tokens, stop_ids=stop)
     assert decoded.tokens == greedy.tokens
     # The first token comes from the prefill; the one verify step commits the other three.
     assert decoded.drafted == [block - 1] and decoded.accepted == [2]
@@ -188,16 +188,16 @@ def test_acceptance_counts_only_what_was_committed_before_the_stop_token(model, 
 
 def test_a_verify_step_commits_nothing_past_max_new_tokens(model, prompt):
     block = 8
-    unbounded = greedy_decode(Target(model), prompt, max_new_tokens=16, stop_ids=NO_STOP).tokens
+    unbounded = greedy_decode(DecodeTarget(model), prompt, max_new_tokens=16, stop_ids=NO_STOP).tokens
     oracle = OracleDrafter(torch.cat([prompt, torch.tensor(unbounded)]), right=block - 1, block_size=block)
-    decoded = speculative_decode(Target(model, LAYERS), oracle, prompt, max_new_tokens=5, stop_ids=NO_STOP)
+    decoded = speculative_decode(DecodeTarget(model, LAYERS), oracle, prompt, max_new_tokens=5, stop_ids=NO_STOP)
     assert decoded.tokens == unbounded[:5] and decoded.accepted == [3] and decoded.drafted == [3]
     assert acceptance_length([decoded]) == 4.0
 
 
 def test_drafter_must_read_the_captured_layers(model, prompt):
     with pytest.raises(ValueError, match="captures layers"):
-        speculative_decode(Target(model, [1]), OracleDrafter(prompt, right=0, layers=[2]), prompt, max_new_tokens=4, stop_ids=NO_STOP)
+        speculative_decode(DecodeTarget(model, [1]), OracleDrafter(prompt, right=0, layers=[2]), prompt, max_new_tokens=4, stop_ids=NO_STOP)
 
 
 def test_prompt_lookup_drafts_like_transformers():
@@ -272,7 +272,7 @@ def test_bigram_drafting_is_lossless_and_accepts_what_it_learned(model, prompt, 
     successors = {}
     for before, after in zip(continuation, continuation[1:]):
         successors.setdefault(before, after)
-    decoded = speculative_decode(Target(model), BigramDrafter(BigramTable(successors, {}), BLOCK), prompt, max_new_tokens=len(reference), stop_ids=NO_STOP)
+    decoded = speculative_decode(DecodeTarget(model), BigramDrafter(BigramTable(successors, {}), BLOCK), prompt, max_new_tokens=len(reference), stop_ids=NO_STOP)
     assert decoded.tokens == reference
     assert acceptance_length([decoded]) > 1.5
 

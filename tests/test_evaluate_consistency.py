@@ -22,7 +22,7 @@ from dflash_jobs.drafter.checkpoint import TargetCheckpoint, drafter_config_for_
 from dflash_jobs.drafter.export import export_dflash
 from dflash_jobs.drafter.masks import build_attention
 from dflash_jobs.drafter.model import Drafter
-from dflash_jobs.drafter.speculative import Decoded, ModelDrafter, Target, greedy_decode, speculative_decode
+from dflash_jobs.drafter.speculative import Decoded, DecodeTarget, ModelDrafter, greedy_decode, speculative_decode
 from dflash_jobs.errors import SpecError
 from dflash_jobs.formats import TokenChunk
 from dflash_jobs.evaluate.__main__ import main as evaluate_main
@@ -35,7 +35,7 @@ from dflash_jobs.evaluate.simulated import anchors_accepted, blocks_per_call, do
 from dflash_jobs.rows import ChatEncoder, prompt_length
 from dflash_jobs.spec import EvalSpec, TrainSpec, parse_spec
 from dflash_jobs.storage import open_storage
-from dflash_jobs.tiny import tiny_chat_rows
+from dflash_jobs.architectures.tiny.chats import tiny_chat_rows
 from dflash_jobs.train.loss import draft_loss
 from dflash_jobs.variants import drafter_variant
 from train_fixtures import LAYERS, mask_token_id, write_extract, write_holdout
@@ -68,7 +68,7 @@ def prompts(target_dir) -> list[torch.Tensor]:
 
 def captured(target_model, document: torch.Tensor) -> torch.Tensor:
     """The drafter's target layers over a document, [T, L, d], from one forward."""
-    target = Target(target_model, LAYERS)
+    target = DecodeTarget(target_model, LAYERS)
     with torch.inference_mode():
         target.reset()
         target.forward(document, last_only=True)
@@ -78,7 +78,7 @@ def captured(target_model, document: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def documents(target_model, prompts) -> list[torch.Tensor]:
     """Each prompt followed by the target's greedy answer."""
-    answers = [greedy_decode(Target(target_model), p, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP).tokens for p in prompts]
+    answers = [greedy_decode(DecodeTarget(target_model), p, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP).tokens for p in prompts]
     return [torch.cat([p, torch.tensor(a)]) for p, a in zip(prompts, answers)]
 
 
@@ -129,7 +129,7 @@ def test_the_training_forward_accepts_what_speculative_decoding_accepts_and_an_o
     simulated = simulated_anchors(drafter, target_model, prompts, documents)
     # One anchor at every answer position with a successor: the training rule (both supervised).
     assert [len(anchors) for anchors in simulated] == [NEW_TOKENS - 1] * PROMPTS
-    target = Target(target_model, LAYERS)
+    target = DecodeTarget(target_model, LAYERS)
     served = [speculative_decode(target, ModelDrafter(drafter, drafts=BLOCK - 1), p, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP) for p in prompts]
     assert [d.tokens for d in served] == [d[len(p):].tolist() for p, d in zip(prompts, documents)]
     greedy = [d[len(p):].tolist() for p, d in zip(prompts, documents)]
@@ -188,7 +188,7 @@ def test_a_divergence_is_a_tie_where_its_tokens_greedy_logit_is_within_the_measu
 
 def greedy_after(target_model, prompt: torch.Tensor, prefix: list[int], new_tokens: int) -> Decoded:
     """Plain greedy's continuation of prompt + prefix."""
-    return greedy_decode(Target(target_model), torch.cat([prompt, torch.tensor(prefix, dtype=prompt.dtype)]), max_new_tokens=new_tokens, stop_ids=NO_STOP)
+    return greedy_decode(DecodeTarget(target_model), torch.cat([prompt, torch.tensor(prefix, dtype=prompt.dtype)]), max_new_tokens=new_tokens, stop_ids=NO_STOP)
 
 
 def test_every_position_is_checked_and_a_real_mismatch_after_a_tie_is_found(target_model, prompts):
@@ -196,7 +196,7 @@ def test_every_position_is_checked_and_a_real_mismatch_after_a_tie_is_found(targ
     goes on as greedy goes on from there, and at position 11 takes the token greedy ranks last: a
     verdict from the first difference alone would call the prompt a tie."""
     prompt = prompts[0]
-    plain = Target(target_model)
+    plain = DecodeTarget(target_model)
     reference = greedy_decode(plain, prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
     output = reference.tokens[:3] + [reference.runners_up[3]]
     after_tie = greedy_after(target_model, prompt, output, 8)
@@ -225,7 +225,7 @@ def test_a_run_that_stops_at_another_length_is_checked_at_the_stop(target_model,
     choose there is judged by greedy's logit of it; an output ending with neither a stop token nor
     max_new_tokens (a loop bug) has no greedy choice to be judged by, and is real."""
     prompt = prompts[1]
-    plain = Target(target_model)
+    plain = DecodeTarget(target_model)
     reference = greedy_decode(plain, prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
     stop = next(t for t in range(VOCAB_PROBE) if t not in reference.tokens[:6] + reference.runners_up[:6])
     early = reference.tokens[:5] + [stop]
@@ -239,7 +239,7 @@ def test_a_run_that_stops_at_another_length_is_checked_at_the_stop(target_model,
 
 def test_the_tie_tolerance_is_measured_on_the_target_at_greedys_top_two_tokens(target_model, prompts):
     prompt = prompts[2]
-    plain = Target(target_model)
+    plain = DecodeTarget(target_model)
     reference = greedy_decode(plain, prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
     noise = verify_noise(plain, prompt, reference, BLOCK)
     # Every position but the first (both decodings take it from one prefill); in fp32 a block's

@@ -16,13 +16,13 @@ from transformers import AutoModelForCausalLM
 from dflash_jobs.drafter.checkpoint import TargetCheckpoint
 from dflash_jobs.extract.__main__ import main
 from dflash_jobs.extract.progress import Summary
-from dflash_jobs.capture.target import load_target
+from dflash_jobs.capture.target import load_capture_target
 from dflash_jobs.extract.worker import ExtractWorker, pending_chunks
 from dflash_jobs.extract.writer import ChunkMetadata
 from dflash_jobs.formats import DoneMarker, HiddenChunk, done_key, encode_hidden_chunk, hidden_chunk_key, read_header
 from dflash_jobs.spec import ExtractSpec, TargetSpec, load_spec
 from dflash_jobs.storage import open_storage
-from dflash_jobs.tiny import DEBUGMODEL
+from dflash_jobs.architectures.tiny import DEBUGMODEL
 
 from dflashctl.verify import Expected, verify_run
 from extract_helpers import prepared_run, random_chunks, tiny_target, write_prepared, write_spec
@@ -43,7 +43,7 @@ def chunks():
 
 
 def extract(checkpoint, directory, chunks, *, dtype: str):
-    target = load_target(TargetSpec(model=str(checkpoint), layers=LAYERS), checkpoint=checkpoint, layers=LAYERS,
+    target = load_capture_target(TargetSpec(model=str(checkpoint), layers=LAYERS), checkpoint=checkpoint, layers=LAYERS,
                          device=torch.device("cpu"), dtype=torch.float32, final_hidden=True)
     assert len(target.decoder_layers) == DEBUGMODEL.num_layers and target.final_layer == LAST
     storage, infos = prepared_run(directory, chunks)

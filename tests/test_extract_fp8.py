@@ -14,7 +14,7 @@ from torch import nn
 from dflash_jobs.errors import SpecError
 from dflash_jobs.capture.fp8 import Float8Linear, quantize_rows, require_fp8, to_float8
 from dflash_jobs.extract.progress import Summary
-from dflash_jobs.capture.target import load_target
+from dflash_jobs.capture.target import load_capture_target
 from dflash_jobs.extract.worker import ExtractWorker
 from dflash_jobs.formats import DoneMarker, HiddenChunk, done_key, hidden_chunk_key, read_header
 from dflash_jobs.spec import ExtractSpec, TargetSpec, parse_spec
@@ -25,7 +25,7 @@ from extract_helpers import LAYERS, prepared_run, random_chunks, reference_state
 @pytest.fixture(scope="module")
 def bf16_target(architecture, tmp_path_factory):
     checkpoint = tiny_target(tmp_path_factory, architecture)
-    return load_target(TargetSpec(model=str(checkpoint)), checkpoint=checkpoint, layers=LAYERS, device=torch.device("cpu"))
+    return load_capture_target(TargetSpec(model=str(checkpoint)), checkpoint=checkpoint, layers=LAYERS, device=torch.device("cpu"))
 
 
 def test_row_wise_fp8_linear_matches_its_dequantized_weights():

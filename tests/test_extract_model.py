@@ -19,7 +19,7 @@ from dflash_jobs.errors import InputError, IntegrityError
 from dflash_jobs.capture import fusion, packing
 from dflash_jobs.extract.transfer import Run, merge_runs
 from dflash_jobs.extract.progress import Summary
-from dflash_jobs.capture.target import load_target
+from dflash_jobs.capture.target import load_capture_target
 from dflash_jobs.extract.worker import ExtractWorker
 from dflash_jobs.extract.writer import WRITER_THREADS
 from dflash_jobs.formats import HiddenChunk, hidden_chunk_key
@@ -42,7 +42,7 @@ def reference_model(checkpoint):
 
 
 def fp32_target(checkpoint):
-    return load_target(TargetSpec(model=str(checkpoint)), checkpoint=checkpoint, layers=LAYERS, device=torch.device("cpu"), dtype=torch.float32)
+    return load_capture_target(TargetSpec(model=str(checkpoint)), checkpoint=checkpoint, layers=LAYERS, device=torch.device("cpu"), dtype=torch.float32)
 
 
 def run_worker(checkpoint, tmp_path, chunks, *, packed=False, dtype="bfloat16", token_budget=96, target=None):

@@ -40,8 +40,8 @@ from dflash_jobs.prepare import Preparer, prepare
 from dflash_jobs.rows import TARGET_IDS, TEMPLATE_ERROR, BadRow, Tokenized, prompt_length
 from dflash_jobs.spec import parse_spec
 from dflash_jobs.storage import TEMP_PREFIX, open_storage
-from dflash_jobs.tiny import tiny_chat_rows, write_tiny_target
-from train_fixtures import TINY_TARGETS
+from dflash_jobs.architectures.tiny import write_tiny_target
+from dflash_jobs.architectures.tiny.chats import tiny_chat_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -233,8 +233,7 @@ def target(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def each_target(architecture, tmp_path_factory) -> Path:
     """A 4-layer tiny target of each architecture in turn."""
-    _, write = TINY_TARGETS[architecture]
-    return write(tmp_path_factory.mktemp(architecture), num_layers=4)
+    return write_tiny_target(tmp_path_factory.mktemp(architecture), architecture=architecture, num_layers=4)
 
 
 def minimal_spec(**sections) -> dict:
@@ -711,7 +710,7 @@ def test_prepare_trains_on_the_tokens_the_target_generated_after_the_prompt_it_w
     the answer's text cuts it into the tokenizer's pieces where this random target emits others."""
     import torch
 
-    from dflash_jobs.drafter.speculative import Target, greedy_decode
+    from dflash_jobs.drafter.speculative import DecodeTarget, greedy_decode
 
     rows = list(tiny_chat_rows(14, seed=8))
     spec_file = write_run(tmp_path, target, ["not json"] + rows, shards=1, thinking=thinking)
@@ -724,7 +723,7 @@ def test_prepare_trains_on_the_tokens_the_target_generated_after_the_prompt_it_w
     assert index.generation["dropped"] == {"malformed_json": 1}
     tokenizer = AutoTokenizer.from_pretrained(target)
     engine = TransformersEngine.load(spec.generate, target, tokenizer=tokenizer, device=torch.device("cpu"), attn_implementation="sdpa")
-    reference = Target(engine.model)
+    reference = DecodeTarget(engine.model)
     switch = {} if thinking is None else {"chat_template_kwargs": {"enable_thinking": thinking}}  # as the request carries it
     greedy = {}
     for sample_id, row in enumerate(rows, 1):

@@ -15,11 +15,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dflash_jobs.extract.progress import Summary
-from dflash_jobs.capture.target import load_target
+from dflash_jobs.capture.target import load_capture_target
 from dflash_jobs.extract.worker import ExtractWorker
 from dflash_jobs.formats import HiddenChunk, hidden_chunk_key
 from dflash_jobs.spec import ExtractSpec, TargetSpec
-from dflash_jobs.tiny import DEBUGMODEL
+from dflash_jobs.architectures.tiny import DEBUGMODEL
 
 from extract_helpers import prepared_run, random_chunks, tiny_target
 
@@ -34,7 +34,7 @@ def checkpoint(architecture, tmp_path_factory):
 
 
 def extract(checkpoint, tmp_path, chunks) -> HiddenChunk:
-    target = load_target(TargetSpec(model=str(checkpoint), layers=LAYERS), checkpoint=checkpoint, layers=LAYERS, device=torch.device("cpu"), dtype=torch.float32)
+    target = load_capture_target(TargetSpec(model=str(checkpoint), layers=LAYERS), checkpoint=checkpoint, layers=LAYERS, device=torch.device("cpu"), dtype=torch.float32)
     storage, infos = prepared_run(tmp_path, chunks)
     worker = ExtractWorker(
         ExtractSpec(shards=1, token_budget=96, pad_multiple=16, sort_window=1), target=target, storage=storage, chunks=infos,

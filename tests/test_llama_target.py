@@ -1,4 +1,4 @@
-"""A dense Llama target with tied embeddings (dflash_jobs.tiny_llama, shaped as SmolLM2: its tokenizer
+"""A dense Llama target with tied embeddings (dflash_jobs.architectures.tiny.llama, shaped as SmolLM2: its tokenizer
 fills every embedding row) through training and evaluation, where the target's architecture and
 tokenizer are read: each drafter trains on its states with the mask token its tokenizer leaves
 (<repo_name>, logged with why, recorded in every export) and its tied LM head, the evaluation job
@@ -25,7 +25,7 @@ from dflash_jobs.errors import EXIT_OK
 from dflash_jobs.evaluate.__main__ import main as evaluate_main
 from dflash_jobs.formats import DRAFTER_CONFIG_KEY, EVAL_REPORT_KEY, SPECULATORS_DRAFTER_DIR, Manifest
 from dflash_jobs.speculators import SUMMARY_KEY, hs_key
-from dflash_jobs.tiny_llama import UNUSED_MARKER
+from dflash_jobs.architectures.tiny.llama import UNUSED_MARKER
 from dflash_jobs.train.__main__ import main as train_main
 from train_fixtures import LAYERS, copy_extract, hold_out_tiny_chats, tiny_extract, tiny_target, train_spec_dict, write_spec
 

@@ -17,7 +17,8 @@ from dflash_jobs.prepare import BATCH_ROWS, HOLDOUT_KEY, REJECTED_KEY, main, pre
 from dflash_jobs.rows import SPLIT_ANSWER, prompt_length
 from dflash_jobs.spec import parse_spec
 from dflash_jobs.storage import open_storage
-from dflash_jobs.tiny import tiny_chat_rows, write_tiny_target
+from dflash_jobs.architectures.tiny import write_tiny_target
+from dflash_jobs.architectures.tiny.chats import tiny_chat_rows
 
 from dflashctl.cli.app import app
 

@@ -62,11 +62,11 @@ def test_every_prompt_is_a_new_draw_the_held_out_ones_last_and_the_data_sets_wri
 
 
 def test_the_vocabulary_is_the_most_frequent_words_of_one_token_in_order(bench):
-    from dflash_jobs.tiny import build_tiny_tokenizer
+    from dflash_jobs.architectures.tiny.qwen3_5 import build_tokenizer
 
     corpus = importlib.import_module("corpus")
     documents = ["def zebra(apple): return apple", "zebra apple mango = zebra + apple", "x = mango2 + mango_x + zebra"]
-    tokenizer = build_tiny_tokenizer(512, documents * 20)
+    tokenizer = build_tokenizer(512, documents * 20)
     # "zebra" 4 times, "apple" 4, the others once (mango2 and mango_x are not words of letters).
     assert corpus.vocabulary(documents, tokenizer, 2) == ["apple", "zebra"]
     with pytest.raises(ValueError, match="read more of them"):
@@ -78,7 +78,8 @@ def test_the_target_is_taught_its_answers_only(tmp_path):
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
-    from dflash_jobs.tiny import teach_tiny_target, write_tiny_target
+    from dflash_jobs.architectures.tiny import write_tiny_target
+    from dflash_jobs.architectures.tiny.teach import teach_tiny_target
 
     target = write_tiny_target(tmp_path / "target", num_layers=4)
     length = 24
@@ -103,7 +104,7 @@ def test_the_target_is_taught_its_answers_only(tmp_path):
 
 
 def test_a_target_window_starts_anywhere_or_where_a_chat_starts():
-    from dflash_jobs.tiny import window_starts
+    from dflash_jobs.architectures.tiny.teach import window_starts
 
     # Texts of 5, 3 and 4 tokens end to end; a window holds 4 + 1 tokens, so none starts past token 6.
     assert window_starts([5, 3, 4], 4, from_text_starts=False).tolist() == [0, 1, 2, 3, 4, 5, 6]
@@ -125,10 +126,10 @@ def write_samples(path: Path, samples: list[tuple[list[int], list[int]]], sample
 
 
 def test_diversity_counts_what_the_held_out_samples_share_with_the_training_ones(bench, tmp_path):
-    from dflash_jobs.tiny import build_tiny_tokenizer
+    from dflash_jobs.architectures.tiny.qwen3_5 import build_tokenizer
 
     figures = importlib.import_module("figures")
-    tokenizer = build_tiny_tokenizer(512)
+    tokenizer = build_tokenizer(512)
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     rows = [{"messages": [{"role": "user", "content": f"Sort these words: {words}"}]}
             for words in ("b a", "d c", "f e", "h g", "a b c", "x y")]

@@ -10,14 +10,27 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_jobs.tiny import DEBUGMODEL, SPECIAL_TOKENS, tiny_chat_dataset, write_tiny_target
-from dflash_jobs.tiny_llama import SPECIAL_TOKENS as LLAMA_SPECIAL_TOKENS
-from dflash_jobs.tiny_llama import write_tiny_llama
+from dflash_jobs.architectures import ARCHITECTURE_MODULES
+from dflash_jobs.architectures.tiny import DEBUGMODEL, tiny_target_module, write_tiny_target
+from dflash_jobs.architectures.tiny.chats import tiny_chat_dataset
+from dflash_jobs.architectures.tiny.llama import SPECIAL_TOKENS as LLAMA_SPECIAL_TOKENS
+from dflash_jobs.architectures.tiny.qwen3_5 import SPECIAL_TOKENS
 
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
     return write_tiny_target(tmp_path_factory.mktemp("tiny-target"))
+
+
+@pytest.mark.parametrize("architecture", list(ARCHITECTURE_MODULES))
+def test_every_target_architecture_has_a_tiny_target_the_suite_runs_it_on(architecture):
+    builder = tiny_target_module(architecture)
+    assert callable(builder.build_tokenizer) and callable(builder.random_model)
+
+
+def test_a_tiny_target_is_asked_for_by_an_architecture_of_the_seam(tmp_path):
+    with pytest.raises(ValueError, match="no target architecture 'gpt2'"):
+        write_tiny_target(tmp_path, architecture="gpt2")
 
 
 def test_checkpoint_has_the_multimodal_layout(target_dir):
@@ -98,7 +111,7 @@ def test_the_llama_ties_its_embeddings_fills_every_row_and_is_not_degenerate(tar
     norms = [p for name, p in model.named_parameters() if name.endswith("norm.weight")]
     assert len(norms) == 2 * DEBUGMODEL.num_layers + 1 and all(weight.std() > 0.1 for weight in norms)
     assert model.model.embed_tokens.weight[tokenizer.pad_token_id].abs().sum() > 0
-    again = write_tiny_llama(tmp_path / "again")
+    again = write_tiny_target(tmp_path / "again", architecture="llama")
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert (again / name).read_bytes() == (directory / name).read_bytes(), name
 

@@ -23,7 +23,7 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from dflash_jobs.architectures import ARCHITECTURE_MODULES, qwen3_5
-from dflash_jobs.drafter.speculative import Decoded, Target, greedy_decode
+from dflash_jobs.drafter.speculative import Decoded, DecodeTarget, greedy_decode
 from dflash_jobs.drafter.tree import ConditionalBranches, Tree, build_tree
 from dflash_jobs.architectures.tree import TreeLayout
 from dflash_jobs.drafter.tree_verify import cached_length, commit_path, tree_decode, tree_target, verify_tree
@@ -64,7 +64,7 @@ def prompt():
 
 @pytest.fixture(scope="module")
 def greedy(model, prompt) -> list[int]:
-    return greedy_decode(Target(model), prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP).tokens
+    return greedy_decode(DecodeTarget(model), prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP).tokens
 
 
 class OracleTrees:
@@ -190,7 +190,7 @@ def leaves(tree: Tree) -> list[int]:
     return [node for node in range(len(tree)) if node not in set(tree.parents)]
 
 
-def linear_states(target: Target) -> list[torch.Tensor]:
+def linear_states(target: DecodeTarget) -> list[torch.Tensor]:
     """Every GDN layer's conv window and recurrent state, and its token count."""
     return [t for layer in target.cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)
             for t in (*layer.conv_states.values(), *layer.recurrent_states.values(), layer.cumulative_length_linear)]
@@ -233,7 +233,7 @@ def test_the_fla_port_computes_what_the_torch_reference_does():
 def test_one_forward_gives_every_node_what_a_forward_of_its_root_path_gives(kernel_model, prompt, shape):
     model = kernel_model
     tree, root = TREES[shape](model.config.vocab_size), 17
-    target, reference = tree_target(model, LAYERS), Target(model, LAYERS)
+    target, reference = tree_target(model, LAYERS), DecodeTarget(model, LAYERS)
     with torch.inference_mode():
         target.reset()
         target.forward(prompt, last_only=True)
@@ -273,7 +273,7 @@ def test_committing_a_path_leaves_the_cache_as_a_forward_of_that_path_would(kern
     tree, root, after = TREES[shape](model.config.vocab_size), 17, torch.tensor([3, 99, 250])
     path = committed_paths(tree)[accepted]
     tokens = torch.cat([prompt, torch.tensor([root, *(tree.tokens[node] for node in path)])])
-    target, reference = tree_target(model), Target(model)
+    target, reference = tree_target(model), DecodeTarget(model)
     with torch.inference_mode():
         target.reset()
         target.forward(prompt, last_only=True)
@@ -365,7 +365,7 @@ def test_a_chain_that_left_greedy_at_its_first_step_has_no_chain_steps_and_still
 
 def test_a_stop_token_inside_the_tree_ends_the_output_there(model, prompt, greedy):
     stop = greedy[11]
-    expected = greedy_decode(Target(model), prompt, max_new_tokens=NEW_TOKENS, stop_ids=frozenset([stop])).tokens
+    expected = greedy_decode(DecodeTarget(model), prompt, max_new_tokens=NEW_TOKENS, stop_ids=frozenset([stop])).tokens
     assert expected[-1] == stop and len(expected) < len(greedy)
     drafter = OracleTrees(prompt.tolist() + greedy, [0] * 6, model.config.vocab_size)
     decoded = tree_decode(tree_target(model), drafter, prompt, budget=12, max_new_tokens=NEW_TOKENS, stop_ids=frozenset([stop]))

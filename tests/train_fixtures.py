@@ -10,6 +10,8 @@ import numpy as np
 import torch
 
 from dflash_jobs.architectures import ARCHITECTURE_MODULES
+from dflash_jobs.architectures.tiny import DEBUGMODEL, write_tiny_target
+from dflash_jobs.architectures.tiny.chats import tiny_chat_rows
 from dflash_jobs.formats import (
     DATASET_KEY, MANIFEST_KEY, DatasetIndex, DoneMarker, Manifest, TokenChunk, done_key, hidden_chunk_key, hidden_metadata, hidden_tensors, quantize_fp8,
     safetensors_parts, token_chunk_key,
@@ -18,24 +20,19 @@ from dflash_jobs.prepare import HOLDOUT_KEY
 from dflash_jobs.rows import ChatEncoder
 from dflash_jobs.spec import default_layers, parse_spec
 from dflash_jobs.storage import open_storage
-from dflash_jobs.tiny import DEBUGMODEL, tiny_chat_rows, write_tiny_target
-from dflash_jobs.tiny_llama import write_tiny_llama
 
 DOCUMENTS = 48
 CHUNKS = 4
 LAYERS = default_layers(DEBUGMODEL.num_layers)
-TINY_TARGETS = {"qwen3_5": ("tiny-target", write_tiny_target), "llama": ("tiny-llama", write_tiny_llama)}
-"""Each target architecture's tiny checkpoint (dflash_jobs.architectures): its directory under the root, and its writer."""
-ARCHITECTURES = tuple(TINY_TARGETS)
-assert set(ARCHITECTURES) == set(ARCHITECTURE_MODULES), "every target architecture has a tiny target the suite runs it on"
+ARCHITECTURES = tuple(ARCHITECTURE_MODULES)
+"""Every target architecture, each run on its tiny target (dflash_jobs.architectures.tiny)."""
 
 
 def tiny_target(root: Path, architecture: str = "qwen3_5") -> Path:
     """The tiny checkpoint of `architecture` under `root`, written once."""
-    name, write = TINY_TARGETS[architecture]
-    directory = root / name
+    directory = root / f"tiny-{architecture}"
     if not (directory / "config.json").exists():
-        write(directory)
+        write_tiny_target(directory, architecture=architecture)
     return directory
 
 

@@ -6,7 +6,7 @@ tokens/s against plain greedy's at batch 1, with the host syncs and kernel launc
 
 `--before` is drafter/speculative.py as it was before (it imports torch and transformers only, so it
 loads beside today's): `git show dd571ce:jobs/dflash_jobs/drafter/speculative.py > before_speculative.py`.
-Each loop decodes with its own module's Target, greedy_decode, speculative_decode and ModelDrafter.
+Each loop decodes with its own module's DecodeTarget, greedy_decode, speculative_decode and ModelDrafter.
 
 What is built (random weights: timing does not depend on their values): the target, a Llama of
 SmolLM2-135M's shape (hidden 576, 30 layers, 9 heads, 3 KV heads, intermediate 1536, vocab 49152,
@@ -93,13 +93,15 @@ def load_before(path: str):
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
+    if not hasattr(module, "DecodeTarget"):  # the decode-time target's name before issue 51
+        module.DecodeTarget = module.Target
     return module
 
 
 def decode_all(loop, model, drafter, layers, prompts, continuations, *, new_tokens: int, right: int):
     """Greedy then speculative decoding of every prompt with `loop`'s functions: their decodings."""
-    greedy = [loop.greedy_decode(loop.Target(model), p, max_new_tokens=new_tokens, stop_ids=frozenset()) for p in prompts]
-    target = loop.Target(model, layers)
+    greedy = [loop.greedy_decode(loop.DecodeTarget(model), p, max_new_tokens=new_tokens, stop_ids=frozenset()) for p in prompts]
+    target = loop.DecodeTarget(model, layers)
     try:
         spec = [loop.speculative_decode(target, PacedDrafter(loop.ModelDrafter(drafter, drafts=BLOCK - 1), c, right, model.config.vocab_size),
                                         p, max_new_tokens=new_tokens, stop_ids=frozenset()) for p, c in zip(prompts, continuations)]
@@ -139,7 +141,7 @@ def counted(run, device: torch.device) -> dict:
 
 
 def counts(loop, model, drafter, layers, prompt, continuation, *, new_tokens: int, right: int, device: torch.device) -> dict:
-    greedy = counted(lambda: loop.greedy_decode(loop.Target(model), prompt, max_new_tokens=new_tokens, stop_ids=frozenset()), device)
+    greedy = counted(lambda: loop.greedy_decode(loop.DecodeTarget(model), prompt, max_new_tokens=new_tokens, stop_ids=frozenset()), device)
     decoded = []
     spec = counted(lambda: decoded.append(decode_all(loop, model, drafter, layers, [prompt], [continuation], new_tokens=new_tokens,
                                                      right=right)[1][0]), device)
@@ -167,7 +169,7 @@ def main() -> int:
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, SHAPES[args.shape]["vocab_size"] - 1, (run["prompt_tokens"],), generator=generator) for _ in range(run["prompts"])]
     with torch.inference_mode():
-        reference = [after_module.greedy_decode(after_module.Target(model), p, max_new_tokens=run["new_tokens"], stop_ids=frozenset()) for p in prompts]
+        reference = [after_module.greedy_decode(after_module.DecodeTarget(model), p, max_new_tokens=run["new_tokens"], stop_ids=frozenset()) for p in prompts]
     continuations = [torch.cat([p, torch.tensor(r.tokens)]).to(device) for p, r in zip(prompts, reference)]
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     result = {"command": " ".join(sys.argv), "shape": args.shape, "device": machine,

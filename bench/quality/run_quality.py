@@ -8,7 +8,7 @@ by side.
 1-3. The task (tasks.py, one seam) gives the target, the drafter's data set and the diversity
    figures; every size is of one task (sizes.py):
    - sorting (sorting.py, corpus.py; sizes tiny, cpu, gpu): a model of the Qwen3.5/3.6 architecture
-     (`dflash_jobs.tiny`: Gated DeltaNet and gated attention layers 3:1, multimodal checkpoint
+     (`dflash_jobs.architectures.tiny`: Gated DeltaNet and gated attention layers 3:1, multimodal checkpoint
      layout) with a byte-level BPE trained on the Python standard library's source, fine-tuned, on
      its answers only, to sort the words a chat gives it ("Sort these words: ..." -> "Sorted: ...").
      Every prompt is a new random draw, so the target's answer to a held-out prompt is its own. The

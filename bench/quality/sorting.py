@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from dflash_jobs.rows import ChatEncoder
-from dflash_jobs.tiny import teach_tiny_target, write_tiny_target
+from dflash_jobs.architectures.tiny import write_tiny_target
+from dflash_jobs.architectures.tiny.teach import teach_tiny_target
 
 from corpus import INSTRUCTION, WRITERS, ChatShape, chats, drafter_chats, stdlib_sources, vocabulary
 from figures import SORTING_GOALS, Goals, diversity, held_out_answers

@@ -38,7 +38,7 @@ from extract_shapes import bench_device, random_27b  # noqa: E402
 from dflash_jobs.architectures import llama  # noqa: E402
 from dflash_jobs.capture import fp8, packing  # noqa: E402
 from dflash_jobs.capture.runner import TargetCapture  # noqa: E402
-from dflash_jobs.capture.target import FastPaths, Target, prepare_for_capture  # noqa: E402
+from dflash_jobs.capture.target import CaptureTarget, FastPaths, prepare_for_capture  # noqa: E402
 from dflash_jobs.spec import ExtractSpec  # noqa: E402
 from dflash_jobs.train.chunks import TokenChunkData  # noqa: E402
 from dflash_jobs.train.data import BatchBuilder, DocumentRef, TargetContext  # noqa: E402
@@ -49,7 +49,7 @@ SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, intermediate_size=1536, nu
 DOCS = {"27b": 2, "smollm2": 8, "tiny": 2}
 
 
-def random_llama(config_values: dict, layers: list[int], device: torch.device, dtype: torch.dtype) -> Target:
+def random_llama(config_values: dict, layers: list[int], device: torch.device, dtype: torch.dtype) -> CaptureTarget:
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaModel
 
@@ -62,11 +62,11 @@ def random_llama(config_values: dict, layers: list[int], device: torch.device, d
             model = LlamaModel(config)
     finally:
         torch.set_default_dtype(previous)
-    return Target(model=prepare_for_capture(model, layers), layers=layers, hidden_size=config.hidden_size, name="random-llama",
+    return CaptureTarget(model=prepare_for_capture(model, layers), layers=layers, hidden_size=config.hidden_size, name="random-llama",
                   config_hash="random", architecture=llama.ARCHITECTURE, conv_gap=0)
 
 
-def build_target(shape: str, device: torch.device, layers: list[int]) -> Target:
+def build_target(shape: str, device: torch.device, layers: list[int]) -> CaptureTarget:
     if shape == "27b":
         return random_27b(device)
     if shape == "smollm2":

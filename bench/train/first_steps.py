@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO / "tests"))  # train_fixtures: chunks, markers and m
 
 from dflash_jobs.formats import MANIFEST_KEY, TokenChunk  # noqa: E402
 from dflash_jobs.storage import open_storage  # noqa: E402
-from dflash_jobs.tiny import write_tiny_target  # noqa: E402
+from dflash_jobs.architectures.tiny import write_tiny_target  # noqa: E402
 from train_fixtures import write_extract  # noqa: E402
 
 STEP_LINE = re.compile(r"step (\d+)/(\d+)")

@@ -2,7 +2,7 @@
 backend, so `dflashctl demo` runs the whole pipeline on a laptop CPU in a few minutes, the target's
 own answers regenerated first as in a real run.
 
-The target and data come from `python -m dflash_jobs.tiny` in a subprocess: the controller never
+The target and data come from `python -m dflash_jobs.architectures.tiny.demo` in a subprocess: the controller never
 imports torch. The spec is the starter spec (every field explained) with the demo's sizes.
 
 Its figures hold still on a given machine: every step is seeded, and every step runs on the threads
@@ -96,8 +96,8 @@ def write_demo(directory: Path, spec_file: Path, *, output: str | None = None, f
 
 
 def write_demo_inputs(directory: Path) -> None:
-    """Runs `python -m dflash_jobs.tiny DIR` on DEMO_CORES threads; its progress shows on stderr, its JSON summary is dropped."""
-    command = [sys.executable, "-m", "dflash_jobs.tiny", str(directory)]
+    """Runs `python -m dflash_jobs.architectures.tiny.demo DIR` on DEMO_CORES threads; its progress shows on stderr, its JSON summary is dropped."""
+    command = [sys.executable, "-m", "dflash_jobs.architectures.tiny.demo", str(directory)]
     try:
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": str(DEMO_CORES)})
     except FileNotFoundError:

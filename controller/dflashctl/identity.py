@@ -24,7 +24,7 @@ from dflash_jobs.storage import ObjectNotFound, Storage, storage_for
 
 from dflashctl.backends import open_backend
 from dflashctl.errors import Conflict
-from dflashctl.target import Target, current_target, set_target
+from dflashctl.target import ClusterTarget, current_target, set_target
 
 
 class OutputTaken(Conflict):
@@ -124,7 +124,7 @@ def owner_jobs(spec: RunSpec, owner: dict[str, Any]) -> tuple[list[str], str]:
         cluster = owner.get("cluster") if isinstance(owner.get("cluster"), dict) else {}
         run = dataclasses.replace(spec, name=owner.get("name"), cluster=dataclasses.replace(
             spec.cluster, namespace=cluster.get("namespace", spec.cluster.namespace)))
-    previous = set_target(Target(context=current_target().context, namespace=run.cluster.namespace))
+    previous = set_target(ClusterTarget(context=current_target().context, namespace=run.cluster.namespace))
     try:
         jobs = [obj.name for obj in open_backend(run).run_objects(run.name) if obj.kind == "Job"]
     finally:

@@ -8,21 +8,21 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
-class Target:
+class ClusterTarget:
     context: str | None = None
     """A context of the kubeconfig, instead of its current one."""
     namespace: str | None = None
     """Instead of the spec's cluster.namespace."""
 
 
-_target = Target()
+_target = ClusterTarget()
 
 
-def current_target() -> Target:
+def current_target() -> ClusterTarget:
     return _target
 
 
-def set_target(target: Target) -> Target:
+def set_target(target: ClusterTarget) -> ClusterTarget:
     """Sets where the commands talk to; returns what it replaced, to restore it."""
     global _target
     previous, _target = _target, target

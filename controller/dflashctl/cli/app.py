@@ -18,7 +18,7 @@ from typing import Annotated, Any
 import typer
 
 from dflashctl.cli.options import ContextOpt, NamespaceOpt, RenderNamespaceOpt, Targets
-from dflashctl.target import Target, current_target, set_target
+from dflashctl.target import ClusterTarget, current_target, set_target
 
 
 def help_text(docstring: str) -> str:
@@ -51,7 +51,7 @@ def with_target_options(command: Callable[..., Any], targets: Targets) -> Callab
     @functools.wraps(command)
     def targeted_command(*args: Any, target_context: str | None = None, target_namespace: str | None = None, **kwargs: Any) -> Any:
         given = current_target()
-        previous = set_target(Target(context=target_context or given.context, namespace=target_namespace or given.namespace))
+        previous = set_target(ClusterTarget(context=target_context or given.context, namespace=target_namespace or given.namespace))
         try:
             return command(*args, **kwargs)
         finally:
@@ -98,7 +98,7 @@ def global_options(
     version: Annotated[bool, typer.Option("--version", is_eager=True, callback=print_version, help="Print the version and exit.")] = False,
 ) -> None:
     """Train DFlash drafters for large hybrid models on Kubernetes: render, submit, watch, verify, train, evaluate."""
-    previous = set_target(Target(context=context, namespace=namespace))
+    previous = set_target(ClusterTarget(context=context, namespace=namespace))
     ctx.call_on_close(lambda: set_target(previous))
 
 

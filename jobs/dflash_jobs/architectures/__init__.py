@@ -9,7 +9,7 @@ layer by layer with the target's own modules (drafter/tree_verify.py). Each entr
 everything else reads the target through this record.
 
 Two architectures, each proven step by step by the suite on a tiny random target of its own
-(tiny.py, tiny_llama.py):
+(tiny/, a module per entry, of the entry's name):
 - qwen3_5: Qwen3.5/3.6, hybrid: Gated DeltaNet layers and gated attention (q_proj emits the query
   and a gate), zero-centred norms, the multimodal checkpoint layout (`model.language_model.*`);
 - llama: a dense Llama-family model: plain attention, every layer alike, embeddings possibly tied

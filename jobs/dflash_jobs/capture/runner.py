@@ -25,7 +25,7 @@ from dflash_jobs.capture import fp8, fusion, packing
 from dflash_jobs.capture.batching import Batch, BatchPlanner, round_up, window_samples
 from dflash_jobs.capture.checkpoint import local_checkpoint, read_config
 from dflash_jobs.capture.hooks import LayerCapture
-from dflash_jobs.capture.target import FastPaths, Target, load_target
+from dflash_jobs.capture.target import CaptureTarget, FastPaths, load_capture_target
 from dflash_jobs.formats import TokenChunk
 from dflash_jobs.spec import ExtractSpec, RunSpec, resolve_layers
 
@@ -34,7 +34,7 @@ log = logging.getLogger("dflash.capture")
 
 @dataclass(frozen=True, slots=True)
 class OpenedTarget:
-    target: Target
+    target: CaptureTarget
     fast: FastPaths
     packed: bool
     """Rows packed (several samples end to end) on this device, or right-padded (one sample a row)."""
@@ -47,7 +47,7 @@ def open_target(spec: RunSpec, device: torch.device, *, final_hidden: bool) -> O
         fp8.require_fp8(device)  # before minutes of loading: every pod would fail alike
     checkpoint = local_checkpoint(spec)
     _, config = read_config(spec.target, checkpoint)
-    target = load_target(spec.target, checkpoint=checkpoint, layers=resolve_layers(spec, config), device=device, final_hidden=final_hidden)
+    target = load_capture_target(spec.target, checkpoint=checkpoint, layers=resolve_layers(spec, config), device=device, final_hidden=final_hidden)
     fast = FastPaths.detect(device, target.architecture)
     if extract.compute_dtype == "float8":
         log.info("compute: %d linear layers of the target in FP8 (row-wise scaled)", fp8.to_float8(target.decoder_layers))
@@ -64,7 +64,7 @@ class TargetCapture:
     """Runs batches of samples through the target, each real token's captured states landing in
     `hooks.buffer` (and `hooks.final`) at the rows the caller names."""
 
-    def __init__(self, target: Target, spec: ExtractSpec, *, packed: bool, max_length: int, capacity: int = 0) -> None:
+    def __init__(self, target: CaptureTarget, spec: ExtractSpec, *, packed: bool, max_length: int, capacity: int = 0) -> None:
         self.target = target
         self.max_length = max_length
         self.planner = BatchPlanner(

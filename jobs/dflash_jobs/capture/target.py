@@ -49,7 +49,7 @@ class FastPaths:
 
 
 @dataclass(slots=True)
-class Target:
+class CaptureTarget:
     """A loaded target, ready to capture."""
 
     model: torch.nn.Module
@@ -103,10 +103,10 @@ def prepare_for_capture(model: torch.nn.Module, layers: list[int], *, final_hidd
     return model.eval().requires_grad_(False)
 
 
-def load_target(
+def load_capture_target(
     spec: TargetSpec, *, checkpoint: Path, layers: list[int], device: torch.device, dtype: torch.dtype = torch.bfloat16,
     final_hidden: bool = False,
-) -> Target:
+) -> CaptureTarget:
     """Loads the text model of `checkpoint` (a local directory), truncated (whole with
     `final_hidden`: its last decoder layer's output is captured too), on `device`."""
     from transformers import AutoConfig, AutoModel
@@ -143,7 +143,7 @@ def load_target(
              checkpoint, type(model).__name__, depth, text_config(raw_config)["num_hidden_layers"],
              layers, f" and the final hidden state (layer {depth - 1}, before the norm)" if final_hidden else "",
              time.monotonic() - started, device)
-    return Target(
+    return CaptureTarget(
         model=model,
         layers=layers,
         hidden_size=int(config.hidden_size),

@@ -29,7 +29,7 @@ from transformers.cache_utils import Cache, DynamicCache
 
 from .masks import AttentionFn, one_block_attention
 from .model import DraftTrunk, DrafterConfig
-from .speculative import Target, speculative_decode
+from .speculative import DecodeTarget, speculative_decode
 
 
 class DFlashDraftModel(DraftTrunk, PreTrainedModel):
@@ -109,7 +109,7 @@ class DFlashDraftModel(DraftTrunk, PreTrainedModel):
             raise ValueError(f"input_ids {tuple(input_ids.shape)}: spec_generate decodes one prompt, [1, n]")
         self.eval()
         prompt = input_ids[0]
-        verifier = Target(target, self.target_layer_ids)
+        verifier = DecodeTarget(target, self.target_layer_ids)
         try:
             decoded = speculative_decode(
                 verifier, self.cached_drafter(target), prompt,

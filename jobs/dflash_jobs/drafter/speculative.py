@@ -127,7 +127,7 @@ def text_model(model: nn.Module) -> nn.Module:
     return getattr(inner, "language_model", inner)
 
 
-class Target:
+class DecodeTarget:
     """The target model behind the verify loop: a cache that rolls back, and the captured layers as context.
 
     `forward(ids)` appends `ids` to the cache and returns their logits; `features()` then returns the
@@ -207,7 +207,7 @@ class Target:
         if lengths - {checkpoint.length}:
             raise RuntimeError(
                 f"rolling the cache back left {max(lengths - {checkpoint.length})} tokens, not {checkpoint.length}: this "
-                "transformers version keeps cache state that Target.checkpoint does not save; install the version "
+                "transformers version keeps cache state that DecodeTarget.checkpoint does not save; install the version "
                 "images/Dockerfile pins (TRANSFORMERS_VERSION), which the tests run"
             )
 
@@ -233,7 +233,7 @@ def through_stop(tokens: list[int], stop_ids: frozenset[int]) -> int:
 
 @torch.inference_mode()
 def greedy_decode(
-    target: Target, prompt: torch.Tensor, *, max_new_tokens: int, stop_ids: frozenset[int], forced: Sequence[int] | None = None,
+    target: DecodeTarget, prompt: torch.Tensor, *, max_new_tokens: int, stop_ids: frozenset[int], forced: Sequence[int] | None = None,
 ) -> Decoded:
     """Plain greedy decoding with the target's KV cache: one forward per token, the reference output.
 
@@ -338,7 +338,7 @@ def on_device(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
     return ids.to(device, non_blocking=True)
 
 
-def prefill(target: Target, drafter: BlockDrafter, prompt: torch.Tensor, *, max_new_tokens: int) -> Decoding:
+def prefill(target: DecodeTarget, drafter: BlockDrafter, prompt: torch.Tensor, *, max_new_tokens: int) -> Decoding:
     """Starts the clock and runs the prompt through the target (its captured layers: the drafter's
     first context); the target's first token after it is the first anchor."""
     if list(target.layers) != list(drafter.target_layers):
@@ -368,7 +368,7 @@ def accepted_prefix(drafts: list[int], predicted: list[int]) -> int:
 
 @torch.inference_mode()
 def speculative_decode(
-    target: Target, drafter: BlockDrafter, prompt: torch.Tensor, *, max_new_tokens: int, stop_ids: frozenset[int]
+    target: DecodeTarget, drafter: BlockDrafter, prompt: torch.Tensor, *, max_new_tokens: int, stop_ids: frozenset[int]
 ) -> Decoded:
     """Speculative decoding: draft a block, verify it with one target forward, keep the matching prefix plus the bonus token.
 

@@ -4,7 +4,7 @@ The verify forward runs the root (the anchor: the last committed token, not yet 
 every node of the tree (drafter/tree.py) after the cached tokens, layer by layer with the target's
 own modules; how each kind of decoder layer runs over the tree is its architecture's, by the tree
 protocol of the architecture seam (architectures/tree.py: `TreeLayout`, `TreeStep`, a `TreeMixer`
-per layer type in `TargetArchitecture.tree_mixers`), which the target carries (`Target.architecture`,
+per layer type in `TargetArchitecture.tree_mixers`), which the target carries (`DecodeTarget.architecture`,
 resolved once when it is built: `tree_target`). Nothing is written to the cache during the forward.
 `commit_path` then hands each kind of layer what its layers kept, and the root and the accepted nodes:
 attention appends their K/V (the positions they were computed at are theirs in the text), the
@@ -26,7 +26,7 @@ from transformers.cache_utils import DynamicLayer
 
 from dflash_jobs.architectures import target_architecture
 from dflash_jobs.architectures.tree import KeptRows, TreeLayout, TreeStep
-from dflash_jobs.drafter.speculative import Decoded, Target, finished, on_device, prefill, text_model, through_stop
+from dflash_jobs.drafter.speculative import Decoded, DecodeTarget, finished, on_device, prefill, text_model, through_stop
 from dflash_jobs.drafter.tree import Branches, Tree, build_tree
 
 
@@ -48,7 +48,7 @@ class VerifiedTree:
     logits: torch.Tensor
     """[n, V] the target's logits after each row."""
     features: torch.Tensor | None
-    """[n, L * d] the captured layers (Target.layers) at each row."""
+    """[n, L * d] the captured layers (DecodeTarget.layers) at each row."""
     kept: dict[int, KeptRows]
     """Per decoder layer, what commit_path needs."""
 
@@ -58,19 +58,19 @@ class VerifiedTree:
         return self.logits.argmax(-1)
 
 
-def tree_target(model: nn.Module, layers: Sequence[int] = ()) -> Target:
+def tree_target(model: nn.Module, layers: Sequence[int] = ()) -> DecodeTarget:
     """The decode-time Target that tree decoding takes: its architecture resolved here, once (from the text
     model's config, as the checkpoint nests it)."""
-    return Target(model, layers, architecture=target_architecture(text_model(model).config))
+    return DecodeTarget(model, layers, architecture=target_architecture(text_model(model).config))
 
 
-def cached_length(target: Target) -> int:
+def cached_length(target: DecodeTarget) -> int:
     """Tokens in the target's cache, from its attention layers' K/V."""
     return next(layer.get_seq_length() for layer in target.cache.layers if isinstance(layer, DynamicLayer))
 
 
 @torch.inference_mode()
-def verify_tree(target: Target, root: int, tree: Tree) -> VerifiedTree:
+def verify_tree(target: DecodeTarget, root: int, tree: Tree) -> VerifiedTree:
     """The target's greedy token after the root and after every node, in one forward that leaves the cache as it was."""
     if target.architecture is None:
         raise ValueError("tree decoding runs each layer by its architecture: build the target with tree_target(model, layers)")
@@ -93,7 +93,7 @@ def verify_tree(target: Target, root: int, tree: Tree) -> VerifiedTree:
 
 
 @torch.inference_mode()
-def commit_path(target: Target, verified: VerifiedTree, rows: Sequence[int]) -> None:
+def commit_path(target: DecodeTarget, verified: VerifiedTree, rows: Sequence[int]) -> None:
     """Appends these rows (the root, then the accepted nodes by depth) to the cache: each kind of layer
     commits what its layers kept (attention their K/V, the recurrent layers their states after the
     last of them)."""
@@ -108,7 +108,7 @@ def commit_path(target: Target, verified: VerifiedTree, rows: Sequence[int]) -> 
 
 @torch.inference_mode()
 def tree_decode(
-    target: Target, drafter: BranchDrafter, prompt: torch.Tensor, *, budget: int, max_new_tokens: int, stop_ids: frozenset[int],
+    target: DecodeTarget, drafter: BranchDrafter, prompt: torch.Tensor, *, budget: int, max_new_tokens: int, stop_ids: frozenset[int],
 ) -> Decoded:
     """Greedy decoding by draft trees of `budget` nodes: each step verifies the anchor's tree in one
     forward, commits the longest root path the target agrees with plus its next token, and reads

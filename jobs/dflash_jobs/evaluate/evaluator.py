@@ -5,9 +5,10 @@ its last supervised run: what the target was asked, never what it answered. Two 
 
 - The figures, on every prompt: plain greedy (the reference output); the trained drafter's chain,
   decoded for real (its drafts read the target's states as the loop makes them: the figure users
-  compare); the baselines eval.baselines names (evaluate/baselines.py: prompt lookup, and a bigram
-  table fitted once on the run's training rows), whose drafts depend on the committed tokens alone,
-  computed exactly along greedy's output without decoding; the drafter's training forward on the
+  compare), a drafter with a confidence head recording each draft's predicted survival as it goes
+  (evaluate/calibration.py); the baselines eval.baselines names (evaluate/baselines.py: prompt
+  lookup, and a bigram table fitted once on the run's training rows), whose drafts depend on the
+  committed tokens alone, computed exactly along greedy's output without decoding; the drafter's training forward on the
   prompt and greedy's output (evaluate/simulated.py), the teacher-forced acceptance the decoded one
   should match; untimed, the lossless check's figures (evaluate/lossless.py); and with
   eval.tree_budgets the draft trees (DDTree, drafter/tree_verify.py) decoded for real per budget,
@@ -38,7 +39,7 @@ from dflash_jobs.drafter.anchors import AnchorLayout, anchor_layout
 from dflash_jobs.drafter.export import DRAFTER_PREFIX, exported_config, load_drafter
 from dflash_jobs.drafter.model import Drafter, DrafterConfig
 from dflash_jobs.drafter.serving import run_serve_command
-from dflash_jobs.drafter.speculative import BlockDrafter, Decoded, ModelDrafter, Target, greedy_decode, speculative_decode
+from dflash_jobs.drafter.speculative import BlockDrafter, Decoded, DecodeTarget, ModelDrafter, greedy_decode, speculative_decode
 from dflash_jobs.drafter.tree_verify import tree_decode, tree_target
 from dflash_jobs.errors import InputError
 from dflash_jobs.evaluate.baselines import BigramDrafter, BigramTable, PromptLookupDrafter, along_greedy, fit_bigram
@@ -81,7 +82,7 @@ def held_out_prompts(storage: Storage, count: int) -> list[torch.Tensor]:
     return prompts
 
 
-def load_target(spec: RunSpec, *, device: torch.device, dtype: torch.dtype):
+def load_target_model(spec: RunSpec, *, device: torch.device, dtype: torch.dtype):
     """The target's whole text model (LM head included) in eval mode; an s3:// checkpoint is fetched once per node."""
     from transformers import AutoModelForCausalLM
 
@@ -115,7 +116,7 @@ class PromptDecoder:
         self.served: dict[str, BlockDrafter] = {variant.name: ModelDrafter(drafter, drafts=layout.drafts), **self.baselines}
         self.settings = settings
         self.stop = stop_ids(model)
-        self.plain = Target(model)
+        self.plain = DecodeTarget(model)
         self.targets = {name: tree_target(model, d.target_layers) for name, d in self.served.items()}  # the trained drafter's decodes trees too
         self.trees = VariantBranches(drafter, variant.branches, drafts=layout.drafts)
         # The chain's own budget beside the asked ones: a tree of as many nodes as the chain drafts.
@@ -196,7 +197,7 @@ class PromptDecoder:
 
 def load_decoder(spec: RunSpec, bigram: BigramTable | None, *, device: torch.device) -> PromptDecoder:
     """The run's target and exported drafter on `device`, and the baselines, as a PromptDecoder."""
-    model = load_target(spec, device=device, dtype=eval_dtype(device))
+    model = load_target_model(spec, device=device, dtype=eval_dtype(device))
     variant = drafter_variant(spec.train.drafter)
     drafter, config = load_drafter(
         drafter_url(spec), target=spec.target.model, variant=variant, device=device,

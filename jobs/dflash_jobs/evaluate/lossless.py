@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 import torch
 
-from dflash_jobs.drafter.speculative import Decoded, Target, greedy_decode
+from dflash_jobs.drafter.speculative import Decoded, DecodeTarget, greedy_decode
 
 TOLERANCE_STATISTIC = "max over positions of |verify forward - decode step| of greedy's top-1 minus top-2 logit"
 TIE_RULE = ("a divergence is a tie where greedy's top logit minus its logit of the output's token (greedy_logit_gap) "
@@ -36,7 +36,7 @@ TIE_RULE = ("a divergence is a tie where greedy's top logit minus its logit of t
 
 
 @torch.inference_mode()
-def verify_noise(target: Target, prompt: torch.Tensor, reference: Decoded, block_size: int) -> list[float]:
+def verify_noise(target: DecodeTarget, prompt: torch.Tensor, reference: Decoded, block_size: int) -> list[float]:
     """How far a verify forward moves greedy's decision margin, per position of greedy's output.
 
     The target runs teacher forced over greedy's output in blocks of `block_size` (a verify
@@ -94,7 +94,7 @@ class Divergence:
 
 
 def divergences(
-    target: Target, prompt: torch.Tensor, output: Sequence[int], reference: Decoded, *, max_new_tokens: int, stop_ids: frozenset[int],
+    target: DecodeTarget, prompt: torch.Tensor, output: Sequence[int], reference: Decoded, *, max_new_tokens: int, stop_ids: frozenset[int],
 ) -> list[Divergence]:
     """Every position of `output` that greedy would not choose after the output's own prefix; [] when
     `output` is greedy's (`reference`). Greedy runs along the output one token per step, as plain

@@ -23,7 +23,7 @@ from dflash_jobs.devices import pick_device
 from dflash_jobs.errors import FormatError, InputError
 from dflash_jobs.capture.batching import Batch, BatchPlanner, window_samples
 from dflash_jobs.capture.runner import TargetCapture, open_target
-from dflash_jobs.capture.target import Target
+from dflash_jobs.capture.target import CaptureTarget
 from dflash_jobs.extract.transfer import BufferPool, DeviceToHost, Run, merge_runs
 from dflash_jobs.extract.progress import Progress, Summary
 from dflash_jobs.extract.sharding import shard_chunks
@@ -125,7 +125,7 @@ class ExtractWorker:
         self,
         spec: ExtractSpec,
         *,
-        target: Target,
+        target: CaptureTarget,
         storage: Storage,
         chunks: Sequence[ChunkInfo],
         summary: Summary,

@@ -1,22 +1,22 @@
-"""A tiny random dense target of the Llama family, the suite's second architecture (tiny.py has the first).
+"""The tiny dense Llama target (`llama`), the suite's second architecture (qwen3_5.py has the first).
 
-`write_tiny_llama` saves a random-weight `llama` checkpoint shaped as SmolLM2-135M-Instruct is, scaled
-down: plain attention with grouped K/V heads, tied embeddings (no `lm_head.weight` in the
-checkpoint), a byte-level BPE tokenizer whose special tokens come first (`<|endoftext|>`,
-`<|im_start|>`, `<|im_end|>`, then unused code-repository markers) and that fills every embedding
-row, and SmolLM2's ChatML template (a default system prompt where a conversation has none). A
-tokenizer that leaves no row free is what makes the mask-token rule pick an unused special token
-(drafter/mask_token.py): `<repo_name>` here, as on SmolLM2. Built offline and deterministically from
-`seed`; the norm weights and the pad embedding are randomised (default init would make the norms
-the identity and the pad row zero, and tests of norms and padding pass by accident).
+A random-weight `llama` checkpoint shaped as SmolLM2-135M-Instruct is, scaled down: plain attention with
+grouped K/V heads, tied embeddings (no `lm_head.weight` in the checkpoint), a byte-level BPE tokenizer
+whose special tokens come first (`<|endoftext|>`, `<|im_start|>`, `<|im_end|>`, then unused
+code-repository markers) and that fills every embedding row, and SmolLM2's ChatML template (a default
+system prompt where a conversation has none). A tokenizer that leaves no row free is what makes the
+mask-token rule pick an unused special token (drafter/mask_token.py): `<repo_name>` here, as on SmolLM2.
+Built offline and deterministically from write_tiny_target's `seed`; the norm weights and the pad
+embedding are randomised (default init would make the norms the identity and the pad row zero, and tests
+of norms and padding pass by accident).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Iterable
 
-from dflash_jobs.tiny import DEBUGMODEL, MIN_BPE_VOCAB, randomise_degenerate_weights, tokenizer_corpus
+from dflash_jobs.architectures.tiny import MIN_BPE_VOCAB, TinyTargetShape, randomise_degenerate_weights
+from dflash_jobs.architectures.tiny.chats import tokenizer_corpus
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<file_sep>", "<filename>")
 """SmolLM2's first special tokens, in its order (ids 0..5): end of text, ChatML, then code-repository markers no chat writes."""
@@ -33,7 +33,7 @@ You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>
 """SmolLM2-135M-Instruct's chat template, unchanged."""
 
 
-def build_tiny_llama_tokenizer(vocab_size: int, corpus: Iterable[str] | None = None):
+def build_tokenizer(vocab_size: int, corpus: Iterable[str] | None = None):
     """A byte-level BPE tokenizer of at most `vocab_size` tokens (SmolLM2's pipeline: byte-level
     pre-tokenizer and decoder, no normaliser), its special tokens first, trained on `corpus`
     (default: turns of the demo's kinds of conversation)."""
@@ -57,34 +57,21 @@ def build_tiny_llama_tokenizer(vocab_size: int, corpus: Iterable[str] | None = N
     return tokenizer
 
 
-def write_tiny_llama(
-    directory: str | Path,
-    *,
-    seed: int = 0,
-    num_layers: int = DEBUGMODEL.num_layers,
-    hidden_size: int = DEBUGMODEL.hidden_size,
-    vocab_size: int = DEBUGMODEL.vocab_size,
-    heads: int = 4,
-    head_dim: int = 16,
-    corpus: Iterable[str] | None = None,
-) -> Path:
-    """Writes a random-weight Llama checkpoint (float32, tied embeddings) and its tokenizer into
-    `directory`. The embedding has a row per token of the tokenizer, at most `vocab_size` (fewer where
-    the corpus gives out of merges); `corpus`: the text its BPE is trained on."""
-    import torch
+def random_model(shape: TinyTargetShape, tokenizer):
+    """A Llama model of `shape` with random weights (the degenerate ones randomised too), its embeddings
+    tied and a row per token of the tokenizer, at most shape.vocab_size (fewer where the corpus gives
+    out of merges); the caller seeds torch."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    directory = Path(directory)
-    tokenizer = build_tiny_llama_tokenizer(vocab_size, corpus)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     config = LlamaConfig(
         vocab_size=len(tokenizer),  # every row a token: no row is free for the mask
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads // 2,
-        head_dim=head_dim,
+        hidden_size=shape.hidden_size,
+        intermediate_size=2 * shape.hidden_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.heads // 2,
+        head_dim=shape.head_dim,
         max_position_embeddings=8192,
         rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 1e5},
@@ -93,10 +80,6 @@ def write_tiny_llama(
         pad_token_id=ids["<|im_end|>"],
         tie_word_embeddings=True,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).eval()
-        randomise_degenerate_weights(model.model, config.pad_token_id)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+    model = LlamaForCausalLM(config).eval()
+    randomise_degenerate_weights(model.model, config.pad_token_id)
+    return model
