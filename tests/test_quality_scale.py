@@ -65,11 +65,11 @@ def tiny_tokenizer(tmp_path_factory):
     """The tiny random target's BPE tokenizer (trained on standard-library modules), as code-scale-tiny makes it."""
     from transformers import AutoTokenizer
 
-    from dflash_jobs.tiny_llama import write_tiny_llama
+    from dflash_jobs.architectures.tiny import write_tiny_target
 
     directory = tmp_path_factory.mktemp("tiny-target")
-    write_tiny_llama(directory, num_layers=1, hidden_size=32, vocab_size=1024, heads=2, head_dim=16,
-                     corpus=[(Path(sysconfig.get_paths()["stdlib"]) / module).read_text() for module in TRAIN_MODULES])
+    write_tiny_target(directory, architecture="llama", num_layers=1, hidden_size=32, vocab_size=1024, heads=2, head_dim=16,
+                      corpus=[(Path(sysconfig.get_paths()["stdlib"]) / module).read_text() for module in TRAIN_MODULES])
     return AutoTokenizer.from_pretrained(directory)
 
 
