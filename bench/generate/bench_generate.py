@@ -127,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=None, help="prompts a batch (default: 1024 on a GPU, 16 on a CPU)")
     parser.add_argument("--static-prompts", type=int, default=None, help="prompts the static decoder is timed on (default 8 batches)")
     parser.add_argument("--generate-prompts", type=int, default=None, help="prompts generate is timed on (default 1 batch)")
-    parser.add_argument("--sweep-prompts", type=int, default=None, help="prompts each sweep variant decodes (default 4 batches)")
+    parser.add_argument("--sweep-prompts", type=int, default=None, help="prompts each sweep variant decodes (default 8 batches: batches of 4x still sorted by length)")
     parser.add_argument("--sweep-batches", default=None, help="batch sizes of the sweep (default: 1, 2 and 4 batches)")
-    parser.add_argument("--sdpa-backends", default=None, help="SDPA backends of the sweep (default: EFFICIENT_ATTENTION,MATH,CUDNN_ATTENTION on a GPU, MATH on a CPU)")
+    parser.add_argument("--sdpa-backends", default=None, help="SDPA backends of the sweep besides the default one (default: MATH,CUDNN_ATTENTION on a GPU, MATH on a CPU)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--min-prompt", type=int, default=48)
     parser.add_argument("--max-prompt", type=int, default=288)
@@ -160,11 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     if "throughput" in stages:
         write("throughput", throughput(static, generate, args, size, lengths, vocab, device))
     if "sweep" in stages:
-        backends = args.sdpa_backends or ("EFFICIENT_ATTENTION,MATH,CUDNN_ATTENTION" if device.type == "cuda" else "MATH")
+        backends = args.sdpa_backends or ("MATH,CUDNN_ATTENTION" if device.type == "cuda" else "MATH")
         sizes = [int(n) for n in args.sweep_batches.split(",")] if args.sweep_batches else [size, 2 * size, 4 * size]
         static.run = None  # its cache freed for the sweep's bigger batches
         write("sweep", [])
-        sweep(model, random_prompts(args.sweep_prompts or 4 * size, lengths, vocab, 5), args.new_tokens,
+        sweep(model, random_prompts(args.sweep_prompts or 8 * size, lengths, vocab, 5), args.new_tokens,
               lambda prompts, n: left_padded(prompts, n, device), device, batch=size, batches=sizes,
               backends=[name for name in backends.split(",") if name], stop_ids={STOP_ID}, pad_id=PAD_ID,
               on_row=lambda rows: write("sweep", rows))
