@@ -127,9 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=None, help="prompts a batch (default: 1024 on a GPU, 16 on a CPU)")
     parser.add_argument("--static-prompts", type=int, default=None, help="prompts the static decoder is timed on (default 8 batches)")
     parser.add_argument("--generate-prompts", type=int, default=None, help="prompts generate is timed on (default 1 batch)")
-    parser.add_argument("--sweep-prompts", type=int, default=None, help="prompts each sweep variant decodes (default 8 batches: batches of 4x still sorted by length)")
+    parser.add_argument("--sweep-prompts", type=int, default=None,
+                        help="prompts each sweep variant decodes (default 8 batches: batches of 4x still sorted by length)")
     parser.add_argument("--sweep-batches", default=None, help="batch sizes of the sweep (default: 1, 2 and 4 batches)")
-    parser.add_argument("--sdpa-backends", default=None, help="SDPA backends of the sweep besides the default one (default: MATH,CUDNN_ATTENTION on a GPU, MATH on a CPU)")
+    parser.add_argument("--sdpa-backends", default=None,
+                        help="SDPA backends of the sweep besides the default one (default: MATH,CUDNN_ATTENTION on a GPU, MATH on a CPU)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--min-prompt", type=int, default=48)
     parser.add_argument("--max-prompt", type=int, default=288)
