@@ -53,14 +53,23 @@ def test_the_static_decoder_gives_the_plain_greedy_loops_tokens(llama, reference
     vocab = llama.config.vocab_size
     ids, attention = left_padded(LENGTHS, vocab, pad=0)
     plain, fast = reference.Recorder(), reference.Recorder()
-    expected = reference.plain_greedy(llama, ids, attention, 24, plain)
-    got = StaticDecoder(llama, stop_ids={vocab + 1}, pad_id=0)(ids, attention, 24, fast)
-    assert got.shape == expected.shape == (len(LENGTHS), 24)
+    expected = reference.plain_greedy(llama, ids, attention, 48, plain)
+    got = StaticDecoder(llama, stop_ids={vocab + 1}, pad_id=0)(ids, attention, 48, fast)
+    assert got.shape == expected.shape == (len(LENGTHS), 48)
     found = reference.partings(expected, plain, got, fast)
     assert found.other == 0 and found.within_one_step == 0
     assert found.identical + found.exact_ties == len(LENGTHS) and found.identical >= len(LENGTHS) - 1
-    # Greedy as the engine asks it: the same tokens without a recorder.
-    assert torch.equal(StaticDecoder(llama, stop_ids={vocab + 1}, pad_id=0)(ids, attention, 24, greedy), got)
+    # Greedy as the engine asks it (argmax on the target's logits, in the step): the same tokens
+    # without a recorder; and attending over the whole static cache, not its filled windows (the
+    # longest row, 30 + 48 tokens, reads windows of 64 then 128 columns), the same.
+    decoder = StaticDecoder(llama, stop_ids={vocab + 1}, pad_id=0)
+    assert torch.equal(decoder(ids, attention, 48, greedy), got)
+    assert torch.equal(StaticDecoder(llama, stop_ids={vocab + 1}, pad_id=0, windows=False)(ids, attention, 48, greedy), got)
+    # The next batch of as many rows reuses the cache and its buffers: the same tokens as a new decoder's.
+    other_ids, other_attention = left_padded(LENGTHS[::-1], vocab, pad=0, seed=3)
+    again = decoder(other_ids, other_attention, 40, greedy)
+    assert decoder.run.length == 256  # 30 + 48 tokens, rounded up to CACHE_BUCKET
+    assert torch.equal(again, StaticDecoder(llama, stop_ids={vocab + 1}, pad_id=0)(other_ids, other_attention, 40, greedy))
 
 
 @torch.inference_mode()
@@ -97,10 +106,11 @@ def test_sampling_draws_the_same_tokens_in_both_decoders(llama):
     def sampler(seed: int) -> SeededSampling:
         return SeededSampling([{"temperature": 1.0, "top_p": 0.9, "seed": seed + row} for row in range(len(LENGTHS))], torch.device("cpu"))
 
-    static = StaticDecoder(llama, stop_ids={vocab + 1}, pad_id=0)(ids, attention, 16, sampler(1))
+    decoder = StaticDecoder(llama, stop_ids={vocab + 1}, pad_id=0)
+    static = decoder(ids, attention, 16, sampler(1))
     generated = HfGenerate(llama, stop_ids={vocab + 1}, pad_id=0)(ids, attention, 16, sampler(1))
     assert torch.equal(static, generated)
-    other = StaticDecoder(llama, stop_ids={vocab + 1}, pad_id=0)(ids, attention, 16, sampler(100))
+    other = decoder(ids, attention, 16, sampler(100))  # the same decoder, its cache reused
     assert (other != static).any(dim=1).sum() >= len(LENGTHS) // 2
 
 

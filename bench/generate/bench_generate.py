@@ -1,8 +1,8 @@
 """Answers per second of the generate step's two decoders side by side (issue 48 item 2), and the
 fast one's tokens against the plain greedy loop's.
 
-    python bench/generate/bench_generate.py --shape smollm2 --out $OUT/generate-h100.json   # one H100, about 2 minutes
-    python bench/generate/bench_generate.py --shape tiny --out generate-tiny.json           # the same on a CPU, a minute
+    python bench/generate/bench_generate.py --shape smollm2 --out $OUT/generate-h100.json   # one H100, about 4 minutes
+    python bench/generate/bench_generate.py --shape tiny --out generate-tiny.json           # the same on a CPU, a few minutes
 
 The target is a random-weight Llama of the shape asked (smollm2: SmolLM2-135M's, tied embeddings,
 bf16 on a GPU): no checkpoint, no tokenizer, so that the machine needs nothing carried. Random
@@ -11,13 +11,17 @@ Prompts are random token ids of seeded random lengths (--min-prompt..--max-promp
 prompts' with their chat template), sorted by length and cut into batches of --batch, each padded on
 the left to its longest, as the Transformers engine batches them (jobs/dflash_jobs/generate/engines.py).
 
-Stages, the JSON written after each:
+Stages (--stages, default all), the JSON written after each:
 1. agreement: the first batch decoded by the plain greedy loop (bench/generate/reference.py), by
    the static decoder and by generate, each keeping every step's two best scores; where a row parts
-   from the plain loop, the scores there class it (an exact tie, within one bf16 step, or other).
-2. throughput: each decoder warmed on one batch, then timed on its prompts in the order
+   from the plain loop, the scores there class it (an exact tie, within one bf16 step, or other);
+   and each decoder's greedy as the engine asks it (the static one: argmax in the replayed step)
+   against its own recorded tokens, row by row.
+2. profile: where one batch's time goes in the static decoder (profile_step.profile_batch).
+3. throughput: each decoder warmed on one batch, then timed on its prompts in the order
    static, generate, generate, static (both orders: a later run gains nothing from an earlier one);
    answers/s = prompts / seconds of the run, tokens counted as decoded (prompts x new tokens).
+4. sweep: the static decoder's knobs side by side on the same prompts (profile_step.sweep).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pathlib import Path
 import torch
 
 from dflash_jobs.generate.decoding import HfGenerate, StaticDecoder, greedy
+from profile_step import profile_batch, sweep, synchronize
 from reference import Recorder, partings, plain_greedy
 
 SHAPES = {
@@ -57,12 +62,16 @@ def random_target(shape: str, device: torch.device):
     return model.eval()
 
 
-def batches(count: int, size: int, lengths: tuple[int, int], vocab: int, seed: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`count` random prompts sorted by length, in left-padded batches of `size`: (ids, attention) each."""
+def random_prompts(count: int, lengths: tuple[int, int], vocab: int, seed: int) -> list[list[int]]:
+    """`count` prompts of random ids and seeded random lengths, sorted by length."""
     rng = random.Random(seed)
-    prompts = sorted(([rng.randrange(3, vocab) for _ in range(rng.randint(*lengths))] for _ in range(count)), key=len)
+    return sorted(([rng.randrange(3, vocab) for _ in range(rng.randint(*lengths))] for _ in range(count)), key=len)
+
+
+def left_padded(prompts: list[list[int]], size: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The prompts in batches of `size`, each padded on the left to its longest: (ids, attention) each."""
     made = []
-    for begin in range(0, count, size):
+    for begin in range(0, len(prompts), size):
         part = prompts[begin : begin + size]
         longest = max(map(len, part))
         ids = torch.full((len(part), longest), PAD_ID, dtype=torch.long)
@@ -74,9 +83,8 @@ def batches(count: int, size: int, lengths: tuple[int, int], vocab: int, seed: i
     return made
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+def batches(count: int, size: int, lengths: tuple[int, int], vocab: int, seed: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return left_padded(random_prompts(count, lengths, vocab, seed), size, device)
 
 
 @torch.inference_mode()
@@ -96,25 +104,41 @@ def agreement(model, decoders, work, new_tokens: int) -> dict:
     ids, attention = work[0]
     plain = Recorder()
     reference = plain_greedy(model, ids, attention, new_tokens, plain)
-    found = {}
+    found, greedy_rows_equal = {}, {}
     for decoder in decoders:
         recorder = Recorder()
         tokens = decoder(ids, attention, new_tokens, recorder)
         found[decoder.name] = asdict(partings(reference, plain, tokens, recorder))
-    return {"prompts": ids.shape[0], "new_tokens": new_tokens, "against_plain_greedy": found}
+        # greedy as the engine asks it (the static decoder: argmax in the replayed step, on bf16 logits)
+        greedy_rows_equal[decoder.name] = int((decoder(ids, attention, new_tokens, greedy) == tokens).all(dim=1).sum())
+    return {"prompts": ids.shape[0], "new_tokens": new_tokens, "against_plain_greedy": found,
+            "greedy_rows_equal_to_recorded": greedy_rows_equal}
+
+
+STAGES = ("agreement", "profile", "throughput", "sweep")
+"""In this order: a sweep variant that upsets the GPU (an SDPA backend, the last of them) comes after the rest."""
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {', '.join(STAGES)}")
     parser.add_argument("--batch", type=int, default=None, help="prompts a batch (default: 1024 on a GPU, 16 on a CPU)")
     parser.add_argument("--static-prompts", type=int, default=None, help="prompts the static decoder is timed on (default 8 batches)")
     parser.add_argument("--generate-prompts", type=int, default=None, help="prompts generate is timed on (default 1 batch)")
+    parser.add_argument("--sweep-prompts", type=int, default=None,
+                        help="prompts each sweep variant decodes (default 8 batches: batches of 4x still sorted by length)")
+    parser.add_argument("--sweep-batches", default=None, help="batch sizes of the sweep (default: 1, 2 and 4 batches)")
+    parser.add_argument("--sdpa-backends", default=None,
+                        help="SDPA backends of the sweep besides the default one (default: MATH,CUDNN_ATTENTION on a GPU, MATH on a CPU)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--min-prompt", type=int, default=48)
     parser.add_argument("--max-prompt", type=int, default=288)
     args = parser.parse_args(argv)
+    stages = args.stages.split(",")
+    if set(stages) - set(STAGES):
+        parser.error(f"--stages: {args.stages!r}, not of {', '.join(STAGES)}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     size = args.batch or (1024 if device.type == "cuda" else 16)
     model = random_target(args.shape, device)
@@ -123,15 +147,40 @@ def main(argv: list[str] | None = None) -> int:
     static = StaticDecoder(model, stop_ids={STOP_ID}, pad_id=PAD_ID)
     generate = HfGenerate(model, stop_ids={STOP_ID}, pad_id=PAD_ID)
     report = {"shape": args.shape, "config": SHAPES[args.shape], "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "dtype": str(model.dtype), "torch": torch.__version__, "batch": size, "new_tokens": args.new_tokens,
-              "prompt_lengths": list(lengths), "stop": "random weights: no answer stops before new_tokens"}
+              "dtype": str(model.dtype), "torch": torch.__version__, "transformers": transformers_version(), "batch": size,
+              "new_tokens": args.new_tokens, "prompt_lengths": list(lengths), "stop": "random weights: no answer stops before new_tokens"}
 
     def write(stage: str, value) -> None:
         report[stage] = value
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
 
-    write("agreement", agreement(model, [static, generate], batches(size, size, lengths, vocab, 1, device), args.new_tokens))
+    if "agreement" in stages:
+        write("agreement", agreement(model, [static, generate], batches(size, size, lengths, vocab, 1, device), args.new_tokens))
+    if "profile" in stages:
+        write("profile", profile_batch(static, *batches(size, size, lengths, vocab, 2, device)[0], args.new_tokens))
+    if "throughput" in stages:
+        write("throughput", throughput(static, generate, args, size, lengths, vocab, device))
+    if "sweep" in stages:
+        backends = args.sdpa_backends or ("MATH,CUDNN_ATTENTION" if device.type == "cuda" else "MATH")
+        sizes = [int(n) for n in args.sweep_batches.split(",")] if args.sweep_batches else [size, 2 * size, 4 * size]
+        static.run = None  # its cache freed for the sweep's bigger batches
+        write("sweep", [])
+        sweep(model, random_prompts(args.sweep_prompts or 8 * size, lengths, vocab, 5), args.new_tokens,
+              lambda prompts, n: left_padded(prompts, n, device), device, batch=size, batches=sizes,
+              backends=[name for name in backends.split(",") if name], stop_ids={STOP_ID}, pad_id=PAD_ID,
+              on_row=lambda rows: write("sweep", rows))
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def throughput(static, generate, args, size: int, lengths: tuple[int, int], vocab: int, device) -> dict:
     static_work = batches(args.static_prompts or 8 * size, size, lengths, vocab, 2, device)
     generate_work = batches(args.generate_prompts or size, size, lengths, vocab, 3, device)
     for decoder in (static, generate):
@@ -139,9 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [timed(decoder, work, args.new_tokens, device)
             for decoder, work in ((static, static_work), (generate, generate_work), (generate, generate_work), (static, static_work))]
     best = {name: max(run["answers_per_s"] for run in runs if run["decoder"] == name) for name in ("static", "generate")}
-    write("throughput", {"runs": runs, "best_answers_per_s": best, "speedup": round(best["static"] / best["generate"], 2)})
-    print(json.dumps(report, indent=2))
-    return 0
+    return {"runs": runs, "best_answers_per_s": best, "speedup": round(best["static"] / best["generate"], 2)}
 
 
 if __name__ == "__main__":

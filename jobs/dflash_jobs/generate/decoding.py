@@ -13,10 +13,13 @@ Why a decoder of our own for a small target: `generate` launches some 15 kernels
 Python and recomputes its masks every step, so a 135M-parameter target leaves an H100 idle between
 launches (issue 48: 160 answers/s). One CUDA graph a step replays the launches at once; the static
 cache gives the graph fixed addresses; the mask is ours, built once, and grows by one column a step.
+A step reads only the cache's filled part (a graph per window of CACHE_ALIGN columns), greedy picks
+inside the graph, and the cache and its graphs serve the next batch of the same rows and length.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Callable, Protocol
 
 if TYPE_CHECKING:
@@ -26,7 +29,9 @@ Pick = Callable[["torch.Tensor"], "torch.Tensor"]
 """Float32 logits [B, V] -> the next token of each row [B]."""
 
 CACHE_ALIGN = 64
-"""The static cache's length is a multiple of this: SDPA's memory-efficient kernel wants its mask's rows aligned."""
+"""Attention reads the cache in windows of a multiple of this: SDPA's memory-efficient kernel wants its mask's rows aligned."""
+CACHE_BUCKET = 256
+"""The static cache's length is a multiple of this: batches of lengths that round up alike share a cache and its graphs."""
 STOP_CHECK_STEPS = 16
 """Steps between two looks at whether every row has stopped: each look waits for the GPU."""
 
@@ -112,96 +117,185 @@ class HfGenerate(BatchDecoder):
 
 
 class StaticDecoder(BatchDecoder):
-    """A static KV cache of the batch's length, the prompt in one forward, then one forward a step
-    (captured once as a CUDA graph on a GPU and replayed, eager elsewhere), for a target of full
-    attention only (static_cache_supported)."""
+    """A static KV cache, the prompt in one forward, then one forward a step (captured once as a CUDA
+    graph on a GPU and replayed, eager elsewhere), for a target of full attention only
+    (static_cache_supported). The cache, its buffers and graphs stay for the next batch of as many
+    rows whose length rounds up to the same CACHE_BUCKET, or less (prompts sorted by length: most
+    batches), so such a batch captures nothing. `windows`: each forward attends over the cache's filled part only,
+    rounded up to CACHE_ALIGN (a graph per such window), not over its whole length."""
 
     name = "static"
 
+    def __init__(self, model, *, stop_ids: set[int], pad_id: int, windows: bool = True) -> None:
+        super().__init__(model, stop_ids=stop_ids, pad_id=pad_id)
+        self.windows = windows
+        self.run: StaticRun | None = None
+
     def __call__(self, input_ids, attention, limit, pick):
+        run = self.start(input_ids, attention, limit, pick)
+        while run.advance():
+            pass
+        return run.tokens[:, : run.chosen].clone()
+
+    def start(self, input_ids, attention, limit, pick) -> StaticRun:
+        """The batch's prompt forward and first token; `advance` decodes each next one."""
+        B, P = input_ids.shape
+        bucket = CACHE_BUCKET if self.windows else CACHE_ALIGN  # whole-cache attention: no longer than needed
+        length = -(-(P + limit) // bucket) * bucket
+        run = self.run
+        # A longer cache serves as well where attention reads only its filled part.
+        fits = run is not None and (run.length == length or (self.windows and run.length > length))
+        if not fits or (run.rows, run.device) != (B, input_ids.device):
+            self.run = None  # the last batch's cache and graphs freed before this one's are made
+            run = self.run = StaticRun(self, B, length, input_ids.device)
+        run.begin(input_ids, attention, limit, pick)
+        return run
+
+
+def aligned(length: int) -> int:
+    return -(-length // CACHE_ALIGN) * CACHE_ALIGN
+
+
+@functools.cache
+def windowed_cache():
+    """A Transformers StaticCache whose `update` hands attention its first `window` columns (all of them
+    while window is None): the columns past the filled part are masked, and reading them is waste."""
+    from transformers import StaticCache
+
+    class WindowedCache(StaticCache):
+        window: int | None = None
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            return keys[:, :, : self.window], values[:, :, : self.window]
+
+    return WindowedCache
+
+
+class StaticRun:
+    """Batches of `rows` prompts on fixed buffers: the cache of `length` columns, the mask `visible`,
+    the token in, the tokens chosen. A decode step writes its token's keys at column `slot` and picks
+    the next token; on a GPU each window's second step captures it as a CUDA graph (the first, eager,
+    warms its kernels) and every later step of that window, in this batch and the next, replays the
+    graph. With greedy the pick and the stop bookkeeping are in the graph too, argmax on the target's
+    own logits (a bf16 -> float32 cast is exact and keeps the order: the same token); any other pick
+    takes float32 logits outside the graph."""
+
+    def __init__(self, decoder: StaticDecoder, rows: int, length: int, device) -> None:
         import torch
-        from transformers import StaticCache
+
+        self.model, self.pad_id, self.windows = decoder.model, decoder.pad_id, decoder.windows
+        self.rows, self.length, self.device = rows, length, device
+        self.cache = windowed_cache()(config=self.model.config, max_cache_len=length)
+        self.cache_kwargs = {cache_argument(self.model): self.cache}
+        self.stops = torch.tensor(sorted(decoder.stop_ids), device=device)
+        # visible[b, j]: row b's column j holds a token of its own (prompt, then answer) [B, length].
+        self.visible = torch.zeros(rows, length, dtype=torch.bool, device=device)
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)  # the cache column the next step writes
+        self.position = torch.zeros(rows, dtype=torch.long, device=device)  # [B], the next token's position
+        self.token = torch.zeros(rows, dtype=torch.long, device=device)  # the next step's input
+        self.done = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.tokens = torch.zeros(rows, length, dtype=torch.long, device=device)
+        self.column = torch.zeros(1, dtype=torch.long, device=device)  # where the next token goes in `tokens`
+        self.graphs: dict[tuple[int, bool], tuple] = {}  # (window, greedy) -> its step's CUDA graph and logits
+        self.warm: set[tuple[int, bool]] = set()  # steps that ran eagerly once
+        self.pool = None
+        self.pick: Pick = greedy
+        self.limit = self.prompt_length = self.chosen = 0
+
+    def begin(self, input_ids, attention, limit: int, pick: Pick) -> None:
+        """A new batch: the buffers reset in place (the graphs read them), the prompt forward, the first token."""
+        P = input_ids.shape[1]
+        self.pick, self.limit, self.prompt_length = pick, limit, P
+        self.cache.reset()
+        real = attention.bool()
+        self.visible.zero_()
+        self.visible[:, :P] = real
+        self.slot.fill_(P)
+        self.position.copy_(attention.long().sum(-1))
+        self.done.zero_()
+        self.tokens.fill_(self.pad_id)
+        self.column.zero_()
+        self.choose(self.prefill(input_ids, real))
+        self.chosen = 1  # tokens in `tokens`
+
+    def window(self, filled: int) -> int:
+        return min(aligned(filled), self.length) if self.windows else self.length
+
+    def prefill(self, input_ids, real):
+        import torch
 
         B, P = input_ids.shape
         device = input_ids.device
-        length = -(-(P + limit) // CACHE_ALIGN) * CACHE_ALIGN
-        cache = StaticCache(config=self.model.config, max_cache_len=length)
-        real = attention.bool()
-        # visible[b, j]: row b's position j holds a token of its own (prompt, then answer) [B, length].
-        visible = torch.zeros(B, length, dtype=torch.bool, device=device)
-        visible[:, :P] = real
-        positions = (attention.long().cumsum(-1) - 1).clamp(min=0)  # [B, P], as generate numbers left-padded rows
-        causal = torch.ones(P, length, dtype=torch.bool, device=device).tril()  # [P, length]
+        width = self.cache.window = self.window(P)
+        positions = (real.long().cumsum(-1) - 1).clamp(min=0)  # [B, P], as generate numbers left-padded rows
+        causal = torch.ones(P, width, dtype=torch.bool, device=device).tril()  # [P, width]
         # A padding query attends to itself alone: a row of no key at all would make SDPA's output NaN,
         # and NaN at a padded position reaches the real ones through 0 * NaN.
-        itself = torch.eye(P, length, dtype=torch.bool, device=device)[None] & ~real[:, :, None]  # [B, P, length]
-        prompt_mask = (visible[:, None, :] & causal[None]) | itself  # [B, P, length]
-        cache_kwargs = {cache_argument(self.model): cache}
-        logits = self.model(input_ids=input_ids, attention_mask=prompt_mask[:, None], position_ids=positions,
-                            use_cache=True, logits_to_keep=1, **cache_kwargs).logits[:, -1]
-        step = DecodeStep(self.model, cache_kwargs, visible, first_slot=P, next_position=attention.long().sum(-1))
-        stops = torch.tensor(sorted(self.stop_ids), device=device)
-        done = torch.zeros(B, dtype=torch.bool, device=device)
-        tokens = []
-        for t in range(limit):
-            token = pick(logits.float()).masked_fill(done, self.pad_id)  # [B]
-            tokens.append(token)
-            done |= torch.isin(token, stops)
-            if t == limit - 1 or (t % STOP_CHECK_STEPS == STOP_CHECK_STEPS - 1 and bool(done.all())):
-                break
-            logits = step(token)
-        return torch.stack(tokens, dim=1)
+        itself = torch.eye(P, width, dtype=torch.bool, device=device)[None] & ~real[:, :, None]  # [B, P, width]
+        mask = (self.visible[:, None, :width] & causal[None]) | itself  # [B, P, width]
+        return self.model(input_ids=input_ids, attention_mask=mask[:, None], position_ids=positions,
+                          use_cache=True, logits_to_keep=1, **self.cache_kwargs).logits[:, -1]
 
+    def choose(self, logits) -> None:
+        """The next token of each row into `tokens` (padding once a row has stopped) and into the next step."""
+        token = (greedy(logits) if self.pick is greedy else self.pick(logits.float())).masked_fill(self.done, self.pad_id)
+        self.done |= (token[:, None] == self.stops).any(dim=-1)  # not torch.isin: for many rows it sorts, which syncs
+        self.tokens.index_copy_(1, self.column, token[:, None])
+        self.column += 1
+        self.token.copy_(token)
 
-class DecodeStep:
-    """One decode step of the whole batch on fixed buffers: the token in, the logits [B, V] out. On
-    a GPU the second call captures it as a CUDA graph (the first, eager, warms its kernels) and
-    every later call replays that graph."""
-
-    def __init__(self, model, cache_kwargs, visible, *, first_slot: int, next_position) -> None:
-        import torch
-
-        self.model = model
-        self.cache_kwargs = cache_kwargs
-        self.visible = visible  # [B, length], a column opened a step
-        self.slot = torch.tensor([first_slot], device=visible.device)  # the cache column this step writes
-        self.position = next_position.clone()  # [B]
-        self.token = torch.zeros_like(self.position)
-        self.graph = None
-        self.logits = None
-        self.calls = 0
-
-    def forward(self):
+    def forward(self, width: int):
+        """One decode step over the cache's first `width` columns: the next token chosen (greedy), or the logits [B, V]."""
+        self.cache.window = width
         self.visible.index_fill_(1, self.slot, True)
-        out = self.model(input_ids=self.token[:, None], attention_mask=self.visible[:, None, None, :],
+        out = self.model(input_ids=self.token[:, None], attention_mask=self.visible[:, None, None, :width],
                          position_ids=self.position[:, None], use_cache=True, **self.cache_kwargs)
         self.slot += 1
         self.position += 1
-        return out.logits[:, -1]
+        logits = out.logits[:, -1]
+        if self.pick is greedy:
+            self.choose(logits)
+            return None
+        return logits
 
-    def __call__(self, token):
+    def advance(self) -> bool:
+        """Decodes the next token of every row; False (nothing decoded) at the limit or, at a look every
+        STOP_CHECK_STEPS tokens, once every row has stopped."""
+        if self.chosen >= self.limit or (self.chosen % STOP_CHECK_STEPS == 0 and bool(self.done.all())):
+            return False
+        # This step writes the last token's keys at column P + chosen - 1 and attends to every column before.
+        logits = self.step(self.window(self.prompt_length + self.chosen))
+        if self.pick is not greedy:
+            self.choose(logits)
+        self.chosen += 1
+        return True
+
+    def step(self, width: int):
         import torch
 
-        self.token.copy_(token)
-        self.calls += 1
-        if self.visible.device.type != "cuda":
-            return self.forward()
-        if self.graph is None and self.calls == 1:
-            return self.forward()
-        if self.graph is None:
-            # Recorded on a side stream (capture refuses the default one) into its own memory pool.
-            # Recording runs no kernel, so the cache and the counters stand where the eager call
-            # left them, and the first replay does this step. Not torch.cuda.graph: it empties the
-            # allocator's cache at every capture, one a batch.
-            self.graph = torch.cuda.CUDAGraph()
+        key = (width, self.pick is greedy)
+        if self.device.type != "cuda" or key not in self.warm:
+            self.warm.add(key)
+            return self.forward(width)
+        if key not in self.graphs:
+            # Recorded on a side stream (capture refuses the default one) into a memory pool the
+            # windows' graphs share (one replays at a time; each keeps its output). Recording runs no
+            # kernel, so the cache and the counters stand where the eager call left them, and the
+            # first replay does this step. Not torch.cuda.graph: it empties the allocator's cache at
+            # every capture.
+            graph = torch.cuda.CUDAGraph()
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self.graph.capture_begin()
+                graph.capture_begin(pool=self.pool)
                 try:
-                    self.logits = self.forward()
+                    logits = self.forward(width)
                 finally:
-                    self.graph.capture_end()
+                    graph.capture_end()
             torch.cuda.current_stream().wait_stream(stream)
-        self.graph.replay()
-        return self.logits
+            self.pool = graph.pool()
+            self.graphs[key] = (graph, logits)
+        graph, logits = self.graphs[key]
+        graph.replay()
+        return logits
