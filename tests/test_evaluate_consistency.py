@@ -9,6 +9,7 @@ through `Drafter.draft_block`, the simulation through the training batch and mas
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -444,9 +445,15 @@ def test_an_evaluation_stopped_midway_decodes_only_the_prompts_it_lacks_when_run
     assert tree["at_chain_steps"] == whole_tree["at_chain_steps"] and tree["decoded"]["4"]["per_prompt"]["committed"] == \
         whole_tree["decoded"]["4"]["per_prompt"]["committed"]
     assert again["drafters"]["dflash"]["simulated"] == whole["drafters"]["dflash"]["simulated"] and again["tie_tolerance"] == whole["tie_tolerance"]
-    # What a kept result depends on: another drafter (exported again) or other settings is another evaluation.
+    # What a kept result depends on: other settings or another drafter is another evaluation; the same
+    # drafter exported again (a finished training's retried pod) is the same one.
     key = evaluation_key(spec, storage, DRAFTER_PREFIX, cpu)
     assert evaluation_key(parse_spec({**yaml.safe_load((tmp_path / "stopped" / "dflash.yaml").read_text()),
                                       "eval": {"prompts": 4, "max_new_tokens": 12}}), storage, DRAFTER_PREFIX, cpu) != key
     export_dflash(drafter, storage)
+    assert evaluation_key(spec, storage, DRAFTER_PREFIX, cpu) == key
+    retrained = copy.deepcopy(drafter)
+    with torch.no_grad():
+        next(retrained.parameters()).add_(1.0)
+    export_dflash(retrained, storage)
     assert evaluation_key(spec, storage, DRAFTER_PREFIX, cpu) != key

@@ -7,8 +7,8 @@ at the end: an evaluation stopped one prompt before its report lost every prompt
 prompt's result is stored when it is decoded, as JSON (storage holds data, never code: no pickle),
 under eval/prompts/<key>/, and removed once the report is stored. `key` fingerprints what the
 results depend on: the evaluation's settings (but not how many prompts, timed or not, or worker processes), the
-target, the exported drafter's files (their sizes and modification times: a retrained drafter is
-another evaluation) and the device's kind; each file also holds its prompt's tokens, checked when it
+target, the exported drafter's files (their contents: a retrained drafter is another evaluation, the
+same drafter exported again the same one) and the device's kind; each file also holds its prompt's tokens, checked when it
 is read back, so a result is never taken for another prompt. A resumed prompt keeps the seconds its
 own decoding took in the earlier pod.
 """
@@ -62,9 +62,24 @@ the other prompt sets (each set's results are kept under a key of their own), wh
 def evaluation_key(spec: RunSpec, storage: Storage, drafter_prefix: str, device: torch.device) -> str:
     """What a prompt's result depends on besides the prompt, as 16 hex digits (the module docstring)."""
     settings = {name: value for name, value in dataclasses.asdict(spec.eval).items() if name not in EVALUATION_ONLY}
-    drafter = {key: [modified, getattr(storage.stat(key), "size", None)] for key, modified in sorted(storage.list_modified(drafter_prefix).items())}
+    drafter = {key: content_fingerprint(storage, key) for key in sorted(storage.list(drafter_prefix))}
     about = {"eval": settings, "target": dataclasses.asdict(spec.target), "drafter": drafter, "device": device.type}
     return hashlib.sha256(json.dumps(about, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def content_fingerprint(storage: Storage, key: str) -> str:
+    """What an object holds: its store's etag where it gives one (S3's is derived from the bytes), else
+    the sha256 of its bytes. Not its modification time: a finished training's retried pod exports the
+    same drafter again, and its evaluation must go on from the prompts it kept (a quality run's curve
+    chain decoded 32 prompts twice so, 2026-12-06)."""
+    info = storage.stat(key)
+    if info is not None and info.etag:
+        return info.etag
+    digest = hashlib.sha256()
+    with storage.open_read(key) as stream:
+        while block := stream.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 class KeptPrompts:
