@@ -147,3 +147,31 @@ def test_code_scale_runs_every_chain_online_on_a_tiny_random_target(quality, tmp
         assert again["acceptance_length"] == result["acceptance_length"] and again["data"] == result["data"]
     finally:
         quality("launch").stop()
+
+
+def test_a_cut_runs_figures_come_from_the_prompts_every_chain_decoded(quality, tmp_path):
+    """cut_run.py on a run cut before its reports: each chain's tau over the prompts both decoded (the
+    records as the evaluation keeps them), prompt lookup along greedy's output there, the last training line."""
+    from dflash_jobs.evaluate.baselines import PromptLookupDrafter, along_greedy
+
+    cut_run = quality("cut_run")
+    prompt, greedy = [5, 6, 7, 5, 6], [7, 5, 6, 7, 9, 2]
+    decoded = {"small": {0: [1, 0, 2], 1: [0, 0, 0, 0], 2: [3]}, "large": {0: [3, 1], 1: [2, 1]}}
+    for chain, records in decoded.items():
+        (tmp_path / chain).mkdir()
+        (tmp_path / chain / "train-0.log").write_text(
+            "2026-12-06 18:58:49,082 rank0 INFO step 10/20 epoch 0 | loss 2.9 acc@1 0.7 tau 3.16 | lr 5e-04 | 77026 tok/s, 40.8 TFLOP/s, MFU 4.1% | eta 1m\n")
+        kept = tmp_path / chain / "run" / "eval" / "prompts" / "0123456789abcdef"
+        kept.mkdir(parents=True)
+        for index, accepted in records.items():
+            (kept / f"{index:06d}.json").write_text(json.dumps({"index": index, "prompt": prompt, "result": {
+                "greedy": {"tokens": greedy}, "drafted": {"dflash": {"accepted": accepted}}}}))
+    figures = cut_run.cut_figures(tmp_path, block=4, new_tokens=6, stop_ids=frozenset({2}))
+    assert figures["prompts_decoded"] == {"large": 2, "small": 3} and figures["paired_prompts"] == 2
+    assert figures["tau"]["small"]["estimate"] == round((3 + 3 + 0 + 4) / 7, 3)  # prompt 2 is not the other chain's
+    assert figures["tau"]["large"]["estimate"] == round((4 + 2 + 3 + 2) / 4, 3)
+    lookup = along_greedy(PromptLookupDrafter(4), prompt, greedy, max_new_tokens=6, stop_ids=frozenset({2}))
+    assert figures["tau"]["prompt_lookup"]["estimate"] == round((sum(lookup.accepted) + len(lookup.accepted)) / len(lookup.accepted), 3)
+    assert figures["training"]["small"] == {"step": 10, "steps": 20, "training_tau": 3.16, "tokens_per_s": 77026, "tflop_per_s": 40.8,
+                                            "mfu_percent": 4.1}
+    assert set(figures["differences"]) == {"small - large"} and figures["differences"]["small - large"]["verdict"] == "not decided"
