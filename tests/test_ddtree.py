@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dflash_jobs.drafter.anchors import anchor_layout
+from dflash_jobs.drafter.host_reads import HostReads
 from dflash_jobs.drafter.speculative import Decoded
 from dflash_jobs.drafter.model import rank_top_k
 from dflash_jobs.drafter.tree import ConditionalBranches, MarginalBranches, build_tree
@@ -170,6 +171,23 @@ def test_dflash2_branches_rank_the_selectors_candidates_after_the_parent(target_
         assert math.isclose(sum(math.exp(p) for p in log_probs), 1.0, rel_tol=1e-5)
     assert branches.children(2, 5, 4)[0] != branches.children(2, 300, 4)[0]  # the selector's edge from the parent decides
 
+
+
+def test_dflash2_branches_rank_every_parent_in_one_read_bit_for_bit_as_each_parent_alone(target_dir):
+    """Every parent a tree can have (the anchor, then each depth's candidates) ranked in one batched
+    call and one read: a tree of any budget waits on the device once, and each ranking, tokens and
+    log-probabilities, is the one its parent gets alone, so the tree is too."""
+    drafter, variant = tiny_drafter(target_dir, "dflash2", block_size=6)
+    hidden, _ = block(drafter)
+    branches = variant.branches(drafter, hidden, 17)
+    alone = ConditionalBranches(branches.scores, 17, branches.depths)
+    with HostReads() as reads:
+        tree = build_tree(branches, budget=32, depth_limit=branches.depths)
+    assert reads.total == 1
+    assert tree == build_tree(alone, budget=32, depth_limit=branches.depths)
+    parents = [(1, 17), *((depth, c) for depth in range(2, branches.depths + 1) for c in branches.candidates[depth - 2].tolist())]
+    for depth, parent in parents:
+        assert branches.children(depth, parent, 100) == alone.children(depth, parent, 100), (depth, parent)
 
 # ---- equal scores -------------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from dflash_jobs.evaluate.lossless import divergences, is_tie, mismatches
 from dflash_jobs.evaluate.trees import VariantBranches
 from dflash_jobs.spec import TrainSpec
 from dflash_jobs.variants import drafter_variant
-from recorded_decodings import BLOCK, NEW_TOKENS, VARIANTS, bigram_of, decode_every_loop, prompts
+from recorded_decodings import BLOCK, BUDGETS, NEW_TOKENS, VARIANTS, bigram_of, decode_every_loop, prompts
 from train_fixtures import LAYERS, fresh_drafter
 
 RECORDED = Path(__file__).parent / "data" / "recorded_decodings.json"
@@ -68,6 +68,23 @@ def test_a_verify_step_reads_the_device_once(model, each_target, variant):
         assert decoded.tokens == greedy.tokens, name
         assert reads.total == len(decoded.accepted) + 2, (name, dict(reads.counts))
 
+
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+def test_a_tree_step_reads_the_device_twice(model, each_target, variant):
+    """Beside the prefill's two reads, a tree step reads twice: the drafter's ranking that the tree is
+    built from (one read for every parent, DFlash2's batched: drafter/tree.py CandidateBranches),
+    and the target's tokens after the verify forward; a step with no room for a draft builds no
+    tree. DSpark's trees still read once a parent expanded."""
+    prompt = prompts(model.config.vocab_size)[2]
+    drafter = fresh_drafter(each_target, TrainSpec(drafter=variant, block_size=BLOCK)).eval()
+    branches = VariantBranches(drafter, drafter_variant(variant).branches, drafts=anchor_layout(variant, block_size=BLOCK).drafts)
+    greedy = greedy_decode(DecodeTarget(model), prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
+    for budget in BUDGETS:
+        with HostReads() as reads:
+            decoded = tree_decode(tree_target(model, LAYERS), branches, prompt, budget=budget, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
+        assert decoded.tokens == greedy.tokens
+        trees = sum(depth > 0 for depth in decoded.drafted)
+        assert reads.total == 2 + len(decoded.accepted) + trees, (budget, dict(reads.counts))
 
 @pytest.mark.parametrize("stop_at", [None, 9])
 def test_the_baselines_acceptance_along_greedys_output_is_the_verify_loops(model, stop_at):

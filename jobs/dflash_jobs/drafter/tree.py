@@ -26,6 +26,7 @@ greedy choice after the path before it, plus the target's next token (`Tree.foll
 from __future__ import annotations
 
 import heapq
+import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -110,6 +111,46 @@ class ConditionalBranches(Branches):
             self._ranked[(depth, parent)] = known
         tokens, log_probs = known[1]
         return tokens[:k], log_probs[:k]
+
+
+EdgeScores = Callable[[torch.Tensor], torch.Tensor]
+"""parents [D, P] (row d - 1: parents at depth d) -> the scores [D, P, K] of their edges to depth d's candidates."""
+
+
+class CandidateBranches(ConditionalBranches):
+    """ConditionalBranches whose children at depth d are among a fixed set, candidates[d - 1] (DFlash2's
+    strict top-K): a tree's parent at depth d >= 2 is then one of depth d - 1's candidates, so every
+    child a tree can take is ranked up front, every depth's in one batched call (`edges`) and one
+    read, not a read per parent expanded (each waits for the device). A parent outside them (the
+    coverage's greedy token) is ranked on its own, by `scores`."""
+
+    def __init__(self, scores: Scores, edges: EdgeScores, candidates: torch.Tensor, anchor: int) -> None:
+        super().__init__(scores, anchor, depths=len(candidates))
+        self.edges, self.candidates = edges, candidates
+        self._read = False
+
+    def children(self, depth: int, parent: int, k: int) -> tuple[list[int], list[float]]:
+        if not self._read:
+            self._rank_every_parent()
+        return super().children(depth, parent, k)
+
+    def _rank_every_parent(self) -> None:
+        D, K = self.candidates.shape
+        # [D, K]: the anchor at depth 1 (one parent, repeated for one batched shape), depth d - 1's candidates below
+        parents = torch.cat([self.candidates.new_full((1, K), self.anchor), self.candidates[:-1]])
+        scores = self.edges(parents).float()  # [D, K parents, K children]
+        ids = self.candidates[:, None].expand(D, K, K)
+        order = rank_top_k(scores, K, ids)  # every candidate ranked, as scores(depth, parent) would rank them
+        ranked = [parents, ids.gather(-1, order), scores.log_softmax(-1).gather(-1, order)]
+        # One read (ids below 2^53 and float32 values are exact as float64): the parents, their children and the log-probabilities.
+        read = torch.cat([part.double().flatten() for part in ranked]).tolist()
+        n = D * K
+        parent_ids, tokens, log_probs = read[:n], read[n : n + n * K], read[n + n * K :]
+        for row, parent in enumerate(parent_ids):
+            children = slice(row * K, (row + 1) * K)
+            # sys.maxsize: the ranking holds every child this parent can have, whatever k is asked later
+            self._ranked.setdefault((row // K + 1, int(parent)), (sys.maxsize, ([int(t) for t in tokens[children]], log_probs[children])))
+        self._read = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ import torch
 from dflash_jobs.drafter.dflash2_model import DFlash2Config, DFlash2Drafter
 from dflash_jobs.drafter.export import MODELING_FILES, write_export
 from dflash_jobs.drafter.model import DrafterConfig, anchor_ids
-from dflash_jobs.drafter.tree import ConditionalBranches
+from dflash_jobs.drafter.tree import CandidateBranches
 from dflash_jobs.errors import SpecError
 from dflash_jobs.spec import TrainSpec
 from dflash_jobs.storage import Storage
@@ -47,7 +47,7 @@ def predict(drafter: DFlash2Drafter, hidden, batch):
     return drafter.teacher_forced_tokens(hidden, teacher_forced_predecessors(batch.block_ids, batch.labels))
 
 
-def branches(drafter: DFlash2Drafter, hidden: torch.Tensor, anchor: int) -> ConditionalBranches:
+def branches(drafter: DFlash2Drafter, hidden: torch.Tensor, anchor: int) -> CandidateBranches:
     """Slot d (depth d) offers its strict top-K unary candidates, ranked by the selector's score of
     the edge from the parent (the anchor at depth 1): the distribution vLLM samples from at T > 0,
     whose best child is the greedy walk's choice (ties to the lower token id, as the walk)."""
@@ -61,7 +61,13 @@ def branches(drafter: DFlash2Drafter, hidden: torch.Tensor, anchor: int) -> Cond
         predecessor = anchor_ids(parent, candidates.device)  # filled on the device: no copy from the host to wait on
         return selector.scores(projected[slot], unary[slot], candidates[slot], predecessor), candidates[slot]
 
-    return ConditionalBranches(edges, anchor, depths=len(slots))
+    def every_edge(parents: torch.Tensor) -> torch.Tensor:
+        # parents [D, P] -> [D, P, K]: edges' scores as above, every slot's and parent's in one call (one read for the tree)
+        D, P = parents.shape
+        K = candidates.shape[-1]
+        return selector.scores(projected[:, None].expand(D, P, -1), unary[:, None].expand(D, P, K), candidates[:, None].expand(D, P, K), parents)
+
+    return CandidateBranches(edges, every_edge, candidates, anchor)
 
 
 def export_dflash2(drafter: DFlash2Drafter, storage: Storage, prefix: str) -> None:
