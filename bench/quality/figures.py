@@ -17,6 +17,7 @@ from dflash_jobs.formats import DATASET_KEY, TokenChunk
 from dflash_jobs.rows import prompt_length
 
 from chains import BASELINES_OF, Chain, held_out_samples
+from goals import Goals
 
 DISTINCT_GOAL = 0.9
 """Distinct held-out answers per held-out prompt, at least: the target's answers depend on the prompt."""
@@ -319,29 +320,9 @@ def attribution(spread: dict[str, dict[str, Any]], taus: Taus) -> list[dict[str,
     return found
 
 
-@dataclass(frozen=True, slots=True)
-class Goals:
-    """What a size's figures were asked to reach."""
-
-    name: str
-    """Who asked, for what."""
-    tau_at_least: float
-    over_prompt_lookup_at_least: float
-    tree_budget: int = 64
-    trees_over_chain_at_least: float | None = None
-    """The trees of `tree_budget` nodes over the chain, at least (None: reported, not a goal)."""
-
-
-SORTING_GOALS = Goals("issue 29: the sorting target", tau_at_least=3.0, over_prompt_lookup_at_least=1.5)
-REAL_MODEL_GOALS = Goals("issue 41: SmolLM2-135M-Instruct at the GPU size", tau_at_least=3.5, over_prompt_lookup_at_least=2.0,
-                         trees_over_chain_at_least=1.25)
-SCALE_GOALS = Goals("issue 48: SmolLM2-135M-Instruct on the packages' prompts, at scale", tau_at_least=3.5, over_prompt_lookup_at_least=1.5,
-                    trees_over_chain_at_least=1.25)
-
-
 def goals(runs: dict[str, dict[str, Any]], spread: dict[str, dict[str, Any]], curve: list[dict[str, Any]], taus: Taus,
-          asked: Goals = SORTING_GOALS) -> dict[str, Any]:
-    """The goals `asked` (issue 29's by default: tau >= 3.0 and >= 1.5x prompt lookup, regenerated >
+          asked: Goals) -> dict[str, Any]:
+    """The goals `asked` (the task's: tau and its lead over prompt lookup at least, regenerated >
     source, acceptance rising with data, train/serve within 10% per position, lossless up to ties),
     each met only where its 95% interval over the prompts clears it (a ratio goal: tau_a - k tau_b
     above zero), with the estimate and interval beside it; trees over the chain where the chains

@@ -16,7 +16,8 @@ from dflash_jobs.architectures.tiny import write_tiny_target
 from dflash_jobs.architectures.tiny.teach import teach_tiny_target
 
 from corpus import INSTRUCTION, WRITERS, ChatShape, chats, drafter_chats, stdlib_sources, vocabulary
-from figures import SORTING_GOALS, Goals, diversity, held_out_answers
+from figures import diversity, held_out_answers
+from goals import Goals
 from tasks import ChatSet
 
 if TYPE_CHECKING:
@@ -26,6 +27,9 @@ if TYPE_CHECKING:
 
 TARGET_HELD_OUT_CHATS = 500
 """Chats (none of them the data set's or the target's training) the target's held-out loss is measured on."""
+
+
+SORTING_GOALS = Goals("issue 29: the sorting target", tau_at_least=3.0, over_prompt_lookup_at_least=1.5)
 
 
 @dataclass(frozen=True, slots=True)

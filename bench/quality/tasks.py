@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from figures import Goals
+    from goals import Goals
     from sizes import Size
 
 
