@@ -15,6 +15,7 @@ from typing import Any, Sequence
 from dflash_jobs.evaluate.intervals import DOES_NOT_HOLD, HOLDS, MIN_PROMPTS, NOT_DECIDED, Draws, PairedBootstrap, mean, verdict
 from dflash_jobs.formats import DATASET_KEY, TokenChunk
 from dflash_jobs.rows import prompt_length
+from dflash_jobs.spec import PROMPT_LOOKUP
 
 from chains import BASELINES_OF, Chain, held_out_samples
 from goals import Goals
@@ -154,7 +155,7 @@ class Taus:
         self.bootstrap = PairedBootstrap(len(per_prompt(name, run["drafters"][run["drafter"]])["committed"]))
 
     def decoding(self, chain: str, name: str | None = None) -> Draws:
-        """tau of one decoding of a chain: its drafter's (None), or a baseline's ("prompt_lookup", "bigram")."""
+        """tau of one decoding of a chain: its drafter's (None), or a baseline's (spec.BASELINES)."""
         run = self.runs[chain]
         name = name or run["drafter"]
         return self.bootstrap.tau(per_prompt(f"{chain} {name}", run["drafters"][name]), name=f"{chain} {name}")
@@ -266,7 +267,7 @@ def claims(runs: dict[str, dict[str, Any]], spread: dict[str, dict[str, Any]], c
     (issue 30: as published; "not decided" where the interval holds zero)."""
     regenerated = spread["regenerated"]
     dflash = taus.drafter(regenerated)
-    lookup = taus.decoding(BASELINES_OF, "prompt_lookup")
+    lookup = taus.decoding(BASELINES_OF, PROMPT_LOOKUP)
     noise = {"regenerated": training_noise(regenerated)}
     agreement = {name: train_serve(figures) for name, figures in runs.items()}
     found = []
@@ -277,7 +278,7 @@ def claims(runs: dict[str, dict[str, Any]], spread: dict[str, dict[str, Any]], c
                              seed_spread={**noise, "source": training_noise(spread["source"])}))
     found += [
         decided("regenerated > prompt lookup", dflash - lookup, "tau(regenerated) - tau(prompt lookup)",
-                acceptance_length={"regenerated": dflash.summary(), "prompt_lookup": lookup.summary()}, seed_spread=noise),
+                acceptance_length={"regenerated": dflash.summary(), PROMPT_LOOKUP: lookup.summary()}, seed_spread=noise),
         decided("regenerated >= 1.5x prompt lookup", dflash - 1.5 * lookup, "tau(regenerated) - 1.5 tau(prompt lookup)",
                 ratio=(dflash / lookup).summary(), seed_spread=noise),
         rising(curve, taus),
@@ -329,7 +330,7 @@ def goals(runs: dict[str, dict[str, Any]], spread: dict[str, dict[str, Any]], cu
     decoded trees of asked.tree_budget nodes."""
     regenerated = spread["regenerated"]
     dflash = taus.drafter(regenerated)
-    lookup = taus.decoding(BASELINES_OF, "prompt_lookup")
+    lookup = taus.decoding(BASELINES_OF, PROMPT_LOOKUP)
     found = {
         "asked": asdict(asked),
         "tau": {"at_least": asked.tau_at_least, **dflash.summary(), "met": verdict(dflash - asked.tau_at_least) == HOLDS},
