@@ -187,8 +187,8 @@ def run_stages(size_name: str, size: Size, device: torch.device, workdir: Path, 
                model_source: Path | None) -> dict[str, Any]:
     stages = Stages(workdir, {**asdict(size), "task_name": size.task.name}, report)
     target = workdir / "target"
-    target_figures = stages.run("target", lambda: size.task.make_target(target, size, device, model_source))
-    chat_set = size.task.chat_set(target, size)
+    target_figures = stages.run("target", lambda: size.task.make_target(target, size.chat_counts, device, model_source))
+    chat_set = size.task.chat_set(target, size.chat_counts)
     chats_path = workdir / "chats.jsonl"
     chats_path.write_text("".join(json.dumps(row) + "\n" for row in chat_set.rows))
     chains = chains_of(size)

@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     import torch
 
     from goals import Goals
-    from sizes import Size
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +51,19 @@ class ChatSet:
                 "kinds": {"training": dict(Counter(self.kinds[:split])), "held_out": dict(Counter(self.kinds[split:]))}}
 
 
-class Task(Protocol):
-    """What a task provides; `size` is the benchmark's scale (sizes.py), whose `task` it is."""
+@dataclass(frozen=True, slots=True)
+class ChatCounts:
+    """How many chats a size (sizes.py) asks of its task: training ones, then held-out ones (the evaluation's prompts)."""
 
+    training: int
+    held_out: int
+
+
+class Task(Protocol):
+    """What a task provides to a size (sizes.py), whose `task` it is, given the chats that size asks for (`counts`)."""
+
+    name: str
+    """What the report calls it (its `task`)."""
     source_answers: bool
     """Whether its chats come with another writer's answers (a source chain beside the regenerated ones)."""
 
@@ -63,12 +72,12 @@ class Task(Protocol):
         """What its figures are asked to reach (figures.goals)."""
         ...
 
-    def make_target(self, directory: Path, size: Size, device: torch.device, source: Path | None) -> dict[str, Any]:
+    def make_target(self, directory: Path, counts: ChatCounts, device: torch.device, source: Path | None) -> dict[str, Any]:
         """Writes the target checkpoint into `directory` and returns the figures of how it was made;
         `source`: where its model comes from, for a task whose model is fetched (None: its default)."""
         ...
 
-    def chat_set(self, target: Path, size: Size) -> ChatSet:
+    def chat_set(self, target: Path, counts: ChatCounts) -> ChatSet:
         """The drafter's data set, the same in every call (a rerun reads it again)."""
         ...
 
