@@ -128,7 +128,7 @@ def write_samples(path: Path, samples: list[tuple[list[int], list[int]]], sample
 def test_diversity_counts_what_the_held_out_samples_share_with_the_training_ones(bench, tmp_path):
     from dflash_jobs.architectures.tiny.qwen3_5 import build_tokenizer
 
-    figures = importlib.import_module("figures")
+    diversity = importlib.import_module("diversity")
     tokenizer = build_tokenizer(512)
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     rows = [{"messages": [{"role": "user", "content": f"Sort these words: {words}"}]}
@@ -157,7 +157,7 @@ def test_diversity_counts_what_the_held_out_samples_share_with_the_training_ones
     assert found["verdict"].startswith("degenerate: 2 distinct answers to 3 held-out prompts, 1 found word for word")
     assert found["goals"] == {"distinct_share_at_least": 0.9, "verbatim_share_at_most": 0.05, "met": False}
     # Cut where the evaluation stops decoding: the answers it asked for, here all "<think>", each the start of a training answer.
-    cut = figures.diversity(regenerated, source, tokenizer=tokenizer, answer_tokens=1)
+    cut = diversity.diversity(regenerated, source, tokenizer=tokenizer, answer_tokens=1)
     assert cut["held_out_answers_distinct"] == 1 and cut["held_out_answers_found_in_training_answers"] == 3
 
 

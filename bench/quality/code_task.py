@@ -18,7 +18,7 @@ from dflash_jobs.architectures.tiny import write_tiny_target
 
 from code_prompts import KINDS, CodeChat, code_chats, read_functions, source_roots, split_by_group
 from corpus import stdlib_sources
-from figures import distinct_and_found, diversity, held_out_answers
+from diversity import distinct_and_found, diversity, held_out_answers
 from goals import Goals
 from smollm2 import stage_smollm2
 from tasks import ChatCounts, ChatSet
@@ -120,7 +120,7 @@ class CodeTask:
 
 def diversity_per_kind(regenerated: Path, source: Path | None, chat_set: ChatSet, tokenizer, answer_tokens: int,
                        kinds: tuple[str, ...]) -> dict[str, Any]:
-    """figures.diversity, and the same shares per prompt kind."""
+    """diversity.diversity, and the same shares per prompt kind."""
     answers = held_out_answers(regenerated, tokenizer, answer_tokens)
     of_answer = [chat_set.kinds[i] for i in answers.sample_ids]
     per_kind = {kind: distinct_and_found([c for c, k in zip(answers.cut, of_answer) if k == kind], [f for f, k in zip(answers.found, of_answer) if k == kind])

@@ -16,7 +16,7 @@ from dflash_jobs.architectures.tiny import write_tiny_target
 from dflash_jobs.architectures.tiny.teach import teach_tiny_target
 
 from corpus import INSTRUCTION, WRITERS, ChatShape, chats, drafter_chats, stdlib_sources, vocabulary
-from figures import diversity, held_out_answers
+from diversity import diversity, held_out_answers
 from goals import Goals
 from tasks import ChatCounts, ChatSet
 
@@ -115,7 +115,7 @@ class SortingTask:
         return self.data_set(self.documents(), AutoTokenizer.from_pretrained(target), counts)[1]
 
     def diversity(self, regenerated: Path, source: Path, chat_set: ChatSet, tokenizer, answer_tokens: int) -> dict[str, Any]:
-        """figures.diversity, and how often the target's answer is the sorted words as it was taught to write them."""
+        """diversity.diversity, and how often the target's answer is the sorted words as it was taught to write them."""
         answers = held_out_answers(regenerated, tokenizer, answer_tokens)
         asked = [chat_set.rows[i]["messages"][0]["content"].removeprefix(INSTRUCTION).split() for i in answers.sample_ids]
         taught = sum(text == WRITERS["target"](words) for text, words in zip(answers.replies, asked, strict=True))

@@ -83,6 +83,6 @@ class Task(Protocol):
 
     def diversity(self, regenerated: Path, source: Path | None, chat_set: ChatSet, tokenizer, answer_tokens: int) -> dict[str, Any]:
         """How far the held-out prompts are from the training data and how much the target's answers
-        depend on them, from the regenerated and source chains' stored samples (figures.diversity and
+        depend on them, from the regenerated and source chains' stored samples (diversity.diversity and
         what the task adds)."""
         ...
