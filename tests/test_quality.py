@@ -128,7 +128,7 @@ def write_samples(path: Path, samples: list[tuple[list[int], list[int]]], sample
 def test_diversity_counts_what_the_held_out_samples_share_with_the_training_ones(bench, tmp_path):
     from dflash_jobs.architectures.tiny.qwen3_5 import build_tokenizer
 
-    figures = importlib.import_module("figures")
+    diversity = importlib.import_module("diversity")
     tokenizer = build_tokenizer(512)
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     rows = [{"messages": [{"role": "user", "content": f"Sort these words: {words}"}]}
@@ -157,7 +157,7 @@ def test_diversity_counts_what_the_held_out_samples_share_with_the_training_ones
     assert found["verdict"].startswith("degenerate: 2 distinct answers to 3 held-out prompts, 1 found word for word")
     assert found["goals"] == {"distinct_share_at_least": 0.9, "verbatim_share_at_most": 0.05, "met": False}
     # Cut where the evaluation stops decoding: the answers it asked for, here all "<think>", each the start of a training answer.
-    cut = figures.diversity(regenerated, source, tokenizer=tokenizer, answer_tokens=1)
+    cut = diversity.diversity(regenerated, source, tokenizer=tokenizer, answer_tokens=1)
     assert cut["held_out_answers_distinct"] == 1 and cut["held_out_answers_found_in_training_answers"] == 3
 
 
@@ -290,21 +290,22 @@ def test_three_seeds_enter_a_claim_at_their_mean_draw_by_draw(bench):
 
 def test_the_goals_are_met_only_beyond_their_intervals(bench):
     figures, chains = importlib.import_module("figures"), importlib.import_module("chains")
+    sorting, code_task, goals = (importlib.import_module(name) for name in ("sorting", "code_task", "goals"))
     chain_list = quality_chains(chains)
     runs = quality_runs({"regenerated": 3.05, "regenerated-seed43": 3.05})
     spread, taus = figures.seed_spread(runs, chain_list), figures.Taus(runs)
     curve = figures.data_curve(runs, chain_list)
-    found = figures.goals(runs, spread, curve, taus)
+    found = figures.goals(runs, spread, curve, taus, sorting.SORTING_GOALS)
     # tau 3.05 against a goal of 3.0: above it, within the prompts' noise (0.5 a prompt, 40 prompts): not met.
     assert found["tau"]["estimate"] == 3.05 and found["tau"]["interval"][0] < 3.0 and not found["tau"]["met"]
     assert found["over_prompt_lookup"]["at_least"] == 1.5 and found["over_prompt_lookup"]["met"]
     assert found["asked"]["name"].startswith("issue 29") and found["lossless_up_to_ties"] and not found["rising_with_data"]
     # The trees of 64 nodes at 1.3x the chain: a goal of 1.25x is within the noise, one of 1.1x is cleared.
     assert found["trees_over_chain"]["met"] is None and found["trees_over_chain"]["estimate"] == pytest.approx(1.3, abs=0.01)
-    real = figures.goals(runs, spread, curve, taus, figures.REAL_MODEL_GOALS)
+    real = figures.goals(runs, spread, curve, taus, code_task.REAL_MODEL_GOALS)
     assert (real["tau"]["at_least"], real["over_prompt_lookup"]["at_least"], real["trees_over_chain"]["at_least"]) == (3.5, 2.0, 1.25)
     assert not real["tau"]["met"] and real["over_prompt_lookup"]["met"] and not real["trees_over_chain"]["met"]
-    lower = figures.Goals("a test", tau_at_least=2.5, over_prompt_lookup_at_least=2.0, trees_over_chain_at_least=1.1)
+    lower = goals.Goals("a test", tau_at_least=2.5, over_prompt_lookup_at_least=2.0, trees_over_chain_at_least=1.1)
     easy = figures.goals(runs, spread, curve, taus, lower)
     assert easy["tau"]["met"] and easy["trees_over_chain"]["met"] and easy["over_prompt_lookup"]["met"]
 

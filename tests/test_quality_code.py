@@ -352,7 +352,9 @@ def test_the_code_task_runs_every_chain_of_the_gpu_size_on_a_tiny_random_target(
     # Per kind, from the evaluation's per-prompt records, each with its interval; every claim with its own.
     assert set(result["per_kind"]) == {"write", "explain", "doctest"} and (out.parent / result["per_kind_plot"]).is_file()
     assert all(claim.get("verdict") or "chains" in claim for claim in result["claims"])
-    assert result["goals"]["asked"]["tau_at_least"] == 3.5 and "trees_over_chain" not in result["goals"]  # code-tiny decodes trees of 16 only
+    # code-tiny decodes trees of 16 nodes only: the goal's trees of 64 are said to be missing, not dropped.
+    assert result["goals"]["asked"]["tau_at_least"] == 3.5
+    assert result["goals"]["trees_over_chain"]["not_measured"].startswith("no draft trees of 64")
     # A second call on the same work directory reads the same chats (they are made again) and finds every stage done.
     again = bench.run("code-tiny", workdir)
     assert again["acceptance_length"] == result["acceptance_length"] and again["data"] == result["data"]

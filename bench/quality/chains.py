@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import yaml
 
-from dflash_jobs.formats import DATASET_KEY, EVAL_REPORT_KEY, MANIFEST_KEY, TRAIN_METRICS_KEY, TokenChunk
+from dflash_jobs.formats import DATASET_KEY, EVAL_REPORT_KEY, MANIFEST_KEY, TRAIN_METRICS_KEY
 from dflash_jobs.generation import generated_lines, read_manifest
-from dflash_jobs.prepare import HOLDOUT_KEY
 from dflash_jobs.rows import prompt_length
 from dflash_jobs.spec import BASELINES
 from dflash_jobs.storage import open_storage
 
 import launch
+from diversity import held_out_samples
 
 if TYPE_CHECKING:
     from sizes import Size
@@ -258,11 +258,6 @@ def part_of(rows: list[str], fraction: float, holdout: int) -> list[str]:
     """The first `fraction` of the training rows, then the held-out rows (prepare holds out the last ones)."""
     training = rows[: len(rows) - holdout]
     return training[: round(fraction * len(training))] + rows[len(rows) - holdout :]
-
-
-def held_out_samples(chain_dir: Path) -> TokenChunk:
-    """The held-out samples prepare wrote: the evaluation's prompts with their answers."""
-    return TokenChunk.decode((chain_dir / "run" / HOLDOUT_KEY).read_bytes(), HOLDOUT_KEY)
 
 
 def held_out_prompts(chain_dir: Path) -> list[list[int]]:

@@ -18,14 +18,18 @@ from dflash_jobs.architectures.tiny import write_tiny_target
 
 from code_prompts import KINDS, CodeChat, code_chats, read_functions, source_roots, split_by_group
 from corpus import stdlib_sources
-from figures import REAL_MODEL_GOALS, Goals, distinct_and_found, diversity, held_out_answers
+from diversity import distinct_and_found, diversity, held_out_answers
+from goals import Goals
 from smollm2 import stage_smollm2
-from tasks import ChatSet
+from tasks import ChatCounts, ChatSet
 
 if TYPE_CHECKING:
     import torch
 
-    from sizes import Size
+
+
+REAL_MODEL_GOALS = Goals("issue 41: SmolLM2-135M-Instruct at the GPU size", tau_at_least=3.5, over_prompt_lookup_at_least=2.0,
+                         trees_over_chain_at_least=1.25)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +83,7 @@ class CodeTask:
     def goals(self) -> Goals:
         return REAL_MODEL_GOALS
 
-    def code_chats(self, tokenizer, size: Size) -> tuple[list[CodeChat], list[CodeChat], dict[str, Any]]:
+    def code_chats(self, tokenizer, counts: ChatCounts) -> tuple[list[CodeChat], list[CodeChat], dict[str, Any]]:
         """The training and held-out chats, and where they come from (the report's)."""
         roots = source_roots(self.packages)
         functions = read_functions(roots)
@@ -89,7 +93,7 @@ class CodeTask:
         longest = self.max_source_answer_tokens
         short = [chat for chat, prompt, answer in zip(every, prompt_tokens, answer_tokens, strict=True)
                  if prompt <= self.max_prompt_tokens and (longest is None or answer <= longest)]
-        split = split_by_group(short, training=size.chats - size.holdout, held_out=size.holdout, kinds=self.kinds, seed=self.seed)
+        split = split_by_group(short, training=counts.training, held_out=counts.held_out, kinds=self.kinds, seed=self.seed)
         about = {
             "sources": {"python": platform.python_version(), **{package: metadata.version(package) for package in self.packages}},
             "functions": len(functions), "modules": len({f.module for f in functions}), "groups": len({f.group for f in functions}),
@@ -97,17 +101,17 @@ class CodeTask:
         }
         return split.training, split.held_out, about
 
-    def make_target(self, directory: Path, size: Size, device: torch.device, source: Path | None) -> dict[str, Any]:
+    def make_target(self, directory: Path, counts: ChatCounts, device: torch.device, source: Path | None) -> dict[str, Any]:
         """The target's checkpoint, and where the chats come from (read again by chat_set, the same)."""
         from transformers import AutoTokenizer
 
         made = self.target.make(directory, source)
-        return {**made, "target": self.target.name, "prompts": self.code_chats(AutoTokenizer.from_pretrained(directory), size)[2]}
+        return {**made, "target": self.target.name, "prompts": self.code_chats(AutoTokenizer.from_pretrained(directory), counts)[2]}
 
-    def chat_set(self, target: Path, size: Size) -> ChatSet:
+    def chat_set(self, target: Path, counts: ChatCounts) -> ChatSet:
         from transformers import AutoTokenizer
 
-        training, held_out, _ = self.code_chats(AutoTokenizer.from_pretrained(target), size)
+        training, held_out, _ = self.code_chats(AutoTokenizer.from_pretrained(target), counts)
         return ChatSet([chat.messages for chat in training], [chat.messages for chat in held_out], [chat.kind for chat in training + held_out])
 
     def diversity(self, regenerated: Path, source: Path | None, chat_set: ChatSet, tokenizer, answer_tokens: int) -> dict[str, Any]:
@@ -116,7 +120,7 @@ class CodeTask:
 
 def diversity_per_kind(regenerated: Path, source: Path | None, chat_set: ChatSet, tokenizer, answer_tokens: int,
                        kinds: tuple[str, ...]) -> dict[str, Any]:
-    """figures.diversity, and the same shares per prompt kind."""
+    """diversity.diversity, and the same shares per prompt kind."""
     answers = held_out_answers(regenerated, tokenizer, answer_tokens)
     of_answer = [chat_set.kinds[i] for i in answers.sample_ids]
     per_kind = {kind: distinct_and_found([c for c, k in zip(answers.cut, of_answer) if k == kind], [f for f, k in zip(answers.found, of_answer) if k == kind])

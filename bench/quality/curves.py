@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from dflash_jobs.evaluate.intervals import Draws, PairedBootstrap
+from dflash_jobs.spec import PROMPT_LOOKUP
 
 from chains import BASELINES_OF, Chain
 from figures import Taus, judged, per_prompt
@@ -60,7 +61,7 @@ def per_kind(runs: dict[str, dict[str, Any]], kinds: list[str]) -> dict[str, Any
         entry = found[kind] = {"prompts": len(mine), "acceptance_length": {}, "over_prompt_lookup": {}}
         taus = {chain: {name: kind_tau(bootstrap, chain, name, decoding, mine, len(kinds)) for name, decoding in run["drafters"].items()}
                 for chain, run in runs.items()}
-        lookup = taus[BASELINES_OF]["prompt_lookup"]
+        lookup = taus[BASELINES_OF][PROMPT_LOOKUP]
         for chain, run in runs.items():
             entry["acceptance_length"][chain] = {name: tau.summary() for name, tau in taus[chain].items()}
             entry["over_prompt_lookup"][chain] = judged(taus[chain][run["drafter"]] - lookup)

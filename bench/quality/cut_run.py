@@ -21,6 +21,7 @@ from typing import Any
 
 from dflash_jobs.evaluate.baselines import PromptLookupDrafter, along_greedy
 from dflash_jobs.evaluate.intervals import PairedBootstrap
+from dflash_jobs.spec import PROMPT_LOOKUP
 
 from figures import judged
 
@@ -61,7 +62,7 @@ def cut_figures(workdir: Path, *, block: int, new_tokens: int, stop_ids: frozens
     lookup_tau = tau([along_greedy(lookup, first[i]["prompt"], first[i]["result"]["greedy"]["tokens"], max_new_tokens=new_tokens,
                                    stop_ids=stop_ids).accepted for i in common])
     taus = {name: tau([records[i]["result"]["drafted"]["dflash"]["accepted"] for i in common]) for name, records in evaluated.items()}
-    figures["tau"] = {name: figure.summary() for name, figure in taus.items()} | {"prompt_lookup": lookup_tau.summary()}
+    figures["tau"] = {name: figure.summary() for name, figure in taus.items()} | {PROMPT_LOOKUP: lookup_tau.summary()}
     figures["over_prompt_lookup"] = {name: judged(figure - lookup_tau) for name, figure in taus.items()}
     names = list(taus)
     figures["differences"] = {f"{later} - {earlier}": judged(taus[later] - taus[earlier]) for earlier, later in zip(names, names[1:])}

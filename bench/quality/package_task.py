@@ -18,17 +18,20 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from code_prompts import KINDS, MORE_KINDS
 from code_task import RandomTarget, SmolLM2Target, diversity_per_kind
-from figures import SCALE_GOALS, Goals
+from goals import Goals
 from package_prompts import OUTPUT, read_lines
-from tasks import ChatSet
+from tasks import ChatCounts, ChatSet
 
 if TYPE_CHECKING:
     import torch
 
-    from sizes import Size
 
 TOKENIZE_BATCH = 4096
 """Prompts measured at a time: only as many as the size takes are tokenized."""
+
+
+SCALE_GOALS = Goals("issue 48: SmolLM2-135M-Instruct on the packages' prompts, at scale", tau_at_least=3.5, over_prompt_lookup_at_least=1.5,
+                    trees_over_chain_at_least=1.25)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,12 +84,12 @@ class PackagePromptsTask:
                     too_long += 1
         return kept, too_long
 
-    def make_target(self, directory: Path, size: Size, device: torch.device, source: Path | None) -> dict[str, Any]:
+    def make_target(self, directory: Path, counts: ChatCounts, device: torch.device, source: Path | None) -> dict[str, Any]:
         made = self.target.make(directory, source)
-        return {**made, "target": self.target.name, "prompts": split_with(self, directory, size.chats - size.holdout, size.holdout)[2]}
+        return {**made, "target": self.target.name, "prompts": split_with(self, directory, counts.training, counts.held_out)[2]}
 
-    def chat_set(self, target: Path, size: Size) -> ChatSet:
-        training, held_out, _ = split_with(self, target, size.chats - size.holdout, size.holdout)
+    def chat_set(self, target: Path, counts: ChatCounts) -> ChatSet:
+        training, held_out, _ = split_with(self, target, counts.training, counts.held_out)
         return ChatSet([row["messages"] for row in training], [row["messages"] for row in held_out],
                        [row["kind"] for row in training + held_out])
 

@@ -75,7 +75,7 @@ from typing import Any, Callable
 
 import torch
 
-from dflash_jobs.spec import TrainSpec
+from dflash_jobs.spec import BASELINES, BIGRAM, PROMPT_LOOKUP, TrainSpec
 
 import launch
 from chains import ABLATIONS, BASELINES_OF, Chain, ChainRunner, chain_figures, held_out_prompts, part_of, regenerated_rows, share_states, write_spec
@@ -187,8 +187,8 @@ def run_stages(size_name: str, size: Size, device: torch.device, workdir: Path, 
                model_source: Path | None) -> dict[str, Any]:
     stages = Stages(workdir, {**asdict(size), "task_name": size.task.name}, report)
     target = workdir / "target"
-    target_figures = stages.run("target", lambda: size.task.make_target(target, size, device, model_source))
-    chat_set = size.task.chat_set(target, size)
+    target_figures = stages.run("target", lambda: size.task.make_target(target, size.chat_counts, device, model_source))
+    chat_set = size.task.chat_set(target, size.chat_counts)
     chats_path = workdir / "chats.jsonl"
     chats_path.write_text("".join(json.dumps(row) + "\n" for row in chat_set.rows))
     chains = chains_of(size)
@@ -320,8 +320,7 @@ def chain_summary(figures: dict[str, Any]) -> dict[str, Any]:
         "drafter": figures["drafter"],
         "acceptance_length": figures["acceptance_length"][figures["drafter"]],
         "acceptance_length_interval": drafter.get("acceptance_length_interval"),
-        "prompt_lookup": figures["acceptance_length"].get("prompt_lookup"),
-        "bigram": figures["acceptance_length"].get("bigram"),
+        **{baseline: figures["acceptance_length"].get(baseline) for baseline in BASELINES},
         "acceptance_per_position": [round(p, 3) for p in drafter["acceptance_per_position"]],
         "conditional_acceptance": [None if p is None else round(p, 3) for p in drafter["conditional_acceptance"]["rates"]],
         "tokens_per_second": round(drafter["tokens_per_second"], 2),
@@ -344,7 +343,7 @@ def machine() -> dict[str, Any]:
 
 def plot_figures(result: dict[str, Any], out: Path) -> None:
     """The curves and the per-kind bars as PNGs beside the JSON, each named in it."""
-    lookup = result["acceptance_length"][BASELINES_OF]["prompt_lookup"]
+    lookup = result["acceptance_length"][BASELINES_OF][PROMPT_LOOKUP]
     about = result["target"].get("target", "")  # a real model's name and weights
     if "data_curve" in result:
         plot_curve(result["data_curve"], lookup, out.with_name(out.stem + "-data.png"), about)
@@ -354,7 +353,7 @@ def plot_figures(result: dict[str, Any], out: Path) -> None:
         result["steps_curve_plot"] = out.stem + "-steps.png"
     if len(result["per_kind"]) > 1:
         columns = {"DFlash, regenerated": ("regenerated", "dflash"), "DFlash, source": ("source", "dflash"),
-                   "prompt lookup": (BASELINES_OF, "prompt_lookup"), "bigram": (BASELINES_OF, "bigram")}
+                   "prompt lookup": (BASELINES_OF, PROMPT_LOOKUP), "bigram": (BASELINES_OF, BIGRAM)}
         columns = {label: column for label, column in columns.items() if column[0] in result["runs"]}
         plot_kinds(result["per_kind"], columns, out.with_name(out.stem + "-kinds.png"),
                    f"Acceptance per prompt kind, same held-out prompts\n{about or result['task'] + ' task'}")

@@ -10,13 +10,14 @@ from dataclasses import dataclass
 from code_task import CodeTask, RandomTarget, SmolLM2Target
 from package_task import PackagePromptsTask
 from sorting import SortingTask
+from tasks import ChatCounts, Task
 
 
 @dataclass(frozen=True, slots=True)
 class Size:
     """One scale of the benchmark: its task (the target and the chats), then the chain's settings, the same for every task."""
 
-    task: SortingTask | CodeTask | PackagePromptsTask
+    task: Task
     capture: list[int] | None
     """Target layers the drafter reads (target.layers; None: the spec's default for the target's depth)."""
     chats: int
@@ -69,6 +70,11 @@ class Size:
     """train.states of every chain: "online" where the stored states would not fit the machine's disk (the
     target runs inside each training step, and a chain reading another's data shares its token chunks alone)."""
     device: str = "cpu"
+
+    @property
+    def chat_counts(self) -> ChatCounts:
+        """The chats it asks of its task: `chats` in all, the last `holdout` of them held out."""
+        return ChatCounts(training=self.chats - self.holdout, held_out=self.holdout)
 
 
 SIZES = {

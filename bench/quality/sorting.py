@@ -16,16 +16,19 @@ from dflash_jobs.architectures.tiny import write_tiny_target
 from dflash_jobs.architectures.tiny.teach import teach_tiny_target
 
 from corpus import INSTRUCTION, WRITERS, ChatShape, chats, drafter_chats, stdlib_sources, vocabulary
-from figures import SORTING_GOALS, Goals, diversity, held_out_answers
-from tasks import ChatSet
+from diversity import diversity, held_out_answers
+from goals import Goals
+from tasks import ChatCounts, ChatSet
 
 if TYPE_CHECKING:
     import torch
 
-    from sizes import Size
 
 TARGET_HELD_OUT_CHATS = 500
 """Chats (none of them the data set's or the target's training) the target's held-out loss is measured on."""
+
+
+SORTING_GOALS = Goals("issue 29: the sorting target", tau_at_least=3.0, over_prompt_lookup_at_least=1.5)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,13 +73,13 @@ class SortingTask:
     def documents(self) -> list[str]:
         return stdlib_sources(self.corpus_files, self.document_chars)
 
-    def data_set(self, documents: list[str], tokenizer, size: Size) -> tuple[list[str], ChatSet]:
+    def data_set(self, documents: list[str], tokenizer, counts: ChatCounts) -> tuple[list[str], ChatSet]:
         """The vocabulary the chats draw from and the drafter's data set, answered by the other writer:
         the same for the target's stage (whose chats avoid its prompts) and every later one."""
         words = vocabulary(documents, tokenizer, self.vocabulary_size)
-        return words, drafter_chats(words, size.chats - size.holdout, size.holdout, self.chat_shape, seed=3)
+        return words, drafter_chats(words, counts.training, counts.held_out, self.chat_shape, seed=3)
 
-    def make_target(self, directory: Path, size: Size, device: torch.device, source: Path | None) -> dict[str, Any]:
+    def make_target(self, directory: Path, counts: ChatCounts, device: torch.device, source: Path | None) -> dict[str, Any]:
         """A BPE tokenizer trained on the documents, a random target, then trained in place on chats
         answered as the target answers (its writer), on their answers only (as a chat model is
         fine-tuned), none of them with a prompt of the drafter's data set; its loss on the answers of
@@ -87,7 +90,7 @@ class SortingTask:
         write_tiny_target(directory, num_layers=self.target_layers, hidden_size=self.target_hidden, vocab_size=self.vocab_size,
                           heads=self.target_heads, head_dim=self.target_head_dim, corpus=documents)
         encoder = ChatEncoder(AutoTokenizer.from_pretrained(directory))
-        words, chat_set = self.data_set(documents, encoder.tokenizer, size)
+        words, chat_set = self.data_set(documents, encoder.tokenizer, counts)
         taken, rng = set(chat_set.prompts), random.Random(1)
 
         def rendered(count: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -106,13 +109,13 @@ class SortingTask:
         return {**taught, "tokenizer_tokens": len(encoder.tokenizer), "chats": len(texts), "vocabulary": words,
                 "corpus": {"documents": len(documents), "chars": sum(map(len, documents))}}
 
-    def chat_set(self, target: Path, size: Size) -> ChatSet:
+    def chat_set(self, target: Path, counts: ChatCounts) -> ChatSet:
         from transformers import AutoTokenizer
 
-        return self.data_set(self.documents(), AutoTokenizer.from_pretrained(target), size)[1]
+        return self.data_set(self.documents(), AutoTokenizer.from_pretrained(target), counts)[1]
 
     def diversity(self, regenerated: Path, source: Path, chat_set: ChatSet, tokenizer, answer_tokens: int) -> dict[str, Any]:
-        """figures.diversity, and how often the target's answer is the sorted words as it was taught to write them."""
+        """diversity.diversity, and how often the target's answer is the sorted words as it was taught to write them."""
         answers = held_out_answers(regenerated, tokenizer, answer_tokens)
         asked = [chat_set.rows[i]["messages"][0]["content"].removeprefix(INSTRUCTION).split() for i in answers.sample_ids]
         taught = sum(text == WRITERS["target"](words) for text, words in zip(answers.replies, asked, strict=True))

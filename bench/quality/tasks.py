@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from figures import Goals
-    from sizes import Size
+    from goals import Goals
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +51,19 @@ class ChatSet:
                 "kinds": {"training": dict(Counter(self.kinds[:split])), "held_out": dict(Counter(self.kinds[split:]))}}
 
 
-class Task(Protocol):
-    """What a task provides; `size` is the benchmark's scale (sizes.py), whose `task` it is."""
+@dataclass(frozen=True, slots=True)
+class ChatCounts:
+    """How many chats a size (sizes.py) asks of its task: training ones, then held-out ones (the evaluation's prompts)."""
 
+    training: int
+    held_out: int
+
+
+class Task(Protocol):
+    """What a task provides to a size (sizes.py), whose `task` it is, given the chats that size asks for (`counts`)."""
+
+    name: str
+    """What the report calls it (its `task`)."""
     source_answers: bool
     """Whether its chats come with another writer's answers (a source chain beside the regenerated ones)."""
 
@@ -63,17 +72,17 @@ class Task(Protocol):
         """What its figures are asked to reach (figures.goals)."""
         ...
 
-    def make_target(self, directory: Path, size: Size, device: torch.device, source: Path | None) -> dict[str, Any]:
+    def make_target(self, directory: Path, counts: ChatCounts, device: torch.device, source: Path | None) -> dict[str, Any]:
         """Writes the target checkpoint into `directory` and returns the figures of how it was made;
         `source`: where its model comes from, for a task whose model is fetched (None: its default)."""
         ...
 
-    def chat_set(self, target: Path, size: Size) -> ChatSet:
+    def chat_set(self, target: Path, counts: ChatCounts) -> ChatSet:
         """The drafter's data set, the same in every call (a rerun reads it again)."""
         ...
 
     def diversity(self, regenerated: Path, source: Path | None, chat_set: ChatSet, tokenizer, answer_tokens: int) -> dict[str, Any]:
         """How far the held-out prompts are from the training data and how much the target's answers
-        depend on them, from the regenerated and source chains' stored samples (figures.diversity and
+        depend on them, from the regenerated and source chains' stored samples (diversity.diversity and
         what the task adds)."""
         ...

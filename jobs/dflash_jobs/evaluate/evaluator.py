@@ -55,7 +55,7 @@ from dflash_jobs.evaluate.trees import PromptTrees, VariantBranches, exact_trees
 from dflash_jobs.capture.checkpoint import local_checkpoint
 from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk
 from dflash_jobs.rows import prompt_length
-from dflash_jobs.spec import EvalSpec, RunSpec
+from dflash_jobs.spec import BIGRAM, PROMPT_LOOKUP, EvalSpec, RunSpec
 from dflash_jobs.storage import Storage, storage_for
 from dflash_jobs.variants import DrafterVariant, drafter_variant
 
@@ -107,10 +107,10 @@ class PromptDecoder:
                  bigram: BigramTable | None) -> None:
         self.drafter, self.variant, self.layout = drafter, variant, layout
         self.recorder = recorder_for(drafter, drafts=layout.drafts)
-        if "bigram" in settings.baselines and bigram is None:
+        if BIGRAM in settings.baselines and bigram is None:
             raise ValueError("eval.baselines asks for the bigram baseline: pass its fitted table")
         self.bigram = bigram
-        made = {"prompt_lookup": lambda: PromptLookupDrafter(layout.drafts + 1), "bigram": lambda: BigramDrafter(bigram, layout.drafts + 1)}
+        made = {PROMPT_LOOKUP: lambda: PromptLookupDrafter(layout.drafts + 1), BIGRAM: lambda: BigramDrafter(bigram, layout.drafts + 1)}
         self.baselines = {name: made[name]() for name in settings.baselines}
         # What a server runs, timed: the trained drafter without the confidence recorder's extra work.
         self.served: dict[str, BlockDrafter] = {variant.name: ModelDrafter(drafter, drafts=layout.drafts), **self.baselines}
@@ -297,7 +297,7 @@ def evaluate(spec: RunSpec, storage: Storage, *, device: torch.device) -> dict[s
     describe(spec, config, device, len(prompts))
     for prompt_set in sets:
         log.info("prompt set %s: %s", prompt_set.name, prompt_set.describe())
-    bigram = fit_bigram(storage) if "bigram" in settings.baselines else None
+    bigram = fit_bigram(storage) if BIGRAM in settings.baselines else None
     if bigram is not None:
         log.info("bigram baseline: %d tokens' successors from %d pairs in %d of %d chunks (%d of %d tokens)", bigram.fit["previous_tokens"],
                  bigram.fit["pairs"], bigram.fit["chunks_read"], bigram.fit["chunks"], bigram.fit["tokens_read"], bigram.fit["tokens"])

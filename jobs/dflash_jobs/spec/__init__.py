@@ -18,13 +18,13 @@ from dflash_jobs.spec.depth import default_layers, resolve_layers, rope_kind, te
 from dflash_jobs.spec.parse import DEFAULT_SPEC_FILE, dump_spec, load_spec, parse_spec
 from dflash_jobs.spec.run import OPTIONAL_SECTIONS, OUTSIDE_RUN_IDENTITY, RunSpec, run_identity
 from dflash_jobs.spec.sections import (
-    BASELINES, CHUNK_CACHE_ENV, MAX_TREE_BUDGET, MODEL_CACHE_ENV, VLLM_IMAGE, DataSpec, EvalSpec, ExtractSpec, GenerateSpec, LocalSpec, StorageSpec, TargetSpec,
+    BASELINES, BIGRAM, CHUNK_CACHE_ENV, MAX_TREE_BUDGET, MODEL_CACHE_ENV, PROMPT_LOOKUP, VLLM_IMAGE, DataSpec, EvalSpec, ExtractSpec, GenerateSpec, LocalSpec, StorageSpec, TargetSpec,
 )
 from dflash_jobs.spec.train import DFlash2Spec, DSparkSpec, TrainSpec
 
 __all__ = [
-    "BASELINES", "BINARY_QUANTITY", "CHUNK_CACHE_ENV", "DEFAULT_SPEC_FILE", "DNS1123_LABEL", "MAX_TREE_BUDGET", "MODEL_CACHE_ENV", "OPTIONAL_SECTIONS",
-    "OUTSIDE_RUN_IDENTITY", "VLLM_IMAGE",
+    "BASELINES", "BIGRAM", "BINARY_QUANTITY", "CHUNK_CACHE_ENV", "DEFAULT_SPEC_FILE", "DNS1123_LABEL", "MAX_TREE_BUDGET", "MODEL_CACHE_ENV", "OPTIONAL_SECTIONS",
+    "OUTSIDE_RUN_IDENTITY", "PROMPT_LOOKUP", "VLLM_IMAGE",
     "ClusterSpec", "CpuPlacementSpec", "DFlash2Spec", "DSparkSpec", "DataSpec", "EvalSpec", "ExtractSpec", "GenerateSpec",
     "LocalSpec", "OutputVolumeSpec", "RunSpec", "StorageSpec", "TargetSpec", "TrainSpec", "VolumeSpec",
     "default_layers", "dump_spec", "is_s3", "load_spec", "local_path", "parse_spec", "resolve_layers", "rope_kind",

@@ -18,8 +18,11 @@ MAX_TREE_BUDGET = 1024
 """The largest draft tree the evaluation verifies: its verify forward holds budget + 1 tokens with a
 dense ancestor mask; the DDTree authors sweep budgets up to 1,024, and at that size one verify costs
 what a prefill chunk of as many tokens costs, far past the budgets where their speed-ups peak."""
-BASELINES = ("prompt_lookup", "bigram")
-"""The drafters without training an evaluation can decode beside the trained one (evaluate/baselines.py)."""
+PROMPT_LOOKUP = "prompt_lookup"
+BIGRAM = "bigram"
+BASELINES = (PROMPT_LOOKUP, BIGRAM)
+"""The drafters without training an evaluation can decode beside the trained one (evaluate/baselines.py),
+under these names in its report."""
 
 
 @dataclass(kw_only=True, slots=True)
