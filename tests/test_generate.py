@@ -291,13 +291,14 @@ def test_transformers_engine_batches_answer_as_each_prompt_alone(each_target, tm
                                      max_tokens=limits[i], seed=prompt_seed(seed, i))) + "\n"
             for i, row in enumerate(rows)
         ))
-        engine.settings = settings(batch_prompts)
+        engine.rows = batch_prompts
         engine.run(requests, outputs)
         return {a.sample_id: a for a in map(batch.parse_output, outputs.read_text().splitlines())}
 
     rows = list(tiny_chat_rows(12, seed=5))
     limits = [3 + i for i in range(12)]
-    engine = TransformersEngine.load(settings(1), target, tokenizer=tokenizer, device=torch.device("cpu"), attn_implementation="sdpa")
+    engine = TransformersEngine.load(settings(1), target, tokenizer=tokenizer, device=torch.device("cpu"), attn_implementation="sdpa",
+                                     max_length=160)
     together = answers(seed=1, batch_prompts=16)
     assert together == answers(seed=1, batch_prompts=1) and len(together) == 12
     for i, answer in together.items():
@@ -722,7 +723,8 @@ def test_prepare_trains_on_the_tokens_the_target_generated_after_the_prompt_it_w
     assert index.generation["settings_hash"] == GenerationManifest.from_json((tmp_path / "out" / MANIFEST_KEY).read_text()).settings_hash
     assert index.generation["dropped"] == {"malformed_json": 1}
     tokenizer = AutoTokenizer.from_pretrained(target)
-    engine = TransformersEngine.load(spec.generate, target, tokenizer=tokenizer, device=torch.device("cpu"), attn_implementation="sdpa")
+    engine = TransformersEngine.load(spec.generate, target, tokenizer=tokenizer, device=torch.device("cpu"), attn_implementation="sdpa",
+                                     max_length=spec.data.max_length)
     reference = DecodeTarget(engine.model)
     switch = {} if thinking is None else {"chat_template_kwargs": {"enable_thinking": thinking}}  # as the request carries it
     greedy = {}
@@ -767,7 +769,8 @@ def test_an_answer_that_stops_on_another_end_token_is_trained_with_that_token(ta
     requests, outputs = tmp_path / "requests.jsonl", tmp_path / "outputs.jsonl"
     requests.write_text(json.dumps(batch.request(0, rows[0]["messages"][:-1], tools=None, model=SERVED_MODEL, settings=settings,
                                                  max_tokens=12, seed=1)) + "\n")
-    TransformersEngine.load(settings, target, tokenizer=tokenizer, device=torch.device("cpu"), attn_implementation="sdpa").run(requests, outputs)
+    TransformersEngine.load(settings, target, tokenizer=tokenizer, device=torch.device("cpu"), attn_implementation="sdpa",
+                            max_length=160).run(requests, outputs)
     before = batch.parse_output(outputs.read_text()).token_ids
     # The first place the target emits a token it has not emitted before, <|endoftext|> not among them.
     cut = next(k for k in range(1, len(before)) if before[k] not in before[:k] and endoftext not in before[: k + 1])

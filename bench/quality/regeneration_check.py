@@ -47,7 +47,7 @@ def main() -> int:
     model = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).to(device).eval()
     rows = [json.loads(line) for line in args.chats.read_text().splitlines()[-args.prompts :]]
     settings = GenerateSpec(engine="transformers", temperature=0.0, max_new_tokens=args.new_tokens, batch_prompts=args.batch)
-    engine = TransformersEngine(settings, model=model, tokenizer=tokenizer, device=device)
+    engine = TransformersEngine(settings, model=model, tokenizer=tokenizer, device=device, max_length=model.config.max_position_embeddings)
     bodies = [{"messages": row["messages"][:-1], "model": "target", "temperature": 0.0, "max_completion_tokens": args.new_tokens} for row in rows]
     prompts = [engine.encode(body) for body in bodies]
 

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from dflash_jobs.errors import SpecError
 from dflash_jobs.generate.batch import EngineError, completion_line, error_line
 from dflash_jobs.generate.decoding import Decoder, greedy, pick_decoder
+from dflash_jobs.generate.sizing import batch_rows
 from dflash_jobs.spec import GenerateSpec
 
 log = logging.getLogger("dflash.generate")
@@ -99,12 +100,15 @@ class SeededSampling:
 
 
 class TransformersEngine:
-    """A Transformers causal LM answering batches of prompts sorted by length, left-padded, each
-    batch decoded by `decoder` (default: the fastest that fits the target, decoding.pick_decoder)."""
+    """A Transformers causal LM answering batches of `rows` prompts (generate.batch_prompts, `auto` sized
+    for the target, the device and prompts up to `max_length` tokens: sizing.py), each chunk's prompts
+    sorted by length (shortest first: a batch pads little, and reuses the static decoder's cache and
+    graphs), left-padded, each batch decoded by `decoder` (default: the fastest that fits the target,
+    decoding.pick_decoder)."""
 
     name = "transformers"
 
-    def __init__(self, settings: GenerateSpec, *, model, tokenizer, device, decoder: Decoder | None = None) -> None:
+    def __init__(self, settings: GenerateSpec, *, model, tokenizer, device, max_length: int, decoder: Decoder | None = None) -> None:
         self.settings = settings
         self.model = model
         self.tokenizer = tokenizer
@@ -114,16 +118,17 @@ class TransformersEngine:
         self.stop_ids = set([eos] if isinstance(eos, int) else eos or ()) | ({tokenizer.eos_token_id} - {None})
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.stop_ids)
         self.decoder = decoder or pick_decoder(model, stop_ids=self.stop_ids, pad_id=self.pad_id)
-        log.info("transformers engine: decoding with %s", self.decoder.name)
+        self.rows, why = batch_rows(settings, model, device, max_length=max_length)
+        log.info("transformers engine: decoding with %s, %d prompts a batch (%s)", self.decoder.name, self.rows, why)
 
     @classmethod
-    def load(cls, settings: GenerateSpec, checkpoint: Path, *, tokenizer, device, attn_implementation: str) -> TransformersEngine:
+    def load(cls, settings: GenerateSpec, checkpoint: Path, *, tokenizer, device, attn_implementation: str, max_length: int) -> TransformersEngine:
         import torch
         from transformers import AutoModelForCausalLM
 
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, attn_implementation=attn_implementation)
-        return cls(settings, model=model.to(device).eval(), tokenizer=tokenizer, device=device)
+        return cls(settings, model=model.to(device).eval(), tokenizer=tokenizer, device=device, max_length=max_length)
 
     def run(self, requests: Path, outputs: Path) -> None:
         import torch
@@ -138,8 +143,8 @@ class TransformersEngine:
                     self.write(sink, error_line(record["custom_id"], status=400, message=f"chat template: {type(exc).__name__}: {exc}"))
                     continue
                 pending.append((record["custom_id"], ids, record["body"]))
-            pending.sort(key=lambda item: len(item[1]))
-            size = self.settings.batch_prompts
+            pending.sort(key=lambda item: len(item[1]))  # stable: prompts of one length keep their order
+            size = self.rows
             for begin in range(0, len(pending), size):
                 with torch.inference_mode():
                     for answer in self.generate(pending[begin : begin + size]):

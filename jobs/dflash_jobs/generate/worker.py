@@ -292,7 +292,7 @@ def build_worker(spec: RunSpec, shard: int, *, summary: Summary) -> GenerateWork
         from dflash_jobs.devices import pick_device
 
         engine = TransformersEngine.load(settings, checkpoint, tokenizer=tokenizer, device=pick_device(spec),
-                                         attn_implementation=spec.target.attn_implementation)
+                                         attn_implementation=spec.target.attn_implementation, max_length=spec.data.max_length)
     return GenerateWorker(
         spec, storage=storage, source=source, plan=plan, tokenizer=tokenizer, engine=engine, summary=summary,
         workdir=Path(tempfile.gettempdir()) / "dflash-generate" / f"{spec.name}-shard-{shard}",

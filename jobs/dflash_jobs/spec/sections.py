@@ -164,8 +164,13 @@ class GenerateSpec:
     """GPUs of one generation pod (vllm's tensor parallelism; transformers: 1)."""
     chunk_prompts: int = 1024
     """Prompts per work unit: what a killed pod loses at most, and (vllm) one model load per chunk."""
-    batch_prompts: int = 64
-    """Prompts decoded together by the transformers engine (vllm schedules its own batches)."""
+    batch_prompts: int | Literal["auto"] = "auto"
+    """Prompts decoded together by the transformers engine (vllm schedules its own batches): a number,
+    or auto: on a GPU as many as fit the memory the target's weights leave free (each row's KV cache for
+    a prompt of data.max_length - 1 tokens and max_new_tokens more, its prompt forward and logits; 80%
+    of the free memory, at most 4,096 rows), on a CPU 64. A small target's decode step costs about the
+    same at any batch, so its answers a second grow with the rows. A chunk's prompts are decoded
+    shortest first, so a batch holds prompts of like length. The pod's log says the batch and why."""
     backoff_limit_per_index: int = 3
     """Retries of one shard before it is marked failed."""
     vllm_image: str = VLLM_IMAGE
@@ -185,7 +190,9 @@ class GenerateSpec:
         _positive("generate.shards", self.shards, minimum=1)
         _positive("generate.gpus_per_shard", self.gpus_per_shard, minimum=1)
         _positive("generate.chunk_prompts", self.chunk_prompts, minimum=1)
-        _positive("generate.batch_prompts", self.batch_prompts, minimum=1)
+        rows = self.batch_prompts
+        if rows != "auto" and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+            raise SpecError("generate.batch_prompts", rows, "an integer >= 1, or auto (sized for the target and the device)")
         _positive("generate.backoff_limit_per_index", self.backoff_limit_per_index, minimum=0)
         if self.engine == "transformers" and self.gpus_per_shard != 1:
             raise SpecError("generate.gpus_per_shard", self.gpus_per_shard, "1 with engine transformers (engine vllm splits a model over several GPUs)")
