@@ -164,8 +164,10 @@ def test_a_cut_runs_figures_come_from_the_prompts_every_chain_decoded(quality, t
         kept = tmp_path / chain / "run" / "eval" / "prompts" / "0123456789abcdef"
         kept.mkdir(parents=True)
         for index, accepted in records.items():
+            drafted = {"tokens": greedy, "seconds": 0.1, "accepted": accepted, "drafted": [3] * len(accepted)}
             (kept / f"{index:06d}.json").write_text(json.dumps({"index": index, "prompt": prompt, "result": {
-                "greedy": {"tokens": greedy}, "drafted": {"dflash": {"accepted": accepted}}}}))
+                "greedy": {"tokens": greedy, "seconds": 0.1}, "drafted": {"dflash": drafted}, "simulated": [], "divergences": {"dflash": []},
+                "verify_noise": [], "confidences": None, "trees": None}}))
     figures = cut_run.cut_figures(tmp_path, block=4, new_tokens=6, stop_ids=frozenset({2}))
     assert figures["prompts_decoded"] == {"large": 2, "small": 3} and figures["paired_prompts"] == 2
     assert figures["tau"]["small"]["estimate"] == round((3 + 3 + 0 + 4) / 7, 3)  # prompt 2 is not the other chain's

@@ -21,16 +21,26 @@ from typing import Any
 
 from dflash_jobs.evaluate.baselines import PromptLookupDrafter, along_greedy
 from dflash_jobs.evaluate.intervals import PairedBootstrap
-from dflash_jobs.spec import PROMPT_LOOKUP
+from dflash_jobs.evaluate.kept import PromptResult, result_from_json
+from dflash_jobs.evaluate.metrics import per_prompt
+from dflash_jobs.spec import BASELINES, PROMPT_LOOKUP
 
 from figures import judged
 
 TRAIN_LINE = re.compile(r"step (\d+)/(\d+) .*tau ([\d.]+) .*\| (\d+) tok/s, ([\d.]+) TFLOP/s, MFU ([\d.]+)%")
 
 
-def decoded_prompts(chain: Path) -> dict[int, dict[str, Any]]:
-    """The chain's per-prompt records by prompt index (none when its evaluation had not started)."""
-    return {record["index"]: record for record in (json.loads(path.read_text()) for path in sorted(chain.glob("run/eval/prompts/*/*.json")))}
+def decoded_prompts(chain: Path) -> dict[int, tuple[list[int], PromptResult]]:
+    """The chain's kept prompts by index, each its tokens and its result as the evaluation reads them
+    back (none when its evaluation had not started)."""
+    records = (json.loads(path.read_text()) for path in sorted(chain.glob("run/eval/prompts/*/*.json")))
+    return {record["index"]: (record["prompt"], result_from_json(record["result"])) for record in records}
+
+
+def trained_drafter(result: PromptResult) -> str:
+    """The chain's own drafter among a result's decodings (the baselines are the others)."""
+    [name] = [name for name in result.drafted if name not in BASELINES]
+    return name
 
 
 def last_training_line(chain: Path) -> dict[str, Any] | None:
@@ -53,15 +63,12 @@ def cut_figures(workdir: Path, *, block: int, new_tokens: int, stop_ids: frozens
     if not common:
         return figures
     bootstrap = PairedBootstrap(len(common))
-
-    def tau(accepted_lists: list[list[int]]):  # committed over verify steps, as metrics.per_prompt counts them
-        return bootstrap.ratio_of_sums([sum(a) + len(a) for a in accepted_lists], [len(a) for a in accepted_lists])
-
     first = evaluated[next(iter(evaluated))]
     lookup = PromptLookupDrafter(block)
-    lookup_tau = tau([along_greedy(lookup, first[i]["prompt"], first[i]["result"]["greedy"]["tokens"], max_new_tokens=new_tokens,
-                                   stop_ids=stop_ids).accepted for i in common])
-    taus = {name: tau([records[i]["result"]["drafted"]["dflash"]["accepted"] for i in common]) for name, records in evaluated.items()}
+    lookup_tau = bootstrap.tau(per_prompt([along_greedy(lookup, first[i][0], first[i][1].greedy.tokens, max_new_tokens=new_tokens,
+                                                        stop_ids=stop_ids) for i in common]))
+    taus = {name: bootstrap.tau(per_prompt([records[i][1].drafted[trained_drafter(records[i][1])] for i in common]))
+            for name, records in evaluated.items()}
     figures["tau"] = {name: figure.summary() for name, figure in taus.items()} | {PROMPT_LOOKUP: lookup_tau.summary()}
     figures["over_prompt_lookup"] = {name: judged(figure - lookup_tau) for name, figure in taus.items()}
     names = list(taus)
