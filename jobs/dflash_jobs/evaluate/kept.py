@@ -28,7 +28,7 @@ from dflash_jobs.drafter.speculative import Decoded
 from dflash_jobs.evaluate.lossless import Divergence
 from dflash_jobs.evaluate.trees import PromptTrees
 from dflash_jobs.spec import RunSpec
-from dflash_jobs.storage import Storage
+from dflash_jobs.storage import Storage, sha256_stream
 
 log = logging.getLogger("dflash.eval")
 
@@ -75,11 +75,8 @@ def content_fingerprint(storage: Storage, key: str) -> str:
     info = storage.stat(key)
     if info is not None and info.etag:
         return info.etag
-    digest = hashlib.sha256()
     with storage.open_read(key) as stream:
-        while block := stream.read(1 << 24):
-            digest.update(block)
-    return digest.hexdigest()
+        return sha256_stream(stream)
 
 
 class KeptPrompts:

@@ -22,7 +22,7 @@ from typing import TypeVar
 from dflash_jobs.errors import StorageError, StorageUnavailable
 from dflash_jobs.storage.interface import (
     HASH_BLOCK, TEMP_PREFIX, AccessDenied, Buffer, BucketNotFound, CredentialsMissing, EndpointUnreachable, ObjectInfo,
-    ObjectNotFound, PutResult, Storage, check_key, sha256_file,
+    ObjectNotFound, PutResult, Storage, check_key, sha256_file, sha256_stream,
 )
 from dflash_jobs.storage.local import LocalStorage
 from dflash_jobs.storage.s3 import MULTIPART_CHUNK, MULTIPART_THRESHOLD, S3Storage
@@ -31,7 +31,7 @@ __all__ = [
     "FIRST_WAIT_S", "HASH_BLOCK", "LONGEST_WAIT_S", "MULTIPART_CHUNK", "MULTIPART_THRESHOLD", "TEMP_PREFIX",
     "AccessDenied", "Buffer", "BucketNotFound", "CredentialsMissing", "EndpointUnreachable", "LocalStorage", "ObjectInfo",
     "ObjectNotFound", "Patience", "PutResult", "S3Storage", "Storage",
-    "check_key", "open_storage", "open_url", "read_head", "sha256_file", "storage_for",
+    "check_key", "open_storage", "open_url", "read_head", "sha256_file", "sha256_stream", "storage_for",
 ]
 
 FIRST_WAIT_S = 5.0

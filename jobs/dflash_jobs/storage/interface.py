@@ -116,10 +116,15 @@ def check_size(url: str, written: int, size: int | None) -> None:
 
 
 def sha256_file(path: str | Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(HASH_BLOCK):
-            digest.update(block)
+        return sha256_stream(f)
+
+
+def sha256_stream(stream: BinaryIO) -> str:
+    """The sha256 of what `stream` reads to its end, a block at a time."""
+    digest = hashlib.sha256()
+    while block := stream.read(HASH_BLOCK):
+        digest.update(block)
     return digest.hexdigest()
 
 
