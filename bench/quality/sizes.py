@@ -173,12 +173,13 @@ SIZES = {
     # many rows as the session's device time held once the machine's starts had spent a third of it
     # (bench/README.md), two epochs, the data curve at 1/8 and 1/2 of them (8,192 and 32,768 rows);
     # 128 held-out prompts from four packages no training prompt comes from, the kinds in turn.
+    # Four evaluation processes: batch-1 decoding of a 135M target is bound by its kernel launches, not the GPU.
     "code-scale": Size(
         task=PackagePromptsTask(SmolLM2Target(), max_prompt_tokens=256),
         capture=None, chats=65_664, holdout=128, max_answer_tokens=128, regenerate_batch=1024,
         draft_layers=3, block_size=16, anchors=32, epochs=2, draft_lr=1e-3, micro_batch_tokens=16384, micro_batch_blocks=8192,
         chunk_tokens=262_144, max_length=448, eval_new_tokens=48, seeds=(42,), seeded=(), data_fractions=(0.125, 0.5),
-        successors=(), ablations=(), eval_processes=2, tree_budgets=(16, 32, 64), trees_on_every_chain=False, states="online",
+        successors=(), ablations=(), eval_processes=4, tree_budgets=(16, 32, 64), trees_on_every_chain=False, states="online",
         device="cuda",
     ),
     # code-scale's every chain on a tiny random target and a prompts file the test writes: its command
