@@ -209,13 +209,13 @@ TAUS = {"regenerated": 3.0, "regenerated-seed43": 3.0, "source": 2.95, "source-s
 """The synthetic chains' taus: the two regenerated seeds alike (a seed spread of 0)."""
 
 
-def quality_runs(changed: dict[str, float] | None = None, *, lookup: float = 1.2) -> dict:
+def quality_runs(changed: dict[str, float] | None = None, *, lookup: float = 1.2, tree_budget: int = 64) -> dict:
     """Every chain of quality_chains at TAUS, or `changed` ones, each prompt's tau off its chain's by
-    0.5, and every chain's trees of 64 nodes at 1.3x its chain."""
+    0.5, and every chain's trees of `tree_budget` nodes at 1.3x its chain."""
     runs = {}
     for seed, (name, tau) in enumerate((TAUS | (changed or {})).items(), start=1):
         drafter = "dflash2" if "dflash2" in name else "dspark" if "dspark" in name else "dflash"
-        runs[name] = chain_run(tau, lookup, seed=seed, drafter=drafter, trees={64: tau * 1.3})
+        runs[name] = chain_run(tau, lookup, seed=seed, drafter=drafter, trees={tree_budget: tau * 1.3})
     return runs
 
 
@@ -306,6 +306,19 @@ def test_the_goals_are_met_only_beyond_their_intervals(bench):
     lower = goals.Goals("a test", tau_at_least=2.5, over_prompt_lookup_at_least=2.0, trees_over_chain_at_least=1.1)
     easy = figures.goals(runs, spread, curve, taus, lower)
     assert easy["tau"]["met"] and easy["trees_over_chain"]["met"] and easy["over_prompt_lookup"]["met"]
+
+
+def test_a_size_decodes_the_trees_its_goal_judges_unless_it_says_not_and_the_goals_then_say_not_measured(bench):
+    figures, chains = importlib.import_module("figures"), importlib.import_module("chains")
+    for name, size in bench.SIZES.items():
+        assert (size.task.goals.tree_budget in size.tree_budgets) == size.goal_trees, name
+        assert set(size.extra_tree_budgets) <= set(size.tree_budgets), name
+    assert bench.SIZES["code-gpu"].tree_budgets == (16, 32, 64) and bench.SIZES["code-cpu"].tree_budgets == (16,)
+    chain_list = quality_chains(chains)
+    runs = quality_runs(tree_budget=16)
+    found = figures.goals(runs, figures.seed_spread(runs, chain_list), figures.data_curve(runs, chain_list), figures.Taus(runs),
+                          importlib.import_module("code_task").REAL_MODEL_GOALS)
+    assert found["trees_over_chain"] == {"budget": 64, "at_least": 1.25, "met": None, "not_measured": "no draft trees of 64 nodes decoded (decoded: [16])"}
 
 
 def test_the_data_curve_is_drawn_with_its_intervals_even_one_its_rounded_tau_lies_outside(bench, tmp_path):

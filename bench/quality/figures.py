@@ -256,7 +256,7 @@ def goals(runs: dict[str, ChainFigures], spread: dict[str, dict[str, Any]], curv
         trees = taus.drafter(regenerated, tree_budget=asked.tree_budget)
         found["trees_over_chain"] = {"budget": asked.tree_budget, "at_least": at_least, **(trees / dflash).summary(),
                                      "met": None if at_least is None else verdict(trees - at_least * dflash) == HOLDS}
-    else:  # the size's tree_budgets lack the goal's: said, so that a missing goal is not read as none asked
+    else:  # the size does not decode the goal's trees (Size.goal_trees): said, so that a missing goal is not read as none asked
         found["trees_over_chain"] = {"budget": asked.tree_budget, "at_least": at_least, "met": None,
                                      "not_measured": f"no draft trees of {asked.tree_budget} nodes decoded (decoded: {sorted(decoded)})"}
     return found

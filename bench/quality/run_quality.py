@@ -297,7 +297,7 @@ def figures_of(size_name: str, size: Size, device: torch.device, workdir: Path, 
         "runs": {name: figures.to_json() for name, figures in runs.items()},
         "generation": generation,
         "target": target_figures,
-        "settings": asdict(size),
+        "settings": {**asdict(size), "tree_budgets": size.tree_budgets},
         "seconds": {**{name: stages.done[name]["seconds"] for name in stages.done if name != "settings"},
                     "this_call": round(time.monotonic() - stages.started, 1)},
     }
