@@ -81,7 +81,6 @@ import launch
 from chains import ABLATIONS, BASELINES_OF, Chain, ChainRunner, held_out_prompts, part_of, regenerated_rows, share_states, write_spec
 from curves import per_kind, plot_kinds, plot_steps, rises, steps_curve
 from figures import CLAIM_RULE, Taus, attribution, claims, data_curve, goals, plot_curve, seed_spread, train_serve, tree_acceptance
-from package_task import PackagePromptsTask
 from records import ChainFigures
 from sizes import SIZES, Size
 from tasks import ChatSet
@@ -179,9 +178,10 @@ def with_prompts(size: Size, size_name: str, prompts: Path | None) -> Size:
     """The size with its task's prompts file, for a task that reads one; refused for a task that reads none."""
     if prompts is None:
         return size
-    if not isinstance(size.task, PackagePromptsTask):
+    task = size.task.with_prompts(prompts.resolve())
+    if task is None:
         raise SystemExit(f"--prompts {prompts}: the {size_name} size's task ({size.task.name}) reads no prompts file; leave it out")
-    return replace(size, task=replace(size.task, prompts=str(prompts.resolve())))
+    return replace(size, task=task)
 
 
 def run_stages(size_name: str, size: Size, device: torch.device, workdir: Path, report: Callable[[dict[str, Any]], None],
