@@ -18,12 +18,11 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from dflash_jobs.drafter.anchors import anchor_layout
 from dflash_jobs.drafter.speculative import Decoded, DecodeTarget, ModelDrafter, greedy_decode, speculative_decode
 from dflash_jobs.drafter.tree_verify import tree_decode, tree_target
 from dflash_jobs.evaluate.baselines import BigramDrafter, BigramTable, PromptLookupDrafter
 from dflash_jobs.evaluate.trees import VariantBranches
-from dflash_jobs.spec import TrainSpec
+from dflash_jobs.spec import TrainSpec, anchor_layout
 from dflash_jobs.variants import drafter_variant
 from train_fixtures import ARCHITECTURES, LAYERS, fresh_drafter, tiny_target
 

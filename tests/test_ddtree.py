@@ -12,7 +12,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dflash_jobs.drafter.anchors import anchor_layout
 from dflash_jobs.drafter.host_reads import HostReads
 from dflash_jobs.drafter.speculative import Decoded
 from dflash_jobs.drafter.model import rank_top_k
@@ -23,7 +22,7 @@ from dflash_jobs.evaluate.evaluator import PromptDecoder
 from dflash_jobs.evaluate.lossless import Divergence
 from dflash_jobs.evaluate.report import build_report, report_warnings
 from dflash_jobs.evaluate.trees import COVERAGE_K, PromptTrees, committed, summarize_trees
-from dflash_jobs.spec import MAX_TREE_BUDGET, EvalSpec, parse_spec
+from dflash_jobs.spec import MAX_TREE_BUDGET, EvalSpec, anchor_layout, parse_spec
 from dflash_jobs.variants import drafter_variant
 from train_fixtures import fresh_drafter
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_jobs.drafter.anchors import anchor_layout
 from dflash_jobs.drafter.masks import build_attention
 from dflash_jobs.drafter.speculative import DecodeTarget, ModelDrafter, speculative_decode
 from dflash_jobs.evaluate.metrics import acceptance_length, summarize_simulated
 from dflash_jobs.evaluate.simulated import anchors_accepted, document_batch
-from dflash_jobs.spec import DFlash2Spec, TrainSpec
+from dflash_jobs.spec import DFlash2Spec, TrainSpec, anchor_layout
 from dflash_jobs.variants import drafter_variant
 from test_evaluate_consistency import BLOCK, NEW_TOKENS, NO_STOP, PROMPTS, WINDOW, captured
 from test_evaluate_consistency import documents, prompts, target_model  # noqa: F401 (fixtures)

@@ -301,7 +301,7 @@ def test_the_drafter_table_states_the_codes_blocks_and_serving_and_the_measured_
     the code's (anchors.anchor_layout, serving.SERVED), its step, MFU and memory train-variants-h200.json's."""
     import json
 
-    from dflash_jobs.drafter.anchors import anchor_layout
+    from dflash_jobs.spec import anchor_layout
     from dflash_jobs.drafter.serving import SERVED
 
     section = (REPO / "README.md").read_text().split("### Drafter variants\n", 1)[1].split("\n#", 1)[0]

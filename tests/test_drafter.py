@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_jobs.drafter.anchors import anchor_layout
+from dflash_jobs.spec import anchor_layout
 from dflash_jobs.drafter.model import Drafter, DrafterConfig
 from dflash_jobs.train.loss import ChunkedLinearCrossEntropy, draft_loss
 from dflash_jobs.drafter.masks import BlockLayout, build_attention, dense_attention, flex_attention_fn

@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from dflash_jobs.drafter.anchors import anchor_layout
 from dflash_jobs.drafter.checkpoint import TargetCheckpoint
 from dflash_jobs.drafter.dspark_export import DSPARK_MODELING_FILES, export_dspark
 from dflash_jobs.drafter.dspark_model import DSparkConfig, DSparkDrafter
@@ -31,7 +30,7 @@ from dflash_jobs.errors import SpecError
 from dflash_jobs.evaluate.calibration import ConfidenceRecorder, recorder_for, summarize_calibration
 from dflash_jobs.drafter.speculative import Decoded
 from dflash_jobs.formats import TokenChunk, encode_hidden_chunk
-from dflash_jobs.spec import parse_spec
+from dflash_jobs.spec import anchor_layout, parse_spec
 from dflash_jobs.storage import open_storage
 from dflash_jobs.train.chunks import ChunkData
 from dflash_jobs.train.data import BatchBuilder, DocumentRef

@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 import torch
 
-from dflash_jobs.drafter.anchors import anchor_layout
+from dflash_jobs.spec import anchor_layout
 from dflash_jobs.drafter.masks import build_attention
 from dflash_jobs.drafter.speculative import DecodeTarget, ModelDrafter, speculative_decode
 from dflash_jobs.evaluate.calibration import ConfidenceRecorder, summarize_calibration

@@ -13,7 +13,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dflash_jobs.drafter.anchors import anchor_layout
 from dflash_jobs.drafter.host_reads import HostReads
 from dflash_jobs.drafter.speculative import Decoded, DecodeTarget, ModelDrafter, greedy_decode, speculative_decode
 from dflash_jobs.drafter.tree_verify import tree_decode, tree_target
@@ -21,7 +20,7 @@ from dflash_jobs.evaluate.baselines import BigramDrafter, PromptLookupDrafter, a
 from dflash_jobs.evaluate.calibration import recorder_for
 from dflash_jobs.evaluate.lossless import divergences, is_tie, mismatches
 from dflash_jobs.evaluate.trees import VariantBranches
-from dflash_jobs.spec import TrainSpec
+from dflash_jobs.spec import TrainSpec, anchor_layout
 from dflash_jobs.variants import drafter_variant
 from recorded_decodings import BLOCK, BUDGETS, NEW_TOKENS, VARIANTS, bigram_of, decode_every_loop, prompts
 from train_fixtures import LAYERS, fresh_drafter

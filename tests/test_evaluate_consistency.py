@@ -18,7 +18,6 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_jobs.drafter.anchors import anchor_layout
 from dflash_jobs.drafter.checkpoint import TargetCheckpoint, drafter_config_for_target
 from dflash_jobs.drafter.export import export_dflash
 from dflash_jobs.drafter.masks import build_attention
@@ -34,7 +33,7 @@ from dflash_jobs.evaluate.metrics import (
 )
 from dflash_jobs.evaluate.simulated import anchors_accepted, blocks_per_call, document_batch
 from dflash_jobs.rows import ChatEncoder, prompt_length
-from dflash_jobs.spec import EvalSpec, TrainSpec, parse_spec
+from dflash_jobs.spec import EvalSpec, TrainSpec, anchor_layout, parse_spec
 from dflash_jobs.storage import open_storage
 from dflash_jobs.architectures.tiny.chats import tiny_chat_rows
 from dflash_jobs.train.loss import draft_loss

@@ -12,6 +12,7 @@ from faults.s3_fault_proxy import ERROR_500, INVALID_KEY, RESET, S3FaultProxy
 from test_pipeline import REPORT, FakeBackend, Recorder, pipeline_work, write_inputs
 
 from dflash_jobs import storage as storage_module
+from dflash_jobs.storage import s3 as s3_module
 from dflash_jobs.errors import StorageError, StorageUnavailable
 from dflash_jobs.formats import MANIFEST_KEY
 from dflash_jobs.spec import dump_spec, parse_spec
@@ -33,8 +34,8 @@ WAITS_BEFORE_RECOVERY = 3
 def quick_retries(monkeypatch):
     """The same retries with shorter waits: two client attempts, then our backoff from 50 ms."""
     monkeypatch.setattr(storage_module.open_storage, "__kwdefaults__", {**storage_module.open_storage.__kwdefaults__, "max_attempts": 2})
-    monkeypatch.setattr(storage_module, "FIRST_WAIT_S", 0.05)
-    monkeypatch.setattr(storage_module, "LONGEST_WAIT_S", 0.2)
+    monkeypatch.setattr(s3_module, "FIRST_WAIT_S", 0.05)  # Patience's, which waits out S3's outages
+    monkeypatch.setattr(s3_module, "LONGEST_WAIT_S", 0.2)
     monkeypatch.setattr(pipeline_module, "OUTAGE_LINE_S", 0.0)  # every wait said
 
 @pytest.fixture
@@ -165,10 +166,8 @@ def test_unavailable_is_told_apart_from_refused_and_missing(s3_server, s3_bucket
 def test_s3_answers_are_classified_by_code_and_status(code, status, expected):
     from botocore.exceptions import ClientError
 
-    from dflash_jobs.storage import s3 as storage_module  # where S3's errors are classified
-
     answer = ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}, "HeadObject")
-    assert type(storage_module._s3_error(answer, "s3://bucket/run/key")) is expected
+    assert type(s3_module._s3_error(answer, "s3://bucket/run/key")) is expected  # where S3's errors are classified
 
 
 def test_an_outage_is_said_once_in_a_while_not_once_per_waiting_thread(s3_bucket):

@@ -27,6 +27,8 @@ import pytest
 from dflash_jobs.formats import TokenChunk
 from dflash_jobs.prepare import HOLDOUT_KEY
 
+import quality_records
+
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "quality"
 
 
@@ -179,17 +181,15 @@ def records(tau: float, noise: float, seed: int) -> dict[str, list[int]]:
 
 
 def chain_run(tau: float, lookup: float, *, seed: int, drafter: str = "dflash", noise: float = 0.5, disagreeing: list[int] | None = None,
-              at_anchors: dict | str | None = None, block: int = 8, trees: dict[int, float] | None = None) -> dict:
-    """One chain's figures as chains.chain_figures reads them: its drafter, prompt lookup on the same
-    prompts (every chain decodes the same, so prompt lookup's records are alike in every chain), and
-    per budget its trees' decoding."""
-    simulated = {"at_decoded_anchors": at_anchors if at_anchors is not None else {"steps": 40, "compared": True},
-                 "disagreeing_positions": disagreeing or []}
-    tree = {"decoded": {str(budget): {"per_prompt": records(value, noise, seed + budget)} for budget, value in (trees or {}).items()}}
-    return {"drafter": drafter, "acceptance_length": {drafter: tau, "prompt_lookup": lookup},
-            "drafters": {drafter: {"simulated": simulated, "per_prompt": records(tau, noise, seed), **({"tree": tree} if trees else {})},
-                         "prompt_lookup": {"per_prompt": records(lookup, noise, 0)}},
-            "lossless": True, "eval": {"block_size": block}, "supervised_tokens": round(1000 * tau)}
+              compared_steps: int = 40, block: int = 8, trees: dict[int, float] | None = None):
+    """One chain's figures (records.ChainFigures): its drafter, prompt lookup on the same prompts (every
+    chain decodes the same, so prompt lookup's records are alike in every chain), and per budget its
+    trees' decoding; its training forward checked at `compared_steps` of the decoding's anchors."""
+    simulated = quality_records.simulated(steps=compared_steps, compared=compared_steps >= 24, disagreeing=disagreeing or [])
+    tree = quality_records.trees({budget: records(value, noise, seed + budget) for budget, value in trees.items()}) if trees else None
+    own = quality_records.decoding(records(tau, noise, seed), simulated=simulated, tree=tree)
+    return quality_records.chain(drafter, {drafter: own, "prompt_lookup": quality_records.decoding(records(lookup, noise, 0))},
+                                 block=block, supervised_tokens=round(1000 * tau))
 
 
 def quality_chains(chains, *, seeds=(42, 43)):
@@ -209,13 +209,13 @@ TAUS = {"regenerated": 3.0, "regenerated-seed43": 3.0, "source": 2.95, "source-s
 """The synthetic chains' taus: the two regenerated seeds alike (a seed spread of 0)."""
 
 
-def quality_runs(changed: dict[str, float] | None = None, *, lookup: float = 1.2) -> dict[str, dict]:
+def quality_runs(changed: dict[str, float] | None = None, *, lookup: float = 1.2, tree_budget: int = 64) -> dict:
     """Every chain of quality_chains at TAUS, or `changed` ones, each prompt's tau off its chain's by
-    0.5, and every chain's trees of 64 nodes at 1.3x its chain."""
+    0.5, and every chain's trees of `tree_budget` nodes at 1.3x its chain."""
     runs = {}
     for seed, (name, tau) in enumerate((TAUS | (changed or {})).items(), start=1):
         drafter = "dflash2" if "dflash2" in name else "dspark" if "dspark" in name else "dflash"
-        runs[name] = chain_run(tau, lookup, seed=seed, drafter=drafter, trees={64: tau * 1.3})
+        runs[name] = chain_run(tau, lookup, seed=seed, drafter=drafter, trees={tree_budget: tau * 1.3})
     return runs
 
 
@@ -258,7 +258,7 @@ def test_a_claim_passes_only_when_its_interval_over_the_prompts_is_above_zero_wh
     # Prompts that agree closely decide the same 0.05 (each prompt's tau 0.02 off): the interval, not the spread, decides.
     steady = quality_runs()
     for name in ("regenerated", "regenerated-seed43", "source", "source-seed43"):
-        steady[name]["drafters"]["dflash"]["per_prompt"] = records(steady[name]["acceptance_length"]["dflash"], 0.02, seed=len(name))
+        steady[name] = quality_records.with_per_prompt(steady[name], "dflash", records(steady[name].acceptance_length["dflash"], 0.02, seed=len(name)))
     assert next(c for c in figures.claims(steady, spread, curve, figures.Taus(steady)) if c["claim"] == "regenerated > source")["passed"]
     # 1.5x a prompt lookup of 1.95 is 2.925: 3.0 is above it, but not beyond the prompts' noise.
     slower = figures.Taus(quality_runs(lookup=1.95))
@@ -267,9 +267,7 @@ def test_a_claim_passes_only_when_its_interval_over_the_prompts_is_above_zero_wh
     falling = figures.rising(curve, figures.Taus(quality_runs({"regenerated-0.5": 3.6})))
     assert [step["verdict"] for step in falling["steps"]] == ["holds", "does not hold"] and falling["verdict"] == "does not hold"
     # A chain that disagrees at a position, or whose check compared too few steps, fails the agreement claim.
-    too_few = {"steps": 3, "minimum_steps": 24, "compared": False, "verdict": "not compared"}
-    for broken in (chain_run(2.9, 1.2, seed=3, disagreeing=[3]), chain_run(2.9, 1.2, seed=3, at_anchors=too_few),
-                   chain_run(2.9, 1.2, seed=3, at_anchors="not compared: 3 steps, 24 needed")):
+    for broken in (chain_run(2.9, 1.2, seed=3, disagreeing=[3]), chain_run(2.9, 1.2, seed=3, compared_steps=3)):
         verdict = next(claim for claim in figures.claims({**runs, "source-seed43": broken}, spread, curve, taus)
                        if claim["claim"].startswith("train/serve"))
         assert not verdict["passed"] and not verdict["chains"]["source-seed43"]["passed"]
@@ -310,6 +308,19 @@ def test_the_goals_are_met_only_beyond_their_intervals(bench):
     assert easy["tau"]["met"] and easy["trees_over_chain"]["met"] and easy["over_prompt_lookup"]["met"]
 
 
+def test_a_size_decodes_the_trees_its_goal_judges_unless_it_says_not_and_the_goals_then_say_not_measured(bench):
+    figures, chains = importlib.import_module("figures"), importlib.import_module("chains")
+    for name, size in bench.SIZES.items():
+        assert (size.task.goals.tree_budget in size.tree_budgets) == size.goal_trees, name
+        assert set(size.extra_tree_budgets) <= set(size.tree_budgets), name
+    assert bench.SIZES["code-gpu"].tree_budgets == (16, 32, 64) and bench.SIZES["code-cpu"].tree_budgets == (16,)
+    chain_list = quality_chains(chains)
+    runs = quality_runs(tree_budget=16)
+    found = figures.goals(runs, figures.seed_spread(runs, chain_list), figures.data_curve(runs, chain_list), figures.Taus(runs),
+                          importlib.import_module("code_task").REAL_MODEL_GOALS)
+    assert found["trees_over_chain"] == {"budget": 64, "at_least": 1.25, "met": None, "not_measured": "no draft trees of 64 nodes decoded (decoded: [16])"}
+
+
 def test_the_data_curve_is_drawn_with_its_intervals_even_one_its_rounded_tau_lies_outside(bench, tmp_path):
     figures = importlib.import_module("figures")
     curve = [{"supervised_tokens": 1000, "acceptance_length": 1.111, "interval": [1.1111, 1.1111]},  # rounded to 3 digits, the interval to 4
@@ -319,10 +330,32 @@ def test_the_data_curve_is_drawn_with_its_intervals_even_one_its_rounded_tau_lie
     assert (tmp_path / "curve.png").read_bytes().startswith(b"\x89PNG")
 
 
+def committed_chains() -> dict[str, dict]:
+    """Every chain's figures in the committed quality results of the current form (a complete run's
+    `runs`, a cut run's chain stages), by file and chain."""
+    found = {}
+    for path in sorted((BENCH.parent / "results").glob("quality-*.json")):
+        document = json.loads(path.read_text())
+        stages = {name: stage["figures"] for name, stage in document.get("stages", {}).items()
+                  if isinstance(stage, dict) and "drafters" in (stage.get("figures") or {})}
+        for name, figures in (document.get("runs", {}) | stages).items():
+            if "drafter" in figures:  # quality-gpu.json's runs predate the drafter's name and the per-prompt records
+                found[f"{path.name} {name}"] = figures
+    return found
+
+
+def test_every_committed_chains_figures_read_back_into_the_record_and_write_the_same_json(bench):
+    records = importlib.import_module("records")
+    committed = committed_chains()
+    assert len(committed) >= 20
+    for name, figures in committed.items():
+        assert records.ChainFigures.from_json(figures).to_json() == figures, name
+
+
 def test_old_reports_without_per_prompt_records_are_refused_with_the_fix(bench):
     figures = importlib.import_module("figures")
     old = quality_runs()
-    del old["source"]["drafters"]["dflash"]["per_prompt"]
+    old["source"] = quality_records.with_per_prompt(old["source"], "dflash", None)
     with pytest.raises(ValueError, match="source dflash: its evaluation report has no per-prompt records.*evaluate the chain again"):
         figures.Taus(old).decoding("source")
 

@@ -18,6 +18,8 @@ import pytest
 
 from dflash_jobs.errors import InputError
 
+import quality_records
+
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "quality"
 
 
@@ -231,15 +233,15 @@ def test_the_steps_curve_puts_every_regenerated_dflash_chain_against_its_optimiz
                   chains.Chain("regenerated-epochs2", True, states_of="regenerated", epochs=2),
                   chains.Chain("regenerated-epochs1", True, states_of="regenerated", epochs=1)]
     # 20 prompts each, every prompt of a chain committing alike (the regenerated chain's first one 10 tokens more).
-    def decoded(tau: float, noisy: bool = False) -> dict:
+    def decoded(tau: float, noisy: bool = False):
         committed = [round(tau * 10)] * 20
         if noisy:
             committed[0] += 10
-        return {"acceptance_length": tau, "per_prompt": {"committed": committed, "verify_steps": [10] * 20}}
+        return quality_records.decoding({"committed": committed, "verify_steps": [10] * 20}, acceptance_length=tau)
 
     figures = [(400, 1000, 3.0), (400, 900, 2.0), (200, 500, 2.5), (400, 1000, 3.1), (400, 1000, 3.3), (200, 1000, 2.8), (100, 1000, 2.1)]
-    runs = {c.name: {"drafter": c.drafter, "train_last": {"step": steps}, "supervised_tokens": tokens, "acceptance_length": {c.drafter: tau},
-                     "drafters": {c.drafter: decoded(tau, noisy=c.name == "regenerated")}}
+    runs = {c.name: quality_records.chain(c.drafter, {c.drafter: decoded(tau, noisy=c.name == "regenerated")}, trained_steps=steps,
+                                          supervised_tokens=tokens)
             for c, (steps, tokens, tau) in zip(chain_list, figures)}
     curve = curves.steps_curve(runs, chain_list, epochs=4)
     assert [(p["rows"], p["epochs"], p["steps"], p["acceptance_length"]) for p in curve] == [
@@ -247,7 +249,7 @@ def test_the_steps_curve_puts_every_regenerated_dflash_chain_against_its_optimiz
     rises = curves.rises(curve[1:], quality("figures").Taus(runs))
     assert [(r["from_steps"], r["to_steps"], r["estimate"], r["verdict"]) for r in rises] == [(100, 200, 0.7, "holds"), (200, 400, 0.25, "holds")]
     # The same rise on one prompt only decides nothing: acceptance stopped rising as far as these prompts tell.
-    runs["regenerated"]["drafters"]["dflash"]["per_prompt"]["committed"] = [28] * 19 + [59]
+    runs["regenerated"] = quality_records.with_per_prompt(runs["regenerated"], "dflash", {"committed": [28] * 19 + [59], "verify_steps": [10] * 20})
     assert curves.rises(curve[2:], quality("figures").Taus(runs))[0]["verdict"] == "not decided"
     # A steps-curve chain is neither another seed of the regenerated chain nor a point of the data curve.
     figures = quality("figures")
@@ -258,9 +260,9 @@ def test_the_steps_curve_puts_every_regenerated_dflash_chain_against_its_optimiz
 def test_acceptance_per_kind_pools_each_kinds_prompts_as_the_report_pools_all(quality):
     curves = quality("curves")
 
-    def run(dflash: list[tuple[int, int]], lookup: list[tuple[int, int]]) -> dict:
-        return {"drafter": "dflash", "drafters": {name: {"per_prompt": {"committed": [c for c, _ in records], "verify_steps": [s for _, s in records]}}
-                                                  for name, records in (("dflash", dflash), ("prompt_lookup", lookup))}}
+    def run(dflash: list[tuple[int, int]], lookup: list[tuple[int, int]]):
+        return quality_records.chain("dflash", {name: quality_records.decoding({"committed": [c for c, _ in records], "verify_steps": [s for _, s in records]})
+                                                for name, records in (("dflash", dflash), ("prompt_lookup", lookup))})
 
     # 16 prompts of each kind (fewer decide nothing): "write" clearly ahead of prompt lookup, "explain" level with it.
     kinds = ["write", "explain"] * 16
@@ -274,7 +276,7 @@ def test_acceptance_per_kind_pools_each_kinds_prompts_as_the_report_pools_all(qu
     with pytest.raises(RuntimeError, match="3 per-prompt records of dflash for 32 evaluated prompts"):
         curves.per_kind({"source": run([(1, 1)] * 3, [(1, 1)] * 3)}, kinds)
     with pytest.raises(ValueError, match="no per-prompt records"):
-        curves.per_kind({"source": {"drafter": "dflash", "drafters": {"dflash": {}}}}, kinds)
+        curves.per_kind({"source": quality_records.chain("dflash", {"dflash": quality_records.decoding(None, acceptance_length=1.0)})}, kinds)
 
 
 # ---- the sizes and the whole task ---------------------------------------------------------------------

@@ -115,6 +115,12 @@ def test_the_code_scale_sizes_chains_train_online_without_a_source_chain(quality
     assert spec["train"]["states"] == "stored"
     with pytest.raises(SystemExit, match="--prompts .*: the code-gpu size's task \\(code\\) reads no prompts file"):
         bench.with_prompts(code_gpu, "code-gpu", tmp_path)
+    with pytest.raises(SystemExit, match="the tiny size's task \\(sorting\\) reads no prompts file"):
+        bench.with_prompts(sizes.SIZES["tiny"], "tiny", tmp_path)
+    # A task that reads a prompts file takes the directory given, the rest of the size as it was.
+    scale = bench.with_prompts(sizes.SIZES["code-scale"], "code-scale", tmp_path / "." / "prompts")
+    assert scale.task.prompts == str((tmp_path / "prompts").resolve()) and scale.chats == sizes.SIZES["code-scale"].chats
+    assert bench.with_prompts(code_gpu, "code-gpu", None) is code_gpu
 
 
 @pytest.mark.slow

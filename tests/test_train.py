@@ -16,11 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_jobs.drafter.anchors import anchor_layout
 from dflash_jobs.drafter.checkpoint import TargetCheckpoint
 from dflash_jobs.errors import EXIT_BAD_INPUT, InputError
 from dflash_jobs.formats import MANIFEST_KEY, HiddenChunk, Manifest, TokenChunk, encode_hidden_chunk, hidden_chunk_key
-from dflash_jobs.spec import parse_spec
+from dflash_jobs.spec import anchor_layout, parse_spec
 from dflash_jobs.storage import open_storage
 from dflash_jobs.train.__main__ import main
 from dflash_jobs.train.anchors import anchor_candidates, sample_anchors

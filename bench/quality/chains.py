@@ -1,5 +1,5 @@
-"""The product's chain, once per data set: its specs, its steps as the pods run them, and the
-figures each chain leaves in its run directory.
+"""The product's chain, once per data set: its specs and its steps as the pods run them (the
+figures each chain leaves in its run directory are read by records.ChainFigures).
 
 A chain runs generate (the generating chain only), prepare, extract (two shards at once), verify,
 train and evaluate through the product's own entry points, on a spec written to its directory.
@@ -22,12 +22,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import yaml
 
-from dflash_jobs.formats import DATASET_KEY, EVAL_REPORT_KEY, MANIFEST_KEY, TRAIN_METRICS_KEY
+from dflash_jobs.formats import DATASET_KEY, MANIFEST_KEY
 from dflash_jobs.generation import generated_lines, read_manifest
 from dflash_jobs.rows import prompt_length
 from dflash_jobs.spec import BASELINES
@@ -264,30 +264,3 @@ def held_out_prompts(chain_dir: Path) -> list[list[int]]:
     """The token ids the evaluation asked the target: each held-out sample before its last answer."""
     chunk = held_out_samples(chain_dir)
     return [chunk.sample(i)[0][: prompt_length(chunk.sample(i)[1])].tolist() for i in range(chunk.num_samples)]
-
-
-def chain_figures(chain_dir: Path) -> dict[str, Any]:
-    """One chain's evaluation report, reduced to its figures, the trainer's last metrics, and the
-    prompts it was evaluated on."""
-    report = json.loads((chain_dir / "run" / EVAL_REPORT_KEY).read_text())
-    dataset = json.loads((chain_dir / "run" / DATASET_KEY).read_text())
-    train_metrics = [json.loads(line) for line in (chain_dir / "run" / TRAIN_METRICS_KEY).read_text().splitlines() if line]
-    wanted = ("acceptance_length", "acceptance_per_position", "tokens_per_second", "speedup", "verify_steps", "lossless",
-              "mismatching_prompts", "ties", "real_mismatches", "mismatches", "simulated", "calibration", "tree", "coverage",
-              "conditional_acceptance", "acceptance_length_interval", "per_prompt")
-    columns = {name: {key: summary[key] for key in wanted if key in summary} for name, summary in report["drafters"].items()}
-    return {
-        "drafter": report["drafter_variant"],
-        "acceptance_length": {name: round(column["acceptance_length"], 3) for name, column in columns.items()},
-        "lossless": report["lossless"],
-        "drafters": columns,
-        "consistency": report.get("consistency"),
-        "greedy_tokens_per_second": report["greedy"]["tokens_per_second"],
-        "eval": {key: report[key] for key in ("prompts", "max_new_tokens", "block_size", "dtype", "tie_tolerance") if key in report},
-        "train_last": train_metrics[-1],
-        "held_out_sample_ids": dataset["holdout"]["sample_ids"],
-        "samples": dataset["samples"],
-        "tokens": dataset["tokens"],
-        "supervised_tokens": dataset["supervised_tokens"],
-        "generation": dataset.get("generation"),
-    }

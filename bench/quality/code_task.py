@@ -83,6 +83,10 @@ class CodeTask:
     def goals(self) -> Goals:
         return REAL_MODEL_GOALS
 
+    def with_prompts(self, directory: Path) -> None:
+        """None: its prompts are read from Python source here, from no prompts file."""
+        return None
+
     def code_chats(self, tokenizer, counts: ChatCounts) -> tuple[list[CodeChat], list[CodeChat], dict[str, Any]]:
         """The training and held-out chats, and where they come from (the report's)."""
         roots = source_roots(self.packages)

@@ -28,15 +28,16 @@ from dflash_jobs.spec import PROMPT_LOOKUP
 
 from chains import BASELINES_OF, Chain
 from figures import Taus, judged, per_prompt
+from records import ChainFigures, Decoding
 
 
-def steps_curve(runs: dict[str, dict[str, Any]], chains: Sequence[Chain], epochs: int) -> list[dict[str, Any]]:
+def steps_curve(runs: dict[str, ChainFigures], chains: Sequence[Chain], epochs: int) -> list[dict[str, Any]]:
     """DFlash's acceptance against optimizer steps, first seed, bf16: on all the regenerated rows for
     each number of epochs (`rows` 1.0), and on the data curve's parts of them for `epochs`."""
     first = chains[0].seed
-    points = [{"chain": chain.name, "rows": chain.fraction, "epochs": chain.epochs or epochs, "steps": runs[chain.name]["train_last"]["step"],
-               "supervised_tokens": runs[chain.name]["supervised_tokens"], "acceptance_length": runs[chain.name]["acceptance_length"]["dflash"],
-               "interval": runs[chain.name]["drafters"]["dflash"].get("acceptance_length_interval")}
+    points = [{"chain": chain.name, "rows": chain.fraction, "epochs": chain.epochs or epochs, "steps": runs[chain.name].trained_steps,
+               "supervised_tokens": runs[chain.name].supervised_tokens, "acceptance_length": runs[chain.name].acceptance_length[chain.drafter],
+               "interval": runs[chain.name].own.acceptance_length_interval}
               for chain in chains
               if chain.regenerated and chain.drafter == "dflash" and chain.dtype == "bfloat16" and chain.seed == first and not chain.settings]
     return sorted(points, key=lambda point: (point["rows"], point["steps"]))
@@ -49,7 +50,7 @@ def rises(points: list[dict[str, Any]], taus: Taus) -> list[dict[str, Any]]:
             for a, b in zip(points, points[1:])]
 
 
-def per_kind(runs: dict[str, dict[str, Any]], kinds: list[str]) -> dict[str, Any]:
+def per_kind(runs: dict[str, ChainFigures], kinds: list[str]) -> dict[str, Any]:
     """Per prompt kind, every chain's decodings' acceptance on the held-out prompts of that kind, each
     with its 95% interval over them, and each chain's drafter's lead there over the prompt lookup of
     BASELINES_OF (paired, decided; prompt lookup decodes alike in every chain); `kinds`: the kind of
@@ -59,16 +60,16 @@ def per_kind(runs: dict[str, dict[str, Any]], kinds: list[str]) -> dict[str, Any
         mine = [i for i, of in enumerate(kinds) if of == kind]
         bootstrap = PairedBootstrap(len(mine))
         entry = found[kind] = {"prompts": len(mine), "acceptance_length": {}, "over_prompt_lookup": {}}
-        taus = {chain: {name: kind_tau(bootstrap, chain, name, decoding, mine, len(kinds)) for name, decoding in run["drafters"].items()}
+        taus = {chain: {name: kind_tau(bootstrap, chain, name, decoding, mine, len(kinds)) for name, decoding in run.drafters.items()}
                 for chain, run in runs.items()}
         lookup = taus[BASELINES_OF][PROMPT_LOOKUP]
         for chain, run in runs.items():
             entry["acceptance_length"][chain] = {name: tau.summary() for name, tau in taus[chain].items()}
-            entry["over_prompt_lookup"][chain] = judged(taus[chain][run["drafter"]] - lookup)
+            entry["over_prompt_lookup"][chain] = judged(taus[chain][run.drafter] - lookup)
     return found
 
 
-def kind_tau(bootstrap: PairedBootstrap, chain: str, name: str, decoding: dict[str, Any], mine: list[int], evaluated: int) -> Draws:
+def kind_tau(bootstrap: PairedBootstrap, chain: str, name: str, decoding: Decoding, mine: list[int], evaluated: int) -> Draws:
     """tau of one decoding over the prompts `mine` of one kind, of the `evaluated` prompts its records hold."""
     records = per_prompt(f"{chain} {name}", decoding)
     if len(records["committed"]) != evaluated:

@@ -14,6 +14,7 @@ from dflash_jobs.spec import PROMPT_LOOKUP
 
 from chains import BASELINES_OF, Chain
 from goals import Goals
+from records import ChainFigures, Decoding
 
 # ---- seeds, intervals and claims -------------------------------------------------------------------
 
@@ -26,12 +27,12 @@ def seed_groups(chains: Sequence[Chain]) -> dict[str, list[Chain]]:
     return {group[0].name: group for group in groups.values()}
 
 
-def seed_spread(runs: dict[str, dict[str, Any]], chains: Sequence[Chain]) -> dict[str, dict[str, Any]]:
+def seed_spread(runs: dict[str, ChainFigures], chains: Sequence[Chain]) -> dict[str, dict[str, Any]]:
     """Each data set's and drafter's acceptance length over its seeds (its chains): mean, and spread
     (largest minus smallest), the training noise the intervals over prompts do not hold."""
     spread = {}
     for name, group in seed_groups(chains).items():
-        values = [runs[c.name]["acceptance_length"][c.drafter] for c in group]
+        values = [runs[c.name].acceptance_length[c.drafter] for c in group]
         spread[name] = {"drafter": group[0].drafter, **({"settings": dict(group[0].settings)} if group[0].settings else {}),
                         "chains": [c.name for c in group], "seeds": [c.seed for c in group], "acceptance_length": values,
                         "mean": round(statistics.fmean(values), 3), "spread": round(max(values) - min(values), 3)}
@@ -48,25 +49,24 @@ class Taus:
     (dflash_jobs.evaluate.intervals): the chains decode the same prompts, token for token (run_quality
     checks it), so every difference between two of their decodings is paired prompt by prompt."""
 
-    def __init__(self, runs: dict[str, dict[str, Any]]) -> None:
+    def __init__(self, runs: dict[str, ChainFigures]) -> None:
         self.runs = runs
         name, run = next(iter(runs.items()))
-        self.bootstrap = PairedBootstrap(len(per_prompt(name, run["drafters"][run["drafter"]])["committed"]))
+        self.bootstrap = PairedBootstrap(len(per_prompt(name, run.own)["committed"]))
 
     def decoding(self, chain: str, name: str | None = None) -> Draws:
         """tau of one decoding of a chain: its drafter's (None), or a baseline's (spec.BASELINES)."""
         run = self.runs[chain]
-        name = name or run["drafter"]
-        return self.bootstrap.tau(per_prompt(f"{chain} {name}", run["drafters"][name]), name=f"{chain} {name}")
+        name = name or run.drafter
+        return self.bootstrap.tau(per_prompt(f"{chain} {name}", run.drafters[name]), name=f"{chain} {name}")
 
     def tree(self, chain: str, budget: int) -> Draws:
         """tau of a chain's drafter decoding by draft trees of `budget` nodes."""
-        run = self.runs[chain]
-        decoded = (run["drafters"][run["drafter"]].get("tree") or {}).get("decoded") or {}
-        if str(budget) not in decoded:
-            raise ValueError(f"{chain} decoded no draft trees of {budget} nodes (it has {sorted(decoded, key=int)}): set eval.tree_budgets")
+        decoded = tree_budgets(self.runs[chain].own)
+        if budget not in decoded:
+            raise ValueError(f"{chain} decoded no draft trees of {budget} nodes (it has {sorted(decoded)}): set eval.tree_budgets")
         label = f"{chain} trees of {budget}"
-        return self.bootstrap.tau(per_prompt(label, decoded[str(budget)]), name=label)
+        return self.bootstrap.tau(per_prompt(label, decoded[budget]), name=label)
 
     def drafter(self, entry: dict[str, Any], *, tree_budget: int | None = None) -> Draws:
         """A drafter's tau averaged over its seeds (a seed_spread entry), on every draw alike; by trees of
@@ -74,12 +74,17 @@ class Taus:
         return mean([self.decoding(chain) if tree_budget is None else self.tree(chain, tree_budget) for chain in entry["chains"]])
 
 
-def per_prompt(label: str, decoding: dict[str, Any]) -> dict[str, list]:
+def tree_budgets(decoding: Decoding) -> dict[int, Decoding]:
+    """A decoding's draft trees by node budget (none where the evaluation built none)."""
+    return decoding.tree.decoded if decoding.tree else {}
+
+
+def per_prompt(label: str, decoding: Decoding) -> dict[str, list]:
     """A decoding's per-prompt record from its evaluation report (metrics.per_prompt)."""
-    if "per_prompt" not in decoding:
+    if decoding.per_prompt is None:
         raise ValueError(f"{label}: its evaluation report has no per-prompt records (an evaluation from before them): evaluate the "
                          "chain again (remove its eval/report.json and its entry in the work directory's stages.json, then rerun)")
-    return decoding["per_prompt"]
+    return decoding.per_prompt
 
 
 def judged(figure: Draws) -> dict[str, Any]:
@@ -115,23 +120,24 @@ def rising(curve: list[dict[str, Any]], taus: Taus) -> dict[str, Any]:
             "steps": steps}
 
 
-def train_serve(figures: dict[str, Any]) -> dict[str, Any]:
+def train_serve(figures: ChainFigures) -> dict[str, Any]:
     """Whether the training forward and decoding accept alike at the same anchors, position by position
-    (the evaluation's check): not passed where it did not compare them (too few steps)."""
-    simulated = figures["drafters"][figures["drafter"]].get("simulated") or {}
-    at_anchors = simulated.get("at_decoded_anchors")
-    at_anchors = at_anchors if isinstance(at_anchors, dict) else {}
-    compared = bool(at_anchors.get("compared", at_anchors.get("steps")))
+    (the evaluation's check): not passed where it did not compare them (too few steps, or no training forward)."""
+    simulated = figures.own.simulated
+    if simulated is None:
+        return {"passed": False, "compared": False, "verdict": None, "steps": None, "minimum_steps": None, "disagreeing_positions": None,
+                "relative_gap": None, "decoded_per_position": None, "simulated_per_position": None}
+    at_anchors = simulated.at_decoded_anchors
     return {
-        "passed": compared and simulated.get("disagreeing_positions") == [],
-        "compared": compared,
-        "verdict": at_anchors.get("verdict"),
-        "steps": at_anchors.get("steps"),
-        "minimum_steps": at_anchors.get("minimum_steps"),
-        "disagreeing_positions": simulated.get("disagreeing_positions"),
-        "relative_gap": simulated.get("relative_gap"),
-        "decoded_per_position": at_anchors.get("decoded_per_position"),
-        "simulated_per_position": at_anchors.get("simulated_per_position"),
+        "passed": at_anchors.compared and simulated.disagreeing_positions == [],
+        "compared": at_anchors.compared,
+        "verdict": at_anchors.verdict,
+        "steps": at_anchors.steps,
+        "minimum_steps": at_anchors.minimum_steps,
+        "disagreeing_positions": simulated.disagreeing_positions,
+        "relative_gap": simulated.relative_gap,
+        "decoded_per_position": at_anchors.decoded_per_position,
+        "simulated_per_position": at_anchors.simulated_per_position,
     }
 
 
@@ -139,16 +145,16 @@ TRAIN_SERVE_RULE = ("the evaluation's check per position (metrics.simulated_cons
                     "training forward's rate and beyond 2 standard errors of the decoded rate; fewer than 24 same-anchor steps: not compared")
 
 
-def tree_acceptance(drafter: dict[str, Any]) -> dict[str, Any] | None:
+def tree_acceptance(drafter: Decoding) -> dict[str, Any] | None:
     """A drafter's tree tau per node budget beside its chain tau (the evaluation's drafters.<variant>.tree,
     decoded by trees); None for a drafter the evaluation built no trees for."""
-    tree = drafter.get("tree")
+    tree = drafter.tree
     if tree is None:
         return None
-    return {"chain": round(tree["chain_acceptance_length"], 3), "lossless": tree["lossless"],
-            "agrees_with_exact": all(decoded["agrees_with_exact"] for decoded in tree["decoded"].values()),
-            "per_budget": {budget: round(decoded["acceptance_length"], 3) for budget, decoded in tree["decoded"].items()},
-            "per_budget_interval": {budget: decoded.get("acceptance_length_interval") for budget, decoded in tree["decoded"].items()}}
+    return {"chain": round(tree.chain_acceptance_length, 3), "lossless": tree.lossless,
+            "agrees_with_exact": all(decoded.agrees_with_exact for decoded in tree.decoded.values()),
+            "per_budget": {str(budget): round(decoded.acceptance_length, 3) for budget, decoded in tree.decoded.items()},
+            "per_budget_interval": {str(budget): decoded.acceptance_length_interval for budget, decoded in tree.decoded.items()}}
 
 
 def successors(spread: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -156,7 +162,7 @@ def successors(spread: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {name: entry for name, entry in spread.items() if entry["drafter"] != "dflash" and "settings" not in entry}
 
 
-def claims(runs: dict[str, dict[str, Any]], spread: dict[str, dict[str, Any]], curve: list[dict[str, Any]], taus: Taus) -> list[dict[str, Any]]:
+def claims(runs: dict[str, ChainFigures], spread: dict[str, dict[str, Any]], curve: list[dict[str, Any]], taus: Taus) -> list[dict[str, Any]]:
     """The benchmark's claims (issue 35), each decided by its 95% interval over the held-out prompts
     (paired: every chain decodes the same prompts; a drafter of several seeds at its mean over them),
     its estimate and the seeds' spread beside it (training noise, no longer the decider): regenerated
@@ -192,7 +198,7 @@ def claims(runs: dict[str, dict[str, Any]], spread: dict[str, dict[str, Any]], c
             f"{successor['drafter']} >= DFlash on the same states and verify block", tau - dflash, f"tau({successor['drafter']}) - tau(DFlash)",
             acceptance_length={successor["drafter"]: tau.summary(), "dflash": dflash.summary()},
             seed_spread={**noise, successor["drafter"]: training_noise(successor)},
-            verify_block=(runs[name]["eval"].get("block_size"), runs["regenerated"]["eval"].get("block_size")),
+            verify_block=(runs[name].eval.block_size, runs["regenerated"].eval.block_size),
         ))
     return found
 
@@ -220,7 +226,7 @@ def attribution(spread: dict[str, dict[str, Any]], taus: Taus) -> list[dict[str,
     return found
 
 
-def goals(runs: dict[str, dict[str, Any]], spread: dict[str, dict[str, Any]], curve: list[dict[str, Any]], taus: Taus,
+def goals(runs: dict[str, ChainFigures], spread: dict[str, dict[str, Any]], curve: list[dict[str, Any]], taus: Taus,
           asked: Goals) -> dict[str, Any]:
     """The goals `asked` (the task's: tau and its lead over prompt lookup at least, regenerated >
     source, acceptance rising with data, train/serve within 10% per position, lossless up to ties),
@@ -242,30 +248,29 @@ def goals(runs: dict[str, dict[str, Any]], spread: dict[str, dict[str, Any]], cu
     found |= {
         "rising_with_data": rising(curve, taus)["passed"],
         "train_serve_within_10_percent": all(train_serve(figures)["passed"] for figures in runs.values()),
-        "lossless_up_to_ties": all(figures["lossless"] for figures in runs.values()),
+        "lossless_up_to_ties": all(figures.lossless for figures in runs.values()),
     }
-    decoded = runs["regenerated"]["drafters"][runs["regenerated"]["drafter"]].get("tree", {}).get("decoded", {})
+    decoded = tree_budgets(runs["regenerated"].own)
     at_least = asked.trees_over_chain_at_least
-    if str(asked.tree_budget) in decoded:
+    if asked.tree_budget in decoded:
         trees = taus.drafter(regenerated, tree_budget=asked.tree_budget)
         found["trees_over_chain"] = {"budget": asked.tree_budget, "at_least": at_least, **(trees / dflash).summary(),
                                      "met": None if at_least is None else verdict(trees - at_least * dflash) == HOLDS}
-    else:  # the size's tree_budgets lack the goal's: said, so that a missing goal is not read as none asked
+    else:  # the size does not decode the goal's trees (Size.goal_trees): said, so that a missing goal is not read as none asked
         found["trees_over_chain"] = {"budget": asked.tree_budget, "at_least": at_least, "met": None,
-                                     "not_measured": f"no draft trees of {asked.tree_budget} nodes decoded (decoded: {sorted(decoded, key=int)})"}
+                                     "not_measured": f"no draft trees of {asked.tree_budget} nodes decoded (decoded: {sorted(decoded)})"}
     return found
 
 
 # ---- data size -------------------------------------------------------------------------------
 
 
-def data_curve(runs: dict[str, dict[str, Any]], chains: Sequence[Chain]) -> list[dict[str, Any]]:
+def data_curve(runs: dict[str, ChainFigures], chains: Sequence[Chain]) -> list[dict[str, Any]]:
     """Acceptance length against the supervised tokens the drafter trained on: the regenerated chains
     in bf16, first seed, DFlash, trained for every epoch (the steps chains are the steps curve's), each
     with its 95% interval over the prompts (the evaluation's)."""
-    points = [{"chain": c.name, "fraction": c.fraction, "supervised_tokens": runs[c.name]["supervised_tokens"],
-               "acceptance_length": runs[c.name]["acceptance_length"]["dflash"],
-               "interval": runs[c.name]["drafters"]["dflash"].get("acceptance_length_interval")}
+    points = [{"chain": c.name, "fraction": c.fraction, "supervised_tokens": runs[c.name].supervised_tokens,
+               "acceptance_length": runs[c.name].acceptance_length[c.drafter], "interval": runs[c.name].own.acceptance_length_interval}
               for c in chains if c.regenerated and c.dtype == "bfloat16" and c.drafter == "dflash" and c.seed == chains[0].seed and c.epochs is None]
     return sorted(points, key=lambda point: point["fraction"])
 

@@ -15,5 +15,7 @@ class Goals:
     tau_at_least: float
     over_prompt_lookup_at_least: float
     tree_budget: int = 64
+    """The node budget of the draft trees it judges against the chain: a size decodes them beside its own
+    (sizes.Size.tree_budgets), unless they cost too much at that size (then 'not measured')."""
     trees_over_chain_at_least: float | None = None
     """The trees of `tree_budget` nodes over the chain, at least (None: reported, not a goal)."""

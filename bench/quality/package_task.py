@@ -12,7 +12,7 @@ counted; a file with fewer prompts than the size asks is refused, naming both fi
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -50,6 +50,9 @@ class PackagePromptsTask:
     @property
     def goals(self) -> Goals:
         return SCALE_GOALS
+
+    def with_prompts(self, directory: Path) -> PackagePromptsTask:
+        return replace(self, prompts=str(directory))
 
     def split(self, tokenizer, training_rows: int, held_out_rows: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
         """`training_rows` training rows (the file's first that are short enough) and `held_out_rows` held-out

@@ -78,10 +78,10 @@ import torch
 from dflash_jobs.spec import BASELINES, BIGRAM, PROMPT_LOOKUP, TrainSpec
 
 import launch
-from chains import ABLATIONS, BASELINES_OF, Chain, ChainRunner, chain_figures, held_out_prompts, part_of, regenerated_rows, share_states, write_spec
+from chains import ABLATIONS, BASELINES_OF, Chain, ChainRunner, held_out_prompts, part_of, regenerated_rows, share_states, write_spec
 from curves import per_kind, plot_kinds, plot_steps, rises, steps_curve
 from figures import CLAIM_RULE, Taus, attribution, claims, data_curve, goals, plot_curve, seed_spread, train_serve, tree_acceptance
-from package_task import PackagePromptsTask
+from records import ChainFigures
 from sizes import SIZES, Size
 from tasks import ChatSet
 
@@ -178,9 +178,10 @@ def with_prompts(size: Size, size_name: str, prompts: Path | None) -> Size:
     """The size with its task's prompts file, for a task that reads one; refused for a task that reads none."""
     if prompts is None:
         return size
-    if not isinstance(size.task, PackagePromptsTask):
+    task = size.task.with_prompts(prompts.resolve())
+    if task is None:
         raise SystemExit(f"--prompts {prompts}: the {size_name} size's task ({size.task.name}) reads no prompts file; leave it out")
-    return replace(size, task=replace(size.task, prompts=str(prompts.resolve())))
+    return replace(size, task=task)
 
 
 def run_stages(size_name: str, size: Size, device: torch.device, workdir: Path, report: Callable[[dict[str, Any]], None],
@@ -222,7 +223,7 @@ def run_stages(size_name: str, size: Size, device: torch.device, workdir: Path, 
             verified[chain.states_of].wait()
             chain_runner = runner(chain)
             share_states(workdir / chain.states_of, workdir / chain.name, online=size.states == "online")
-            return {"step_seconds": chain_runner.train_and_evaluate(), **chain_figures(workdir / chain.name)}
+            return ChainFigures.read(workdir / chain.name, chain_runner.train_and_evaluate()).to_json()
         try:
             if chain.regenerated:
                 generated.result()  # the target's answers, stored by the generation stage
@@ -230,7 +231,7 @@ def run_stages(size_name: str, size: Size, device: torch.device, workdir: Path, 
                     rows = (workdir / "regenerated.jsonl").read_text().splitlines(keepends=True)
                     data_of(chain).parent.mkdir(parents=True, exist_ok=True)
                     data_of(chain).write_text("".join(part_of(rows, chain.fraction, size.holdout)))
-            return {"step_seconds": runner(chain).run(states_verified=verified[chain.name].set), **chain_figures(workdir / chain.name)}
+            return ChainFigures.read(workdir / chain.name, runner(chain).run(states_verified=verified[chain.name].set)).to_json()
         finally:
             verified[chain.name].set()
 
@@ -249,7 +250,7 @@ def run_stages(size_name: str, size: Size, device: torch.device, workdir: Path, 
         generation = generated.result()
         # Read back from the reports the steps stored, so that a rerun after a change to what is read
         # from them has it without rerunning the steps.
-        runs = {name: {**future.result(), **chain_figures(workdir / name)} for name, future in finished.items()}
+        runs = {name: ChainFigures.read(workdir / name, future.result()["step_seconds"]) for name, future in finished.items()}
     prompts = {c.name: held_out_prompts(workdir / c.name) for c in chains}
     if any(p != prompts["regenerated"] for p in prompts.values()):
         raise RuntimeError("the chains were evaluated on different prompts (a held-out chat dropped, or rendered otherwise)")
@@ -265,7 +266,7 @@ def chains_at_once(device: torch.device, chains: list[Chain]) -> int:
 
 
 def figures_of(size_name: str, size: Size, device: torch.device, workdir: Path, stages: Stages, chains: list[Chain],
-               runs: dict[str, dict[str, Any]], chat_set: ChatSet, generation: dict[str, Any],
+               runs: dict[str, ChainFigures], chat_set: ChatSet, generation: dict[str, Any],
                target_figures: dict[str, Any]) -> dict[str, Any]:
     """The run's JSON document, from the chains' figures and their stored samples."""
     from transformers import AutoTokenizer
@@ -280,7 +281,7 @@ def figures_of(size_name: str, size: Size, device: torch.device, workdir: Path, 
         "machine": machine(),
         # This call's time and the earlier calls' (cut by a device's time limit, say).
         "wall_seconds": stages.wall_seconds(),
-        "acceptance_length": {name: figures["acceptance_length"] for name, figures in runs.items()},
+        "acceptance_length": {name: figures.acceptance_length for name, figures in runs.items()},
         "chains": {name: chain_summary(figures) for name, figures in runs.items()},
         "same_prompts": True,
         "stages_at_once": chains_at_once(device, chains),
@@ -293,10 +294,10 @@ def figures_of(size_name: str, size: Size, device: torch.device, workdir: Path, 
         "claims": claims(runs, spread, curve, taus),
         "attribution": attribution(spread, taus),
         "goals": goals(runs, spread, curve, taus, asked=size.task.goals),
-        "runs": runs,
+        "runs": {name: figures.to_json() for name, figures in runs.items()},
         "generation": generation,
         "target": target_figures,
-        "settings": asdict(size),
+        "settings": {**asdict(size), "tree_budgets": size.tree_budgets},
         "seconds": {**{name: stages.done[name]["seconds"] for name in stages.done if name != "settings"},
                     "this_call": round(time.monotonic() - stages.started, 1)},
     }
@@ -305,32 +306,32 @@ def figures_of(size_name: str, size: Size, device: torch.device, workdir: Path, 
     if size.step_epochs:
         steps = steps_curve(runs, chains, size.epochs)
         result["steps_curve"] = {"points": steps, "rises_with_all_rows": rises([point for point in steps if point["rows"] == 1.0], taus)}
-    evaluated = [chat_set.kinds[i] for i in runs["regenerated"]["held_out_sample_ids"][: size.eval_prompts or size.holdout]]
+    evaluated = [chat_set.kinds[i] for i in runs["regenerated"].held_out_sample_ids[: size.eval_prompts or size.holdout]]
     result["per_kind"] = per_kind(runs, evaluated)
     if size.fp8_chain:
-        result["fp8_over_bf16"] = round(runs["regenerated-fp8"]["acceptance_length"]["dflash"] / runs["regenerated"]["acceptance_length"]["dflash"], 3)
+        result["fp8_over_bf16"] = round(runs["regenerated-fp8"].acceptance_length["dflash"] / runs["regenerated"].acceptance_length["dflash"], 3)
     return result
 
 
-def chain_summary(figures: dict[str, Any]) -> dict[str, Any]:
+def chain_summary(figures: ChainFigures) -> dict[str, Any]:
     """One chain's line of the side-by-side table: its drafter, and the baselines where it decoded them (chains.BASELINES_OF)."""
-    drafter = figures["drafters"][figures["drafter"]]
+    drafter = figures.own
     agreement = train_serve(figures)
     return {
-        "drafter": figures["drafter"],
-        "acceptance_length": figures["acceptance_length"][figures["drafter"]],
-        "acceptance_length_interval": drafter.get("acceptance_length_interval"),
-        **{baseline: figures["acceptance_length"].get(baseline) for baseline in BASELINES},
-        "acceptance_per_position": [round(p, 3) for p in drafter["acceptance_per_position"]],
-        "conditional_acceptance": [None if p is None else round(p, 3) for p in drafter["conditional_acceptance"]["rates"]],
-        "tokens_per_second": round(drafter["tokens_per_second"], 2),
-        "speedup": round(drafter["speedup"], 3),
-        "lossless": drafter["lossless"],
-        "ties": drafter.get("ties"),
-        "real_mismatches": drafter.get("real_mismatches"),
-        "tie_tolerance": (figures["eval"].get("tie_tolerance") or {}).get("value"),
+        "drafter": figures.drafter,
+        "acceptance_length": figures.acceptance_length[figures.drafter],
+        "acceptance_length_interval": drafter.acceptance_length_interval,
+        **{baseline: figures.acceptance_length.get(baseline) for baseline in BASELINES},
+        "acceptance_per_position": [round(p, 3) for p in drafter.acceptance_per_position],
+        "conditional_acceptance": [None if p is None else round(p, 3) for p in drafter.conditional_acceptance.rates],
+        "tokens_per_second": round(drafter.tokens_per_second, 2),
+        "speedup": round(drafter.speedup, 3),
+        "lossless": drafter.lossless,
+        "ties": drafter.ties,
+        "real_mismatches": drafter.real_mismatches,
+        "tie_tolerance": figures.eval.tie_tolerance.value,
         "train_serve": {key: agreement[key] for key in ("passed", "compared", "steps", "relative_gap")},
-        "calibration": drafter.get("calibration"),
+        "calibration": drafter.calibration,
         "tree": tree_acceptance(drafter),
     }
 

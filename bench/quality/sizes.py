@@ -63,13 +63,21 @@ class Size:
     """Successors without their own head, on the same states (chains.ABLATIONS): is a lead its head's or its anchor path's?"""
     eval_processes: int = 1
     """eval.processes: held-out prompts decoded in this many processes (a small target fits many times on a GPU)."""
-    tree_budgets: tuple[int, ...] = (16, 32, 64)
-    """eval.tree_budgets: the draft trees every chain (or the regenerated DFlash of each seed: trees_on_every_chain) decodes."""
+    extra_tree_budgets: tuple[int, ...] = (16, 32)
+    """Node budgets of the draft trees decoded beside the ones its task's goal judges (tree_budgets)."""
+    goal_trees: bool = True
+    """Its chains decode the draft trees its task's goal judges (goals.Goals.tree_budget); False where they cost
+    too much at this size, and the goals then say the trees goal was not measured."""
     trees_on_every_chain: bool = True
     states: str = "stored"
     """train.states of every chain: "online" where the stored states would not fit the machine's disk (the
     target runs inside each training step, and a chain reading another's data shares its token chunks alone)."""
     device: str = "cpu"
+
+    @property
+    def tree_budgets(self) -> tuple[int, ...]:
+        """eval.tree_budgets: the draft trees every chain (or the regenerated DFlash of each seed: trees_on_every_chain) decodes."""
+        return tuple(sorted({*self.extra_tree_budgets, *((self.task.goals.tree_budget,) if self.goal_trees else ())}))
 
     @property
     def chat_counts(self) -> ChatCounts:
@@ -132,7 +140,7 @@ SIZES = {
         capture=[1, 3], chats=48, holdout=6, max_answer_tokens=12, regenerate_batch=16,
         draft_layers=1, block_size=8, anchors=8, epochs=4, draft_lr=3e-3, micro_batch_tokens=1024, micro_batch_blocks=2048, chunk_tokens=4096,
         max_length=288, eval_new_tokens=12, eval_prompts=3, seeds=(42, 43), seeded=("regenerated",), data_fractions=(0.25, 0.5),
-        step_epochs=(1, 2), successors=("dflash2", "dspark"), ablations=(), tree_budgets=(16,), trees_on_every_chain=False,
+        step_epochs=(1, 2), successors=("dflash2", "dspark"), ablations=(), extra_tree_budgets=(16,), goal_trees=False, trees_on_every_chain=False,
     ),
     # SmolLM2-135M-Instruct (4-bit Q4_1 weights, dequantized: a slightly degraded SmolLM2) on real
     # code prompts, on 2 CPU cores in under an hour. Sized from CPU-seconds measured per stage on this
@@ -148,7 +156,7 @@ SIZES = {
         draft_layers=2, block_size=8, anchors=8, epochs=4, draft_lr=3e-3, micro_batch_tokens=1024, micro_batch_blocks=2048, chunk_tokens=16384,
         max_length=192, eval_new_tokens=32, seeds=(42, 43), successors=(), ablations=(),
         # One budget: a tree decoding costs about a chain's decoding again on a CPU.
-        tree_budgets=(16,), trees_on_every_chain=False,
+        extra_tree_budgets=(16,), goal_trees=False, trees_on_every_chain=False,
     ),
     # The same on an H100 in two device calls of at most 9 minutes with the same --workdir, from the
     # GGUF file on the machine (bench/README.md gives the calls and the arithmetic). The standard
@@ -164,7 +172,7 @@ SIZES = {
         draft_layers=3, block_size=16, anchors=32, epochs=4, draft_lr=1e-3, micro_batch_tokens=4096, micro_batch_blocks=8192, chunk_tokens=65536,
         max_length=544, eval_new_tokens=48, seeds=(42, 43), seeded=("regenerated",), data_fractions=(0.25, 0.5), step_epochs=(1, 2),
         successors=("dflash2", "dspark"), ablations=(), eval_processes=2,
-        tree_budgets=(16, 32, 64), trees_on_every_chain=False, device="cuda",
+        trees_on_every_chain=False, device="cuda",
     ),
     # Issue 48: SmolLM2 on the packages' prompts (package_prompts.py), answered again by the target, in
     # at most three device calls of under 10 minutes on one GPU with the same --workdir (bench/README.md
@@ -179,7 +187,7 @@ SIZES = {
         capture=None, chats=65_664, holdout=128, max_answer_tokens=128, regenerate_batch=1024,
         draft_layers=3, block_size=16, anchors=32, epochs=2, draft_lr=1e-3, micro_batch_tokens=16384, micro_batch_blocks=8192,
         chunk_tokens=262_144, max_length=448, eval_new_tokens=48, seeds=(42,), seeded=(), data_fractions=(0.125, 0.5),
-        successors=(), ablations=(), eval_processes=4, tree_budgets=(16, 32, 64), trees_on_every_chain=False, states="online",
+        successors=(), ablations=(), eval_processes=4, trees_on_every_chain=False, states="online",
         device="cuda",
     ),
     # code-scale's every chain on a tiny random target and a prompts file the test writes: its command
@@ -189,6 +197,6 @@ SIZES = {
         capture=[1, 3], chats=40, holdout=5, max_answer_tokens=12, regenerate_batch=16,
         draft_layers=1, block_size=8, anchors=8, epochs=2, draft_lr=3e-3, micro_batch_tokens=1024, micro_batch_blocks=2048, chunk_tokens=4096,
         max_length=224, eval_new_tokens=12, eval_prompts=5, seeds=(42,), seeded=(), data_fractions=(0.25,),
-        successors=(), ablations=(), tree_budgets=(16,), trees_on_every_chain=False, states="online",
+        successors=(), ablations=(), extra_tree_budgets=(16,), goal_trees=False, trees_on_every_chain=False, states="online",
     ),
 }

@@ -70,6 +70,10 @@ class SortingTask:
     def goals(self) -> Goals:
         return SORTING_GOALS
 
+    def with_prompts(self, directory: Path) -> None:
+        """None: its chats are drawn here, from no prompts file."""
+        return None
+
     def documents(self) -> list[str]:
         return stdlib_sources(self.corpus_files, self.document_chars)
 

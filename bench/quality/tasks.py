@@ -72,6 +72,10 @@ class Task(Protocol):
         """What its figures are asked to reach (figures.goals)."""
         ...
 
+    def with_prompts(self, directory: Path) -> Task | None:
+        """The task reading its prompts from `directory` (run_quality.py's --prompts); None for a task that reads no prompts file."""
+        ...
+
     def make_target(self, directory: Path, counts: ChatCounts, device: torch.device, source: Path | None) -> dict[str, Any]:
         """Writes the target checkpoint into `directory` and returns the figures of how it was made;
         `source`: where its model comes from, for a task whose model is fetched (None: its default)."""

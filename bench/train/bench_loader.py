@@ -40,7 +40,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))  # train_fixtures: chunks, markers and manifest as extraction writes them
 
-from dflash_jobs.drafter.anchors import anchor_layout  # noqa: E402
+from dflash_jobs.spec import anchor_layout  # noqa: E402
 from dflash_jobs.formats import Manifest  # noqa: E402
 from dflash_jobs.storage import open_storage  # noqa: E402
 from dflash_jobs.train.chunks import ChunkCache  # noqa: E402

@@ -29,10 +29,9 @@ import shlex
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from dflash_jobs.drafter.anchors import anchor_layout
 from dflash_jobs.errors import FormatError
 from dflash_jobs.formats import DRAFTER_CONFIG_KEY, DRAFTER_DIR
-from dflash_jobs.spec import RunSpec, is_s3
+from dflash_jobs.spec import RunSpec, anchor_layout, is_s3
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,6 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
-from dflash_jobs.drafter.anchors import AnchorLayout, anchor_layout
 from dflash_jobs.drafter.export import DRAFTER_PREFIX, exported_config, load_drafter
 from dflash_jobs.drafter.model import Drafter, DrafterConfig
 from dflash_jobs.drafter.serving import run_serve_command
@@ -55,7 +54,7 @@ from dflash_jobs.evaluate.trees import PromptTrees, VariantBranches, exact_trees
 from dflash_jobs.capture.checkpoint import local_checkpoint
 from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk
 from dflash_jobs.rows import prompt_length
-from dflash_jobs.spec import BIGRAM, PROMPT_LOOKUP, EvalSpec, RunSpec
+from dflash_jobs.spec import BIGRAM, PROMPT_LOOKUP, AnchorLayout, EvalSpec, RunSpec, anchor_layout
 from dflash_jobs.storage import Storage, storage_for
 from dflash_jobs.variants import DrafterVariant, drafter_variant
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dflash_jobs.drafter.anchors import AnchorLayout
+from dflash_jobs.spec import AnchorLayout
 from dflash_jobs.drafter.masks import build_attention
 from dflash_jobs.drafter.model import Drafter
 from dflash_jobs.formats import TokenChunk, encode_hidden_chunk

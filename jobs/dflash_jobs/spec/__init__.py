@@ -6,12 +6,14 @@ runs, with a `SpecError` naming the field, the bad value and what is allowed.
 This package is part of the contract shared by the control plane and the data plane: it imports
 neither torch nor transformers. Import from the package itself; its modules follow the spec's parts:
 `sections` (target, data, storage, extract, generate, eval, local), `train` (with DFlash2's and
-DSpark's sub-sections), `cluster` (placement and its Kubernetes checks), `run` (the whole run and
-its identity), `parse` (YAML to types, naming the field at fault), `checks` (the value checks they
-share) and `depth` (the target's depth and the layers it allows). The anchor layout of each drafter
-lives with the drafters (dflash_jobs/drafter/anchors.py).
+DSpark's sub-sections), `anchors` (each drafter's anchor layout, which gives train.block_size and
+train.gamma their defaults, and which the training data, the evaluation and serving read alike),
+`cluster` (placement and its Kubernetes checks), `run` (the whole run and its identity), `parse`
+(YAML to types, naming the field at fault), `checks` (the value checks they share) and `depth` (the
+target's depth and the layers it allows).
 """
 
+from dflash_jobs.spec.anchors import ANCHOR_LAYOUTS, AnchorLayout, anchor_layout
 from dflash_jobs.spec.checks import BINARY_QUANTITY, DNS1123_LABEL, is_s3, local_path, s3_bucket_problem, under
 from dflash_jobs.spec.cluster import ClusterSpec, CpuPlacementSpec, OutputVolumeSpec, VolumeSpec
 from dflash_jobs.spec.depth import default_layers, resolve_layers, rope_kind, text_config
@@ -23,10 +25,10 @@ from dflash_jobs.spec.sections import (
 from dflash_jobs.spec.train import DFlash2Spec, DSparkSpec, TrainSpec
 
 __all__ = [
-    "BASELINES", "BIGRAM", "BINARY_QUANTITY", "CHUNK_CACHE_ENV", "DEFAULT_SPEC_FILE", "DNS1123_LABEL", "MAX_TREE_BUDGET", "MODEL_CACHE_ENV", "OPTIONAL_SECTIONS",
+    "ANCHOR_LAYOUTS", "BASELINES", "BIGRAM", "BINARY_QUANTITY", "CHUNK_CACHE_ENV", "DEFAULT_SPEC_FILE", "DNS1123_LABEL", "MAX_TREE_BUDGET", "MODEL_CACHE_ENV", "OPTIONAL_SECTIONS",
     "OUTSIDE_RUN_IDENTITY", "PROMPT_LOOKUP", "VLLM_IMAGE",
-    "ClusterSpec", "CpuPlacementSpec", "DFlash2Spec", "DSparkSpec", "DataSpec", "EvalSpec", "ExtractSpec", "GenerateSpec",
+    "AnchorLayout", "ClusterSpec", "CpuPlacementSpec", "DFlash2Spec", "DSparkSpec", "DataSpec", "EvalSpec", "ExtractSpec", "GenerateSpec",
     "LocalSpec", "OutputVolumeSpec", "RunSpec", "StorageSpec", "TargetSpec", "TrainSpec", "VolumeSpec",
-    "default_layers", "dump_spec", "is_s3", "load_spec", "local_path", "parse_spec", "resolve_layers", "rope_kind",
+    "anchor_layout", "default_layers", "dump_spec", "is_s3", "load_spec", "local_path", "parse_spec", "resolve_layers", "rope_kind",
     "run_identity", "s3_bucket_problem", "text_config", "under",
 ]

@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from dflash_jobs.drafter.anchors import ANCHOR_LAYOUTS, AnchorLayout, anchor_layout
+from dflash_jobs.spec.anchors import ANCHOR_LAYOUTS, AnchorLayout, anchor_layout
 from dflash_jobs.errors import SpecError
 from dflash_jobs.spec.checks import _dns_label, _positive
 from dflash_jobs.spec.sections import _compiled_on

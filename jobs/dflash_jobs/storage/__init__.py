@@ -9,23 +9,19 @@ Both give the same guarantees, which the rest of the system is built on:
 Keys are '/'-separated and relative to the storage root; a key that would escape the root is refused.
 No torch here: the control plane uses this package too. Import from the package itself; its modules:
 `interface` (the Storage protocol, its results and errors, the key rule), `local` (a directory) and
-`s3` (a bucket prefix); the package opens either from a URL and says how long S3 calls wait out an
-outage (Patience).
+`s3` (a bucket prefix, and how long its calls wait out an outage: Patience); the package opens
+either from a URL.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from typing import TypeVar
-
-from dflash_jobs.errors import StorageError, StorageUnavailable
+from dflash_jobs.errors import StorageError
 from dflash_jobs.storage.interface import (
     HASH_BLOCK, TEMP_PREFIX, AccessDenied, Buffer, BucketNotFound, CredentialsMissing, EndpointUnreachable, ObjectInfo,
     ObjectNotFound, PutResult, Storage, check_key, sha256_file, sha256_stream,
 )
 from dflash_jobs.storage.local import LocalStorage
-from dflash_jobs.storage.s3 import MULTIPART_CHUNK, MULTIPART_THRESHOLD, S3Storage
+from dflash_jobs.storage.s3 import FIRST_WAIT_S, LONGEST_WAIT_S, MULTIPART_CHUNK, MULTIPART_THRESHOLD, Patience, S3Storage
 
 __all__ = [
     "FIRST_WAIT_S", "HASH_BLOCK", "LONGEST_WAIT_S", "MULTIPART_CHUNK", "MULTIPART_THRESHOLD", "TEMP_PREFIX",
@@ -33,44 +29,6 @@ __all__ = [
     "ObjectNotFound", "Patience", "PutResult", "S3Storage", "Storage",
     "check_key", "open_storage", "open_url", "read_head", "sha256_file", "sha256_stream", "storage_for",
 ]
-
-FIRST_WAIT_S = 5.0
-LONGEST_WAIT_S = 120.0
-"""Waits between attempts while storage is unavailable (see Patience): doubling from the first to the longest."""
-T = TypeVar("T")
-
-
-class Patience:
-    """How long S3 calls outlast an outage. A call that fails with StorageUnavailable (after the
-    client's own quick retries) is made again after a wait, doubling from FIRST_WAIT_S to
-    LONGEST_WAIT_S, until `seconds` have passed since its first failure; then the error goes up.
-    `on_wait(error, seconds)` hears of every wait (a log line: an outage must be visible).
-
-    The default, 0 seconds, fails at once: right for a command a person waits on. The pipeline,
-    which runs for days in the cluster, gives it minutes."""
-
-    def __init__(self, seconds: float = 0.0, on_wait: Callable[[StorageUnavailable, float], None] | None = None) -> None:
-        self.seconds = seconds
-        self.on_wait = on_wait
-
-    def call(self, attempt: Callable[[], T]) -> T:
-        deadline, delay = None, FIRST_WAIT_S
-        while True:
-            try:
-                return attempt()
-            except StorageUnavailable as error:
-                if self.seconds <= 0:
-                    raise
-                now = time.monotonic()
-                deadline = deadline or now + self.seconds
-                if now >= deadline:
-                    raise StorageUnavailable(f"{error.what}; still so after {self.seconds:.0f} s of retries", error.fix) from None
-                wait = min(delay, deadline - now)
-                if self.on_wait is not None:
-                    self.on_wait(error, wait)
-                time.sleep(wait)
-                delay = min(2 * delay, LONGEST_WAIT_S)
-
 
 def open_storage(
     url: str, *, endpoint_url: str | None = None, region: str | None = None, max_attempts: int = 10,

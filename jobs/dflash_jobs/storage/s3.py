@@ -8,11 +8,12 @@ import io
 import os
 import tempfile
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Iterator
+from typing import BinaryIO, Iterator, TypeVar
 
 from dflash_jobs.errors import StorageError, StorageUnavailable
 from dflash_jobs.storage.interface import (
@@ -20,8 +21,43 @@ from dflash_jobs.storage.interface import (
     PutResult, byte_views, check_key, check_size, sha256_file,
 )
 
-if TYPE_CHECKING:
-    from dflash_jobs.storage import Patience
+FIRST_WAIT_S = 5.0
+LONGEST_WAIT_S = 120.0
+"""Waits between attempts while storage is unavailable (see Patience): doubling from the first to the longest."""
+T = TypeVar("T")
+
+
+class Patience:
+    """How long S3 calls outlast an outage. A call that fails with StorageUnavailable (after the
+    client's own quick retries) is made again after a wait, doubling from FIRST_WAIT_S to
+    LONGEST_WAIT_S, until `seconds` have passed since its first failure; then the error goes up.
+    `on_wait(error, seconds)` hears of every wait (a log line: an outage must be visible).
+
+    The default, 0 seconds, fails at once: right for a command a person waits on. The pipeline,
+    which runs for days in the cluster, gives it minutes."""
+
+    def __init__(self, seconds: float = 0.0, on_wait: Callable[[StorageUnavailable, float], None] | None = None) -> None:
+        self.seconds = seconds
+        self.on_wait = on_wait
+
+    def call(self, attempt: Callable[[], T]) -> T:
+        deadline, delay = None, FIRST_WAIT_S
+        while True:
+            try:
+                return attempt()
+            except StorageUnavailable as error:
+                if self.seconds <= 0:
+                    raise
+                now = time.monotonic()
+                deadline = deadline or now + self.seconds
+                if now >= deadline:
+                    raise StorageUnavailable(f"{error.what}; still so after {self.seconds:.0f} s of retries", error.fix) from None
+                wait = min(delay, deadline - now)
+                if self.on_wait is not None:
+                    self.on_wait(error, wait)
+                time.sleep(wait)
+                delay = min(2 * delay, LONGEST_WAIT_S)
+
 
 # Objects above this go up in parallel parts; S3 caps a single PUT at 5 GiB and parts help retries.
 MULTIPART_THRESHOLD = 64 << 20

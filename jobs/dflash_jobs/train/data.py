@@ -32,7 +32,7 @@ import torch
 from dflash_jobs.balance import balance_by_tokens
 from dflash_jobs.capture.batching import Batch as TargetBatch
 from dflash_jobs.capture.batching import BatchPlanner, SampleRef
-from dflash_jobs.drafter.anchors import AnchorLayout
+from dflash_jobs.spec import AnchorLayout
 from dflash_jobs.errors import FormatError
 from dflash_jobs.formats import DoneMarker, dequantize_fp8, fetch_header_bytes, hidden_chunk_key, object_range, read_header
 from dflash_jobs.storage import Storage

@@ -3,7 +3,7 @@
 A variant is what differs between DFlash, DFlash2 and DSpark: the drafter's config and modules, its
 objective, its teacher-forced greedy prediction and its export. Everything else is shared and reads
 the variant through this record: the stored states and the data path (whose block layout
-drafter/anchors.py's `AnchorLayout` gives), the training loop, checkpoints, speculative decoding
+spec/anchors.py's `AnchorLayout` gives), the training loop, checkpoints, speculative decoding
 (every drafter module drafts a block with `draft_block`) and the evaluation. `train.drafter` names
 one; `drafter_variant` imports only that one.
 

@@ -1,5 +1,6 @@
 """The anchor layout of each drafter, in one table that the spec reads for the defaults of
-train.block_size and train.gamma."""
+train.block_size and train.gamma: part of the contract, so that the spec, the controller, the
+training data, the evaluation and serving agree on it without importing the drafters."""
 
 from __future__ import annotations
 
