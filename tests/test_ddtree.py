@@ -5,6 +5,7 @@ puts tree tau per budget, top-k coverage per slot and a lossless verdict beside 
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 
@@ -15,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from dflash_jobs.drafter.host_reads import HostReads
 from dflash_jobs.drafter.speculative import Decoded
 from dflash_jobs.drafter.model import rank_top_k
-from dflash_jobs.drafter.tree import ConditionalBranches, MarginalBranches, build_tree
+from dflash_jobs.drafter.tree import ConditionalBranches, MarginalBranches, Tree, build_tree, grow_tree
 from dflash_jobs.errors import SpecError
 from dflash_jobs.evaluate.baselines import BigramTable
 from dflash_jobs.evaluate.evaluator import PromptDecoder
@@ -25,6 +26,7 @@ from dflash_jobs.evaluate.trees import COVERAGE_K, PromptTrees, committed, summa
 from dflash_jobs.spec import MAX_TREE_BUDGET, EvalSpec, anchor_layout, parse_spec
 from dflash_jobs.variants import drafter_variant
 from train_fixtures import fresh_drafter
+from tree_fixtures import each_parent
 
 V, DEPTHS = 5, 3
 
@@ -37,7 +39,8 @@ def marginal() -> MarginalBranches:
 
 def conditional() -> ConditionalBranches:
     """Every (depth, parent) its own random distribution."""
-    return ConditionalBranches(lambda depth, parent: (torch.randn(V, generator=torch.Generator().manual_seed(10 * depth + parent)) * 2, None), 1, DEPTHS)
+    scores = each_parent(lambda depth, parent: torch.randn(V, generator=torch.Generator().manual_seed(10 * depth + parent)) * 2)
+    return ConditionalBranches(scores, 1, DEPTHS, torch.device("cpu"))
 
 
 def path_scores(branches) -> dict[tuple[int, ...], float]:
@@ -172,21 +175,39 @@ def test_dflash2_branches_rank_the_selectors_candidates_after_the_parent(target_
 
 
 
-def test_dflash2_branches_rank_every_parent_in_one_read_bit_for_bit_as_each_parent_alone(target_dir):
-    """Every parent a tree can have (the anchor, then each depth's candidates) ranked in one batched
-    call and one read: a tree of any budget waits on the device once, and each ranking, tokens and
-    log-probabilities, is the one its parent gets alone, so the tree is too."""
-    drafter, variant = tiny_drafter(target_dir, "dflash2", block_size=6)
+def scored_alone(drafter, name: str, hidden: torch.Tensor):
+    """(depth, parent [1]) -> the scores of the parent's children at depth as the variant drafts: DSpark's
+    logits plus the Markov head's bias of that parent, DFlash2's selector edges from it (its walk's call)."""
+    if name == "dspark":
+        head = drafter.markov_head
+        return lambda depth, parent: drafter.logits(hidden)[depth - 1] + head(head.markov_w1(parent))[0]
+    selector = drafter.candidate_selector
+    unary, candidates = selector.candidates(drafter.logits(hidden[1:]))
+    projected = selector.hidden_projection(hidden[1:])
+    return lambda depth, parent: selector.scores(projected[depth - 1], unary[depth - 1], candidates[depth - 1], parent)
+
+
+@pytest.mark.parametrize("name", ["dflash2", "dspark"])
+def test_every_parent_of_a_depth_is_scored_in_one_call_bit_for_bit_as_alone(target_dir, name):
+    """A tree grows a depth at a time, the depth's parents scored in one call, and nothing read: each
+    parent's scores are bit for bit what the variant computes for that parent alone (DSpark's
+    Markov bias through its head, DFlash2's edges as its walk scores them), so the tree is the one a
+    search expanding a parent at a time builds; reading it is one read."""
+    drafter, variant = tiny_drafter(target_dir, name, block_size=6)
     hidden, _ = block(drafter)
     branches = variant.branches(drafter, hidden, 17)
-    alone = ConditionalBranches(branches.scores, 17, branches.depths)
+    alone = scored_alone(drafter, name, hidden)
+    parents = torch.randint(0, drafter.config.vocab_size, (33,), generator=torch.Generator().manual_seed(5))
+    for depth in range(1, branches.depths + 1):
+        scores, _ = branches.scores(depth, parents)
+        assert torch.equal(scores, torch.stack([alone(depth, parent[None]) for parent in parents])), depth
     with HostReads() as reads:
-        tree = build_tree(branches, budget=32, depth_limit=branches.depths)
-    assert reads.total == 1
-    assert tree == build_tree(alone, budget=32, depth_limit=branches.depths)
-    parents = [(1, 17), *((depth, c) for depth in range(2, branches.depths + 1) for c in branches.candidates[depth - 2].tolist())]
-    for depth, parent in parents:
-        assert branches.children(depth, parent, 100) == alone.children(depth, parent, 100), (depth, parent)
+        grown = grow_tree(branches, budget=32, depth_limit=branches.depths)
+    assert reads.total == 0 and len(grown) == 32
+    with HostReads() as reads:
+        tree = grown.read()[0]
+    assert reads.total == 1 and tree == build_tree(branches, budget=32, depth_limit=branches.depths)
+
 
 # ---- equal scores -------------------------------------------------------------------------------
 
@@ -229,14 +250,14 @@ def tied_marginal(seed: int) -> tuple[MarginalBranches, list[int]]:
 
 def tied_conditional(seed: int) -> tuple[ConditionalBranches, list[int]]:
     """Each (depth, parent) its own tied scores over the vocabulary; the chain takes argmax after its own token."""
-    def scores(depth: int, parent: int):
-        return tied_scores(300, seed=1000 * seed + 10 * depth + parent), None
+    def scores(depth: int, parent: int) -> torch.Tensor:
+        return tied_scores(300, seed=1000 * seed + 10 * depth + parent)
 
     chain, parent = [], 1
     for depth in range(1, 7):
-        parent = int(scores(depth, parent)[0].argmax())
+        parent = int(scores(depth, parent).argmax())
         chain.append(parent)
-    return ConditionalBranches(scores, 1, 6), chain
+    return ConditionalBranches(each_parent(scores), 1, 6, torch.device("cpu")), chain
 
 
 @pytest.mark.parametrize("make", [tied_marginal, tied_conditional])
@@ -248,6 +269,50 @@ def test_with_equal_scores_the_first_path_is_the_chain_and_a_smaller_tree_the_fi
         assert len(path) >= 3 and path == chain[: len(path)] and chain == branches.chain(6)
         for budget in (1, 2, 4, 8, 16, 32):
             assert build_tree(make(seed)[0], budget=budget, depth_limit=6) == largest.prefix(budget)
+
+
+def best_first(branches, budget: int, depth_limit: int) -> Tree:
+    """DDTree's search on the host, a parent at a time: a heap of (-score, ranks down the path), each
+    candidate a node's next sibling or its first child, popped `budget` times."""
+    tree = Tree([], [], [], [])
+    offered = {-1: branches.children(1, branches.anchor, budget)}  # each parent's children, likeliest first
+    heap: list[tuple[float, tuple[int, ...], int, int]] = []
+
+    def offer(parent: int, depth: int, ranks: tuple[int, ...]) -> None:
+        score = (tree.scores[parent] if parent >= 0 else 0.0) + offered[parent][1][ranks[-1]]
+        heapq.heappush(heap, (-score, ranks, parent, depth))
+
+    offer(-1, 1, (0,))
+    while heap and len(tree) < budget:
+        negative, ranks, parent, depth = heapq.heappop(heap)
+        children, node = offered[parent][0], len(tree)
+        for part, value in zip((tree.tokens, tree.parents, tree.depths, tree.scores), (children[ranks[-1]], parent, depth, -negative)):
+            part.append(value)
+        if ranks[-1] + 1 < len(children):
+            offer(parent, depth, ranks[:-1] + (ranks[-1] + 1,))
+        if depth < depth_limit:
+            offered[node] = branches.children(depth + 1, children[ranks[-1]], budget)
+            offer(node, depth + 1, ranks + (0,))
+    return tree
+
+
+def peaked_marginal(seed: int) -> MarginalBranches:
+    """Scores so far apart that the best child's log-probability is often exactly 0: a child as likely as its parent."""
+    return MarginalBranches(torch.randn(6, 300, generator=torch.Generator().manual_seed(seed)) * 60, anchor=1)
+
+
+def peaked_conditional(seed: int) -> ConditionalBranches:
+    scores = each_parent(lambda depth, parent: torch.randn(300, generator=torch.Generator().manual_seed(1000 * seed + 10 * depth + parent)) * 60)
+    return ConditionalBranches(scores, 1, 6, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("make", [lambda seed: tied_marginal(seed)[0], lambda seed: tied_conditional(seed)[0], peaked_marginal, peaked_conditional],
+                         ids=["tied-marginal", "tied-conditional", "peaked-marginal", "peaked-conditional"])
+def test_the_tree_grown_a_depth_at_a_time_is_the_one_a_best_first_search_pops(make):
+    """Node for node, in the order popped, equal path scores and children as likely as their parent included."""
+    for seed in range(6):
+        for budget, depth_limit in ((3, 6), (17, 6), (48, 6), (48, 2)):
+            assert build_tree(make(seed), budget=budget, depth_limit=depth_limit) == best_first(make(seed), budget, depth_limit), (seed, budget)
 
 
 def paired_tokens(drafter, name: str) -> None:

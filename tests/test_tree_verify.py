@@ -29,6 +29,7 @@ from dflash_jobs.architectures.tree import TreeLayout
 from dflash_jobs.drafter.tree_verify import cached_length, commit_path, tree_decode, tree_target, verify_tree
 from dflash_jobs.evaluate.trees import exact_trees, summarize_trees
 from train_fixtures import LAYERS, tiny_target
+from tree_fixtures import each_parent
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 NEW_TOKENS = 30
@@ -82,7 +83,7 @@ class OracleTrees:
     def branches(self, tokens: torch.Tensor, context) -> ConditionalBranches:
         start = len(tokens)  # the continuation's index of depth 1
 
-        def scores(depth: int, parent: int) -> tuple[torch.Tensor, None]:
+        def scores(depth: int, parent: int) -> torch.Tensor:
             index = start + depth - 1
             right = self.continuation[index] if index < len(self.continuation) else None
             logits = torch.full((self.vocab,), -40.0)
@@ -91,9 +92,9 @@ class OracleTrees:
                 logits[token % self.vocab] = -6.0 * j
             if right is not None and parent == self.continuation[index - 1]:
                 logits[right] = 3.0 - 6.0 * self.ranks[depth - 1]  # between decoys r - 1 and r
-            return logits, None
+            return logits
 
-        return ConditionalBranches(scores, int(tokens[-1]), self.drafts)
+        return ConditionalBranches(each_parent(scores), int(tokens[-1]), self.drafts, torch.device("cpu"))
 
 
 def fla_fused_recurrent_gated_delta_rule(
@@ -202,9 +203,9 @@ def test_the_layout_sees_ancestors_only_and_places_each_node_at_its_depth():
     assert layout.ids.tolist() == [9, 5, 6, 7, 8] and layout.positions.tolist() == [3, 4, 5, 4, 6]
     assert layout.visible[:, :3].all()
     assert layout.visible[:, 3:].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, 0, 1, 0], [1, 1, 1, 0, 1]]
-    # The leaves' root paths (rows 3 and 4), the shorter padded with the root; each row read from the first path holding it.
-    assert layout.paths.tolist() == [[0, 3, 0, 0], [0, 1, 2, 4]]
-    assert layout.path_slots.tolist() == [0, 5, 6, 1, 7]
+    # Every row's root path, padded with the root to the deepest's 4 rows; each row read at its depth in its own.
+    assert layout.paths.tolist() == [[0, 0, 0, 0], [0, 1, 0, 0], [0, 1, 2, 0], [0, 3, 0, 0], [0, 1, 2, 4]]
+    assert layout.path_slots.tolist() == [0, 5, 10, 13, 19]
     assert all(layout.paths.flatten()[slot] == row for row, slot in enumerate(layout.path_slots.tolist()))
     # Oldest first, 4 wide: the cached window's last inputs (indices 0..3) above the root, then the rows (4 + row).
     assert layout.windows(4).tolist() == [[1, 2, 3, 4], [2, 3, 4, 5], [3, 4, 5, 6], [2, 3, 4, 7], [4, 5, 6, 8]]
@@ -307,7 +308,7 @@ def test_the_recurrence_runs_once_a_layer_in_the_forward_and_once_in_the_commit(
 
     monkeypatch.setattr(modeling_qwen3_5, "torch_recurrent_gated_delta_rule", counted)
     tree = TREES["random-64"](model.config.vocab_size)
-    paths, deepest = len(leaves(tree)), max(tree.depths) + 1
+    paths, deepest = len(tree) + 1, max(tree.depths) + 1  # every row's root path: which are leaves is not read
     target = tree_target(model)
     with torch.inference_mode():
         target.reset()

@@ -21,7 +21,11 @@ Stages (`--stages`, both by default), each written to the JSON as it ends: `runs
 and speculative decoding over the same prompts; then `counts`, per loop: host reads
 (drafter/host_reads.py, every device) and, on a GPU, CUDA's own count of syncs
 (torch.cuda.set_sync_debug_mode) and the kernels launched (the profiler), per greedy token and per
-verify step. `--stages counts` runs the counts alone.
+verify step. `--stages counts` runs the counts alone. The counts also take draft trees
+(drafter/tree_verify.py tree_decode, `trees`): per variant (DFlash, DFlash2, DSpark: a fresh drafter
+of each, random weights, the same width and blocks) and tree budget, the same counts per tree step,
+the prefill's included (its two reads). They are the jobs/ tree's on the import path: run the script
+with PYTHONPATH=<an older checkout>/jobs for that tree's trees (tree_decode's arguments unchanged).
 """
 
 from __future__ import annotations
@@ -47,11 +51,20 @@ SHAPES = {
     "tiny": {"hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
              "intermediate_size": 128, "vocab_size": 512},
 }
+TREE_VARIANTS = ("dflash", "dflash2", "dspark")
+TREE_BUDGETS = (16, 64)
 RUNS = {"smollm2": {"prompts": 8, "prompt_tokens": 128, "new_tokens": 128}, "tiny": {"prompts": 3, "prompt_tokens": 16, "new_tokens": 24}}
 BLOCK = 16
 ORDER = ("before", "after", "after", "before")
 STAGES = ("runs", "counts")
 """`runs`: the timed decodings in both orders; `counts`: the reads, syncs and launches (`--stages counts` alone needs no runs)."""
+
+
+def drafter_config(dims: dict, head_dim: int, layers: list[int], depth: int) -> DrafterConfig:
+    return DrafterConfig(hidden_size=dims["hidden_size"], num_attention_heads=dims["num_attention_heads"],
+                         num_key_value_heads=dims["num_key_value_heads"], head_dim=head_dim, intermediate_size=dims["intermediate_size"],
+                         vocab_size=dims["vocab_size"], target_layer_ids=layers, num_target_layers=depth, block_size=BLOCK,
+                         mask_token_id=dims["vocab_size"] - 1)
 
 
 def build(shape: str, device: torch.device, dtype: torch.dtype):
@@ -64,11 +77,7 @@ def build(shape: str, device: torch.device, dtype: torch.dtype):
     model = LlamaForCausalLM(config).to(device, dtype).eval()
     depth = dims["num_hidden_layers"]
     layers = sorted({1 + round(i * (depth - 4) / 4) for i in range(5)})  # evenly spaced 1..n-3, the z-lab rule
-    drafter_config = DrafterConfig(hidden_size=dims["hidden_size"], num_attention_heads=dims["num_attention_heads"],
-                                   num_key_value_heads=dims["num_key_value_heads"], head_dim=config.head_dim,
-                                   intermediate_size=dims["intermediate_size"], vocab_size=dims["vocab_size"], target_layer_ids=layers,
-                                   num_target_layers=depth, block_size=BLOCK, mask_token_id=dims["vocab_size"] - 1)
-    drafter = Drafter(drafter_config)
+    drafter = Drafter(drafter_config(dims, config.head_dim, layers, depth))
     drafter.load_target_tensors(model.get_input_embeddings().weight, model.get_output_embeddings().weight, model.model.norm.weight)
     return model, drafter.to(device, dtype).eval(), layers
 
@@ -152,6 +161,32 @@ def counts(loop, model, drafter, layers, prompt, continuation, *, new_tokens: in
             "verify_steps": steps}
 
 
+def tree_counts(model, drafter, prompt, *, new_tokens: int, device: torch.device) -> dict:
+    """Per variant and budget: tree decoding's counts per tree step (the prefill's included), a fresh
+    drafter of the variant (seed 0) of the chain drafter's config and the target's tensors."""
+    from dflash_jobs.drafter.anchors import anchor_layout
+    from dflash_jobs.drafter.tree_verify import tree_decode, tree_target
+    from dflash_jobs.evaluate.trees import VariantBranches
+    from dflash_jobs.spec import TrainSpec
+    from dflash_jobs.variants import drafter_variant
+
+    found = {}
+    for name in TREE_VARIANTS:
+        variant = drafter_variant(name)
+        torch.manual_seed(0)
+        module = variant.build_model(variant.build_config(drafter.config, TrainSpec(drafter=name, block_size=BLOCK)))
+        module.load_target_tensors(model.get_input_embeddings().weight, model.get_output_embeddings().weight, model.model.norm.weight)
+        branches = VariantBranches(module.to(device, drafter.lm_head.dtype).eval(), variant.branches,
+                                   drafts=anchor_layout(name, block_size=BLOCK).drafts)
+        for budget in TREE_BUDGETS:
+            decoded = []
+            counts_here = counted(lambda: decoded.append(tree_decode(tree_target(model, branches.target_layers), branches, prompt, budget=budget,
+                                                                     max_new_tokens=new_tokens, stop_ids=frozenset())), device)
+            steps = len(decoded[-1].accepted)
+            found[f"{name}-tree-{budget}"] = {"per_tree_step": {k: v / steps for k, v in counts_here.items()}, "tree_steps": steps, **counts_here}
+    return found
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=tuple(SHAPES), default="smollm2")
@@ -191,6 +226,7 @@ def main() -> int:
     if "counts" in args.stages:
         result["counts"] = {name: counts(loop, model, drafter, layers, prompts[0], continuations[0], device=device, **decode)
                             for name, loop in loops.items()}
+        result["counts"]["trees"] = tree_counts(model, drafter, prompts[0], new_tokens=run["new_tokens"], device=device)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({key: result[key] for key in ("summary", "counts") if key in result}, indent=2))
     return 0

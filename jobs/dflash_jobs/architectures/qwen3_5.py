@@ -8,12 +8,12 @@ projections, the gated norm and the output over all nodes at once; each node's c
 its own ancestors' inputs (those above the root from the cached window); the recurrence in one call
 of the recurrent kernel transformers binds (flash-linear-attention's fused_recurrent where
 installed): a batch of the tree's root paths (`TreeLayout.paths`), each from the cached state, each
-node's output read from one path that holds it. A shared prefix is run once per path through it:
-the kernel runs P x D positions for n rows (P leaves, D the deepest path's rows; at the typical
-trees of bench/speedup_trees.py 45 for 17 rows, 516 for 129), where a depth at a time would run n
-in D calls; on a GPU a path is more programs of the kernel's grid, a depth one more step of each.
-No node's recurrent state is materialised (at the 27B shape 3 MiB per node per GDN layer in fp32):
-only P copies of the cached state, the kernel's inputs.
+node's output read at its depth in its own path. A shared prefix is run once per path through it:
+the kernel runs n x D positions for n rows (every row's path, since which rows are leaves is not
+read before the forward: the tree is grown on the device; D the deepest path the tree can hold),
+where a depth at a time would run n in D calls; on a GPU a path is more programs of the kernel's
+grid, a depth one more step of each. No node's recurrent state is materialised (at the 27B shape
+3 MiB per node per GDN layer in fp32): only n copies of the cached state, the kernel's inputs.
 
 Its commit sets every GDN layer's conv window and recurrent state to those after the last accepted
 node, in one recurrent call for all the layers at once: the accepted rows' inputs, which the verify

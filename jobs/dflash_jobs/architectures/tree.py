@@ -31,18 +31,22 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 
 class DraftTree(Protocol):
-    """A draft tree below the root as the layout reads it (drafter/tree.py's Tree)."""
+    """A draft tree below the root as the layout reads it: drafter/tree.py's Tree (host lists) or
+    GrownTree (device tensors, laid out without a read)."""
 
-    tokens: Sequence[int]
-    parents: Sequence[int]
+    tokens: Sequence[int] | torch.Tensor
+    parents: Sequence[int] | torch.Tensor
     """Each node's parent node (an earlier index), -1 for the root."""
-    depths: Sequence[int]
+    depths: Sequence[int] | torch.Tensor
     """1 for the root's children."""
+    depth_bound: int
+    """No node deeper."""
 
 
 @dataclass
 class TreeLayout:
-    """A tree as the verify forward lays it out: row 0 is the root, row i + 1 node i."""
+    """A tree as the verify forward lays it out: row 0 is the root, row i + 1 node i. Built on the
+    device from the tree's tensors: nothing of the tree is read to lay it out."""
 
     ids: torch.Tensor
     """[n] the rows' tokens."""
@@ -50,56 +54,76 @@ class TreeLayout:
     """[n] cached + depth."""
     visible: torch.Tensor
     """[n, cached + n] bool: what each row attends to (the cache, its ancestors, itself)."""
-    paths: torch.Tensor
-    """[P, D] every leaf's root path as rows, the root first, those shorter than the deepest (D rows)
-    padded at their end with row 0: the tree as P sequences that share their prefixes, for a
-    recurrence that runs each from the cached state. What a padded position computes comes after its
-    path's last row and is never read."""
-    path_slots: torch.Tensor
-    """[n] where each row is in the paths flattened to [P * D]: in the first path that holds it."""
-    lineage: list[list[int]]
-    """Per row, itself then its ancestors up to the root."""
-    _windows: dict[int, torch.Tensor] = field(default_factory=dict)
+    above: torch.Tensor
+    """[n] each row's parent row (the root its own)."""
+    depths: torch.Tensor
+    """[n] each row's depth (the root's 0)."""
+    deepest: int
+    """Rows in the longest root path the tree can hold, the root's included."""
+    _built: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, root: int, tree: DraftTree, cached: int, device: torch.device) -> TreeLayout:
-        parents = [-1] + [parent + 1 for parent in tree.parents]  # by row
-        depths = [0, *tree.depths]
-        lineage = [[0]]
-        for row in range(1, len(parents)):
-            lineage.append([row, *lineage[parents[row]]])
-        ancestors = [[False] * len(parents) for _ in parents]  # [n, n]: each row's ancestors and itself
-        for row, rows in enumerate(lineage):
-            for seen in rows:
-                ancestors[row][seen] = True
-        visible = torch.cat([torch.ones(len(parents), cached, dtype=torch.bool), torch.tensor(ancestors)], dim=1)  # built on the host at once
-        inner = set(parents)
-        paths = [lineage[row][::-1] for row in range(len(parents)) if row not in inner]  # the leaves' root paths
-        deepest = max(map(len, paths))
-        slots: dict[int, int] = {}
-        for p, path in enumerate(paths):
-            for depth, row in enumerate(path):
-                slots.setdefault(row, p * deepest + depth)
+        def rows(values) -> torch.Tensor:  # a host tree's lists copied over, a grown tree's tensors as they are
+            return torch.as_tensor(values, dtype=torch.long, device=device)
+
+        zero = torch.zeros(1, dtype=torch.long, device=device)  # the root's parent (itself) and depth, filled there: no copy to wait on
+        above = torch.cat([zero, rows(tree.parents) + 1])
+        depths = torch.cat([zero, rows(tree.depths)])
+        deepest = tree.depth_bound + 1
+        lineage = _lineage(above, deepest)  # every ancestor of every row, up to the root
+        ancestors = torch.zeros(len(above), len(above), dtype=torch.bool, device=device).scatter_(1, lineage, True)
         return cls(
-            ids=torch.tensor([root, *tree.tokens], device=device),
-            positions=cached + torch.tensor(depths, device=device),
-            visible=visible.to(device),
-            paths=torch.tensor([path + [0] * (deepest - len(path)) for path in paths], device=device),
-            path_slots=torch.tensor([slots[row] for row in range(len(parents))], device=device),
-            lineage=lineage,
+            ids=torch.cat([torch.full((1,), root, device=device), rows(tree.tokens)]),
+            positions=cached + depths,
+            visible=torch.cat([torch.ones(len(above), cached, dtype=torch.bool, device=device), ancestors], dim=1),
+            above=above,
+            depths=depths,
+            deepest=deepest,
+            _built={("lineage", deepest): lineage},
         )
+
+    def lineage(self, k: int) -> torch.Tensor:
+        """[n, k] each row, then its parent, its parent's parent...: the root once reached."""
+        if ("lineage", k) not in self._built:
+            self._built["lineage", k] = _lineage(self.above, k)
+        return self._built["lineage", k]
+
+    @property
+    def paths(self) -> torch.Tensor:
+        """[n, D] every row's root path as rows, the root first, padded at its end with row 0 to
+        `deepest` rows: the tree as n sequences that share their prefixes, for a recurrence that runs
+        each from the cached state. What a padded position computes comes after its path's last row
+        and is never read. Every row's path, not only the leaves': which rows are leaves is not known
+        without reading the tree."""
+        if "paths" not in self._built:
+            up = self.depths[:, None] - torch.arange(self.deepest, device=self.depths.device)  # [n, D]: steps up to depth j
+            self._built["paths"] = torch.where(up >= 0, self.lineage(self.deepest).gather(1, up.clamp(min=0)), 0)
+        return self._built["paths"]
+
+    @property
+    def path_slots(self) -> torch.Tensor:
+        """[n] where each row is in the paths flattened to [n * D]: at its depth in its own path."""
+        return torch.arange(len(self.depths), device=self.depths.device) * self.deepest + self.depths
 
     def windows(self, width: int) -> torch.Tensor:
         """[n, width] each row's convolution window, oldest first, as indices into [the cached window
         (width inputs, the newest last); the rows' inputs]: its ancestors' rows, then the cached inputs
         above the root. Built once a forward (every GDN layer has the same width)."""
-        if width not in self._windows:
-            windows = []
-            for rows in self.lineage:
-                newest_first = [width + row for row in rows[:width]] + [width - 1 - i for i in range(width - len(rows))]
-                windows.append(newest_first[::-1])
-            self._windows[width] = torch.tensor(windows, device=self.ids.device)
-        return self._windows[width]
+        if ("windows", width) not in self._built:
+            back = torch.arange(width, device=self.depths.device)  # the j-th newest input
+            own = back <= self.depths[:, None]  # [n, width]: a row of the tree, or the cache above the root
+            newest_first = torch.where(own, width + self.lineage(width), width - back + self.depths[:, None])
+            self._built["windows", width] = newest_first.flip(-1)
+        return self._built["windows", width]
+
+
+def _lineage(above: torch.Tensor, k: int) -> torch.Tensor:
+    """[n, k] each row, then its parent, its parent's parent...: the root once reached (above: [n] each row's parent row)."""
+    lineage = [torch.arange(len(above), device=above.device)]
+    for _ in range(k - 1):
+        lineage.append(above[lineage[-1]])
+    return torch.stack(lineage, dim=1)
 
 
 class KeptRows(Protocol):

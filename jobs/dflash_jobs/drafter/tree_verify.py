@@ -27,7 +27,7 @@ from transformers.cache_utils import DynamicLayer
 from dflash_jobs.architectures import target_architecture
 from dflash_jobs.architectures.tree import KeptRows, TreeLayout, TreeStep
 from dflash_jobs.drafter.speculative import Decoded, DecodeTarget, finished, on_device, prefill, text_model, through_stop
-from dflash_jobs.drafter.tree import Branches, Tree, build_tree
+from dflash_jobs.drafter.tree import Branches, GrownTree, Tree, grow_tree
 
 
 class BranchDrafter(Protocol):
@@ -70,7 +70,7 @@ def cached_length(target: DecodeTarget) -> int:
 
 
 @torch.inference_mode()
-def verify_tree(target: DecodeTarget, root: int, tree: Tree) -> VerifiedTree:
+def verify_tree(target: DecodeTarget, root: int, tree: Tree | GrownTree) -> VerifiedTree:
     """The target's greedy token after the root and after every node, in one forward that leaves the cache as it was."""
     if target.architecture is None:
         raise ValueError("tree decoding runs each layer by its architecture: build the target with tree_target(model, layers)")
@@ -93,11 +93,11 @@ def verify_tree(target: DecodeTarget, root: int, tree: Tree) -> VerifiedTree:
 
 
 @torch.inference_mode()
-def commit_path(target: DecodeTarget, verified: VerifiedTree, rows: Sequence[int]) -> None:
+def commit_path(target: DecodeTarget, verified: VerifiedTree, rows: Sequence[int] | torch.Tensor) -> None:
     """Appends these rows (the root, then the accepted nodes by depth) to the cache: each kind of layer
     commits what its layers kept (attention their K/V, the recurrent layers their states after the
     last of them)."""
-    index = torch.tensor(list(rows), device=target.device)
+    index = rows if isinstance(rows, torch.Tensor) else on_device(torch.tensor(list(rows)), target.device)  # from pinned memory: no wait
     kinds: dict[type, dict[int, KeptRows]] = {}
     for layer_index, kept in verified.kept.items():
         kinds.setdefault(type(kept), {})[layer_index] = kept
@@ -110,9 +110,10 @@ def commit_path(target: DecodeTarget, verified: VerifiedTree, rows: Sequence[int
 def tree_decode(
     target: DecodeTarget, drafter: BranchDrafter, prompt: torch.Tensor, *, budget: int, max_new_tokens: int, stop_ids: frozenset[int],
 ) -> Decoded:
-    """Greedy decoding by draft trees of `budget` nodes: each step verifies the anchor's tree in one
-    forward, commits the longest root path the target agrees with plus its next token, and reads
-    the captured layers of the anchor and the accepted nodes as the drafter's next context.
+    """Greedy decoding by draft trees of `budget` nodes: each step grows the anchor's tree on the
+    device, verifies it in one forward, reads the tree and the target's tokens in the step's one
+    read, commits the longest root path the target agrees with plus its next token, and takes the
+    captured layers of the anchor and the accepted nodes as the drafter's next context.
     `accepted` and `drafted` per step are as speculative_decode's, `drafted` the tree's depth: the
     drafts along its longest root path, as conditional acceptance reads it (position k is reached
     only where some path is k deep)."""
@@ -121,13 +122,13 @@ def tree_decode(
     while not finished(tokens, max_new_tokens, stop_ids):
         branches = drafter.branches(decoding.committed(drafter), context.view() if context is not None else None)
         # As a block: no deeper than the output still has room for, the next token included.
-        tree = build_tree(branches, budget=budget, depth_limit=min(drafter.drafts, max_new_tokens - len(tokens) - 1))
-        verified = verify_tree(target, decoding.history[-1], tree)
-        predicted = verified.predicted.tolist()
+        grown = grow_tree(branches, budget=budget, depth_limit=min(drafter.drafts, max_new_tokens - len(tokens) - 1))
+        verified = verify_tree(target, decoding.history[-1], grown)
+        tree, predicted = grown.read(verified.predicted)  # the step's one sync: the tree and the target's tokens
         path = tree.follow(predicted.__getitem__)
         new = [tree.tokens[node] for node in path] + [predicted[path[-1] + 1 if path else 0]]
         accepted = through_stop(new, stop_ids) - 1  # a stop token in the tree ends the output there
-        rows = [0] + [node + 1 for node in path[:accepted]]
+        rows = on_device(torch.tensor([0] + [node + 1 for node in path[:accepted]]), target.device)
         commit_path(target, verified, rows)
         if context is not None:
             context.append(verified.features[rows])

@@ -51,7 +51,7 @@ class VariantBranches:
         self.target_layers = list(drafter.config.target_layer_ids)
 
     reads_host = True
-    """A tree is built on the host from the anchor's token: tree_decode gives the committed tokens as a host list."""
+    """The anchor's token is taken from the committed tokens as a host list (tree_decode gives them so): no read."""
 
     @torch.inference_mode()
     def branches(self, tokens: torch.Tensor | Sequence[int], context: torch.Tensor | None) -> Branches:

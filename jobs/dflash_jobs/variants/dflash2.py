@@ -11,8 +11,8 @@ import torch
 
 from dflash_jobs.drafter.dflash2_model import DFlash2Config, DFlash2Drafter
 from dflash_jobs.drafter.export import MODELING_FILES, write_export
-from dflash_jobs.drafter.model import DrafterConfig, anchor_ids
-from dflash_jobs.drafter.tree import CandidateBranches
+from dflash_jobs.drafter.model import DrafterConfig
+from dflash_jobs.drafter.tree import ConditionalBranches
 from dflash_jobs.errors import SpecError
 from dflash_jobs.spec import TrainSpec
 from dflash_jobs.storage import Storage
@@ -47,7 +47,7 @@ def predict(drafter: DFlash2Drafter, hidden, batch):
     return drafter.teacher_forced_tokens(hidden, teacher_forced_predecessors(batch.block_ids, batch.labels))
 
 
-def branches(drafter: DFlash2Drafter, hidden: torch.Tensor, anchor: int) -> CandidateBranches:
+def branches(drafter: DFlash2Drafter, hidden: torch.Tensor, anchor: int) -> ConditionalBranches:
     """Slot d (depth d) offers its strict top-K unary candidates, ranked by the selector's score of
     the edge from the parent (the anchor at depth 1): the distribution vLLM samples from at T > 0,
     whose best child is the greedy walk's choice (ties to the lower token id, as the walk)."""
@@ -56,18 +56,13 @@ def branches(drafter: DFlash2Drafter, hidden: torch.Tensor, anchor: int) -> Cand
     unary, candidates = selector.candidates(drafter.logits(slots))
     projected = selector.hidden_projection(slots)
 
-    def edges(depth: int, parent: int) -> tuple[torch.Tensor, torch.Tensor]:
-        slot = depth - 1
-        predecessor = anchor_ids(parent, candidates.device)  # filled on the device: no copy from the host to wait on
-        return selector.scores(projected[slot], unary[slot], candidates[slot], predecessor), candidates[slot]
+    def edges(depth: int, parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # parents [P] -> the scores [P, K] of their edges to the slot's candidates, every parent's in one call
+        slot, shape = depth - 1, (len(parents), candidates.shape[-1])
+        ids = candidates[slot].expand(shape)
+        return selector.scores(projected[slot].expand(len(parents), -1), unary[slot].expand(shape), ids, parents), ids
 
-    def every_edge(parents: torch.Tensor) -> torch.Tensor:
-        # parents [D, P] -> [D, P, K]: edges' scores as above, every slot's and parent's in one call (one read for the tree)
-        D, P = parents.shape
-        K = candidates.shape[-1]
-        return selector.scores(projected[:, None].expand(D, P, -1), unary[:, None].expand(D, P, K), candidates[:, None].expand(D, P, K), parents)
-
-    return CandidateBranches(edges, every_edge, candidates, anchor)
+    return ConditionalBranches(edges, anchor, depths=len(candidates), device=candidates.device)
 
 
 def export_dflash2(drafter: DFlash2Drafter, storage: Storage, prefix: str) -> None:
