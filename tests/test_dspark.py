@@ -131,23 +131,23 @@ def small_drafter(config: DSparkConfig, *, dtype=torch.float64, seed: int = 0) -
 
 
 N, B, CONTEXT = 5, 4, 20
-ANCHORS = [2, 5, 9, 11, 14]
+ANCHORS = [2, 5, 9, 11, 14]  # blocks 0-1 and 2-3 share a context row: their slots read the same target state
 
 
-def hand_made_batch(*, final_hidden: bool = True, seed: int = 2) -> SimpleNamespace:
+def hand_made_batch(*, final_hidden: bool = True, seed: int = 2, anchors: list[int] = ANCHORS, dtype=torch.float64) -> SimpleNamespace:
     """What the objective reads of a Batch: 5 blocks of 4 over 20 context rows, the final hidden state beside them."""
     g = torch.Generator().manual_seed(seed)
     block_ids = torch.full((N, B), V - 1)
     block_ids[:, 0] = torch.randint(0, V - 1, (N,), generator=g)
     prefix = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]], dtype=torch.float32)
-    layout = BlockLayout(CONTEXT, B, torch.zeros(N, dtype=torch.long), torch.tensor(ANCHORS),
-                         torch.cat([torch.arange(CONTEXT), (torch.tensor(ANCHORS)[:, None] + torch.arange(B)).flatten()]))
+    layout = BlockLayout(CONTEXT, B, torch.zeros(N, dtype=torch.long), torch.tensor(anchors),
+                         torch.cat([torch.arange(CONTEXT), (torch.tensor(anchors)[:, None] + torch.arange(B)).flatten()]))
     batch = SimpleNamespace(
         block_ids=block_ids, labels=torch.randint(0, V - 1, (N, B), generator=g), layout=layout,
         loss_weights=prefix * torch.tensor(anchor_layout("dspark", block_size=B).slot_decay(), dtype=torch.float32),
     )
     if final_hidden:
-        batch.final_hidden = torch.randn(CONTEXT, D, generator=g, dtype=torch.float64)
+        batch.final_hidden = torch.randn(CONTEXT, D, generator=g, dtype=torch.float64).to(dtype)
     return batch
 
 
@@ -162,7 +162,7 @@ def reference_loss(drafter: DSparkDrafter, hidden: torch.Tensor, batch) -> tuple
     terms = {"ce": ce}
     loss = config.ce_weight * (weights * ce).sum()
     if config.reads_target:
-        state = batch.final_hidden[torch.tensor(ANCHORS)[:, None] + torch.arange(B)]  # slot k: the target at anchor + k
+        state = batch.final_hidden[batch.layout.anchor[:, None] + torch.arange(B)]  # slot k: the target at anchor + k
         normed = state * torch.rsqrt(state.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps) * drafter.target_norm
         l1 = (logits.softmax(-1) - (normed @ drafter.lm_head.T).softmax(-1)).abs().sum(-1)
         loss = loss + config.l1_weight * (weights * l1).sum()
@@ -227,6 +227,48 @@ def test_the_objective_and_its_gradients_equal_a_direct_computation(heads, chunk
     assert out.accepted == correct.long().cumprod(1).sum()  # every slot is a draft: the run counts from slot 0
 
 
+class TargetLogitRows(torch.overrides.TorchFunctionMode):
+    """Counts the rows of every matmul by the bare LM head, [V, D].T: the target's logits (the
+    drafter's go through the LM head joined with W2, [V, D + RANK])."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) == "matmul" and args[1].shape == (D, V):  # `@` and torch.matmul
+            self.rows += args[0].shape[0]
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("chunk_rows", [3, 7, 1000])
+def test_slots_sharing_a_target_state_get_its_logits_once_and_the_float32_objective_matches_float64(chunk_rows):
+    """Blocks one position apart (every context row read by up to 4 slots, masked slots among them):
+    in float32, as the chunks run on a GPU, the loss and every gradient equal the float64 reference
+    over whole tensors within float32's tolerance, whichever chunk boundaries split a shared row's
+    readers; the target's logits are computed once per context row and chunk that reads it."""
+    drafter = small_drafter(small_config(), dtype=torch.float32)
+    batch = hand_made_batch(anchors=[3, 4, 5, 6, 7], dtype=torch.float32)
+    hidden = torch.randn(N, B, D, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    with TargetLogitRows() as target_logits:
+        out = dspark_objective(drafter, hidden, batch, normalizer=None, fused=False, chunk_rows=chunk_rows)
+    supervised = int((batch.loss_weights > 0).sum())
+    distinct = len((batch.layout.anchor[:, None] + torch.arange(B))[batch.loss_weights > 0].unique())
+    chunks = math.ceil(supervised / chunk_rows)
+    assert distinct < supervised and distinct <= target_logits.rows <= distinct + chunks - 1
+    chunked = gradients(drafter, hidden, out.loss)
+
+    reference = copy.deepcopy(drafter).double()
+    reference_batch = hand_made_batch(anchors=[3, 4, 5, 6, 7])
+    reference_hidden = hidden.detach().double().requires_grad_()
+    expected_loss, _ = reference_loss(reference, reference_hidden, reference_batch)
+    expected = gradients(reference, reference_hidden, expected_loss)
+    torch.testing.assert_close(out.loss.double(), expected_loss, rtol=1e-5, atol=1e-6)
+    assert chunked.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(chunked[name].double(), expected[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_a_chunk_never_holds_more_rows_of_logits_than_asked():
     seen = []
     original = torch.Tensor.logsumexp
@@ -241,8 +283,8 @@ def test_a_chunk_never_holds_more_rows_of_logits_than_asked():
     try:
         ChunkedMarkovDistillation.apply(
             torch.randn(rows, D, generator=g), torch.randn(V, D, generator=g), torch.randn(rows, RANK, generator=g),
-            torch.randn(V, RANK, generator=g), torch.randn(rows, D, generator=g), torch.zeros(rows, dtype=torch.long), torch.ones(rows),
-            4, None, 0.1, 0.9, False,
+            torch.randn(V, RANK, generator=g), torch.randn(rows, D, generator=g), torch.arange(rows), torch.zeros(rows, dtype=torch.long),
+            torch.ones(rows), 4, None, 0.1, 0.9, False,
         )
     finally:
         torch.Tensor.logsumexp = original
@@ -252,16 +294,18 @@ def test_a_chunk_never_holds_more_rows_of_logits_than_asked():
 @pytest.mark.parametrize("with_target", [True, False])
 def test_fused_markov_chunk_terms_equal_the_eager_ones(with_target):
     """Compiled (train.compile on a GPU; the same Inductor here), the chunk's elementwise work gives
-    the eager sums, L1 distances, predictions and gradient, with and without the target's logits."""
+    the eager sums, L1 distances, predictions and gradient, with and without the target's logits
+    (over fewer distinct rows than the chunk's, some read by several rows)."""
     g = torch.Generator().manual_seed(0)
     rows = 23
     logits = torch.randn(rows, V, generator=g) * 3
-    target = torch.randn(rows, V, generator=g) * 3 if with_target else None
+    target = torch.randn(15, V, generator=g) * 3 if with_target else None
+    target_index = torch.randint(0, 15, (rows,), generator=g).sort().values if with_target else None
     labels = torch.randint(0, V, (rows,), generator=g)
     weights = torch.rand(rows, generator=g)
     weights[[0, 9]] = 0
     total = weights.sum()
-    arguments = (labels, weights, total, 0.1, 0.9, True)
+    arguments = (target_index, labels, weights, total, 0.1, 0.9, True)
     eager = _markov_chunk_terms(logits.clone(), None if target is None else target.clone(), *arguments)
     fused = _fused_markov_chunk_terms()(logits.clone(), None if target is None else target.clone(), *arguments)
     for got, want in zip(fused, eager):
