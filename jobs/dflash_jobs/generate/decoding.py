@@ -309,7 +309,7 @@ class StaticRun:
             return self.forward(width, greedy_in_step)
         import torch
 
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)):
             return compiled_step()(self, width, greedy_in_step)
 
     def advance(self) -> bool:
