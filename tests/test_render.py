@@ -163,7 +163,7 @@ def test_every_pod_is_locked_down_and_writes_only_to_empty_dirs():
             assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, where
             volumes = {v["name"]: v for v in pod["volumes"]}
             assert volumes["spec"] == {"name": "spec", "configMap": {"name": "demo-run-spec"}}, where
-            for container in pod["initContainers"] + pod["containers"]:
+            for container in pod.get("initContainers", []) + pod["containers"]:
                 security = container["securityContext"]
                 assert security == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}, where
                 mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
