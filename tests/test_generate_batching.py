@@ -1,6 +1,6 @@
 """How the transformers engine batches a chunk's prompts: generate.batch_prompts (auto sized from the
 free device memory, or a number), and the prompts sorted by length into batches, every answer the
-same as its prompt's alone."""
+same as its prompt's alone; generate.compile, whether it compiles its decode step."""
 
 from __future__ import annotations
 
@@ -67,6 +67,24 @@ def test_a_run_started_under_the_old_default_is_the_same_run():
     resolved = parse_spec(RUN | {"generate": {}}).to_dict()
     assert resolved["generate"]["batch_prompts"] == "auto"
     assert run_identity(resolved | {"generate": resolved["generate"] | {"batch_prompts": 64}}) == run_identity(resolved)
+
+
+def test_the_decode_step_compiles_on_a_gpu_unless_turned_off(target_of):
+    """generate.compile: unset, on a GPU and not on a CPU; set, as it says; the engine's static decoder
+    compiles where it does. A speed knob as batch_prompts is: a run.yaml written before it is the same run."""
+    assert GenerateSpec().compiled_on("cuda") and not GenerateSpec().compiled_on("cpu")
+    assert not GenerateSpec(compile=False).compiled_on("cuda") and GenerateSpec(compile=True).compiled_on("cpu")
+    with pytest.raises(SpecError, match="generate.compile"):
+        parse_spec(RUN | {"generate": {"compile": "yes"}})
+    target = target_of("llama")
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    for compile in (None, True):
+        engine = TransformersEngine.load(GenerateSpec(engine="transformers", compile=compile), target, tokenizer=tokenizer,
+                                         device=torch.device("cpu"), attn_implementation="sdpa", max_length=160)
+        assert engine.decoder.compile is bool(compile)
+    resolved = parse_spec(RUN | {"generate": {"compile": False}}).to_dict()
+    before = resolved | {"generate": {key: value for key, value in resolved["generate"].items() if key != "compile"}}
+    assert run_identity(before) == run_identity(resolved) == run_identity(parse_spec(RUN | {"generate": {}}).to_dict())
 
 
 def test_the_target_shape_is_read_from_its_config(target_of):

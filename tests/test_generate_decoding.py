@@ -32,6 +32,14 @@ def llama(target_of):
     return AutoModelForCausalLM.from_pretrained(target_of("llama"), dtype=torch.float32, attn_implementation="sdpa").eval()
 
 
+@pytest.fixture(scope="module")
+def short_llama(target_of):
+    """The tiny llama's first two layers: inductor compiles a step of two layers on a CPU in a quarter of the time of eight."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(target_of("llama"), dtype=torch.float32, attn_implementation="sdpa", num_hidden_layers=2).eval()
+
+
 def left_padded(lengths: list[int], vocab: int, pad: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     rng = random.Random(seed)
     longest = max(lengths)
@@ -70,6 +78,38 @@ def test_the_static_decoder_gives_the_plain_greedy_loops_tokens(llama, reference
     again = decoder(other_ids, other_attention, 40, greedy)
     assert decoder.run.length == 256  # 30 + 48 tokens, rounded up to CACHE_BUCKET
     assert torch.equal(again, StaticDecoder(llama, stop_ids={vocab + 1}, pad_id=0)(other_ids, other_attention, 40, greedy))
+
+
+@torch.inference_mode()
+def test_the_compiled_static_decoder_gives_the_plain_loops_tokens_from_one_graph_a_pick_kind(short_llama, reference):
+    """compile (inductor's C++ kernels on a CPU): where a row parts from the plain loop, an exact tie
+    or a rounding of the fused kernels within one bf16 step; greedy in the step gives the recorded
+    tokens. The first batch compiles one graph of the step for greedy in it and one for the logits
+    out, and nothing else compiles: not a window (64, 128), not another batch size, nor the whole
+    cache's width, nor a step (each calls the compiled step on a CPU; a GPU calls it once a window to
+    warm and once to capture)."""
+    from torch._dynamo.utils import counters
+
+    vocab = short_llama.config.vocab_size
+    ids, attention = left_padded(LENGTHS, vocab, pad=0)
+    torch._dynamo.reset()
+    counters.clear()
+    plain, fast = reference.Recorder(), reference.Recorder()
+    expected = reference.plain_greedy(short_llama, ids, attention, 48, plain)
+    decoder = StaticDecoder(short_llama, stop_ids={vocab + 1}, pad_id=0, compile=True)
+    got = decoder(ids, attention, 48, fast)
+    found = reference.partings(expected, plain, got, fast)
+    assert found.other == 0 and found.identical >= len(LENGTHS) - 1, found
+    assert torch.equal(decoder(ids, attention, 48, greedy), got)
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"], (dict(counters["stats"]), dict(counters["graph_break"]))
+    other_ids, other_attention = left_padded(LENGTHS[:5], vocab, pad=0, seed=3)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for windows in (True, False):
+            compiled = StaticDecoder(short_llama, stop_ids={vocab + 1}, pad_id=0, windows=windows, compile=True)
+            eager = StaticDecoder(short_llama, stop_ids={vocab + 1}, pad_id=0, windows=windows)
+            for batch in [(ids, attention), (other_ids, other_attention)]:
+                assert torch.equal(compiled(*batch, 40, greedy), eager(*batch, 40, greedy))
+    assert counters["stats"]["unique_graphs"] == 2
 
 
 @torch.inference_mode()

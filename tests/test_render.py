@@ -219,8 +219,8 @@ def test_a_model_cache_claim_holds_the_s3_checkpoint_for_every_pod_of_a_node():
     ({"model_cache": "model-cache", "kernel_cache": "kernels"}, "kernel-cache", render.KERNEL_CACHE_DIR),
 ])
 def test_compiled_kernels_and_autotuning_go_to_a_volume_the_node_s_pods_share(cluster, volume, directory):
-    spec = make_spec(cluster=cluster)
-    for component in ("extract", "train", "eval"):
+    spec = make_spec(cluster=cluster, generate={"engine": "transformers"})  # its engine compiles the decode step on a GPU
+    for component in ("generate", "extract", "train", "eval"):
         pod = the_job(render.render_all(spec), component)["spec"]["template"]["spec"]
         volumes = {v["name"]: v for v in pod["volumes"]}
         for container in pod["initContainers"] + pod["containers"]:

@@ -1,5 +1,5 @@
 """Answers per second of the generate step's two decoders side by side (issue 48 item 2), and the
-fast one's tokens against the plain greedy loop's.
+fast one's tokens, its step eager and compiled, against the plain greedy loop's.
 
     python bench/generate/bench_generate.py --shape smollm2 --out $OUT/generate-h100.json   # one H100, about 4 minutes
     python bench/generate/bench_generate.py --shape tiny --out generate-tiny.json           # the same on a CPU, a few minutes
@@ -13,15 +13,21 @@ the left to its longest, as the Transformers engine batches them (jobs/dflash_jo
 
 Stages (--stages, default all), the JSON written after each:
 1. agreement: the first batch decoded by the plain greedy loop (bench/generate/reference.py), by
-   the static decoder and by generate, each keeping every step's two best scores; where a row parts
-   from the plain loop, the scores there class it (an exact tie, within one bf16 step, or other);
-   and each decoder's greedy as the engine asks it (the static one: argmax in the replayed step)
-   against its own recorded tokens, row by row.
-2. profile: where one batch's time goes in the static decoder (profile_step.profile_batch).
+   the static decoder (its step eager, then compiled) and by generate, each keeping every step's two
+   best scores; where a row parts from the plain loop, the scores there class it (an exact tie,
+   within one bf16 step, or other); and each decoder's greedy as the engine asks it (the static one:
+   argmax in the replayed step) against its own recorded tokens, row by row; the seconds of each
+   decoding (the compiled decoder's first two hold its compiles: logits out, then greedy in the step).
+2. profile: where one batch's time goes in the static decoder, eager and compiled (profile_step.profile_batch).
 3. throughput: each decoder warmed on one batch, then timed on its prompts in the order
    static, generate, generate, static (both orders: a later run gains nothing from an earlier one);
    answers/s = prompts / seconds of the run, tokens counted as decoded (prompts x new tokens).
-4. sweep: the static decoder's knobs side by side on the same prompts (profile_step.sweep).
+4. sweep: the static decoder's knobs side by side on the same prompts (profile_step.sweep; its
+   groups of variants --sweep-variants, of profile_step.SWEEP_GROUPS).
+
+After each stage the JSON also holds `compiled_graphs`: the graphs torch.compile made of the decode
+step so far and its graph breaks (one graph for greedy in the step and one for logits out are
+expected whatever the windows and batch sizes: a count growing with them is a recompile).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from pathlib import Path
 import torch
 
 from dflash_jobs.generate.decoding import HfGenerate, StaticDecoder, greedy
-from profile_step import profile_batch, sweep, synchronize
+from profile_step import SWEEP_GROUPS, profile_batch, sweep, sweep_variants, synchronize
 from reference import Recorder, partings, plain_greedy
 
 SHAPES = {
@@ -104,15 +110,26 @@ def agreement(model, decoders, work, new_tokens: int) -> dict:
     ids, attention = work[0]
     plain = Recorder()
     reference = plain_greedy(model, ids, attention, new_tokens, plain)
-    found, greedy_rows_equal = {}, {}
+    found, greedy_rows_equal, seconds = {}, {}, {}
     for decoder in decoders:
         recorder = Recorder()
+        started = time.perf_counter()
         tokens = decoder(ids, attention, new_tokens, recorder)
+        recorded_at = time.perf_counter()
         found[decoder.name] = asdict(partings(reference, plain, tokens, recorder))
         # greedy as the engine asks it (the static decoder: argmax in the replayed step, on bf16 logits)
-        greedy_rows_equal[decoder.name] = int((decoder(ids, attention, new_tokens, greedy) == tokens).all(dim=1).sum())
+        greedy_tokens = decoder(ids, attention, new_tokens, greedy)
+        greedy_rows_equal[decoder.name] = int((greedy_tokens == tokens).all(dim=1).sum())
+        seconds[decoder.name] = {"recorded": round(recorded_at - started, 2), "greedy": round(time.perf_counter() - recorded_at, 2)}
     return {"prompts": ids.shape[0], "new_tokens": new_tokens, "against_plain_greedy": found,
-            "greedy_rows_equal_to_recorded": greedy_rows_equal}
+            "greedy_rows_equal_to_recorded": greedy_rows_equal, "seconds": seconds}
+
+
+def compiled_graphs() -> dict:
+    """The graphs torch.compile made so far in this process, and its graph breaks."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
 
 
 STAGES = ("agreement", "profile", "throughput", "sweep")
@@ -131,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="prompts each sweep variant decodes (default 8 batches: batches of 4x still sorted by length)")
     parser.add_argument("--sweep-batches", default=None, help="batch sizes of the sweep (default: 1, 2 and 4 batches)")
     parser.add_argument("--sdpa-backends", default=None,
-                        help="SDPA backends of the sweep besides the default one (default: MATH,CUDNN_ATTENTION on a GPU, MATH on a CPU)")
+                        help="SDPA backends of the sweep besides the default one (default: MATH,CUDNN_ATTENTION on a GPU, MATH on a CPU; '' none)")
+    parser.add_argument("--sweep-variants", default=",".join(SWEEP_GROUPS), help=f"comma-separated groups of the sweep, of {', '.join(SWEEP_GROUPS)}")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--min-prompt", type=int, default=48)
     parser.add_argument("--max-prompt", type=int, default=288)
@@ -139,12 +157,16 @@ def main(argv: list[str] | None = None) -> int:
     stages = args.stages.split(",")
     if set(stages) - set(STAGES):
         parser.error(f"--stages: {args.stages!r}, not of {', '.join(STAGES)}")
+    groups = args.sweep_variants.split(",")
+    if set(groups) - set(SWEEP_GROUPS):
+        parser.error(f"--sweep-variants: {args.sweep_variants!r}, not of {', '.join(SWEEP_GROUPS)}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     size = args.batch or (1024 if device.type == "cuda" else 16)
     model = random_target(args.shape, device)
     lengths = (args.min_prompt, args.max_prompt)
     vocab = SHAPES[args.shape]["vocab_size"]
     static = StaticDecoder(model, stop_ids={STOP_ID}, pad_id=PAD_ID)
+    compiled = StaticDecoder(model, stop_ids={STOP_ID}, pad_id=PAD_ID, compile=True)
     generate = HfGenerate(model, stop_ids={STOP_ID}, pad_id=PAD_ID)
     report = {"shape": args.shape, "config": SHAPES[args.shape], "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "dtype": str(model.dtype), "torch": torch.__version__, "transformers": transformers_version(), "batch": size,
@@ -152,24 +174,30 @@ def main(argv: list[str] | None = None) -> int:
 
     def write(stage: str, value) -> None:
         report[stage] = value
+        report["compiled_graphs"] = {**report.get("compiled_graphs", {}), stage: compiled_graphs()}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
 
     if "agreement" in stages:
-        write("agreement", agreement(model, [static, generate], batches(size, size, lengths, vocab, 1, device), args.new_tokens))
+        write("agreement", agreement(model, [static, compiled, generate], batches(size, size, lengths, vocab, 1, device), args.new_tokens))
     if "profile" in stages:
-        write("profile", profile_batch(static, *batches(size, size, lengths, vocab, 2, device)[0], args.new_tokens))
+        work = batches(size, size, lengths, vocab, 2, device)[0]
+        profiled = {}
+        for decoder in (static, compiled):
+            profiled[decoder.name] = profile_batch(decoder, *work, args.new_tokens)
+            decoder.run = None  # its cache freed for the next
+            write("profile", profiled)
     if "throughput" in stages:
         write("throughput", throughput(static, generate, args, size, lengths, vocab, device))
     if "sweep" in stages:
-        backends = args.sdpa_backends or ("MATH,CUDNN_ATTENTION" if device.type == "cuda" else "MATH")
+        backends = args.sdpa_backends if args.sdpa_backends is not None else ("MATH,CUDNN_ATTENTION" if device.type == "cuda" else "MATH")
         sizes = [int(n) for n in args.sweep_batches.split(",")] if args.sweep_batches else [size, 2 * size, 4 * size]
-        static.run = None  # its cache freed for the sweep's bigger batches
+        static.run = compiled.run = None  # their caches freed for the sweep's bigger batches
+        variants = sweep_variants(groups, batch=size, batches=sizes, backends=[name for name in backends.split(",") if name],
+                                  stop_ids={STOP_ID}, pad_id=PAD_ID)
         write("sweep", [])
         sweep(model, random_prompts(args.sweep_prompts or 8 * size, lengths, vocab, 5), args.new_tokens,
-              lambda prompts, n: left_padded(prompts, n, device), device, batch=size, batches=sizes,
-              backends=[name for name in backends.split(",") if name], stop_ids={STOP_ID}, pad_id=PAD_ID,
-              on_row=lambda rows: write("sweep", rows))
+              lambda prompts, n: left_padded(prompts, n, device), device, variants, on_row=lambda rows: write("sweep", rows))
     print(json.dumps(report, indent=2))
     return 0
 

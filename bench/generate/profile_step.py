@@ -8,8 +8,9 @@ time, how many kernels a step runs, and per step the kernels' time against the s
 the rest is the GPU idle (gaps between kernels, the launch, the host's work between steps).
 
 `sweep`: the same prompts decoded by each variant (windows on or off, greedy in the step or
-float32 argmax outside it, batch size, SDPA backend), each after a short warm-up of its batch size;
-the before/after pair in both orders.
+float32 argmax outside it, the step compiled or eager, batch size, SDPA backend), each after a short
+warm-up of its batch size (which compiles the step, where the process has not yet); each pair
+compared in both orders. Its groups of variants (SWEEP_GROUPS) can be chosen.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ from dflash_jobs.generate.decoding import StaticDecoder, greedy
 
 TOP = 25
 PROFILED_STEPS = 8
+SWEEP_GROUPS = ("before-after", "changes", "batches", "compiled", "sdpa")
+"""before-after: before (whole cache, float32 argmax outside the step) and after (windows, argmax in
+the step), in the order before, after, after, before; changes: each of after's two changes alone;
+batches: after at the other batch sizes; compiled: after and after compiled in the order after,
+compiled, compiled, after, then compiled at the other batch sizes; sdpa: after under each SDPA backend."""
 
 
 def float_greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -122,10 +128,11 @@ def sdpa_backend(name: str | None):
 @torch.inference_mode()
 def timed_variant(model, variant: dict, prompts: list[list[int]], new_tokens: int, make_batches, device) -> dict:
     """One variant over `prompts` (cut into its batch size), after a short warm-up of that batch size."""
-    decoder = StaticDecoder(model, stop_ids=variant["stop_ids"], pad_id=variant["pad_id"], windows=variant["windows"])
+    decoder = StaticDecoder(model, stop_ids=variant["stop_ids"], pad_id=variant["pad_id"], windows=variant["windows"],
+                            compile=variant["compile"])
     pick = greedy if variant["pick"] == "greedy" else float_greedy
     work = make_batches(prompts, variant["batch"])
-    row = {key: variant[key] for key in ("label", "batch", "windows", "pick", "sdpa")}
+    row = {key: variant[key] for key in ("label", "batch", "windows", "pick", "compile", "sdpa")}
     try:
         with sdpa_backend(variant["sdpa"]):
             decoder(*work[0], min(new_tokens, 24), pick)
@@ -143,19 +150,25 @@ def timed_variant(model, variant: dict, prompts: list[list[int]], new_tokens: in
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None}
 
 
-def sweep(model, prompts: list[list[int]], new_tokens: int, make_batches, device, *, batch: int, batches: list[int],
-          backends: list[str], stop_ids: set[int], pad_id: int, on_row=None) -> list[dict]:
-    """Each variant on the same prompts: before (whole cache, float32 argmax outside the step) and after
-    (windows, argmax in the step) in the order before, after, after, before; each change alone; the
-    after at other batch sizes; the after under each SDPA backend."""
-    base = {"stop_ids": stop_ids, "pad_id": pad_id, "batch": batch, "sdpa": None}
+def sweep_variants(groups: list[str], *, batch: int, batches: list[int], backends: list[str], stop_ids: set[int], pad_id: int) -> list[dict]:
+    """The variants of `groups` (of SWEEP_GROUPS), in the order given."""
+    base = {"stop_ids": stop_ids, "pad_id": pad_id, "batch": batch, "sdpa": None, "compile": False}
     before = {**base, "label": "before", "windows": False, "pick": "float32 argmax outside the step"}
     after = {**base, "label": "after", "windows": True, "pick": "greedy"}
-    variants = [before, after, after, before,
-                {**before, "label": "windows only", "windows": True},
-                {**after, "label": "argmax in the step only", "windows": False}]
-    variants += [{**after, "label": f"after, batch {size}", "batch": size} for size in batches if size != batch]
-    variants += [{**after, "label": f"after, SDPA {name}", "sdpa": name} for name in backends]
+    compiled = {**after, "label": "compiled", "compile": True}
+    others = [size for size in batches if size != batch]
+    variants = {
+        "before-after": [before, after, after, before],
+        "changes": [{**before, "label": "windows only", "windows": True}, {**after, "label": "argmax in the step only", "windows": False}],
+        "batches": [{**after, "label": f"after, batch {size}", "batch": size} for size in others],
+        "compiled": [after, compiled, compiled, after] + [{**compiled, "label": f"compiled, batch {size}", "batch": size} for size in others],
+        "sdpa": [{**after, "label": f"after, SDPA {name}", "sdpa": name} for name in backends],
+    }
+    return [variant for group in groups for variant in variants[group]]
+
+
+def sweep(model, prompts: list[list[int]], new_tokens: int, make_batches, device, variants: list[dict], on_row=None) -> list[dict]:
+    """Each variant (sweep_variants) on the same prompts."""
     rows = []
     for variant in variants:
         if device.type == "cuda":

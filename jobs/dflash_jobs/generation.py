@@ -104,7 +104,7 @@ def engine_options(spec: RunSpec) -> dict[str, Any]:
     if generate.engine == "vllm":
         options.update(vllm_image=generate.vllm_image, vllm_args=list(generate.vllm_args))
     else:
-        options.update(batch_prompts=generate.batch_prompts, attn_implementation=spec.target.attn_implementation)
+        options.update(batch_prompts=generate.batch_prompts, compile=generate.compile, attn_implementation=spec.target.attn_implementation)
     return options
 
 

@@ -15,6 +15,13 @@ launches (issue 48: 160 answers/s). One CUDA graph a step replays the launches a
 cache gives the graph fixed addresses; the mask is ours, built once, and grows by one column a step.
 A step reads only the cache's filled part (a graph per window of CACHE_ALIGN columns), greedy picks
 inside the graph, and the cache and its graphs serve the next batch of the same rows and length.
+
+Compiled (`compile`, generate.compile: on a GPU by default), the step's forward goes through
+torch.compile before the capture: a graph replays every kernel at once, but each of a step's some
+55 small kernels a layer (the RMSNorms' casts and reductions, rotary, the cache writes, residuals,
+SiLU x up) still costs its few microseconds of GPU time, a fixed cost a step at any batch. Inductor
+fuses the elementwise work between the matmuls and attention into fewer kernels, and our own capture
+records them as it records the eager ones.
 """
 
 from __future__ import annotations
@@ -34,6 +41,11 @@ CACHE_BUCKET = 256
 """The static cache's length is a multiple of this: batches of lengths that round up alike share a cache and its graphs."""
 STOP_CHECK_STEPS = 16
 """Steps between two looks at whether every row has stopped: each look waits for the GPU."""
+RECOMPILE_LIMIT = 64
+"""Graphs torch.compile keeps of the decode step (dynamo's default, 8, counts per function and process):
+one for each pick kind (greedy in the step, or logits out) and target, another where a batch has one
+row (dynamo specialises sizes of 1), each serving every window and batch size. Past the limit dynamo
+would run the step eagerly, saying so only in a warning."""
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -65,9 +77,10 @@ def cache_argument(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def pick_decoder(model, *, stop_ids: set[int], pad_id: int) -> Decoder:
+def pick_decoder(model, *, stop_ids: set[int], pad_id: int, compile: bool = False) -> Decoder:
+    """The static decoder (compiled where `compile`) where the target allows it, else generate."""
     if static_cache_supported(model):
-        return StaticDecoder(model, stop_ids=stop_ids, pad_id=pad_id)
+        return StaticDecoder(model, stop_ids=stop_ids, pad_id=pad_id, compile=compile)
     return HfGenerate(model, stop_ids=stop_ids, pad_id=pad_id)
 
 
@@ -122,13 +135,14 @@ class StaticDecoder(BatchDecoder):
     (static_cache_supported). The cache, its buffers and graphs stay for the next batch of as many
     rows whose length rounds up to the same CACHE_BUCKET, or less (prompts sorted by length: most
     batches), so such a batch captures nothing. `windows`: each forward attends over the cache's filled part only,
-    rounded up to CACHE_ALIGN (a graph per such window), not over its whole length."""
+    rounded up to CACHE_ALIGN (a graph per such window), not over its whole length. `compile`: each
+    decode step's forward through torch.compile (compiled_step), then captured as the eager one is."""
 
-    name = "static"
-
-    def __init__(self, model, *, stop_ids: set[int], pad_id: int, windows: bool = True) -> None:
+    def __init__(self, model, *, stop_ids: set[int], pad_id: int, windows: bool = True, compile: bool = False) -> None:
         super().__init__(model, stop_ids=stop_ids, pad_id=pad_id)
         self.windows = windows
+        self.compile = compile
+        self.name = "static compiled" if compile else "static"
         self.run: StaticRun | None = None
 
     def __call__(self, input_ids, attention, limit, pick):
@@ -157,6 +171,27 @@ def aligned(length: int) -> int:
 
 
 @functools.cache
+def compiled_step():
+    """StaticRun.forward through torch.compile, one for the process: dynamo keeps its graphs on the
+    function's code, so every run and decoder shares them.
+
+    dynamic=True: one graph serves every window, batch size and cache length (each a size of the
+    inputs, none a constant of the graph). Static shapes would compile a graph per window and batch
+    size: seven windows for prompts of up to 288 tokens and 128 new ones, again at each batch size,
+    where one graph of SmolLM2's 30 layers took 85 s to compile on a 2-core CPU, most of it inductor's
+    scheduling and code generation, which compiling for a GPU does as well. The mode is the default
+    one: no CUDA graphs of inductor's own (StaticRun.step captures the step, compiled or not, in its
+    own pool). Inductor's numerics are its default ones: a fused kernel keeps float32 between
+    elementwise steps that eager rounds to bf16 one by one (emulate_precision_casts would round them
+    as eager does, but its chains of casts crash Triton 3.6's compiler in some kernels: pytorch#173547),
+    so a compiled step's logits differ from the eager step's by roundings, which can part two
+    decodings where two tokens' scores are that close (bench/generate/bench_generate.py counts them)."""
+    import torch
+
+    return torch.compile(StaticRun.forward, dynamic=True)
+
+
+@functools.cache
 def windowed_cache():
     """A Transformers StaticCache whose `update` hands attention its first `window` columns (all of them
     while window is None): the columns past the filled part are masked, and reading them is waste."""
@@ -175,22 +210,25 @@ def windowed_cache():
 class StaticRun:
     """Batches of `rows` prompts on fixed buffers: the cache of `length` columns, the mask `visible`,
     the token in, the tokens chosen. A decode step writes its token's keys at column `slot` and picks
-    the next token; on a GPU each window's second step captures it as a CUDA graph (the first, eager,
-    warms its kernels) and every later step of that window, in this batch and the next, replays the
-    graph. With greedy the pick and the stop bookkeeping are in the graph too, argmax on the target's
-    own logits (a bf16 -> float32 cast is exact and keeps the order: the same token); any other pick
-    takes float32 logits outside the graph."""
+    the next token; on a GPU each window's second step captures it as a CUDA graph (the first, not
+    captured, warms its kernels, and compiles the step where it is compiled) and every later step of
+    that window, in this batch and the next, replays the graph. With greedy the pick and the stop
+    bookkeeping are in the graph too, argmax on the target's own logits (a bf16 -> float32 cast is
+    exact and keeps the order: the same token); any other pick takes float32 logits outside the graph."""
 
     def __init__(self, decoder: StaticDecoder, rows: int, length: int, device) -> None:
         import torch
 
-        self.model, self.pad_id, self.windows = decoder.model, decoder.pad_id, decoder.windows
+        self.model, self.pad_id, self.windows, self.compiled = decoder.model, decoder.pad_id, decoder.windows, decoder.compile
         self.rows, self.length, self.device = rows, length, device
-        self.cache = windowed_cache()(config=self.model.config, max_cache_len=length)
+        # Past the last column any window reads, one more column in the cache and CACHE_ALIGN (its rows
+        # stay aligned) in the mask: a window of the whole cache would be a contiguous slice of each,
+        # the others not, and torch.compile would make that window a graph of its own.
+        self.cache = windowed_cache()(config=self.model.config, max_cache_len=length + 1)
         self.cache_kwargs = {cache_argument(self.model): self.cache}
         self.stops = torch.tensor(sorted(decoder.stop_ids), device=device)
-        # visible[b, j]: row b's column j holds a token of its own (prompt, then answer) [B, length].
-        self.visible = torch.zeros(rows, length, dtype=torch.bool, device=device)
+        # visible[b, j]: row b's column j holds a token of its own (prompt, then answer) [B, length + CACHE_ALIGN].
+        self.visible = torch.zeros(rows, length + CACHE_ALIGN, dtype=torch.bool, device=device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)  # the cache column the next step writes
         self.position = torch.zeros(rows, dtype=torch.long, device=device)  # [B], the next token's position
         self.token = torch.zeros(rows, dtype=torch.long, device=device)  # the next step's input
@@ -198,7 +236,7 @@ class StaticRun:
         self.tokens = torch.zeros(rows, length, dtype=torch.long, device=device)
         self.column = torch.zeros(1, dtype=torch.long, device=device)  # where the next token goes in `tokens`
         self.graphs: dict[tuple[int, bool], tuple] = {}  # (window, greedy) -> its step's CUDA graph and logits
-        self.warm: set[tuple[int, bool]] = set()  # steps that ran eagerly once
+        self.warm: set[tuple[int, bool]] = set()  # steps that ran once uncaptured
         self.pool = None
         self.pick: Pick = greedy
         self.limit = self.prompt_length = self.chosen = 0
@@ -216,7 +254,7 @@ class StaticRun:
         self.done.zero_()
         self.tokens.fill_(self.pad_id)
         self.column.zero_()
-        self.choose(self.prefill(input_ids, real))
+        self.choose(self.picked(self.prefill(input_ids, real)))
         self.chosen = 1  # tokens in `tokens`
 
     def window(self, filled: int) -> int:
@@ -237,16 +275,22 @@ class StaticRun:
         return self.model(input_ids=input_ids, attention_mask=mask[:, None], position_ids=positions,
                           use_cache=True, logits_to_keep=1, **self.cache_kwargs).logits[:, -1]
 
-    def choose(self, logits) -> None:
+    def picked(self, logits):
+        """Greedy on the target's own logits (a bf16 -> float32 cast is exact and keeps the order), any
+        other pick on float32 ones."""
+        return greedy(logits) if self.pick is greedy else self.pick(logits.float())
+
+    def choose(self, token) -> None:
         """The next token of each row into `tokens` (padding once a row has stopped) and into the next step."""
-        token = (greedy(logits) if self.pick is greedy else self.pick(logits.float())).masked_fill(self.done, self.pad_id)
+        token = token.masked_fill(self.done, self.pad_id)
         self.done |= (token[:, None] == self.stops).any(dim=-1)  # not torch.isin: for many rows it sorts, which syncs
         self.tokens.index_copy_(1, self.column, token[:, None])
         self.column += 1
         self.token.copy_(token)
 
-    def forward(self, width: int):
-        """One decode step over the cache's first `width` columns: the next token chosen (greedy), or the logits [B, V]."""
+    def forward(self, width: int, greedy_in_step: bool):
+        """One decode step over the cache's first `width` columns: the next token chosen (greedy_in_step),
+        or the logits [B, V]. Reads nothing of `pick`: a compiled step would be a graph for each pick object."""
         self.cache.window = width
         self.visible.index_fill_(1, self.slot, True)
         out = self.model(input_ids=self.token[:, None], attention_mask=self.visible[:, None, None, :width],
@@ -254,10 +298,19 @@ class StaticRun:
         self.slot += 1
         self.position += 1
         logits = out.logits[:, -1]
-        if self.pick is greedy:
-            self.choose(logits)
+        if greedy_in_step:
+            self.choose(greedy(logits))
             return None
         return logits
+
+    def decode(self, width: int, greedy_in_step: bool):
+        """`forward`, through torch.compile where the decoder compiles."""
+        if not self.compiled:
+            return self.forward(width, greedy_in_step)
+        import torch
+
+        with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)):
+            return compiled_step()(self, width, greedy_in_step)
 
     def advance(self) -> bool:
         """Decodes the next token of every row; False (nothing decoded) at the limit or, at a look every
@@ -267,7 +320,7 @@ class StaticRun:
         # This step writes the last token's keys at column P + chosen - 1 and attends to every column before.
         logits = self.step(self.window(self.prompt_length + self.chosen))
         if self.pick is not greedy:
-            self.choose(logits)
+            self.choose(self.pick(logits.float()))
         self.chosen += 1
         return True
 
@@ -277,7 +330,7 @@ class StaticRun:
         key = (width, self.pick is greedy)
         if self.device.type != "cuda" or key not in self.warm:
             self.warm.add(key)
-            return self.forward(width)
+            return self.decode(*key)
         if key not in self.graphs:
             # Recorded on a side stream (capture refuses the default one) into a memory pool the
             # windows' graphs share (one replays at a time; each keeps its output). Recording runs no
@@ -290,7 +343,7 @@ class StaticRun:
             with torch.cuda.stream(stream):
                 graph.capture_begin(pool=self.pool)
                 try:
-                    logits = self.forward(width)
+                    logits = self.decode(*key)
                 finally:
                     graph.capture_end()
             torch.cuda.current_stream().wait_stream(stream)

@@ -6,8 +6,8 @@ not know which one ran:
 - `VllmEngine` runs vLLM's own batch runner in the vLLM image, one process per chunk (the model
   loads once per chunk: generate.chunk_prompts trades that against what a killed pod loses);
 - `TransformersEngine` renders each conversation with the chat template, as vLLM does, and decodes
-  prompts of similar length together with left padding (decoding.py: a static cache and CUDA graphs
-  where the target's attention allows, generate otherwise); it returns each answer's token ids as
+  prompts of similar length together with left padding (decoding.py: a static cache and CUDA graphs,
+  the step compiled on a GPU, where the target's attention allows, generate otherwise); it returns each answer's token ids as
   vLLM does for `return_token_ids`.
 
 Output lines are written as answers complete, so a watcher of the output file sees progress.
@@ -104,7 +104,7 @@ class TransformersEngine:
     for the target, the device and prompts up to `max_length` tokens: sizing.py), each chunk's prompts
     sorted by length (shortest first: a batch pads little, and reuses the static decoder's cache and
     graphs), left-padded, each batch decoded by `decoder` (default: the fastest that fits the target,
-    decoding.pick_decoder)."""
+    decoding.pick_decoder, its step compiled as generate.compile says for the device)."""
 
     name = "transformers"
 
@@ -117,7 +117,7 @@ class TransformersEngine:
         eos = model.config.eos_token_id if eos is None else eos
         self.stop_ids = set([eos] if isinstance(eos, int) else eos or ()) | ({tokenizer.eos_token_id} - {None})
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.stop_ids)
-        self.decoder = decoder or pick_decoder(model, stop_ids=self.stop_ids, pad_id=self.pad_id)
+        self.decoder = decoder or pick_decoder(model, stop_ids=self.stop_ids, pad_id=self.pad_id, compile=settings.compiled_on(device.type))
         self.rows, why = batch_rows(settings, model, device, max_length=max_length)
         log.info("transformers engine: decoding with %s, %d prompts a batch (%s)", self.decoder.name, self.rows, why)
 
