@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_jobs.errors import EXIT_BAD_INPUT, FormatError, InputError
+from dflash_jobs.errors import EXIT_BAD_INPUT, FormatError, InputError, StorageUnavailable
 from dflash_jobs.formats import MANIFEST_KEY, HiddenChunk, Manifest, encode_hidden_chunk, header_size, hidden_chunk_key, read_header
 from dflash_jobs.spec import anchor_layout, parse_spec
-from dflash_jobs.storage import TEMP_PREFIX, StorageUnavailable, open_storage
+from dflash_jobs.storage import TEMP_PREFIX, open_storage
 from dflash_jobs.train.trainer import Runtime, Trainer
 from train_fixtures import LAYERS, copy_extract, tiny_target, train_spec_dict
 
