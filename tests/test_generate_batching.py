@@ -70,9 +70,11 @@ def test_a_run_started_under_the_old_default_is_the_same_run():
 
 
 def test_the_decode_step_compiles_on_a_gpu_unless_turned_off(target_of):
-    """generate.compile: unset, on a GPU and not on a CPU; set, as it says; the engine's static decoder
-    compiles where it does. A speed knob as batch_prompts is: a run.yaml written before it is the same run."""
-    assert GenerateSpec().compiled_on("cuda") and not GenerateSpec().compiled_on("cpu")
+    """generate.compile: off unless asked (until a GPU run has measured it); null, on a GPU and not on a
+    CPU; set, as it says; the engine's static decoder compiles where it does. A speed knob as
+    batch_prompts is: a run.yaml written before it is the same run."""
+    assert not GenerateSpec().compiled_on("cuda") and not GenerateSpec().compiled_on("cpu")
+    assert GenerateSpec(compile=None).compiled_on("cuda") and not GenerateSpec(compile=None).compiled_on("cpu")
     assert not GenerateSpec(compile=False).compiled_on("cuda") and GenerateSpec(compile=True).compiled_on("cpu")
     with pytest.raises(SpecError, match="generate.compile"):
         parse_spec(RUN | {"generate": {"compile": "yes"}})

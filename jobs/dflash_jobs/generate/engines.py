@@ -7,7 +7,7 @@ not know which one ran:
   loads once per chunk: generate.chunk_prompts trades that against what a killed pod loses);
 - `TransformersEngine` renders each conversation with the chat template, as vLLM does, and decodes
   prompts of similar length together with left padding (decoding.py: a static cache and CUDA graphs,
-  the step compiled on a GPU, where the target's attention allows, generate otherwise); it returns each answer's token ids as
+  the step compiled where generate.compile asks, where the target's attention allows, generate otherwise); it returns each answer's token ids as
   vLLM does for `return_token_ids`.
 
 Output lines are written as answers complete, so a watcher of the output file sees progress.

@@ -171,14 +171,15 @@ class GenerateSpec:
     of the free memory, at most 4,096 rows), on a CPU 64. A small target's decode step costs about the
     same at any batch, so its answers a second grow with the rows. A chunk's prompts are decoded
     shortest first, so a batch holds prompts of like length. The pod's log says the batch and why."""
-    compile: bool | None = None
+    compile: bool | None = False
     """The transformers engine's decode step through torch.compile (generate/decoding.py: fused norms,
     rotary, residuals and SwiGLU, inside the step's CUDA graph) for a target of full attention; a
     hybrid one decodes with generate either way. A greedy answer can part from eager decoding's only
     where two tokens' scores are as close as the fused kernels' roundings (bench/generate/bench_generate.py
-    counts and classes where it does against the plain greedy loop). Unset: on a GPU, off on a CPU
-    (where compiling takes longer than a small run's decoding). The first batch pays the compile:
-    one graph that serves every window and batch size."""
+    counts and classes where it does against the plain greedy loop). Off by default until a GPU run
+    has measured its partings and its speed (built and tested on a CPU only); null: on a GPU, off on
+    a CPU (where compiling takes longer than a small run's decoding). The first batch pays the
+    compile: one graph that serves every window and batch size."""
     backoff_limit_per_index: int = 3
     """Retries of one shard before it is marked failed."""
     vllm_image: str = VLLM_IMAGE
