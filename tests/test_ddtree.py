@@ -494,13 +494,16 @@ def test_a_tree_decoding_that_leaves_greedy_makes_the_run_not_lossless():
     assert summary["decoded"]["8"]["prompts_off_greedy"] == [0] and summary["decoded"]["8"]["agrees_with_exact"]
 
 
-def quality_figures(monkeypatch):
+def tree_acceptance(monkeypatch, summary: dict):
+    """The quality benchmark's tree figures of one drafter's summary in an evaluation report, read as
+    the benchmark reads it (records.Decoding)."""
     from pathlib import Path
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench" / "quality"))
     import figures
+    import records
 
-    return figures
+    return figures.tree_acceptance(records.Decoding.from_json(summary))
 
 
 def test_a_tree_decoding_that_commits_other_drafts_than_its_exact_figures_is_warned_about(monkeypatch):
@@ -515,18 +518,17 @@ def test_a_tree_decoding_that_commits_other_drafts_than_its_exact_figures_is_war
     assert report["lossless"]  # the output is greedy's: lossless, but the tree figures disagree
     [warning] = report_warnings(report)
     assert warning.startswith("dflash: decoding by trees of 3 nodes committed other drafts than its exact figures on prompts [0]")
-    assert quality_figures(monkeypatch).tree_acceptance(report["drafters"]["dflash"])["agrees_with_exact"] is False
+    assert tree_acceptance(monkeypatch, report["drafters"]["dflash"])["agrees_with_exact"] is False
 
 
 def test_the_quality_benchmark_puts_tree_tau_per_budget_beside_the_chains(evaluated, monkeypatch):
-    tree_acceptance = quality_figures(monkeypatch).tree_acceptance
     _, report = evaluated
     summary = report["drafters"]["dspark"]
-    trees = tree_acceptance(summary)
+    trees = tree_acceptance(monkeypatch, summary)
     assert trees["chain"] == round(summary["acceptance_length"], 3) and trees["lossless"] and trees["agrees_with_exact"]
     assert trees["per_budget"] == {b: round(d["acceptance_length"], 3) for b, d in summary["tree"]["decoded"].items()}
     assert list(trees["per_budget"]) == ["1", "5", "12"]
-    assert tree_acceptance(report["drafters"]["prompt_lookup"]) is None
+    assert tree_acceptance(monkeypatch, report["drafters"]["prompt_lookup"]) is None
 
 
 def test_a_dflash2_drafter_as_the_evaluation_loads_it_grows_its_trees(target_dir):
