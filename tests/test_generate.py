@@ -330,7 +330,7 @@ def test_shards_generate_their_chunks_and_the_last_writes_the_manifest(target, t
     assert manifest.lines == 24 and manifest.rows == 20
     assert manifest.dropped == {"malformed_json": 1, NOT_CHAT: 1, NO_USER_TURN: 1, OVER_CONTEXT: 1}
     assert manifest.settings["temperature"] == 0 and manifest.settings["engine"] == "transformers"
-    assert manifest.engine_options == {"gpus_per_shard": 1, "batch_prompts": 8, "compile": None, "attn_implementation": "sdpa"}
+    assert manifest.engine_options == {"gpus_per_shard": 1, "batch_prompts": 8, "compile": False, "attn_implementation": "sdpa"}
     assert manifest.completion_tokens > 0
     rejected = [json.loads(line) for line in (output / REJECTED_KEY).read_text().splitlines()]
     assert [(r["line"], r["reason"]) for r in rejected] == [(11, "malformed_json"), (12, NOT_CHAT), (13, NO_USER_TURN), (14, OVER_CONTEXT)]
