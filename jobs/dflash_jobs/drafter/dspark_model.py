@@ -106,6 +106,15 @@ class MarkovHead(nn.Module):
         """W1[prev] [..., r] -> the bias on the logits [..., V]."""
         return self.markov_w2(embedded.to(self.markov_w2.weight.dtype))
 
+    def bias_each(self, previous: torch.Tensor) -> torch.Tensor:
+        """previous tokens [P] -> the bias [P, V] of each, bit for bit what `forward` gives for it alone:
+        a [1, r] x [r, V] product a row against one weight (stride 0), where a [P, r] x [r, V] product
+        rounds otherwise (up to 2e-6 on a CPU). For the rows of a draft tree (drafter/tree.py), which
+        must rank as the drafter alone ranks them."""
+        weight = self.markov_w2.weight  # [V, r]
+        embedded = self.markov_w1(previous).to(weight.dtype)[:, None]  # [P, 1, r]
+        return torch.bmm(embedded, weight.T.expand(len(previous), -1, -1))[:, 0]
+
 
 class ConfidenceHead(nn.Module):
     """One logit per slot from its hidden state and its Markov embedding."""

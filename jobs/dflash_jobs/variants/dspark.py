@@ -35,15 +35,10 @@ def branches(drafter: DSparkDrafter, hidden: torch.Tensor, anchor: int) -> Condi
     depth is its greedy draft and a branch's children follow the branch's own last token."""
     base = drafter.logits(hidden)  # [B, V]
     head = drafter.markov_head
-    weight = head.markov_w2.weight  # [V, r]
 
     def biased(depth: int, parents: torch.Tensor) -> tuple[torch.Tensor, None]:
         logits = base[depth - 1]
-        embedded = head.markov_w1(parents).to(weight.dtype)[:, None]  # [P, 1, r]
-        # A [1, r] x [r, V] product a parent, against one weight (stride 0): each row bit for bit the
-        # head's bias of that parent alone, which one [P, r] x [r, V] product is not (up to 2e-6 on a CPU).
-        bias = torch.bmm(embedded, weight.T.expand(len(parents), -1, -1))[:, 0]
-        return logits + bias.to(logits.dtype), None
+        return logits + head.bias_each(parents).to(logits.dtype), None
 
     return ConditionalBranches(biased, anchor, depths=len(base), device=base.device)
 
