@@ -212,12 +212,17 @@ def run_case(shape: str, case: Case, tokens: int, anchors: int, steps: int, warm
 
 def profile_step(trainer: Trainer, batch, device: torch.device, top: int = 25) -> dict:
     """torch.profiler of one steady step: the operators that take the time, on the GPU and on the CPU."""
+    return profile_call(lambda: trainer.train_step(batch).loss.item(), device, top)
+
+
+def profile_call(fn, device: torch.device, top: int = 25) -> dict:
+    """torch.profiler of one call of `fn` (warmed already): its wall time, the device's busy time, the top operators."""
     from torch.profiler import ProfilerActivity
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     started = time.perf_counter()
     with torch.profiler.profile(activities=activities) as prof:
-        trainer.train_step(batch).loss.item()
+        fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - started) * 1e3
