@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from dflash_jobs.spec import anchor_layout
 from dflash_jobs.drafter.model import Drafter, DrafterConfig
 from dflash_jobs.train.loss import ChunkedLinearCrossEntropy, draft_loss
-from dflash_jobs.drafter.masks import BlockLayout, build_attention, dense_attention, flex_attention_fn
+from dflash_jobs.drafter.masks import TILE, BlockLayout, build_attention, dense_attention, flex_attention_fn, interval_block_mask
 
 WINDOW = 6
 
@@ -112,10 +112,10 @@ def random_layout(generator: torch.Generator, *, context: int, blocks: int, bloc
 
 
 def test_compiled_flex_serves_every_micro_batch_shape_from_the_first_graphs():
-    """Every micro-batch brings its own numbers of queries and keys. The block mask and the kernel
-    are traced once for every shape: a graph per new size would stall training for seconds a
-    step on a GPU, and past dynamo's recompile limit fall back to flex's unfused path. The CPU runs
-    the same tracing and guards (backend aot_eager), with eager kernels."""
+    """Every micro-batch brings its own numbers of queries and keys. The kernel's graphs serve every
+    shape: a graph per new size would stall training for seconds a step on a GPU, and past dynamo's
+    recompile limit fall back to flex's unfused path. The CPU runs the same tracing and guards
+    (backend aot_eager), with eager kernels."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -130,7 +130,48 @@ def test_compiled_flex_serves_every_micro_batch_shape_from_the_first_graphs():
         expected = dense_attention(layout.dense_mask(None))(q, k, v)
         torch.testing.assert_close(attend(q, k, v), expected, atol=1e-5, rtol=1e-5)
         graphs.append(counters["stats"]["unique_graphs"])
-    assert graphs == [2] * len(graphs), graphs  # create_block_mask and flex_attention, traced at the first shape only
+    # flex_attention alone is traced (the mask is built from intervals): once, then once more where
+    # dynamo makes the BlockMask's lengths symbolic (they are constants of the first graph); never again.
+    assert graphs[0] == 1 and graphs[1:] == [2] * (len(graphs) - 1), graphs
+
+
+def tile_grid(block_mask, *, full: bool) -> torch.Tensor:
+    """bool [query tiles, key tiles]: the tiles a BlockMask computes with its mask_mod (partial) or without (full)."""
+    count, indices = (block_mask.full_kv_num_blocks, block_mask.full_kv_indices) if full else (block_mask.kv_num_blocks, block_mask.kv_indices)
+    grid = torch.zeros(indices.shape[-2], indices.shape[-1], dtype=torch.bool)
+    for row, (n, order) in enumerate(zip(count[0, 0].tolist(), indices[0, 0])):
+        grid[row, order[:n]] = True
+    return grid
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("block_size", [16, 12])
+def test_interval_block_mask_has_the_tiles_create_block_mask_finds(causal, block_size):
+    """The tiles from the layout's intervals against create_block_mask's evaluation of `visible` on
+    every pair, on layouts of several query and key tiles (blocks anchored at their document's first
+    token, blocks straddling tiles): the same full tiles on every complete query tile, the same
+    tiles touched; a causal layer may keep a few more as partial (flex masks inside them), never fewer."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    generator = torch.Generator().manual_seed(block_size)
+    for context, blocks in [(700, 40), (1000, 23), (300, 64)]:
+        layout = random_layout(generator, context=context, blocks=blocks, block_size=block_size)
+        layout.anchor[::7] = layout.context_start[::7]  # nothing to see in the context
+        layout = BlockLayout(layout.num_context, block_size, layout.context_start, layout.anchor, layout.key_positions)
+        ours = interval_block_mask(layout, causal)
+        theirs = create_block_mask(layout.mask_mod(None, causal), None, None, layout.num_queries, layout.num_keys, device="cpu")
+        complete = layout.num_queries // TILE
+        assert torch.equal(tile_grid(ours, full=True)[:complete], tile_grid(theirs, full=True)[:complete])
+        assert not tile_grid(ours, full=True)[complete:].any()
+        touched = tile_grid(ours, full=True) | tile_grid(ours, full=False)
+        expected = tile_grid(theirs, full=True) | tile_grid(theirs, full=False)
+        assert torch.equal(touched & expected, expected)
+        if not causal:
+            assert torch.equal(touched, expected)
+        q = torch.randn(1, 4, layout.num_queries, 8, generator=generator)
+        k, v = (torch.randn(1, 2, layout.num_keys, 8, generator=generator) for _ in range(2))
+        attend = flex_attention_fn(layout, None, causal=causal, backend="aot_eager")
+        torch.testing.assert_close(attend(q, k, v), dense_attention(layout.dense_mask(None, causal))(q, k, v), atol=1e-5, rtol=1e-5)
 
 
 def test_a_block_sees_nothing_after_its_anchor_nor_other_blocks_nor_other_documents():
