@@ -69,7 +69,7 @@ def test_a_run_started_under_the_old_default_is_the_same_run():
     assert run_identity(resolved | {"generate": resolved["generate"] | {"batch_prompts": 64}}) == run_identity(resolved)
 
 
-def test_the_decode_step_compiles_on_a_gpu_unless_turned_off(target_of):
+def test_the_decode_step_compiles_only_where_generate_compile_asks(target_of):
     """generate.compile: off unless asked (until a GPU run has measured it); null, on a GPU and not on a
     CPU; set, as it says; the engine's static decoder compiles where it does. A speed knob as
     batch_prompts is: a run.yaml written before it is the same run."""

@@ -138,18 +138,17 @@ def interval_block_mask(layout: BlockLayout, causal: bool | None = None):
     slots = torch.arange(Q, device=device)
     q_tile, block = slots // TILE, slots // B
     start, anchor = layout.context_start[block], layout.anchor[block]
-    seen = anchor > start  # a block anchored at its document's first token sees no context
+    seen = (anchor > start).int()  # a block anchored at its document's first token sees no context
+    own = C + block * B  # the first key of the slot's own block
     marks = torch.zeros(q_tiles, k_tiles + 1, dtype=torch.int32, device=device)
-    ones = torch.ones(Q, dtype=torch.int32, device=device)
-    for first, last, where in ((start // TILE, (anchor - 1).clamp(min=0) // TILE, seen), ((C + block * B) // TILE, (C + block * B + B - 1) // TILE, None)):
-        weight = ones if where is None else where.int()
+    for first, last, weight in ((start // TILE, (anchor - 1).clamp(min=0) // TILE, seen), (own // TILE, (own + B - 1) // TILE, torch.ones_like(seen))):
         marks.index_put_((q_tile, first), weight, accumulate=True)
         marks.index_put_((q_tile, last + 1), -weight, accumulate=True)
     touched = marks.cumsum(dim=1)[:, :k_tiles] > 0
     # Full context tiles of a slot: [ceil(start / TILE), floor(anchor / TILE)); of a query tile, the
     # intersection over its slots; the last query tile only if it is complete.
-    low = torch.full((q_tiles,), 0, dtype=torch.long, device=device).scatter_reduce(0, q_tile, -(-start // TILE), "amax", include_self=False)
-    high = torch.full((q_tiles,), 0, dtype=torch.long, device=device).scatter_reduce(0, q_tile, anchor // TILE, "amin", include_self=False)
+    low = torch.zeros(q_tiles, dtype=torch.long, device=device).scatter_reduce(0, q_tile, -(-start // TILE), "amax", include_self=False)
+    high = torch.zeros(q_tiles, dtype=torch.long, device=device).scatter_reduce(0, q_tile, anchor // TILE, "amin", include_self=False)
     complete = (torch.arange(q_tiles, device=device) + 1) * TILE <= Q
     k_tile = torch.arange(k_tiles, device=device)
     full = (k_tile >= low[:, None]) & (k_tile < high[:, None]) & complete[:, None]
