@@ -98,7 +98,7 @@ def test_the_code_scale_sizes_chains_train_online_without_a_source_chain(quality
     import torch
 
     chains, sizes, bench = quality("chains"), quality("sizes"), quality("run_quality")
-    for size_name in ("code-scale", "code-scale-tiny"):
+    for size_name in ("code-scale", "code-scale-full", "code-scale-tiny"):
         size = sizes.SIZES[size_name]
         names = [c.name for c in bench.chains_of(size)]
         assert names == ["regenerated", *[f"regenerated-{f:g}" for f in size.data_fractions]]  # no source: the target wrote every answer

@@ -5,7 +5,7 @@ code-gpu)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from code_task import CodeTask, RandomTarget, SmolLM2Target
 from package_task import PackagePromptsTask
@@ -200,3 +200,6 @@ SIZES = {
         successors=(), ablations=(), extra_tree_budgets=(16,), goal_trees=False, trees_on_every_chain=False, states="online",
     ),
 }
+# code-scale's full chain alone, without the data curve's two chains beside it: for a session whose
+# device time, after refused machine starts, holds one chain (about 15 minutes), not three.
+SIZES["code-scale-full"] = replace(SIZES["code-scale"], data_fractions=())
