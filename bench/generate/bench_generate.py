@@ -105,11 +105,18 @@ def timed(decoder, work, new_tokens: int, device: torch.device) -> dict:
             "tokens_per_s": round(decoded / seconds, 1)}
 
 
+def progress(line: str) -> None:
+    """A line on stderr as each decoding ends: a run cut by its call's timeout still says how far it got."""
+    print(line, file=sys.stderr, flush=True)
+
+
 @torch.inference_mode()
 def agreement(model, decoders, work, new_tokens: int) -> dict:
     ids, attention = work[0]
     plain = Recorder()
+    started = time.perf_counter()
     reference = plain_greedy(model, ids, attention, new_tokens, plain)
+    progress(f"agreement: the plain greedy loop decoded {ids.shape[0]} prompts in {time.perf_counter() - started:.1f} s")
     found, greedy_rows_equal, seconds = {}, {}, {}
     for decoder in decoders:
         recorder = Recorder()
@@ -121,6 +128,7 @@ def agreement(model, decoders, work, new_tokens: int) -> dict:
         greedy_tokens = decoder(ids, attention, new_tokens, greedy)
         greedy_rows_equal[decoder.name] = int((greedy_tokens == tokens).all(dim=1).sum())
         seconds[decoder.name] = {"recorded": round(recorded_at - started, 2), "greedy": round(time.perf_counter() - recorded_at, 2)}
+        progress(f"agreement: {decoder.name} {seconds[decoder.name]}")
     return {"prompts": ids.shape[0], "new_tokens": new_tokens, "against_plain_greedy": found,
             "greedy_rows_equal_to_recorded": greedy_rows_equal, "seconds": seconds}
 
@@ -195,9 +203,14 @@ def main(argv: list[str] | None = None) -> int:
         static.run = compiled.run = None  # their caches freed for the sweep's bigger batches
         variants = sweep_variants(groups, batch=size, batches=sizes, backends=[name for name in backends.split(",") if name],
                                   stop_ids={STOP_ID}, pad_id=PAD_ID)
+        def swept(rows: list[dict]) -> None:
+            write("sweep", rows)
+            row = rows[-1]
+            progress(f"sweep: {row['label']}: {row['answers_per_s']} answers/s ({row['prompts']} prompts, batches of {row['batch']})")
+
         write("sweep", [])
         sweep(model, random_prompts(args.sweep_prompts or 8 * size, lengths, vocab, 5), args.new_tokens,
-              lambda prompts, n: left_padded(prompts, n, device), device, variants, on_row=lambda rows: write("sweep", rows))
+              lambda prompts, n: left_padded(prompts, n, device), device, variants, on_row=swept)
     print(json.dumps(report, indent=2))
     return 0
 
