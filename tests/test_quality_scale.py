@@ -108,6 +108,9 @@ def test_the_code_scale_sizes_chains_train_online_without_a_source_chain(quality
             assert spec["train"]["states"] == "online"
             assert spec["eval"]["tree_budgets"] == (list(size.tree_budgets) if chain.name == "regenerated" else [])
             assert spec["eval"]["baselines"] == (["prompt_lookup", "bigram"] if chain.name == "regenerated" else [])
+    # code-scale-full is code-scale but the data curve's chains.
+    full, scale = sizes.SIZES["code-scale-full"], sizes.SIZES["code-scale"]
+    assert [c.name for c in bench.chains_of(full)] == ["regenerated"] and replace(full, data_fractions=scale.data_fractions) == scale
     # The sizes that store their states say so in every spec too.
     code_gpu = sizes.SIZES["code-gpu"]
     spec = yaml.safe_load(chains.write_spec(tmp_path / "g", Path("t"), Path("d"), code_gpu, torch.device("cpu"), bench.chains_of(code_gpu)[0],

@@ -201,5 +201,5 @@ SIZES = {
     ),
 }
 # code-scale's full chain alone, without the data curve's two chains beside it: for a session whose
-# device time, after refused machine starts, holds one chain (about 15 minutes), not three.
+# device time, after refused machine starts, holds one chain's training and evaluation, not three.
 SIZES["code-scale-full"] = replace(SIZES["code-scale"], data_fractions=())
