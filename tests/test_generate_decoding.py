@@ -160,3 +160,14 @@ def test_a_hybrid_target_decodes_with_generate_and_a_dense_one_with_the_static_c
     hybrid = AutoModelForCausalLM.from_pretrained(target_of("qwen3_5"), dtype=torch.float32)
     assert isinstance(pick_decoder(hybrid, stop_ids={1}, pad_id=0), HfGenerate)
     assert isinstance(pick_decoder(llama, stop_ids={1}, pad_id=0), StaticDecoder)
+
+
+def test_the_static_decoder_refuses_to_decode_outside_inference_mode(short_llama):
+    """Outside inference mode the compiled step would trace for gradients and fail deep in inductor:
+    the decoder says what to do instead, eager or compiled, before any forward."""
+    ids, attention = left_padded([3, 5], short_llama.config.vocab_size, pad=0)
+    for compile in (False, True):
+        decoder = StaticDecoder(short_llama, stop_ids={2}, pad_id=0, compile=compile)
+        with pytest.raises(RuntimeError, match=r"inside torch.inference_mode\(\).*with torch.inference_mode\(\):"):
+            decoder(ids, attention, 4, greedy)
+        assert decoder.run is None

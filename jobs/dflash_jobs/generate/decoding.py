@@ -152,7 +152,14 @@ class StaticDecoder(BatchDecoder):
         return run.tokens[:, : run.chosen].clone()
 
     def start(self, input_ids, attention, limit, pick) -> StaticRun:
-        """The batch's prompt forward and first token; `advance` decodes each next one."""
+        """The batch's prompt forward and first token; `advance` decodes each next one. Inside
+        torch.inference_mode() only, as the engine decodes (generate/engines.py)."""
+        import torch
+
+        if not torch.is_inference_mode_enabled():
+            # Outside it the compiled step traces for gradients and fails on the in-place token writes.
+            raise RuntimeError("StaticDecoder decodes inside torch.inference_mode(), as generate/engines.py calls it: "
+                               "wrap the call in `with torch.inference_mode():`")
         B, P = input_ids.shape
         bucket = CACHE_BUCKET if self.windows else CACHE_ALIGN  # whole-cache attention: no longer than needed
         length = -(-(P + limit) // bucket) * bucket
