@@ -30,7 +30,8 @@ a fresh copy of the run's output (hard links), so none reuses another's kept res
 references outside the later form.
 
 Stages, each written to the JSON as it ends: a warm-up evaluation of 2 prompts by each version, then
-per form `before`, `after`, `after`, `before`: the seconds of main() (the target and drafter loaded,
+per form `before`, `after`, `after`, `before` (`--order`: a device call that holds less takes one order,
+the next call the other with `--no-warm-up`): the seconds of main() (the target and drafter loaded,
 every prompt decoded, the report stored) and of the process, its parts by its log's times (setup,
 decoding, report: logged_parts), the seconds each decoding's per-prompt records sum to, and each
 report's acceptance figures; then per form the comparison: tau per prompt
@@ -295,26 +296,29 @@ class Evaluations:
         return ran, json.loads((directory / "run" / EVAL_REPORT_KEY).read_text())
 
 
-def run_form(form: str, stage: dict, evaluations: Evaluations, prompts: int, save) -> None:
-    """One form's evaluations in both orders, each saved as it ends, then the comparison. The form
-    `later` first fills the shared references with an untimed evaluation by the version after."""
+def run_form(form: str, stage: dict, evaluations: Evaluations, prompts: int, order: list[str], save) -> None:
+    """One form's evaluations in `order` (both orders by default), each saved as it ends, then the
+    comparison. The form `later` first fills the shared references with an untimed evaluation by the
+    version after."""
     if form == "later":
         shutil.rmtree(evaluations.workdir / REFERENCES, ignore_errors=True)
         stage["references_filled"] = evaluations.evaluate("later-references", "after", form=form, prompts=prompts)[0]
         save()
-    reports: dict[str, list[dict]] = {"before": [], "after": []}
-    for i, version in enumerate(ORDER):
+    reports: dict[str, list[dict]] = {version: [] for version in dict.fromkeys(order)}
+    for i, version in enumerate(order):
         ran, report = evaluations.evaluate(f"{form}-{i}-{version}", version, form=form, prompts=prompts)
         reports[version].append(report)
         stage["runs"].append({"version": version, **ran, **figures(report)})
         print(f"eval_chain: {form} {version}: {ran['main_seconds']} s", file=sys.stderr, flush=True)
         save()
-    stage["summary"] = {version: {"main_seconds": round(sum(r["main_seconds"] for r in stage["runs"] if r["version"] == version) / 2, 2)}
+    stage["summary"] = {version: {"main_seconds": round(float(np.mean([r["main_seconds"] for r in stage["runs"] if r["version"] == version])), 2)}
                         for version in reports}
-    stage["summary"]["speedup"] = round(stage["summary"]["before"]["main_seconds"] / stage["summary"]["after"]["main_seconds"], 3)
-    stage["before_vs_after"] = compare(reports["before"][0], reports["after"][0])
-    # Each version's two evaluations decode alike (the figures before and after differ for the versions' sake, not the run's).
-    stage["repeats_alike"] = {version: all(not d["unlike"] for d in compare(*reports[version])["decodings"].values()) for version in reports}
+    if len(reports) == 2:
+        stage["summary"]["speedup"] = round(stage["summary"]["before"]["main_seconds"] / stage["summary"]["after"]["main_seconds"], 3)
+        stage["before_vs_after"] = compare(reports["before"][0], reports["after"][0])
+    # Each version's evaluations decode alike (the figures before and after differ for the versions' sake, not the run's).
+    stage["repeats_alike"] = {version: all(not d["unlike"] for d in compare(*kept[:2])["decodings"].values())
+                              for version, kept in reports.items() if len(kept) > 1}
     save()
 
 
@@ -327,8 +331,15 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, help="held-out prompts every evaluation decodes (default: the shape's)")
     parser.add_argument("--workdir", type=Path, help="where the inputs (built once, kept for the next command) and every evaluation's files "
                         "go (default: eval-chain-<shape> in the system's temporary directory, not beside --out, which may be copied back)")
+    parser.add_argument("--order", default=",".join(ORDER), help="the versions' evaluations of each form, in turn (default: both orders); "
+                        "a device call too short for both takes before,after and the next after,before --no-warm-up")
+    parser.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                        help="no warm-up evaluations (a second command on the same machine, its compiled kernels cached)")
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
+    order = args.order.split(",")
+    if not set(order) <= {"before", "after"} or not order:
+        parser.error(f"--order {args.order!r}: give before and after, comma-separated (e.g. before,after)")
     device = torch.device(args.device)
     run = RUNS[args.shape]
     prompts = args.prompts or run["prompts"]
@@ -340,19 +351,19 @@ def main() -> int:
     result = {"command": " ".join(sys.argv), "shape": args.shape, "device": machine, "torch": torch.__version__,
               "prompts": prompts, "timed_prompts_after": evaluations.timed, "new_tokens": run["new_tokens"], "prompt_tokens": run["prompt_tokens"],
               "processes": PROCESSES, "draft_layers": DRAFT_LAYERS, "block_size": BLOCK, "forms": {f: FORMS[f]["eval"] for f in args.forms},
-              "warm_up": {}, "stages": {}}
+              "order": order, "warm_up": {}, "stages": {}}
 
     def save() -> None:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
-    for version in ("before", "after"):
+    for version in ("before", "after") if args.warm_up else ():
         result["warm_up"][version] = evaluations.evaluate(f"warm-up-{version}", version, form=args.forms[0], prompts=WARM_UP_PROMPTS)[0]
         save()
     for form in args.forms:
         result["stages"][form] = {"runs": []}
-        run_form(form, result["stages"][form], evaluations, prompts, save)
+        run_form(form, result["stages"][form], evaluations, prompts, order, save)
     print(json.dumps({form: {"summary": stage["summary"], "repeats_alike": stage["repeats_alike"],
-                             "equal": {name: f"{d['equal']}/{d['prompts']}" for name, d in stage["before_vs_after"]["decodings"].items()}}
+                             "equal": {name: f"{d['equal']}/{d['prompts']}" for name, d in stage.get("before_vs_after", {"decodings": {}})["decodings"].items()}}
                       for form, stage in result["stages"].items()}, indent=2))
     return 0
 
