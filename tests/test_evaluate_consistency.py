@@ -26,7 +26,8 @@ from dflash_jobs.drafter.speculative import Decoded, DecodeTarget, ModelDrafter,
 from dflash_jobs.errors import SpecError
 from dflash_jobs.formats import TokenChunk
 from dflash_jobs.evaluate.__main__ import main as evaluate_main
-from dflash_jobs.evaluate.evaluator import evaluate
+from dflash_jobs.evaluate.baselines import fit_bigram
+from dflash_jobs.evaluate.evaluator import DecoderOnFirstUse, PromptDecoder, evaluate
 from dflash_jobs.evaluate.lossless import TIE_RULE, TOLERANCE_STATISTIC, Divergence, divergences, is_tie, mismatches, tie_tolerance, verify_noise
 from dflash_jobs.evaluate.metrics import (
     MIN_COMPARED_STEPS, acceptance_length, acceptance_per_position, simulated_consistency, summarize, summarize_simulated,
@@ -343,6 +344,18 @@ def test_an_evaluation_on_the_same_target_and_prompts_takes_greedys_decodings_fr
         for key in ("acceptance_length", "acceptance_per_position", "verify_steps", "tokens", "mismatches", "lossless"):
             assert second["drafters"][name][key] == figures[key], (name, key)
     assert second["drafters"]["dflash"]["simulated"] == first["drafters"]["dflash"]["simulated"]
+
+
+def test_the_process_loads_its_own_decoder_only_when_asked(tmp_path, target_dir, target_model, drafter, documents, prompts):
+    # With worker processes this process decodes only the timed prompts, after the workers: it must not
+    # hold (nor wait for) a target of its own while they decode.
+    spec, storage = finished_training(tmp_path, target_dir, target_model, drafter, documents, prompts, processes=2)
+    decoder = DecoderOnFirstUse(spec, fit_bigram(storage), device=torch.device("cpu"))
+    assert decoder.loaded is None
+    decoder.close()  # nothing loaded, nothing to close
+    loaded = decoder.get()
+    assert isinstance(loaded, PromptDecoder) and decoder.get() is loaded
+    decoder.close()
 
 
 def test_worker_processes_give_the_one_process_report(tmp_path, target_dir, target_model, drafter, documents, prompts):

@@ -205,6 +205,25 @@ def load_decoder(spec: RunSpec, bigram: BigramTable | None, *, device: torch.dev
     return PromptDecoder(model, drafter, variant, served_layout(spec, config), spec.eval, bigram)
 
 
+class DecoderOnFirstUse:
+    """This process's PromptDecoder, loaded when first asked for. With eval.processes > 1 the workers
+    decode every prompt, and this process only the timed ones once they are gone: loading its own before
+    them delayed their start and held the target on the device once more than the workers do."""
+
+    def __init__(self, spec: RunSpec, bigram: BigramTable | None, *, device: torch.device) -> None:
+        self.spec, self.bigram, self.device = spec, bigram, device
+        self.loaded: PromptDecoder | None = None
+
+    def get(self) -> PromptDecoder:
+        if self.loaded is None:
+            self.loaded = load_decoder(self.spec, self.bigram, device=self.device)
+        return self.loaded
+
+    def close(self) -> None:
+        if self.loaded is not None:
+            self.loaded.close()
+
+
 def served_layout(spec: RunSpec, config: DrafterConfig) -> AnchorLayout:
     """The anchor layout of the exported drafter: its variant's, at the block size it was exported with (what a server runs)."""
     return anchor_layout(spec.train.drafter, block_size=config.block_size, gamma=spec.train.gamma)
@@ -305,9 +324,9 @@ def evaluate(spec: RunSpec, storage: Storage, *, device: torch.device) -> dict[s
     asked = {HELD_OUT: prompts, **{s.name: s.prompts for s in sets}}
     kept = {name: KeptPrompts(storage, key if name == HELD_OUT else f"{key}-{name}") for name in asked}
     references = KeptReferences.of(spec, storage, device, layout.drafts + 1)
-    decoder = load_decoder(spec, bigram, device=device)
+    decoder = DecoderOnFirstUse(spec, bigram, device=device)
     try:
-        decoded = {name: (decode_missing(spec, kept[name], references, decoder, p, device=device), time_prompts(decoder, p[: settings.timed_prompts]))
+        decoded = {name: (decode_missing(spec, kept[name], references, decoder, p, device=device), time_prompts(decoder.get(), p[: settings.timed_prompts]))
                    for name, p in asked.items()}
     finally:
         decoder.close()
@@ -343,7 +362,7 @@ def figures(results: list[PromptResult]) -> dict[str, Any]:
     }
 
 
-def decode_missing(spec: RunSpec, kept: KeptPrompts, references: KeptReferences, decoder: PromptDecoder, prompts: list[torch.Tensor], *,
+def decode_missing(spec: RunSpec, kept: KeptPrompts, references: KeptReferences, decoder: DecoderOnFirstUse, prompts: list[torch.Tensor], *,
                    device: torch.device) -> list[PromptResult]:
     """Every prompt's result, in prompt order: those an earlier run of this evaluation kept (evaluate/kept.py),
     the others decoded now (by `decoder`, or in eval.processes workers, each loading its own target and
@@ -363,7 +382,7 @@ def decode_missing(spec: RunSpec, kept: KeptPrompts, references: KeptReferences,
         if min(spec.eval.processes, len(missing)) > 1:
             decoded = decode_in_processes(spec, decoder.bigram, asked, device=device)
         else:
-            decoded = decode_here(decoder, asked)
+            decoded = decode_here(decoder.get(), asked)
         decoded = references.keeping(missing, prompts, known, decoded)
         results.update(zip(missing, log_progress(kept.keeping(missing, prompts, decoded), len(missing))))
     return [results[i] for i in range(len(prompts))]
