@@ -338,7 +338,7 @@ def main() -> int:
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
     order = args.order.split(",")
-    if not set(order) <= {"before", "after"} or not order:
+    if not set(order) <= {"before", "after"}:
         parser.error(f"--order {args.order!r}: give before and after, comma-separated (e.g. before,after)")
     device = torch.device(args.device)
     run = RUNS[args.shape]
