@@ -368,6 +368,19 @@ def start_stranger() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
 
 
+def start_stranger_unlike(started: str) -> subprocess.Popen:
+    """A stranger whose start time is not `started`. Start times are read to a clock's grain (10 ms
+    from /proc, 1 s from ps): a process started within it of a pod reads as that pod. A real reuse of
+    the pid comes after the pid space wraps or a reboot changes the boot id, never within the grain."""
+    while True:
+        stranger = start_stranger()
+        if start_time(stranger.pid) != started:
+            return stranger
+        stranger.kill()
+        stranger.wait()
+        time.sleep(0.01)
+
+
 def test_a_recorded_process_is_signalled_only_while_its_pid_is_still_that_process():
     stranger = start_stranger()
     try:
@@ -402,7 +415,7 @@ def test_pids_reused_after_a_reboot_survive_resume_and_delete(backend, tmp_path)
     for shard in state["shards"]:
         assert ProcessRef(shard["pid"], shard["pid_started"]).is_running()  # the state names the pods exactly
         os.killpg(shard["pid"], signal.SIGKILL)
-    strangers = [start_stranger() for _ in state["shards"]]
+    strangers = [start_stranger_unlike(shard["pid_started"]) for shard in state["shards"]]
     try:
         for shard, stranger in zip(state["shards"], strangers):
             shard["pid"] = stranger.pid  # what the kernel could hand out again; the start time stays the pod's
