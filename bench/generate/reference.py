@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash_jobs.generate.decoding import cache_argument
+from dflash_jobs.static_cache import cache_argument
 
 
 class Recorder:

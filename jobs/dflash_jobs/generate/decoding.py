@@ -29,14 +29,14 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Callable, Protocol
 
+from dflash_jobs.static_cache import CACHE_ALIGN, CapturedSteps, aligned, cache_argument, static_cache_supported, windowed_cache
+
 if TYPE_CHECKING:
     import torch
 
 Pick = Callable[["torch.Tensor"], "torch.Tensor"]
 """Float32 logits [B, V] -> the next token of each row [B]."""
 
-CACHE_ALIGN = 64
-"""Attention reads the cache in windows of a multiple of this: SDPA's memory-efficient kernel wants its mask's rows aligned."""
 CACHE_BUCKET = 256
 """The static cache's length is a multiple of this: batches of lengths that round up alike share a cache and its graphs."""
 STOP_CHECK_STEPS = 16
@@ -59,22 +59,6 @@ class Decoder(Protocol):
     def __call__(self, input_ids: torch.Tensor, attention: torch.Tensor, limit: int, pick: Pick) -> torch.Tensor:
         """Up to `limit` new tokens of each left-padded row [B, P] (attention 1 on real tokens): [B, n <= limit],
         each row's tokens after its first stop token whatever follows (the caller cuts there)."""
-
-
-def static_cache_supported(model) -> bool:
-    """Every layer attends to everything before it: a static cache and our own mask are then exact
-    (a linear-attention or a sliding-window layer keeps other state, which generate handles)."""
-    text = model.config.get_text_config(decoder=True)
-    layer_types = getattr(text, "layer_types", None) or ["full_attention"]
-    return all(kind == "full_attention" for kind in layer_types) and getattr(text, "sliding_window", None) in (None, 0)
-
-
-def cache_argument(model) -> str:
-    """The forward's name for the cache: `cache` from Transformers 5.25 (which warns at the old name),
-    `past_key_values` before."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def pick_decoder(model, *, stop_ids: set[int], pad_id: int, compile: bool = False) -> Decoder:
@@ -173,10 +157,6 @@ class StaticDecoder(BatchDecoder):
         return run
 
 
-def aligned(length: int) -> int:
-    return -(-length // CACHE_ALIGN) * CACHE_ALIGN
-
-
 @functools.cache
 def compiled_step():
     """StaticRun.forward through torch.compile, one for the process: dynamo keeps its graphs on the
@@ -196,22 +176,6 @@ def compiled_step():
     import torch
 
     return torch.compile(StaticRun.forward, dynamic=True)
-
-
-@functools.cache
-def windowed_cache():
-    """A Transformers StaticCache whose `update` hands attention its first `window` columns (all of them
-    while window is None): the columns past the filled part are masked, and reading them is waste."""
-    from transformers import StaticCache
-
-    class WindowedCache(StaticCache):
-        window: int | None = None
-
-        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-            return keys[:, :, : self.window], values[:, :, : self.window]
-
-    return WindowedCache
 
 
 class StaticRun:
@@ -242,9 +206,7 @@ class StaticRun:
         self.done = torch.zeros(rows, dtype=torch.bool, device=device)
         self.tokens = torch.zeros(rows, length, dtype=torch.long, device=device)
         self.column = torch.zeros(1, dtype=torch.long, device=device)  # where the next token goes in `tokens`
-        self.graphs: dict[tuple[int, bool], tuple] = {}  # (window, greedy) -> its step's CUDA graph and logits
-        self.warm: set[tuple[int, bool]] = set()  # steps that ran once uncaptured
-        self.pool = None
+        self.steps = CapturedSteps(device)  # each (window, greedy) step replayed as a CUDA graph on a GPU
         self.pick: Pick = greedy
         self.limit = self.prompt_length = self.chosen = 0
 
@@ -332,30 +294,5 @@ class StaticRun:
         return True
 
     def step(self, width: int):
-        import torch
-
         key = (width, self.pick is greedy)
-        if self.device.type != "cuda" or key not in self.warm:
-            self.warm.add(key)
-            return self.decode(*key)
-        if key not in self.graphs:
-            # Recorded on a side stream (capture refuses the default one) into a memory pool the
-            # windows' graphs share (one replays at a time; each keeps its output). Recording runs no
-            # kernel, so the cache and the counters stand where the eager call left them, and the
-            # first replay does this step. Not torch.cuda.graph: it empties the allocator's cache at
-            # every capture.
-            graph = torch.cuda.CUDAGraph()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                graph.capture_begin(pool=self.pool)
-                try:
-                    logits = self.decode(*key)
-                finally:
-                    graph.capture_end()
-            torch.cuda.current_stream().wait_stream(stream)
-            self.pool = graph.pool()
-            self.graphs[key] = (graph, logits)
-        graph, logits = self.graphs[key]
-        graph.replay()
-        return logits
+        return self.steps(key, lambda: self.decode(*key))
