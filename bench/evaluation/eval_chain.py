@@ -25,7 +25,8 @@ in the forms of FORMS (`--forms`): the first chain's (both baselines, trees of 1
 a plain one's (the drafter alone), and a later chain's (plain, and after issue 49 greedy's decodings
 read from the references the first chain kept: filled by an untimed evaluation first). Settings both
 versions know only, except the version after's own: eval.timed_prompts, a quarter of the prompts (as
-code-gpu times 16 of its 64), and the later chain's eval.reference_cache. Every evaluation writes into
+code-gpu times 16 of its 64), the later chain's eval.reference_cache, and eval.cuda_graphs (on unless
+`--no-cuda-graphs`: greedy and the verify loops on static caches, each forward a replayed CUDA graph). Every evaluation writes into
 a fresh copy of the run's output (hard links), so none reuses another's kept results, nor greedy's
 references outside the later form.
 
@@ -66,7 +67,7 @@ from dflash_jobs.prepare import HOLDOUT_KEY
 from dflash_jobs.spec import default_layers
 from dflash_jobs.storage import open_storage
 
-from eval_loops import ORDER, SHAPES
+from eval_loops import SHAPES
 
 RUNS = {"smollm2": {"prompts": 16, "prompt_tokens": (64, 256), "new_tokens": 48},
         "tiny": {"prompts": 8, "prompt_tokens": (16, 64), "new_tokens": 24}}
@@ -85,6 +86,8 @@ first chain kept (chains.REFERENCES)."""
 DRAFT_LAYERS, BLOCK, PROCESSES = 3, 16, 2
 """code-gpu's drafter (bench/quality/sizes.py) and eval.processes."""
 TRAINING_ROWS, TRAINING_ROW_TOKENS = 256, 256
+ORDER = ("before", "after", "after", "before")
+"""The versions' evaluations of each form by default: both orders."""
 WARM_UP_PROMPTS = 2
 HELD_OUT = 64
 """Held-out prompts stored, as code-gpu holds out; an evaluation decodes the first --prompts of them."""
@@ -284,12 +287,15 @@ class Evaluations:
     new_tokens: int
     timed: int
     """eval.timed_prompts of the version after."""
+    cuda_graphs: bool
+    """eval.cuda_graphs of the version after."""
 
     def evaluate(self, name: str, version: str, *, form: str, prompts: int) -> tuple[dict, dict]:
         """`version`'s evaluation of the first `prompts` prompts in `form`, under workdir/name: its seconds and its report."""
         directory = self.workdir / name
         fresh_output(self.run, directory / "run")
-        own = {"timed_prompts": self.timed, **FORMS[form]["after"](self.workdir)} if version == "after" else {}
+        own = ({"timed_prompts": self.timed, "cuda_graphs": self.cuda_graphs, **FORMS[form]["after"](self.workdir)}
+               if version == "after" else {})
         spec = write_spec(directory / "dflash.yaml", target=self.target, output=directory / "run", layers=self.layers, device=self.device,
                           new_tokens=self.new_tokens, prompts=prompts, form=form, own=own)
         ran = evaluate_once(version, self.jobs[version], spec, directory / "eval.log", self.device)
@@ -335,6 +341,8 @@ def main() -> int:
                         "a device call too short for both takes before,after and the next after,before --no-warm-up")
     parser.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                         help="no warm-up evaluations (a second command on the same machine, its compiled kernels cached)")
+    parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                        help="the version after on the dynamic cache, eager (eval.cuda_graphs: false)")
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
     order = args.order.split(",")
@@ -346,10 +354,11 @@ def main() -> int:
     workdir = args.workdir or Path(tempfile.gettempdir()) / f"eval-chain-{args.shape}"
     target, output, layers = build_inputs(workdir, args.shape, device)
     evaluations = Evaluations(jobs={"before": args.before, "after": Path(__file__).resolve().parents[2] / "jobs"}, target=target, run=output,
-                              layers=layers, workdir=workdir, device=device, new_tokens=run["new_tokens"], timed=max(1, prompts // 4))
+                              layers=layers, workdir=workdir, device=device, new_tokens=run["new_tokens"], timed=max(1, prompts // 4),
+                              cuda_graphs=args.cuda_graphs)
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     result = {"command": " ".join(sys.argv), "shape": args.shape, "device": machine, "torch": torch.__version__,
-              "prompts": prompts, "timed_prompts_after": evaluations.timed, "new_tokens": run["new_tokens"], "prompt_tokens": run["prompt_tokens"],
+              "prompts": prompts, "timed_prompts_after": evaluations.timed, "cuda_graphs_after": args.cuda_graphs, "new_tokens": run["new_tokens"], "prompt_tokens": run["prompt_tokens"],
               "processes": PROCESSES, "draft_layers": DRAFT_LAYERS, "block_size": BLOCK, "forms": {f: FORMS[f]["eval"] for f in args.forms},
               "order": order, "warm_up": {}, "stages": {}}
 

@@ -1,8 +1,10 @@
-"""The evaluation's verify loop before and after issue 49, side by side: speculative decoding's
-tokens/s against plain greedy's at batch 1, with the host syncs and kernel launches that explain it.
+"""The evaluation's verify loop before and after issue 49, and on static caches with CUDA graphs, side
+by side: speculative decoding's tokens/s against plain greedy's at batch 1, with the host syncs and
+kernel launches that explain it.
 
     python bench/evaluation/eval_loops.py --shape tiny --before /tmp/before_speculative.py --out /tmp/eval-loops-tiny.json
     python bench/evaluation/eval_loops.py --shape smollm2 --before before_speculative.py --out $OUT/eval-loops-h100.json
+    python bench/evaluation/eval_loops.py --shape smollm2 --loops after,graphed --out $OUT/eval-loops-graphed-h100.json
 
 `--before` is drafter/speculative.py as it was before (it imports torch and transformers only, so it
 loads beside today's): `git show dd571ce:jobs/dflash_jobs/drafter/speculative.py > before_speculative.py`.
@@ -16,9 +18,15 @@ runs its real forward every step; its drafts are then replaced, on the device, b
 tokens for the first `--right` slots and wrong ones after (PacedDrafter): acceptance is set (tau =
 1 + right, 2 by default) while the drafter's cost stays real.
 
-Stages (`--stages`, both by default), each written to the JSON as it ends: `runs`: `before`,
-`after`, `after`, `before` (both orders, each after one untimed warm-up prompt), each timing greedy
-and speculative decoding over the same prompts; then `counts`, per loop: host reads
+Loops (`--loops`, LOOPS): `before` (--before's module), `after` (today's, on the dynamic cache),
+`graphed` (today's on static caches: drafter/static_target.py, each greedy token's and verify block's
+forward a replayed CUDA graph on a GPU, as the evaluation decodes a dense target there), each on
+targets made once (a static cache's graphs are captured in the warm-up). Stages (`--stages`, both by
+default), each written to the JSON as it ends: `runs`: the loops in order, then in the reverse
+(both orders, each after an untimed warm-up of two prompts), each timing greedy and speculative
+decoding over the same prompts, with how many of greedy's outputs equal the dynamic cache's
+(`greedy_equal_reference`: the static cache's roundings part them only at near-ties), and the
+graphs' gain in tokens/s (`summary.graphed_over_after`); then `counts`, per loop: host reads
 (drafter/host_reads.py, every device) and, on a GPU, CUDA's own count of syncs
 (torch.cuda.set_sync_debug_mode) and the kernels launched (the profiler), per greedy token and per
 verify step. `--stages counts` runs the counts alone. The counts also take draft trees
@@ -55,7 +63,9 @@ TREE_VARIANTS = ("dflash", "dflash2", "dspark")
 TREE_BUDGETS = (16, 64)
 RUNS = {"smollm2": {"prompts": 8, "prompt_tokens": 128, "new_tokens": 128}, "tiny": {"prompts": 3, "prompt_tokens": 16, "new_tokens": 24}}
 BLOCK = 16
-ORDER = ("before", "after", "after", "before")
+LOOPS = ("before", "after", "graphed")
+"""`before`: --before's module on its dynamic cache; `after`: today's, on the dynamic cache; `graphed`:
+today's on static caches, CUDA graphs on a GPU (GraphedLoop). Run in this order, then in the reverse."""
 STAGES = ("runs", "counts")
 """`runs`: the timed decodings in both orders; `counts`: the reads, syncs and launches (`--stages counts` alone needs no runs)."""
 
@@ -107,15 +117,36 @@ def load_before(path: str):
     return module
 
 
-def decode_all(loop, model, drafter, layers, prompts, continuations, *, new_tokens: int, right: int):
-    """Greedy then speculative decoding of every prompt with `loop`'s functions: their decodings."""
-    greedy = [loop.greedy_decode(loop.DecodeTarget(model), p, max_new_tokens=new_tokens, stop_ids=frozenset()) for p in prompts]
-    target = loop.DecodeTarget(model, layers)
-    try:
-        spec = [loop.speculative_decode(target, PacedDrafter(loop.ModelDrafter(drafter, drafts=BLOCK - 1), c, right, model.config.vocab_size),
-                                        p, max_new_tokens=new_tokens, stop_ids=frozenset()) for p, c in zip(prompts, continuations)]
-    finally:
-        target.close()
+class GraphedLoop:
+    """Today's loop functions on static caches (drafter/static_target.py: each greedy token's and
+    verify block's forward a replayed CUDA graph on a GPU), as a loop module's names."""
+
+    greedy_decode = staticmethod(after_module.greedy_decode)
+    speculative_decode = staticmethod(after_module.speculative_decode)
+    ModelDrafter = after_module.ModelDrafter
+
+    def __init__(self, new_tokens: int) -> None:
+        self.room = new_tokens + BLOCK
+
+    def DecodeTarget(self, model, layers=()):  # noqa: N802: the loop modules' name
+        from dflash_jobs.drafter.static_target import StaticTarget
+
+        return StaticTarget(model, layers, block=BLOCK, room=self.room)
+
+
+def loop_targets(loop, model, layers) -> tuple:
+    """The loop's targets for greedy and for speculative decoding, made once: a static cache's graphs
+    are captured in the warm-up and replayed in the timed runs."""
+    return loop.DecodeTarget(model), loop.DecodeTarget(model, layers)
+
+
+def decode_all(loop, targets, drafter, prompts, continuations, *, new_tokens: int, right: int):
+    """Greedy then speculative decoding of every prompt with `loop`'s functions on its targets: their decodings."""
+    plain, target = targets
+    vocab_size = target.model.config.vocab_size
+    greedy = [loop.greedy_decode(plain, p, max_new_tokens=new_tokens, stop_ids=frozenset()) for p in prompts]
+    spec = [loop.speculative_decode(target, PacedDrafter(loop.ModelDrafter(drafter, drafts=BLOCK - 1), c, right, vocab_size),
+                                    p, max_new_tokens=new_tokens, stop_ids=frozenset()) for p, c in zip(prompts, continuations)]
     return greedy, spec
 
 
@@ -149,10 +180,10 @@ def counted(run, device: torch.device) -> dict:
     return found
 
 
-def counts(loop, model, drafter, layers, prompt, continuation, *, new_tokens: int, right: int, device: torch.device) -> dict:
-    greedy = counted(lambda: loop.greedy_decode(loop.DecodeTarget(model), prompt, max_new_tokens=new_tokens, stop_ids=frozenset()), device)
+def counts(loop, targets, drafter, prompt, continuation, *, new_tokens: int, right: int, device: torch.device) -> dict:
+    greedy = counted(lambda: loop.greedy_decode(targets[0], prompt, max_new_tokens=new_tokens, stop_ids=frozenset()), device)
     decoded = []
-    spec = counted(lambda: decoded.append(decode_all(loop, model, drafter, layers, [prompt], [continuation], new_tokens=new_tokens,
+    spec = counted(lambda: decoded.append(decode_all(loop, targets, drafter, [prompt], [continuation], new_tokens=new_tokens,
                                                      right=right)[1][0]), device)
     # decode_all's greedy decoding is in `spec` too: take the greedy run's counts off.
     spec = {key: value - greedy[key] for key, value in spec.items()}
@@ -164,10 +195,9 @@ def counts(loop, model, drafter, layers, prompt, continuation, *, new_tokens: in
 def tree_counts(model, drafter, prompt, *, new_tokens: int, device: torch.device) -> dict:
     """Per variant and budget: tree decoding's counts per tree step (the prefill's included), a fresh
     drafter of the variant (seed 0) of the chain drafter's config and the target's tensors."""
-    from dflash_jobs.drafter.anchors import anchor_layout
     from dflash_jobs.drafter.tree_verify import tree_decode, tree_target
     from dflash_jobs.evaluate.trees import VariantBranches
-    from dflash_jobs.spec import TrainSpec
+    from dflash_jobs.spec import TrainSpec, anchor_layout
     from dflash_jobs.variants import drafter_variant
 
     found = {}
@@ -190,7 +220,8 @@ def tree_counts(model, drafter, prompt, *, new_tokens: int, device: torch.device
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=tuple(SHAPES), default="smollm2")
-    parser.add_argument("--before", required=True, help="drafter/speculative.py as it was before (see the module docstring)")
+    parser.add_argument("--before", help="drafter/speculative.py as it was before (see the module docstring); without it, no `before` loop")
+    parser.add_argument("--loops", default=",".join(LOOPS), help=f"which of {','.join(LOOPS)} run, comma-separated (default: all)")
     parser.add_argument("--right", type=int, default=1, help="greedy's tokens drafted a block: tau = 1 + right")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES), help="which stages run (default: both)")
@@ -199,8 +230,15 @@ def main() -> int:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     run = RUNS[args.shape]
-    loops = {"before": load_before(args.before), "after": after_module}
+    asked = args.loops.split(",")
+    if not set(asked) <= set(LOOPS) or len(set(asked)) != len(asked):
+        parser.error(f"--loops {args.loops!r}: distinct names from {','.join(LOOPS)}")
+    if "before" in asked and not args.before:
+        parser.error("the `before` loop needs --before (drafter/speculative.py as it was), or leave it out of --loops")
+    made = {"before": lambda: load_before(args.before), "after": lambda: after_module, "graphed": lambda: GraphedLoop(run["new_tokens"])}
+    loops = {name: made[name]() for name in asked}
     model, drafter, layers = build(args.shape, device, dtype)
+    targets = {name: loop_targets(loop, model, layers) for name, loop in loops.items()}
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, SHAPES[args.shape]["vocab_size"] - 1, (run["prompt_tokens"],), generator=generator) for _ in range(run["prompts"])]
     with torch.inference_mode():
@@ -212,23 +250,31 @@ def main() -> int:
               **run, "runs": []}
     out = Path(args.out)
     decode = dict(new_tokens=run["new_tokens"], right=args.right)
-    for name in ORDER if "runs" in args.stages else ():
+    for name in [*loops, *reversed(loops)] if "runs" in args.stages else ():
         loop = loops[name]
-        decode_all(loop, model, drafter, layers, prompts[:1], continuations[:1], **decode)  # warm-up
+        decode_all(loop, targets[name], drafter, prompts[:2], continuations[:2], **decode)  # warm-up: every shape seen twice
         started = time.perf_counter()
-        result["runs"].append({"loop": name, **speeds(*decode_all(loop, model, drafter, layers, prompts, continuations, **decode)),
-                               "wall_seconds": time.perf_counter() - started})
+        greedy, spec = decode_all(loop, targets[name], drafter, prompts, continuations, **decode)
+        result["runs"].append({"loop": name, **speeds(greedy, spec), "wall_seconds": time.perf_counter() - started,
+                               "greedy_equal_reference": sum(g.tokens == r.tokens for g, r in zip(greedy, reference))})
         out.write_text(json.dumps(result, indent=2) + "\n")
     if "runs" in args.stages:
         result["summary"] = {name: {key: sum(r[key] for r in result["runs"] if r["loop"] == name) / 2
                                     for key in ("greedy_tokens_per_second", "speculative_tokens_per_second", "speedup", "acceptance_length")}
                              for name in loops}
+        if {"after", "graphed"} <= set(loops):  # the CUDA graphs' gain, each loop on its own target
+            after, graphed = result["summary"]["after"], result["summary"]["graphed"]
+            result["summary"]["graphed_over_after"] = {kind: graphed[f"{kind}_tokens_per_second"] / after[f"{kind}_tokens_per_second"]
+                                                       for kind in ("greedy", "speculative")}
     if "counts" in args.stages:
-        result["counts"] = {name: counts(loop, model, drafter, layers, prompts[0], continuations[0], device=device, **decode)
+        result["counts"] = {name: counts(loop, targets[name], drafter, prompts[0], continuations[0], device=device, **decode)
                             for name, loop in loops.items()}
         result["counts"]["trees"] = tree_counts(model, drafter, prompts[0], new_tokens=run["new_tokens"], device=device)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({key: result[key] for key in ("summary", "counts") if key in result}, indent=2))
+    for plain, target in targets.values():
+        plain.close()
+        target.close()
     return 0
 
 

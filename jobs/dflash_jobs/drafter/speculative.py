@@ -20,7 +20,9 @@ one target forward; only when the uncached tokens reach block_size are they run 
 keeps a verify forward under two blocks. At batch size 1 a forward costs about the same for 16
 tokens as for 32 (launch or weight-read bound), which is why deferring beats re-running at once
 (which cost a second forward per rejected block); serving engines avoid both with verify kernels
-that keep the recurrent state after every token.
+that keep the recurrent state after every token. A cache that can drop the rejected drafts alone
+(a static cache of full attention: drafter/static_target.py) keeps the accepted tokens instead
+(`rewind`), and every verify forward is the anchor and its drafts.
 
 The export carries this module beside dflash.py (whose spec_generate runs this loop), so it imports
 torch and transformers only.
@@ -210,6 +212,13 @@ class DecodeTarget:
                 "transformers version keeps cache state that DecodeTarget.checkpoint does not save; install the version "
                 "images/Dockerfile pins (TRANSFORMERS_VERSION), which the tests run"
             )
+
+    def rewind(self, checkpoint: CacheCheckpoint, kept: int) -> int:
+        """Drops what a forward since `checkpoint` left past its first `kept` tokens; returns how many of
+        those the cache keeps. None here: a GDN state cannot be cut inside a forward, so the cache goes
+        back to the checkpoint and the kept tokens lead the next forward (the module docstring)."""
+        self.rollback(checkpoint)
+        return 0
 
     def close(self) -> None:
         for hook in self._hooks:
@@ -405,8 +414,9 @@ def speculative_decode(
         if accepted == len(draft):
             cached = decoding.length - 1  # everything but the bonus token went through the cache as it stays
         else:
-            # A rejected draft left its state in the GDN layers: back to the checkpoint.
-            target.rollback(checkpoint)
+            # A rejected draft left its state in the cache: keep what the verify computed for the
+            # committed tokens where the cache can (all but the bonus token), else back to the checkpoint.
+            cached += target.rewind(checkpoint, anchor + accepted + 1)
             if decoding.length - 1 - cached >= drafter.block_size:
                 target.forward(decoding.sequence[cached : decoding.length - 1], last_only=True)
                 cached = decoding.length - 1

@@ -39,6 +39,7 @@ from dflash_jobs.drafter.export import DRAFTER_PREFIX, exported_config, load_dra
 from dflash_jobs.drafter.model import Drafter, DrafterConfig
 from dflash_jobs.drafter.serving import run_serve_command
 from dflash_jobs.drafter.speculative import BlockDrafter, Decoded, DecodeTarget, ModelDrafter, greedy_decode, speculative_decode
+from dflash_jobs.drafter.static_target import StaticTarget
 from dflash_jobs.drafter.tree_verify import tree_decode, tree_target
 from dflash_jobs.errors import InputError
 from dflash_jobs.evaluate.baselines import BigramDrafter, BigramTable, PromptLookupDrafter, along_greedy, fit_bigram
@@ -54,6 +55,7 @@ from dflash_jobs.evaluate.trees import PromptTrees, VariantBranches, exact_trees
 from dflash_jobs.capture.checkpoint import local_checkpoint
 from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk
 from dflash_jobs.rows import prompt_length
+from dflash_jobs.static_cache import static_cache_supported
 from dflash_jobs.spec import BIGRAM, PROMPT_LOOKUP, AnchorLayout, EvalSpec, RunSpec, anchor_layout
 from dflash_jobs.storage import Storage, storage_for
 from dflash_jobs.variants import DrafterVariant, drafter_variant
@@ -100,10 +102,13 @@ def stop_ids(model) -> frozenset[int]:
 class PromptDecoder:
     """The target and the drafters, ready to decode one prompt at a time (in this process or in a worker):
     the trained drafter, under its variant's name, and the baselines eval.baselines names, drafting as
-    many tokens a block; `bigram`: the fitted table (None when the bigram baseline is not asked for)."""
+    many tokens a block; `bigram`: the fitted table (None when the bigram baseline is not asked for).
+    static_cache: greedy and the verify loops on static caches (drafter/static_target.py: on a GPU each
+    step a replayed CUDA graph; uses_static_cache says where), else on the dynamic cache; the trees and
+    the layers captured along greedy's output on the dynamic cache either way."""
 
     def __init__(self, model, drafter: Drafter, variant: DrafterVariant, layout: AnchorLayout, settings: EvalSpec,
-                 bigram: BigramTable | None) -> None:
+                 bigram: BigramTable | None, *, static_cache: bool = False) -> None:
         self.drafter, self.variant, self.layout = drafter, variant, layout
         self.recorder = recorder_for(drafter, drafts=layout.drafts)
         if BIGRAM in settings.baselines and bigram is None:
@@ -115,8 +120,14 @@ class PromptDecoder:
         self.served: dict[str, BlockDrafter] = {variant.name: ModelDrafter(drafter, drafts=layout.drafts), **self.baselines}
         self.settings = settings
         self.stop = stop_ids(model)
-        self.plain = DecodeTarget(model)
-        self.targets = {name: tree_target(model, d.target_layers) for name, d in self.served.items()}  # the trained drafter's decodes trees too
+        block = layout.drafts + 1
+        # One target per set of captured layers: greedy and the baselines (none) share one, and its cache.
+        layer_sets = {(), *(tuple(d.target_layers) for d in self.served.values())}
+        by_layers = {layers: StaticTarget(model, layers, block=block, room=settings.max_new_tokens + block) if static_cache
+                     else DecodeTarget(model, layers) for layers in layer_sets}
+        self.plain = by_layers[()]
+        self.verifiers = {name: by_layers[tuple(d.target_layers)] for name, d in self.served.items()}
+        self.tree_target = tree_target(model, drafter.config.target_layer_ids)  # the trees, and the layers captured along greedy
         self.trees = VariantBranches(drafter, variant.branches, drafts=layout.drafts)
         # The chain's own budget beside the asked ones: a tree of as many nodes as the chain drafts.
         self.budgets = sorted({*settings.tree_budgets, layout.drafts}) if settings.tree_budgets else []
@@ -133,13 +144,13 @@ class PromptDecoder:
             noise = verify_noise(self.plain, prompt, reference, block)
         chain = self.recorder or self.served[self.variant.name]
         drafted = {
-            self.variant.name: speculative_decode(self.targets[self.variant.name], chain, prompt, max_new_tokens=new_tokens, stop_ids=self.stop),
+            self.variant.name: speculative_decode(self.verifiers[self.variant.name], chain, prompt, max_new_tokens=new_tokens, stop_ids=self.stop),
             **{name: along_greedy(baseline, prompt.tolist(), reference.tokens, max_new_tokens=new_tokens, stop_ids=self.stop)
                for name, baseline in self.baselines.items()},
         }
         confidences = self.recorder.take() if self.recorder is not None else None
         tree_decoded = {
-            budget: tree_decode(self.targets[self.variant.name], self.trees, prompt, budget=budget, max_new_tokens=new_tokens, stop_ids=self.stop)
+            budget: tree_decode(self.tree_target, self.trees, prompt, budget=budget, max_new_tokens=new_tokens, stop_ids=self.stop)
             for budget in self.budgets
         }
         # Untimed: the lossless check's figures (the decodings above are what tokens/s measure).
@@ -155,11 +166,11 @@ class PromptDecoder:
         """The prompt decoded by greedy and by every drafter as served, one after another: what tokens/s measure."""
         settings = {"max_new_tokens": self.settings.max_new_tokens, "stop_ids": self.stop}
         return {GREEDY: greedy_decode(self.plain, prompt, **settings),
-                **{name: speculative_decode(self.targets[name], drafter, prompt, **settings) for name, drafter in self.served.items()}}
+                **{name: speculative_decode(self.verifiers[name], drafter, prompt, **settings) for name, drafter in self.served.items()}}
 
     def captured(self, prompt: torch.Tensor, reference: Decoded) -> tuple[torch.Tensor, torch.Tensor]:
         """prompt + greedy's output, and the drafter's target layers over it [T, L*d], captured in one forward."""
-        target = self.targets[self.variant.name]
+        target = self.tree_target
         document = torch.cat([prompt, torch.tensor(reference.tokens, dtype=prompt.dtype)]).to(target.device)
         with torch.inference_mode():
             target.reset()
@@ -190,7 +201,7 @@ class PromptDecoder:
         return trees
 
     def close(self) -> None:
-        for target in (self.plain, *self.targets.values()):
+        for target in {self.plain, *self.verifiers.values(), self.tree_target}:
             target.close()
 
 
@@ -202,7 +213,14 @@ def load_decoder(spec: RunSpec, bigram: BigramTable | None, *, device: torch.dev
         drafter_url(spec), target=spec.target.model, variant=variant, device=device,
         endpoint_url=spec.storage.endpoint_url, region=spec.storage.region,
     )
-    return PromptDecoder(model, drafter, variant, served_layout(spec, config), spec.eval, bigram)
+    return PromptDecoder(model, drafter, variant, served_layout(spec, config), spec.eval, bigram,
+                         static_cache=uses_static_cache(spec.eval, model, device))
+
+
+def uses_static_cache(settings: EvalSpec, model, device: torch.device) -> bool:
+    """eval.cuda_graphs, on a GPU, for a target of full attention only: a static cache gains nothing
+    without the graphs it exists for, and cannot roll a linear-attention layer back."""
+    return settings.cuda_graphs and device.type == "cuda" and static_cache_supported(model)
 
 
 class DecoderOnFirstUse:

@@ -8,7 +8,8 @@ baselines stopped decoding. Each prompt's reference is stored as it is computed 
 <eval.reference_cache, default the run's output>/eval/reference/<key>/, kept (never cleared: other
 evaluations read it), `key` fingerprinting what it depends on: the target (its spec section: the
 checkpoint's location, captured layers, attention), eval.max_new_tokens, the verify block's size
-(the noise is measured in blocks of it), the device's kind (its dtype follows). Each file holds its
+(the noise is measured in blocks of it), the device's kind (its dtype follows), eval.cuda_graphs (the
+static cache's roundings). Each file holds its
 prompt's tokens, checked when read, so a reference is never taken for another prompt.
 """
 
@@ -34,7 +35,7 @@ Reference = tuple[Decoded, list[float]]
 
 def reference_key(spec: RunSpec, device: torch.device, block_size: int) -> str:
     about = {"target": dataclasses.asdict(spec.target), "max_new_tokens": spec.eval.max_new_tokens, "block_size": block_size,
-             "device": device.type}
+             "device": device.type, "cuda_graphs": spec.eval.cuda_graphs}
     return hashlib.sha256(json.dumps(about, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -24,7 +24,8 @@ OPTIONAL_SECTIONS = ("generate", "train.dflash2", "train.dspark", "cluster.outpu
 """Sections that are off while absent (dotted paths): a resolved spec without them does not mention them."""
 OUTSIDE_RUN_IDENTITY = ("cluster.namespace", "cluster.metrics_port", "local.cores", "local.parallelism",
                         "train.checkpoint_every", "train.cache_gb", "train.cache_storage_class", "train.states", "eval.prompt_sets",
-                        "eval.timed_prompts", "eval.reference_cache", "generate.batch_prompts", "generate.compile")
+                        "eval.timed_prompts", "eval.reference_cache", "eval.cuda_graphs", "generate.batch_prompts",
+                        "generate.compile")
 """Settings of where a run is placed and watched from, not of what it makes (dotted paths): changing
 one keeps the run's identity, its spec hash and <output>/run.yaml. The namespace is where the Jobs
 live (`dflashctl -n` moves them; storage is shared); the metrics port is where `dflashctl run`
@@ -36,7 +37,9 @@ states bit for bit), are the trainer's resumable changes (train/checkpointer.py 
 run resumes across them, so its output does too (an output that already holds verified states
 refuses online training on its own: pipeline.refuse_stored_states). Which prompt sets an
 evaluation also decodes, how many prompts it times and where it shares greedy's decodings say
-nothing of what the run made (`dflashctl eval --prompt-set` adds a set to a finished run). How many
+nothing of what the run made (`dflashctl eval --prompt-set` adds a set to a finished run); nor
+whether it replays its forwards as CUDA graphs (its speed; the figures move only by roundings at
+near-ties, which its lossless check measures: an evaluation's kept prompts are its own all the same). How many
 prompts the transformers engine decodes together, and whether it compiles its decode step, are its
 speed, outside generation's settings hash too (each prompt samples with its own seed; both change a
 greedy answer only where two tokens' scores tie or round apart): a run started when the batch's

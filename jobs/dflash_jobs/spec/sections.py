@@ -263,6 +263,14 @@ class EvalSpec:
     """Where greedy's decodings of the prompts are kept for every evaluation on the same target, prompts
     and settings (evaluate/reference.py): a local path or s3:// prefix several runs share (the quality
     benchmark's chains, `dflashctl eval` of several drafters); null: the run's own output."""
+    cuda_graphs: bool = False
+    """On a GPU, for a target of full attention only (a dense one, such as Llama): greedy and the verify
+    loops on a static KV cache, each token's and each verify block's forward one replayed CUDA graph
+    (drafter/static_target.py), where eager forwards at batch size 1 wait on the host's kernel
+    launches. Their logits differ from the dynamic cache's by roundings, which the lossless check's
+    tie tolerance measures on the same target. Off by default until a GPU run has measured its speed
+    and its partings (built and tested on a CPU, where it runs eagerly: issue 49). The trees, and a
+    hybrid target's every loop, decode on the dynamic cache."""
     baselines: list[str] = field(default_factory=lambda: list(BASELINES))
     """The untrained drafters decoded beside the trained one on the same prompts: prompt_lookup and bigram
     (a table fitted on the run's training rows). Each decodes every prompt again, about a greedy decoding's
@@ -288,6 +296,8 @@ class EvalSpec:
             if not isinstance(name, str) or not PROMPT_SET_NAME.fullmatch(name):
                 raise SpecError("eval.prompt_sets", name, "set names of letters, digits, '_' and '-', starting with a letter (report keys)")
             _check_location(f"eval.prompt_sets.{name}", source, what="a chat JSONL file")
+        if not isinstance(self.cuda_graphs, bool):
+            raise SpecError("eval.cuda_graphs", self.cuda_graphs, "true or false")
         if self.reference_cache is not None:
             _check_location("eval.reference_cache", self.reference_cache, what="where greedy's decodings are shared")
         if (not isinstance(self.baselines, list) or not all(isinstance(name, str) and name in BASELINES for name in self.baselines)

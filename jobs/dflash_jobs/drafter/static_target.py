@@ -1,0 +1,123 @@
+"""The verify loops' target on a static KV cache, each forward of a verify block or a token one
+replayed CUDA graph on a GPU: for a target of full attention only (static_cache.static_cache_supported).
+
+At batch size 1 a small target's forward is bound by the host: Python launches some 15 kernels a
+layer one by one, and a verify step of SmolLM2's shape took 18-21 ms on an H100 eagerly, a greedy
+token as long (issue 49). A replayed graph launches a forward's kernels at once. A graph replays
+fixed addresses and shapes, so:
+
+- The cache is static (static_cache.windowed_cache), sized at each prompt for it and the decoding
+  after it (`room`); it and its graphs serve the next prompt that fits.
+- Every forward of 2 to `block` tokens runs as one of `block` tokens: the rows past the real ones
+  compute whatever the buffer holds and are never read (causal attention: they change no earlier
+  row), their keys land past the cache's length, where the next forward overwrites them. So a
+  decoding has three shapes a window of the cache: a token (greedy, the last token's logits), a
+  block (the verify loops, the lossless check's blocks), and the prompt's, run eagerly.
+- Rolling back is setting the length: keys past it are masked by position (a query at position p
+  sees the columns up to p) until overwritten. So a rejected verify keeps its accepted tokens
+  (`rewind`), and the next verify is the anchor and its drafts alone.
+
+Its logits differ from the dynamic cache's (DecodeTarget) by roundings (the kernels a padded block
+and a longer window select), which can part two decodings only where greedy's top two scores are
+that close: the evaluation measures that noise (evaluate/lossless.py) on this target too.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from dflash_jobs.drafter.speculative import CacheCheckpoint, DecodeTarget
+from dflash_jobs.static_cache import CapturedSteps, aligned, cache_argument, static_cache_supported, windowed_cache
+
+CACHE_BUCKET = 256
+"""The cache's length is a multiple of this: prompts whose lengths round up alike share a cache and its graphs."""
+
+
+class StaticTarget(DecodeTarget):
+    """DecodeTarget's interface (reset, forward, features, checkpoint, rollback) on a static cache.
+
+    block: the tokens of a verify forward (the anchor and the most drafts); forwards of 2 to `block`
+    tokens run as one of `block`. room: the most tokens a decoding adds after its prompt, a verify
+    block's overhang included."""
+
+    def __init__(self, model: nn.Module, layers: Sequence[int] = (), *, block: int, room: int) -> None:
+        if not static_cache_supported(model):
+            raise ValueError(f"{type(model).__name__} has layers other than full attention (linear or sliding-window "
+                             "attention keep state a static cache cannot roll back): decode it with DecodeTarget")
+        super().__init__(model, layers)
+        self.block, self.room = block, room
+        self.capacity = 0
+        self.steps: CapturedSteps | None = None
+        self._cache_kwargs: dict = {}
+
+    def reset(self) -> None:
+        self.length = 0  # the cache's buffers and graphs stay for the next prompt
+
+    def _allocate(self, needed: int) -> None:
+        """A cache of at least `needed` columns, its buffers and no graphs: made anew only where the last is too short."""
+        if needed <= self.capacity:
+            return
+        device = self.device
+        self.capacity = -(-needed // CACHE_BUCKET) * CACHE_BUCKET
+        self.steps = None  # the last cache's graphs (and their pool) freed before this one is made
+        self.cache = windowed_cache()(config=self.model.config, max_cache_len=self.capacity)
+        self._cache_kwargs = {cache_argument(self.model): self.cache}
+        self.steps = CapturedSteps(device)
+        self._ids = torch.zeros(self.block, dtype=torch.long, device=device)
+        self._start = torch.zeros((), dtype=torch.long, device=device)  # the forward's first position: the cache's length
+        self._rows = torch.arange(self.block, device=device)
+        self._columns = torch.arange(self.capacity, device=device)
+
+    def forward(self, ids: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
+        n = len(ids)
+        if self.length == 0:
+            self._allocate(n + self.room + self.block)
+        elif self.length + max(n, self.block) > self.capacity:
+            raise ValueError(f"{self.length + n} tokens overrun the static cache sized for prompts plus room={self.room}: "
+                             "build the StaticTarget with the room its decodings need")
+        self._start.fill_(self.length)  # a scalar written on the device: no wait
+        if n > self.block:  # a prompt: eager, its own shape
+            rows, keep_last = n, last_only
+            logits, captured = self._run(ids, n, self._window(n), keep_last)
+        else:
+            rows, keep_last = (1, last_only) if n == 1 else (self.block, False)
+            self._ids[:n].copy_(ids)
+            window = self._window(rows)
+            logits, captured = self.steps((rows, window, keep_last), partial(self._run, self._ids[:rows], rows, window, keep_last))
+        self.length += n
+        self._captured = {layer: hidden[:, :n] for layer, hidden in captured.items()}
+        # A replay refills the same output tensors: a copy keeps these logits past the next forward.
+        return (logits[n - 1 : n] if last_only and not keep_last else logits[:n]).clone()
+
+    def _window(self, rows: int) -> int:
+        """The cache columns a forward of `rows` tokens reads: through its own, rounded up."""
+        return min(aligned(self.length + rows), self.capacity)
+
+    def _run(self, ids: torch.Tensor, rows: int, window: int, last_only: bool) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The forward of `rows` tokens from position `_start` over the cache's first `window` columns:
+        reads only the device buffers, so that a graph of it replays any prompt's forward of this shape."""
+        positions = self._start + self._rows[:rows] if rows <= self.block else self._start + torch.arange(rows, device=self._start.device)
+        visible = self._columns[None, :window] <= positions[:, None]  # [rows, window]: causal by position
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                layer.cumulative_length.copy_(self._start)  # where update() writes this forward's keys
+        self.cache.window = window
+        output = self.model(input_ids=ids[None], attention_mask=visible[None, None], position_ids=positions[None],
+                            use_cache=True, logits_to_keep=1 if last_only else 0, **self._cache_kwargs)
+        return output.logits[0], dict(self._captured)
+
+    def checkpoint(self) -> CacheCheckpoint:
+        return CacheCheckpoint(self.length, [])
+
+    def rollback(self, checkpoint: CacheCheckpoint) -> None:
+        self.length = checkpoint.length
+
+    def rewind(self, checkpoint: CacheCheckpoint, kept: int) -> int:
+        """Keeps the first `kept` tokens of the forward since `checkpoint`: all of them (their keys
+        were computed from the committed tokens alone)."""
+        self.length = checkpoint.length + kept
+        return kept
