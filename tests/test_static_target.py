@@ -2,19 +2,25 @@
 (DecodeTarget) on the tiny Llama, on a CPU in float32, where every forward runs eagerly (the CUDA
 graphs replay these forwards on a GPU: bench/evaluation/eval_loops.py times them there): the same
 logits through padded blocks, longer windows, rewinds and a cache reused across prompts; the same
-tokens from greedy and from speculative decoding, whose drafter sees the same captured layers."""
+tokens from greedy, from speculative decoding (whose drafter sees the same captured layers) and from
+tree decoding; one host read a step; the evaluation's figures alike on either cache."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
-from dflash_jobs.drafter.speculative import DecodeTarget, greedy_decode, speculative_decode
+from dflash_jobs.architectures import target_architecture
+from dflash_jobs.drafter.host_reads import HostReads
+from dflash_jobs.drafter.speculative import DecodeTarget, ModelDrafter, greedy_decode, speculative_decode
 from dflash_jobs.drafter.static_target import CACHE_BUCKET, StaticTarget
+from dflash_jobs.drafter.tree_verify import tree_decode, tree_target
 from dflash_jobs.errors import SpecError
 from dflash_jobs.evaluate.baselines import BigramTable
 from dflash_jobs.evaluate.evaluator import PromptDecoder, uses_static_cache
-from dflash_jobs.spec import EvalSpec, anchor_layout, parse_spec
+from dflash_jobs.evaluate.trees import VariantBranches
+from dflash_jobs.spec import EvalSpec, TrainSpec, anchor_layout, parse_spec
 from dflash_jobs.variants import drafter_variant
 from train_fixtures import fresh_drafter
 
@@ -28,7 +34,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: the tiny matrice
 
 @pytest.fixture(scope="module")
 def llama(target_of):
-    from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(target_of("llama"), dtype=torch.float32, attn_implementation="sdpa").eval()
 
@@ -118,7 +123,6 @@ def test_speculative_decoding_commits_greedys_tokens_from_the_same_steps_and_con
 
 
 def test_a_hybrid_target_and_an_overrun_are_refused_naming_the_fix(llama, target_of):
-    from transformers import AutoModelForCausalLM
 
     hybrid = AutoModelForCausalLM.from_pretrained(target_of("qwen3_5"), dtype=torch.float32).eval()
     with pytest.raises(ValueError, match="DecodeTarget"):
@@ -134,7 +138,6 @@ def test_a_hybrid_target_and_an_overrun_are_refused_naming_the_fix(llama, target
 
 
 def test_the_evaluation_takes_the_static_cache_where_asked_on_a_gpu_for_a_dense_target_only(llama, target_of):
-    from transformers import AutoModelForCausalLM
 
     hybrid = AutoModelForCausalLM.from_pretrained(target_of("qwen3_5"), dtype=torch.float32).eval()
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
@@ -148,12 +151,12 @@ def test_the_evaluation_takes_the_static_cache_where_asked_on_a_gpu_for_a_dense_
 
 
 def test_an_evaluation_on_the_static_cache_gives_the_dynamic_caches_figures(llama, target_of):
-    """Greedy, the trained drafter's chain and the baselines, each prompt's figures and the timed
-    decodings, on static caches (one shared by greedy and the baselines) as on dynamic ones."""
+    """Greedy, the trained drafter's chain, the baselines and the trees, each prompt's figures and the
+    timed decodings, on static caches (one shared by greedy and the baselines) as on dynamic ones."""
     spec = parse_spec({"name": "t", "backend": "local", "target": {"model": "/m"}, "data": {"source": "/d.jsonl"}, "output": "/o",
                        "train": {"drafter": "dflash", "draft_layers": 1, "block_size": BLOCK}})
     drafter, variant = fresh_drafter(target_of("llama"), spec.train).eval().requires_grad_(False), drafter_variant("dflash")
-    layout, settings = anchor_layout("dflash", block_size=BLOCK), EvalSpec(max_new_tokens=NEW_TOKENS, tree_budgets=[])
+    layout, settings = anchor_layout("dflash", block_size=BLOCK), EvalSpec(max_new_tokens=NEW_TOKENS, tree_budgets=[3, 2 * BLOCK])
     prompts = [prompt_of(length, llama.config.vocab_size, seed=10 + length) for length in (9, 30)]
     # A table of greedy's own bigrams on the first prompt: its drafts are accepted in part, rewinding often.
     answer = greedy_decode(DecodeTarget(llama), prompts[0], max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP).tokens
@@ -162,26 +165,25 @@ def test_an_evaluation_on_the_static_cache_gives_the_dynamic_caches_figures(llam
     for static in (False, True):
         decoder = PromptDecoder(llama, drafter, variant, layout, settings, table, static_cache=static)
         try:
-            assert all(isinstance(t, StaticTarget) == static for t in (decoder.plain, *decoder.verifiers.values()))
+            assert all(isinstance(t, StaticTarget) == static for t in (decoder.plain, *decoder.verifiers.values(), decoder.tree_target))
             results = [decoder.decode(prompt) for prompt in prompts]
             timed = decoder.timed(prompts[0])
         finally:
             decoder.close()
-        figures[static] = ([(r.greedy.tokens, {name: (d.tokens, d.accepted, d.drafted) for name, d in r.drafted.items()}, r.divergences)
+        figures[static] = ([(r.greedy.tokens, {name: (d.tokens, d.accepted, d.drafted) for name, d in r.drafted.items()}, r.divergences,
+                             {budget: (d.tokens, d.accepted, d.drafted) for budget, d in r.trees.decoded.items()}, r.trees.divergences)
                             for r in results], {name: d.tokens for name, d in timed.items()})
     assert figures[True] == figures[False]
-    greedy, drafted, found = figures[True][0][0]
-    assert greedy == answer and set(drafted) == {"dflash", "prompt_lookup", "bigram"}
-    assert all(tokens == greedy for tokens, _, _ in drafted.values()) and not any(found.values())
+    greedy, drafted, found, trees, tree_found = figures[True][0][0]
+    assert greedy == answer and set(drafted) == {"dflash", "prompt_lookup", "bigram"} and set(trees) == {3, BLOCK - 1, 2 * BLOCK}
+    assert all(tokens == greedy for tokens, _, _ in [*drafted.values(), *trees.values()])
+    assert not any(found.values()) and not any(tree_found.values())
 
 
-def test_greedy_and_a_verify_step_read_the_device_once_on_the_static_cache(llama, target_of):
+def test_greedy_and_every_verify_step_read_the_device_once_on_the_static_cache(llama, target_of):
     """As on the dynamic cache (tests/test_eval_loops.py): one read a greedy token, and beside the
-    prefill's two reads one a verify step; the static cache's own bookkeeping (its length, the forward's start,
+    prefill's two reads one a verify step, a chain's or a tree's; the static cache's own bookkeeping (its length, the forward's start,
     the padded block) stays on the host or on the device."""
-    from dflash_jobs.drafter.host_reads import HostReads
-    from dflash_jobs.drafter.speculative import ModelDrafter
-    from dflash_jobs.spec import TrainSpec
 
     drafter = fresh_drafter(target_of("llama"), TrainSpec(drafter="dflash", block_size=BLOCK)).eval()
     prompt = prompt_of(23, llama.config.vocab_size, seed=7)
@@ -193,3 +195,31 @@ def test_greedy_and_a_verify_step_read_the_device_once_on_the_static_cache(llama
         decoded = speculative_decode(target, ModelDrafter(drafter, drafts=BLOCK - 1), prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
     assert decoded.tokens == greedy.tokens
     assert reads.total == len(decoded.accepted) + 2, dict(reads.counts)
+    trees = StaticTarget(llama, drafter.config.target_layer_ids, block=BLOCK, room=NEW_TOKENS + 2 * BLOCK + 1,
+                         architecture=target_architecture(llama.config))
+    branches = VariantBranches(drafter, drafter_variant("dflash").branches, drafts=BLOCK - 1)
+    with HostReads() as reads:
+        decoded = tree_decode(trees, branches, prompt, budget=2 * BLOCK, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
+    assert decoded.tokens == greedy.tokens
+    assert reads.total == len(decoded.accepted) + 2, dict(reads.counts)
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dspark"])
+def test_tree_decoding_on_the_static_cache_commits_the_dynamic_caches_paths(llama, target_of, variant):
+    """A tree's verify forward reads the static cache's window (the columns past its length masked)
+    and the commit appends the accepted rows at its length: every step's tree, acceptance and
+    tokens as on the dynamic cache, at budgets below, at and above the verify block."""
+
+    drafter = fresh_drafter(target_of("llama"), TrainSpec(drafter=variant, block_size=BLOCK)).eval().requires_grad_(False)
+    drafts = anchor_layout(variant, block_size=BLOCK).drafts
+    branches = VariantBranches(drafter, drafter_variant(variant).branches, drafts=drafts)
+    layers = drafter.config.target_layer_ids
+    budgets = (3, BLOCK, 2 * BLOCK)
+    static = StaticTarget(llama, layers, block=BLOCK, room=NEW_TOKENS + 2 * BLOCK + 1, architecture=target_architecture(llama.config))
+    prompt = prompt_of(26, llama.config.vocab_size, seed=8)
+    greedy = greedy_decode(DecodeTarget(llama), prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP).tokens
+    for budget in budgets:
+        expected = tree_decode(tree_target(llama, layers), branches, prompt, budget=budget, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
+        decoded = tree_decode(static, branches, prompt, budget=budget, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
+        assert decoded.tokens == expected.tokens == greedy, budget
+        assert (decoded.accepted, decoded.drafted) == (expected.accepted, expected.drafted), budget

@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
-from transformers.cache_utils import LinearAttentionCacheLayerMixin
+from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from dflash_jobs.architectures import ARCHITECTURE_MODULES, qwen3_5
 from dflash_jobs.drafter.speculative import Decoded, DecodeTarget, greedy_decode
 from dflash_jobs.drafter.tree import ConditionalBranches, Tree, build_tree
 from dflash_jobs.architectures.tree import TreeLayout
-from dflash_jobs.drafter.tree_verify import cached_length, commit_path, tree_decode, tree_target, verify_tree
+from dflash_jobs.drafter.tree_verify import commit_path, tree_decode, tree_target, verify_tree
 from dflash_jobs.evaluate.trees import exact_trees, summarize_trees
 from train_fixtures import LAYERS, tiny_target
 from tree_fixtures import each_parent
@@ -189,6 +189,11 @@ def root_path(tree: Tree, node: int) -> list[int]:
 
 def leaves(tree: Tree) -> list[int]:
     return [node for node in range(len(tree)) if node not in set(tree.parents)]
+
+
+def cached_length(target: DecodeTarget) -> int:
+    """Tokens in the target's cache, from its attention layers' K/V."""
+    return next(layer.get_seq_length() for layer in target.cache.layers if isinstance(layer, DynamicLayer))
 
 
 def linear_states(target: DecodeTarget) -> list[torch.Tensor]:

@@ -53,7 +53,7 @@ class TreeLayout:
     positions: torch.Tensor
     """[n] cached + depth."""
     visible: torch.Tensor
-    """[n, cached + n] bool: what each row attends to (the cache, its ancestors, itself)."""
+    """[n, C + n] bool: what each row attends to (the cache's C columns, its ancestors, itself)."""
     above: torch.Tensor
     """[n] each row's parent row (the root its own)."""
     depths: torch.Tensor
@@ -63,7 +63,12 @@ class TreeLayout:
     _built: dict = field(default_factory=dict)
 
     @classmethod
-    def of(cls, root: int, tree: DraftTree, cached: int, device: torch.device) -> TreeLayout:
+    def of(cls, root: int | torch.Tensor, tree: DraftTree, cached: int | torch.Tensor, device: torch.device, *,
+           columns: torch.Tensor | None = None) -> TreeLayout:
+        """root: its token, or a [1] tensor of it. cached: the tokens in the cache (the root's position).
+        columns: None where the cache holds exactly `cached` tokens, all seen; a static cache gives
+        its window's column indices [C] instead, of which the rows see those before `cached` (then a
+        device scalar: the layout is built inside a replayed CUDA graph, from its buffers alone)."""
         def rows(values) -> torch.Tensor:  # a host tree's lists copied over, a grown tree's tensors as they are
             return torch.as_tensor(values, dtype=torch.long, device=device)
 
@@ -73,10 +78,13 @@ class TreeLayout:
         deepest = tree.depth_bound + 1
         lineage = _lineage(above, deepest)  # every ancestor of every row, up to the root
         ancestors = torch.zeros(len(above), len(above), dtype=torch.bool, device=device).scatter_(1, lineage, True)
+        root_row = root.view(1) if isinstance(root, torch.Tensor) else torch.full((1,), root, device=device)
+        seen = (torch.ones(len(above), cached, dtype=torch.bool, device=device) if columns is None
+                else (columns < cached).expand(len(above), -1))  # [n, C]: the cache's columns each row attends to
         return cls(
-            ids=torch.cat([torch.full((1,), root, device=device), rows(tree.tokens)]),
+            ids=torch.cat([root_row, rows(tree.tokens)]),
             positions=cached + depths,
-            visible=torch.cat([torch.ones(len(above), cached, dtype=torch.bool, device=device), ancestors], dim=1),
+            visible=torch.cat([seen, ancestors], dim=1),
             above=above,
             depths=depths,
             deepest=deepest,
@@ -177,7 +185,9 @@ def kernels(module: nn.Module):
 def attend_tree(attention: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cached: DynamicLayer,
                 step: TreeStep) -> tuple[torch.Tensor, AttentionRows]:
     """Attention of the rows over the cache and their ancestors, from their projections [1, heads, n,
-    head_dim] before RoPE: the output [1, n, heads * head_dim] before o_proj, and the rows' K/V."""
+    head_dim] before RoPE: the output [1, n, heads * head_dim] before o_proj, and the rows' K/V.
+    `cached`: the layer's cached `keys` and `values` (a DynamicLayer, or a static cache's window,
+    whose columns the layout masks)."""
     modeling = kernels(attention)
     query, key = modeling.apply_rotary_pos_emb(query, key, step.cos, step.sin)
     groups = attention.num_key_value_groups

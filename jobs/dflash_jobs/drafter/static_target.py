@@ -1,5 +1,5 @@
-"""The verify loops' target on a static KV cache, each forward of a verify block or a token one
-replayed CUDA graph on a GPU: for a target of full attention only (static_cache.static_cache_supported).
+"""The verify loops' target on a static KV cache, each forward of a verify block, a token or a draft
+tree one replayed CUDA graph on a GPU: for a target of full attention only (static_cache.static_cache_supported).
 
 At batch size 1 a small target's forward is bound by the host: Python launches some 15 kernels a
 layer one by one, and a verify step of SmolLM2's shape took 18-21 ms on an H100 eagerly, a greedy
@@ -16,6 +16,8 @@ fixed addresses and shapes, so:
 - Rolling back is setting the length: keys past it are masked by position (a query at position p
   sees the columns up to p) until overwritten. So a rejected verify keeps its accepted tokens
   (`rewind`), and the next verify is the anchor and its drafts alone.
+- A draft tree's forward (drafter/tree_verify.py) reads the cache's window with the columns past the
+  length masked, from buffers the tree is copied into: a graph per tree size, depth bound and window.
 
 Its logits differ from the dynamic cache's (DecodeTarget) by roundings (the kernels a padded block
 and a longer window select), which can part two decodings only where greedy's top two scores are
@@ -24,6 +26,7 @@ that close: the evaluation measures that noise (evaluate/lossless.py) on this ta
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import Sequence
 
@@ -37,6 +40,14 @@ CACHE_BUCKET = 256
 """The cache's length is a multiple of this: prompts whose lengths round up alike share a cache and its graphs."""
 
 
+@dataclass
+class CacheWindow:
+    """An attention layer's cached keys and values [1, heads, window, head_dim], as a tree forward reads a cache layer."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
 class StaticTarget(DecodeTarget):
     """DecodeTarget's interface (reset, forward, features, checkpoint, rollback) on a static cache.
 
@@ -44,11 +55,11 @@ class StaticTarget(DecodeTarget):
     tokens run as one of `block`. room: the most tokens a decoding adds after its prompt, a verify
     block's overhang included."""
 
-    def __init__(self, model: nn.Module, layers: Sequence[int] = (), *, block: int, room: int) -> None:
+    def __init__(self, model: nn.Module, layers: Sequence[int] = (), *, block: int, room: int, architecture=None) -> None:
         if not static_cache_supported(model):
             raise ValueError(f"{type(model).__name__} has layers other than full attention (linear or sliding-window "
                              "attention keep state a static cache cannot roll back): decode it with DecodeTarget")
-        super().__init__(model, layers)
+        super().__init__(model, layers, architecture=architecture)
         self.block, self.room = block, room
         self.capacity = 0
         self.steps: CapturedSteps | None = None
@@ -67,18 +78,22 @@ class StaticTarget(DecodeTarget):
         self.cache = windowed_cache()(config=self.model.config, max_cache_len=self.capacity)
         self._cache_kwargs = {cache_argument(self.model): self.cache}
         self.steps = CapturedSteps(device)
+        self._inputs: dict[tuple, torch.Tensor] = {}  # a tree forward's inputs by name and shape: what its graph reads
         self._ids = torch.zeros(self.block, dtype=torch.long, device=device)
         self._start = torch.zeros((), dtype=torch.long, device=device)  # the forward's first position: the cache's length
         self._rows = torch.arange(self.block, device=device)
         self._columns = torch.arange(self.capacity, device=device)
 
+    def _fits(self, rows: int) -> None:
+        if self.length + rows > self.capacity:
+            raise ValueError(f"a forward of {rows} rows after {self.length} tokens overruns the static cache sized for prompts plus "
+                             f"room={self.room}: build the StaticTarget with the room its decodings need")
+
     def forward(self, ids: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
         n = len(ids)
         if self.length == 0:
             self._allocate(n + self.room + self.block)
-        elif self.length + max(n, self.block) > self.capacity:
-            raise ValueError(f"{self.length + n} tokens overrun the static cache sized for prompts plus room={self.room}: "
-                             "build the StaticTarget with the room its decodings need")
+        self._fits(max(n, self.block))
         self._start.fill_(self.length)  # a scalar written on the device: no wait
         if n > self.block:  # a prompt: eager, its own shape
             rows, keep_last = n, last_only
@@ -109,6 +124,33 @@ class StaticTarget(DecodeTarget):
         output = self.model(input_ids=ids[None], attention_mask=visible[None, None], position_ids=positions[None],
                             use_cache=True, logits_to_keep=1 if last_only else 0, **self._cache_kwargs)
         return output.logits[0], dict(self._captured)
+
+    def tree_forward(self, shape: tuple, inputs: dict, forward):
+        """The tree's verify forward (DecodeTarget.tree_forward) over the cache's window through its rows,
+        replayed as a CUDA graph per shape and window: its inputs copied into buffers it reads, the
+        root's position and the visible columns computed in it. The commit then appends the accepted
+        rows where the cache's length ends (each layer's write position set here: the forward writes nothing)."""
+        rows = shape[0]
+        self._fits(rows)
+        window = self._window(rows)
+        self._start.fill_(self.length)
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(self.length)
+        buffers = {name: self._input(name, value) for name, value in inputs.items()}
+        layers = [CacheWindow(layer.keys[:, :, :window], layer.values[:, :, :window]) for layer in self.cache.layers]
+        return self.steps(("tree", *shape, window), partial(forward, self._start, self._columns[:window], layers, **buffers))
+
+    def _input(self, name: str, value) -> torch.Tensor:
+        """`value` (a token, or a tensor or list of them) in the buffer of its name and length, on the device, without waiting."""
+        value = torch.as_tensor(value, dtype=torch.long).reshape(-1)
+        buffer = self._inputs.get((name, len(value)))
+        if buffer is None:
+            buffer = self._inputs[name, len(value)] = torch.zeros(len(value), dtype=torch.long, device=self.device)
+        if value.device == self.device:
+            buffer.copy_(value)
+        else:
+            buffer.copy_(value.pin_memory() if self.device.type == "cuda" else value, non_blocking=True)
+        return buffer
 
     def checkpoint(self) -> CacheCheckpoint:
         return CacheCheckpoint(self.length, [])

@@ -11,6 +11,10 @@ attention appends their K/V (the positions they were computed at are theirs in t
 recurrent layers set their states to those after the last accepted node, all layers in one call. No
 rollback: a tree step costs one forward and a commit.
 
+The target runs the forward (`tree_forward`): over its cache as it stands (DecodeTarget), or, on a
+static cache, replayed as a CUDA graph per tree shape from buffers it copies the tree into, the
+cached columns past its length masked (static_target.py StaticTarget).
+
 `tree_decode` is speculative decoding (speculative.py) with a tree in place of the block, the
 committed path deciding the next anchor.
 """
@@ -22,7 +26,6 @@ from typing import Protocol, Sequence
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicLayer
 
 from dflash_jobs.architectures import target_architecture
 from dflash_jobs.architectures.tree import KeptRows, TreeLayout, TreeStep
@@ -64,9 +67,14 @@ def tree_target(model: nn.Module, layers: Sequence[int] = ()) -> DecodeTarget:
     return DecodeTarget(model, layers, architecture=target_architecture(text_model(model).config))
 
 
-def cached_length(target: DecodeTarget) -> int:
-    """Tokens in the target's cache, from its attention layers' K/V."""
-    return next(layer.get_seq_length() for layer in target.cache.layers if isinstance(layer, DynamicLayer))
+@dataclass
+class LaidTree:
+    """A tree's rows as the layout reads them: a host tree's lists, or tensors (a grown tree's, or a static target's buffers)."""
+
+    tokens: Sequence[int] | torch.Tensor
+    parents: Sequence[int] | torch.Tensor
+    depths: Sequence[int] | torch.Tensor
+    depth_bound: int
 
 
 @torch.inference_mode()
@@ -77,19 +85,24 @@ def verify_tree(target: DecodeTarget, root: int, tree: Tree | GrownTree) -> Veri
     model, device, text = target.model, target.device, target.text
     mixers = target.architecture.tree_mixers
     layer_types = getattr(text.config, "layer_types", None) or ["full_attention"] * len(text.layers)
-    layout = TreeLayout.of(root, tree, cached_length(target), device)
-    h = model.get_input_embeddings()(layout.ids)[None]  # [1, n, d]
-    step = TreeStep(layout, *text.rotary_emb(h, layout.positions[None]))
-    captured, kept = {}, {}
-    for index, layer in enumerate(text.layers):
-        mixed, kept[index] = mixers[layer_types[index]](layer, layer.input_layernorm(h), target.cache.layers[index], step)
-        h = h + mixed
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-        if index in target.layers:
-            captured[index] = h[0]
-    logits = model.get_output_embeddings()(text.norm(h))[0]
-    features = torch.cat([captured[layer] for layer in target.layers], dim=-1) if target.layers else None  # L x [n, d] -> [n, L * d]
-    return VerifiedTree(logits, features, kept)
+
+    def forward(cached, columns, cache_layers, *, root, tokens, parents, depths) -> VerifiedTree:
+        layout = TreeLayout.of(root, LaidTree(tokens, parents, depths, tree.depth_bound), cached, device, columns=columns)
+        h = model.get_input_embeddings()(layout.ids)[None]  # [1, n, d]
+        step = TreeStep(layout, *text.rotary_emb(h, layout.positions[None]))
+        captured, kept = {}, {}
+        for index, layer in enumerate(text.layers):
+            mixed, kept[index] = mixers[layer_types[index]](layer, layer.input_layernorm(h), cache_layers[index], step)
+            h = h + mixed
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if index in target.layers:
+                captured[index] = h[0]
+        logits = model.get_output_embeddings()(text.norm(h))[0]
+        features = torch.cat([captured[layer] for layer in target.layers], dim=-1) if target.layers else None  # L x [n, d] -> [n, L * d]
+        return VerifiedTree(logits, features, kept)
+
+    inputs = {"root": root, "tokens": tree.tokens, "parents": tree.parents, "depths": tree.depths}
+    return target.tree_forward((len(tree) + 1, tree.depth_bound), inputs, forward)
 
 
 @torch.inference_mode()

@@ -30,17 +30,19 @@ import logging
 import multiprocessing
 import time
 from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
 
+from dflash_jobs.architectures import target_architecture
 from dflash_jobs.drafter.export import DRAFTER_PREFIX, exported_config, load_drafter
 from dflash_jobs.drafter.model import Drafter, DrafterConfig
 from dflash_jobs.drafter.serving import run_serve_command
-from dflash_jobs.drafter.speculative import BlockDrafter, Decoded, DecodeTarget, ModelDrafter, greedy_decode, speculative_decode
+from dflash_jobs.drafter.speculative import BlockDrafter, Decoded, DecodeTarget, ModelDrafter, greedy_decode, speculative_decode, text_model
 from dflash_jobs.drafter.static_target import StaticTarget
-from dflash_jobs.drafter.tree_verify import tree_decode, tree_target
+from dflash_jobs.drafter.tree_verify import tree_decode
 from dflash_jobs.errors import InputError
 from dflash_jobs.evaluate.baselines import BigramDrafter, BigramTable, PromptLookupDrafter, along_greedy, fit_bigram
 from dflash_jobs.evaluate.calibration import recorder_for
@@ -103,9 +105,8 @@ class PromptDecoder:
     """The target and the drafters, ready to decode one prompt at a time (in this process or in a worker):
     the trained drafter, under its variant's name, and the baselines eval.baselines names, drafting as
     many tokens a block; `bigram`: the fitted table (None when the bigram baseline is not asked for).
-    static_cache: greedy and the verify loops on static caches (drafter/static_target.py: on a GPU each
-    step a replayed CUDA graph; uses_static_cache says where), else on the dynamic cache; the trees and
-    the layers captured along greedy's output on the dynamic cache either way."""
+    static_cache: greedy, the verify loops and the trees on static caches (drafter/static_target.py: on a
+    GPU each step a replayed CUDA graph; uses_static_cache says where), else on the dynamic cache."""
 
     def __init__(self, model, drafter: Drafter, variant: DrafterVariant, layout: AnchorLayout, settings: EvalSpec,
                  bigram: BigramTable | None, *, static_cache: bool = False) -> None:
@@ -120,17 +121,20 @@ class PromptDecoder:
         self.served: dict[str, BlockDrafter] = {variant.name: ModelDrafter(drafter, drafts=layout.drafts), **self.baselines}
         self.settings = settings
         self.stop = stop_ids(model)
-        block = layout.drafts + 1
-        # One target per set of captured layers: greedy and the baselines (none) share one, and its cache.
-        layer_sets = {(), *(tuple(d.target_layers) for d in self.served.values())}
-        by_layers = {layers: StaticTarget(model, layers, block=block, room=settings.max_new_tokens + block) if static_cache
-                     else DecodeTarget(model, layers) for layers in layer_sets}
-        self.plain = by_layers[()]
-        self.verifiers = {name: by_layers[tuple(d.target_layers)] for name, d in self.served.items()}
-        self.tree_target = tree_target(model, drafter.config.target_layer_ids)  # the trees, and the layers captured along greedy
-        self.trees = VariantBranches(drafter, variant.branches, drafts=layout.drafts)
         # The chain's own budget beside the asked ones: a tree of as many nodes as the chain drafts.
         self.budgets = sorted({*settings.tree_budgets, layout.drafts}) if settings.tree_budgets else []
+        block = layout.drafts + 1
+        # A static cache holds a prompt and its decoding, and past its end a verify block or a tree.
+        room = settings.max_new_tokens + max([block, *(budget + 1 for budget in self.budgets)])
+        make = partial(StaticTarget, model, block=block, room=room) if static_cache else partial(DecodeTarget, model)
+        # One target per set of captured layers: greedy and the baselines (none) share one, and its cache.
+        layer_sets = {(), *(tuple(d.target_layers) for d in self.served.values())}
+        by_layers = {layers: make(layers) for layers in layer_sets}
+        self.plain = by_layers[()]
+        self.verifiers = {name: by_layers[tuple(d.target_layers)] for name, d in self.served.items()}
+        # The trees, and the layers captured along greedy's output.
+        self.tree_target = make(drafter.config.target_layer_ids, architecture=target_architecture(text_model(model).config))
+        self.trees = VariantBranches(drafter, variant.branches, drafts=layout.drafts)
 
     def decode(self, prompt: torch.Tensor, known: Reference | None = None) -> PromptResult:
         """The prompt's figures: greedy, the trained drafter's chain decoded for real (its drafts read

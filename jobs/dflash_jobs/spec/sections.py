@@ -264,13 +264,13 @@ class EvalSpec:
     and settings (evaluate/reference.py): a local path or s3:// prefix several runs share (the quality
     benchmark's chains, `dflashctl eval` of several drafters); null: the run's own output."""
     cuda_graphs: bool = False
-    """On a GPU, for a target of full attention only (a dense one, such as Llama): greedy and the verify
-    loops on a static KV cache, each token's and each verify block's forward one replayed CUDA graph
-    (drafter/static_target.py), where eager forwards at batch size 1 wait on the host's kernel
-    launches. Their logits differ from the dynamic cache's by roundings, which the lossless check's
-    tie tolerance measures on the same target. Off by default until a GPU run has measured its speed
-    and its partings (built and tested on a CPU, where it runs eagerly: issue 49). The trees, and a
-    hybrid target's every loop, decode on the dynamic cache."""
+    """On a GPU, for a target of full attention only (a dense one, such as Llama): greedy, the verify
+    loops and the trees on a static KV cache, each token's, verify block's and tree's forward one
+    replayed CUDA graph (drafter/static_target.py), where eager forwards at batch size 1 wait on the
+    host's kernel launches. Their logits differ from the dynamic cache's by roundings, which the
+    lossless check's tie tolerance measures on the same target. Off by default until a GPU run has
+    measured its speed and its partings (built and tested on a CPU, where it runs eagerly: issue 49).
+    A hybrid target decodes on the dynamic cache."""
     baselines: list[str] = field(default_factory=lambda: list(BASELINES))
     """The untrained drafters decoded beside the trained one on the same prompts: prompt_lookup and bigram
     (a table fitted on the run's training rows). Each decodes every prompt again, about a greedy decoding's
