@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from dflash_jobs.architectures import target_architecture
 from dflash_jobs.drafter.host_reads import HostReads
 from dflash_jobs.drafter.speculative import DecodeTarget, ModelDrafter, greedy_decode, speculative_decode
+from dflash_jobs.drafter.replayed_drafter import ReplayedDrafter
 from dflash_jobs.drafter.static_target import CACHE_BUCKET, StaticTarget
 from dflash_jobs.drafter.tree_verify import tree_decode, tree_target
 from dflash_jobs.errors import SpecError
@@ -191,10 +192,11 @@ def test_greedy_and_every_verify_step_read_the_device_once_on_the_static_cache(l
     with HostReads() as reads:
         greedy = greedy_decode(target, prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
     assert reads.counts["item"] == NEW_TOKENS and reads.total == NEW_TOKENS + 2, dict(reads.counts)  # a token each, the record's two at the end
-    with HostReads() as reads:
-        decoded = speculative_decode(target, ModelDrafter(drafter, drafts=BLOCK - 1), prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
-    assert decoded.tokens == greedy.tokens
-    assert reads.total == len(decoded.accepted) + 2, dict(reads.counts)
+    for served in (ModelDrafter(drafter, drafts=BLOCK - 1), ReplayedDrafter(drafter, drafts=BLOCK - 1)):
+        with HostReads() as reads:
+            decoded = speculative_decode(target, served, prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
+        assert decoded.tokens == greedy.tokens
+        assert reads.total == len(decoded.accepted) + 2, (type(served).__name__, dict(reads.counts))
     trees = StaticTarget(llama, drafter.config.target_layer_ids, block=BLOCK, room=NEW_TOKENS + 2 * BLOCK + 1,
                          architecture=target_architecture(llama.config))
     branches = VariantBranches(drafter, drafter_variant("dflash").branches, drafts=BLOCK - 1)
@@ -223,3 +225,22 @@ def test_tree_decoding_on_the_static_cache_commits_the_dynamic_caches_paths(llam
         decoded = tree_decode(static, branches, prompt, budget=budget, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
         assert decoded.tokens == expected.tokens == greedy, budget
         assert (decoded.accepted, decoded.drafted) == (expected.accepted, expected.drafted), budget
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dflash2", "dspark"])
+def test_the_replayed_drafter_drafts_what_the_drafter_does_from_a_padded_context(llama, target_of, variant):
+    """Each variant's block over the context padded to its window (the padding masked), across
+    windows and a longer buffer made on the way: the drafts of the context as it is."""
+    drafter = fresh_drafter(target_of("llama"), TrainSpec(drafter=variant, block_size=BLOCK)).eval().requires_grad_(False)
+    drafts = anchor_layout(variant, block_size=BLOCK).drafts
+    plain, replayed = ModelDrafter(drafter, drafts=drafts), ReplayedDrafter(drafter, drafts=drafts)
+    generator = torch.Generator().manual_seed(9)
+    features = torch.randn(400, drafter.config.context_features, generator=generator)
+    tokens = torch.randint(0, llama.config.vocab_size, (401,), generator=generator)
+    capacities = []
+    with torch.inference_mode():
+        for rows in (5, 64, 65, 130, 400, 17):
+            expected = plain.propose(tokens[: rows + 1], features[:rows])
+            assert torch.equal(replayed.propose(tokens[: rows + 1], features[:rows]), expected), rows
+            capacities.append(replayed.capacity)
+    assert capacities == [128, 128, 128, 384, 896, 896]

@@ -119,11 +119,11 @@ def load_before(path: str):
 
 class GraphedLoop:
     """Today's loop functions on static caches (drafter/static_target.py: each greedy token's and
-    verify block's forward a replayed CUDA graph on a GPU), as a loop module's names."""
+    verify block's forward a replayed CUDA graph on a GPU), the drafter's block replayed too
+    (drafter/replayed_drafter.py), as a loop module's names."""
 
     greedy_decode = staticmethod(after_module.greedy_decode)
     speculative_decode = staticmethod(after_module.speculative_decode)
-    ModelDrafter = after_module.ModelDrafter
 
     def __init__(self, new_tokens: int) -> None:
         self.room = new_tokens + BLOCK
@@ -133,20 +133,25 @@ class GraphedLoop:
 
         return StaticTarget(model, layers, block=BLOCK, room=self.room)
 
+    def ModelDrafter(self, drafter, *, drafts: int):  # noqa: N802: the loop modules' name
+        from dflash_jobs.drafter.replayed_drafter import ReplayedDrafter
 
-def loop_targets(loop, model, layers) -> tuple:
-    """The loop's targets for greedy and for speculative decoding, made once: a static cache's graphs
-    are captured in the warm-up and replayed in the timed runs."""
-    return loop.DecodeTarget(model), loop.DecodeTarget(model, layers)
+        return ReplayedDrafter(drafter, drafts=drafts)
 
 
-def decode_all(loop, targets, drafter, prompts, continuations, *, new_tokens: int, right: int):
+def loop_targets(loop, model, layers, drafter) -> tuple:
+    """The loop's targets for greedy and for speculative decoding, and its served drafter, made once:
+    static caches' and the drafter's graphs are captured in the warm-up and replayed in the timed runs."""
+    return loop.DecodeTarget(model), loop.DecodeTarget(model, layers), loop.ModelDrafter(drafter, drafts=BLOCK - 1)
+
+
+def decode_all(loop, targets, prompts, continuations, *, new_tokens: int, right: int):
     """Greedy then speculative decoding of every prompt with `loop`'s functions on its targets: their decodings."""
-    plain, target = targets
+    plain, target, served = targets
     vocab_size = target.model.config.vocab_size
     greedy = [loop.greedy_decode(plain, p, max_new_tokens=new_tokens, stop_ids=frozenset()) for p in prompts]
-    spec = [loop.speculative_decode(target, PacedDrafter(loop.ModelDrafter(drafter, drafts=BLOCK - 1), c, right, vocab_size),
-                                    p, max_new_tokens=new_tokens, stop_ids=frozenset()) for p, c in zip(prompts, continuations)]
+    spec = [loop.speculative_decode(target, PacedDrafter(served, c, right, vocab_size), p, max_new_tokens=new_tokens, stop_ids=frozenset())
+            for p, c in zip(prompts, continuations)]
     return greedy, spec
 
 
@@ -180,10 +185,10 @@ def counted(run, device: torch.device) -> dict:
     return found
 
 
-def counts(loop, targets, drafter, prompt, continuation, *, new_tokens: int, right: int, device: torch.device) -> dict:
+def counts(loop, targets, prompt, continuation, *, new_tokens: int, right: int, device: torch.device) -> dict:
     greedy = counted(lambda: loop.greedy_decode(targets[0], prompt, max_new_tokens=new_tokens, stop_ids=frozenset()), device)
     decoded = []
-    spec = counted(lambda: decoded.append(decode_all(loop, targets, drafter, [prompt], [continuation], new_tokens=new_tokens,
+    spec = counted(lambda: decoded.append(decode_all(loop, targets, [prompt], [continuation], new_tokens=new_tokens,
                                                      right=right)[1][0]), device)
     # decode_all's greedy decoding is in `spec` too: take the greedy run's counts off.
     spec = {key: value - greedy[key] for key, value in spec.items()}
@@ -238,7 +243,7 @@ def main() -> int:
     made = {"before": lambda: load_before(args.before), "after": lambda: after_module, "graphed": lambda: GraphedLoop(run["new_tokens"])}
     loops = {name: made[name]() for name in asked}
     model, drafter, layers = build(args.shape, device, dtype)
-    targets = {name: loop_targets(loop, model, layers) for name, loop in loops.items()}
+    targets = {name: loop_targets(loop, model, layers, drafter) for name, loop in loops.items()}
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, SHAPES[args.shape]["vocab_size"] - 1, (run["prompt_tokens"],), generator=generator) for _ in range(run["prompts"])]
     with torch.inference_mode():
@@ -252,9 +257,9 @@ def main() -> int:
     decode = dict(new_tokens=run["new_tokens"], right=args.right)
     for name in [*loops, *reversed(loops)] if "runs" in args.stages else ():
         loop = loops[name]
-        decode_all(loop, targets[name], drafter, prompts[:2], continuations[:2], **decode)  # warm-up: every shape seen twice
+        decode_all(loop, targets[name], prompts[:2], continuations[:2], **decode)  # warm-up: every shape seen twice
         started = time.perf_counter()
-        greedy, spec = decode_all(loop, targets[name], drafter, prompts, continuations, **decode)
+        greedy, spec = decode_all(loop, targets[name], prompts, continuations, **decode)
         result["runs"].append({"loop": name, **speeds(greedy, spec), "wall_seconds": time.perf_counter() - started,
                                "greedy_equal_reference": sum(g.tokens == r.tokens for g, r in zip(greedy, reference))})
         out.write_text(json.dumps(result, indent=2) + "\n")
@@ -267,12 +272,12 @@ def main() -> int:
             result["summary"]["graphed_over_after"] = {kind: graphed[f"{kind}_tokens_per_second"] / after[f"{kind}_tokens_per_second"]
                                                        for kind in ("greedy", "speculative")}
     if "counts" in args.stages:
-        result["counts"] = {name: counts(loop, targets[name], drafter, prompts[0], continuations[0], device=device, **decode)
+        result["counts"] = {name: counts(loop, targets[name], prompts[0], continuations[0], device=device, **decode)
                             for name, loop in loops.items()}
         result["counts"]["trees"] = tree_counts(model, drafter, prompts[0], new_tokens=run["new_tokens"], device=device)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({key: result[key] for key in ("summary", "counts") if key in result}, indent=2))
-    for plain, target in targets.values():
+    for plain, target, _ in targets.values():
         plain.close()
         target.close()
     return 0

@@ -171,18 +171,20 @@ class DSparkDrafter(DSparkHeads, Drafter):
 
     @torch.no_grad()
     def draft_block(
-        self, context_hidden: torch.Tensor, context_positions: torch.Tensor, anchor_token: int | torch.Tensor, anchor_position: int
+        self, context_hidden: torch.Tensor, context_positions: torch.Tensor, anchor_token: int | torch.Tensor,
+        anchor_position: int | torch.Tensor, *, context_length: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Greedy draft of one block: the B tokens after `anchor_token`, int64 [B] (Drafter.draft_block's arguments)."""
-        return self.draft_scored(context_hidden, context_positions, anchor_token, anchor_position)[0]
+        return self.draft_scored(context_hidden, context_positions, anchor_token, anchor_position, context_length=context_length)[0]
 
     @torch.no_grad()
     def draft_scored(
-        self, context_hidden: torch.Tensor, context_positions: torch.Tensor, anchor_token: int | torch.Tensor, anchor_position: int
+        self, context_hidden: torch.Tensor, context_positions: torch.Tensor, anchor_token: int | torch.Tensor,
+        anchor_position: int | torch.Tensor, *, context_length: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The block's B greedy drafts, and the confidence head's survival probability of each
         (float32 [B]; None without a confidence head)."""
-        hidden = self.block_hidden(context_hidden, context_positions, anchor_token, anchor_position)  # [B, d]
+        hidden = self.block_hidden(context_hidden, context_positions, anchor_token, anchor_position, context_length=context_length)  # [B, d]
         drafts, embedded = self.markov_draft(self.logits(hidden), anchor_token)
         return drafts, self.survival(hidden, embedded)
 

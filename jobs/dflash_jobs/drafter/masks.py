@@ -181,15 +181,19 @@ def flex_attention_fn(layout: BlockLayout, sliding_window: int | None, *, causal
     return attend
 
 
-def one_block_attention(key_positions: torch.Tensor, block_size: int, sliding_window: int | None, causal: bool | None = None) -> AttentionFn:
+def one_block_attention(key_positions: torch.Tensor, block_size: int, sliding_window: int | None, causal: bool | None = None, *,
+                        context_length: torch.Tensor | None = None) -> AttentionFn:
     """Dense attention of one block over all of its context: keys are [context | block], with RoPE
-    positions `key_positions` [K]; the block is the last `block_size` of them."""
+    positions `key_positions` [K]; the block is the last `block_size` of them. context_length: a
+    device scalar where only the context's first so many keys are real, the rest padding it never
+    sees (a context padded to a fixed size, as a replayed CUDA graph reads it); None: all of them."""
     device = key_positions.device
     num_context = len(key_positions) - block_size
+    anchor = torch.full((1,), num_context, dtype=torch.long, device=device) if context_length is None else context_length.view(1)
     layout = BlockLayout(
         num_context=num_context, block_size=block_size,
         context_start=torch.zeros(1, dtype=torch.long, device=device),
-        anchor=torch.full((1,), num_context, dtype=torch.long, device=device),
+        anchor=anchor,
         key_positions=key_positions,
     )
     return dense_attention(layout.dense_mask(sliding_window, causal))

@@ -378,7 +378,8 @@ class Drafter(DraftTrunk, nn.Module):
 
     @torch.no_grad()
     def draft_block(
-        self, context_hidden: torch.Tensor, context_positions: torch.Tensor, anchor_token: int | torch.Tensor, anchor_position: int
+        self, context_hidden: torch.Tensor, context_positions: torch.Tensor, anchor_token: int | torch.Tensor,
+        anchor_position: int | torch.Tensor, *, context_length: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Greedy draft of one block: the B-1 tokens after `anchor_token`, as int64 [B-1].
 
@@ -388,12 +389,16 @@ class Drafter(DraftTrunk, nn.Module):
         committed token (the target's bonus token), which has no hidden state yet, at
         anchor_position (> every context position). Token k of the result is the guess for position
         anchor_position + 1 + k. The context K/V are recomputed on every call (no drafter cache).
+        context_length: a device scalar where the context is padded past its real rows (then
+        anchor_position may be a device scalar too): the block sees the first context_length rows.
         """
-        return self.block_drafts(self.block_hidden(context_hidden, context_positions, anchor_token, anchor_position), anchor_token)
+        return self.block_drafts(self.block_hidden(context_hidden, context_positions, anchor_token, anchor_position,
+                                                   context_length=context_length), anchor_token)
 
     @torch.no_grad()
     def block_hidden(
-        self, context_hidden: torch.Tensor, context_positions: torch.Tensor, anchor_token: int | torch.Tensor, anchor_position: int
+        self, context_hidden: torch.Tensor, context_positions: torch.Tensor, anchor_token: int | torch.Tensor,
+        anchor_position: int | torch.Tensor, *, context_length: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The final-normed hidden states [B, d] of the block [anchor, mask x (B-1)] drafted after the
         context (draft_block's arguments), slot k at position anchor_position + k."""
@@ -405,8 +410,12 @@ class Drafter(DraftTrunk, nn.Module):
         positions = torch.cat([context_positions.to(device), block_positions])
         h = F.embedding(block_ids, self.embed_tokens)  # [1, B, d]
 
+        masks: dict[str, AttentionFn] = {}  # a mask per layer type, not per layer
+
         def attention(index: int, kind: str) -> AttentionFn:
-            return one_block_attention(positions, B, self.config.window(kind), self.config.is_causal)
+            if kind not in masks:
+                masks[kind] = one_block_attention(positions, B, self.config.window(kind), self.config.is_causal, context_length=context_length)
+            return masks[kind]
 
         return self.run_trunk(context_hidden.to(device), h, positions, attention)[0]
 

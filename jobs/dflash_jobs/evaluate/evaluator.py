@@ -40,6 +40,7 @@ from dflash_jobs.architectures import target_architecture
 from dflash_jobs.drafter.export import DRAFTER_PREFIX, exported_config, load_drafter
 from dflash_jobs.drafter.model import Drafter, DrafterConfig
 from dflash_jobs.drafter.serving import run_serve_command
+from dflash_jobs.drafter.replayed_drafter import ReplayedDrafter
 from dflash_jobs.drafter.speculative import BlockDrafter, Decoded, DecodeTarget, ModelDrafter, greedy_decode, speculative_decode, text_model
 from dflash_jobs.drafter.static_target import StaticTarget
 from dflash_jobs.drafter.tree_verify import tree_decode
@@ -106,7 +107,8 @@ class PromptDecoder:
     the trained drafter, under its variant's name, and the baselines eval.baselines names, drafting as
     many tokens a block; `bigram`: the fitted table (None when the bigram baseline is not asked for).
     static_cache: greedy, the verify loops and the trees on static caches (drafter/static_target.py: on a
-    GPU each step a replayed CUDA graph; uses_static_cache says where), else on the dynamic cache."""
+    GPU each step a replayed CUDA graph; uses_static_cache says where), the served drafter's block
+    replayed too (drafter/replayed_drafter.py); else the dynamic cache and eager forwards."""
 
     def __init__(self, model, drafter: Drafter, variant: DrafterVariant, layout: AnchorLayout, settings: EvalSpec,
                  bigram: BigramTable | None, *, static_cache: bool = False) -> None:
@@ -117,8 +119,10 @@ class PromptDecoder:
         self.bigram = bigram
         made = {PROMPT_LOOKUP: lambda: PromptLookupDrafter(layout.drafts + 1), BIGRAM: lambda: BigramDrafter(bigram, layout.drafts + 1)}
         self.baselines = {name: made[name]() for name in settings.baselines}
-        # What a server runs, timed: the trained drafter without the confidence recorder's extra work.
-        self.served: dict[str, BlockDrafter] = {variant.name: ModelDrafter(drafter, drafts=layout.drafts), **self.baselines}
+        # What a server runs, timed: the trained drafter without the confidence recorder's extra work
+        # (with the static caches, its block a replayed graph as the target's forwards are).
+        served = (ReplayedDrafter if static_cache else ModelDrafter)(drafter, drafts=layout.drafts)
+        self.served: dict[str, BlockDrafter] = {variant.name: served, **self.baselines}
         self.settings = settings
         self.stop = stop_ids(model)
         # The chain's own budget beside the asked ones: a tree of as many nodes as the chain drafts.
