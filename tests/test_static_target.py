@@ -16,11 +16,12 @@ from dflash_jobs.drafter.host_reads import HostReads
 from dflash_jobs.drafter.speculative import DecodeTarget, ModelDrafter, greedy_decode, speculative_decode
 from dflash_jobs.drafter.replayed_drafter import ReplayedDrafter
 from dflash_jobs.drafter.static_target import CACHE_BUCKET, StaticTarget
+from dflash_jobs.drafter.tree import grow_tree
 from dflash_jobs.drafter.tree_verify import tree_decode, tree_target
 from dflash_jobs.errors import SpecError
 from dflash_jobs.evaluate.baselines import BigramTable
 from dflash_jobs.evaluate.evaluator import PromptDecoder, uses_static_cache
-from dflash_jobs.evaluate.trees import VariantBranches
+from dflash_jobs.evaluate.trees import ReplayedBranches, VariantBranches
 from dflash_jobs.spec import EvalSpec, TrainSpec, anchor_layout, parse_spec
 from dflash_jobs.variants import drafter_variant
 from train_fixtures import fresh_drafter
@@ -199,7 +200,7 @@ def test_greedy_and_every_verify_step_read_the_device_once_on_the_static_cache(l
         assert reads.total == len(decoded.accepted) + 2, (type(served).__name__, dict(reads.counts))
     trees = StaticTarget(llama, drafter.config.target_layer_ids, block=BLOCK, room=NEW_TOKENS + 2 * BLOCK + 1,
                          architecture=target_architecture(llama.config))
-    branches = VariantBranches(drafter, drafter_variant("dflash").branches, drafts=BLOCK - 1)
+    branches = ReplayedBranches(drafter, drafter_variant("dflash").branches, drafts=BLOCK - 1)
     with HostReads() as reads:
         decoded = tree_decode(trees, branches, prompt, budget=2 * BLOCK, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
     assert decoded.tokens == greedy.tokens
@@ -209,12 +210,14 @@ def test_greedy_and_every_verify_step_read_the_device_once_on_the_static_cache(l
 @pytest.mark.parametrize("variant", ["dflash", "dspark"])
 def test_tree_decoding_on_the_static_cache_commits_the_dynamic_caches_paths(llama, target_of, variant):
     """A tree's verify forward reads the static cache's window (the columns past its length masked)
-    and the commit appends the accepted rows at its length: every step's tree, acceptance and
-    tokens as on the dynamic cache, at budgets below, at and above the verify block."""
+    and the commit appends the accepted rows at its length, the tree grown over the padded context:
+    every step's tree, acceptance and tokens as on the dynamic cache, eagerly grown, at budgets below,
+    at and above the verify block."""
 
     drafter = fresh_drafter(target_of("llama"), TrainSpec(drafter=variant, block_size=BLOCK)).eval().requires_grad_(False)
     drafts = anchor_layout(variant, block_size=BLOCK).drafts
     branches = VariantBranches(drafter, drafter_variant(variant).branches, drafts=drafts)
+    replayed = ReplayedBranches(drafter, drafter_variant(variant).branches, drafts=drafts)
     layers = drafter.config.target_layer_ids
     budgets = (3, BLOCK, 2 * BLOCK)
     static = StaticTarget(llama, layers, block=BLOCK, room=NEW_TOKENS + 2 * BLOCK + 1, architecture=target_architecture(llama.config))
@@ -222,7 +225,7 @@ def test_tree_decoding_on_the_static_cache_commits_the_dynamic_caches_paths(llam
     greedy = greedy_decode(DecodeTarget(llama), prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP).tokens
     for budget in budgets:
         expected = tree_decode(tree_target(llama, layers), branches, prompt, budget=budget, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
-        decoded = tree_decode(static, branches, prompt, budget=budget, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
+        decoded = tree_decode(static, replayed, prompt, budget=budget, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP)
         assert decoded.tokens == expected.tokens == greedy, budget
         assert (decoded.accepted, decoded.drafted) == (expected.accepted, expected.drafted), budget
 
@@ -242,5 +245,29 @@ def test_the_replayed_drafter_drafts_what_the_drafter_does_from_a_padded_context
         for rows in (5, 64, 65, 130, 400, 17):
             expected = plain.propose(tokens[: rows + 1], features[:rows])
             assert torch.equal(replayed.propose(tokens[: rows + 1], features[:rows]), expected), rows
-            capacities.append(replayed.capacity)
+            capacities.append(replayed.padded.capacity)
     assert capacities == [128, 128, 128, 384, 896, 896]
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dflash2", "dspark"])
+def test_the_replayed_branches_grow_the_drafters_tree_from_a_padded_context(target_of, variant):
+    """Each variant's tree step over the context padded to its window: the tree grow_tree grows from
+    the variant's branches over the context as it is (its scores up to roundings: the padded keys'
+    zero weights change the order of the attention's sums), across windows, budgets and depth limits."""
+    drafter = fresh_drafter(target_of("llama"), TrainSpec(drafter=variant, block_size=BLOCK)).eval().requires_grad_(False)
+    drafts = anchor_layout(variant, block_size=BLOCK).drafts
+    plain, replayed = (kind(drafter, drafter_variant(variant).branches, drafts=drafts) for kind in (VariantBranches, ReplayedBranches))
+    generator = torch.Generator().manual_seed(10)
+    features = torch.randn(200, drafter.config.context_features, generator=generator)
+    tokens = torch.randint(0, drafter.config.vocab_size, (201,), generator=generator).tolist()
+    for rows, budget, depth_limit in ((7, 8, drafts), (70, 2 * BLOCK, drafts), (200, 8, 2), (7, 8, drafts)):
+        arguments = (tokens[: rows + 1], features[:rows])
+        expected = plain.grown(*arguments, budget=budget, depth_limit=depth_limit)
+        tree = replayed.grown(*arguments, budget=budget, depth_limit=depth_limit)
+        assert tree.depth_bound == expected.depth_bound and len(tree) == len(expected) > 0, (rows, budget)
+        for name in ("tokens", "parents", "depths"):
+            assert torch.equal(getattr(tree, name), getattr(expected, name)), (rows, budget, name)
+        torch.testing.assert_close(tree.scores, expected.scores)  # the padded attention's sums may round apart
+        # Its branches, which the exact trees read, are the replayed step's own: the same tree, bit for bit.
+        eager = grow_tree(replayed.branches(*arguments), budget=budget, depth_limit=depth_limit)
+        assert all(torch.equal(getattr(eager, name), getattr(tree, name)) for name in ("tokens", "parents", "depths", "scores"))

@@ -26,7 +26,7 @@ from dflash_jobs.architectures import ARCHITECTURE_MODULES, qwen3_5
 from dflash_jobs.drafter.speculative import Decoded, DecodeTarget, greedy_decode
 from dflash_jobs.drafter.tree import ConditionalBranches, Tree, build_tree
 from dflash_jobs.architectures.tree import TreeLayout
-from dflash_jobs.drafter.tree_verify import commit_path, tree_decode, tree_target, verify_tree
+from dflash_jobs.drafter.tree_verify import GrowsTrees, commit_path, tree_decode, tree_target, verify_tree
 from dflash_jobs.evaluate.trees import exact_trees, summarize_trees
 from train_fixtures import LAYERS, tiny_target
 from tree_fixtures import each_parent
@@ -68,7 +68,7 @@ def greedy(model, prompt) -> list[int]:
     return greedy_decode(DecodeTarget(model), prompt, max_new_tokens=NEW_TOKENS, stop_ids=NO_STOP).tokens
 
 
-class OracleTrees:
+class OracleTrees(GrowsTrees):
     """A tree drafter (tree_verify.BranchDrafter) that knows the continuation: at depth d, under a
     parent that is the continuation's token before, the continuation's token comes at rank
     ranks[d - 1] among DECOYS decoy tokens; under any other parent, decoys only. Each rank is e^6

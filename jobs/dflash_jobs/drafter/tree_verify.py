@@ -45,6 +45,18 @@ class BranchDrafter(Protocol):
         """The Branches of the block anchored at tokens[-1] (BlockDrafter.propose's arguments)."""
         ...
 
+    def grown(self, tokens: torch.Tensor, context: torch.Tensor | None, *, budget: int, depth_limit: int) -> GrownTree:
+        """The step's tree: grow_tree over `branches` (GrowsTrees gives it so)."""
+        ...
+
+
+class GrowsTrees:
+    """A BranchDrafter's tree grown from its branches (grow_tree), for a drafter to inherit; one whose
+    whole step is a replayed graph (drafter/replayed_drafter.py) grows its own."""
+
+    def grown(self, tokens, context, *, budget: int, depth_limit: int) -> GrownTree:
+        return grow_tree(self.branches(tokens, context), budget=budget, depth_limit=depth_limit)
+
 
 @dataclass
 class VerifiedTree:
@@ -133,9 +145,9 @@ def tree_decode(
     decoding = prefill(target, drafter, prompt, max_new_tokens=max_new_tokens)
     context, tokens = decoding.context, decoding.tokens
     while not finished(tokens, max_new_tokens, stop_ids):
-        branches = drafter.branches(decoding.committed(drafter), context.view() if context is not None else None)
         # As a block: no deeper than the output still has room for, the next token included.
-        grown = grow_tree(branches, budget=budget, depth_limit=min(drafter.drafts, max_new_tokens - len(tokens) - 1))
+        grown = drafter.grown(decoding.committed(drafter), context.view() if context is not None else None, budget=budget,
+                              depth_limit=min(drafter.drafts, max_new_tokens - len(tokens) - 1))
         verified = verify_tree(target, decoding.history[-1], grown)
         tree, predicted = grown.read(verified.predicted)  # the step's one sync: the tree and the target's tokens
         path = tree.follow(predicted.__getitem__)

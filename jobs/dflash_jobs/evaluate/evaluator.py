@@ -54,7 +54,7 @@ from dflash_jobs.evaluate.prompt_sets import read_prompt_sets
 from dflash_jobs.evaluate.reference import KeptReferences, Reference
 from dflash_jobs.evaluate.report import GREEDY, build_report, prompt_set_table, store_report
 from dflash_jobs.evaluate.simulated import anchors_accepted, document_batch
-from dflash_jobs.evaluate.trees import PromptTrees, VariantBranches, exact_trees
+from dflash_jobs.evaluate.trees import PromptTrees, ReplayedBranches, VariantBranches, exact_trees
 from dflash_jobs.capture.checkpoint import local_checkpoint
 from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk
 from dflash_jobs.rows import prompt_length
@@ -108,7 +108,8 @@ class PromptDecoder:
     many tokens a block; `bigram`: the fitted table (None when the bigram baseline is not asked for).
     static_cache: greedy, the verify loops and the trees on static caches (drafter/static_target.py: on a
     GPU each step a replayed CUDA graph; uses_static_cache says where), the served drafter's block
-    replayed too (drafter/replayed_drafter.py); else the dynamic cache and eager forwards."""
+    and the trees' growth replayed too (drafter/replayed_drafter.py); else the dynamic cache and
+    eager forwards."""
 
     def __init__(self, model, drafter: Drafter, variant: DrafterVariant, layout: AnchorLayout, settings: EvalSpec,
                  bigram: BigramTable | None, *, static_cache: bool = False) -> None:
@@ -138,7 +139,7 @@ class PromptDecoder:
         self.verifiers = {name: by_layers[tuple(d.target_layers)] for name, d in self.served.items()}
         # The trees, and the layers captured along greedy's output.
         self.tree_target = make(drafter.config.target_layer_ids, architecture=target_architecture(text_model(model).config))
-        self.trees = VariantBranches(drafter, variant.branches, drafts=layout.drafts)
+        self.trees = (ReplayedBranches if static_cache else VariantBranches)(drafter, variant.branches, drafts=layout.drafts)
 
     def decode(self, prompt: torch.Tensor, known: Reference | None = None) -> PromptResult:
         """The prompt's figures: greedy, the trained drafter's chain decoded for real (its drafts read

@@ -33,14 +33,16 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dflash_jobs.drafter.speculative import Decoded
-from dflash_jobs.drafter.tree import Branches, Tree, build_tree
+from dflash_jobs.drafter.replayed_drafter import PaddedContext
+from dflash_jobs.drafter.tree import Branches, GrownTree, Tree, build_tree, grow_tree
+from dflash_jobs.drafter.tree_verify import GrowsTrees
 from dflash_jobs.evaluate.lossless import Divergence
 from dflash_jobs.evaluate.metrics import mean_committed, summarize
 
 COVERAGE_K = (1, 2, 4, 8)
 
 
-class VariantBranches:
+class VariantBranches(GrowsTrees):
     """A trained drafter module as a tree's drafter (tree_verify.BranchDrafter): one pass over the
     block, its slots' distributions by the drafter's variant (DrafterVariant.branches)."""
 
@@ -59,6 +61,36 @@ class VariantBranches:
         positions = torch.arange(anchor_position, device=context.device)
         hidden = self.drafter.block_hidden(context[None], positions, int(tokens[-1]), anchor_position)
         return self.offer(self.drafter, hidden, int(tokens[-1]))
+
+
+class ReplayedBranches(VariantBranches):
+    """VariantBranches whose tree step (the block over the context padded to its window, the variant's
+    branches, grow_tree) is one replayed graph per window, budget and depth limit on a GPU, eager
+    elsewhere (drafter/replayed_drafter.py): the same tree, its scores up to roundings (the padded
+    keys change the order of attention's sums). So its `branches`, which the exact trees read, are
+    taken over the padded context too (eagerly: the same kernels), and the exact trees score as the
+    decoded ones."""
+
+    def __init__(self, drafter, branches: Callable[[Any, torch.Tensor, int], Branches], *, drafts: int) -> None:
+        super().__init__(drafter, branches, drafts=drafts)
+        self.padded = PaddedContext()
+
+    @torch.inference_mode()
+    def branches(self, tokens: torch.Tensor | Sequence[int], context: torch.Tensor | None) -> Branches:
+        window = self.padded.load(context, int(tokens[-1]))
+        args, kwargs = self.padded.arguments(window)
+        return self.offer(self.drafter, self.drafter.block_hidden(*args, **kwargs), int(tokens[-1]))
+
+    @torch.inference_mode()
+    def grown(self, tokens: Sequence[int], context: torch.Tensor | None, *, budget: int, depth_limit: int) -> GrownTree:
+        window = self.padded.load(context, int(tokens[-1]))  # a host list (reads_host): filled in, no read
+        args, kwargs = self.padded.arguments(window)
+
+        def step() -> GrownTree:
+            branches = self.offer(self.drafter, self.drafter.block_hidden(*args, **kwargs), self.padded.anchor_token)
+            return grow_tree(branches, budget=budget, depth_limit=depth_limit)
+
+        return self.padded.replay((window, budget, depth_limit), step)
 
 
 def committed(matched: int, anchor: int, output_length: int) -> int:

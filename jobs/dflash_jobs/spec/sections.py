@@ -266,9 +266,9 @@ class EvalSpec:
     cuda_graphs: bool = False
     """On a GPU, for a target of full attention only (a dense one, such as Llama): greedy, the verify
     loops and the trees on a static KV cache, each token's, verify block's and tree's forward one
-    replayed CUDA graph (drafter/static_target.py), and the served drafter's block too
-    (drafter/replayed_drafter.py), where eager forwards at batch size 1 wait on the host's kernel
-    launches. Their logits differ from the dynamic cache's by roundings, which the
+    replayed CUDA graph (drafter/static_target.py), and the served drafter's block and a tree's
+    growth too (drafter/replayed_drafter.py), where eager forwards at batch size 1 wait on the host's
+    kernel launches. Their logits differ from the dynamic cache's by roundings, which the
     lossless check's tie tolerance measures on the same target. Off by default until a GPU run has
     measured its speed and its partings (built and tested on a CPU, where it runs eagerly: issue 49).
     A hybrid target decodes on the dynamic cache."""
