@@ -1,7 +1,8 @@
 """The trained drafter's step as one replayed CUDA graph on a GPU, beside the static-cache target
 (static_target.py): with the target's forwards replayed, the drafter's eager work would be most of a
-step's host time (for SmolLM2's 3-layer drafter, counted on a CPU: 618 dispatched ops a block, and
-615 for a tree's branches and 481 to grow it, against 1,878 for the target's verify forward).
+step's host time (counted on a CPU with drafter/host_reads.py for bench/evaluation/eval_loops.py's
+SmolLM2-shaped target and 5-layer drafter: 618 dispatched ops a block, 615 for a tree's branches and
+481 to grow it, against 1,878 for the target's verify forward of 16 tokens).
 
 A graph replays fixed shapes; the drafter reads every committed position's captured layers, which
 grow by a block a step. So the context is copied into a buffer padded to a window of CACHE_ALIGN
