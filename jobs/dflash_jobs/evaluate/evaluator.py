@@ -22,6 +22,11 @@ its last supervised run: what the target was asked, never what it answered. Two 
   chain without the confidence recorder, the baselines in the real verify loop) decode each prompt
   one after another in this process alone, after a warm-up prompt: tokens/s and speed-ups of an
   uncontended device. The trees' speeds come from their decodings in the first pass.
+
+With eval.cuda_graphs, on a GPU and for a target of full attention only, every decoding runs on
+static caches and every step's forwards (the target's, the drafter's block, a tree's growth) are
+replayed CUDA graphs (PromptDecoder's `static_cache`): eager at batch 1, a small target's steps wait
+on the host's kernel launches.
 """
 
 from __future__ import annotations
