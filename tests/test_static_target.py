@@ -16,8 +16,8 @@ from dflash_jobs.drafter.host_reads import HostReads
 from dflash_jobs.drafter.speculative import DecodeTarget, ModelDrafter, greedy_decode, speculative_decode
 from dflash_jobs.drafter.replayed_drafter import ReplayedDrafter
 from dflash_jobs.drafter.static_target import CACHE_BUCKET, StaticTarget
-from dflash_jobs.drafter.tree import grow_tree
-from dflash_jobs.drafter.tree_verify import tree_decode, tree_target
+from dflash_jobs.drafter.tree import Tree, grow_tree
+from dflash_jobs.drafter.tree_verify import tree_decode, tree_target, verify_tree
 from dflash_jobs.errors import SpecError
 from dflash_jobs.evaluate.baselines import BigramTable
 from dflash_jobs.evaluate.evaluator import PromptDecoder, uses_static_cache
@@ -124,7 +124,7 @@ def test_speculative_decoding_commits_greedys_tokens_from_the_same_steps_and_con
         torch.testing.assert_close(seen, expected)
 
 
-def test_a_hybrid_target_and_an_overrun_are_refused_naming_the_fix(llama, target_of):
+def test_a_hybrid_target_an_overrun_and_a_tree_too_deep_are_refused_naming_the_fix(llama, target_of):
 
     hybrid = AutoModelForCausalLM.from_pretrained(target_of("qwen3_5"), dtype=torch.float32).eval()
     with pytest.raises(ValueError, match="DecodeTarget"):
@@ -137,6 +137,13 @@ def test_a_hybrid_target_and_an_overrun_are_refused_naming_the_fix(llama, target
         with pytest.raises(ValueError, match="room"):
             for _ in range(BLOCK):
                 target.forward(prompt[:BLOCK])
+    # A tree deeper than the verify block the target was built for: its ancestors would be cut short.
+    trees = StaticTarget(llama, [], block=BLOCK, room=NEW_TOKENS, architecture=target_architecture(llama.config))
+    chain = Tree.path(list(range(1, BLOCK + 2)))
+    with torch.inference_mode(), pytest.raises(ValueError, match="deep"):
+        trees.reset()
+        trees.forward(prompt[:9], last_only=True)
+        verify_tree(trees, 0, chain)
 
 
 def test_the_evaluation_takes_the_static_cache_where_asked_on_a_gpu_for_a_dense_target_only(llama, target_of):

@@ -213,12 +213,12 @@ class DecodeTarget:
                 "images/Dockerfile pins (TRANSFORMERS_VERSION), which the tests run"
             )
 
-    def tree_forward(self, shape: tuple, inputs: dict, forward):
-        """A draft tree's verify forward (drafter/tree_verify.py): forward(cached, columns, cache_layers,
-        **inputs) over the cache as it stands, which it reads and never writes: the tokens cached, the
-        cache's columns the rows may see (None: all of them), each layer's cache. `shape` (the tree's
-        rows, its depth bound) tells a target that replays the forward (static_target.py) which graph."""
-        return forward(self.length, None, self.cache.layers, **inputs)
+    def tree_forward(self, rows: int, depth_bound: int, inputs: dict, forward):
+        """A draft tree's verify forward (drafter/tree_verify.py) of `rows` rows, no node deeper than
+        depth_bound: forward(cached, columns, cache_layers, depth_bound, **inputs) over the cache as it
+        stands, which it reads and never writes: the tokens cached, the cache's columns the rows may see
+        (None: all of them), each layer's cache, the depth the layout follows ancestors to."""
+        return forward(self.length, None, self.cache.layers, depth_bound, **inputs)
 
     def rewind(self, checkpoint: CacheCheckpoint, kept: int) -> int:
         """Drops what a forward since `checkpoint` left past its first `kept` tokens; returns how many of

@@ -17,7 +17,7 @@ fixed addresses and shapes, so:
   sees the columns up to p) until overwritten. So a rejected verify keeps its accepted tokens
   (`rewind`), and the next verify is the anchor and its drafts alone.
 - A draft tree's forward (drafter/tree_verify.py) reads the cache's window with the columns past the
-  length masked, from buffers the tree is copied into: a graph per tree size, depth bound and window.
+  length masked, from buffers the tree is copied into: a graph per tree size and window.
 
 Its logits differ from the dynamic cache's (DecodeTarget) by roundings (the kernels a padded block
 and a longer window select), which can part two decodings only where greedy's top two scores are
@@ -125,12 +125,15 @@ class StaticTarget(DecodeTarget):
                             use_cache=True, logits_to_keep=1 if last_only else 0, **self._cache_kwargs)
         return output.logits[0], dict(self._captured)
 
-    def tree_forward(self, shape: tuple, inputs: dict, forward):
+    def tree_forward(self, rows: int, depth_bound: int, inputs: dict, forward):
         """The tree's verify forward (DecodeTarget.tree_forward) over the cache's window through its rows,
-        replayed as a CUDA graph per shape and window: its inputs copied into buffers it reads, the
-        root's position and the visible columns computed in it. The commit then appends the accepted
+        replayed as a CUDA graph per row count and window: its inputs copied into buffers it reads, the
+        root's position and the visible columns computed in it, ancestors followed to the deepest a
+        verify block allows (attention's mask is the same for any bound past the tree's depth, and the
+        trees near an output's end, less deep, share the graph). The commit then appends the accepted
         rows where the cache's length ends (each layer's write position set here: the forward writes nothing)."""
-        rows = shape[0]
+        if depth_bound > self.block:
+            raise ValueError(f"a tree {depth_bound} deep outgrows the verify block of {self.block} this StaticTarget was built for")
         self._fits(rows)
         window = self._window(rows)
         self._start.fill_(self.length)
@@ -138,7 +141,7 @@ class StaticTarget(DecodeTarget):
             layer.cumulative_length.fill_(self.length)
         buffers = {name: self._input(name, value) for name, value in inputs.items()}
         layers = [CacheWindow(layer.keys[:, :, :window], layer.values[:, :, :window]) for layer in self.cache.layers]
-        return self.steps(("tree", *shape, window), partial(forward, self._start, self._columns[:window], layers, **buffers))
+        return self.steps(("tree", rows, window), partial(forward, self._start, self._columns[:window], layers, self.block, **buffers))
 
     def _input(self, name: str, value) -> torch.Tensor:
         """`value` (a token, or a tensor or list of them) in the buffer of its name and length, on the device, without waiting."""

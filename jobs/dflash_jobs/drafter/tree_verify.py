@@ -98,8 +98,8 @@ def verify_tree(target: DecodeTarget, root: int, tree: Tree | GrownTree) -> Veri
     mixers = target.architecture.tree_mixers
     layer_types = getattr(text.config, "layer_types", None) or ["full_attention"] * len(text.layers)
 
-    def forward(cached, columns, cache_layers, *, root, tokens, parents, depths) -> VerifiedTree:
-        layout = TreeLayout.of(root, LaidTree(tokens, parents, depths, tree.depth_bound), cached, device, columns=columns)
+    def forward(cached, columns, cache_layers, depth_bound, *, root, tokens, parents, depths) -> VerifiedTree:
+        layout = TreeLayout.of(root, LaidTree(tokens, parents, depths, depth_bound), cached, device, columns=columns)
         h = model.get_input_embeddings()(layout.ids)[None]  # [1, n, d]
         step = TreeStep(layout, *text.rotary_emb(h, layout.positions[None]))
         captured, kept = {}, {}
@@ -114,7 +114,7 @@ def verify_tree(target: DecodeTarget, root: int, tree: Tree | GrownTree) -> Veri
         return VerifiedTree(logits, features, kept)
 
     inputs = {"root": root, "tokens": tree.tokens, "parents": tree.parents, "depths": tree.depths}
-    return target.tree_forward((len(tree) + 1, tree.depth_bound), inputs, forward)
+    return target.tree_forward(len(tree) + 1, tree.depth_bound, inputs, forward)
 
 
 @torch.inference_mode()
