@@ -14,8 +14,6 @@ ReplayedBranches).
 
 from __future__ import annotations
 
-from typing import Callable, Hashable
-
 import torch
 
 from dflash_jobs.drafter.speculative import ModelDrafter
@@ -56,9 +54,6 @@ class PaddedContext:
         return (self.context[None, :window], self.positions[:window], self.anchor_token, self.anchor_position), \
             {"context_length": self.anchor_position}
 
-    def replay(self, shape: Hashable, step: Callable):
-        return self.steps(shape, step)
-
 
 class ReplayedDrafter(ModelDrafter):
     """ModelDrafter (a BlockDrafter) whose block runs over the padded context, a graph per window on a
@@ -71,6 +66,6 @@ class ReplayedDrafter(ModelDrafter):
     def propose(self, tokens: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
         window = self.padded.load(context, tokens[-1])  # the anchor stays on the device
         args, kwargs = self.padded.arguments(window)
-        drafts = self.padded.replay(window, lambda: self.drafter.draft_block(*args, **kwargs))
+        drafts = self.padded.steps(window, lambda: self.drafter.draft_block(*args, **kwargs))
         return drafts.clone()  # a replay refills the graph's output
 

@@ -33,7 +33,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from dflash_jobs.drafter.speculative import CacheCheckpoint, DecodeTarget
+from dflash_jobs.drafter.speculative import CacheCheckpoint, DecodeTarget, on_device
 from dflash_jobs.static_cache import CapturedSteps, aligned, cache_argument, static_cache_supported, windowed_cache
 
 CACHE_BUCKET = 256
@@ -81,7 +81,6 @@ class StaticTarget(DecodeTarget):
         self._inputs: dict[tuple, torch.Tensor] = {}  # a tree forward's inputs by name and shape: what its graph reads
         self._ids = torch.zeros(self.block, dtype=torch.long, device=device)
         self._start = torch.zeros((), dtype=torch.long, device=device)  # the forward's first position: the cache's length
-        self._rows = torch.arange(self.block, device=device)
         self._columns = torch.arange(self.capacity, device=device)
 
     def _fits(self, rows: int) -> None:
@@ -115,7 +114,7 @@ class StaticTarget(DecodeTarget):
     def _run(self, ids: torch.Tensor, rows: int, window: int, last_only: bool) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The forward of `rows` tokens from position `_start` over the cache's first `window` columns:
         reads only the device buffers, so that a graph of it replays any prompt's forward of this shape."""
-        positions = self._start + self._rows[:rows] if rows <= self.block else self._start + torch.arange(rows, device=self._start.device)
+        positions = self._start + torch.arange(rows, device=self._start.device)
         visible = self._columns[None, :window] <= positions[:, None]  # [rows, window]: causal by position
         for layer in self.cache.layers:
             if layer.is_initialized:
@@ -145,15 +144,11 @@ class StaticTarget(DecodeTarget):
 
     def _input(self, name: str, value) -> torch.Tensor:
         """`value` (a token, or a tensor or list of them) in the buffer of its name and length, on the device, without waiting."""
-        value = torch.as_tensor(value, dtype=torch.long).reshape(-1)
+        value = on_device(torch.as_tensor(value).reshape(-1), self.device)
         buffer = self._inputs.get((name, len(value)))
         if buffer is None:
             buffer = self._inputs[name, len(value)] = torch.zeros(len(value), dtype=torch.long, device=self.device)
-        if value.device == self.device:
-            buffer.copy_(value)
-        else:
-            buffer.copy_(value.pin_memory() if self.device.type == "cuda" else value, non_blocking=True)
-        return buffer
+        return buffer.copy_(value)
 
     def checkpoint(self) -> CacheCheckpoint:
         return CacheCheckpoint(self.length, [])

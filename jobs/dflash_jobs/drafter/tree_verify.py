@@ -12,7 +12,7 @@ recurrent layers set their states to those after the last accepted node, all lay
 rollback: a tree step costs one forward and a commit.
 
 The target runs the forward (`tree_forward`): over its cache as it stands (DecodeTarget), or, on a
-static cache, replayed as a CUDA graph per tree shape from buffers it copies the tree into, the
+static cache, replayed as a CUDA graph per row count and window from buffers it copies the tree into, the
 cached columns past its length masked (static_target.py StaticTarget).
 
 `tree_decode` is speculative decoding (speculative.py) with a tree in place of the block, the

@@ -75,22 +75,20 @@ class ReplayedBranches(VariantBranches):
         super().__init__(drafter, branches, drafts=drafts)
         self.padded = PaddedContext()
 
+    def _padded_branches(self, window: int, anchor: int | torch.Tensor) -> Branches:
+        """The variant's branches of the block over the loaded context's window."""
+        args, kwargs = self.padded.arguments(window)
+        return self.offer(self.drafter, self.drafter.block_hidden(*args, **kwargs), anchor)
+
     @torch.inference_mode()
     def branches(self, tokens: torch.Tensor | Sequence[int], context: torch.Tensor | None) -> Branches:
-        window = self.padded.load(context, int(tokens[-1]))
-        args, kwargs = self.padded.arguments(window)
-        return self.offer(self.drafter, self.drafter.block_hidden(*args, **kwargs), int(tokens[-1]))
+        return self._padded_branches(self.padded.load(context, int(tokens[-1])), int(tokens[-1]))
 
     @torch.inference_mode()
     def grown(self, tokens: Sequence[int], context: torch.Tensor | None, *, budget: int, depth_limit: int) -> GrownTree:
         window = self.padded.load(context, int(tokens[-1]))  # a host list (reads_host): filled in, no read
-        args, kwargs = self.padded.arguments(window)
-
-        def step() -> GrownTree:
-            branches = self.offer(self.drafter, self.drafter.block_hidden(*args, **kwargs), self.padded.anchor_token)
-            return grow_tree(branches, budget=budget, depth_limit=depth_limit)
-
-        return self.padded.replay((window, budget, depth_limit), step)
+        return self.padded.steps((window, budget, depth_limit), lambda: grow_tree(
+            self._padded_branches(window, self.padded.anchor_token), budget=budget, depth_limit=depth_limit))
 
 
 def committed(matched: int, anchor: int, output_length: int) -> int:
