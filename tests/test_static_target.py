@@ -150,9 +150,9 @@ def test_the_evaluation_takes_the_static_cache_where_asked_on_a_gpu_for_a_dense_
 
     hybrid = AutoModelForCausalLM.from_pretrained(target_of("qwen3_5"), dtype=torch.float32).eval()
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
-    graphs = EvalSpec(cuda_graphs=True)
+    graphs = EvalSpec()  # on by default
     assert uses_static_cache(graphs, llama, gpu)
-    assert not uses_static_cache(EvalSpec(), llama, gpu)  # off until a GPU run has measured it
+    assert not uses_static_cache(EvalSpec(cuda_graphs=False), llama, gpu)
     assert not uses_static_cache(graphs, llama, cpu)  # eager either way: the dynamic cache's figures stay
     assert not uses_static_cache(graphs, hybrid, gpu)
     with pytest.raises(SpecError, match="true or false"):
