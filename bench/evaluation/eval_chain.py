@@ -20,7 +20,7 @@ the spec's default target layers) with random weights, exported as training expo
 are noise, so tau is about 1: every evaluation takes about a verify step a token, the most steps a
 drafter can cost.
 
-The chain's evaluation as bench/quality/chains.py writes it for code-gpu: 48 new tokens, 2 processes,
+The chain's evaluation as bench/quality/chains.py writes it for code-gpu: 48 new tokens, 2 processes (`--processes`),
 in the forms of FORMS (`--forms`): the first chain's (both baselines, trees of 16, 32 and 64 nodes),
 a plain one's (the drafter alone), and a later chain's (plain, and after issue 49 greedy's decodings
 read from the references the first chain kept: filled by an untimed evaluation first). Settings both
@@ -170,7 +170,7 @@ def build_inputs(workdir: Path, shape: str, device: torch.device) -> tuple[Path,
 
 
 def write_spec(path: Path, *, target: Path, output: Path, layers: list[int], device: torch.device, new_tokens: int, prompts: int,
-               form: str, own: dict) -> Path:
+               processes: int, form: str, own: dict) -> Path:
     """The chain's dflash.yaml as chains.write_spec writes it for code-gpu, with the settings of `form`
     and the eval settings `own` (those the version after knows and the one before does not)."""
     spec = {
@@ -179,7 +179,7 @@ def write_spec(path: Path, *, target: Path, output: Path, layers: list[int], dev
         "data": {"source": str(output / "chats.jsonl"), "max_length": 544},
         "output": str(output),
         "train": {"drafter": "dflash", "block_size": BLOCK, "draft_layers": DRAFT_LAYERS, "gpus_per_node": 1},
-        "eval": {"prompts": prompts, "max_new_tokens": new_tokens, "processes": PROCESSES, **FORMS[form]["eval"], **own},
+        "eval": {"prompts": prompts, "max_new_tokens": new_tokens, "processes": processes, **FORMS[form]["eval"], **own},
         "local": {"workdir": str(path.parent / "local"), "device": device.type},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -289,6 +289,8 @@ class Evaluations:
     """eval.timed_prompts of the version after."""
     cuda_graphs: bool
     """eval.cuda_graphs of the version after."""
+    processes: int
+    """eval.processes of both."""
 
     def evaluate(self, name: str, version: str, *, form: str, prompts: int) -> tuple[dict, dict]:
         """`version`'s evaluation of the first `prompts` prompts in `form`, under workdir/name: its seconds and its report."""
@@ -297,7 +299,7 @@ class Evaluations:
         own = ({"timed_prompts": self.timed, "cuda_graphs": self.cuda_graphs, **FORMS[form]["after"](self.workdir)}
                if version == "after" else {})
         spec = write_spec(directory / "dflash.yaml", target=self.target, output=directory / "run", layers=self.layers, device=self.device,
-                          new_tokens=self.new_tokens, prompts=prompts, form=form, own=own)
+                          new_tokens=self.new_tokens, prompts=prompts, processes=self.processes, form=form, own=own)
         ran = evaluate_once(version, self.jobs[version], spec, directory / "eval.log", self.device)
         return ran, json.loads((directory / "run" / EVAL_REPORT_KEY).read_text())
 
@@ -343,6 +345,8 @@ def main() -> int:
                         help="no warm-up evaluations (a second command on the same machine, its compiled kernels cached)")
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                         help="the version after on the dynamic cache, eager (eval.cuda_graphs: false)")
+    parser.add_argument("--processes", type=int, default=PROCESSES,
+                        help=f"eval.processes of both versions (default {PROCESSES}, code-gpu's): 1 decodes every prompt in the evaluation's own process")
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
     order = args.order.split(",")
@@ -355,11 +359,11 @@ def main() -> int:
     target, output, layers = build_inputs(workdir, args.shape, device)
     evaluations = Evaluations(jobs={"before": args.before, "after": Path(__file__).resolve().parents[2] / "jobs"}, target=target, run=output,
                               layers=layers, workdir=workdir, device=device, new_tokens=run["new_tokens"], timed=max(1, prompts // 4),
-                              cuda_graphs=args.cuda_graphs)
+                              cuda_graphs=args.cuda_graphs, processes=args.processes)
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     result = {"command": " ".join(sys.argv), "shape": args.shape, "device": machine, "torch": torch.__version__,
               "prompts": prompts, "timed_prompts_after": evaluations.timed, "cuda_graphs_after": args.cuda_graphs, "new_tokens": run["new_tokens"], "prompt_tokens": run["prompt_tokens"],
-              "processes": PROCESSES, "draft_layers": DRAFT_LAYERS, "block_size": BLOCK, "forms": {f: FORMS[f]["eval"] for f in args.forms},
+              "processes": args.processes, "draft_layers": DRAFT_LAYERS, "block_size": BLOCK, "forms": {f: FORMS[f]["eval"] for f in args.forms},
               "order": order, "warm_up": {}, "stages": {}}
 
     def save() -> None:

@@ -206,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         def swept(rows: list[dict]) -> None:
             write("sweep", rows)
             row = rows[-1]
-            progress(f"sweep: {row['label']}: {row['answers_per_s']} answers/s ({row['prompts']} prompts, batches of {row['batch']})")
+            outcome = row["error"] if "error" in row else f"{row['answers_per_s']} answers/s ({row['prompts']} prompts, batches of {row['batch']})"
+            progress(f"sweep: {row['label']}: {outcome}")
 
         write("sweep", [])
         sweep(model, random_prompts(args.sweep_prompts or 8 * size, lengths, vocab, 5), args.new_tokens,

@@ -16,7 +16,7 @@ cache gives the graph fixed addresses; the mask is ours, built once, and grows b
 A step reads only the cache's filled part (a graph per window of CACHE_ALIGN columns), greedy picks
 inside the graph, and the cache and its graphs serve the next batch of the same rows and length.
 
-Compiled (`compile`, generate.compile: off by default until measured on a GPU), the step's forward goes through
+Compiled (`compile`, generate.compile: off by default, measured slower on an H100), the step's forward goes through
 torch.compile before the capture: a graph replays every kernel at once, but each of a step's some
 55 small kernels a layer (the RMSNorms' casts and reductions, rotary, the cache writes, residuals,
 SiLU x up) still costs its few microseconds of GPU time, a fixed cost a step at any batch. Inductor
