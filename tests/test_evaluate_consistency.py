@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -27,7 +30,7 @@ from dflash_jobs.errors import SpecError
 from dflash_jobs.formats import TokenChunk
 from dflash_jobs.evaluate.__main__ import main as evaluate_main
 from dflash_jobs.evaluate.baselines import fit_bigram
-from dflash_jobs.evaluate.evaluator import DecoderOnFirstUse, PromptDecoder, evaluate
+from dflash_jobs.evaluate.evaluator import WORKER_QUEUE, DecoderOnFirstUse, PromptDecoder, evaluate, share_prompts
 from dflash_jobs.evaluate.lossless import TIE_RULE, TOLERANCE_STATISTIC, Divergence, divergences, is_tie, mismatches, tie_tolerance, verify_noise
 from dflash_jobs.evaluate.metrics import (
     MIN_COMPARED_STEPS, acceptance_length, acceptance_per_position, simulated_consistency, summarize, summarize_simulated,
@@ -347,8 +350,8 @@ def test_an_evaluation_on_the_same_target_and_prompts_takes_greedys_decodings_fr
 
 
 def test_the_process_loads_its_own_decoder_only_when_asked(tmp_path, target_dir, target_model, drafter, documents, prompts):
-    # With worker processes this process decodes only the timed prompts, after the workers: it must not
-    # hold (nor wait for) a target of its own while they decode.
+    # Loaded by the first prompt this process decodes (beside the workers, as they load theirs) or by the
+    # timed prompts: nothing before.
     spec, storage = finished_training(tmp_path, target_dir, target_model, drafter, documents, prompts, processes=2)
     decoder = DecoderOnFirstUse(spec, fit_bigram(storage), device=torch.device("cpu"))
     assert decoder.loaded is None
@@ -356,6 +359,33 @@ def test_the_process_loads_its_own_decoder_only_when_asked(tmp_path, target_dir,
     loaded = decoder.get()
     assert isinstance(loaded, PromptDecoder) and decoder.get() is loaded
     decoder.close()
+
+
+def test_this_process_decodes_beside_the_workers_and_the_results_come_in_prompt_order():
+    """The workers hold up to WORKER_QUEUE prompts each, this process takes the rest as they wait (after
+    its warm-up prompt), and every result comes back once, in prompt order, whoever decoded it."""
+    asked = [(torch.tensor([i]), None) for i in range(9)]
+    here_calls = []
+
+    class Here:  # this process's decoder (DecoderOnFirstUse's get and PromptDecoder's decode)
+        def get(self):
+            return self
+
+        def decode(self, prompt, known):
+            here_calls.append(int(prompt))
+            return ("here", int(prompt))
+
+    def in_worker(item):
+        time.sleep(0.02)  # slower than this process: the order of the results is not the order of their ends
+        return (threading.current_thread().name, int(item[0]))
+
+    with ThreadPoolExecutor(1, thread_name_prefix="worker") as pool:
+        results = list(share_prompts(lambda item: pool.submit(in_worker, item), 1, Here(), asked))
+    assert [index for _, index in results] == list(range(9))
+    by_worker = [index for who, index in results if who.startswith("worker")]
+    assert by_worker[:WORKER_QUEUE] == list(range(WORKER_QUEUE))  # handed out first
+    assert here_calls[0] == 0 and here_calls[1] == WORKER_QUEUE  # the warm-up prompt, then the first the workers do not hold
+    assert sorted(by_worker + here_calls[1:]) == list(range(9))  # every prompt decoded once
 
 
 def test_worker_processes_give_the_one_process_report(tmp_path, target_dir, target_model, drafter, documents, prompts):

@@ -13,10 +13,11 @@ its last supervised run: what the target was asked, never what it answered. Two 
   should match; untimed, the lossless check's figures (evaluate/lossless.py); and with
   eval.tree_budgets the draft trees (DDTree, drafter/tree_verify.py) decoded for real per budget,
   their exact acceptance computed along greedy's output (evaluate/trees.py). With eval.processes > 1,
-  worker processes on the same device take the prompts one at a time, each with its own target and
-  drafter, and the results are merged in prompt order. Each prompt's result is kept in storage as it
-  is decoded (evaluate/kept.py): a retried evaluation decodes only the prompts it lacks; greedy's
-  decoding of each is kept for every evaluation on the same target and prompts (evaluate/reference.py).
+  this process and eval.processes - 1 workers on the same device take the prompts one at a time, each
+  with its own target and drafter, and the results are merged in prompt order. Each prompt's result
+  is kept in storage as it is decoded (evaluate/kept.py): a retried evaluation decodes only the
+  prompts it lacks; greedy's decoding of each is kept for every evaluation on the same target and
+  prompts (evaluate/reference.py).
   The same for each named set of eval.prompt_sets (evaluate/prompt_sets.py), a table each.
 - The speeds, on the first eval.timed_prompts prompts: greedy and every drafter as served (the
   chain without the confidence recorder, the baselines in the real verify loop) decode each prompt
@@ -34,9 +35,10 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import time
-from concurrent.futures import ProcessPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
 from functools import partial
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -238,9 +240,9 @@ def uses_static_cache(settings: EvalSpec, model, device: torch.device) -> bool:
 
 
 class DecoderOnFirstUse:
-    """This process's PromptDecoder, loaded when first asked for. With eval.processes > 1 the workers
-    decode every prompt, and this process only the timed ones once they are gone: loading its own before
-    them delayed their start and held the target on the device once more than the workers do."""
+    """This process's PromptDecoder, loaded when first asked for: by the first prompt this process
+    decodes, or by the timed ones (every prompt kept by an earlier run); with worker processes, as
+    they load theirs, not before them (which delayed their start)."""
 
     def __init__(self, spec: RunSpec, bigram: BigramTable | None, *, device: torch.device) -> None:
         self.spec, self.bigram, self.device = spec, bigram, device
@@ -288,6 +290,10 @@ def time_prompts(decoder: PromptDecoder, prompts: list[torch.Tensor]) -> dict[st
 
 # ---- worker processes (eval.processes > 1) -------------------------------------------------------
 
+WORKER_QUEUE = 2
+"""Prompts a worker holds (the one it decodes and the next), so that it never waits while this process
+decodes one of its own; this process takes the rest."""
+
 _worker_decoder: PromptDecoder | None = None
 
 
@@ -303,17 +309,55 @@ def _decode_in_worker(asked: tuple[torch.Tensor, Reference | None]) -> PromptRes
     return _worker_decoder.decode(*asked)
 
 
-def decode_in_processes(spec: RunSpec, bigram: BigramTable | None, asked: list[tuple[torch.Tensor, Reference | None]], *,
+def decode_in_processes(spec: RunSpec, decoder: DecoderOnFirstUse, asked: list[tuple[torch.Tensor, Reference | None]], *,
                         device: torch.device) -> Iterator[PromptResult]:
-    """Every prompt (with its known reference or None) decoded by eval.processes workers on `device`, each loading the target and drafter
-    and warming up once; a worker takes the next prompt when it is done with one, and the results
-    come back in prompt order. The CPU threads are shared out between the workers."""
+    """Every prompt (with its known reference or None) decoded by eval.processes processes on `device`:
+    this one (its `decoder`) and eval.processes - 1 workers, each loading the target and drafter and
+    warming up once; whoever is free takes the next prompt, and the results come back in prompt order.
+    This process decoding beside the workers, the timed prompts after them find its decoder loaded and
+    warm (a third load of the target and its graphs' captures were most of a graphed evaluation's
+    report: bench/README.md). The CPU threads are shared out between the processes."""
     processes = min(spec.eval.processes, len(asked))
     threads = max(1, torch.get_num_threads() // processes)
     # spawn: CUDA cannot be used in a forked child, and a fresh interpreter inherits no threads or locks.
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(processes, mp_context=context, initializer=_start_worker, initargs=(spec, bigram, device, threads, asked[0][0])) as pool:
-        yield from pool.map(_decode_in_worker, asked)
+    own_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)  # this process's share while the workers run
+    try:
+        with ProcessPoolExecutor(processes - 1, mp_context=context, initializer=_start_worker,
+                                 initargs=(spec, decoder.bigram, device, threads, asked[0][0])) as pool:
+            yield from share_prompts(partial(pool.submit, _decode_in_worker), processes - 1, decoder, asked)
+    finally:
+        torch.set_num_threads(own_threads)
+
+
+def share_prompts(there: Callable[[tuple[torch.Tensor, Reference | None]], Future], workers: int, decoder: DecoderOnFirstUse,
+                  asked: list[tuple[torch.Tensor, Reference | None]]) -> Iterator[PromptResult]:
+    """The prompts in order, each decoded by one of `workers` (`there`: a prompt handed to them, its
+    result to come; holding up to WORKER_QUEUE each) or by this process, which takes the next prompt
+    whenever the workers hold theirs (after its warm-up prompt, as decode_here's) and waits only where
+    the next result is a worker's and no prompt is left to take."""
+    waiting = deque(range(len(asked)))
+    held: dict[int, Future] = {}  # prompt index -> a worker's decoding of it
+    finished: dict[int, PromptResult] = {}
+    here: PromptDecoder | None = None
+    for index in range(len(asked)):
+        while index not in finished:
+            while waiting and len(held) < workers * WORKER_QUEUE:
+                taken = waiting.popleft()
+                held[taken] = there(asked[taken])
+            finished.update({i: held.pop(i).result() for i in [i for i, future in held.items() if future.done()]})
+            if index in finished:
+                break
+            if waiting:
+                if here is None:
+                    here = decoder.get()
+                    here.decode(*asked[0])  # warm-up
+                taken = waiting.popleft()
+                finished[taken] = here.decode(*asked[taken])
+            else:
+                finished[index] = held.pop(index).result()
+        yield finished.pop(index)
 
 
 def log_progress(results: Iterable[PromptResult], total: int) -> list[PromptResult]:
@@ -397,8 +441,8 @@ def figures(results: list[PromptResult]) -> dict[str, Any]:
 def decode_missing(spec: RunSpec, kept: KeptPrompts, references: KeptReferences, decoder: DecoderOnFirstUse, prompts: list[torch.Tensor], *,
                    device: torch.device) -> list[PromptResult]:
     """Every prompt's result, in prompt order: those an earlier run of this evaluation kept (evaluate/kept.py),
-    the others decoded now (by `decoder`, or in eval.processes workers, each loading its own target and
-    drafter) and kept as they come; greedy's decoding of each is taken from `references` where an
+    the others decoded now (by `decoder`, beside eval.processes - 1 workers each loading its own target
+    and drafter) and kept as they come; greedy's decoding of each is taken from `references` where an
     evaluation on the same target and prompts computed it, and kept there where not."""
     results = kept.load(prompts)
     missing = [i for i in range(len(prompts)) if i not in results]
@@ -412,7 +456,7 @@ def decode_missing(spec: RunSpec, kept: KeptPrompts, references: KeptReferences,
                      len(known), references.kept.prefix)
         asked = [(prompts[i], known.get(i)) for i in missing]
         if min(spec.eval.processes, len(missing)) > 1:
-            decoded = decode_in_processes(spec, decoder.bigram, asked, device=device)
+            decoded = decode_in_processes(spec, decoder, asked, device=device)
         else:
             decoded = decode_here(decoder.get(), asked)
         decoded = references.keeping(missing, prompts, known, decoded)
