@@ -278,3 +278,23 @@ def test_the_replayed_branches_grow_the_drafters_tree_from_a_padded_context(targ
         # Its branches, which the exact trees read, are the replayed step's own: the same tree, bit for bit.
         eager = grow_tree(replayed.branches(*arguments), budget=budget, depth_limit=depth_limit)
         assert all(torch.equal(getattr(eager, name), getattr(tree, name)) for name in ("tokens", "parents", "depths", "scores"))
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dflash2", "dspark"])
+def test_the_replayed_steps_read_nothing_back_from_the_device(target_of, variant):
+    """A CUDA graph's capture refuses a read back to the host (it would wait on a stream that is only
+    being recorded): every variant's replayed block and tree step, run eagerly here, reads nothing
+    once its inputs are loaded. (Each GPU run of an evaluation captures them; this holds the variants
+    no GPU run has decoded yet to the same rule.)"""
+    drafter = fresh_drafter(target_of("llama"), TrainSpec(drafter=variant, block_size=BLOCK)).eval().requires_grad_(False)
+    drafts = anchor_layout(variant, block_size=BLOCK).drafts
+    chain = ReplayedDrafter(drafter, drafts=drafts)
+    trees = ReplayedBranches(drafter, drafter_variant(variant).branches, drafts=drafts)
+    generator = torch.Generator().manual_seed(11)
+    features = torch.randn(70, drafter.config.context_features, generator=generator)
+    tokens = torch.randint(0, drafter.config.vocab_size, (71,), generator=generator)
+    committed = tokens.tolist()  # the tree's anchor from tree_decode's host list: no read
+    with torch.inference_mode(), HostReads() as reads:
+        chain.propose(tokens, features)
+        trees.grown(committed, features, budget=2 * BLOCK, depth_limit=drafts)
+    assert reads.total == 0, dict(reads.counts)
