@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import json
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -366,6 +365,7 @@ def test_this_process_decodes_beside_the_workers_and_the_results_come_in_prompt_
     its warm-up prompt), and every result comes back once, in prompt order, whoever decoded it."""
     asked = [(torch.tensor([i]), None) for i in range(9)]
     here_calls = []
+    decoded_here = threading.Event()
 
     class Here:  # this process's decoder (DecoderOnFirstUse's get and PromptDecoder's decode)
         def get(self):
@@ -373,10 +373,14 @@ def test_this_process_decodes_beside_the_workers_and_the_results_come_in_prompt_
 
         def decode(self, prompt, known):
             here_calls.append(int(prompt))
+            if len(here_calls) == 2:  # its warm-up, then a prompt of its own
+                decoded_here.set()
             return ("here", int(prompt))
 
     def in_worker(item):
-        time.sleep(0.02)  # slower than this process: the order of the results is not the order of their ends
+        # The worker ends nothing before this process has taken a prompt (whatever the machine's load),
+        # so the results end out of prompt order and this process's first take is the same every run.
+        assert decoded_here.wait(timeout=30)
         return (threading.current_thread().name, int(item[0]))
 
     with ThreadPoolExecutor(1, thread_name_prefix="worker") as pool:
