@@ -171,3 +171,21 @@ def test_the_static_decoder_refuses_to_decode_outside_inference_mode(short_llama
         with pytest.raises(RuntimeError, match=r"inside torch.inference_mode\(\).*with torch.inference_mode\(\):"):
             decoder(ids, attention, 4, greedy)
         assert decoder.run is None
+
+
+def test_the_benchmarks_profile_of_a_batch_splits_its_time_and_names_its_top_ops(llama, monkeypatch):
+    """bench/generate/profile_step.py's profile stage on a CPU: it reads the run's captured steps where
+    the decoder keeps them (a renamed attribute there once ended a GPU call)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    profile_step = importlib.import_module("profile_step")
+    decoder = StaticDecoder(llama, stop_ids=set(), pad_id=0)
+    ids, attention = left_padded(LENGTHS, llama.config.vocab_size, pad=0)
+    new_tokens = 24
+    profiled = profile_step.profile_batch(decoder, ids, attention, new_tokens)
+    split = profiled["split"]
+    assert split["decode_steps"] == new_tokens - 1
+    assert split["windows"] and all(width >= ids.shape[1] for width in split["windows"])
+    assert split["decode_s"] > 0 and split["replayed_step_wall_ms"] > 0
+    step = profiled["replayed_step"]
+    assert step["top"] and step["ms_per_step"] > 0
+    assert any("mm" in row["name"] or "linear" in row["name"] for row in step["top"])

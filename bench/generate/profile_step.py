@@ -82,7 +82,7 @@ def profile_batch(decoder: StaticDecoder, ids: torch.Tensor, attention: torch.Te
     synchronize(device)
     ended = time.perf_counter()
     split = {"cold_batch_s": round(cold, 4), "prefill_and_first_token_s": round(prefilled - started, 4),
-             "decode_s": round(ended - prefilled, 4), "decode_steps": run.chosen - 1, "windows": sorted(width for width, _ in run.warm)}
+             "decode_s": round(ended - prefilled, 4), "decode_steps": run.chosen - 1, "windows": sorted(width for width, _ in run.steps.warm)}
 
     with profile(activities=activities) as prefill_prof:
         run = decoder.start(ids, attention, new_tokens, greedy)
@@ -90,7 +90,7 @@ def profile_batch(decoder: StaticDecoder, ids: torch.Tensor, attention: torch.Te
     # Into a window whose step is a captured graph, with PROFILED_STEPS more steps before the next window.
     P = ids.shape[1]
     while run.chosen + PROFILED_STEPS < new_tokens and (
-            (device.type == "cuda" and (run.window(P + run.chosen), True) not in run.graphs)
+            (device.type == "cuda" and (run.window(P + run.chosen), True) not in run.steps.graphs)
             or run.window(P + run.chosen) != run.window(P + run.chosen + PROFILED_STEPS)):
         run.advance()
     synchronize(device)
