@@ -250,7 +250,9 @@ class DecoderOnFirstUse:
 
     def get(self) -> PromptDecoder:
         if self.loaded is None:
+            started = time.monotonic()
             self.loaded = load_decoder(self.spec, self.bigram, device=self.device)
+            log.info("target and drafter loaded on %s in %.1f s", self.device, time.monotonic() - started)
         return self.loaded
 
     def close(self) -> None:
@@ -274,9 +276,16 @@ def drafter_url(spec: RunSpec) -> str:
 def decode_here(decoder: PromptDecoder, asked: list[tuple[torch.Tensor, Reference | None]]) -> Iterator[PromptResult]:
     """Every prompt's figures (each with its known reference or None) decoded in this process, after
     one warm-up prompt (kernel selection and compilation)."""
-    decoder.decode(*asked[0])
+    warm_up(decoder, asked[0])
     for prompt, known in asked:
         yield decoder.decode(prompt, known)
+
+
+def warm_up(decoder: PromptDecoder, asked: tuple[torch.Tensor, Reference | None]) -> None:
+    """One prompt decoded and dropped: the kernels chosen and, with static caches, the graphs captured."""
+    started = time.monotonic()
+    decoder.decode(*asked)
+    log.info("warm-up prompt decoded in %.1f s (kernels chosen, graphs captured)", time.monotonic() - started)
 
 
 def time_prompts(decoder: PromptDecoder, prompts: list[torch.Tensor]) -> dict[str, list[Decoded]]:
@@ -352,7 +361,7 @@ def share_prompts(there: Callable[[tuple[torch.Tensor, Reference | None]], Futur
             if waiting:
                 if here is None:
                     here = decoder.get()
-                    here.decode(*asked[0])  # warm-up
+                    warm_up(here, asked[0])
                 taken = waiting.popleft()
                 finished[taken] = here.decode(*asked[taken])
             else:
