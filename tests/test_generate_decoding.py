@@ -186,6 +186,10 @@ def test_the_benchmarks_profile_of_a_batch_splits_its_time_and_names_its_top_ops
     assert split["decode_steps"] == new_tokens - 1
     assert split["windows"] and all(width >= ids.shape[1] for width in split["windows"])
     assert split["decode_s"] > 0 and split["replayed_step_wall_ms"] > 0
+    config = llama.config
+    per_column = 2 * config.num_hidden_layers * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * 4  # float32
+    assert split["cache_bytes_per_step"] == per_column * len(LENGTHS) * split["profiled_window"]
+    assert split["read_gb_per_s"] > 0
     step = profiled["replayed_step"]
     assert step["top"] and step["ms_per_step"] > 0
     assert any("mm" in row["name"] or "linear" in row["name"] for row in step["top"])

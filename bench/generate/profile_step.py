@@ -63,6 +63,19 @@ def top_kernels(prof, device: torch.device, steps: int = 1) -> dict:
                      "share": round(micros / total, 4) if total else 0.0} for micros, name, count in rows[:TOP]]}
 
 
+def bytes_read(model, rows: int, window: int, step_ms: float) -> dict:
+    """What a decode step must read at the least, from the config: every row's keys and values over
+    the window (each layer's, in the cache's dtype) and the weights once; the rate of that at the
+    step's wall time. The card's bandwidth bounds it (an H100 SXM's datasheet: 3,350 GB/s)."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    itemsize = model.dtype.itemsize
+    cache = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize * rows * window
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"cache_bytes_per_step": cache, "weight_bytes": weights,
+            "read_gb_per_s": round((cache + weights) / (step_ms / 1000) / 1e9, 1)}
+
+
 @torch.inference_mode()
 def profile_batch(decoder: StaticDecoder, ids: torch.Tensor, attention: torch.Tensor, new_tokens: int) -> dict:
     device = ids.device
@@ -113,6 +126,7 @@ def profile_batch(decoder: StaticDecoder, ids: torch.Tensor, attention: torch.Te
                   "replayed_step_idle_ms": round(step_wall_ms - kernels["ms_per_step"], 3) if device.type == "cuda" else None,
                   "profiled_steps_wall_ms": round(profiled_wall * 1000 / PROFILED_STEPS, 3),
                   "profiled_window": run.window(P + run.chosen - 1), "profiled_after_tokens": run.chosen})
+    split.update(bytes_read(decoder.model, ids.shape[0], split["profiled_window"], step_wall_ms))
     return {"batch": ids.shape[0], "prompt_length": P, "new_tokens": new_tokens, "split": split,
             "prefill": top_kernels(prefill_prof, device), "replayed_step": kernels}
 
