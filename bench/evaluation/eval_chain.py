@@ -34,10 +34,11 @@ Stages, each written to the JSON as it ends: a warm-up evaluation of 2 prompts b
 per form `before`, `after`, `after`, `before` (`--order`: a device call that holds less takes one order,
 the next call the other with `--no-warm-up`): the seconds of main() (the target and drafter loaded,
 every prompt decoded, the report stored) and of the process, its parts by its log's times (setup,
-decoding, report: logged_parts), the seconds each decoding's per-prompt records sum to, and each
-report's acceptance figures; then per form the comparison: tau per prompt
-of every decoding (chain, baselines, trees) equal before and after, or the prompts where not, and
-whether each version's two evaluations decoded alike.
+decoding, report: logged_parts; the version after's setup also by its own process's load and warm-up
+prompt), the seconds each decoding's per-prompt records sum to, and each report's acceptance figures;
+then per form the comparison: tau per prompt of every decoding (chain, baselines, trees) equal before
+and after, or the prompts where not, and whether each version's two evaluations decoded alike. Each
+evaluation's log is written as it runs into <--out's stem>-logs/ beside the JSON.
 """
 
 from __future__ import annotations
@@ -215,6 +216,10 @@ def evaluate_once(version: str, jobs: Path, spec: Path, log: Path, device: torch
 
 LOGGED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) eval: (?:prompt (\d+)/\d+:|(serve it with vLLM))?", re.M)
 """A line of the eval step's log (both versions log alike): its time, and the prompts decoded so far or the report stored."""
+SETUP_LOGGED = {"load_seconds": re.compile(r" eval: target and drafter loaded on \S+ in ([\d.]+) s"),
+                "warm_up_seconds": re.compile(r" eval: warm-up prompt decoded in ([\d.]+) s")}
+"""Setup's parts as the version after logs them (the version before does not): the evaluation's own
+process loading its target and drafter, and decoding its warm-up prompt (the graphs' captures)."""
 
 
 def logged_parts(log: str) -> dict[str, float | int]:
@@ -227,7 +232,8 @@ def logged_parts(log: str) -> dict[str, float | int]:
     progress = [(when, int(done)) for when, done, _ in lines if done]
     stored = next(when for when, _, served in lines if served)
     (first, first_done), (last, last_done) = progress[0], progress[-1]
-    return {"setup_seconds": round((first - lines[0][0]).total_seconds(), 2), "decoding_seconds": round((last - first).total_seconds(), 2),
+    setup = {name: float(found.group(1)) for name, pattern in SETUP_LOGGED.items() if (found := pattern.search(log))}
+    return {"setup_seconds": round((first - lines[0][0]).total_seconds(), 2), **setup, "decoding_seconds": round((last - first).total_seconds(), 2),
             "prompts": last_done - first_done, "report_seconds": round((stored - last).total_seconds(), 2)}
 
 
@@ -291,6 +297,8 @@ class Evaluations:
     """eval.cuda_graphs of the version after."""
     processes: int
     """eval.processes of both."""
+    logs: Path
+    """Where each evaluation's log goes as it runs (beside --out: a device call cut short still brings them back)."""
 
     def evaluate(self, name: str, version: str, *, form: str, prompts: int) -> tuple[dict, dict]:
         """`version`'s evaluation of the first `prompts` prompts in `form`, under workdir/name: its seconds and its report."""
@@ -300,8 +308,15 @@ class Evaluations:
                if version == "after" else {})
         spec = write_spec(directory / "dflash.yaml", target=self.target, output=directory / "run", layers=self.layers, device=self.device,
                           new_tokens=self.new_tokens, prompts=prompts, processes=self.processes, form=form, own=own)
-        ran = evaluate_once(version, self.jobs[version], spec, directory / "eval.log", self.device)
+        ran = evaluate_once(version, self.jobs[version], spec, self.logs / f"{name}.log", self.device)
         return ran, json.loads((directory / "run" / EVAL_REPORT_KEY).read_text())
+
+
+def logs_beside(out: Path) -> Path:
+    """`out`'s directory's <stem>-logs/, made."""
+    logs = out.with_name(f"{out.stem}-logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    return logs
 
 
 def run_form(form: str, stage: dict, evaluations: Evaluations, prompts: int, order: list[str], save) -> None:
@@ -359,7 +374,7 @@ def main() -> int:
     target, output, layers = build_inputs(workdir, args.shape, device)
     evaluations = Evaluations(jobs={"before": args.before, "after": Path(__file__).resolve().parents[2] / "jobs"}, target=target, run=output,
                               layers=layers, workdir=workdir, device=device, new_tokens=run["new_tokens"], timed=max(1, prompts // 4),
-                              cuda_graphs=args.cuda_graphs, processes=args.processes)
+                              cuda_graphs=args.cuda_graphs, processes=args.processes, logs=logs_beside(args.out))
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     result = {"command": " ".join(sys.argv), "shape": args.shape, "device": machine, "torch": torch.__version__,
               "prompts": prompts, "timed_prompts_after": evaluations.timed, "cuda_graphs_after": args.cuda_graphs, "new_tokens": run["new_tokens"], "prompt_tokens": run["prompt_tokens"],
