@@ -306,11 +306,11 @@ decodes one of its own; this process takes the rest."""
 _worker_decoder: PromptDecoder | None = None
 
 
-def _start_worker(spec: RunSpec, bigram: BigramTable | None, device: torch.device, threads: int, warm_up: torch.Tensor) -> None:
+def _start_worker(spec: RunSpec, bigram: BigramTable | None, device: torch.device, threads: int, warm_up_prompt: torch.Tensor) -> None:
     global _worker_decoder
     torch.set_num_threads(threads)
     _worker_decoder = load_decoder(spec, bigram, device=device)
-    _worker_decoder.decode(warm_up)
+    warm_up(_worker_decoder, (warm_up_prompt, None))
 
 
 def _decode_in_worker(asked: tuple[torch.Tensor, Reference | None]) -> PromptResult:
