@@ -98,7 +98,7 @@ def test_the_code_scale_sizes_chains_train_online_without_a_source_chain(quality
     import torch
 
     chains, sizes, bench = quality("chains"), quality("sizes"), quality("run_quality")
-    for size_name in ("code-scale", "code-scale-full", "code-scale-tiny"):
+    for size_name in ("code-scale", "code-scale-full", "code-scale-131k", "code-scale-tiny"):
         size = sizes.SIZES[size_name]
         names = [c.name for c in bench.chains_of(size)]
         assert names == ["regenerated", *[f"regenerated-{f:g}" for f in size.data_fractions]]  # no source: the target wrote every answer
@@ -111,6 +111,10 @@ def test_the_code_scale_sizes_chains_train_online_without_a_source_chain(quality
     # code-scale-full is code-scale but the data curve's chains.
     full, scale = sizes.SIZES["code-scale-full"], sizes.SIZES["code-scale"]
     assert [c.name for c in bench.chains_of(full)] == ["regenerated"] and replace(full, data_fractions=scale.data_fractions) == scale
+    # code-scale-131k is code-scale-full on twice its training chats, the same held-out prompts.
+    doubled = sizes.SIZES["code-scale-131k"]
+    assert doubled.chat_counts.training == 2 * scale.chat_counts.training and doubled.chat_counts.held_out == scale.chat_counts.held_out
+    assert replace(doubled, chats=full.chats) == full
     # The sizes that store their states say so in every spec too.
     code_gpu = sizes.SIZES["code-gpu"]
     spec = yaml.safe_load(chains.write_spec(tmp_path / "g", Path("t"), Path("d"), code_gpu, torch.device("cpu"), bench.chains_of(code_gpu)[0],

@@ -203,3 +203,8 @@ SIZES = {
 # code-scale's full chain alone, without the data curve's two chains beside it: for a session whose
 # device time, after refused machine starts, holds one chain's training and evaluation, not three.
 SIZES["code-scale-full"] = replace(SIZES["code-scale"], data_fractions=())
+# The data curve's next point after code-scale's (8,192 / 32,768 / 65,536 chats: 1.47 / 2.49 / 2.97 on the
+# same 128 held-out prompts, still rising): twice its chats, one chain, the same recipe. About 260 s of
+# generation and 510 s of training at code-scale's measured rates, in two calls after the setup call
+# (the prompts a part of 140,000 training prompts: some 3% are over 256 tokens).
+SIZES["code-scale-131k"] = replace(SIZES["code-scale-full"], chats=131_072 + 128)
