@@ -106,6 +106,8 @@ def test_the_code_scale_sizes_chains_train_online_without_a_source_chain(quality
             spec = yaml.safe_load(chains.write_spec(tmp_path / size_name / chain.name, Path("t"), Path("d"), size, torch.device("cpu"),
                                                     chain, final_hidden=False).read_text())
             assert spec["train"]["states"] == "online"
+            # Online, a micro-batch's target forward is one: the budget holds its tokens.
+            assert spec["extract"]["token_budget"] == max(8192, size.micro_batch_tokens)
             assert spec["eval"]["tree_budgets"] == (list(size.tree_budgets) if chain.name == "regenerated" else [])
             assert spec["eval"]["baselines"] == (["prompt_lookup", "bigram"] if chain.name == "regenerated" else [])
     # code-scale-full is code-scale but the data curve's chains.
@@ -119,7 +121,7 @@ def test_the_code_scale_sizes_chains_train_online_without_a_source_chain(quality
     code_gpu = sizes.SIZES["code-gpu"]
     spec = yaml.safe_load(chains.write_spec(tmp_path / "g", Path("t"), Path("d"), code_gpu, torch.device("cpu"), bench.chains_of(code_gpu)[0],
                                             final_hidden=False).read_text())
-    assert spec["train"]["states"] == "stored"
+    assert spec["train"]["states"] == "stored" and spec["extract"]["token_budget"] == 8192
     with pytest.raises(SystemExit, match="--prompts .*: the code-gpu size's task \\(code\\) reads no prompts file"):
         bench.with_prompts(code_gpu, "code-gpu", tmp_path)
     with pytest.raises(SystemExit, match="the tiny size's task \\(sorting\\) reads no prompts file"):

@@ -118,6 +118,14 @@ def run_name(benchmark: Path) -> str:
     return f"quality-{hashlib.sha256(str(benchmark.resolve()).encode()).hexdigest()[:8]}"
 
 
+EXTRACT_TOKEN_BUDGET = 8192
+
+
+def online_budget(size: Size) -> int:
+    """extract.token_budget: the target's tokens a forward, at extraction or, online, in a training step."""
+    return max(EXTRACT_TOKEN_BUDGET, size.micro_batch_tokens) if size.states == "online" else EXTRACT_TOKEN_BUDGET
+
+
 def write_spec(workdir: Path, target: Path, data: Path, size: Size, device: torch.device, chain: Chain, *, final_hidden: bool) -> Path:
     """The chain's dflash.yaml; `final_hidden`: extraction stores the target's final hidden state
     too (a chain reading these states trains a drafter that needs it)."""
@@ -127,8 +135,10 @@ def write_spec(workdir: Path, target: Path, data: Path, size: Size, device: torc
         "target": {"model": str(target), "layers": size.capture},
         "data": {"source": str(data), "max_length": size.max_length, "chunk_tokens": size.chunk_tokens, "holdout": size.holdout},
         "output": str(workdir / "run"),
-        # Compiling a target this small costs more than its whole extraction.
-        "extract": {"shards": 2, "token_budget": 8192, "dtype": chain.dtype, "pad_multiple": 128, "compile": False,
+        # Compiling a target this small costs more than its whole extraction. Online, the budget is the
+        # trainer's target forward: a micro-batch's in one forward, as bench_online measured the step
+        # (at 8,192 the code-scale run's 16,384-token micro-batches took two or three).
+        "extract": {"shards": 2, "token_budget": online_budget(size), "dtype": chain.dtype, "pad_multiple": 128, "compile": False,
                     **({"final_hidden": True} if final_hidden else {})},
         "train": {
             "states": size.states, "drafter": chain.drafter, "block_size": drafted_block(chain.drafter, size.block_size),
