@@ -381,6 +381,24 @@ def test_a_successors_lead_is_split_at_its_ablation_and_each_part_decided_by_its
     assert [item["dflash_seed_spread"] for item in single] == [None, None] and [item["anchor_path_decides"] for item in single] == [True, True]
 
 
+def test_the_best_drafter_is_named_only_where_its_lead_over_every_other_is_decided(bench):
+    figures, chains = importlib.import_module("figures"), importlib.import_module("chains")
+    chain_list = quality_chains(chains)
+    runs = quality_runs()  # DFlash 3.0 (two seeds), DFlash2 3.5, DSpark 2.98, each prompt 0.5 off
+    best = figures.best_drafter(figures.seed_spread(runs, chain_list), figures.Taus(runs))
+    assert (best["best"], best["verdict"], best["not_told_apart_from"]) == ("dflash2", "holds", [])
+    assert {other: lead["estimate"] for other, lead in best["lead_of_the_leader"].items()} == {"dflash": 0.5, "dspark": 0.52}
+    assert best["acceptance_length"]["dspark"]["estimate"] == 2.98
+    # A leader by 0.02 is not told apart from DFlash, nor from DSpark 0.04 behind: no drafter is named.
+    close = quality_runs({"regenerated-dflash2": 3.02})
+    best = figures.best_drafter(figures.seed_spread(close, chain_list), figures.Taus(close))
+    assert (best["best"], best["leader_by_estimate"], best["verdict"]) == (None, "dflash2", "not decided")
+    assert best["not_told_apart_from"] == ["dflash", "dspark"]
+    # DFlash alone: nothing to choose between.
+    alone = [c for c in chain_list if c.drafter == "dflash"]
+    assert figures.best_drafter(figures.seed_spread(runs, alone), figures.Taus(runs)) is None
+
+
 def test_every_chain_of_a_size_and_what_it_trains_on(bench):
     sizes = importlib.import_module("sizes")
     names = {c.name: c for c in bench.chains_of(sizes.SIZES["tiny"])}

@@ -98,10 +98,11 @@ def test_the_code_scale_sizes_chains_train_online_without_a_source_chain(quality
     import torch
 
     chains, sizes, bench = quality("chains"), quality("sizes"), quality("run_quality")
-    for size_name in ("code-scale", "code-scale-full", "code-scale-131k", "code-scale-tiny"):
+    for size_name in ("code-scale", "code-scale-full", "code-scale-131k", "code-scale-successors", "code-scale-tiny"):
         size = sizes.SIZES[size_name]
         names = [c.name for c in bench.chains_of(size)]
-        assert names == ["regenerated", *[f"regenerated-{f:g}" for f in size.data_fractions]]  # no source: the target wrote every answer
+        # no source: the target wrote every answer
+        assert names == ["regenerated", *[f"regenerated-{f:g}" for f in size.data_fractions], *[f"regenerated-{d}" for d in size.successors]]
         for chain in bench.chains_of(size):
             spec = yaml.safe_load(chains.write_spec(tmp_path / size_name / chain.name, Path("t"), Path("d"), size, torch.device("cpu"),
                                                     chain, final_hidden=False).read_text())
@@ -114,6 +115,7 @@ def test_the_code_scale_sizes_chains_train_online_without_a_source_chain(quality
     full, scale = sizes.SIZES["code-scale-full"], sizes.SIZES["code-scale"]
     assert [c.name for c in bench.chains_of(full)] == ["regenerated"] and replace(full, data_fractions=scale.data_fractions) == scale
     # code-scale-131k is code-scale-full on twice its training chats, the same held-out prompts.
+    assert replace(sizes.SIZES["code-scale-successors"], successors=()) == full
     doubled = sizes.SIZES["code-scale-131k"]
     assert doubled.chat_counts.training == 2 * scale.chat_counts.training and doubled.chat_counts.held_out == scale.chat_counts.held_out
     assert replace(doubled, chats=full.chats) == full
@@ -143,7 +145,13 @@ def test_code_scale_runs_every_chain_online_on_a_tiny_random_target(quality, tmp
         size = bench.SIZES["code-scale-tiny"]
         assert result["complete"] and result["task"] == "package code" and result["same_prompts"]
         runs = result["runs"]
-        assert list(runs) == ["regenerated", "regenerated-0.25"] and all(run["lossless"] for run in runs.values())
+        # DFlash, the curve's chain, and the successors trained online on the regenerated chain's token chunks
+        assert list(runs) == ["regenerated", "regenerated-0.25", "regenerated-dflash2", "regenerated-dspark"]
+        assert all(run["lossless"] for run in runs.values())
+        assert {name: run["drafter"] for name, run in runs.items()} == {
+            "regenerated": "dflash", "regenerated-0.25": "dflash", "regenerated-dflash2": "dflash2", "regenerated-dspark": "dspark"}
+        assert set(result["best_drafter"]["acceptance_length"]) == {"dflash", "dflash2", "dspark"}
+        assert result["best_drafter"]["verdict"] == "not decided"  # 5 held-out prompts decide nothing
         for name in runs:  # online: the target ran in the training step, nothing extracted or stored
             run = workdir / name / "run"
             assert (run / "tokens").is_dir() and not (run / "extract").exists() and (run / "train" / "drafter" / "config.json").is_file()
@@ -152,7 +160,10 @@ def test_code_scale_runs_every_chain_online_on_a_tiny_random_target(quality, tmp
         assert chats["training"] == size.chats - size.holdout and chats["held_out"] == size.holdout and chats["duplicate_prompts"] == 0
         assert result["target"]["prompts"]["packages"]["held_out"] == ["stdlib:calendar", "stdlib:difflib"]
         assert "held_out_answers_equal_to_source" not in result["diversity"]  # no other writer to compare with
-        assert [claim["claim"] for claim in result["claims"]][:1] == ["regenerated > prompt lookup"]
+        assert [claim["claim"] for claim in result["claims"]] == [
+            "regenerated > prompt lookup", "regenerated >= 1.5x prompt lookup", "rising with data, at every step",
+            "train/serve within 10% per position, every chain", "dflash2 >= DFlash on the same states and verify block",
+            "dspark >= DFlash on the same states and verify block"]
         assert "regenerated_over_source" not in result["goals"] and result["goals"]["asked"]["tau_at_least"] == 3.5
         assert result["goals"]["asked"]["over_prompt_lookup_at_least"] == 1.5
         assert [point["chain"] for point in result["data_curve"]] == ["regenerated-0.25", "regenerated"]

@@ -203,6 +203,23 @@ def claims(runs: dict[str, ChainFigures], spread: dict[str, dict[str, Any]], cur
     return found
 
 
+def best_drafter(spread: dict[str, dict[str, Any]], taus: Taus) -> dict[str, Any] | None:
+    """The best of DFlash and its successors on the same states and prompts, named only where its lead
+    over every other is decided by its interval (paired); otherwise the leader by estimate and the
+    drafters it is not told apart from. None where DFlash stands alone."""
+    drafters = {"dflash": taus.drafter(spread["regenerated"]),
+                **{entry["drafter"]: taus.drafter(entry) for entry in successors(spread).values()}}
+    if len(drafters) < 2:
+        return None
+    leader = max(drafters, key=lambda name: drafters[name].estimate)
+    leads = {other: judged(drafters[leader] - drafters[other]) for other in drafters if other != leader}
+    apart = all(lead["verdict"] == HOLDS for lead in leads.values())
+    return {"best": leader if apart else None, "leader_by_estimate": leader,
+            "not_told_apart_from": [other for other, lead in leads.items() if lead["verdict"] != HOLDS],
+            "acceptance_length": {name: tau.summary() for name, tau in drafters.items()},
+            "lead_of_the_leader": leads, "verdict": HOLDS if apart else NOT_DECIDED}
+
+
 def attribution(spread: dict[str, dict[str, Any]], taus: Taus) -> list[dict[str, Any]]:
     """Each successor's lead over DFlash split at its ablation (the successor without its own head,
     on the same states): what the ablated drafter keeps is its anchor path's, what it loses its

@@ -80,7 +80,7 @@ from dflash_jobs.spec import BASELINES, BIGRAM, PROMPT_LOOKUP, TrainSpec
 import launch
 from chains import ABLATIONS, BASELINES_OF, Chain, ChainRunner, held_out_prompts, part_of, regenerated_rows, share_states, write_spec
 from curves import per_kind, plot_kinds, plot_steps, rises, steps_curve
-from figures import CLAIM_RULE, Taus, attribution, claims, data_curve, goals, plot_curve, seed_spread, train_serve, tree_acceptance
+from figures import CLAIM_RULE, Taus, attribution, best_drafter, claims, data_curve, goals, plot_curve, seed_spread, train_serve, tree_acceptance
 from records import ChainFigures
 from sizes import SIZES, Size
 from tasks import ChatSet
@@ -292,6 +292,7 @@ def figures_of(size_name: str, size: Size, device: torch.device, workdir: Path, 
         "seeds": spread,
         "intervals": {**taus.bootstrap.describe(), "rule": CLAIM_RULE},
         "claims": claims(runs, spread, curve, taus),
+        "best_drafter": best_drafter(spread, taus),
         "attribution": attribution(spread, taus),
         "goals": goals(runs, spread, curve, taus, asked=size.task.goals),
         "runs": {name: figures.to_json() for name, figures in runs.items()},

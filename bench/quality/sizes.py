@@ -197,7 +197,7 @@ SIZES = {
         capture=[1, 3], chats=40, holdout=5, max_answer_tokens=12, regenerate_batch=16,
         draft_layers=1, block_size=8, anchors=8, epochs=2, draft_lr=3e-3, micro_batch_tokens=1024, micro_batch_blocks=2048, chunk_tokens=4096,
         max_length=224, eval_new_tokens=12, eval_prompts=5, seeds=(42,), seeded=(), data_fractions=(0.25,),
-        successors=(), ablations=(), extra_tree_budgets=(16,), goal_trees=False, trees_on_every_chain=False, states="online",
+        successors=("dflash2", "dspark"), ablations=(), extra_tree_budgets=(16,), goal_trees=False, trees_on_every_chain=False, states="online",
     ),
 }
 # code-scale's full chain alone, without the data curve's two chains beside it: for a session whose
@@ -208,3 +208,8 @@ SIZES["code-scale-full"] = replace(SIZES["code-scale"], data_fractions=())
 # generation and 510 s of training at code-scale's measured rates, in two calls after the setup call
 # (the prompts a part of 140,000 training prompts: some 3% are over 256 tokens).
 SIZES["code-scale-131k"] = replace(SIZES["code-scale-full"], chats=131_072 + 128)
+# The successors beside DFlash on code-scale's chats, each trained online on the regenerated chain's
+# token chunks (the target in every step; DSpark's its final hidden state too): the issue's "best of
+# DFlash, DFlash2 and DSpark by its interval". Three trainings of 2,150 steps side by side, three
+# calls after the setup call.
+SIZES["code-scale-successors"] = replace(SIZES["code-scale-full"], successors=("dflash2", "dspark"))
