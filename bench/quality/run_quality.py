@@ -2,7 +2,7 @@
 product's chain, end to end, on the same held-out prompts, for several data sets and drafters side
 by side.
 
-    python bench/quality/run_quality.py --size tiny|cpu|gpu|code-tiny|code-cpu|code-gpu|code-scale-tiny|code-scale|code-scale-full|code-scale-131k
+    python bench/quality/run_quality.py --size tiny|cpu|gpu|code-tiny|code-cpu|code-gpu|code-scale-tiny|code-scale|code-scale-full|code-scale-successors|code-scale-131k
         [--out bench/results/quality-<size>.json] [--workdir DIR] [--smollm2 WHEEL|GGUF|DIR] [--prompts DIR]
 
 1-3. The task (tasks.py, one seam) gives the target, the drafter's data set and the diversity
