@@ -141,6 +141,41 @@ def test_parts_made_as_the_store_goes_are_stored_as_they_come(storage, monkeypat
     assert storage.get_bytes("chunks/made.bin") == data
 
 
+def test_a_local_object_is_synced_to_the_disk_as_its_parts_come(tmp_path, monkeypatch):
+    """The local store flushes a large object's data every SYNC_EVERY bytes while its parts still come,
+    so its closing fsync waits for the last of them only (what the extraction's drain waited for was a
+    whole 3 GB chunk left dirty in the page cache); the object is still the parts' bytes."""
+    from dflash_jobs.storage import local
+
+    monkeypatch.setattr(local, "SYNC_EVERY", 1 << 20)
+    synced: list[int] = []  # the file's size at each data sync
+    fdatasync = os.fdatasync
+
+    def noting(fd: int) -> None:
+        synced.append(os.fstat(fd).st_size)
+        fdatasync(fd)
+
+    monkeypatch.setattr(local.os, "fdatasync", noting)
+    rng = np.random.default_rng(3)
+    parts = [rng.integers(0, 256, size, dtype=np.uint8) for size in (700_000, 700_000, 1_500_000, 1_100_000, 7)]
+
+    def made_as_they_go():
+        for index, part in enumerate(parts):
+            if index == len(parts) - 1:
+                assert len(synced) == 3, "the first 4 MB were not synced before the last part came"
+            yield part.data
+
+    data = b"".join(p.tobytes() for p in parts)
+    result = local.LocalStorage(tmp_path).put_parts("chunks/synced.bin", made_as_they_go(), len(data))
+    assert synced == [1_400_000, 2_900_000, 4_000_000]  # after each part that took the unsynced bytes past a MiB
+    assert result.sha256 == hashlib.sha256(data).hexdigest() and (tmp_path / "chunks/synced.bin").read_bytes() == data
+    # A file put whole syncs so too: its 4 MB read as one block of HASH_BLOCK (8 MiB), synced once it is written.
+    source = tmp_path / "checkpoint.bin"
+    source.write_bytes(data)
+    synced.clear()
+    assert local.LocalStorage(tmp_path).put_file("train/checkpoint.bin", source).sha256 == result.sha256 and synced == [4_000_007]
+
+
 @pytest.mark.parametrize("fault", ["raises", "short"])
 def test_parts_that_fail_or_fall_short_of_their_size_store_nothing(storage, s3_bucket, fault):
     def failing():
