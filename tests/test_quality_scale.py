@@ -114,7 +114,8 @@ def test_the_code_scale_sizes_chains_train_online_without_a_source_chain(quality
     # code-scale-full is code-scale but the data curve's chains.
     full, scale = sizes.SIZES["code-scale-full"], sizes.SIZES["code-scale"]
     assert [c.name for c in bench.chains_of(full)] == ["regenerated"] and replace(full, data_fractions=scale.data_fractions) == scale
-    # code-scale-131k is code-scale-full on twice its training chats, the same held-out prompts.
+    # code-scale-successors is code-scale-full with DFlash2 and DSpark beside DFlash; code-scale-131k is
+    # code-scale-full on twice its training chats, the same held-out prompts.
     assert replace(sizes.SIZES["code-scale-successors"], successors=()) == full
     doubled = sizes.SIZES["code-scale-131k"]
     assert doubled.chat_counts.training == 2 * scale.chat_counts.training and doubled.chat_counts.held_out == scale.chat_counts.held_out

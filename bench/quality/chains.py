@@ -121,7 +121,7 @@ def run_name(benchmark: Path) -> str:
 EXTRACT_TOKEN_BUDGET = 8192
 
 
-def online_budget(size: Size) -> int:
+def target_token_budget(size: Size) -> int:
     """extract.token_budget: the target's tokens a forward, at extraction or, online, in a training step."""
     return max(EXTRACT_TOKEN_BUDGET, size.micro_batch_tokens) if size.states == "online" else EXTRACT_TOKEN_BUDGET
 
@@ -138,7 +138,7 @@ def write_spec(workdir: Path, target: Path, data: Path, size: Size, device: torc
         # Compiling a target this small costs more than its whole extraction. Online, the budget is the
         # trainer's target forward: a micro-batch's in one forward, as bench_online measured the step
         # (at 8,192 the code-scale run's 16,384-token micro-batches took two or three).
-        "extract": {"shards": 2, "token_budget": online_budget(size), "dtype": chain.dtype, "pad_multiple": 128, "compile": False,
+        "extract": {"shards": 2, "token_budget": target_token_budget(size), "dtype": chain.dtype, "pad_multiple": 128, "compile": False,
                     **({"final_hidden": True} if final_hidden else {})},
         "train": {
             "states": size.states, "drafter": chain.drafter, "block_size": drafted_block(chain.drafter, size.block_size),
