@@ -22,6 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dflash_jobs.generate.decoding import StaticDecoder, greedy
+from dflash_jobs.generate.sizing import TargetShape
 
 TOP = 25
 PROFILED_STEPS = 8
@@ -67,10 +68,7 @@ def bytes_read(model, rows: int, window: int, step_ms: float) -> dict:
     """What a decode step must read at the least, from the config: every row's keys and values over
     the window (each layer's, in the cache's dtype) and the weights once; the rate of that at the
     step's wall time. The card's bandwidth bounds it (an H100 SXM's datasheet: 3,350 GB/s)."""
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    itemsize = model.dtype.itemsize
-    cache = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize * rows * window
+    cache = TargetShape.of(model).cache_bytes_per_token * rows * window
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"cache_bytes_per_step": cache, "weight_bytes": weights,
             "read_gb_per_s": round((cache + weights) / (step_ms / 1000) / 1e9, 1)}

@@ -47,6 +47,11 @@ class TargetShape:
             dtype_bytes=model.dtype.itemsize,
         )
 
+    @property
+    def cache_bytes_per_token(self) -> int:
+        """A row's KV cache for one position: every layer's keys and values over its kv heads."""
+        return self.layers * 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+
 
 def row_bytes(shape: TargetShape, *, prompt: int, new_tokens: int) -> int:
     """Device bytes one row of a batch takes at most, for prompts up to `prompt` tokens and answers up to
@@ -55,7 +60,7 @@ def row_bytes(shape: TargetShape, *, prompt: int, new_tokens: int) -> int:
     (its attention mask over the prompt, the MLP's gate, up and product, a few hidden states) and the
     logits row with the sampler's float32 copies (softmax, its sorted copy and int64 order, the cumsum)."""
     length = prompt + new_tokens
-    cache = shape.layers * 2 * shape.kv_heads * shape.head_dim * shape.dtype_bytes * length
+    cache = shape.cache_bytes_per_token * length
     buffers = length * (1 + 8)  # visible (bool) and tokens (int64) [length] a row
     mask = prompt * prompt * (3 + shape.dtype_bytes)  # the boolean masks combined, and SDPA's additive one
     activations = prompt * (4 * shape.hidden + 3 * shape.intermediate) * shape.dtype_bytes
