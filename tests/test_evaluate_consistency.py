@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import copy
 import json
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -29,7 +27,7 @@ from dflash_jobs.errors import SpecError
 from dflash_jobs.formats import TokenChunk
 from dflash_jobs.evaluate.__main__ import main as evaluate_main
 from dflash_jobs.evaluate.baselines import fit_bigram
-from dflash_jobs.evaluate.evaluator import WORKER_QUEUE, DecoderOnFirstUse, PromptDecoder, evaluate, share_prompts
+from dflash_jobs.evaluate.evaluator import DecoderOnFirstUse, PromptDecoder, evaluate
 from dflash_jobs.evaluate.lossless import TIE_RULE, TOLERANCE_STATISTIC, Divergence, divergences, is_tie, mismatches, tie_tolerance, verify_noise
 from dflash_jobs.evaluate.metrics import (
     MIN_COMPARED_STEPS, acceptance_length, acceptance_per_position, simulated_consistency, summarize, summarize_simulated,
@@ -348,9 +346,33 @@ def test_an_evaluation_on_the_same_target_and_prompts_takes_greedys_decodings_fr
     assert second["drafters"]["dflash"]["simulated"] == first["drafters"]["dflash"]["simulated"]
 
 
+def test_a_timed_prompt_gives_its_figures_and_its_speeds_from_one_decoding(
+        tmp_path, target_dir, target_model, drafter, documents, prompts, monkeypatch):
+    """The first eval.timed_prompts prompts are decoded once, alone, for their figures and their speeds:
+    greedy once a prompt and once for the warm-up; the chain once a prompt too (no confidence
+    recorder rides it), the baselines decoded as served beside it on the timed prompts alone."""
+    from dflash_jobs.evaluate import evaluator
+
+    greedy_decode, speculative_decode, calls = evaluator.greedy_decode, evaluator.speculative_decode, {"greedy": 0, "speculative": 0}
+
+    def counted(name, decode):
+        return lambda *args, **kwargs: calls.__setitem__(name, calls[name] + 1) or decode(*args, **kwargs)
+
+    monkeypatch.setattr(evaluator, "greedy_decode", counted("greedy", greedy_decode))
+    monkeypatch.setattr(evaluator, "speculative_decode", counted("speculative", speculative_decode))
+    report = evaluate(*finished_training(tmp_path, target_dir, target_model, drafter, documents, prompts, tree_budgets=[], timed_prompts=2),
+                      device=torch.device("cpu"))
+    baselines = 2  # prompt lookup and the bigram table
+    assert calls == {"greedy": 1 + 4, "speculative": (1 + 2) * (1 + baselines) + 2}  # the warm-up and two timed prompts, then two more
+    assert report["timed"] == {"prompts": 2, "warm_up": 1, "processes": 1, "figures": "tokens_per_second and speedup"}
+    per_prompt = report["greedy"]["per_prompt"]["seconds"]
+    assert report["greedy"]["tokens_per_second"] == pytest.approx(sum(report["greedy"]["per_prompt"]["tokens"][:2]) / sum(per_prompt[:2]), rel=1e-3)  # the same decodings (seconds rounded)
+    assert all(report["drafters"][name]["tokens_per_second"] > 0 for name in ("dflash", "prompt_lookup", "bigram"))
+
+
 def test_the_process_loads_its_own_decoder_only_when_asked(tmp_path, target_dir, target_model, drafter, documents, prompts):
-    # Loaded by the first prompt this process decodes (beside the workers, as they load theirs) or by the
-    # timed prompts: nothing before.
+    # Loaded by the first prompt this process decodes (a timed one, or with every prompt kept, its
+    # warm-up before the timed decodings): nothing before.
     spec, storage = finished_training(tmp_path, target_dir, target_model, drafter, documents, prompts, processes=2)
     decoder = DecoderOnFirstUse(spec, fit_bigram(storage), device=torch.device("cpu"))
     assert decoder.loaded is None
@@ -358,38 +380,6 @@ def test_the_process_loads_its_own_decoder_only_when_asked(tmp_path, target_dir,
     loaded = decoder.get()
     assert isinstance(loaded, PromptDecoder) and decoder.get() is loaded
     decoder.close()
-
-
-def test_this_process_decodes_beside_the_workers_and_the_results_come_in_prompt_order():
-    """The workers hold up to WORKER_QUEUE prompts each, this process takes the rest as they wait (after
-    its warm-up prompt), and every result comes back once, in prompt order, whoever decoded it."""
-    asked = [(torch.tensor([i]), None) for i in range(9)]
-    here_calls = []
-    decoded_here = threading.Event()
-
-    class Here:  # this process's decoder (DecoderOnFirstUse's get and PromptDecoder's decode)
-        def get(self):
-            return self
-
-        def decode(self, prompt, known):
-            here_calls.append(int(prompt))
-            if len(here_calls) == 2:  # its warm-up, then a prompt of its own
-                decoded_here.set()
-            return ("here", int(prompt))
-
-    def in_worker(item):
-        # The worker ends nothing before this process has taken a prompt (whatever the machine's load),
-        # so the results end out of prompt order and this process's first take is the same every run.
-        assert decoded_here.wait(timeout=30)
-        return (threading.current_thread().name, int(item[0]))
-
-    with ThreadPoolExecutor(1, thread_name_prefix="worker") as pool:
-        results = list(share_prompts(lambda item: pool.submit(in_worker, item), 1, Here(), asked))
-    assert [index for _, index in results] == list(range(9))
-    by_worker = [index for who, index in results if who.startswith("worker")]
-    assert by_worker[:WORKER_QUEUE] == list(range(WORKER_QUEUE))  # handed out first
-    assert here_calls[0] == 0 and here_calls[1] == WORKER_QUEUE  # the warm-up prompt, then the first the workers do not hold
-    assert sorted(by_worker + here_calls[1:]) == list(range(9))  # every prompt decoded once
 
 
 def test_worker_processes_give_the_one_process_report(tmp_path, target_dir, target_model, drafter, documents, prompts):
@@ -480,7 +470,7 @@ def test_an_evaluation_stopped_midway_decodes_only_the_prompts_it_lacks_when_run
     decoded.clear()
     monkeypatch.setattr(evaluator.PromptDecoder, "decode", lambda self, prompt, known=None: decoded.append(prompt.tolist()) or decode(self, prompt, known))
     again = evaluate(spec, storage, device=cpu)
-    assert decoded == [prompts[2].tolist(), prompts[2].tolist(), prompts[3].tolist()]  # its warm-up, then the two it lacked
+    assert decoded == [prompts[0].tolist(), prompts[2].tolist(), prompts[3].tolist()]  # its warm-up (the first prompt), then the two it lacked
     assert storage.list(KEPT_PREFIX) == []  # the report holds them now
     for name in ("dflash", "prompt_lookup", "bigram"):
         for key in ("acceptance_length", "acceptance_per_position", "verify_steps", "tokens", "mismatches", "lossless", "acceptance_length_interval"):

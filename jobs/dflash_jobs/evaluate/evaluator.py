@@ -14,15 +14,17 @@ its last supervised run: what the target was asked, never what it answered. Two 
   eval.tree_budgets the draft trees (DDTree, drafter/tree_verify.py) decoded for real per budget,
   their exact acceptance computed along greedy's output (evaluate/trees.py). With eval.processes > 1,
   this process and eval.processes - 1 workers on the same device take the prompts one at a time, each
-  with its own target and drafter, and the results are merged in prompt order. Each prompt's result
-  is kept in storage as it is decoded (evaluate/kept.py): a retried evaluation decodes only the
-  prompts it lacks; greedy's decoding of each is kept for every evaluation on the same target and
+  with its own target and drafter, and the results are merged in prompt order (evaluate/workers.py).
+  Each prompt's result is kept in storage as it is decoded (evaluate/kept.py): a retried evaluation
+  decodes only the prompts it lacks; greedy's decoding of each is kept for every evaluation on the same target and
   prompts (evaluate/reference.py).
   The same for each named set of eval.prompt_sets (evaluate/prompt_sets.py), a table each.
-- The speeds, on the first eval.timed_prompts prompts: greedy and every drafter as served (the
-  chain without the confidence recorder, the baselines in the real verify loop) decode each prompt
-  one after another in this process alone, after a warm-up prompt: tokens/s and speed-ups of an
-  uncontended device. The trees' speeds come from their decodings in the first pass.
+- The speeds, on the first eval.timed_prompts prompts, decoded first, in this process alone after a
+  warm-up prompt (the workers load meanwhile and start only after them): greedy and every drafter as
+  served (the chain without a confidence recorder, the baselines in the real verify loop), one after
+  another: tokens/s and speed-ups of an uncontended device. Where a figure's decoding is the served
+  one (greedy's; the chain's, with no recorder riding it) it is the same decoding, not a second one.
+  The trees' speeds come from their decodings in the first pass.
 
 With eval.cuda_graphs, on a GPU and for a target of full attention only, every decoding runs on
 static caches and every step's forwards (the target's, the drafter's block, a tree's growth) are
@@ -33,12 +35,9 @@ on the host's kernel launches.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import time
-from collections import deque
-from concurrent.futures import Future, ProcessPoolExecutor
 from functools import partial
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -62,6 +61,7 @@ from dflash_jobs.evaluate.reference import KeptReferences, Reference
 from dflash_jobs.evaluate.report import GREEDY, build_report, prompt_set_table, store_report
 from dflash_jobs.evaluate.simulated import anchors_accepted, document_batch
 from dflash_jobs.evaluate.trees import PromptTrees, ReplayedBranches, VariantBranches, exact_trees
+from dflash_jobs.evaluate.workers import Workers, share_prompts
 from dflash_jobs.capture.checkpoint import local_checkpoint
 from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk
 from dflash_jobs.rows import prompt_length
@@ -155,7 +155,7 @@ class PromptDecoder:
         same target and settings (evaluate/reference.py), not decoded again."""
         new_tokens = self.settings.max_new_tokens
         block = self.layout.drafts + 1  # the verify block: the anchor and its drafts
-        reference, noise = known or (greedy_decode(self.plain, prompt, max_new_tokens=new_tokens, stop_ids=self.stop), None)
+        reference, noise = known or (self.greedy(prompt), None)
         if noise is None:
             noise = verify_noise(self.plain, prompt, reference, block)
         chain = self.recorder or self.served[self.variant.name]
@@ -180,9 +180,26 @@ class PromptDecoder:
 
     def timed(self, prompt: torch.Tensor) -> dict[str, Decoded]:
         """The prompt decoded by greedy and by every drafter as served, one after another: what tokens/s measure."""
-        settings = {"max_new_tokens": self.settings.max_new_tokens, "stop_ids": self.stop}
-        return {GREEDY: greedy_decode(self.plain, prompt, **settings),
-                **{name: speculative_decode(self.verifiers[name], drafter, prompt, **settings) for name, drafter in self.served.items()}}
+        return {GREEDY: self.greedy(prompt), **{name: self.served_decode(name, prompt) for name in self.served}}
+
+    def decode_and_time(self, prompt: torch.Tensor, known: Reference | None = None) -> tuple[PromptResult, dict[str, Decoded]]:
+        """decode()'s figures and timed()'s decodings from one pass, where they are the same decoding:
+        greedy's (decoded for its time even where `known`), and the trained drafter's chain where no
+        confidence recorder rides it; the baselines (computed along greedy's output for the figures) and
+        a recorded chain are decoded as served beside them."""
+        greedy = self.greedy(prompt) if known is not None else None
+        result = self.decode(prompt, known)
+        timed = {GREEDY: greedy or result.greedy}
+        for name in self.served:
+            chain_as_served = name == self.variant.name and self.recorder is None
+            timed[name] = result.drafted[name] if chain_as_served else self.served_decode(name, prompt)
+        return result, timed
+
+    def greedy(self, prompt: torch.Tensor) -> Decoded:
+        return greedy_decode(self.plain, prompt, max_new_tokens=self.settings.max_new_tokens, stop_ids=self.stop)
+
+    def served_decode(self, name: str, prompt: torch.Tensor) -> Decoded:
+        return speculative_decode(self.verifiers[name], self.served[name], prompt, max_new_tokens=self.settings.max_new_tokens, stop_ids=self.stop)
 
     def captured(self, prompt: torch.Tensor, reference: Decoded) -> tuple[torch.Tensor, torch.Tensor]:
         """prompt + greedy's output, and the drafter's target layers over it [T, L*d], captured in one forward."""
@@ -216,6 +233,12 @@ class PromptDecoder:
         }
         return trees
 
+    def warm_up(self, asked: tuple[torch.Tensor, Reference | None]) -> None:
+        """One prompt decoded every way (decode_and_time) and dropped: the kernels chosen and, with static caches, the graphs captured."""
+        started = time.monotonic()
+        self.decode_and_time(*asked)
+        log.info("warm-up prompt decoded in %.1f s (kernels chosen, graphs captured)", time.monotonic() - started)
+
     def close(self) -> None:
         for target in {self.plain, *self.verifiers.values(), self.tree_target}:
             target.close()
@@ -240,13 +263,13 @@ def uses_static_cache(settings: EvalSpec, model, device: torch.device) -> bool:
 
 
 class DecoderOnFirstUse:
-    """This process's PromptDecoder, loaded when first asked for: by the first prompt this process
-    decodes, or by the timed ones (every prompt kept by an earlier run); with worker processes, as
-    they load theirs, not before them (which delayed their start)."""
+    """This process's PromptDecoder, loaded when first asked for (after the workers, if any, were
+    started: they load theirs beside it) and warmed up once."""
 
     def __init__(self, spec: RunSpec, bigram: BigramTable | None, *, device: torch.device) -> None:
         self.spec, self.bigram, self.device = spec, bigram, device
         self.loaded: PromptDecoder | None = None
+        self.warmed = False
 
     def get(self) -> PromptDecoder:
         if self.loaded is None:
@@ -254,6 +277,14 @@ class DecoderOnFirstUse:
             self.loaded = load_decoder(self.spec, self.bigram, device=self.device)
             log.info("target and drafter loaded on %s in %.1f s", self.device, time.monotonic() - started)
         return self.loaded
+
+    def warm(self, asked: tuple[torch.Tensor, Reference | None]) -> PromptDecoder:
+        """get(), warmed up on `asked` the first time (PromptDecoder.warm_up)."""
+        decoder = self.get()
+        if not self.warmed:
+            decoder.warm_up(asked)
+            self.warmed = True
+        return decoder
 
     def close(self) -> None:
         if self.loaded is not None:
@@ -273,111 +304,16 @@ def drafter_url(spec: RunSpec) -> str:
     return f"{storage_for(spec).url.rstrip('/')}/{DRAFTER_PREFIX}"
 
 
-def decode_here(decoder: PromptDecoder, asked: list[tuple[torch.Tensor, Reference | None]]) -> Iterator[PromptResult]:
-    """Every prompt's figures (each with its known reference or None) decoded in this process, after
-    one warm-up prompt (kernel selection and compilation)."""
-    warm_up(decoder, asked[0])
-    for prompt, known in asked:
-        yield decoder.decode(prompt, known)
-
-
-def warm_up(decoder: PromptDecoder, asked: tuple[torch.Tensor, Reference | None]) -> None:
-    """One prompt decoded and dropped: the kernels chosen and, with static caches, the graphs captured."""
-    started = time.monotonic()
-    decoder.decode(*asked)
-    log.info("warm-up prompt decoded in %.1f s (kernels chosen, graphs captured)", time.monotonic() - started)
-
-
-def time_prompts(decoder: PromptDecoder, prompts: list[torch.Tensor]) -> dict[str, list[Decoded]]:
-    """The timed subset: each prompt decoded by greedy and every drafter as served (PromptDecoder.timed),
-    after one warm-up prompt, in this process alone (worker processes, if any, are gone): the speeds of
-    an uncontended device."""
-    decoder.timed(prompts[0])
-    runs = [decoder.timed(prompt) for prompt in prompts]
-    return {name: [run[name] for run in runs] for name in runs[0]}
-
-
-# ---- worker processes (eval.processes > 1) -------------------------------------------------------
-
-WORKER_QUEUE = 2
-"""Prompts a worker holds (the one it decodes and the next), so that it never waits while this process
-decodes one of its own; this process takes the rest."""
-
-_worker_decoder: PromptDecoder | None = None
-
-
-def _start_worker(spec: RunSpec, bigram: BigramTable | None, device: torch.device, threads: int, warm_up_prompt: torch.Tensor) -> None:
-    global _worker_decoder
-    torch.set_num_threads(threads)
-    _worker_decoder = load_decoder(spec, bigram, device=device)
-    warm_up(_worker_decoder, (warm_up_prompt, None))
-
-
-def _decode_in_worker(asked: tuple[torch.Tensor, Reference | None]) -> PromptResult:
-    assert _worker_decoder is not None
-    return _worker_decoder.decode(*asked)
-
-
-def decode_in_processes(spec: RunSpec, decoder: DecoderOnFirstUse, asked: list[tuple[torch.Tensor, Reference | None]], *,
-                        device: torch.device) -> Iterator[PromptResult]:
-    """Every prompt (with its known reference or None) decoded by eval.processes processes on `device`:
-    this one (its `decoder`) and eval.processes - 1 workers, each loading the target and drafter and
-    warming up once; whoever is free takes the next prompt, and the results come back in prompt order.
-    This process decoding beside the workers, the timed prompts after them find its decoder loaded and
-    warm (a third load of the target and its graphs' captures were most of a graphed evaluation's
-    report: bench/README.md). The CPU threads are shared out between the processes."""
-    processes = min(spec.eval.processes, len(asked))
-    threads = max(1, torch.get_num_threads() // processes)
-    # spawn: CUDA cannot be used in a forked child, and a fresh interpreter inherits no threads or locks.
-    context = multiprocessing.get_context("spawn")
-    own_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)  # this process's share while the workers run
-    try:
-        with ProcessPoolExecutor(processes - 1, mp_context=context, initializer=_start_worker,
-                                 initargs=(spec, decoder.bigram, device, threads, asked[0][0])) as pool:
-            yield from share_prompts(partial(pool.submit, _decode_in_worker), processes - 1, decoder, asked)
-    finally:
-        torch.set_num_threads(own_threads)
-
-
-def share_prompts(there: Callable[[tuple[torch.Tensor, Reference | None]], Future], workers: int, decoder: DecoderOnFirstUse,
-                  asked: list[tuple[torch.Tensor, Reference | None]]) -> Iterator[PromptResult]:
-    """The prompts in order, each decoded by one of `workers` (`there`: a prompt handed to them, its
-    result to come; holding up to WORKER_QUEUE each) or by this process, which takes the next prompt
-    whenever the workers hold theirs (after its warm-up prompt, as decode_here's) and waits only where
-    the next result is a worker's and no prompt is left to take."""
-    waiting = deque(range(len(asked)))
-    held: dict[int, Future] = {}  # prompt index -> a worker's decoding of it
-    finished: dict[int, PromptResult] = {}
-    here: PromptDecoder | None = None
-    for index in range(len(asked)):
-        while index not in finished:
-            while waiting and len(held) < workers * WORKER_QUEUE:
-                taken = waiting.popleft()
-                held[taken] = there(asked[taken])
-            finished.update({i: held.pop(i).result() for i in [i for i, future in held.items() if future.done()]})
-            if index in finished:
-                break
-            if waiting:
-                if here is None:
-                    here = decoder.get()
-                    warm_up(here, asked[0])
-                taken = waiting.popleft()
-                finished[taken] = here.decode(*asked[taken])
-            else:
-                finished[index] = held.pop(index).result()
-        yield finished.pop(index)
-
-
-def log_progress(results: Iterable[PromptResult], total: int) -> list[PromptResult]:
+def log_progress(decoded: Iterable[tuple[int, PromptResult]], total: int) -> Iterator[tuple[int, PromptResult]]:
+    """`decoded` passed through, with a line every LOG_EVERY_S seconds and at the last of `total`."""
     done: list[PromptResult] = []
     last_log = time.monotonic()
-    for result in results:
+    for index, result in decoded:
+        yield index, result
         done.append(result)
         if len(done) == total or time.monotonic() - last_log >= LOG_EVERY_S:
             last_log = time.monotonic()
             log.info("prompt %d/%d: %s", len(done), total, progress_line(done))
-    return done
 
 
 def progress_line(results: list[PromptResult]) -> str:
@@ -411,8 +347,7 @@ def evaluate(spec: RunSpec, storage: Storage, *, device: torch.device) -> dict[s
     references = KeptReferences.of(spec, storage, device, layout.drafts + 1)
     decoder = DecoderOnFirstUse(spec, bigram, device=device)
     try:
-        decoded = {name: (decode_missing(spec, kept[name], references, decoder, p, device=device), time_prompts(decoder.get(), p[: settings.timed_prompts]))
-                   for name, p in asked.items()}
+        decoded = {name: decode_set(spec, kept[name], references, decoder, p, device=device) for name, p in asked.items()}
     finally:
         decoder.close()
     results, timed = decoded[HELD_OUT]
@@ -447,30 +382,51 @@ def figures(results: list[PromptResult]) -> dict[str, Any]:
     }
 
 
-def decode_missing(spec: RunSpec, kept: KeptPrompts, references: KeptReferences, decoder: DecoderOnFirstUse, prompts: list[torch.Tensor], *,
-                   device: torch.device) -> list[PromptResult]:
-    """Every prompt's result, in prompt order: those an earlier run of this evaluation kept (evaluate/kept.py),
-    the others decoded now (by `decoder`, beside eval.processes - 1 workers each loading its own target
-    and drafter) and kept as they come; greedy's decoding of each is taken from `references` where an
-    evaluation on the same target and prompts computed it, and kept there where not."""
+def decode_set(spec: RunSpec, kept: KeptPrompts, references: KeptReferences, decoder: DecoderOnFirstUse, prompts: list[torch.Tensor], *,
+               device: torch.device) -> tuple[list[PromptResult], dict[str, list[Decoded]]]:
+    """Every prompt's result in prompt order, and the timed subset's decodings by name (greedy's and each
+    served drafter's: the speeds).
+
+    The results an earlier run of this evaluation kept (evaluate/kept.py) are taken, the others decoded
+    and kept as they come; greedy's decoding of a prompt is taken from `references` where an evaluation
+    on the same target and prompts computed it, and kept there where not. The first eval.timed_prompts
+    prompts are decoded first, in this process alone after its warm-up prompt: their figures and their
+    speeds from the same decodings (PromptDecoder.decode_and_time; a kept prompt is decoded again for
+    its speeds alone). Then the rest, by this process and eval.processes - 1 workers
+    (evaluate/workers.py), which load while the timed prompts decode and warm up after them."""
     results = kept.load(prompts)
     missing = [i for i in range(len(prompts)) if i not in results]
     if results:
         log.info("%d of %d prompts were decoded by an earlier run of this evaluation (kept under %s): decoding the other %d",
                  len(results), len(prompts), kept.prefix, len(missing))
-    if missing:
-        known = references.load(prompts)
-        if known:
-            log.info("greedy's decodings of %d prompts were computed by an earlier evaluation on the same target (kept under %s)",
-                     len(known), references.kept.prefix)
-        asked = [(prompts[i], known.get(i)) for i in missing]
-        if min(spec.eval.processes, len(missing)) > 1:
-            decoded = decode_in_processes(spec, decoder, asked, device=device)
-        else:
-            decoded = decode_here(decoder.get(), asked)
-        decoded = references.keeping(missing, prompts, known, decoded)
-        results.update(zip(missing, log_progress(kept.keeping(missing, prompts, decoded), len(missing))))
-    return [results[i] for i in range(len(prompts))]
+    known = references.load(prompts) if missing else {}
+    if known:
+        log.info("greedy's decodings of %d prompts were computed by an earlier evaluation on the same target (kept under %s)",
+                 len(known), references.kept.prefix)
+    timed_count = min(spec.eval.timed_prompts, len(prompts))
+    rest = [i for i in missing if i >= timed_count]
+    timed: list[dict[str, Decoded]] = []
+
+    def decoded(workers: Workers) -> Iterator[tuple[int, PromptResult]]:
+        here = decoder.warm((prompts[0], known.get(0)))
+        for index in range(timed_count):
+            if index in results:
+                timed.append(here.timed(prompts[index]))
+                continue
+            result, speeds = here.decode_and_time(prompts[index], known.get(index))
+            timed.append(speeds)
+            yield index, result
+        workers.go()
+        yield from zip(rest, share_prompts(workers.submit, workers.count, decoder, [(prompts[i], known.get(i)) for i in rest]))
+
+    count = max(0, min(spec.eval.processes, len(rest)) - 1)
+    with Workers(count, partial(load_decoder, spec, decoder.bigram, device=device), prompts[rest[0]] if rest else None) as workers:
+        for index, result in log_progress(decoded(workers), len(missing)):
+            if index not in known:
+                references.keep(index, prompts[index], result)
+            kept.keep(index, prompts[index], result)
+            results[index] = result
+    return [results[i] for i in range(len(prompts))], {name: [run[name] for run in timed] for name in timed[0]}
 
 
 def describe(spec: RunSpec, config: DrafterConfig, device: torch.device, prompts: int) -> None:

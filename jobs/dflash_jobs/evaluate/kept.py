@@ -20,7 +20,7 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -97,12 +97,6 @@ class KeptPrompts:
             if document.get("format") == FORMAT and index < len(prompts) and document["prompt"] == prompts[index].tolist():
                 found[index] = self.from_json(document["result"])
         return found
-
-    def keeping(self, indices: list[int], prompts: list[torch.Tensor], results: Iterable[PromptResult]) -> Iterator[PromptResult]:
-        """`results` (of prompts[i] for i in indices, in that order), each stored as it comes."""
-        for index, result in zip(indices, results):
-            self.keep(index, prompts[index], result)
-            yield result
 
     def keep(self, index: int, prompt: torch.Tensor, result: Any) -> None:
         document = {"format": FORMAT, "index": index, "prompt": prompt.tolist(), "result": self.to_json(result)}

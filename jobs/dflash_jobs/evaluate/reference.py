@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -64,10 +64,6 @@ class KeptReferences:
     def load(self, prompts: list[torch.Tensor]) -> dict[int, Reference]:
         return self.kept.load(prompts)
 
-    def keeping(self, indices: list[int], prompts: list[torch.Tensor], known: dict[int, Reference], results: Iterable) -> Iterator:
-        """`results` (PromptResults of prompts[i] for i in indices, in that order), the reference of each
-        that was not known stored as it comes."""
-        for index, result in zip(indices, results):
-            if index not in known:
-                self.kept.keep(index, prompts[index], (result.greedy, result.verify_noise))
-            yield result
+    def keep(self, index: int, prompt: torch.Tensor, result) -> None:
+        """The reference of `result` (a PromptResult of `prompt`, the index-th prompt)."""
+        self.kept.keep(index, prompt, (result.greedy, result.verify_noise))

@@ -9,8 +9,8 @@ report.json (format dflash.eval/v1):
               verify forward made to greedy's top-1 minus top-2 logit over `positions` positions; `rule`
               says which divergences it makes ties (lossless.TIE_RULE)
     timed:    {prompts, warm_up, processes, figures}: the speeds' source: the first `prompts` held-out prompts
-              decoded by greedy and by every drafter as served, one after another in one process, after
-              `warm_up` untimed prompt(s) (evaluator.time_prompts); every other figure comes from all prompts
+              decoded by greedy and by every drafter as served, one after another in one process alone, after
+              `warm_up` untimed prompt(s) (evaluator.decode_set); every other figure comes from all prompts
     greedy:   {tokens, tokens_per_second, per_prompt {tokens, seconds}}   plain greedy decoding, the reference;
               tokens_per_second from the timed subset, per_prompt from the figures' pass
     drafters: {name: metrics.summarize(...)}          the trained drafter under its variant's name (drafter_variant:

@@ -245,10 +245,11 @@ class EvalSpec:
     """Worker processes decoding prompts at once on the evaluation's device, each with its own copy of
     the target and drafter: a small target is bound by Python and kernel launches and fits many
     times on one GPU; a 27B one fits once, so keep 1 there. Only the figures come from them: the
-    speeds come from eval.timed_prompts, decoded in one process after the workers are done."""
+    speeds come from eval.timed_prompts, decoded in one process before the workers start decoding."""
     timed_prompts: int = 16
-    """Held-out prompts (the first ones) that greedy and every drafter decode again one after another,
-    alone on the device after a warm-up: the tokens/s and speed-ups of the report come from them."""
+    """Held-out prompts (the first ones) that greedy and every drafter decode one after another, alone
+    on the device after a warm-up, before the other prompts: the tokens/s and speed-ups of the report
+    come from them (greedy's and the chain's decodings give their figures too)."""
     tree_budgets: list[int] = field(default_factory=lambda: [16, 32, 64])
     """Node budgets of the draft trees (DDTree) the trained drafter is also evaluated with, beside the
     chain's own budget (as many nodes as it drafts), which is always added: each tree decodes every

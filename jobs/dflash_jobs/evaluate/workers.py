@@ -1,0 +1,116 @@
+"""Worker processes decoding held-out prompts beside the evaluation's own (eval.processes > 1).
+
+A small target at batch 1 leaves the GPU idle between its kernel launches, so several processes,
+each with its own target and drafter, decode prompts at once on one device. They are spawned as
+the evaluation starts and load while it decodes the timed prompts alone; they warm up (their first
+kernels and graph captures) only once the timed prompts are done, so those decode on a device no
+other process runs kernels on. Then whoever is free takes the next prompt, and the results come
+back in prompt order (share_prompts).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import Any, Callable, Iterator, Protocol
+
+import torch
+
+WORKER_QUEUE = 2
+"""Prompts a worker holds (the one it decodes and the next), so that it never waits while this process
+decodes one of its own; this process takes the rest."""
+
+Asked = tuple[torch.Tensor, Any]
+"""A prompt and what is known of it (its reference decoding from an earlier evaluation, or None)."""
+
+
+class Decoder(Protocol):
+    def decode(self, prompt: torch.Tensor, known: Any = None) -> Any: ...
+
+    def warm_up(self, asked: Asked) -> None: ...
+
+
+class WarmDecoder(Protocol):
+    def warm(self, asked: Asked) -> Decoder:
+        """This process's decoder, loaded and warmed up (with `asked` where it was not yet)."""
+        ...
+
+
+_worker_decoder: Decoder | None = None
+
+
+def _start_worker(load: Callable[[], Decoder], threads: int, go: Any, warm_up_prompt: torch.Tensor) -> None:
+    global _worker_decoder
+    torch.set_num_threads(threads)
+    _worker_decoder = load()
+    go.wait()
+    _worker_decoder.warm_up((warm_up_prompt, None))
+
+
+def _decode_in_worker(asked: Asked) -> Any:
+    assert _worker_decoder is not None
+    return _worker_decoder.decode(*asked)
+
+
+class Workers:
+    """`count` worker processes, each loading its decoder with `load` (a picklable call: they are spawned
+    interpreters, since CUDA cannot be used in a forked child) as soon as the pool is entered, and
+    warming up on `warm_up_prompt` once `go` is called. The CPU threads are shared out between them and
+    this process from `go` on. count 0: no process; share_prompts then decodes every prompt here."""
+
+    def __init__(self, count: int, load: Callable[[], Decoder], warm_up_prompt: torch.Tensor | None) -> None:
+        self.count, self.load, self.warm_up_prompt = count, load, warm_up_prompt
+
+    def __enter__(self) -> Workers:
+        if self.count:
+            context = multiprocessing.get_context("spawn")
+            self._go = context.Event()
+            self._own_threads = torch.get_num_threads()
+            self._threads = max(1, self._own_threads // (self.count + 1))
+            self._pool = ProcessPoolExecutor(self.count, mp_context=context, initializer=_start_worker,
+                                             initargs=(self.load, self._threads, self._go, self.warm_up_prompt))
+            # The pool starts a process for each task submitted while none is idle: started now, they
+            # load while this process decodes, rather than from the first prompt handed to them.
+            for _ in range(self.count):
+                self._pool.submit(int)
+        return self
+
+    def go(self) -> None:
+        if self.count:
+            torch.set_num_threads(self._threads)
+            self._go.set()
+
+    def submit(self, asked: Asked) -> Future:
+        return self._pool.submit(_decode_in_worker, asked)
+
+    def __exit__(self, failed: type[BaseException] | None, *_) -> None:
+        if self.count:
+            self._go.set()  # a worker still waiting for it would hold the shutdown forever
+            self._pool.shutdown(cancel_futures=failed is not None)
+            torch.set_num_threads(self._own_threads)
+
+
+def share_prompts(there: Callable[[Asked], Future], workers: int, decoder: WarmDecoder, asked: list[Asked]) -> Iterator[Any]:
+    """The prompts' results in order, each decoded by one of `workers` (`there`: a prompt handed to them,
+    its result to come; holding up to WORKER_QUEUE each) or by this process (`decoder`, warmed up on
+    the first prompt where it was not yet), which takes the next prompt whenever the workers hold
+    theirs and waits only where the next result is a worker's and no prompt is left to take."""
+    waiting = deque(range(len(asked)))
+    held: dict[int, Future] = {}  # prompt index -> a worker's decoding of it
+    finished: dict[int, Any] = {}
+    for index in range(len(asked)):
+        while index not in finished:
+            while waiting and len(held) < workers * WORKER_QUEUE:
+                taken = waiting.popleft()
+                held[taken] = there(asked[taken])
+            finished.update({i: held.pop(i).result() for i in [i for i, future in held.items() if future.done()]})
+            if index in finished:
+                break
+            if waiting:
+                here = decoder.warm(asked[0])
+                taken = waiting.popleft()
+                finished[taken] = here.decode(*asked[taken])
+            else:
+                finished[index] = held.pop(index).result()
+        yield finished.pop(index)
