@@ -399,6 +399,19 @@ def test_the_best_drafter_is_named_only_where_its_lead_over_every_other_is_decid
     assert figures.best_drafter(figures.seed_spread(runs, alone), figures.Taus(runs)) is None
 
 
+def test_fp8_compute_is_at_parity_only_where_its_tau_lies_within_bf16s_interval(bench):
+    """Issue 50: a drafter trained on the target's FP8-computed states beside the bf16 one, on the same prompts."""
+    figures = importlib.import_module("figures")
+    for fp8_tau, at_parity in ((2.95, True), (2.0, False)):
+        runs = quality_runs({"regenerated-fp8-compute": fp8_tau})
+        parity = figures.fp8_compute_parity(figures.Taus(runs), "regenerated-fp8-compute")
+        low, high = parity["acceptance_length"]["bfloat16"]["interval"]
+        assert parity["passed"] is at_parity and (low <= fp8_tau <= high) is at_parity
+        assert parity["acceptance_length"]["float8"]["estimate"] == fp8_tau
+        assert parity["difference"]["estimate"] == round(fp8_tau - 3.0, 3)
+        assert parity["difference"]["verdict"] == ("not decided" if at_parity else "does not hold")  # each prompt 0.5 off its chain's tau
+
+
 def test_every_chain_of_a_size_and_what_it_trains_on(bench):
     sizes = importlib.import_module("sizes")
     names = {c.name: c for c in bench.chains_of(sizes.SIZES["tiny"])}

@@ -120,6 +120,23 @@ def test_the_code_scale_sizes_chains_train_online_without_a_source_chain(quality
     doubled = sizes.SIZES["code-scale-131k"]
     assert doubled.chat_counts.training == 2 * scale.chat_counts.training and doubled.chat_counts.held_out == scale.chat_counts.held_out
     assert replace(doubled, chats=full.chats) == full
+    # code-scale-fp8: the data curve's middle point in bf16 and beside it a chain whose target computes
+    # in FP8 (issue 50's parity), online on the regenerated chain's token chunks, no trees, no generation.
+    fp8 = sizes.SIZES["code-scale-fp8"]
+    assert replace(fp8, chats=full.chats, fp8_compute_chain=False) == full and fp8.chat_counts.training == scale.chat_counts.training // 2
+    regenerated, computed = bench.chains_of(fp8)
+    assert (computed.name, computed.compute_dtype, computed.states_of, computed.generates, computed.trees) == (
+        "regenerated-fp8-compute", "float8", "regenerated", False, False)
+    written = {c.name: yaml.safe_load(chains.write_spec(tmp_path / "fp8" / c.name, Path("t"), Path("d"), fp8, torch.device("cpu"), c,
+                                                         final_hidden=False).read_text()) for c in (regenerated, computed)}
+    assert {name: spec["extract"]["compute_dtype"] for name, spec in written.items()} == {
+        "regenerated": "bfloat16", "regenerated-fp8-compute": "float8"}
+    assert "generate" in written["regenerated"] and "generate" not in written["regenerated-fp8-compute"]
+    from dflash_jobs.spec import parse_spec
+
+    assert parse_spec(written["regenerated-fp8-compute"]).extract.compute_dtype == "float8"  # a field the extractor and trainer read
+    figures = quality("figures")
+    assert list(figures.seed_groups([regenerated, computed])) == ["regenerated", "regenerated-fp8-compute"]  # not a second seed of it
     # The sizes that store their states say so in every spec too.
     code_gpu = sizes.SIZES["code-gpu"]
     spec = yaml.safe_load(chains.write_spec(tmp_path / "g", Path("t"), Path("d"), code_gpu, torch.device("cpu"), bench.chains_of(code_gpu)[0],

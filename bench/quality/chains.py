@@ -65,12 +65,16 @@ greedy decoding's worth of target forwards a prompt, which ten chains side by si
 @dataclass(frozen=True, slots=True)
 class Chain:
     """One data set through the chain: the source's answers or the target's, all of them or a part,
-    in bf16 or fp8, trained into one drafter with one seed."""
+    its states stored in bf16 or fp8 and computed by the target in bf16 or FP8, trained into one
+    drafter with one seed."""
 
     name: str
     regenerated: bool
     fraction: float = 1.0
     dtype: str = "bfloat16"
+    """extract.dtype: the states as stored."""
+    compute_dtype: str = "bfloat16"
+    """extract.compute_dtype: the target's linear layers as it computes the states (float8 on a GPU with FP8 tensor cores)."""
     drafter: str = "dflash"
     """train.drafter (dflash | dflash2 | dspark)."""
     seed: int = DEFAULT_SEED
@@ -87,9 +91,14 @@ class Chain:
     """Its evaluation decodes prompt lookup and the bigram table too (eval.baselines; BASELINES_OF)."""
 
     @property
+    def bf16(self) -> bool:
+        """Its states computed and stored in bf16 (not a chain of the fp8 comparisons)."""
+        return self.dtype == "bfloat16" and self.compute_dtype == "bfloat16"
+
+    @property
     def generates(self) -> bool:
         """The one chain that runs the generate step; the other regenerated chains read its rows."""
-        return self.regenerated and self.fraction == 1.0 and self.dtype == "bfloat16" and self.states_of is None
+        return self.regenerated and self.fraction == 1.0 and self.bf16 and self.states_of is None
 
 
 ABLATIONS = {
@@ -138,7 +147,8 @@ def write_spec(workdir: Path, target: Path, data: Path, size: Size, device: torc
         # Compiling a target this small costs more than its whole extraction. Online, the budget is the
         # trainer's target forward: a micro-batch's in one forward, as bench_online measured the step
         # (at 8,192 the code-scale run's 16,384-token micro-batches took two or three).
-        "extract": {"shards": 2, "token_budget": target_token_budget(size), "dtype": chain.dtype, "pad_multiple": 128, "compile": False,
+        "extract": {"shards": 2, "token_budget": target_token_budget(size), "dtype": chain.dtype, "compute_dtype": chain.compute_dtype,
+                    "pad_multiple": 128, "compile": False,
                     **({"final_hidden": True} if final_hidden else {})},
         "train": {
             "states": size.states, "drafter": chain.drafter, "block_size": drafted_block(chain.drafter, size.block_size),

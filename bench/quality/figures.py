@@ -21,9 +21,9 @@ from records import ChainFigures, Decoding
 
 def seed_groups(chains: Sequence[Chain]) -> dict[str, list[Chain]]:
     """The chains that train one drafter on the same states with other seeds, under the first one's name."""
-    groups: dict[tuple[str, str, tuple, int | None], list[Chain]] = {}
+    groups: dict[tuple[str, str, tuple, int | None, str], list[Chain]] = {}
     for chain in chains:
-        groups.setdefault((chain.states_of or chain.name, chain.drafter, chain.settings, chain.epochs), []).append(chain)
+        groups.setdefault((chain.states_of or chain.name, chain.drafter, chain.settings, chain.epochs, chain.compute_dtype), []).append(chain)
     return {group[0].name: group for group in groups.values()}
 
 
@@ -203,6 +203,17 @@ def claims(runs: dict[str, ChainFigures], spread: dict[str, dict[str, Any]], cur
     return found
 
 
+def fp8_compute_parity(taus: Taus, chain: str) -> dict[str, Any]:
+    """The drafter trained on states the target computed with FP8 linear layers (`chain`) against the
+    one trained on bf16's (issue 50): at parity where its tau lies within the bf16 drafter's 95%
+    interval over the prompts; the paired difference and its interval beside it."""
+    bf16, fp8 = taus.decoding("regenerated"), taus.decoding(chain)
+    low, high = bf16.interval()
+    return {"claim": "FP8 target compute keeps the drafter's tau within bf16's 95% interval", "passed": bool(low <= fp8.estimate <= high),
+            "acceptance_length": {"bfloat16": bf16.summary(), "float8": fp8.summary()},
+            "difference": {**judged(fp8 - bf16), "figure": "tau(float8 compute) - tau(bfloat16)"}}
+
+
 def best_drafter(spread: dict[str, dict[str, Any]], taus: Taus) -> dict[str, Any] | None:
     """The best of DFlash and its successors on the same states and prompts, named only where its lead
     over every other is decided by its interval (paired); otherwise the leader by estimate and the
@@ -288,7 +299,7 @@ def data_curve(runs: dict[str, ChainFigures], chains: Sequence[Chain]) -> list[d
     with its 95% interval over the prompts (the evaluation's)."""
     points = [{"chain": c.name, "fraction": c.fraction, "supervised_tokens": runs[c.name].supervised_tokens,
                "acceptance_length": runs[c.name].acceptance_length[c.drafter], "interval": runs[c.name].own.acceptance_length_interval}
-              for c in chains if c.regenerated and c.dtype == "bfloat16" and c.drafter == "dflash" and c.seed == chains[0].seed and c.epochs is None]
+              for c in chains if c.regenerated and c.bf16 and c.drafter == "dflash" and c.seed == chains[0].seed and c.epochs is None]
     return sorted(points, key=lambda point: point["fraction"])
 
 

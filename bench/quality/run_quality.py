@@ -2,7 +2,7 @@
 product's chain, end to end, on the same held-out prompts, for several data sets and drafters side
 by side.
 
-    python bench/quality/run_quality.py --size tiny|cpu|gpu|code-tiny|code-cpu|code-gpu|code-scale-tiny|code-scale|code-scale-full|code-scale-successors|code-scale-131k
+    python bench/quality/run_quality.py --size tiny|cpu|gpu|code-tiny|code-cpu|code-gpu|code-scale-tiny|code-scale|code-scale-full|code-scale-successors|code-scale-131k|code-scale-fp8
         [--out bench/results/quality-<size>.json] [--workdir DIR] [--smollm2 WHEEL|GGUF|DIR] [--prompts DIR]
 
 1-3. The task (tasks.py, one seam) gives the target, the drafter's data set and the diversity
@@ -35,8 +35,9 @@ by side.
    - regenerated: the target's own answers (generate, transformers engine, greedy) first; its
      extraction stores the target's final hidden state too (DSpark reads it);
    - source: the other writer's answers, as they are;
-   - the same stored in fp8 (float8_e4m3fn; the tiny and cpu sizes), and a half and a quarter of the
-     regenerated rows (the same held-out prompts at the end);
+   - the same stored in fp8 (float8_e4m3fn; the tiny and cpu sizes), or computed by a target whose
+     linear layers run in FP8 (extract.compute_dtype float8; code-scale-fp8, on a GPU: issue 50's
+     parity), and a half and a quarter of the regenerated rows (the same held-out prompts at the end);
    - on the same extracted states (train and evaluate only): DFlash again with each other seed, DFlash2
      and DSpark at DFlash's verify block, each also without its own head (chains.ABLATIONS), and
      DFlash trained for fewer epochs (the steps curve, curves.py), as each size says.
@@ -80,7 +81,9 @@ from dflash_jobs.spec import BASELINES, BIGRAM, PROMPT_LOOKUP, TrainSpec
 import launch
 from chains import ABLATIONS, BASELINES_OF, Chain, ChainRunner, held_out_prompts, part_of, regenerated_rows, share_states, write_spec
 from curves import per_kind, plot_kinds, plot_steps, rises, steps_curve
-from figures import CLAIM_RULE, Taus, attribution, best_drafter, claims, data_curve, goals, plot_curve, seed_spread, train_serve, tree_acceptance
+from figures import (
+    CLAIM_RULE, Taus, attribution, best_drafter, claims, data_curve, fp8_compute_parity, goals, plot_curve, seed_spread, train_serve, tree_acceptance,
+)
 from records import ChainFigures
 from sizes import SIZES, Size
 from tasks import ChatSet
@@ -97,6 +100,10 @@ def chains_of(size: Size) -> list[Chain]:
     chains = [Chain("regenerated", True, seed=first)] + ([Chain("source", False, seed=first)] if size.task.source_answers else [])
     if size.fp8_chain:
         chains.append(Chain("regenerated-fp8", True, dtype="float8_e4m3fn", seed=first))
+    if size.fp8_compute_chain:
+        # Online, the regenerated chain's token chunks are all it needs (the target computes its states in every step).
+        chains.append(Chain("regenerated-fp8-compute", True, compute_dtype="float8", seed=first,
+                            states_of="regenerated" if size.states == "online" else None))
     chains += [Chain(f"regenerated-{fraction:g}", True, fraction=fraction, seed=first) for fraction in size.data_fractions]
     chains += [Chain(f"{name}-seed{seed}", regenerated, seed=seed, states_of=name)
                for seed in others for name, regenerated in (("regenerated", True), ("source", False)) if name in size.seeded]
@@ -109,7 +116,7 @@ def chains_of(size: Size) -> list[Chain]:
     # says, the regenerated DFlash of every seed always (a claim takes a drafter at its mean over its seeds).
     # The baselines are decoded by the first chain alone: the figures read them there (chains.BASELINES_OF).
     return [replace(c, trees=c.epochs is None and (size.trees_on_every_chain or "regenerated" in (c.name, c.states_of) and c.drafter == "dflash"
-                                                     and not c.settings and c.fraction == 1.0 and c.dtype == "bfloat16"),
+                                                     and not c.settings and c.fraction == 1.0 and c.bf16),
                     baselines=c.name == BASELINES_OF)
             for c in chains]
 
@@ -311,6 +318,8 @@ def figures_of(size_name: str, size: Size, device: torch.device, workdir: Path, 
     result["per_kind"] = per_kind(runs, evaluated)
     if size.fp8_chain:
         result["fp8_over_bf16"] = round(runs["regenerated-fp8"].acceptance_length["dflash"] / runs["regenerated"].acceptance_length["dflash"], 3)
+    if size.fp8_compute_chain:
+        result["fp8_compute_parity"] = fp8_compute_parity(taus, "regenerated-fp8-compute")
     return result
 
 

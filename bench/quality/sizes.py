@@ -57,6 +57,9 @@ class Size:
     its own schedule, evaluated without trees: does training longer help (the steps curve)?"""
     fp8_chain: bool = False
     """A chain on the regenerated rows stored in float8_e4m3fn: acceptance against bf16 storage."""
+    fp8_compute_chain: bool = False
+    """A chain on the regenerated rows whose states the target computes with FP8 linear layers
+    (extract.compute_dtype float8: a GPU with FP8 tensor cores): acceptance against bf16 compute's."""
     successors: tuple[str, ...] = ("dflash2", "dspark")
     """train.drafter of the chains beside DFlash on the regenerated chain's states (issue 30)."""
     ablations: tuple[str, ...] = ("dflash2-selector-off", "dspark-markov-rank1")
@@ -208,6 +211,11 @@ SIZES["code-scale-full"] = replace(SIZES["code-scale"], data_fractions=())
 # generation and 510 s of training at code-scale's measured rates, in two calls after the setup call
 # (the prompts a part of 140,000 training prompts: some 3% are over 256 tokens).
 SIZES["code-scale-131k"] = replace(SIZES["code-scale-full"], chats=131_072 + 128)
+# Issue 50's FP8 parity on the real model: the DFlash drafter trained online on states the target
+# computes with FP8 linear layers beside the one trained on bf16's, on code-scale's first 32,768 chats
+# (its data curve's middle point, 2.49) and held-out prompts. One call after the setup call: about 65 s
+# of generation and two 32,768-chat trainings and evaluations side by side.
+SIZES["code-scale-fp8"] = replace(SIZES["code-scale-full"], chats=32_768 + 128, fp8_compute_chain=True)
 # The successors beside DFlash on code-scale's chats, each trained online on the regenerated chain's
 # token chunks (the target in every step; DSpark's its final hidden state too): the issue's "best of
 # DFlash, DFlash2 and DSpark by its interval". Three trainings of 2,150 steps side by side, three
