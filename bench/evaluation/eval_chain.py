@@ -227,7 +227,9 @@ def logged_parts(log: str) -> dict[str, float | int]:
     prompt logged (the target and drafter loaded, the workers started and warmed up, the first
     prompts decoded); `decoding`, from there to the last prompt (`prompts` more decoded: the figures'
     pass, a second a prompt of it is what 64 prompts scale by); `report`, from there to the report
-    stored (after issue 49 the timed prompts are decoded here)."""
+    stored. Where the timed prompts are decoded moved with the version after: first in `report`
+    (decoded again at the end), since 2c6f936 first in the figures' pass (decoded once, alone, before
+    the workers start), so that the first prompt's line comes after the first timed prompt."""
     lines = [(datetime.strptime(when, "%Y-%m-%d %H:%M:%S,%f"), done, served) for when, done, served in LOGGED.findall(log)]
     progress = [(when, int(done)) for when, done, _ in lines if done]
     stored = next(when for when, _, served in lines if served)
