@@ -26,8 +26,8 @@ class RecordingDecoder:
         with self.events.open("a") as out:
             out.write(event + "\n")
 
-    def warm_up(self, asked) -> None:
-        self.record(f"warm-up {int(asked[0])}")
+    def warm_up(self, asked, *, speeds=True) -> None:
+        self.record(f"warm-up {int(asked[0])}{' with speeds' if speeds else ''}")
 
     def decode(self, prompt, known=None):
         self.record(f"decode {int(prompt)}")

@@ -233,10 +233,12 @@ class PromptDecoder:
         }
         return trees
 
-    def warm_up(self, asked: tuple[torch.Tensor, Reference | None]) -> None:
-        """One prompt decoded every way (decode_and_time) and dropped: the kernels chosen and, with static caches, the graphs captured."""
+    def warm_up(self, asked: tuple[torch.Tensor, Reference | None], *, speeds: bool = True) -> None:
+        """One prompt decoded and dropped: the kernels chosen and, with static caches, the graphs captured.
+        speeds: every way a timed prompt is (decode_and_time: the baselines and a recorded chain as
+        served too); else as the figures' pass decodes it (decode), all a worker process runs."""
         started = time.monotonic()
-        self.decode_and_time(*asked)
+        (self.decode_and_time if speeds else self.decode)(*asked)
         log.info("warm-up prompt decoded in %.1f s (kernels chosen, graphs captured)", time.monotonic() - started)
 
     def close(self) -> None:

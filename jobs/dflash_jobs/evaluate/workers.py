@@ -28,7 +28,7 @@ Asked = tuple[torch.Tensor, Any]
 class Decoder(Protocol):
     def decode(self, prompt: torch.Tensor, known: Any = None) -> Any: ...
 
-    def warm_up(self, asked: Asked) -> None: ...
+    def warm_up(self, asked: Asked, *, speeds: bool = True) -> None: ...
 
 
 class WarmDecoder(Protocol):
@@ -45,7 +45,7 @@ def _start_worker(load: Callable[[], Decoder], threads: int, go: Any, warm_up_pr
     torch.set_num_threads(threads)
     _worker_decoder = load()
     go.wait()
-    _worker_decoder.warm_up((warm_up_prompt, None))
+    _worker_decoder.warm_up((warm_up_prompt, None), speeds=False)  # a worker decodes no timed prompt
 
 
 def _decode_in_worker(asked: Asked) -> Any:
