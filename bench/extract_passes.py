@@ -86,6 +86,8 @@ def extractor(target: CaptureTarget, root: Path, chunks: list[TokenChunk], spec:
         worker.close()
     out = {"store": str(root), "seconds": summary.elapsed_s, "warmup_s": summary.warmup_s, "real_tokens": summary.tokens,
            "tokens_per_s": round(summary.tokens / summary.elapsed_s, 1), "drain_s": summary.drain_s,
+           # What the stores had left at the GPU's last batch, and when each got through, from then.
+           "drain_bytes": summary.drain_bytes, "drain_stores": worker.drain_stores,
            # The last chunk is stored after the GPU's last batch: a fixed tail, a rounding error in a shard of hours.
            "tokens_per_s_before_drain": round(summary.tokens / (summary.elapsed_s - summary.drain_s), 1),
            "padding_waste": summary.padding_waste,

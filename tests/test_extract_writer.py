@@ -23,9 +23,10 @@ HIDDEN = 8
 
 
 class WatchedStorage:
-    """A real store that notes, as each of a chunk's bytes are taken, how many of its samples were placed then."""
+    """A real store that notes, as each of a chunk's bytes are taken, how many of its samples were placed then;
+    `delay`: seconds before each piece is taken, of every chunk or of the chunks a mapping names."""
 
-    def __init__(self, storage, placed: dict[int, int], delay: float = 0.0) -> None:
+    def __init__(self, storage, placed: dict[int, int], delay: float | dict[int, float] = 0.0) -> None:
         self.storage, self.placed, self.delay = storage, placed, delay
         self.taken: dict[str, list[tuple[int, int]]] = {}  # key -> (bytes so far, samples placed then)
 
@@ -35,13 +36,14 @@ class WatchedStorage:
     def put_parts(self, key, parts, size=None):
         chunk = int(key.rsplit("/", 1)[-1].split(".")[0])
         taken = self.taken.setdefault(key, [])
+        delay = self.delay.get(chunk, 0.0) if isinstance(self.delay, dict) else self.delay
 
         def watched():
             total = 0
             for part in parts:
                 total += len(memoryview(part))
                 taken.append((total, self.placed.get(chunk, 0)))
-                time.sleep(self.delay)
+                time.sleep(delay)
                 yield part
 
         return self.storage.put_parts(key, watched(), size)
@@ -112,12 +114,17 @@ def test_the_last_chunk_stored_as_its_rows_fill_is_the_chunk_stored_once_complet
     data = streaming.get_bytes(hidden_chunk_key(2))
     header, _ = read_header(data[: header_size(data)], "chunk 2")
     states_at = header_size(data) + header["hidden_states"]["data_offsets"][0]
-    if dtype == "bfloat16" and not final:
+    if dtype == "bfloat16":
         # The states were stored while the samples after them were still to come: all but the last sample's rows.
         row = len(LAYERS) * HIDDEN * 2
         assert max(total for total, placed_then in last if placed_then < samples) >= states_at + int(chunks[2].cu_seqlens[-2]) * row
+        if final:  # the final hidden state, as wide and smaller, lies after them: it alone waits for the last sample
+            final_at = header_size(data) + header["final_hidden_states"]["data_offsets"][0]
+            assert final_at > states_at
+            assert all(placed_then == samples for total, placed_then in last if total > final_at)
     else:
-        # A tensor the copies fill lies before the states (the scales, the final hidden state): the states wait for all of it.
+        # The scales, wider than fp8's states, lie before them (aligned offsets): the states wait for all of them.
+        assert header["hidden_states_scale"]["data_offsets"][0] < header["hidden_states"]["data_offsets"][0]
         assert all(placed_then == samples for total, placed_then in last if total > states_at)
     assert all(placed_then == chunks[c].num_samples for c in (0, 1) for _, placed_then in streaming.taken[hidden_chunk_key(c)])
 
@@ -129,6 +136,26 @@ def test_the_end_waits_for_every_store_the_streamed_one_included(tmp_path):
     assert time.monotonic() - started >= 0.05 * len(storage.taken[hidden_chunk_key(2)])
     assert [m.chunk for m in sorted(markers, key=lambda m: m.chunk)] == [0, 1, 2]  # committed before close() returned
     assert all(storage.exists(done_key(c)) for c in range(3)) and not any(t.is_alive() for t in writer.threads)
+
+
+def test_the_end_says_what_each_store_had_left_to_write_and_when_it_got_through(tmp_path):
+    chunks = random_chunks(seed=6, count=3, min_len=4, max_len=40)
+    storage = WatchedStorage(open_storage(str(tmp_path / "run")), {}, delay={2: 0.2})  # the streamed chunk's storage slow
+    markers, writer = write_chunks(storage, chunks, streamed=2, pause=0.05)
+    tail = writer.tail()
+    sizes = {m.chunk: m.bytes for m in markers}
+    streamed = next(store for store in tail if store["chunk"] == 2)
+    assert streamed["streamed"] and not any(store["streamed"] for store in tail if store is not streamed)
+    for store in tail:  # what the end waited for, each on the clock from it
+        assert store["bytes"] == sizes[store["chunk"]] and 0 <= store["bytes_left_at_end"] <= store["bytes"]
+        assert store["queued_s"] <= 0 and store["last_byte_s"] <= store["stored_s"] <= store["committed_s"] and store["committed_s"] > 0
+    # Handed to a writer thread at its first sample, it had sent its first pieces while the samples came, not the rest.
+    assert streamed["started_s"] < 0 < streamed["bytes_left_at_end"] < streamed["bytes"]
+    pieces_after = sum(1 for total, _ in storage.taken[hidden_chunk_key(2)] if total > streamed["bytes"] - streamed["bytes_left_at_end"])
+    assert pieces_after >= 1 and streamed["last_byte_s"] >= 0.2 * (pieces_after - 1)
+    # The stores left out were through (their markers written) before the end.
+    left_out = [times for chunk, times in writer.stores.items() if chunk not in {store["chunk"] for store in tail}]
+    assert all(times.committed <= writer.closed for times in left_out) and len(left_out) + len(tail) == 3
 
 
 def test_a_streamed_chunk_the_gpu_thread_never_finishes_leaves_nothing_and_does_not_hang(tmp_path):

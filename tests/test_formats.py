@@ -12,7 +12,7 @@ from dflash_jobs.errors import FormatError, InputError
 from dflash_jobs.formats import (
     HEADER_PROBE, DatasetIndex, ChunkInfo, DoneMarker, HiddenChunk, Manifest, TokenChunk, check_final_hidden, chunk_of_key,
     done_key, encode_hidden_chunk, fetch_header_bytes, file_range, header_size, hidden_metadata, hidden_tensors, hidden_chunk_key,
-    object_range, quantize_fp8, read_header, safetensors_parts, token_chunk_key,
+    object_range, quantize_fp8, read_header, safetensors_names, safetensors_parts, token_chunk_key,
 )
 from dflash_jobs.spec import parse_spec
 from dflash_jobs.storage import open_storage
@@ -171,6 +171,26 @@ def test_chunk_bytes_do_not_depend_on_metadata_order_and_load_with_safetensors()
     assert encodings[0] == encodings[1] and int.from_bytes(encodings[0][:8], "little") % 8 == 0  # aligned data
     loaded = load(encodings[0])
     assert all(torch.equal(loaded[name].view(torch.uint8), tensor.view(torch.uint8)) for name, tensor in tensors.items())
+
+
+def test_a_chunk_lays_out_the_widest_elements_first_and_among_as_wide_the_largest_first():
+    from safetensors.torch import load
+
+    tokens, hidden, final = make_tokens(), torch.randn(15, 2, 8, dtype=torch.bfloat16), torch.randn(15, 8, dtype=torch.bfloat16)
+    tensors = hidden_tensors(tokens, hidden, None, final)
+    names = safetensors_names(tensors)
+    widths = [tensors[name].itemsize for name in names]
+    assert widths == sorted(widths, reverse=True)  # every offset aligned to its element
+    # The layers' states before the final hidden state, as wide and smaller: a chunk streamed as its
+    # rows fill (extract/writer.py) leaves only the smaller one to wait for the last row.
+    assert names.index("hidden_states") < names.index("final_hidden_states")
+    data = encode_hidden_chunk(tokens, hidden, layers=[1, 3], model="m", config_hash="h", final_hidden=final)
+    header, _ = read_header(data[: header_size(data)], "x")
+    assert header["hidden_states"]["data_offsets"][1] == header["final_hidden_states"]["data_offsets"][0]
+    loaded = load(data)
+    assert torch.equal(loaded["hidden_states"], hidden) and torch.equal(loaded["final_hidden_states"], final)
+    chunk = HiddenChunk.decode(data, "x")
+    assert torch.equal(chunk.hidden_states, hidden) and torch.equal(chunk.final_hidden_states, final)
 
 
 def test_mislabeled_hidden_chunk_is_rejected():

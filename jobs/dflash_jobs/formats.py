@@ -351,8 +351,15 @@ class RawTensor:
 
 def safetensors_names(tensors: Mapping[str, Any]) -> list[str]:
     """The order a safetensors file lays its tensors' bytes out in (RawTensor or torch.Tensor, by
-    `itemsize`): widest elements first, so every offset stays aligned, then by name."""
-    return sorted(tensors, key=lambda name: (-tensors[name].itemsize, name))
+    `itemsize`): widest elements first, so every offset stays aligned (as the library lays them out);
+    among as wide ones the largest first, then by name. A chunk's file streams as the GPU's copies
+    fill its rows (extract/writer.py), and a tensor after a copied one waits for that one's last row:
+    the layers' states before the final hidden state leave only the smaller one to the end."""
+    return sorted(tensors, key=lambda name: (-tensors[name].itemsize, -_nbytes(tensors[name]), name))
+
+
+def _nbytes(tensor: Any) -> int:
+    return int(np.prod(tuple(tensor.shape), dtype=np.int64)) * tensor.itemsize
 
 
 def safetensors_header(tensors: dict[str, RawTensor], metadata: dict[str, str]) -> tuple[bytes, list[str]]:
@@ -360,12 +367,12 @@ def safetensors_header(tensors: dict[str, RawTensor], metadata: dict[str, str]) 
 
     Canonical: the same tensors and metadata give the same bytes in any process (the library writes
     __metadata__ in a per-process hash order, so a re-extracted chunk would get another sha256).
-    Tensors are laid out as the library does: safetensors_names."""
+    Tensors are laid out in safetensors_names' order; any reader takes the offsets from the header."""
     names = safetensors_names(tensors)
     entries, offset = {}, 0
     for name in names:
         tensor = tensors[name]
-        size = int(np.prod(tensor.shape, dtype=np.int64)) * tensor.itemsize
+        size = _nbytes(tensor)
         entries[name] = {"dtype": tensor.dtype, "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
         offset += size
     header = json.dumps({"__metadata__": metadata, **entries}, sort_keys=True, separators=(",", ":")).encode()

@@ -27,6 +27,7 @@ class Summary(ShardSummary):
     first_chunk_s: float = 0.0  # from the pod's start to its first stored chunk
     host_wait_s: float = 0.0  # the GPU thread waited this long for a free chunk buffer (storage behind)
     drain_s: float = 0.0  # from the GPU's last batch to the last chunk stored (part of elapsed_s)
+    drain_bytes: int = 0  # what the stores still had to write at the GPU's last batch (ExtractWorker.drain_stores: by store)
     padding_waste: float = 0.0
     oom_splits: int = 0
     fast_paths: dict[str, bool] = field(default_factory=dict)

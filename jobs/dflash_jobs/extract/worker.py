@@ -6,7 +6,9 @@
 
 The GPU thread never waits on a copy or an upload; it blocks when every chunk buffer is in use
 (the back-pressure of a writer that cannot keep up; the time is reported as host_wait_s) and, at
-a window's start, on its token chunks if the one-window-ahead read has not finished.
+a window's start, on its token chunks if the one-window-ahead read has not finished. After the last
+batch it waits for the stores still running (the drain, drain_s): each is logged with what it had
+left to write then and when it got through (drain_stores).
 """
 
 from __future__ import annotations
@@ -158,6 +160,8 @@ class ExtractWorker:
         self.log_interval = log_interval
         self.progress: Progress | None = None
         self.writer: ChunkWriter | None = None
+        self.drain_stores: list[dict] = []
+        """The stores that ended after the GPU's last batch, each on the clock from it (ChunkWriter.tail)."""
 
     def warm_up(self) -> float:
         return self.capture.warm_up()
@@ -192,6 +196,9 @@ class ExtractWorker:
             forwarded = time.monotonic()
             self.writer.close()
             summary.drain_s = round(time.monotonic() - forwarded, 1)
+            self.drain_stores = self.writer.tail()
+            summary.drain_bytes = sum(store["bytes_left_at_end"] for store in self.drain_stores)
+            log_drain(self.drain_stores)
         except BaseException:
             self.writer.drain()  # nothing is mid-store when the error ends the process
             raise
@@ -265,3 +272,11 @@ def build_worker(spec: RunSpec, shard: int, *, summary: Summary, started: float 
         spec.extract, target=opened.target, storage=storage, chunks=chunks, summary=summary,
         max_length=spec.data.max_length, packed=opened.packed, started=started,
     )
+
+
+def log_drain(stores: list[dict]) -> None:
+    """A line per store the end waited for (ChunkWriter.tail): where the time after the GPU's last batch went."""
+    for store in stores:
+        log.info("drain: chunk %06d%s, %s of its %s bytes left at the last batch; its last byte handed over at +%s s, "
+                 "stored at +%s s, committed at +%s s", store["chunk"], " (streamed)" if store["streamed"] else "",
+                 f"{store['bytes_left_at_end']:,}", f"{store['bytes']:,}", store["last_byte_s"], store["stored_s"], store["committed_s"])

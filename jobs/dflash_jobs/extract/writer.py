@@ -66,6 +66,38 @@ class ChunkAbandoned(DflashError):
     """The writer was stopped while a chunk it streams still waited for samples (the GPU thread failed)."""
 
 
+@dataclass(slots=True)
+class StoreTimes:
+    """One chunk's store on the clock (time.monotonic()): what the time after the GPU's last batch,
+    the drain, is made of."""
+
+    chunk: int
+    streamed: bool
+    queued: float
+    """Handed to the writer threads: the streamed chunk at its first sample, any other once complete."""
+    size: int = 0
+    started: float | None = None
+    handed: int = 0
+    """The file's bytes handed to the store so far."""
+    last_byte: float | None = None
+    stored: float | None = None
+    """The store returned: the object whole, synced, in place."""
+    committed: float | None = None
+    """Its done marker written."""
+    handed_at_end: int | None = None
+    """`handed` when the GPU's last batch was done (ChunkWriter.close), of a store not yet through then."""
+
+    def since(self, end: float) -> dict[str, int | float | bool | None]:
+        """This store's figures, each time in seconds from `end` (negative: before it)."""
+        def at(when: float | None) -> float | None:
+            return None if when is None else round(when - end, 3)
+
+        left = 0 if self.handed_at_end is None else self.size - self.handed_at_end
+        return {"chunk": self.chunk, "streamed": self.streamed, "bytes": self.size, "bytes_left_at_end": left,
+                "queued_s": at(self.queued), "started_s": at(self.started), "last_byte_s": at(self.last_byte),
+                "stored_s": at(self.stored), "committed_s": at(self.committed)}
+
+
 class ChunkAssembly:
     """One chunk's states, written in place by the GPU's copies, sample by sample."""
 
@@ -152,6 +184,8 @@ class ChunkWriter:
         self._stopping = threading.Event()
         self.error: BaseException | None = None
         self.waited_s = 0.0  # how long the GPU thread waited for a free buffer
+        self.stores: dict[int, StoreTimes] = {}
+        self.closed: float | None = None
         self.kill_before_marker = os.environ.get(KILL_BEFORE_MARKER_ENV)
         self.threads = [
             threading.Thread(target=self._guard, name=f"chunk-writer-{i}", daemon=True) for i in range(WRITER_THREADS)
@@ -176,14 +210,18 @@ class ChunkWriter:
         self.waited_s += time.monotonic() - started
         assembly = ChunkAssembly(info, tokens, buffer)
         if info.id == self.streamed:
-            self.to_store.put(assembly)
+            self._queue(assembly)
         return assembly
 
     def submit(self, assembly: ChunkAssembly) -> None:
         """Hands over a chunk whose every sample has its copy queued (the streamed one is already)."""
         self.check()
         if assembly.info.id != self.streamed:
-            self.to_store.put(assembly)
+            self._queue(assembly)
+
+    def _queue(self, assembly: ChunkAssembly) -> None:
+        self.stores[assembly.info.id] = StoreTimes(assembly.info.id, assembly.info.id == self.streamed, time.monotonic())
+        self.to_store.put(assembly)
 
     def check(self) -> None:
         """Re-raises, in the caller's thread, the first error of a writer thread."""
@@ -191,9 +229,20 @@ class ChunkWriter:
             raise self.error
 
     def close(self) -> None:
-        """Stores everything submitted, then stops the threads; raises their first error."""
+        """Stores everything submitted, then stops the threads; raises their first error. Called when
+        the GPU's last batch is done: what each store then had left to write is noted (StoreTimes)."""
+        self.closed = time.monotonic()
+        for times in self.stores.values():
+            if times.stored is None:
+                times.handed_at_end = times.handed
         self.drain()
         self.check()
+
+    def tail(self) -> list[dict]:
+        """The stores that ended after close() was called (the GPU's last batch done), in the order they
+        were queued, each on the clock from that call: the drain's parts."""
+        end = self.closed
+        return [times.since(end) for times in self.stores.values() if end is not None and (times.committed is None or times.committed > end)]
 
     def drain(self) -> None:
         """Stores everything submitted, then stops the threads, raising nothing: also what the GPU
@@ -234,15 +283,21 @@ class ChunkWriter:
         size = sum(len(p) for p in parts)
         integrity.check_encoded(chunk, bytes(parts[0]), size, assembly.tokens, meta.layers, meta.final_hidden)
         stats: dict[str, float] = {}
+        times = self.stores[chunk]
+        times.size, times.started = size, time.monotonic()
 
         def checked() -> Iterator[memoryview]:
             """The file as it becomes final, then the whole chunk checked: a bad one aborts the store, never visible."""
-            yield from assembly.file_bytes(safetensors_names(tensors), parts, self._stopping.is_set)
+            for piece in assembly.file_bytes(safetensors_names(tensors), parts, self._stopping.is_set):
+                times.handed += piece.nbytes
+                yield piece
+            times.last_byte = time.monotonic()
             stats.update(integrity.check_assembled(
                 chunk, assembly.tokens, view(buffer.ids), view(layers.absmax), assembly.written, view(final and final.absmax),
             ))
 
         put = self.storage.put_parts(hidden_chunk_key(chunk), checked(), size)
+        times.stored = time.monotonic()
         if self.kill_before_marker == str(chunk):
             os.kill(os.getpid(), signal.SIGKILL)
         marker = DoneMarker(
@@ -256,4 +311,5 @@ class ChunkWriter:
                 f"chunk {chunk:06d} got a done marker from another writer while this shard stored it",
                 "Two pods ran the same shard: keep podReplacementPolicy: Failed, and do not run a shard by hand while its Job runs",
             )
+        times.committed = time.monotonic()
         self.on_commit(marker)
