@@ -31,6 +31,15 @@ def test_the_parts_of_an_evaluation_after_include_its_load_and_warm_up(eval_chai
                                                   "decoding_seconds": 2.25, "prompts": 3, "report_seconds": 3.0}
 
 
+def test_the_timed_prompts_alone_and_their_decodings_share_are_read_where_logged(eval_chain):
+    timed = ("2026-12-07 15:00:09,000 eval: timed prompts: 2 decoded alone in 1.9 s, 1.2 s of it their timed decodings "
+             "(greedy 0.5 s, dflash 0.7 s)\n")
+    lines = AFTER_LOG.splitlines(keepends=True)
+    log = "".join(lines[:4]) + timed + "".join(lines[4:])
+    assert eval_chain.logged_parts(log) == {"setup_seconds": 8.0, "load_seconds": 2.5, "warm_up_seconds": 2.4, "timed_alone_seconds": 1.9,
+                                            "timed_decodings_seconds": 1.2, "decoding_seconds": 2.25, "prompts": 3, "report_seconds": 3.0}
+
+
 def test_a_log_without_the_setup_lines_gives_the_three_parts_alone(eval_chain):
     before = "\n".join(line for line in AFTER_LOG.splitlines() if "loaded on" not in line and "warm-up" not in line)
     assert eval_chain.logged_parts(before) == {"setup_seconds": 8.0, "decoding_seconds": 2.25, "prompts": 3, "report_seconds": 3.0}

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
+import re
 
 import numpy as np
 import pytest
@@ -347,7 +349,7 @@ def test_an_evaluation_on_the_same_target_and_prompts_takes_greedys_decodings_fr
 
 
 def test_a_timed_prompt_gives_its_figures_and_its_speeds_from_one_decoding(
-        tmp_path, target_dir, target_model, drafter, documents, prompts, monkeypatch):
+        tmp_path, target_dir, target_model, drafter, documents, prompts, monkeypatch, caplog):
     """The first eval.timed_prompts prompts are decoded once, alone, for their figures and their speeds:
     greedy once a prompt and once for the warm-up; the chain once a prompt too (no confidence
     recorder rides it), the baselines decoded as served beside it on the timed prompts alone."""
@@ -360,14 +362,23 @@ def test_a_timed_prompt_gives_its_figures_and_its_speeds_from_one_decoding(
 
     monkeypatch.setattr(evaluator, "greedy_decode", counted("greedy", greedy_decode))
     monkeypatch.setattr(evaluator, "speculative_decode", counted("speculative", speculative_decode))
-    report = evaluate(*finished_training(tmp_path, target_dir, target_model, drafter, documents, prompts, tree_budgets=[], timed_prompts=2),
-                      device=torch.device("cpu"))
+    with caplog.at_level(logging.INFO, logger="dflash.eval"):
+        report = evaluate(*finished_training(tmp_path, target_dir, target_model, drafter, documents, prompts, tree_budgets=[], timed_prompts=2),
+                          device=torch.device("cpu"))
     baselines = 2  # prompt lookup and the bigram table
     assert calls == {"greedy": 1 + 4, "speculative": (1 + 2) * (1 + baselines) + 2}  # the warm-up and two timed prompts, then two more
     assert report["timed"] == {"prompts": 2, "warm_up": 1, "processes": 1, "figures": "tokens_per_second and speedup"}
     per_prompt = report["greedy"]["per_prompt"]["seconds"]
     assert report["greedy"]["tokens_per_second"] == pytest.approx(sum(report["greedy"]["per_prompt"]["tokens"][:2]) / sum(per_prompt[:2]), rel=1e-3)  # the same decodings (seconds rounded)
     assert all(report["drafters"][name]["tokens_per_second"] > 0 for name in ("dflash", "prompt_lookup", "bigram"))
+    # The log says where the timed prompts' time alone went: their timed decodings, and the rest.
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("timed prompts:"))
+    found = re.fullmatch(r"timed prompts: 2 decoded alone in ([\d.]+) s, ([\d.]+) s of it their timed decodings "
+                         r"\(greedy ([\d.]+) s, dflash ([\d.]+) s, prompt_lookup [\d.]+ s, bigram [\d.]+ s\)", line)
+    assert found, line
+    alone, decodings, greedy = (float(found.group(i)) for i in (1, 2, 3))
+    assert 0 < greedy <= decodings <= alone + 0.1
+    assert greedy == pytest.approx(sum(per_prompt[:2]), abs=0.1)
 
 
 def test_the_process_loads_its_own_decoder_only_when_asked(tmp_path, target_dir, target_model, drafter, documents, prompts):

@@ -217,9 +217,12 @@ def evaluate_once(version: str, jobs: Path, spec: Path, log: Path, device: torch
 LOGGED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) eval: (?:prompt (\d+)/\d+:|(serve it with vLLM))?", re.M)
 """A line of the eval step's log (both versions log alike): its time, and the prompts decoded so far or the report stored."""
 SETUP_LOGGED = {"load_seconds": re.compile(r" eval: target and drafter loaded on \S+ in ([\d.]+) s"),
-                "warm_up_seconds": re.compile(r" eval: warm-up prompt decoded in ([\d.]+) s")}
-"""Setup's parts as the version after logs them (the version before does not): the evaluation's own
-process loading its target and drafter, and decoding its warm-up prompt (the graphs' captures)."""
+                "warm_up_seconds": re.compile(r" eval: warm-up prompt decoded in ([\d.]+) s"),
+                "timed_alone_seconds": re.compile(r" eval: timed prompts: \d+ decoded alone in ([\d.]+) s"),
+                "timed_decodings_seconds": re.compile(r" eval: timed prompts: .*, ([\d.]+) s of it their timed decodings")}
+"""Parts as the version after logs them (the version before does not): the evaluation's own process
+loading its target and drafter, decoding its warm-up prompt (the graphs' captures), and decoding the
+timed prompts alone, with their timed decodings' share of it (the rest is their figures' other work)."""
 
 
 def logged_parts(log: str) -> dict[str, float | int]:

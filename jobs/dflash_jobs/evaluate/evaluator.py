@@ -411,6 +411,7 @@ def decode_set(spec: RunSpec, kept: KeptPrompts, references: KeptReferences, dec
 
     def decoded(workers: Workers) -> Iterator[tuple[int, PromptResult]]:
         here = decoder.warm((prompts[0], known.get(0)))
+        started = time.monotonic()
         for index in range(timed_count):
             if index in results:
                 timed.append(here.timed(prompts[index]))
@@ -418,6 +419,8 @@ def decode_set(spec: RunSpec, kept: KeptPrompts, references: KeptReferences, dec
             result, speeds = here.decode_and_time(prompts[index], known.get(index))
             timed.append(speeds)
             yield index, result
+        if timed:
+            log_timed(timed, time.monotonic() - started)
         workers.go()
         yield from zip(rest, share_prompts(workers.submit, workers.count, decoder, [(prompts[i], known.get(i)) for i in rest]))
 
@@ -429,6 +432,15 @@ def decode_set(spec: RunSpec, kept: KeptPrompts, references: KeptReferences, dec
             kept.keep(index, prompts[index], result)
             results[index] = result
     return [results[i] for i in range(len(prompts))], {name: [run[name] for run in timed] for name in timed[0]}
+
+
+def log_timed(timed: list[dict[str, Decoded]], seconds: float) -> None:
+    """Where the timed prompts' time alone went: their timed decodings, and the rest (their figures'
+    other work: the verify noise, the lossless checks, the captured states, the simulated acceptance,
+    the trees, keeping each result), which the workers then wait on."""
+    decodings = sum(decoding.seconds for speeds in timed for decoding in speeds.values())
+    log.info("timed prompts: %d decoded alone in %.1f s, %.1f s of it their timed decodings (%s)", len(timed), seconds, decodings,
+             ", ".join(f"{name} {sum(speeds[name].seconds for speeds in timed):.1f} s" for name in timed[0]))
 
 
 def describe(spec: RunSpec, config: DrafterConfig, device: torch.device, prompts: int) -> None:
