@@ -1,25 +1,28 @@
-"""The evaluation's worker processes (evaluate/workers.py): started at once, loading while this process
-decodes the timed prompts alone, warming up only when let go; and the prompts shared between them and
-this process, the results in prompt order."""
+"""The evaluation's worker processes (evaluate/workers.py): started at once, loading and warming up
+while this process does, idle until handed prompts; and the prompts shared between them and this
+process, the results in prompt order."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from functools import partial
 from pathlib import Path
 
+import pytest
 import torch
 
 from dflash_jobs.evaluate.workers import WORKER_QUEUE, Workers, share_prompts
 
 
 class RecordingDecoder:
-    """A worker's decoder that writes what it does to a file (the worker is another process)."""
+    """A worker's decoder that writes what it does to a file of its process's own (the worker is another process)."""
 
     def __init__(self, events: Path) -> None:
-        self.events = events
+        self.events = events.with_name(f"{events.name}-{os.getpid()}")
         self.record("loaded")
 
     def record(self, event: str) -> None:
@@ -34,24 +37,37 @@ class RecordingDecoder:
         return int(prompt) * 10
 
 
+class FailingDecoder(RecordingDecoder):
+    def __init__(self, events: Path) -> None:
+        raise RuntimeError("the target does not fit")
+
+
 def recorded(events: Path) -> list[str]:
-    return events.read_text().split() if events.exists() else []
+    return events.read_text().splitlines() if events.exists() else []
 
 
-def test_a_worker_loads_at_once_and_warms_up_only_when_let_go(tmp_path):
-    """Entering the pool starts the worker, which loads its decoder while this process decodes the timed
-    prompts; its warm-up (kernels on the device) waits for `go`, and prompts are handed to it after."""
-    events = tmp_path / "events"
-    with Workers(1, partial(RecordingDecoder, events), torch.tensor(7)) as workers:
-        deadline = time.monotonic() + 120
-        while recorded(events) != ["loaded"] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert recorded(events) == ["loaded"]  # started and loaded, with no prompt handed to it
-        time.sleep(0.5)  # time enough to warm up, were it not held
-        assert recorded(events) == ["loaded"]
+def test_workers_load_and_warm_up_at_once_each_once_and_then_wait_for_prompts(tmp_path):
+    """Entering the pool starts the workers, which load their decoders and warm up while this process
+    loads and warms up its own; wait_warm returns once every one is warm, each warmed up once (one
+    waiting for the others takes no second warm-up), and they do nothing more until handed a prompt."""
+    def all_events() -> list[str]:
+        return sorted(event for path in tmp_path.glob("events-*") for event in recorded(path))
+
+    with Workers(2, partial(RecordingDecoder, tmp_path / "events"), torch.tensor(7)) as workers:
+        workers.wait_warm()
+        assert all_events() == ["loaded", "loaded", "warm-up 7", "warm-up 7"]  # no prompt handed to them
+        time.sleep(0.5)
+        assert all_events() == ["loaded", "loaded", "warm-up 7", "warm-up 7"]  # idle while the timed prompts would decode
         workers.go()
-        assert workers.submit((torch.tensor(3), None)).result(timeout=120) == 30
-    assert " ".join(recorded(events)) == "loaded warm-up 7 decode 3"
+        assert sorted(workers.submit((torch.tensor(i), None)).result(timeout=120) for i in (3, 4)) == [30, 40]
+    assert all_events() == ["decode 3", "decode 4", "loaded", "loaded", "warm-up 7", "warm-up 7"]
+    assert [recorded(path)[:2] for path in tmp_path.glob("events-*")] == [["loaded", "warm-up 7"]] * 2  # one warm-up a process
+
+
+def test_a_worker_that_fails_to_load_is_said_at_wait_warm_and_the_pool_ends(tmp_path):
+    with pytest.raises(BrokenProcessPool):
+        with Workers(1, partial(FailingDecoder, tmp_path / "events"), torch.tensor(7)) as workers:
+            workers.wait_warm()
 
 
 def test_a_pool_of_no_workers_starts_no_process_and_leaves_the_threads():

@@ -20,7 +20,8 @@ its last supervised run: what the target was asked, never what it answered. Two 
   prompts (evaluate/reference.py).
   The same for each named set of eval.prompt_sets (evaluate/prompt_sets.py), a table each.
 - The speeds, on the first eval.timed_prompts prompts, decoded first, in this process alone after a
-  warm-up prompt (the workers load meanwhile and start only after them): greedy and every drafter as
+  warm-up prompt (the workers load and warm up meanwhile, and take prompts only after them: a warm
+  worker runs no kernel while it waits): greedy and every drafter as
   served (the chain without a confidence recorder, the baselines in the real verify loop), one after
   another: tokens/s and speed-ups of an uncontended device. Where a figure's decoding is the served
   one (greedy's; the chain's, with no recorder riding it) it is the same decoding, not a second one.
@@ -395,7 +396,8 @@ def decode_set(spec: RunSpec, kept: KeptPrompts, references: KeptReferences, dec
     prompts are decoded first, in this process alone after its warm-up prompt: their figures and their
     speeds from the same decodings (PromptDecoder.decode_and_time; a kept prompt is decoded again for
     its speeds alone). Then the rest, by this process and eval.processes - 1 workers
-    (evaluate/workers.py), which load while the timed prompts decode and warm up after them."""
+    (evaluate/workers.py), which load and warm up while this process does: the timed prompts wait
+    for them to be warm, and they take prompts only after."""
     results = kept.load(prompts)
     missing = [i for i in range(len(prompts)) if i not in results]
     if results:
@@ -411,6 +413,7 @@ def decode_set(spec: RunSpec, kept: KeptPrompts, references: KeptReferences, dec
 
     def decoded(workers: Workers) -> Iterator[tuple[int, PromptResult]]:
         here = decoder.warm((prompts[0], known.get(0)))
+        workers.wait_warm()  # their kernels and captures done: none runs on the device while the timed prompts decode
         started = time.monotonic()
         for index in range(timed_count):
             if index in results:

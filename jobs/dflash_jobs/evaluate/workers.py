@@ -2,10 +2,11 @@
 
 A small target at batch 1 leaves the GPU idle between its kernel launches, so several processes,
 each with its own target and drafter, decode prompts at once on one device. They are spawned as
-the evaluation starts and load while it decodes the timed prompts alone; they warm up (their first
-kernels and graph captures) only once the timed prompts are done, so those decode on a device no
-other process runs kernels on. Then whoever is free takes the next prompt, and the results come
-back in prompt order (share_prompts).
+the evaluation starts, and load and warm up (their first kernels and graph captures) while it loads
+and warms up its own; it waits for them to be warm before it decodes the timed prompts, which then
+run on a device no other process runs kernels on (a warm worker waits for prompts), and hands them
+prompts only after. Then whoever is free takes the next prompt, and the results come back in prompt
+order (share_prompts).
 """
 
 from __future__ import annotations
@@ -38,14 +39,20 @@ class WarmDecoder(Protocol):
 
 
 _worker_decoder: Decoder | None = None
+_all_warm: Any = None
 
 
-def _start_worker(load: Callable[[], Decoder], threads: int, go: Any, warm_up_prompt: torch.Tensor) -> None:
-    global _worker_decoder
+def _start_worker(load: Callable[[], Decoder], threads: int, all_warm: Any) -> None:
+    global _worker_decoder, _all_warm
     torch.set_num_threads(threads)
-    _worker_decoder = load()
-    go.wait()
+    _worker_decoder, _all_warm = load(), all_warm
+
+
+def _warm_up_worker(warm_up_prompt: torch.Tensor) -> None:
+    assert _worker_decoder is not None
     _worker_decoder.warm_up((warm_up_prompt, None), speeds=False)  # a worker decodes no timed prompt
+    # One warm-up a worker: one that waits here for the others takes no second.
+    _all_warm.wait()
 
 
 def _decode_in_worker(asked: Asked) -> Any:
@@ -55,9 +62,10 @@ def _decode_in_worker(asked: Asked) -> Any:
 
 class Workers:
     """`count` worker processes, each loading its decoder with `load` (a picklable call: they are spawned
-    interpreters, since CUDA cannot be used in a forked child) as soon as the pool is entered, and
-    warming up on `warm_up_prompt` once `go` is called. The CPU threads are shared out between them and
-    this process from `go` on. count 0: no process; share_prompts then decodes every prompt here."""
+    interpreters, since CUDA cannot be used in a forked child) and warming up on `warm_up_prompt` as
+    soon as the pool is entered; `wait_warm` returns once all are warm. The CPU threads are shared out
+    between them and this process from `go` on, when they start taking prompts. count 0: no process;
+    share_prompts then decodes every prompt here."""
 
     def __init__(self, count: int, load: Callable[[], Decoder], warm_up_prompt: torch.Tensor | None) -> None:
         self.count, self.load, self.warm_up_prompt = count, load, warm_up_prompt
@@ -65,28 +73,32 @@ class Workers:
     def __enter__(self) -> Workers:
         if self.count:
             context = multiprocessing.get_context("spawn")
-            self._go = context.Event()
+            self._all_warm = context.Barrier(self.count)
             self._own_threads = torch.get_num_threads()
             self._threads = max(1, self._own_threads // (self.count + 1))
             self._pool = ProcessPoolExecutor(self.count, mp_context=context, initializer=_start_worker,
-                                             initargs=(self.load, self._threads, self._go, self.warm_up_prompt))
+                                             initargs=(self.load, self._threads, self._all_warm))
             # The pool starts a process for each task submitted while none is idle: started now, they
-            # load while this process decodes, rather than from the first prompt handed to them.
-            for _ in range(self.count):
-                self._pool.submit(int)
+            # load and warm up while this process does, rather than from the first prompt handed to them.
+            self._warming = [self._pool.submit(_warm_up_worker, self.warm_up_prompt) for _ in range(self.count)]
         return self
+
+    def wait_warm(self) -> None:
+        """Returns once every worker is loaded and warmed up; raises where one failed to."""
+        for warming in self._warming if self.count else ():
+            warming.result()
 
     def go(self) -> None:
         if self.count:
             torch.set_num_threads(self._threads)
-            self._go.set()
 
     def submit(self, asked: Asked) -> Future:
         return self._pool.submit(_decode_in_worker, asked)
 
     def __exit__(self, failed: type[BaseException] | None, *_) -> None:
         if self.count:
-            self._go.set()  # a worker still waiting for it would hold the shutdown forever
+            if failed is not None:
+                self._all_warm.abort()  # a worker waiting there for one whose warm-up is cancelled would hold the shutdown
             self._pool.shutdown(cancel_futures=failed is not None)
             torch.set_num_threads(self._own_threads)
 
