@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import pickle
 import logging
 import re
 
@@ -29,7 +30,7 @@ from dflash_jobs.errors import SpecError
 from dflash_jobs.formats import TokenChunk
 from dflash_jobs.evaluate.__main__ import main as evaluate_main
 from dflash_jobs.evaluate.baselines import fit_bigram
-from dflash_jobs.evaluate.evaluator import DecoderOnFirstUse, PromptDecoder, evaluate
+from dflash_jobs.evaluate.evaluator import DecoderOnFirstUse, PromptDecoder, evaluate, held_out_prompts
 from dflash_jobs.evaluate.lossless import TIE_RULE, TOLERANCE_STATISTIC, Divergence, divergences, is_tie, mismatches, tie_tolerance, verify_noise
 from dflash_jobs.evaluate.metrics import (
     MIN_COMPARED_STEPS, acceptance_length, acceptance_per_position, simulated_consistency, summarize, summarize_simulated,
@@ -379,6 +380,31 @@ def test_a_timed_prompt_gives_its_figures_and_its_speeds_from_one_decoding(
     alone, decodings, greedy = (float(found.group(i)) for i in (1, 2, 3))
     assert 0 < greedy <= decodings <= alone + 0.1
     assert greedy == pytest.approx(sum(per_prompt[:2]), abs=0.1)
+
+
+def test_a_prompts_figures_from_decodings_handed_over_are_its_figures_decoded_in_one_pass(
+        tmp_path, target_dir, target_model, drafter, documents, prompts):
+    """A timed prompt's decodings, pickled as they go to a worker process, give there the figures one
+    pass gives (the decodings' seconds aside): the verify noise, the lossless check, the simulation."""
+    spec, storage = finished_training(tmp_path, target_dir, target_model, drafter, documents, prompts, tree_budgets=[4])
+    decoder = DecoderOnFirstUse(spec, fit_bigram(storage), device=torch.device("cpu")).get()
+    try:
+        prompt = held_out_prompts(storage, 1)[0]
+        handed_over = pickle.loads(pickle.dumps(decoder.decode_and_time(prompt)[0]))
+        assert handed_over.noise is None and set(handed_over.trees) == {4, *decoder.budgets}
+        results = [decoder.decode(prompt, handed_over), decoder.decode(prompt)]
+    finally:
+        decoder.close()
+
+    def untimed(result):
+        result = copy.deepcopy(result)
+        for decoding in [result.greedy, *result.drafted.values(), *(result.trees.decoded.values() if result.trees else ())]:
+            decoding.seconds = 0.0
+        return result
+
+    first, again = (untimed(r) for r in results)
+    assert first.verify_noise and first.simulated and first.trees is not None
+    assert first == again
 
 
 def test_the_process_loads_its_own_decoder_only_when_asked(tmp_path, target_dir, target_model, drafter, documents, prompts):

@@ -232,7 +232,9 @@ def logged_parts(log: str) -> dict[str, float | int]:
     pass, a second a prompt of it is what 64 prompts scale by); `report`, from there to the report
     stored. Where the timed prompts are decoded moved with the version after: first in `report`
     (decoded again at the end), since 2c6f936 first in the figures' pass (decoded once, alone, before
-    the workers start), so that the first prompt's line comes after the first timed prompt."""
+    the workers start), so that the first prompt's line came after the first timed prompt; since their
+    figures' other work is shared out with the other prompts', after all of them (`setup` holds their
+    decodings: `timed_alone_seconds`)."""
     lines = [(datetime.strptime(when, "%Y-%m-%d %H:%M:%S,%f"), done, served) for when, done, served in LOGGED.findall(log)]
     progress = [(when, int(done)) for when, done, _ in lines if done]
     stored = next(when for when, _, served in lines if served)

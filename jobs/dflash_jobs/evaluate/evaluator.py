@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Iterable, Iterator
 
@@ -110,6 +111,21 @@ def stop_ids(model) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else eos or ())
 
 
+@dataclass
+class Decodings:
+    """A prompt's decodings, what its figures take from them before their other work (PromptDecoder.figures)."""
+
+    reference: Decoded
+    """Greedy's decoding."""
+    noise: list[float] | None
+    """Greedy's verify noise where an earlier evaluation computed it (evaluate/reference.py), else None."""
+    drafted: dict[str, Decoded]
+    """The trained drafter's chain, decoded; the baselines, along greedy's output."""
+    confidences: list[list[float]] | None
+    trees: dict[int, Decoded]
+    """The draft trees decoded, by node budget."""
+
+
 class PromptDecoder:
     """The target and the drafters, ready to decode one prompt at a time (in this process or in a worker):
     the trained drafter, under its variant's name, and the baselines eval.baselines names, drafting as
@@ -149,16 +165,19 @@ class PromptDecoder:
         self.tree_target = make(drafter.config.target_layer_ids, architecture=target_architecture(text_model(model).config))
         self.trees = (ReplayedBranches if static_cache else VariantBranches)(drafter, variant.branches, drafts=layout.drafts)
 
-    def decode(self, prompt: torch.Tensor, known: Reference | None = None) -> PromptResult:
-        """The prompt's figures: greedy, the trained drafter's chain decoded for real (its drafts read
-        the target's states as the loop makes them), the baselines along greedy's output, the trees.
+    def decode(self, prompt: torch.Tensor, known: Reference | Decodings | None = None) -> PromptResult:
+        """The prompt's figures: its decodings, then the rest of their figures' work.
         known: greedy's decoding and verify noise of this prompt from an earlier evaluation on the
-        same target and settings (evaluate/reference.py), not decoded again."""
+        same target and settings (evaluate/reference.py), not decoded again; or every decoding of
+        the prompt (a timed prompt's, decoded alone: Decodings), their figures' work alone left."""
+        return self.figures(prompt, known if isinstance(known, Decodings) else self.decodings(prompt, known))
+
+    def decodings(self, prompt: torch.Tensor, known: Reference | None = None) -> Decodings:
+        """Greedy, the trained drafter's chain decoded for real (its drafts read the target's states as
+        the loop makes them), the baselines along greedy's output, the trees decoded: the decodings
+        tokens/s measure, with what the figures take from them."""
         new_tokens = self.settings.max_new_tokens
-        block = self.layout.drafts + 1  # the verify block: the anchor and its drafts
         reference, noise = known or (self.greedy(prompt), None)
-        if noise is None:
-            noise = verify_noise(self.plain, prompt, reference, block)
         chain = self.recorder or self.served[self.variant.name]
         drafted = {
             self.variant.name: speculative_decode(self.verifiers[self.variant.name], chain, prompt, max_new_tokens=new_tokens, stop_ids=self.stop),
@@ -170,31 +189,40 @@ class PromptDecoder:
             budget: tree_decode(self.tree_target, self.trees, prompt, budget=budget, max_new_tokens=new_tokens, stop_ids=self.stop)
             for budget in self.budgets
         }
-        # Untimed: the lossless check's figures (the decodings above are what tokens/s measure).
+        return Decodings(reference, noise, drafted, confidences, tree_decoded)
+
+    def figures(self, prompt: torch.Tensor, decoded: Decodings) -> PromptResult:
+        """The figures' work beside the decodings, none of it timed: the verify noise (where not known),
+        the lossless check, the drafter's training forward on greedy's output, the trees' exact figures."""
+        new_tokens = self.settings.max_new_tokens
+        reference, drafted = decoded.reference, decoded.drafted
+        noise = decoded.noise if decoded.noise is not None else verify_noise(self.plain, prompt, reference, self.layout.drafts + 1)
         found = {
             name: divergences(self.plain, prompt, d.tokens, reference, max_new_tokens=new_tokens, stop_ids=self.stop)
             for name, d in drafted.items()
         }
         document, features = self.captured(prompt, reference)
-        trees = self.tree_figures(prompt, reference, drafted[self.variant.name], document, features, tree_decoded) if self.budgets else None
-        return PromptResult(reference, drafted, self.simulate(prompt, document, features), found, noise, confidences, trees)
+        trees = (self.tree_figures(prompt, reference, drafted[self.variant.name], document, features, decoded.trees)
+                 if self.budgets else None)
+        return PromptResult(reference, drafted, self.simulate(prompt, document, features), found, noise, decoded.confidences, trees)
 
     def timed(self, prompt: torch.Tensor) -> dict[str, Decoded]:
         """The prompt decoded by greedy and by every drafter as served, one after another: what tokens/s measure."""
         return {GREEDY: self.greedy(prompt), **{name: self.served_decode(name, prompt) for name in self.served}}
 
-    def decode_and_time(self, prompt: torch.Tensor, known: Reference | None = None) -> tuple[PromptResult, dict[str, Decoded]]:
-        """decode()'s figures and timed()'s decodings from one pass, where they are the same decoding:
+    def decode_and_time(self, prompt: torch.Tensor, known: Reference | None = None) -> tuple[Decodings, dict[str, Decoded]]:
+        """decodings() and timed()'s decodings from one pass, where they are the same decoding:
         greedy's (decoded for its time even where `known`), and the trained drafter's chain where no
         confidence recorder rides it; the baselines (computed along greedy's output for the figures) and
-        a recorded chain are decoded as served beside them."""
+        a recorded chain are decoded as served beside them. The figures' other work is left to
+        decode(prompt, the Decodings), in whichever process takes it."""
         greedy = self.greedy(prompt) if known is not None else None
-        result = self.decode(prompt, known)
-        timed = {GREEDY: greedy or result.greedy}
+        decoded = self.decodings(prompt, known)
+        timed = {GREEDY: greedy or decoded.reference}
         for name in self.served:
             chain_as_served = name == self.variant.name and self.recorder is None
-            timed[name] = result.drafted[name] if chain_as_served else self.served_decode(name, prompt)
-        return result, timed
+            timed[name] = decoded.drafted[name] if chain_as_served else self.served_decode(name, prompt)
+        return decoded, timed
 
     def greedy(self, prompt: torch.Tensor) -> Decoded:
         return greedy_decode(self.plain, prompt, max_new_tokens=self.settings.max_new_tokens, stop_ids=self.stop)
@@ -237,9 +265,13 @@ class PromptDecoder:
     def warm_up(self, asked: tuple[torch.Tensor, Reference | None], *, speeds: bool = True) -> None:
         """One prompt decoded and dropped: the kernels chosen and, with static caches, the graphs captured.
         speeds: every way a timed prompt is (decode_and_time: the baselines and a recorded chain as
-        served too); else as the figures' pass decodes it (decode), all a worker process runs."""
+        served too), then its figures' other work as this process does it later; else as the figures'
+        pass decodes it (decode), all a worker process runs."""
         started = time.monotonic()
-        (self.decode_and_time if speeds else self.decode)(*asked)
+        if speeds:
+            self.decode(asked[0], self.decode_and_time(*asked)[0])
+        else:
+            self.decode(*asked)
         log.info("warm-up prompt decoded in %.1f s (kernels chosen, graphs captured)", time.monotonic() - started)
 
     def close(self) -> None:
@@ -395,9 +427,10 @@ def decode_set(spec: RunSpec, kept: KeptPrompts, references: KeptReferences, dec
     on the same target and prompts computed it, and kept there where not. The first eval.timed_prompts
     prompts are decoded first, in this process alone after its warm-up prompt: their figures and their
     speeds from the same decodings (PromptDecoder.decode_and_time; a kept prompt is decoded again for
-    its speeds alone). Then the rest, by this process and eval.processes - 1 workers
-    (evaluate/workers.py), which load and warm up while this process does: the timed prompts wait
-    for them to be warm, and they take prompts only after."""
+    its speeds alone), the figures' other work left for later. Then that work and the other prompts,
+    shared out between this process and eval.processes - 1 workers (evaluate/workers.py), which load
+    and warm up while this process does: the timed prompts wait for them to be warm, and they take
+    prompts only after."""
     results = kept.load(prompts)
     missing = [i for i in range(len(prompts)) if i not in results]
     if results:
@@ -408,27 +441,28 @@ def decode_set(spec: RunSpec, kept: KeptPrompts, references: KeptReferences, dec
         log.info("greedy's decodings of %d prompts were computed by an earlier evaluation on the same target (kept under %s)",
                  len(known), references.kept.prefix)
     timed_count = min(spec.eval.timed_prompts, len(prompts))
-    rest = [i for i in missing if i >= timed_count]
     timed: list[dict[str, Decoded]] = []
 
     def decoded(workers: Workers) -> Iterator[tuple[int, PromptResult]]:
         here = decoder.warm((prompts[0], known.get(0)))
         workers.wait_warm()  # their kernels and captures done: none runs on the device while the timed prompts decode
         started = time.monotonic()
+        asked: dict[int, tuple[torch.Tensor, Reference | Decodings | None]] = {}
         for index in range(timed_count):
             if index in results:
                 timed.append(here.timed(prompts[index]))
                 continue
-            result, speeds = here.decode_and_time(prompts[index], known.get(index))
+            decodings, speeds = here.decode_and_time(prompts[index], known.get(index))
             timed.append(speeds)
-            yield index, result
+            asked[index] = (prompts[index], decodings)  # their figures' other work, shared out with the rest
         if timed:
             log_timed(timed, time.monotonic() - started)
         workers.go()
-        yield from zip(rest, share_prompts(workers.submit, workers.count, decoder, [(prompts[i], known.get(i)) for i in rest]))
+        asked.update({i: (prompts[i], known.get(i)) for i in missing if i >= timed_count})
+        yield from zip(asked, share_prompts(workers.submit, workers.count, decoder, list(asked.values())))
 
-    count = max(0, min(spec.eval.processes, len(rest)) - 1)
-    with Workers(count, partial(load_decoder, spec, decoder.bigram, device=device), prompts[rest[0]] if rest else None) as workers:
+    count = max(0, min(spec.eval.processes, len(missing)) - 1)
+    with Workers(count, partial(load_decoder, spec, decoder.bigram, device=device), prompts[missing[0]] if missing else None) as workers:
         for index, result in log_progress(decoded(workers), len(missing)):
             if index not in known:
                 references.keep(index, prompts[index], result)
@@ -438,9 +472,8 @@ def decode_set(spec: RunSpec, kept: KeptPrompts, references: KeptReferences, dec
 
 
 def log_timed(timed: list[dict[str, Decoded]], seconds: float) -> None:
-    """Where the timed prompts' time alone went: their timed decodings, and the rest (their figures'
-    other work: the verify noise, the lossless checks, the captured states, the simulated acceptance,
-    the trees, keeping each result), which the workers then wait on."""
+    """Where the timed prompts' time alone went: their timed decodings, and the rest (the trees'
+    decodings, the baselines along greedy's output, the host's work between), which the workers wait on."""
     decodings = sum(decoding.seconds for speeds in timed for decoding in speeds.values())
     log.info("timed prompts: %d decoded alone in %.1f s, %.1f s of it their timed decodings (%s)", len(timed), seconds, decodings,
              ", ".join(f"{name} {sum(speeds[name].seconds for speeds in timed):.1f} s" for name in timed[0]))
