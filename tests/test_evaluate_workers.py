@@ -70,6 +70,31 @@ def test_a_worker_that_fails_to_load_is_said_at_wait_warm_and_the_pool_ends(tmp_
             workers.wait_warm()
 
 
+class OneSlowToLoadDecoder(RecordingDecoder):
+    """The first process to load is quick; any other takes 3 s to load."""
+
+    def __init__(self, events: Path) -> None:
+        try:
+            os.close(os.open(events.with_name("quick"), os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            time.sleep(3.0)
+        super().__init__(events)
+
+
+def test_a_failure_while_a_warm_worker_waits_for_the_others_ends_the_pool(tmp_path):
+    """This process fails while one worker, warm, waits at the barrier for another still loading: the
+    pool ends (once the slow one has loaded), without the shutdown waiting on the barrier for ever."""
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="the timed prompts failed"):
+        with Workers(2, partial(OneSlowToLoadDecoder, tmp_path / "events"), torch.tensor(7)):
+            deadline = time.monotonic() + 60
+            while not any("warm-up 7" in recorded(path) for path in tmp_path.glob("events-*")) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert sum("warm-up 7" in recorded(path) for path in tmp_path.glob("events-*")) == 1  # the quick one, at the barrier
+            raise RuntimeError("the timed prompts failed")
+    assert time.monotonic() - started < 60
+
+
 def test_a_pool_of_no_workers_starts_no_process_and_leaves_the_threads():
     threads = torch.get_num_threads()
     with Workers(0, partial(RecordingDecoder, Path("/nonexistent")), None) as workers:

@@ -98,7 +98,9 @@ class Workers:
     def __exit__(self, failed: type[BaseException] | None, *_) -> None:
         if self.count:
             if failed is not None:
-                self._all_warm.abort()  # a worker waiting there for one whose warm-up is cancelled would hold the shutdown
+                # The pool hands each call to its queue as soon as it can: a warm-up it had not yet would
+                # be cancelled below, and a worker waiting at the barrier for it would hold the shutdown.
+                self._all_warm.abort()
             self._pool.shutdown(cancel_futures=failed is not None)
             torch.set_num_threads(self._own_threads)
 
