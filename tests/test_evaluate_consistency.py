@@ -363,6 +363,7 @@ def test_a_timed_prompt_gives_its_figures_and_its_speeds_from_one_decoding(
 
     monkeypatch.setattr(evaluator, "greedy_decode", counted("greedy", greedy_decode))
     monkeypatch.setattr(evaluator, "speculative_decode", counted("speculative", speculative_decode))
+    monkeypatch.setattr(evaluator, "LOG_EVERY_S", 0.0)  # a progress line after each prompt
     with caplog.at_level(logging.INFO, logger="dflash.eval"):
         report = evaluate(*finished_training(tmp_path, target_dir, target_model, drafter, documents, prompts, tree_budgets=[], timed_prompts=2),
                           device=torch.device("cpu"))
@@ -372,8 +373,10 @@ def test_a_timed_prompt_gives_its_figures_and_its_speeds_from_one_decoding(
     per_prompt = report["greedy"]["per_prompt"]["seconds"]
     assert report["greedy"]["tokens_per_second"] == pytest.approx(sum(report["greedy"]["per_prompt"]["tokens"][:2]) / sum(per_prompt[:2]), rel=1e-3)  # the same decodings (seconds rounded)
     assert all(report["drafters"][name]["tokens_per_second"] > 0 for name in ("dflash", "prompt_lookup", "bigram"))
-    # The log says where the timed prompts' time alone went: their timed decodings, and the rest.
-    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("timed prompts:"))
+    # The log follows the timed prompts as they decode, then says where their time alone went.
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("timed prompts:")]
+    assert lines[:2] == ["timed prompts: 1 of 2 decoded alone", "timed prompts: 2 of 2 decoded alone"] and len(lines) == 3
+    line = lines[2]
     found = re.fullmatch(r"timed prompts: 2 decoded alone in ([\d.]+) s, ([\d.]+) s of it their timed decodings "
                          r"\(greedy ([\d.]+) s, dflash ([\d.]+) s, prompt_lookup [\d.]+ s, bigram [\d.]+ s\)", line)
     assert found, line

@@ -446,15 +446,18 @@ def decode_set(spec: RunSpec, kept: KeptPrompts, references: KeptReferences, dec
     def decoded(workers: Workers) -> Iterator[tuple[int, PromptResult]]:
         here = decoder.warm((prompts[0], known.get(0)))
         workers.wait_warm()  # their kernels and captures done: none runs on the device while the timed prompts decode
-        started = time.monotonic()
+        started = last_log = time.monotonic()
         asked: dict[int, tuple[torch.Tensor, Reference | Decodings | None]] = {}
         for index in range(timed_count):
             if index in results:
                 timed.append(here.timed(prompts[index]))
-                continue
-            decodings, speeds = here.decode_and_time(prompts[index], known.get(index))
-            timed.append(speeds)
-            asked[index] = (prompts[index], decodings)  # their figures' other work, shared out with the rest
+            else:
+                decodings, speeds = here.decode_and_time(prompts[index], known.get(index))
+                timed.append(speeds)
+                asked[index] = (prompts[index], decodings)  # their figures' other work, shared out with the rest
+            if time.monotonic() - last_log >= LOG_EVERY_S:
+                last_log = time.monotonic()
+                log.info("timed prompts: %d of %d decoded alone", len(timed), timed_count)
         if timed:
             log_timed(timed, time.monotonic() - started)
         workers.go()
