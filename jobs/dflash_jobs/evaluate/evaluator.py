@@ -21,9 +21,9 @@ its last supervised run: what the target was asked, never what it answered. Two 
   The same for each named set of eval.prompt_sets (evaluate/prompt_sets.py), a table each.
 - The speeds, on the first eval.timed_prompts prompts, decoded first, in this process alone after a
   warm-up prompt (the workers load and warm up meanwhile, and take prompts only after them: a warm
-  worker runs no kernel while it waits): greedy and every drafter as
-  served (the chain without a confidence recorder, the baselines in the real verify loop), one after
-  another: tokens/s and speed-ups of an uncontended device. Where a figure's decoding is the served
+  worker runs no kernel while it waits): greedy and every drafter as served (the chain without a
+  confidence recorder, the baselines in the real verify loop), one after another: tokens/s and
+  speed-ups of an uncontended device. Where a figure's decoding is the served
   one (greedy's; the chain's, with no recorder riding it) it is the same decoding, not a second one.
   The trees' speeds come from their decodings in the first pass.
 

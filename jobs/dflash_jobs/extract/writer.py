@@ -242,7 +242,9 @@ class ChunkWriter:
         """The stores that ended after close() was called (the GPU's last batch done), in the order they
         were queued, each on the clock from that call: the drain's parts."""
         end = self.closed
-        return [times.since(end) for times in self.stores.values() if end is not None and (times.committed is None or times.committed > end)]
+        if end is None:
+            return []
+        return [times.since(end) for times in self.stores.values() if times.committed is None or times.committed > end]
 
     def drain(self) -> None:
         """Stores everything submitted, then stops the threads, raising nothing: also what the GPU
