@@ -20,12 +20,17 @@ Stages (one JSON document, rewritten after every stage, so a run cut short keeps
             DSpark) against the plain extractor and bare forward, the same batches, all warm: one more
             [T, d] state per token through the same copies. It hooks the last layer of the model as
             built (61 of the cut 27B standing in for 63: the cost does not depend on which layer);
-  fp8       --compute float8: the states' relative error per layer against bf16, then bare forward
-            (bf16 and FP8) and the FP8 extractor on disk and tmpfs.
+  fp8       extract.compute_dtype: float8: the states' relative error per layer against bf16, then bare
+            forward (bf16 and FP8) and the FP8 extractor on disk and tmpfs.
   compile   extract.compile (the target's norms and MLPs compiled) against eager on the target as
             the stages before left it (bf16, or FP8 after fp8): the states' relative error per layer,
             then a first compiled pass (recompiles for shapes warm-up did not see), and timed: bare
             eager, bare compiled, the compiled extractor on disk, bare compiled, bare eager.
+  kernels   the forward as the extraction job runs it by default (compiled; its linear layers in FP8
+            with --kernels-compute float8, or after fp8), warm, a bare pass over the first
+            --kernels-chunks chunks under torch.profiler: its kernels by kind (GEMMs, attention,
+            Gated DeltaNet, compiled elementwise, ...), the GPU's idle share, the GEMMs' TFLOP/s and
+            the ceiling they leave (bench/kernel_kinds.py): what bounds the forward.
 
 Every stage but warm-pod and compile runs the target eager, as extract.compile: false does.
 Throughput counts real (unpadded) tokens; MFU is against the H200's 989 TFLOP/s dense bf16 peak.
@@ -36,6 +41,7 @@ times: bench/extract_passes.py.
     python bench/extract.py --shape 27b --stages setup,warmup,final --out $OUT/extract-final.json
     python bench/extract.py --shape 27b --stages setup,warmup,fp8 --out $OUT/extract-fp8.json
     python bench/extract.py --shape 27b --stages setup,warmup,compile --out $OUT/extract-compile.json
+    python bench/extract.py --shape 27b --stages setup,kernels --kernels-compute float8 --out $OUT/extract-kernels-fp8.json
     python bench/extract.py --shape tiny --device cpu --samples 24 --chunk-tokens 1024 --out /tmp/x.json   # CPU check
 """
 
@@ -58,6 +64,7 @@ STARTED = time.monotonic()  # a warm pod's clock starts with its process
 
 import numpy as np
 import torch
+from torch.profiler import ProfilerActivity
 
 from dflash_jobs.capture import fp8, fusion, packing
 from dflash_jobs.capture.batching import BatchPlanner, window_samples
@@ -71,12 +78,15 @@ from dflash_jobs.spec import ExtractSpec
 from extract_passes import (bare_forward, capture, capture_errors, count_syncs, extractor, layer_errors, profile, sync,
                             varlen_attention_error, write_speed)
 from extract_shapes import DiscardingStorage, bench_device, build_target, lognormal_chunks, model_flops, write_run
+from kernel_kinds import kernel_kinds, linear_flops_per_token
 
 log = logging.getLogger("bench.extract")
 
 H200_PEAK_FLOPS = 989e12
-STAGES = ("setup", "warmup", "syncs", "bf16", "profile", "exact", "warm-pod", "final", "fp8", "compile")
-OPT_IN_STAGES = ("final", "fp8", "compile")
+PEAK_FLOPS = {"bfloat16": H200_PEAK_FLOPS, "float8": 2 * H200_PEAK_FLOPS}
+"""Dense tensor-core peaks of an H100 / H200 SXM by the GEMMs' input dtype."""
+STAGES = ("setup", "warmup", "syncs", "bf16", "profile", "exact", "warm-pod", "final", "fp8", "compile", "kernels")
+OPT_IN_STAGES = ("final", "fp8", "compile", "kernels")
 """Run only when asked; fp8 and compile change the target in place for the stages after them: run them last."""
 
 
@@ -103,6 +113,8 @@ class Bench:
     flops_per_token: float
     disk: Path
     tmpfs: Path
+    compiled: bool = False
+    """Whether a stage compiled the target's norms and MLPs (in place, for the stages after it)."""
 
     def save(self) -> None:
         self.args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -123,8 +135,9 @@ class Bench:
     def mfu(self, tokens_per_s: float) -> float:
         return round(self.flops_per_token * tokens_per_s / H200_PEAK_FLOPS, 4)
 
-    def bare(self) -> dict:
-        return bare_forward(self.target, *write_run(self.workdir / "bare", self.chunks), self.planner, self.spec.sort_window)
+    def bare(self, chunks: list[TokenChunk] | None = None) -> dict:
+        chunks = self.chunks if chunks is None else chunks
+        return bare_forward(self.target, *write_run(self.workdir / "bare", chunks), self.planner, self.spec.sort_window)
 
     def extract(self, root: Path, spec: ExtractSpec | None = None, target: CaptureTarget | None = None) -> dict:
         target, spec = self.target if target is None else target, self.spec if spec is None else spec
@@ -309,13 +322,23 @@ def eager():
     return torch.compiler.set_stance("force_eager")
 
 
+def compute_of(target: CaptureTarget) -> str:
+    return "float8" if any(isinstance(m, fp8.Float8Linear) for m in target.model.modules()) else "bfloat16"
+
+
+def compile_target(b: Bench) -> int:
+    """The target's norms and MLPs compiled in place, as extract.compile does; how many modules."""
+    b.compiled = True
+    return fusion.compile_elementwise(b.target.decoder_layers, b.target.architecture.fused_submodules)
+
+
 def compiled(b: Bench) -> dict:
     target = b.target
-    compute = "float8" if any(isinstance(m, fp8.Float8Linear) for m in target.model.modules()) else "bfloat16"
+    compute = compute_of(target)
     compile_spec = dataclasses.replace(b.spec, compute_dtype=compute, compile=True)
     with eager():
         reference = b.sample_states()
-    out: dict = {"compute": compute, "modules": fusion.compile_elementwise(target.decoder_layers, target.architecture.fused_submodules)}
+    out: dict = {"compute": compute, "modules": compile_target(b)}
     out["warmup_s"] = round(b.warm(compile_spec)[0], 1)
     out["relative_error_per_layer"] = dict(zip(map(str, target.layers), layer_errors(reference, b.sample_states())))
     b.save_partial("compile", out)
@@ -342,8 +365,34 @@ def compiled(b: Bench) -> dict:
     return out
 
 
+def kernels(b: Bench) -> dict:
+    target = b.target
+    out: dict = {}
+    if b.args.kernels_compute == "float8" and compute_of(target) == "bfloat16":
+        if b.device.type == "cuda":
+            fp8.require_fp8(b.device)
+        out["linear_layers_in_fp8"] = fp8.to_float8(target.decoder_layers, min_features=fp8.MIN_FEATURES if b.args.shape == "27b" else 16)
+        if b.device.type == "cuda":
+            torch.cuda.empty_cache()
+    out["compute"] = compute = compute_of(target)
+    if not b.compiled:
+        out["modules_compiled"] = compile_target(b)
+    out["warmup_s"] = round(b.warm(dataclasses.replace(b.spec, compute_dtype=compute, compile=True))[0], 1)
+    chunks = b.chunks[: b.args.kernels_chunks]
+    out["first_pass"] = b.bare(chunks)  # batch sizes warm-up did not see compile here, not under the profiler
+    b.save_partial("kernels", out)
+    # the device's timeline alone on a GPU: the host's ops would be a million events of overhead
+    with torch.profiler.profile(activities=[ProfilerActivity.CUDA if b.device.type == "cuda" else ProfilerActivity.CPU]) as prof:
+        out["pass"] = b.bare(chunks)
+    out["kernels"] = kernel_kinds(prof, on_gpu=b.device.type == "cuda", wall_s=out["pass"]["seconds"], tokens=out["pass"]["real_tokens"],
+                                  linear_flops=linear_flops_per_token(target.decoder_layers) * out["pass"]["padded_tokens"],
+                                  peak_flops=PEAK_FLOPS[compute])
+    out["mfu"] = b.mfu(out["pass"]["tokens_per_s"])
+    return out
+
+
 RUNS = {"setup": setup, "warmup": warmup, "syncs": syncs, "bf16": bf16, "profile": profiled, "exact": exact,
-        "warm-pod": pods, "final": final_hidden, "fp8": float8, "compile": compiled}
+        "warm-pod": pods, "final": final_hidden, "fp8": float8, "compile": compiled, "kernels": kernels}
 """Each stage's function, in STAGES' order: the order they run in."""
 
 
@@ -378,6 +427,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--memory-gib", type=float, default=96.0, help="cap on GPU memory for every stage (RTX PRO 6000: 96)")
     parser.add_argument("--workdir", type=Path, default=None, help="local disk for the store (default: a temp dir)")
     parser.add_argument("--tmpfs", type=Path, default=Path("/dev/shm/bench-extract"))
+    parser.add_argument("--kernels-compute", choices=("bfloat16", "float8"), default="bfloat16",
+                        help="the kernels stage's linear layers (float8: converted there, unless fp8 ran before)")
+    parser.add_argument("--kernels-chunks", type=int, default=2, help="chunks the kernels stage profiles a bare pass over")
     parser.add_argument("--warm-pod", action="store_true", help="(internal) run as the second pod of a node")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
