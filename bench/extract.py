@@ -385,7 +385,7 @@ def kernels(b: Bench) -> dict:
     with torch.profiler.profile(activities=[ProfilerActivity.CUDA if b.device.type == "cuda" else ProfilerActivity.CPU]) as prof:
         out["pass"] = b.bare(chunks)
     out["kernels"] = kernel_kinds(prof, on_gpu=b.device.type == "cuda", wall_s=out["pass"]["seconds"], tokens=out["pass"]["real_tokens"],
-                                  linear_flops=linear_flops_per_token(target.decoder_layers) * out["pass"]["padded_tokens"],
+                                  flops={"gemm": linear_flops_per_token(target.decoder_layers) * out["pass"]["padded_tokens"]},
                                   peak_flops=PEAK_FLOPS[compute])
     out["mfu"] = b.mfu(out["pass"]["tokens_per_s"])
     return out

@@ -4,8 +4,8 @@
 their self time on a CPU) in the first KINDS row whose pattern its name matches, and gives per kind
 the time, the share of the kernels' time and the calls; the GPU's busy time (the union of the
 kernels' intervals: overlapping streams counted once) against the pass's wall time, the rest the
-GPU idle; and, from the FLOPs of the linear layers, the rate the matrix multiplications reached
-and the ceiling the pass would have if everything but them took no time.
+GPU idle; the rate each kind reached where its FLOPs are given (the GEMMs', attention's), and the
+ceiling the pass would have if everything but the GEMMs took no time.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import re
 import torch
 
 KINDS: tuple[tuple[str, str], ...] = (
-    # inductor names its kernels triton_{poi,red,per}_fused_...: the compiled norms, gates, MLP activation, FP8 quantization
-    ("compiled_elementwise", r"^triton_"),
-    # before gemm: memory-efficient attention's kernels are CUTLASS ones (fmha_cutlassF_...)
+    # first: flex attention's kernels are inductor templates (triton_tem_fused_..._flex_attention_...), and
+    # memory-efficient attention's CUTLASS ones (fmha_cutlassF_...)
     ("attention", r"flash|fmha|attention|attn|sdpa"),
+    # inductor names its other kernels triton_{poi,red,per}_fused_...: compiled norms, gates, activations, FP8 quantization
+    ("compiled_elementwise", r"^triton_"),
     ("gemm", r"gemm|nvjet|cutlass|xmma|cublas|scaled_mm|^aten::(add|b)?mm$|^aten::linear$"),
     ("short_convolution", r"conv(1d|2d|olution)|causal_conv"),
     # flash-linear-attention's Triton kernels (fla 0.6): chunk_gated_delta_rule_fwd_kernel_h_blockdim64,
@@ -55,9 +56,9 @@ def linear_flops_per_token(layers: torch.nn.Module) -> int:
     return sum(2 * m.in_features * m.out_features for m in layers.modules() if hasattr(m, "in_features") and hasattr(m, "out_features"))
 
 
-def kernel_kinds(prof, *, on_gpu: bool, wall_s: float, tokens: int, linear_flops: float, peak_flops: float) -> dict:
-    """`prof` a finished torch.profiler.profile over one pass of `tokens` real tokens that took `wall_s`;
-    `linear_flops` the linear layers' FLOPs in it (padding included: the GEMMs compute it), `peak_flops`
+def kernel_kinds(prof, *, on_gpu: bool, wall_s: float, tokens: int, flops: dict[str, float], peak_flops: float) -> dict:
+    """`prof` a finished torch.profiler.profile over one pass of `tokens` tokens that took `wall_s`;
+    `flops` the work of some kinds in it (the GEMMs': the linear layers', padding included), `peak_flops`
     the card's dense peak for the GEMMs' dtype."""
     wanted = "CUDA" if on_gpu else "CPU"
     rows: dict[str, dict] = {}
@@ -77,6 +78,9 @@ def kernel_kinds(prof, *, on_gpu: bool, wall_s: float, tokens: int, linear_flops
         top = max(kernels[kind])
         by_kind[kind] = {"seconds": round(row["seconds"], 4), "share": round(row["seconds"] / total, 4) if total else 0.0,
                          "calls": row["calls"], "largest": {"name": top[1][:120], "seconds": round(top[0] / 1e6, 4)}}
+        if flops.get(kind) and row["seconds"]:
+            rate = flops[kind] / row["seconds"]
+            by_kind[kind].update(tflop_per_s=round(rate / 1e12, 2), of_peak=round(rate / peak_flops, 4))
     out: dict = {"wall_s": round(wall_s, 3), "kernel_s": round(total, 3), "by_kind": by_kind}
     if on_gpu:
         busy = busy_seconds([(e.time_range.start, e.time_range.end) for e in prof.events()
@@ -84,9 +88,6 @@ def kernel_kinds(prof, *, on_gpu: bool, wall_s: float, tokens: int, linear_flops
         out["busy_s"] = round(busy, 3)
         out["idle_share"] = round(1 - busy / wall_s, 4) if wall_s else 0.0
     gemm_s = rows.get("gemm", {}).get("seconds", 0.0)
-    if gemm_s:
-        rate = linear_flops / gemm_s
-        out["gemm"] = {"tflop_per_s": round(rate / 1e12, 2), "of_peak": round(rate / peak_flops, 4),
-                       # the pass's rate were every other kernel free and the GPU never idle
-                       "ceiling_tokens_per_s": round(tokens / gemm_s, 1)}
+    if gemm_s:  # the pass's rate were every other kernel free and the GPU never idle
+        out["gemm_ceiling_tokens_per_s"] = round(tokens / gemm_s, 1)
     return out

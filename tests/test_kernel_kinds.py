@@ -24,6 +24,7 @@ def kinds(monkeypatch):
     ("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128", "gemm"),
     ("aten::addmm", "gemm"),
     ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "attention"),
+    ("triton_tem_fused__to_copy__unsafe_view_flex_attention_transpose_view_6", "attention"),
     ("void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false>", "attention"),
     ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "compiled_elementwise"),
     ("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "gated_delta_net"),
@@ -55,10 +56,13 @@ def test_a_profiled_cpu_pass_gives_each_kind_its_share_and_the_gemms_their_rate(
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, torch.no_grad():
         for _ in range(5):
             model(x)
-    out = kinds.kernel_kinds(prof, on_gpu=False, wall_s=1.0, tokens=5 * tokens, linear_flops=5 * flops, peak_flops=1e12)
+    out = kinds.kernel_kinds(prof, on_gpu=False, wall_s=1.0, tokens=5 * tokens, flops={"gemm": 5 * flops}, peak_flops=1e12)
     assert "gemm" in out["by_kind"] and "elementwise" in out["by_kind"]
     assert sum(row["share"] for row in out["by_kind"].values()) == pytest.approx(1.0, abs=1e-3)
-    gemm_s = 5 * tokens / out["gemm"]["ceiling_tokens_per_s"]  # the GEMMs' seconds, unrounded
+    gemm_s = 5 * tokens / out["gemm_ceiling_tokens_per_s"]  # the GEMMs' seconds, unrounded
     assert gemm_s == pytest.approx(out["by_kind"]["gemm"]["seconds"], abs=1e-4)
-    assert out["gemm"]["tflop_per_s"] * 1e12 == pytest.approx(5 * flops / gemm_s, rel=0.01, abs=1e10)
+    gemm = out["by_kind"]["gemm"]
+    assert gemm["tflop_per_s"] * 1e12 == pytest.approx(5 * flops / gemm_s, rel=0.01, abs=1e10)
+    assert gemm["of_peak"] == pytest.approx(gemm["tflop_per_s"] * 1e12 / 1e12, abs=1e-2)
+    assert "tflop_per_s" not in out["by_kind"]["elementwise"]  # no FLOPs given for it
     assert "busy_s" not in out  # no device timeline on a CPU

@@ -39,12 +39,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernel_kinds import kernel_kinds  # noqa: E402  (bench/kernel_kinds.py)
+
 from dflash_jobs.drafter.model import DrafterConfig
 from dflash_jobs.formats import TokenChunk, encode_hidden_chunk
 from dflash_jobs.spec import default_layers, parse_spec
 from dflash_jobs.train.chunks import ChunkData
 from dflash_jobs.train.data import BatchBuilder, DocumentRef
-from dflash_jobs.train.flops import PEAK_BF16_FLOPS_BY_GPU, step_flops
+from dflash_jobs.train.flops import PEAK_BF16_FLOPS_BY_GPU, attention_flops, step_flops
 from dflash_jobs.train.metrics import NullSink
 from dflash_jobs.train.optim import build_optimizer, build_scheduler
 from dflash_jobs.train.parallelize import parallelize
@@ -206,17 +209,22 @@ def run_case(shape: str, case: Case, tokens: int, anchors: int, steps: int, warm
         result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
     if profile:
-        result["profile"] = profile_step(trainer, batches[0], device)
+        # attention's FLOPs x3 as step_flops counts them (forward, and its backward as twice the forward)
+        attention = 3 * attention_flops(config, batches[0])
+        result["profile"] = profile_step(trainer, batches[0], device, flops={"attention": attention, "gemm": flops - attention})
     return result
 
 
-def profile_step(trainer: Trainer, batch, device: torch.device, top: int = 25) -> dict:
-    """torch.profiler of one steady step: the operators that take the time, on the GPU and on the CPU."""
-    return profile_call(lambda: trainer.train_step(batch).loss.item(), device, top)
+def profile_step(trainer: Trainer, batch, device: torch.device, *, flops: dict[str, float], top: int = 25) -> dict:
+    """torch.profiler of one steady step: the operators that take the time, on the GPU and on the CPU,
+    and its kernels by kind with the rate of the GEMMs' and attention's (`flops`: theirs; the GEMMs' all
+    but attention's, the frozen head and the variant's modules included)."""
+    return profile_call(lambda: trainer.train_step(batch).loss.item(), device, top, tokens=batch.tokens, flops=flops)
 
 
-def profile_call(fn, device: torch.device, top: int = 25) -> dict:
-    """torch.profiler of one call of `fn` (warmed already): its wall time, the device's busy time, the top operators."""
+def profile_call(fn, device: torch.device, top: int = 25, *, tokens: int = 0, flops: dict[str, float] | None = None) -> dict:
+    """torch.profiler of one call of `fn` (warmed already): its wall time, the device's busy time, the top
+    operators, and its kernels by kind (bench/kernel_kinds.py; `tokens` the call's, `flops` some kinds' work)."""
     from torch.profiler import ProfilerActivity
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -235,7 +243,8 @@ def profile_call(fn, device: torch.device, top: int = 25) -> dict:
 
     device_ms = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e3
     return {"wall_ms": round(wall_ms, 1), "device_busy_ms": round(device_ms, 1), "top_device": rows("self_device_time_total"),
-            "top_cpu": rows("self_cpu_time_total")}
+            "top_cpu": rows("self_cpu_time_total"),
+            "kinds": kernel_kinds(prof, on_gpu=device.type == "cuda", wall_s=wall_ms / 1e3, tokens=tokens, flops=flops or {}, peak_flops=PEAK_BF16_FLOPS)}
 
 
 def main() -> None:

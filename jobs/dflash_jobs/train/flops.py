@@ -36,18 +36,22 @@ def visible_pairs(layout, window: int | None) -> int:
     return int((context + slot + 1).sum().item())
 
 
+def attention_flops(config: DrafterConfig, batch) -> float:
+    """The forward's attention over every layer's visible pairs (QK^T and PV: 4 * head_dim a pair and head)."""
+    return sum(
+        4 * config.head_dim * config.num_attention_heads * visible_pairs(batch.layout, config.sliding_window if kind == "sliding_attention" else None)
+        for kind in config.layer_types
+    )
+
+
 def step_flops(config: DrafterConfig, batch, variant) -> float:
     d, hd, I = config.hidden_size, config.head_dim, config.intermediate_size
     q_width, kv_width = config.num_attention_heads * hd, config.num_key_value_heads * hd
     C, Q = batch.tokens, batch.block_ids.numel()
     supervised = int((batch.loss_weights > 0).sum())
     per_layer = 2 * Q * d * q_width + 2 * 2 * (C + Q) * d * kv_width + 2 * Q * q_width * d + 3 * 2 * Q * d * I
-    attention = sum(
-        4 * hd * config.num_attention_heads * visible_pairs(batch.layout, config.sliding_window if kind == "sliding_attention" else None)
-        for kind in config.layer_types
-    )
     fc = 2 * C * config.context_features * d
-    backbone = 3 * (config.num_layers * per_layer + attention + fc) + 2 * 2 * supervised * d * config.vocab_size
+    backbone = 3 * (config.num_layers * per_layer + attention_flops(config, batch) + fc) + 2 * 2 * supervised * d * config.vocab_size
     return backbone + variant.extra_flops(config, Q, supervised)
 
 
