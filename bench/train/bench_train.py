@@ -5,15 +5,16 @@
 
 The drafter has the shape z-lab uses for Qwen3.5/3.6-27B (hidden 5120, 24/4 heads of 256, FFN
 17408, vocab 248,320, 5 captured layers) with random weights; the frozen embedding and LM head are
-random bf16 tables. A case is DOCS:CHECKPOINTING[:compile][:sliding=N][:drafter=NAME][:block=B][:layers=L]: `docs`
-documents of `tokens` tokens (10% prompt, the rest supervised) packed into one micro-batch through the real
+random bf16 tables. A case is DOCS:CHECKPOINTING[:compile][:autotune][:sliding=N][:drafter=NAME][:block=B][:layers=L]:
+`docs` documents of `tokens` tokens (10% prompt, the rest supervised) packed into one micro-batch through the real
 BatchBuilder, the drafter set up by train/parallelize.py (activation checkpointing none, mlp or
-layers; compiled layers and loss or not; the drafter variant, dflash by default, at its default
-block size or B, of the spec's default depth or L layers), then train_step timed: flex attention, the variant's objective,
+layers; compiled layers and loss or not, with inductor's max_autotune or not; the drafter variant, dflash by default,
+at its default block size or B, of the spec's default depth or L layers), then train_step timed: flex attention, the variant's objective,
 AdamW, bf16 autocast. GPU memory is capped at --memory-gib for every case (96: an RTX PRO 6000).
 Reported per case: step time (median after warm-up), context tokens/s, model TFLOP/s and MFU
 against the 989 TFLOP/s bf16 datasheet peak, peak memory; --profile adds torch.profiler's top
-operators of one steady step of that case.
+operators of one steady step of that case and its kernels by kind (bench/kernel_kinds.py). Each case
+compiles afresh (dynamo's caches emptied before it).
 
 FLOPs counted as the trainer's log counts them (jobs/dflash_jobs/train/flops.py): every matmul of
 the trainable layers x3, fc x3 on the context, attention over the visible pairs only, the frozen LM
@@ -27,6 +28,7 @@ anchors (4 documents of 4,096 tokens need over 24 GB).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import platform
@@ -99,19 +101,30 @@ class Case:
     block: int | None = None
     layers: int | None = None
     """train.draft_layers (None: the spec's default)."""
+    autotune: bool = False
+    """Compiled with inductor's max_autotune: its GEMM templates against cuBLAS, and flex attention's
+    tile sizes, warps and stages searched by timing each, where the defaults take one config a head_dim."""
 
     @classmethod
     def parse(cls, text: str) -> Case:
-        """DOCS:CHECKPOINTING[:compile][:sliding=N][:drafter=NAME][:block=B][:layers=L], e.g. 4:mlp or 4:none:compile:drafter=dspark:block=16."""
+        """DOCS:CHECKPOINTING[:compile][:autotune][:sliding=N][:drafter=NAME][:block=B][:layers=L], e.g. 4:mlp or
+        4:none:compile:drafter=dspark:block=16."""
         docs, checkpointing, *flags = text.split(":") + ([] if ":" in text else ["none"])
         values = dict(flag.split("=", 1) for flag in flags if "=" in flag)
         block, layers = values.get("block"), values.get("layers")
         return cls(int(docs), checkpointing, "compile" in flags, int(values.get("sliding", 0)), values.get("drafter", "dflash"),
-                   None if block is None else int(block), None if layers is None else int(layers))
+                   None if block is None else int(block), None if layers is None else int(layers), "autotune" in flags)
 
     def __str__(self) -> str:
-        return (f"{self.docs}:{self.checkpointing}" + (":compile" if self.compile else "") + (f":sliding={self.sliding}" if self.sliding else "")
-                + (f":drafter={self.drafter}" if self.drafter != "dflash" else "") + (f":block={self.block}" if self.block else "") + (f":layers={self.layers}" if self.layers else ""))
+        return (f"{self.docs}:{self.checkpointing}" + (":compile" if self.compile else "") + (":autotune" if self.autotune else "")
+                + (f":sliding={self.sliding}" if self.sliding else "") + (f":drafter={self.drafter}" if self.drafter != "dflash" else "")
+                + (f":block={self.block}" if self.block else "") + (f":layers={self.layers}" if self.layers else ""))
+
+    def compiling(self):
+        """The context the case compiles in: dynamo's caches emptied (a case's graphs and flex kernels are
+        its own, not an earlier case's of the same shapes), max_autotune where asked."""
+        torch._dynamo.reset()
+        return torch._inductor.config.patch(max_autotune=True) if self.autotune else contextlib.nullcontext()
 
 
 class GivenStates:
@@ -252,7 +265,7 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="27b")
     parser.add_argument("--tokens", type=int, help=f"tokens per document (default by shape: {DOCUMENT_TOKENS})")
     parser.add_argument("--cases", default="4:none,4:mlp,4:layers,4:mlp:compile,1:none",
-                        help="DOCS:CHECKPOINTING[:compile][:sliding=N][:drafter=NAME][:block=B][:layers=L], comma-separated")
+                        help="DOCS:CHECKPOINTING[:compile][:autotune][:sliding=N][:drafter=NAME][:block=B][:layers=L], comma-separated")
     parser.add_argument("--anchors", type=int, help=f"anchors per document (default by shape: {ANCHORS})")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
@@ -275,8 +288,9 @@ def main() -> None:
     for text in args.cases.split(","):
         case = Case.parse(text)
         try:
-            result = run_case(args.shape, case, args.tokens, args.anchors, args.steps, args.warmup, device,
-                              profile=str(case) == str(Case.parse(args.profile)) if args.profile else False)
+            with case.compiling():
+                result = run_case(args.shape, case, args.tokens, args.anchors, args.steps, args.warmup, device,
+                                  profile=str(case) == str(Case.parse(args.profile)) if args.profile else False)
         except torch.OutOfMemoryError as exc:
             result = {"case": str(case), "error": f"out of memory: {str(exc).splitlines()[0]}"}
         except Exception as exc:  # a case that cannot run (a compile failure) must not cost the others
