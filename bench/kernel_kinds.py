@@ -31,8 +31,9 @@ KINDS: tuple[tuple[str, str], ...] = (
 )
 """Kinds in the order their patterns are tried (case-insensitive); a kernel no pattern matches is `other`."""
 PATTERNS = tuple((kind, re.compile(pattern, re.IGNORECASE)) for kind, pattern in KINDS)
-NOT_KERNELS = ("Command Buffer Full",)
-"""CUPTI's marks on the device timeline that are no kernel (a full launch queue: the host ahead of the GPU)."""
+NOT_KERNELS = ("Command Buffer Full", "Activity Buffer Request")
+"""CUPTI's marks on the device timeline that are no kernel (a full launch queue: the host ahead of the
+GPU; the profiler's own buffer)."""
 
 
 def kind_of(name: str) -> str:
