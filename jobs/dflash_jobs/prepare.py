@@ -47,6 +47,7 @@ from dflash_jobs.errors import EXIT_BAD_SPEC, EXIT_OK, DflashError, InputError, 
 from dflash_jobs.formats import DATASET_KEY, DONE_MARKERS, TOKEN_CHUNKS, ChunkInfo, DatasetIndex, TokenChunk, token_chunk_key
 from dflash_jobs.generation import MANIFEST_KEY as GENERATION_MANIFEST_KEY
 from dflash_jobs.generation import GenerationManifest, current_manifest, generated_lines
+from dflash_jobs.pacing import Every
 from dflash_jobs.rows import (
     MISSING_FIELDS, NO_SUPERVISED_TOKENS, RETOKENIZED, TARGET_IDS, TEXT, BadRow, ChatEncoder, RenderedChat, Tokenized, batched,
     embedding_rows, json_row, load_tokenizer, open_source, parse_pretokenized,
@@ -240,7 +241,7 @@ class Preparer:
         self.storage.delete(DATASET_KEY)
         writer = ChunkWriter(self.storage, self.data.chunk_tokens)
         holdout: collections.deque[Sample] = collections.deque()
-        started = last_log = time.monotonic()
+        started, every = time.monotonic(), Every(LOG_EVERY_S)
         for batch in batches:
             for number, outcome in batch:
                 sample = self.sample(number, outcome)
@@ -250,8 +251,7 @@ class Preparer:
                 if len(holdout) > self.data.holdout:
                     writer.add(holdout.popleft())
             self.stats.rows += len(batch)
-            if time.monotonic() - last_log >= LOG_EVERY_S:
-                last_log = time.monotonic()
+            if every.due():
                 self.log_progress(started, len(writer.chunks))
         if not writer.pending and not writer.chunks:
             if self.generation is None:

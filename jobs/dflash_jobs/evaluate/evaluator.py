@@ -66,6 +66,7 @@ from dflash_jobs.evaluate.trees import PromptTrees, ReplayedBranches, VariantBra
 from dflash_jobs.evaluate.workers import Workers, share_prompts
 from dflash_jobs.capture.checkpoint import local_checkpoint
 from dflash_jobs.formats import DATASET_KEY, DatasetIndex, TokenChunk
+from dflash_jobs.pacing import Every
 from dflash_jobs.rows import prompt_length
 from dflash_jobs.static_cache import static_cache_supported
 from dflash_jobs.spec import BIGRAM, PROMPT_LOOKUP, AnchorLayout, EvalSpec, RunSpec, anchor_layout
@@ -342,12 +343,11 @@ def drafter_url(spec: RunSpec) -> str:
 def log_progress(decoded: Iterable[tuple[int, PromptResult]], total: int) -> Iterator[tuple[int, PromptResult]]:
     """`decoded` passed through, with a line every LOG_EVERY_S seconds and at the last of `total`."""
     done: list[PromptResult] = []
-    last_log = time.monotonic()
+    every = Every(LOG_EVERY_S)
     for index, result in decoded:
         yield index, result
         done.append(result)
-        if len(done) == total or time.monotonic() - last_log >= LOG_EVERY_S:
-            last_log = time.monotonic()
+        if every.due() or len(done) == total:
             log.info("prompt %d/%d: %s", len(done), total, progress_line(done))
 
 
@@ -446,7 +446,7 @@ def decode_set(spec: RunSpec, kept: KeptPrompts, references: KeptReferences, dec
     def decoded(workers: Workers) -> Iterator[tuple[int, PromptResult]]:
         here = decoder.warm((prompts[0], known.get(0)))
         workers.wait_warm()  # their kernels and captures done: none runs on the device while the timed prompts decode
-        started = last_log = time.monotonic()
+        started, every = time.monotonic(), Every(LOG_EVERY_S)
         asked: dict[int, tuple[torch.Tensor, Reference | Decodings | None]] = {}
         for index in range(timed_count):
             if index in results:
@@ -455,8 +455,7 @@ def decode_set(spec: RunSpec, kept: KeptPrompts, references: KeptReferences, dec
                 decodings, speeds = here.decode_and_time(prompts[index], known.get(index))
                 timed.append(speeds)
                 asked[index] = (prompts[index], decodings)  # their figures' other work, shared out with the rest
-            if time.monotonic() - last_log >= LOG_EVERY_S:
-                last_log = time.monotonic()
+            if every.due():
                 log.info("timed prompts: %d of %d decoded alone", len(timed), timed_count)
         if timed:
             log_timed(timed, time.monotonic() - started)

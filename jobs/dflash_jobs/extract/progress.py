@@ -8,6 +8,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from dflash_jobs.pacing import Every
 from dflash_jobs.shard import ShardSummary
 from dflash_jobs.units import format_duration
 
@@ -39,20 +40,20 @@ class Progress:
     def __init__(self, summary: Summary, *, total_tokens: int, interval: float = 10.0) -> None:
         self.summary = summary
         self.total_tokens = total_tokens
-        self.interval = interval
         self.lock = threading.Lock()
         self.forwarded_tokens = 0
         self.started = time.monotonic()
-        self.last_log = 0.0
+        self.every = Every(interval)
 
     def start(self) -> None:
-        self.started = self.last_log = time.monotonic()
+        self.started = time.monotonic()
+        self.every.restart()
 
     def batch(self, real_tokens: int, padded_tokens: int) -> None:
         with self.lock:
             self.forwarded_tokens += real_tokens
             self.summary.padded_tokens += padded_tokens
-        if time.monotonic() - self.last_log >= self.interval:
+        if self.every.due():
             self.log()
 
     def committed(self, samples: int, tokens: int, size: int) -> None:
@@ -80,5 +81,4 @@ class Progress:
                 s.shard, s.shards, s.chunks_done, pending, s.chunks_skipped, s.samples, f"{s.tokens_per_s:,.0f}",
                 100 * s.padding_waste, s.bytes / 1e9, eta,
             )
-            self.last_log = time.monotonic()
 
