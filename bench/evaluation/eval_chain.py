@@ -30,8 +30,9 @@ code-gpu times 16 of its 64), the later chain's eval.reference_cache, and eval.c
 a fresh copy of the run's output (hard links), so none reuses another's kept results, nor greedy's
 references outside the later form.
 
-Stages, each written to the JSON as it ends (matplotlib's font cache built first, untimed: the first
-report on a machine would build it): a warm-up evaluation of 2 prompts by each version, then
+Stages, each written to the JSON as it ends: each version primed, untimed (`prime`: the bytecode of
+what an evaluation imports cached, matplotlib's font list built; a machine's first evaluation would
+pay both), a warm-up evaluation of 2 prompts by each version, then
 per form `before`, `after`, `after`, `before` (`--order`: a device call that holds less takes one order,
 the next call the other with `--no-warm-up`): the seconds of main() (the target and drafter loaded,
 every prompt decoded, the report stored) and of the process, its parts by its log's times (setup,
@@ -70,6 +71,9 @@ from dflash_jobs.spec import default_layers
 from dflash_jobs.storage import open_storage
 
 from eval_loops import SHAPES
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quality"))
+from launch import caching_bytecode  # noqa: E402  (bench/quality/launch.py)
 
 RUNS = {"smollm2": {"prompts": 16, "prompt_tokens": (64, 256), "new_tokens": 48},
         "tiny": {"prompts": 8, "prompt_tokens": (16, 64), "new_tokens": 24}}
@@ -195,12 +199,40 @@ def fresh_output(run: Path, output: Path) -> None:
     shutil.copytree(run, output, copy_function=os.link, ignore=lambda directory, names: ["eval"] if Path(directory) == run else [])
 
 
-def evaluate_once(version: str, jobs: Path, spec: Path, log: Path, device: torch.device) -> dict:
-    """One evaluation by `version`'s eval step (its `jobs` tree first on PYTHONPATH), in a fresh
-    interpreter; on a CPU on one intra-op thread, as chains.ChainRunner runs a step (a second thread
-    spins while it waits on a shared machine)."""
+PRIMER = """
+import sys
+import matplotlib.pyplot
+import dflash_jobs.evaluate.__main__
+from transformers import AutoModelForCausalLM
+AutoModelForCausalLM.from_pretrained(sys.argv[1])
+"""
+"""What every evaluation imports and builds before its first prompt, without a GPU: its modules (those
+transformers imports lazily as a checkpoint needs them), matplotlib's font list."""
+
+
+def evaluation_env(jobs: Path, workdir: Path, device: torch.device) -> dict[str, str]:
+    """An evaluation's environment: `jobs` first on PYTHONPATH; bytecode cached under workdir/pycache
+    (launch.caching_bytecode: else every evaluation compiled torch's and transformers' sources); on a
+    CPU one intra-op thread, as chains.ChainRunner runs a step (a second thread spins while it waits
+    on a shared machine)."""
     paths = [str(jobs.resolve()), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1", **({"OMP_NUM_THREADS": "1"} if device.type == "cpu" else {})}
+    return {**caching_bytecode(dict(os.environ), workdir / "pycache"), "PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1",
+            **({"OMP_NUM_THREADS": "1"} if device.type == "cpu" else {})}
+
+
+def prime(jobs: Path, target: Path, workdir: Path, device: torch.device) -> float:
+    """PRIMER run once with an evaluation's environment, untimed: the bytecode of what it imports
+    cached and matplotlib's font list built, where the first evaluation on a machine would pay
+    both (the font list 2 s of the version after's 54 s in the first H100 run) and the next find them."""
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", PRIMER, str(target)], env=evaluation_env(jobs, workdir, device), check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return round(time.perf_counter() - started, 2)
+
+
+def evaluate_once(version: str, jobs: Path, spec: Path, log: Path, workdir: Path, device: torch.device) -> dict:
+    """One evaluation by `version`'s eval step (its `jobs` tree first on PYTHONPATH), in a fresh interpreter."""
+    env = evaluation_env(jobs, workdir, device)
     started = time.perf_counter()
     with log.open("w") as out:
         code = subprocess.run([sys.executable, "-c", RUNNER, str(spec)], env=env, stdout=out, stderr=subprocess.STDOUT).returncode
@@ -316,7 +348,7 @@ class Evaluations:
                if version == "after" else {})
         spec = write_spec(directory / "dflash.yaml", target=self.target, output=directory / "run", layers=self.layers, device=self.device,
                           new_tokens=self.new_tokens, prompts=prompts, processes=self.processes, form=form, own=own)
-        ran = evaluate_once(version, self.jobs[version], spec, self.logs / f"{name}.log", self.device)
+        ran = evaluate_once(version, self.jobs[version], spec, self.logs / f"{name}.log", self.workdir, self.device)
         return ran, json.loads((directory / "run" / EVAL_REPORT_KEY).read_text())
 
 
@@ -351,13 +383,6 @@ def run_form(form: str, stage: dict, evaluations: Evaluations, prompts: int, ord
     stage["repeats_alike"] = {version: all(not d["unlike"] for d in compare(*kept[:2])["decodings"].values())
                               for version, kept in reports.items() if len(kept) > 1}
     save()
-
-
-def prime_font_cache() -> None:
-    """matplotlib's list of the machine's fonts, built at its first import on a machine (2 s on the GPU
-    machine, logged as "generated new fontManager") and cached for every later process: built here,
-    untimed, where the first evaluation's report would build it and the other's find it."""
-    import matplotlib.font_manager  # noqa: F401  (importing it builds and caches the list)
 
 
 def main() -> int:
@@ -399,7 +424,8 @@ def main() -> int:
     def save() -> None:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
-    prime_font_cache()
+    result["primed_seconds"] = {version: prime(jobs, target, workdir, device) for version, jobs in evaluations.jobs.items()}
+    save()
     for version in ("before", "after") if args.warm_up else ():
         result["warm_up"][version] = evaluations.evaluate(f"warm-up-{version}", version, form=args.forms[0], prompts=WARM_UP_PROMPTS)[0]
         save()

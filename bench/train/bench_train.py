@@ -8,7 +8,7 @@ The drafter has the shape z-lab uses for Qwen3.5/3.6-27B (hidden 5120, 24/4 head
 random bf16 tables. A case is DOCS:CHECKPOINTING[:compile][:autotune][:sliding=N][:drafter=NAME][:block=B][:layers=L]:
 `docs` documents of `tokens` tokens (10% prompt, the rest supervised) packed into one micro-batch through the real
 BatchBuilder, the drafter set up by train/parallelize.py (activation checkpointing none, mlp or
-layers; compiled layers and loss or not, with inductor's max_autotune or not; the drafter variant, dflash by default,
+layers; compiled layers and loss or not, flex attention autotuned or not; the drafter variant, dflash by default,
 at its default block size or B, of the spec's default depth or L layers), then train_step timed: flex attention, the variant's objective,
 AdamW, bf16 autocast. GPU memory is capped at --memory-gib for every case (96: an RTX PRO 6000).
 Reported per case: step time (median after warm-up), context tokens/s, model TFLOP/s and MFU
@@ -102,8 +102,10 @@ class Case:
     layers: int | None = None
     """train.draft_layers (None: the spec's default)."""
     autotune: bool = False
-    """Compiled with inductor's max_autotune: its GEMM templates against cuBLAS, and flex attention's
-    tile sizes, warps and stages searched by timing each, where the defaults take one config a head_dim."""
+    """Compiled with inductor's max_autotune for flex attention: its tile sizes, warps and stages searched
+    by timing each, where the defaults take one config a head_dim. The GEMMs stay cuBLAS's (the only
+    backend left to them): timing inductor's GEMM templates against it took the whole of a 280 s call
+    on an H100 at 9 s a shape, each template at 42-43% of cuBLAS's speed (train-kinds-h100.log)."""
 
     @classmethod
     def parse(cls, text: str) -> Case:
@@ -124,7 +126,8 @@ class Case:
         """The context the case compiles in: dynamo's caches emptied (a case's graphs and flex kernels are
         its own, not an earlier case's of the same shapes), max_autotune where asked."""
         torch._dynamo.reset()
-        return torch._inductor.config.patch(max_autotune=True) if self.autotune else contextlib.nullcontext()
+        return (torch._inductor.config.patch(max_autotune=True, max_autotune_gemm_backends="ATEN") if self.autotune
+                else contextlib.nullcontext())
 
 
 class GivenStates:
