@@ -33,6 +33,13 @@ PRELOADED = (
 
 _context: multiprocessing.context.ForkServerContext | None = None
 
+_reading_exit_codes = threading.Lock()
+"""A forked step's exit code is one message on a pipe, and Process.start() polls every earlier child
+(multiprocessing's _cleanup) from whichever thread starts a step: a poll there and a join here could
+both read a step's pipe, one got the code and the other EOF, which multiprocessing reports as exit
+255 (one prepare in three of the tiny size's runs, each of them exiting 0). Starts and the reads
+after a step ended take turns; the blocking wait happens outside."""
+
 
 def caching_bytecode(env: dict[str, str], directory: Path) -> dict[str, str]:
     """`env` with Python's bytecode written and read under `directory` (PYTHONPYCACHEPREFIX, unless set),
@@ -42,13 +49,6 @@ def caching_bytecode(env: dict[str, str], directory: Path) -> dict[str, str]:
     (bench/results/spy-eval-after-16-h100-summary.json), where an image's pip install compiles them once."""
     inherited = {name: value for name, value in env.items() if name != "PYTHONDONTWRITEBYTECODE"}
     return {"PYTHONPYCACHEPREFIX": str(directory), **inherited}
-
-_reading_exit_codes = threading.Lock()
-"""A forked step's exit code is one message on a pipe, and Process.start() polls every earlier child
-(multiprocessing's _cleanup) from whichever thread starts a step: a poll there and a join here could
-both read a step's pipe, one got the code and the other EOF, which multiprocessing reports as exit
-255 (one prepare in three of the tiny size's runs, each of them exiting 0). Starts and the reads
-after a step ended take turns; the blocking wait happens outside."""
 
 
 def _server() -> multiprocessing.context.ForkServerContext:
