@@ -225,8 +225,10 @@ def prime(jobs: Path, target: Path, workdir: Path, device: torch.device) -> floa
     cached and matplotlib's font list built, where the first evaluation on a machine would pay
     both (the font list 2 s of the version after's 54 s in the first H100 run) and the next find them."""
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-c", PRIMER, str(target)], env=evaluation_env(jobs, workdir, device), check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    primed = subprocess.run([sys.executable, "-c", PRIMER, str(target)], env=evaluation_env(jobs, workdir, device),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if primed.returncode:
+        raise RuntimeError(f"priming the evaluations of {jobs} failed (exit {primed.returncode}):\n{primed.stderr[-3000:]}")
     return round(time.perf_counter() - started, 2)
 
 
