@@ -289,6 +289,15 @@ def final_hidden(b: Bench) -> dict:
     return out
 
 
+def convert_to_fp8(b: Bench) -> int:
+    """The target's linear layers in FP8, in place, as extract.compute_dtype: float8 makes them (the tiny
+    shape's narrow ones too, or none would be), their bf16 weights' memory given back; how many."""
+    converted = fp8.to_float8(b.target.decoder_layers, min_features=fp8.MIN_FEATURES if b.args.shape == "27b" else 16)
+    if b.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return converted
+
+
 def float8(b: Bench) -> dict:
     target = b.target
     if b.device.type == "cuda":
@@ -298,10 +307,8 @@ def float8(b: Bench) -> dict:
     out["bare_bf16"] = b.bare()
     b.save_partial("fp8", out)
     converted = time.perf_counter()
-    out["linear_layers_in_fp8"] = fp8.to_float8(target.decoder_layers, min_features=fp8.MIN_FEATURES if b.args.shape == "27b" else 16)
+    out["linear_layers_in_fp8"] = convert_to_fp8(b)
     out["convert_s"] = round(time.perf_counter() - converted, 1)
-    if b.device.type == "cuda":
-        torch.cuda.empty_cache()
     out["weights_gib"] = round(sum(t.numel() * t.element_size() for t in [*target.model.parameters(), *target.model.buffers()]) / 2**30, 2)
     out["relative_error_per_layer"] = dict(zip(map(str, target.layers), layer_errors(reference, b.sample_states())))
     b.save_partial("fp8", out)
@@ -371,9 +378,7 @@ def kernels(b: Bench) -> dict:
     if b.args.kernels_compute == "float8" and compute_of(target) == "bfloat16":
         if b.device.type == "cuda":
             fp8.require_fp8(b.device)
-        out["linear_layers_in_fp8"] = fp8.to_float8(target.decoder_layers, min_features=fp8.MIN_FEATURES if b.args.shape == "27b" else 16)
-        if b.device.type == "cuda":
-            torch.cuda.empty_cache()
+        out["linear_layers_in_fp8"] = convert_to_fp8(b)
     out["compute"] = compute = compute_of(target)
     if not b.compiled:
         out["modules_compiled"] = compile_target(b)
