@@ -204,7 +204,7 @@ def test_a_cut_runs_figures_come_from_the_prompts_every_chain_decoded(quality, t
     for chain, records in decoded.items():
         (tmp_path / chain).mkdir()
         (tmp_path / chain / "train-0.log").write_text(
-            "2026-12-06 18:58:49,082 rank0 INFO step 10/20 epoch 0 | loss 2.9 acc@1 0.7 tau 3.16 | lr 5e-04 | 77026 tok/s, 40.8 TFLOP/s, MFU 4.1% | eta 1m\n")
+            "2026-12-06 18:58:49,082 rank0 INFO step 10/20 epoch 0 | loss 2.9 acc@1 0.7 tau 3.16 | lr 5e-04 | 77026 tok/s, 40.8 TFLOP/s, MFU 4.1%, waiting for data 3% | eta 1m\n")
         kept = tmp_path / chain / "run" / "eval" / "prompts" / "0123456789abcdef"
         kept.mkdir(parents=True)
         for index, accepted in records.items():

@@ -249,6 +249,7 @@ def test_killed_and_restarted_it_ends_with_the_weights_of_an_uninterrupted_run(r
     # bounds every logit near +-1.3 after the final norm, so the loss cannot fall far from ln(1024).
     assert records[-1]["loss"] < records[0]["loss"] - 0.2
     assert records[-1]["accuracy"][1] > records[0]["accuracy"][1] + 0.05
+    assert all(0.0 <= record["data_wait"] < 1.0 for record in records)  # the loop's wait for its batches, a share of each window
     assert (uninterrupted / PLOT_KEY).read_bytes()[:4] == b"\x89PNG"
 
     killed = copy_extract(extract, tmp_path / "killed")

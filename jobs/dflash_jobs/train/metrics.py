@@ -36,7 +36,7 @@ class NullSink:
 
 class ConsoleSink:
     """One line per interval: step, loss, the first draft's accuracy and the acceptance, a variant's own
-    figures (`extra`), throughput, ETA. `first_draft`: the slot of the first drafted token (1 when slot
+    figures (`extra`), throughput (with the share of the interval the loop waited for its batches), ETA. `first_draft`: the slot of the first drafted token (1 when slot
     0 is the anchor; 0 for a drafter whose anchor is a prediction slot, DSpark)."""
 
     def __init__(self, extra: tuple[str, ...] = (), *, first_draft: int = 1) -> None:
@@ -44,12 +44,14 @@ class ConsoleSink:
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         own = "".join(f" {name} {metrics[name]:.4g}" for name in self.extra)
-        mfu = "" if metrics.get("mfu") is None else f", MFU {metrics['mfu']:.1%}"
+        rates = "" if metrics.get("mfu") is None else f", MFU {metrics['mfu']:.1%}"
+        if metrics.get("data_wait") is not None:  # the loader starving the loop shows here, not as a slow GPU
+            rates += f", waiting for data {metrics['data_wait']:.0%}"
         log.info(
             "step %d/%d epoch %d | loss %.4f acc@1 %.3f tau %.2f%s | lr %.2e | %.0f tok/s, %.1f TFLOP/s%s | eta %s",
             step, metrics["total_steps"], metrics["epoch"], metrics["loss"], metrics["accuracy"][self.first_draft],
             metrics["acceptance_length"], f" |{own}" if own else "", metrics["lr"], metrics["tokens_per_s"],
-            metrics.get("tflop_per_s", 0.0), mfu, format_duration(metrics.get("eta_s")),
+            metrics.get("tflop_per_s", 0.0), rates, format_duration(metrics.get("eta_s")),
         )
 
     def close(self) -> None:

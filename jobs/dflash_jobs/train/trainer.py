@@ -146,7 +146,8 @@ class MetricsWindow:
             self.sums[5 + 2 * B + 2 * i] += numerator.detach().double()
             self.sums[6 + 2 * B + 2 * i] += denominator.detach().double()
 
-    def read(self) -> dict[str, Any]:
+    def read(self, waited_s: float = 0.0) -> dict[str, Any]:
+        """The window's figures; waited_s: the seconds of it the loop waited for its batches (data_wait, a share)."""
         if dist.is_initialized():
             dist.all_reduce(self.sums)
         sums = self.sums.tolist()
@@ -162,6 +163,7 @@ class MetricsWindow:
             "tflop_per_s": self.flops / elapsed / 1e12,
             "mfu": None if self.peak is None else self.flops / elapsed / self.peak,
             "blocks": int(sums[3]),
+            "data_wait": waited_s / elapsed,
             **{name: pairs[2 * i] / pairs[2 * i + 1] if pairs[2 * i + 1] else math.nan for i, name in enumerate(self.ratios)},
         }
 
@@ -271,6 +273,7 @@ class Trainer:
     def train(self) -> None:
         start_step, started = self.state.step, time.monotonic()
         saved = self.state.step
+        waited = self.stream.wait_s  # the loader's share of each log window: what it starved the loop of
         with Heartbeat(total_steps=self.total_steps, step=start_step, stall_seconds=self.spec.train.stall_seconds) as heartbeat:
             for epoch, step_in_epoch, batch in self.stream:
                 self.state.step += 1
@@ -282,7 +285,8 @@ class Trainer:
                 heartbeat.stepped(step)
                 if should_log(step, self.log_every) or step == self.total_steps:
                     self.states.check()
-                    metrics = self.window.read()
+                    metrics = self.window.read(waited_s=self.stream.wait_s - waited)
+                    waited = self.stream.wait_s
                     rate = (time.monotonic() - started) / (step - start_step)
                     metrics.update(epoch=epoch, total_steps=self.total_steps, lr=self.scheduler.get_last_lr()[0], eta_s=int(rate * (self.total_steps - step)))
                     self.sink.log(metrics, step)
