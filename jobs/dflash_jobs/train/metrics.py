@@ -36,8 +36,9 @@ class NullSink:
 
 class ConsoleSink:
     """One line per interval: step, loss, the first draft's accuracy and the acceptance, a variant's own
-    figures (`extra`), throughput (with the share of the interval the loop waited for its batches), ETA. `first_draft`: the slot of the first drafted token (1 when slot
-    0 is the anchor; 0 for a drafter whose anchor is a prediction slot, DSpark)."""
+    figures (`extra`), throughput (with the share of the interval the loop waited for its batches), ETA.
+    `first_draft`: the slot of the first drafted token (1 when slot 0 is the anchor; 0 for a drafter
+    whose anchor is a prediction slot, DSpark)."""
 
     def __init__(self, extra: tuple[str, ...] = (), *, first_draft: int = 1) -> None:
         self.extra, self.first_draft = extra, first_draft
