@@ -1,7 +1,8 @@
 """bench/evaluation/sdpa_shapes.py: its attention calls are the evaluation's layouts (a prompt's causal
 prefill over its window, the drafter's blocks against a document), a padded call differs from the
 unpadded one only by rows or columns no real query reads, and a CPU run writes every layout's
-timings and agreement, a backend the device lacks reported as refused."""
+timings and agreement (a backend the device lacks reported as refused) and the linear layers'
+padded rows against the unpadded ones."""
 
 from __future__ import annotations
 
@@ -68,6 +69,9 @@ def test_a_cpu_run_times_and_compares_every_layout_and_says_which_backend_it_lac
         assert set(layout["agreement"]) == {"default", "MATH"}
         assert layout["agreement"]["default"]["equal_to_default"] == 2  # the default against itself: bitwise
         assert layout["agreement"]["MATH"]["max_diff_to_default"] < 1e-4
+    assert set(result["gemms"]) == set(sdpa_shapes.GEMMS)
+    for gemm in result["gemms"].values():
+        assert gemm["lengths"] == 2 and 0 <= gemm["padded_equal"] <= 2 and gemm["padded_max_diff"] < 1e-4
 
 
 def test_an_unknown_backend_or_layout_is_refused_by_name(sdpa_shapes, tmp_path, monkeypatch, capsys):

@@ -24,7 +24,9 @@ backend's output against the default's (bitwise, and the largest difference), an
 output where the call is padded at its end (a prefill's query rows to the window, masked as later
 positions are; the drafter's key columns to a multiple of 64, seen by no query) against its own
 unpadded output: a shape that repeats without changing a real row's value is what would let the
-evaluation pay for a new shape once a bucket. The JSON is written after every layout.
+evaluation pay for a new shape once a bucket. Padding a whole forward pads its linear layers' rows too:
+last, SmolLM2's linear layers at a prompt's rows against the same rows padded to the window, bitwise
+(`gemms`). The JSON is written after every layout.
 """
 
 from __future__ import annotations
@@ -162,6 +164,30 @@ def agreement(layout: str, backends: list[str], count: int, *, device: torch.dev
     return found
 
 
+GEMMS = {"q_o": (576, 576), "k_v": (576, 192), "mlp_up": (576, 1536), "mlp_down": (1536, 576), "lm_head": (576, 49152)}
+"""SmolLM2's linear layers (in, out features): a forward padded to the window runs every one at more rows."""
+
+
+def padded_gemms(count: int, *, device: torch.device, dtype: torch.dtype, next_length) -> dict:
+    """Per linear layer of GEMMS, over `count` lengths: its rows of a prompt's forward padded to the window
+    (more rows in the same call) against the unpadded call's, bitwise: the other half of padding a
+    whole forward (the attention's half is `agreement`)."""
+    found = {}
+    generator = torch.Generator().manual_seed(7)
+    for name, (features, out_features) in GEMMS.items():
+        weight = (torch.randn(out_features, features, generator=generator) * 0.02).to(device, dtype)
+        tally = {"lengths": 0, "padded_equal": 0, "padded_max_diff": 0.0}
+        for _ in range(count):
+            length = next_length()
+            rows = torch.randn(aligned(length), features, generator=generator).to(device, dtype)
+            out, padded = F.linear(rows[:length], weight), F.linear(rows, weight)[:length]
+            tally["lengths"] += 1
+            tally["padded_equal"] += int(torch.equal(out, padded))
+            tally["padded_max_diff"] = max(tally["padded_max_diff"], (out.float() - padded.float()).abs().max().item())
+        found[name] = tally
+    return found
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -198,7 +224,9 @@ def main() -> int:
             "agreement": agreement(layout, usable, options.lengths, device=device, dtype=dtype, next_length=lambda: next(lengths)),
         }
         options.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result["layouts"], indent=2))
+    result["gemms"] = padded_gemms(options.lengths, device=device, dtype=dtype, next_length=lambda: next(lengths))
+    options.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({key: result[key] for key in ("layouts", "gemms")}, indent=2))
     return 0
 
 
