@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sysconfig
 from dataclasses import replace
 from pathlib import Path
@@ -221,3 +222,16 @@ def test_a_cut_runs_figures_come_from_the_prompts_every_chain_decoded(quality, t
     assert figures["training"]["small"] == {"step": 10, "steps": 20, "training_tau": 3.16, "tokens_per_s": 77026, "tflop_per_s": 40.8,
                                             "mfu_percent": 4.1}
     assert set(figures["differences"]) == {"small - large"} and figures["differences"]["small - large"]["verdict"] == "not decided"
+
+
+def test_a_steps_interpreter_caches_its_bytecode_under_the_workdir_and_takes_one_thread_on_a_cpu(quality, tmp_path, monkeypatch):
+    launch = quality("launch")
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    cpu = launch.step_env(tmp_path, cpu=True)
+    assert "PYTHONDONTWRITEBYTECODE" not in cpu and cpu["PYTHONPYCACHEPREFIX"] == str(tmp_path / "pycache")
+    assert cpu["OMP_NUM_THREADS"] == "1" and cpu["PYTHONUNBUFFERED"] == "1" and cpu["PATH"] == os.environ["PATH"]
+    monkeypatch.setenv("PYTHONPYCACHEPREFIX", "/elsewhere")  # a prefix the caller set is kept
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    gpu = launch.step_env(tmp_path, cpu=False)
+    assert gpu["PYTHONPYCACHEPREFIX"] == "/elsewhere" and "OMP_NUM_THREADS" not in gpu

@@ -73,7 +73,7 @@ from dflash_jobs.storage import open_storage
 from eval_loops import SHAPES
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quality"))
-from launch import caching_bytecode  # noqa: E402  (bench/quality/launch.py)
+from launch import step_env  # noqa: E402  (bench/quality/launch.py)
 
 RUNS = {"smollm2": {"prompts": 16, "prompt_tokens": (64, 256), "new_tokens": 48},
         "tiny": {"prompts": 8, "prompt_tokens": (16, 64), "new_tokens": 24}}
@@ -211,13 +211,10 @@ transformers imports lazily as a checkpoint needs them), matplotlib's font list.
 
 
 def evaluation_env(jobs: Path, workdir: Path, device: torch.device) -> dict[str, str]:
-    """An evaluation's environment: `jobs` first on PYTHONPATH; bytecode cached under workdir/pycache
-    (launch.caching_bytecode: else every evaluation compiled torch's and transformers' sources); on a
-    CPU one intra-op thread, as chains.ChainRunner runs a step (a second thread spins while it waits
-    on a shared machine)."""
+    """An evaluation's environment: a quality benchmark step's (launch.step_env: bytecode cached under
+    workdir/pycache, one intra-op thread on a CPU), `jobs` first on PYTHONPATH."""
     paths = [str(jobs.resolve()), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    return {**caching_bytecode(dict(os.environ), workdir / "pycache"), "PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1",
-            **({"OMP_NUM_THREADS": "1"} if device.type == "cpu" else {})}
+    return {**step_env(workdir, cpu=device.type == "cpu"), "PYTHONPATH": os.pathsep.join(paths)}
 
 
 def prime(jobs: Path, target: Path, workdir: Path, device: torch.device) -> float:

@@ -43,16 +43,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from dflash_jobs.drafter.speculative import synchronize
+from dflash_jobs.static_cache import aligned  # the static cache's window: a multiple of CACHE_ALIGN columns
+
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M's attention
 BLOCK, NEW_TOKENS = 16, 48  # the evaluation's verify block and answer length
-ALIGN = 64  # the static cache's window (dflash_jobs.static_cache.CACHE_ALIGN)
 BACKENDS = ("default", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "FLASH_ATTENTION", "MATH")
 LAYOUTS = ("prefill", "simulate")
 FIRST_LENGTH = 48  # the shortest prompt the lengths start from
-
-
-def aligned(length: int) -> int:
-    return -(-length // ALIGN) * ALIGN
 
 
 def prefill_call(length: int, padded: bool, *, device: torch.device, dtype: torch.dtype, seed: int) -> tuple[tuple, dict]:
@@ -91,11 +89,6 @@ def attend(backend: str, args: tuple, kwargs: dict) -> torch.Tensor:
         return F.scaled_dot_product_attention(*args, **kwargs)
     with sdpa_kernel(getattr(SDPBackend, backend)):
         return F.scaled_dot_product_attention(*args, **kwargs)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def timed(device: torch.device, call) -> tuple[float, torch.Tensor]:

@@ -186,8 +186,7 @@ class ChainRunner:
         spins while it waits, slowing a step many times over). `online`: train.states is online,
         so nothing is extracted or verified (the trainer runs the target)."""
         self.spec, self.workdir, self.gpu, self.online = spec, workdir, gpu, online
-        self.env = {**launch.caching_bytecode(dict(os.environ), workdir / "pycache"), "DFLASH_CACHE_DIR": str(workdir / "cache"),
-                    "PYTHONUNBUFFERED": "1", **({} if gpu else {"OMP_NUM_THREADS": "1"})}
+        self.env = {**launch.step_env(workdir, cpu=not gpu), "DFLASH_CACHE_DIR": str(workdir / "cache")}
         self.seconds: dict[str, float] = {}
 
     def step(self, name: str, *commands: list[str], extra_env: dict[str, str] | None = None) -> None:

@@ -41,14 +41,17 @@ both read a step's pipe, one got the code and the other EOF, which multiprocessi
 after a step ended take turns; the blocking wait happens outside."""
 
 
-def caching_bytecode(env: dict[str, str], directory: Path) -> dict[str, str]:
-    """`env` with Python's bytecode written and read under `directory` (PYTHONPYCACHEPREFIX, unless set),
-    PYTHONDONTWRITEBYTECODE dropped. These machines set it and their sites hold no .pyc (the GPU
+def step_env(workdir: Path, *, cpu: bool) -> dict[str, str]:
+    """The environment a step's interpreter starts in: this process's, its output unbuffered (the log as
+    it runs); Python's bytecode written and read under workdir/pycache (PYTHONPYCACHEPREFIX, unless set)
+    with PYTHONDONTWRITEBYTECODE dropped: these machines set it and their sites hold no .pyc (the GPU
     machine's torch, the wheels installed there with --no-compile), so every fresh interpreter compiled
-    torch's and transformers' sources: 8.4 of an evaluation's 27 s on an H100
-    (bench/results/spy-eval-after-16-h100-summary.json), where an image's pip install compiles them once."""
-    inherited = {name: value for name, value in env.items() if name != "PYTHONDONTWRITEBYTECODE"}
-    return {"PYTHONPYCACHEPREFIX": str(directory), **inherited}
+    torch's and transformers' sources, 8.4 of an evaluation's 27 s on an H100
+    (bench/results/spy-eval-after-16-h100-summary.json), where an image's pip install compiles them once;
+    on a CPU one intra-op thread (the matrices are tiny, and on a shared machine a second thread spins
+    while it waits, slowing a step many times over)."""
+    inherited = {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
+    return {"PYTHONPYCACHEPREFIX": str(workdir / "pycache"), **inherited, "PYTHONUNBUFFERED": "1", **({"OMP_NUM_THREADS": "1"} if cpu else {})}
 
 
 def _server() -> multiprocessing.context.ForkServerContext:
